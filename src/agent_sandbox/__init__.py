@@ -1,0 +1,77 @@
+"""agent-sandbox: isolated, stateful, resource-limited sandboxes for code AI agents write.
+
+>>> from agent_sandbox import Sandbox
+>>> with Sandbox.create(memory_mb=256, timeout_s=5) as sb:   # doctest: +SKIP
+...     sb.run_code("x = 41")
+...     sb.run_code("x + 1").text
+'42'
+"""
+
+from agent_sandbox.config import Settings, get_settings
+from agent_sandbox.errors import (
+    BackendUnavailable,
+    ConfigError,
+    GuestError,
+    PathOutsideWorkspace,
+    SandboxDiskFull,
+    SandboxError,
+    SandboxFileError,
+    SandboxFileExists,
+    SandboxFileNotFound,
+    SandboxIsADirectory,
+    SandboxNotADirectory,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SandboxPermissionError,
+    SandboxStartError,
+)
+from agent_sandbox.manager import SandboxManager
+from agent_sandbox.models import (
+    ArtifactInfo,
+    ExecError,
+    ExecResult,
+    FileInfo,
+    KillReason,
+    ResolvedLimits,
+    ResourceUsage,
+    SandboxInfo,
+    SandboxLimits,
+    SandboxStatus,
+)
+from agent_sandbox.sandbox import AsyncSandbox, Sandbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArtifactInfo",
+    "AsyncSandbox",
+    "BackendUnavailable",
+    "ConfigError",
+    "ExecError",
+    "ExecResult",
+    "FileInfo",
+    "GuestError",
+    "KillReason",
+    "PathOutsideWorkspace",
+    "ResolvedLimits",
+    "ResourceUsage",
+    "Sandbox",
+    "SandboxDiskFull",
+    "SandboxError",
+    "SandboxFileError",
+    "SandboxFileExists",
+    "SandboxFileNotFound",
+    "SandboxInfo",
+    "SandboxIsADirectory",
+    "SandboxLimits",
+    "SandboxManager",
+    "SandboxNotADirectory",
+    "SandboxNotFound",
+    "SandboxNotRunning",
+    "SandboxPermissionError",
+    "SandboxStartError",
+    "SandboxStatus",
+    "Settings",
+    "__version__",
+    "get_settings",
+]

@@ -1,0 +1,106 @@
+"""The backend contract: how to start, talk to, measure and destroy one isolated guest.
+
+A backend knows nothing of TTLs, owners, pools or persistence; that is the manager's job.
+Every backend runs the same guest agent (``agent_sandbox/guest/agent.py``) and hands back its
+stdio as a :class:`GuestProcess`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
+
+from agent_sandbox.models import ResolvedLimits, ResourceUsage
+
+STDERR_TAIL_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class GuestSpec:
+    """What the manager asks a backend for."""
+
+    sandbox_id: str
+    limits: ResolvedLimits
+    network: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class GuestProcess:
+    """A running guest reached through a local subprocess's stdio (bwrap, docker exec, ...)."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self.reader: asyncio.StreamReader = process.stdout
+        self.writer: asyncio.StreamWriter = process.stdin
+        self._stderr_tail = bytearray()
+        self._stderr_task = (
+            asyncio.create_task(self._collect_stderr(process.stderr))
+            if process.stderr is not None
+            else None
+        )
+
+    async def _collect_stderr(self, stream: asyncio.StreamReader) -> None:
+        # Kept small: this is for "why did the sandbox fail to start" messages only.
+        while chunk := await stream.read(4096):
+            self._stderr_tail += chunk
+            del self._stderr_tail[:-STDERR_TAIL_BYTES]
+
+    def stderr_tail(self) -> str:
+        return self._stderr_tail.decode("utf-8", "replace").strip()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+
+    async def wait(self) -> int:
+        code = await self.process.wait()
+        if self._stderr_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._stderr_task, 1.0)
+        return code
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The few verbs every isolation backend implements."""
+
+    name: ClassVar[str]
+
+    async def start(self, spec: GuestSpec) -> GuestProcess:
+        """Provision the sandbox if new, end any previous guest of it, start a fresh guest.
+
+        The workspace survives a restart of the guest; only a :meth:`stop` removes it.
+
+        Raises:
+            BackendUnavailable: this host cannot run the backend.
+            SandboxStartError: the guest could not be started.
+        """
+        ...
+
+    async def stop(self, sandbox_id: str) -> None:
+        """Kill every process of the sandbox and remove all it had (idempotent)."""
+        ...
+
+    async def usage(self, sandbox_id: str) -> ResourceUsage:
+        """Current resource use and limit hits (OOM kills, pids-limit hits) so far."""
+        ...
+
+    async def sweep(self, keep: Collection[str]) -> list[str]:
+        """Remove every sandbox of this backend instance not in ``keep``; return their ids."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the backend holds itself (not the sandboxes)."""
+        ...

@@ -1,0 +1,331 @@
+"""The embedded default backend: bubblewrap + one cgroup + seccomp + a loop-mounted workspace.
+
+Each sandbox gets:
+- its own host uid (never root): bwrap is started *unprivileged* as that uid, so even an
+  escape from every namespace lands in an account that owns nothing but its own workspace;
+- user, pid, mount, net, ipc, uts and cgroup namespaces (``--unshare-all``), with user
+  namespaces then disabled inside (``--disable-userns``) and the root remounted read-only;
+- a seccomp filter (:mod:`agent_sandbox.backends.seccomp`);
+- a cgroup with memory (+swap), pids and CPU limits (:mod:`agent_sandbox.backends.cgroups`);
+- a workspace that is an ext4 image of the requested size (:mod:`agent_sandbox.backends.disk`).
+
+The flag set is the one DESIGN.md lists as having passed every probe here; ``--unshare-all``
+alone, run as root, was escapable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import shutil
+import stat
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import structlog
+
+from agent_sandbox.backends.base import GuestProcess, GuestSpec
+from agent_sandbox.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
+from agent_sandbox.backends.disk import create_loop_disk, loop_disks_available, mounted_below, unmount
+from agent_sandbox.backends.seccomp import build_filter
+from agent_sandbox.backends.uids import UidAllocator
+from agent_sandbox.config import Settings
+from agent_sandbox.errors import BackendUnavailable, SandboxStartError
+from agent_sandbox.guest import GUEST_SCRIPT
+from agent_sandbox.models import ResourceUsage
+
+log = structlog.get_logger(__name__)
+
+SANDBOX_UID = 65534  # "nobody" inside; the host uid behind it differs per sandbox
+GUEST_PATH_INSIDE = "/opt/agent-sandbox/agent.py"
+GUEST_PYTHON = "/usr/bin/python3"
+UID_LOCK_DIR = Path("/run/agent-sandbox/uids")
+HOST_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+ETC_BINDS = (
+    "/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime", "/etc/python3",
+    "/etc/python3.11", "/etc/ssl", "/etc/ca-certificates", "/etc/mime.types",
+)
+ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
+# Written to by root before the switch to the sandbox uid, so the process (and everything it
+# will ever fork) is inside the cgroup before a single instruction of sandbox code runs.
+PLACE_IN_CGROUP = 'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+READY_TIMEOUT_S = 15.0
+
+
+@dataclass
+class _Box:
+    sandbox_id: str
+    root: Path
+    workspace: Path
+    uid: int
+    uid_lock_fd: int
+    cgroup: Cgroup
+    disk_capped: bool
+    guest: GuestProcess | None = None
+
+
+def _traversable_by_others(path: Path) -> Path | None:
+    """The first ancestor of ``path`` that other uids cannot enter, if any."""
+    for parent in [path, *path.parents]:
+        with contextlib.suppress(FileNotFoundError):
+            if not parent.stat().st_mode & stat.S_IXOTH:
+                return parent
+    return None
+
+
+class BubblewrapBackend:
+    name: ClassVar[str] = "bubblewrap"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.data_dir = settings.data_dir.resolve()
+        self.instance = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:12]
+        self.sandboxes_dir = self.data_dir / "sandboxes"
+        self._boxes: dict[str, _Box] = {}
+        self._checked = False
+        self._cgroups: CgroupDriver | None = None
+        self._uids: UidAllocator | None = None
+        self._loop_ok = False
+        self._guest = self.data_dir / "guest" / "agent.py"
+        self._etc = self.data_dir / "rootfs" / "etc"
+
+    # -- set-up
+
+    def _check(self) -> None:
+        if self._checked:
+            return
+        if os.geteuid() != 0:
+            raise BackendUnavailable(
+                "the bubblewrap backend runs as root (it makes cgroups and gives every sandbox "
+                "its own unprivileged uid); run as root, or choose another backend with "
+                "SANDBOX_BACKEND"
+            )
+        for tool in ("bwrap", "setpriv"):
+            if shutil.which(tool) is None:
+                raise BackendUnavailable(
+                    f"`{tool}` is not installed: apt-get install -y bubblewrap util-linux"
+                )
+        self._cgroups = CgroupDriver.detect()
+        build_filter(False)  # fail now, with a clear message, if libseccomp is missing
+        self._loop_ok, why = loop_disks_available()
+        if not self._loop_ok:
+            log.warning("disk cap not enforced", reason=why)
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.data_dir, self.sandboxes_dir):
+            d.chmod(0o711)
+        blocked = _traversable_by_others(self.sandboxes_dir)
+        if blocked is not None:
+            raise BackendUnavailable(
+                f"{blocked} is not searchable by other users, so sandbox uids cannot reach "
+                f"their workspace under {self.sandboxes_dir}; set AGENT_SANDBOX_DATA_DIR to a "
+                "directory whose parents are mode o+x (such as /var/lib/agent-sandbox)"
+            )
+        self._install_guest_files()
+        lock_dir = UID_LOCK_DIR if Path("/run").is_dir() else self.data_dir / "uids"
+        self._uids = UidAllocator(lock_dir, self.settings.uid_base, self.settings.uid_count)
+        self._checked = True
+
+    def _install_guest_files(self) -> None:
+        # A copy the sandbox uid can read: the package may live under a 0700 home directory.
+        self._guest.parent.mkdir(parents=True, exist_ok=True)
+        self._guest.parent.chmod(0o755)
+        tmp = self._guest.with_suffix(".tmp")
+        shutil.copyfile(GUEST_SCRIPT, tmp)
+        tmp.chmod(0o644)
+        tmp.replace(self._guest)
+        self._etc.mkdir(parents=True, exist_ok=True)
+        for d in (self._etc.parent, self._etc):
+            d.chmod(0o755)
+        files = {
+            "passwd": f"root:x:0:0:root:/root:/bin/sh\n"
+            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:/workspace:/bin/bash\n",
+            "group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n",
+            "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+            "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
+        }
+        for name, content in files.items():
+            path = self._etc / name
+            path.write_text(content)
+            path.chmod(0o644)
+
+    @property
+    def cgroups(self) -> CgroupDriver:
+        self._check()
+        assert self._cgroups is not None
+        return self._cgroups
+
+    def _cgroup_parts(self, sandbox_id: str) -> tuple[str, ...]:
+        return (self.settings.cgroup_root, self.instance, sandbox_id)
+
+    # -- contract
+
+    async def start(self, spec: GuestSpec) -> GuestProcess:
+        self._check()
+        box = self._boxes.get(spec.sandbox_id)
+        if box is None:
+            box = await self._provision(spec)
+        else:
+            await self._end_guest(box)
+        box.guest = await self._spawn(box, spec)
+        return box.guest
+
+    async def _provision(self, spec: GuestSpec) -> _Box:
+        assert self._uids is not None
+        uid, lock_fd = self._uids.acquire()
+        root = self.sandboxes_dir / spec.sandbox_id
+        workspace = root / "workspace"
+        limits = CgroupLimits(
+            memory_bytes=spec.limits.memory_mb * 1024 * 1024,
+            pids_max=spec.limits.pids,
+            cpu_cores=spec.limits.cpu_cores,
+        )
+        try:
+            cgroup = await asyncio.to_thread(
+                self.cgroups.create, self._cgroup_parts(spec.sandbox_id), limits
+            )
+        except OSError as exc:
+            UidAllocator.release(lock_fd)
+            raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
+        box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
+        self._boxes[spec.sandbox_id] = box
+        try:
+            root.mkdir(mode=0o711)
+            if self._loop_ok:
+                await create_loop_disk(root / "disk.img", workspace, spec.limits.disk_mb, uid)
+            else:
+                workspace.mkdir()
+                os.chown(workspace, uid, uid)
+            workspace.chmod(0o700)
+        except BaseException:
+            await self.stop(spec.sandbox_id)
+            raise
+        return box
+
+    def _bwrap_argv(self, box: _Box, spec: GuestSpec, seccomp_fd: int) -> list[str]:
+        argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
+        if spec.network:
+            argv.append("--share-net")
+        argv += [
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+            "--die-with-parent", "--new-session",
+            "--ro-bind", "/usr", "/usr",
+        ]
+        for link in HOST_LINKS:
+            if os.path.islink(link):
+                argv += ["--symlink", os.readlink(link), link]
+            elif os.path.isdir(link):
+                argv += ["--ro-bind", link, link]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--size", str(spec.limits.memory_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+        argv += ["--dir", "/etc"]
+        for name in ("passwd", "group", "hosts", "nsswitch.conf"):
+            argv += ["--ro-bind", str(self._etc / name), f"/etc/{name}"]
+        for path in ETC_BINDS + (ETC_NETWORK_BINDS if spec.network else ()):
+            if os.path.exists(path):
+                argv += ["--ro-bind", path, path]
+        argv += [
+            "--bind", str(box.workspace), "/workspace",
+            "--ro-bind", str(self._guest), GUEST_PATH_INSIDE,
+            "--chdir", "/workspace",
+            "--seccomp", str(seccomp_fd),
+            "--remount-ro", "/",
+            GUEST_PYTHON, "-I", "-S", GUEST_PATH_INSIDE,
+        ]
+        return argv
+
+    async def _spawn(self, box: _Box, spec: GuestSpec) -> GuestProcess:
+        read_fd, write_fd = os.pipe()
+        try:
+            os.write(write_fd, build_filter(spec.network))
+        finally:
+            os.close(write_fd)
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/workspace",
+            "LANG": "C.UTF-8",
+            "AGENT_SANDBOX_WORKSPACE": "/workspace",
+            **spec.env,
+        }
+        argv = [
+            "/bin/sh", "-c", PLACE_IN_CGROUP, "sh",
+            *(str(p) for p in box.cgroup.procs_files), "--",
+            "setpriv", f"--reuid={box.uid}", f"--regid={box.uid}", "--clear-groups",
+            "--pdeathsig=SIGKILL", "--",
+            *self._bwrap_argv(box, spec, read_fd),
+        ]
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(read_fd,),
+                env=env,
+                limit=1 << 20,
+            )
+        finally:
+            os.close(read_fd)
+        return GuestProcess(process)
+
+    async def _end_guest(self, box: _Box) -> None:
+        if box.guest is not None:
+            box.guest.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(box.guest.wait(), 5.0)
+            box.guest = None
+        await asyncio.to_thread(box.cgroup.kill_all)
+
+    async def stop(self, sandbox_id: str) -> None:
+        box = self._boxes.pop(sandbox_id, None)
+        if box is None:
+            await self._remove_leftovers(sandbox_id)
+            return
+        await self._end_guest(box)
+        await asyncio.to_thread(box.cgroup.remove)
+        await self._remove_dir(box.root)
+        UidAllocator.release(box.uid_lock_fd)
+
+    async def _remove_dir(self, root: Path) -> None:
+        for mountpoint in mounted_below(root):
+            await unmount(mountpoint)
+        # rmtree is fd-based on Linux: a symlink planted by sandbox code cannot redirect it.
+        await asyncio.to_thread(shutil.rmtree, root, True)
+
+    async def _remove_leftovers(self, sandbox_id: str) -> None:
+        cgroup = self.cgroups.path(*self._cgroup_parts(sandbox_id))
+        await asyncio.to_thread(cgroup.kill_all)
+        await asyncio.to_thread(cgroup.remove)
+        root = self.sandboxes_dir / sandbox_id
+        if root.exists():
+            await self._remove_dir(root)
+
+    async def usage(self, sandbox_id: str) -> ResourceUsage:
+        box = self._boxes.get(sandbox_id)
+        if box is None:
+            return ResourceUsage()
+        usage = await asyncio.to_thread(box.cgroup.usage)
+        with contextlib.suppress(OSError):
+            fs = os.statvfs(box.workspace)
+            if box.disk_capped:
+                usage.disk_used_bytes = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+        return usage
+
+    async def sweep(self, keep: Collection[str]) -> list[str]:
+        self._check()
+        keep_ids = set(keep) | set(self._boxes)
+        found = set(self.cgroups.children(self.settings.cgroup_root, self.instance))
+        with contextlib.suppress(FileNotFoundError):
+            found.update(p.name for p in self.sandboxes_dir.iterdir() if p.is_dir())
+        removed = sorted(found - keep_ids)
+        for sandbox_id in removed:
+            await self._remove_leftovers(sandbox_id)
+        return removed
+
+    async def close(self) -> None:
+        for box in list(self._boxes.values()):
+            UidAllocator.release(box.uid_lock_fd)
+        self._boxes.clear()

@@ -1,0 +1,154 @@
+"""Settings: one model, one documented order of precedence.
+
+explicit argument > environment variable > ``.env`` file in the working directory > default.
+
+Names follow the seeds where they give one (``SANDBOX_TIMEOUT_SECONDS``,
+``SANDBOX_MEMORY_LIMIT_MB``); every other variable is listed in the README.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from agent_sandbox.models import ResolvedLimits, SandboxLimits
+
+
+def _default_data_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/agent-sandbox")
+    return Path.home() / ".local" / "share" / "agent-sandbox"
+
+
+def _env(name: str, field: str) -> AliasChoices:
+    return AliasChoices(field, name)
+
+
+class Settings(BaseSettings):
+    """Everything configurable, with the environment variable that sets it."""
+
+    model_config = SettingsConfigDict(
+        env_file=".env", extra="ignore", populate_by_name=True, case_sensitive=False
+    )
+
+    backend: str = Field(
+        default="bubblewrap",
+        validation_alias=_env("SANDBOX_BACKEND", "backend"),
+        description="Default backend for new sandboxes.",
+    )
+    timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_TIMEOUT_SECONDS", "timeout_s"),
+        description="Default per-call timeout of code and commands.",
+    )
+    memory_mb: int = Field(
+        default=256,
+        ge=16,
+        validation_alias=_env("SANDBOX_MEMORY_LIMIT_MB", "memory_mb"),
+        description="Memory limit of a sandbox (swap is not allowed on top).",
+    )
+    cpu_cores: float = Field(
+        default=0.5,
+        gt=0,
+        validation_alias=_env("SANDBOX_CPU_LIMIT", "cpu_cores"),
+        description="CPU quota of a sandbox in cores (0.5 = half of one core).",
+    )
+    pids: int = Field(
+        default=256,
+        ge=16,
+        validation_alias=_env("SANDBOX_PIDS_LIMIT", "pids"),
+        description="Most processes and threads alive at once in a sandbox.",
+    )
+    disk_mb: int = Field(
+        default=512,
+        ge=8,
+        validation_alias=_env("SANDBOX_DISK_LIMIT_MB", "disk_mb"),
+        description="Size cap of the writable /workspace.",
+    )
+    output_limit_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        validation_alias=_env("SANDBOX_OUTPUT_LIMIT_BYTES", "output_limit_bytes"),
+        description="Bytes of each stream kept in a result (head and tail).",
+    )
+    output_file_limit_mb: int = Field(
+        default=100,
+        ge=1,
+        validation_alias=_env("SANDBOX_OUTPUT_FILE_LIMIT_MB", "output_file_limit_mb"),
+        description="A call whose stream passes this size is killed (kill_reason output_limit).",
+    )
+    network: bool = Field(
+        default=False,
+        validation_alias=_env("SANDBOX_NETWORK", "network"),
+        description="Give new sandboxes a network unless the caller says otherwise.",
+    )
+    ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_TTL_SECONDS", "ttl_s"),
+        description="Absolute lifetime of a sandbox.",
+    )
+    idle_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_IDLE_TIMEOUT_SECONDS", "idle_timeout_s"),
+        description="A sandbox with no call for this long is destroyed.",
+    )
+    reaper_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_REAPER_INTERVAL_SECONDS", "reaper_interval_s"),
+        description="How often expired and idle sandboxes are looked for.",
+    )
+    data_dir: Path = Field(
+        default_factory=_default_data_dir,
+        validation_alias=_env("AGENT_SANDBOX_DATA_DIR", "data_dir"),
+        description="SQLite store, workspaces and kept artifacts.",
+    )
+    uid_base: int = Field(
+        default=200_000,
+        ge=1000,
+        validation_alias=_env("SANDBOX_UID_BASE", "uid_base"),
+        description="First host uid given to sandboxes (each sandbox gets its own).",
+    )
+    uid_count: int = Field(
+        default=10_000,
+        ge=1,
+        validation_alias=_env("SANDBOX_UID_COUNT", "uid_count"),
+        description="How many host uids from uid_base sandboxes may use.",
+    )
+    cgroup_root: str = Field(
+        default="agent-sandbox",
+        validation_alias=_env("SANDBOX_CGROUP_ROOT", "cgroup_root"),
+        description="Cgroup (relative to each hierarchy's root) under which sandboxes live.",
+    )
+    log_level: str = Field(default="INFO", validation_alias=_env("LOG_LEVEL", "log_level"))
+    log_format: Literal["console", "json"] = Field(
+        default="console", validation_alias=_env("LOG_FORMAT", "log_format")
+    )
+
+    def resolve_limits(self, limits: SandboxLimits | None) -> ResolvedLimits:
+        """Fill every unset field of ``limits`` from these settings."""
+        given = limits.model_dump(exclude_none=True) if limits else {}
+        defaults = {
+            "memory_mb": self.memory_mb,
+            "cpu_cores": self.cpu_cores,
+            "pids": self.pids,
+            "timeout_s": self.timeout_s,
+            "disk_mb": self.disk_mb,
+            "output_limit_bytes": self.output_limit_bytes,
+            "output_file_limit_mb": self.output_file_limit_mb,
+        }
+        return ResolvedLimits(**(defaults | given))
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment and ``.env``."""
+    return Settings()

@@ -1,0 +1,129 @@
+"""The one exception tree of agent-sandbox.
+
+Every error this package raises derives from :class:`SandboxError`; each also inherits the
+built-in exception a caller would naturally catch, so ``except FileNotFoundError`` works on a
+file missing inside a sandbox.
+
+::
+
+    SandboxError
+    ├── ConfigError (ValueError)                 bad setting or argument; names the option
+    ├── BackendUnavailable (RuntimeError)        this host cannot run the chosen backend
+    ├── SandboxNotFound (LookupError)            no such sandbox (or not yours)
+    ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
+    ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
+    ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
+    └── SandboxFileError (OSError)
+        ├── SandboxFileNotFound (FileNotFoundError)
+        ├── PathOutsideWorkspace (PermissionError)
+        ├── SandboxPermissionError (PermissionError)
+        ├── SandboxIsADirectory (IsADirectoryError)
+        ├── SandboxNotADirectory (NotADirectoryError)
+        ├── SandboxFileExists (FileExistsError)
+        └── SandboxDiskFull (OSError)
+
+A crash, timeout or resource kill of *sandboxed code* is not an exception: it is an
+:class:`~agent_sandbox.models.ExecResult` with ``exit_code``, ``error`` and ``kill_reason`` set.
+
+Each class has a stable ``code``; over the wire errors travel as ``{"code", "message"}`` and
+are mapped back with :func:`error_from_code`, an allow-list that never imports a class by name.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class SandboxError(Exception):
+    """Root of every agent-sandbox error."""
+
+    code: ClassVar[str] = "sandbox_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(SandboxError, ValueError):
+    code = "invalid_config"
+
+
+class BackendUnavailable(SandboxError, RuntimeError):
+    code = "backend_unavailable"
+
+
+class SandboxNotFound(SandboxError, LookupError):
+    code = "sandbox_not_found"
+
+
+class SandboxNotRunning(SandboxError, RuntimeError):
+    code = "sandbox_not_running"
+
+
+class SandboxStartError(SandboxError, RuntimeError):
+    code = "sandbox_start_failed"
+
+
+class GuestError(SandboxError, RuntimeError):
+    code = "guest_error"
+
+
+class SandboxFileError(SandboxError, OSError):
+    code = "file_error"
+
+
+class SandboxFileNotFound(SandboxFileError, FileNotFoundError):
+    code = "file_not_found"
+
+
+class PathOutsideWorkspace(SandboxFileError, PermissionError):
+    code = "path_outside_workspace"
+
+
+class SandboxPermissionError(SandboxFileError, PermissionError):
+    code = "permission_denied"
+
+
+class SandboxIsADirectory(SandboxFileError, IsADirectoryError):
+    code = "is_a_directory"
+
+
+class SandboxNotADirectory(SandboxFileError, NotADirectoryError):
+    code = "not_a_directory"
+
+
+class SandboxFileExists(SandboxFileError, FileExistsError):
+    code = "file_exists"
+
+
+class SandboxDiskFull(SandboxFileError):
+    code = "disk_full"
+
+
+_BY_CODE: dict[str, type[SandboxError]] = {
+    cls.code: cls
+    for cls in (
+        SandboxError,
+        ConfigError,
+        BackendUnavailable,
+        SandboxNotFound,
+        SandboxNotRunning,
+        SandboxStartError,
+        GuestError,
+        SandboxFileError,
+        SandboxFileNotFound,
+        PathOutsideWorkspace,
+        SandboxPermissionError,
+        SandboxIsADirectory,
+        SandboxNotADirectory,
+        SandboxFileExists,
+        SandboxDiskFull,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> SandboxError:
+    """Build our exception for a wire ``code``; unknown codes become a plain SandboxError."""
+    cls = _BY_CODE.get(code, SandboxError)
+    error = cls(message)
+    return error

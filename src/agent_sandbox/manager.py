@@ -1,0 +1,617 @@
+"""SandboxManager: the lifecycle of sandboxes, whatever backend isolates them.
+
+It owns what backends do not: ids, owners, limits bookkeeping, TTL and idle reaping, the
+SQLite store, crash recovery, guest restarts, ``kill_reason`` from cgroup counters, and the
+artifacts kept after a sandbox is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import secrets
+import shutil
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import structlog
+
+from agent_sandbox.backends import Backend, GuestSpec, create_backend
+from agent_sandbox.config import Settings, get_settings
+from agent_sandbox.errors import (
+    ConfigError,
+    GuestError,
+    SandboxError,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SandboxStartError,
+)
+from agent_sandbox.models import (
+    ArtifactInfo,
+    ExecResult,
+    ResourceUsage,
+    SandboxInfo,
+    SandboxLimits,
+    SandboxStatus,
+)
+from agent_sandbox.protocol import GuestConnection, GuestDied, OutputCallback
+from agent_sandbox.store import Store
+
+log = structlog.get_logger(__name__)
+
+BACKSTOP_S = 5.0  # the guest enforces timeouts; the host steps in only if the guest hangs
+READY_TIMEOUT_S = 15.0
+FILE_CHUNK_BYTES = 1 << 20
+ARTIFACTS_DIR = "artifacts"
+RESULT_FIELDS = frozenset(ExecResult.model_fields)
+
+
+@dataclass
+class _Live:
+    info: SandboxInfo
+    spec: GuestSpec
+    backend: Backend
+    conn: GuestConnection | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    active_calls: int = 0
+
+
+class SandboxManager:
+    """Creates, runs, reaps and destroys sandboxes; one per data directory.
+
+    Use as an async context manager, or call :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or get_settings()
+        self._backends: dict[str, Backend] = {}
+        self._live: dict[str, _Live] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._lock_fd: int | None = None
+        self._store: Store = None  # type: ignore[assignment]  # set by start()
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle of the manager
+
+    async def __aenter__(self) -> SandboxManager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Lock the data dir, clean up after a previous crash, start the reaper.
+
+        Raises:
+            ConfigError: another process uses this data directory.
+        """
+        if self._started:
+            return
+        data_dir = self.settings.data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(data_dir / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"data directory {data_dir} is in use by another agent-sandbox process "
+                f"(pid {holder}); set AGENT_SANDBOX_DATA_DIR to another directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+        self._store = Store(data_dir / "agent-sandbox.db")
+        self._started = True
+        await self._recover()
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def _recover(self) -> None:
+        """Mark sandboxes of a crashed run as ended and remove all they left behind."""
+        orphans = self._store.list(live_only=True)
+        names = {info.backend for info in orphans} | {self.settings.backend}
+        for name in sorted(names):
+            try:
+                backend = self._backend(name)
+                removed = await backend.sweep(keep=())
+            except SandboxError as exc:
+                log.warning("recovery sweep skipped", backend=name, error=str(exc))
+                continue
+            if removed:
+                log.warning("removed orphaned sandboxes", backend=name, ids=removed)
+        now = time.time()
+        for info in orphans:
+            self._store.save(info.model_copy(update={
+                "status": SandboxStatus.DESTROYED, "ended_at": now, "end_reason": "recovered"}))
+
+    async def close(self) -> None:
+        """Destroy every live sandbox and release the data directory."""
+        if not self._started:
+            return
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await asyncio.gather(
+            *(self.destroy(sid, reason="shutdown") for sid in list(self._live)),
+            return_exceptions=True,
+        )
+        for backend in self._backends.values():
+            await backend.close()
+        self._store.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._started = False
+
+    def _backend(self, name: str) -> Backend:
+        if name not in self._backends:
+            self._backends[name] = create_backend(name, self.settings)
+        return self._backends[name]
+
+    # ------------------------------------------------------------------ sandboxes
+
+    async def create(
+        self,
+        *,
+        backend: str | None = None,
+        limits: SandboxLimits | None = None,
+        network: bool | None = None,
+        env: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        owner: str = "local",
+        ttl_s: float | None = None,
+        idle_timeout_s: float | None = None,
+    ) -> SandboxInfo:
+        """Start a sandbox and return once its guest answers.
+
+        Raises:
+            ConfigError: an unknown backend or an out-of-range setting.
+            BackendUnavailable: the backend cannot run on this host.
+            SandboxStartError: the backend failed to start the guest.
+        """
+        self._require_started()
+        for name, value in (("ttl_s", ttl_s), ("idle_timeout_s", idle_timeout_s)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {value}")
+        backend_name = backend or self.settings.backend
+        chosen = self._backend(backend_name)
+        resolved = self.settings.resolve_limits(limits)
+        now = time.time()
+        sandbox_id = "sb-" + secrets.token_hex(8)
+        info = SandboxInfo(
+            id=sandbox_id,
+            backend=backend_name,
+            status=SandboxStatus.STARTING,
+            owner=owner,
+            limits=resolved,
+            network=self.settings.network if network is None else network,
+            metadata=metadata or {},
+            created_at=now,
+            last_active_at=now,
+            expires_at=now + (ttl_s or self.settings.ttl_s),
+            idle_timeout_s=idle_timeout_s or self.settings.idle_timeout_s,
+        )
+        spec = GuestSpec(sandbox_id, resolved, info.network, dict(env or {}))
+        live = _Live(info=info, spec=spec, backend=chosen)
+        self._live[sandbox_id] = live
+        self._store.save(info)
+        try:
+            async with live.lock:
+                await self._start_guest(live)
+        except BaseException as exc:
+            self._live.pop(sandbox_id, None)
+            with contextlib.suppress(Exception):
+                await chosen.stop(sandbox_id)
+            self._end(info, SandboxStatus.FAILED, "failed")
+            if isinstance(exc, SandboxError | asyncio.CancelledError):
+                raise
+            raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
+        info.status = SandboxStatus.RUNNING
+        self._store.save(info)
+        log.info("sandbox created", sandbox=sandbox_id, backend=backend_name,
+                 memory_mb=resolved.memory_mb, network=info.network)
+        return info.model_copy()
+
+    async def _start_guest(self, live: _Live) -> GuestConnection:
+        guest = await live.backend.start(live.spec)
+        conn = GuestConnection(guest.reader, guest.writer)
+        try:
+            await conn.wait_ready(READY_TIMEOUT_S)
+        except (GuestError, TimeoutError) as exc:
+            guest.kill()
+            await guest.wait()
+            detail = guest.stderr_tail() or str(exc)
+            raise SandboxStartError(f"the sandbox's guest did not start: {detail}") from exc
+        live.conn = conn
+        return conn
+
+    async def get(self, sandbox_id: str, *, owner: str | None = None) -> SandboxInfo:
+        """A live or ended sandbox's record.
+
+        Raises:
+            SandboxNotFound: no such sandbox, or it belongs to another owner.
+        """
+        live = self._live.get(sandbox_id)
+        info = live.info if live else self._store.get(sandbox_id)
+        if info is None or (owner is not None and info.owner != owner):
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        return info.model_copy()
+
+    async def list(self, *, owner: str | None = None, include_ended: bool = False) -> list[SandboxInfo]:
+        if include_ended:
+            return self._store.list(owner=owner)
+        return [
+            live.info.model_copy()
+            for live in self._live.values()
+            if owner is None or live.info.owner == owner
+        ]
+
+    async def destroy(
+        self, sandbox_id: str, *, owner: str | None = None, reason: str = "user"
+    ) -> SandboxInfo:
+        """Kill the sandbox, keep its artifacts, remove everything else (idempotent).
+
+        Raises:
+            SandboxNotFound: no such sandbox, or it belongs to another owner.
+        """
+        live = self._live.get(sandbox_id)
+        if live is None:
+            return await self.get(sandbox_id, owner=owner)
+        if owner is not None and live.info.owner != owner:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        self._live.pop(sandbox_id, None)
+        async with live.lock:
+            try:
+                await self._export_artifacts(live)
+            except (SandboxError, OSError) as exc:
+                log.warning("artifacts not kept", sandbox=sandbox_id, error=str(exc))
+            if live.conn is not None:
+                await live.conn.close()
+            await live.backend.stop(sandbox_id)
+        self._end(live.info, SandboxStatus.DESTROYED, reason)
+        log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)
+        return live.info.model_copy()
+
+    def _end(self, info: SandboxInfo, status: SandboxStatus, reason: str) -> None:
+        info.status = status
+        info.ended_at = time.time()
+        info.end_reason = reason
+        self._store.save(info)
+
+    async def extend(self, sandbox_id: str, ttl_s: float, *, owner: str | None = None) -> SandboxInfo:
+        """Set the sandbox to expire ``ttl_s`` seconds from now."""
+        if ttl_s <= 0:
+            raise ConfigError(f"ttl_s must be > 0 seconds, got {ttl_s}")
+        live = self._get_live(sandbox_id, owner)
+        live.info.expires_at = time.time() + ttl_s
+        self._store.save(live.info)
+        return live.info.model_copy()
+
+    async def usage(self, sandbox_id: str, *, owner: str | None = None) -> ResourceUsage:
+        live = self._get_live(sandbox_id, owner)
+        return await live.backend.usage(sandbox_id)
+
+    # ------------------------------------------------------------------ execution
+
+    async def run_code(
+        self,
+        sandbox_id: str,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        owner: str | None = None,
+    ) -> ExecResult:
+        """Run Python in the sandbox's persistent interpreter (state survives between calls)."""
+        live = self._get_live(sandbox_id, owner)
+        return await self._exec(live, "exec_code", {"code": code}, timeout_s, on_stdout, on_stderr)
+
+    async def run_command(
+        self,
+        sandbox_id: str,
+        command: str,
+        *,
+        session: str = "default",
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        input: str | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        owner: str | None = None,
+    ) -> ExecResult:
+        """Run a bash command; cwd and exported env persist within the named ``session``."""
+        live = self._get_live(sandbox_id, owner)
+        payload: dict[str, Any] = {"command": command, "session": session, "env": env or {}}
+        if cwd is not None:
+            payload["cwd"] = cwd
+        if input is not None:
+            payload["input"] = input
+        return await self._exec(live, "exec_shell", payload, timeout_s, on_stdout, on_stderr)
+
+    async def _exec(
+        self,
+        live: _Live,
+        op: str,
+        payload: dict[str, Any],
+        timeout_s: float | None,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+    ) -> ExecResult:
+        limits = live.info.limits
+        timeout = limits.timeout_s if timeout_s is None else timeout_s
+        if timeout <= 0:
+            raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout}")
+        live.active_calls += 1
+        self._touch(live)
+        started = time.monotonic()
+        try:
+            conn, restarted = await self._connection(live)
+            before = await live.backend.usage(live.info.id)
+            call_id = conn.new_id()
+            request = {
+                **payload,
+                "timeout_s": timeout,
+                "output_limit": limits.output_limit_bytes,
+                "output_file_limit": limits.output_file_limit_mb * 1024 * 1024,
+            }
+            try:
+                raw = await asyncio.wait_for(
+                    conn.request(op, request, on_stdout=on_stdout, on_stderr=on_stderr,
+                                 call_id=call_id),
+                    timeout + BACKSTOP_S,
+                )
+            except GuestDied:
+                raw = {"exit_code": 137, "kill_reason": "killed", "state_lost": True}
+                await self._drop_guest(live)
+            except TimeoutError:
+                log.warning("guest hung past its timeout; restarting it", sandbox=live.info.id)
+                raw = {"exit_code": 137, "kill_reason": "timeout", "state_lost": True}
+                await self._drop_guest(live)
+            except asyncio.CancelledError:
+                await conn.notify("cancel", {"target": call_id})
+                raise
+            after = await live.backend.usage(live.info.id)
+            result = ExecResult.model_validate({k: v for k, v in raw.items() if k in RESULT_FIELDS})
+            if not result.duration_ms:
+                result.duration_ms = (time.monotonic() - started) * 1000
+            await self._classify(live, result, before, after)
+            if restarted:
+                result.state_lost = True
+            return result
+        finally:
+            live.active_calls -= 1
+            self._touch(live)
+
+    async def _classify(
+        self, live: _Live, result: ExecResult, before: ResourceUsage, after: ResourceUsage
+    ) -> None:
+        """Name the real cause of a kill from the cgroup's counters (exit codes lose it)."""
+        failed = result.kill_reason is not None or result.exit_code not in (0, None)
+        if after.oom_kills > before.oom_kills and failed:
+            result.kill_reason = "memory"
+        elif after.pids_limit_hits > before.pids_limit_hits and failed:
+            result.kill_reason = "pids"
+            # Processes that left the call's group may still hold every slot: start afresh.
+            await self._drop_guest(live)
+            result.state_lost = True
+
+    async def _connection(self, live: _Live) -> tuple[GuestConnection, bool]:
+        """The live guest connection, restarting a dead guest (workspace kept)."""
+        if live.conn is not None and live.conn.alive:
+            return live.conn, False
+        async with live.lock:
+            if live.conn is not None and live.conn.alive:
+                return live.conn, False
+            if live.info.id not in self._live:
+                raise SandboxNotRunning(f"sandbox {live.info.id} was destroyed")
+            # A dead connection still attached means the guest died between calls and no
+            # result has told the caller yet; _drop_guest detaches it once a result has.
+            lost_unreported = live.conn is not None
+            log.info("restarting guest", sandbox=live.info.id)
+            conn = await self._start_guest(live)
+            return conn, lost_unreported
+
+    async def _drop_guest(self, live: _Live) -> None:
+        """Forget the guest after a call already reported the loss of its state."""
+        if live.conn is not None:
+            await live.conn.close()
+            live.conn = None
+
+    # ------------------------------------------------------------------ files
+
+    async def _file_op(self, sandbox_id: str, owner: str | None, op: str, **payload: Any) -> dict[str, Any]:
+        live = self._get_live(sandbox_id, owner)
+        self._touch(live)
+        conn, _ = await self._connection(live)
+        return await conn.request(op, payload)
+
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644, owner: str | None = None
+    ) -> int:
+        """Write ``data`` to ``path`` (relative to /workspace); returns the size written."""
+        written = 0
+        first = True
+        for start in range(0, max(len(data), 1), FILE_CHUNK_BYTES):
+            chunk = data[start:start + FILE_CHUNK_BYTES]
+            reply = await self._file_op(
+                sandbox_id, owner, "file_write", path=path, append=not first, mode=mode,
+                data=_b64(chunk),
+            )
+            written = int(reply["size_bytes"])
+            first = False
+        return written
+
+    async def read_file_chunks(
+        self, sandbox_id: str, path: str, *, owner: str | None = None
+    ) -> AsyncIterator[bytes]:
+        """Stream a file out of the sandbox in chunks of at most 1 MiB."""
+        offset = 0
+        while True:
+            reply = await self._file_op(
+                sandbox_id, owner, "file_read", path=path, offset=offset, length=FILE_CHUNK_BYTES
+            )
+            data = _unb64(reply["data"])
+            offset += len(data)
+            if data:
+                yield data
+            if reply["eof"] or not data:
+                return
+
+    async def read_file(self, sandbox_id: str, path: str, *, owner: str | None = None) -> bytes:
+        return b"".join([c async for c in self.read_file_chunks(sandbox_id, path, owner=owner)])
+
+    async def list_files(
+        self, sandbox_id: str, path: str = ".", *, depth: int = 1, owner: str | None = None
+    ) -> list[dict[str, Any]]:
+        reply = await self._file_op(sandbox_id, owner, "file_list", path=path, depth=depth)
+        entries: list[dict[str, Any]] = reply["entries"]
+        return entries
+
+    async def stat_file(self, sandbox_id: str, path: str, *, owner: str | None = None) -> dict[str, Any]:
+        return await self._file_op(sandbox_id, owner, "file_stat", path=path)
+
+    async def remove_file(
+        self, sandbox_id: str, path: str, *, recursive: bool = False, owner: str | None = None
+    ) -> None:
+        await self._file_op(sandbox_id, owner, "file_remove", path=path, recursive=recursive)
+
+    async def make_dir(self, sandbox_id: str, path: str, *, owner: str | None = None) -> None:
+        await self._file_op(sandbox_id, owner, "file_mkdir", path=path)
+
+    # ------------------------------------------------------------------ artifacts
+
+    def _artifact_root(self, sandbox_id: str) -> Path:
+        return self.settings.data_dir / ARTIFACTS_DIR / sandbox_id
+
+    async def _export_artifacts(self, live: _Live) -> None:
+        """Copy /workspace/artifacts out through the guest, which only sees the sandbox's view.
+
+        Paths come from inside the sandbox, so they are treated as hostile: each must be a plain
+        relative path that stays below the artifact directory on the host.
+        """
+        if live.conn is None or not live.conn.alive:
+            return
+        try:
+            entries = await live.conn.request("file_list", {"path": ARTIFACTS_DIR, "depth": 32})
+        except (SandboxError, OSError):
+            return  # no artifacts directory
+        dest_root = self._artifact_root(live.info.id).resolve()
+        for entry in entries.get("entries", []):
+            rel = PurePosixPath(str(entry.get("path", "")))
+            if entry.get("type") != "file" or rel.is_absolute() or ".." in rel.parts:
+                continue
+            inner = PurePosixPath(*rel.parts[1:]) if rel.parts[:1] == (ARTIFACTS_DIR,) else rel
+            target = (dest_root / inner).resolve()
+            if not str(target).startswith(str(dest_root) + os.sep):
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            digest = hashlib.sha256()
+            size = 0
+            with open(target, "wb") as out:
+                offset = 0
+                while True:
+                    reply = await live.conn.request(
+                        "file_read", {"path": str(rel), "offset": offset, "length": FILE_CHUNK_BYTES}
+                    )
+                    data = _unb64(reply["data"])
+                    out.write(data)
+                    digest.update(data)
+                    offset += len(data)
+                    size += len(data)
+                    if reply["eof"] or not data:
+                        break
+            self._store.add_artifact(ArtifactInfo(
+                sandbox_id=live.info.id, path=str(inner), size_bytes=size,
+                sha256=digest.hexdigest(), created_at=time.time()))
+
+    async def list_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> list[ArtifactInfo]:
+        await self.get(sandbox_id, owner=owner)
+        return self._store.artifacts(sandbox_id)
+
+    async def artifact_path(self, sandbox_id: str, path: str, *, owner: str | None = None) -> Path:
+        """Host path of a kept artifact (for streaming it out).
+
+        Raises:
+            SandboxNotFound: no such sandbox or artifact.
+        """
+        known = {a.path for a in await self.list_artifacts(sandbox_id, owner=owner)}
+        if path not in known:
+            raise SandboxNotFound(f"sandbox {sandbox_id} kept no artifact {path!r}")
+        return self._artifact_root(sandbox_id) / path
+
+    async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
+        await self.get(sandbox_id, owner=owner)
+        count: int = self._store.delete_artifacts(sandbox_id)
+        await asyncio.to_thread(shutil.rmtree, self._artifact_root(sandbox_id), True)
+        return count
+
+    # ------------------------------------------------------------------ reaping
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reaper_interval_s)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("reaper pass failed")
+
+    async def reap(self) -> list[str]:
+        """Destroy sandboxes past their TTL or idle timeout; return their ids."""
+        now = time.time()
+        doomed: list[tuple[str, str]] = []
+        for sandbox_id, live in list(self._live.items()):
+            if now >= live.info.expires_at:
+                doomed.append((sandbox_id, "ttl"))
+            elif live.active_calls == 0 and now - live.info.last_active_at >= live.info.idle_timeout_s:
+                doomed.append((sandbox_id, "idle"))
+        for sandbox_id, reason in doomed:
+            with contextlib.suppress(SandboxNotFound):
+                await self.destroy(sandbox_id, reason=reason)
+        return [sid for sid, _ in doomed]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise SandboxNotRunning("the SandboxManager is not started; use `async with` or start()")
+
+    def _get_live(self, sandbox_id: str, owner: str | None) -> _Live:
+        self._require_started()
+        live = self._live.get(sandbox_id)
+        if live is None:
+            info = self._store.get(sandbox_id)
+            if info is None or (owner is not None and info.owner != owner):
+                raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+            raise SandboxNotRunning(
+                f"sandbox {sandbox_id} is {info.status.value} ({info.end_reason}); create a new one"
+            )
+        if owner is not None and live.info.owner != owner:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        return live
+
+    @staticmethod
+    def _touch(live: _Live) -> None:
+        live.info.last_active_at = time.time()
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    import base64
+
+    return base64.b64decode(text)
