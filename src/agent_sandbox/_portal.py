@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -69,7 +70,6 @@ def _shutdown() -> None:
     if _portal is None:
         return
     for factory in reversed(_shutdown_hooks):
-        try:
+        # Best effort at exit: whatever is left, the next start's sweep removes.
+        with contextlib.suppress(Exception):
             _portal.call(factory(), timeout_s=30)
-        except Exception:  # noqa: S110 - best effort at exit; the next start sweeps leftovers
-            pass

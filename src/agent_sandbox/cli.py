@@ -14,8 +14,11 @@ from agent_sandbox.errors import SandboxError
 from agent_sandbox.log import configure_logging
 from agent_sandbox.models import ExecResult
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Isolated, stateful sandboxes for code that AI agents write.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Isolated, stateful sandboxes for code that AI agents write.",
+)
 console = Console(stderr=True)
 
 MemoryOpt = Annotated[int | None, typer.Option("--memory-mb", help="Memory limit (MiB).")]
@@ -40,7 +43,11 @@ def doctor() -> None:
     for column in ("check", "status", "detail", "why it matters"):
         table.add_column(column, overflow="fold")
     for check in checks:
-        status = "[green]ok[/]" if check.ok else ("[red]MISSING[/]" if check.required else "[yellow]off[/]")
+        status = (
+            "[green]ok[/]"
+            if check.ok
+            else ("[red]MISSING[/]" if check.required else "[yellow]off[/]")
+        )
         table.add_row(check.name, status, check.detail, check.why)
     Console().print(table)
     if not all(c.ok for c in checks if c.required):
@@ -60,13 +67,20 @@ def _print_result(result: ExecResult) -> int:
     return result.exit_code if result.exit_code is not None else 1
 
 
-def _one_shot(kind: str, source: str, memory_mb: int | None, timeout_s: float | None,
-              network: bool, backend: str | None) -> None:
+def _one_shot(
+    kind: str,
+    source: str,
+    memory_mb: int | None,
+    timeout_s: float | None,
+    network: bool,
+    backend: str | None,
+) -> None:
     from agent_sandbox.sandbox import Sandbox
 
     try:
-        with Sandbox.create(memory_mb=memory_mb, timeout_s=timeout_s, network=network,
-                            backend=backend) as sb:
+        with Sandbox.create(
+            memory_mb=memory_mb, timeout_s=timeout_s, network=network, backend=backend
+        ) as sb:
             result = sb.run_code(source) if kind == "code" else sb.commands.run(source)
     except SandboxError as exc:
         console.print(f"[red]error ({exc.code}):[/] {exc.message}")
@@ -83,8 +97,9 @@ def run_code(
     backend: BackendOpt = None,
 ) -> None:
     """Run Python in a fresh sandbox and print what it printed (exit status follows it)."""
-    _one_shot("code", sys.stdin.read() if code == "-" else code, memory_mb, timeout_s, network,
-              backend)
+    _one_shot(
+        "code", sys.stdin.read() if code == "-" else code, memory_mb, timeout_s, network, backend
+    )
 
 
 @app.command("exec")

@@ -33,10 +33,25 @@ def _userns_probe() -> tuple[bool, str]:
     """Start a real, minimal unprivileged bwrap: the only proof that user namespaces work."""
     if shutil.which("bwrap") is None or shutil.which("setpriv") is None:
         return False, "bwrap or setpriv missing"
-    argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
-            "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
-            "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "/bin/true"]
+    argv = [
+        "bwrap",
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "/bin/true",
+    ]
     if os.geteuid() == 0:
         argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", *argv]
     run = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=20)
@@ -58,41 +73,70 @@ def _seccomp() -> tuple[bool, str]:
 def run_checks() -> list[Check]:
     checks = []
     root = os.geteuid() == 0
-    checks.append(Check(
-        "root", root, "running as root" if root else f"running as uid {os.geteuid()}",
-        "the bubblewrap backend creates cgroups and gives each sandbox its own host uid",
-    ))
+    checks.append(
+        Check(
+            "root",
+            root,
+            "running as root" if root else f"running as uid {os.geteuid()}",
+            "the bubblewrap backend creates cgroups and gives each sandbox its own host uid",
+        )
+    )
     version = _bwrap_version()
-    checks.append(Check(
-        "bubblewrap", version is not None, version or "not installed (apt-get install bubblewrap)",
-        "namespaces: the sandbox sees its own processes, filesystem and (no) network",
-    ))
+    checks.append(
+        Check(
+            "bubblewrap",
+            version is not None,
+            version or "not installed (apt-get install bubblewrap)",
+            "namespaces: the sandbox sees its own processes, filesystem and (no) network",
+        )
+    )
     ok, detail = _userns_probe()
-    checks.append(Check(
-        "user namespaces", ok, detail,
-        "sandboxes run under an unprivileged uid; without user namespaces bwrap cannot start",
-    ))
+    checks.append(
+        Check(
+            "user namespaces",
+            ok,
+            detail,
+            "sandboxes run under an unprivileged uid; without user namespaces bwrap cannot start",
+        )
+    )
     try:
         driver = CgroupDriver.detect()
         cg_ok, cg_detail = True, driver.describe()
     except SandboxError as exc:
         cg_ok, cg_detail = False, str(exc)
-    checks.append(Check(
-        "cgroups", cg_ok, cg_detail,
-        "memory, pids and CPU limits; without them a memory or fork bomb takes the host down",
-    ))
+    checks.append(
+        Check(
+            "cgroups",
+            cg_ok,
+            cg_detail,
+            "memory, pids and CPU limits; without them a memory or fork bomb takes the host down",
+        )
+    )
     ok, detail = _seccomp()
-    checks.append(Check(
-        "seccomp", ok, detail,
-        "blocks ptrace, mount, unshare, bpf, keyctl, io_uring and non-unix sockets",
-    ))
+    checks.append(
+        Check(
+            "seccomp",
+            ok,
+            detail,
+            "blocks ptrace, mount, unshare, bpf, keyctl, io_uring and non-unix sockets",
+        )
+    )
     ok, detail = loop_disks_available()
-    checks.append(Check(
-        "disk cap", ok, detail,
-        "caps /workspace; without it a sandbox can fill the host's disk", required=False,
-    ))
-    checks.append(Check(
-        "setpriv", shutil.which("setpriv") is not None, shutil.which("setpriv") or "missing",
-        "drops from root to the sandbox's uid before bwrap starts",
-    ))
+    checks.append(
+        Check(
+            "disk cap",
+            ok,
+            detail,
+            "caps /workspace; without it a sandbox can fill the host's disk",
+            required=False,
+        )
+    )
+    checks.append(
+        Check(
+            "setpriv",
+            shutil.which("setpriv") is not None,
+            shutil.which("setpriv") or "missing",
+            "drops from root to the sandbox's uid before bwrap starts",
+        )
+    )
     return checks

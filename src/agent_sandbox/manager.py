@@ -8,6 +8,7 @@ artifacts kept after a sandbox is gone.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import fcntl
 import hashlib
@@ -129,8 +130,15 @@ class SandboxManager:
                 log.warning("removed orphaned sandboxes", backend=name, ids=removed)
         now = time.time()
         for info in orphans:
-            self._store.save(info.model_copy(update={
-                "status": SandboxStatus.DESTROYED, "ended_at": now, "end_reason": "recovered"}))
+            self._store.save(
+                info.model_copy(
+                    update={
+                        "status": SandboxStatus.DESTROYED,
+                        "ended_at": now,
+                        "end_reason": "recovered",
+                    }
+                )
+            )
 
     async def close(self) -> None:
         """Destroy every live sandbox and release the data directory."""
@@ -217,8 +225,13 @@ class SandboxManager:
             raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
         info.status = SandboxStatus.RUNNING
         self._store.save(info)
-        log.info("sandbox created", sandbox=sandbox_id, backend=backend_name,
-                 memory_mb=resolved.memory_mb, network=info.network)
+        log.info(
+            "sandbox created",
+            sandbox=sandbox_id,
+            backend=backend_name,
+            memory_mb=resolved.memory_mb,
+            network=info.network,
+        )
         return info.model_copy()
 
     async def _start_guest(self, live: _Live) -> GuestConnection:
@@ -246,7 +259,9 @@ class SandboxManager:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return info.model_copy()
 
-    async def list(self, *, owner: str | None = None, include_ended: bool = False) -> list[SandboxInfo]:
+    async def list(
+        self, *, owner: str | None = None, include_ended: bool = False
+    ) -> builtins.list[SandboxInfo]:
         if include_ended:
             return self._store.list(owner=owner)
         return [
@@ -287,7 +302,9 @@ class SandboxManager:
         info.end_reason = reason
         self._store.save(info)
 
-    async def extend(self, sandbox_id: str, ttl_s: float, *, owner: str | None = None) -> SandboxInfo:
+    async def extend(
+        self, sandbox_id: str, ttl_s: float, *, owner: str | None = None
+    ) -> SandboxInfo:
         """Set the sandbox to expire ``ttl_s`` seconds from now."""
         if ttl_s <= 0:
             raise ConfigError(f"ttl_s must be > 0 seconds, got {ttl_s}")
@@ -367,8 +384,9 @@ class SandboxManager:
             }
             try:
                 raw = await asyncio.wait_for(
-                    conn.request(op, request, on_stdout=on_stdout, on_stderr=on_stderr,
-                                 call_id=call_id),
+                    conn.request(
+                        op, request, on_stdout=on_stdout, on_stderr=on_stderr, call_id=call_id
+                    ),
                     timeout + BACKSTOP_S,
                 )
             except GuestDied:
@@ -430,22 +448,35 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ files
 
-    async def _file_op(self, sandbox_id: str, owner: str | None, op: str, **payload: Any) -> dict[str, Any]:
+    async def _file_op(
+        self, sandbox_id: str, owner: str | None, op: str, **payload: Any
+    ) -> dict[str, Any]:
         live = self._get_live(sandbox_id, owner)
         self._touch(live)
         conn, _ = await self._connection(live)
         return await conn.request(op, payload)
 
     async def write_file(
-        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644, owner: str | None = None
+        self,
+        sandbox_id: str,
+        path: str,
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        owner: str | None = None,
     ) -> int:
         """Write ``data`` to ``path`` (relative to /workspace); returns the size written."""
         written = 0
         first = True
         for start in range(0, max(len(data), 1), FILE_CHUNK_BYTES):
-            chunk = data[start:start + FILE_CHUNK_BYTES]
+            chunk = data[start : start + FILE_CHUNK_BYTES]
             reply = await self._file_op(
-                sandbox_id, owner, "file_write", path=path, append=not first, mode=mode,
+                sandbox_id,
+                owner,
+                "file_write",
+                path=path,
+                append=not first,
+                mode=mode,
                 data=_b64(chunk),
             )
             written = int(reply["size_bytes"])
@@ -473,12 +504,14 @@ class SandboxManager:
 
     async def list_files(
         self, sandbox_id: str, path: str = ".", *, depth: int = 1, owner: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> builtins.list[dict[str, Any]]:
         reply = await self._file_op(sandbox_id, owner, "file_list", path=path, depth=depth)
         entries: list[dict[str, Any]] = reply["entries"]
         return entries
 
-    async def stat_file(self, sandbox_id: str, path: str, *, owner: str | None = None) -> dict[str, Any]:
+    async def stat_file(
+        self, sandbox_id: str, path: str, *, owner: str | None = None
+    ) -> dict[str, Any]:
         return await self._file_op(sandbox_id, owner, "file_stat", path=path)
 
     async def remove_file(
@@ -522,7 +555,8 @@ class SandboxManager:
                 offset = 0
                 while True:
                     reply = await live.conn.request(
-                        "file_read", {"path": str(rel), "offset": offset, "length": FILE_CHUNK_BYTES}
+                        "file_read",
+                        {"path": str(rel), "offset": offset, "length": FILE_CHUNK_BYTES},
                     )
                     data = _unb64(reply["data"])
                     out.write(data)
@@ -531,11 +565,19 @@ class SandboxManager:
                     size += len(data)
                     if reply["eof"] or not data:
                         break
-            self._store.add_artifact(ArtifactInfo(
-                sandbox_id=live.info.id, path=str(inner), size_bytes=size,
-                sha256=digest.hexdigest(), created_at=time.time()))
+            self._store.add_artifact(
+                ArtifactInfo(
+                    sandbox_id=live.info.id,
+                    path=str(inner),
+                    size_bytes=size,
+                    sha256=digest.hexdigest(),
+                    created_at=time.time(),
+                )
+            )
 
-    async def list_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> list[ArtifactInfo]:
+    async def list_artifacts(
+        self, sandbox_id: str, *, owner: str | None = None
+    ) -> builtins.list[ArtifactInfo]:
         await self.get(sandbox_id, owner=owner)
         return self._store.artifacts(sandbox_id)
 
@@ -566,14 +608,17 @@ class SandboxManager:
             except Exception:
                 log.exception("reaper pass failed")
 
-    async def reap(self) -> list[str]:
+    async def reap(self) -> builtins.list[str]:
         """Destroy sandboxes past their TTL or idle timeout; return their ids."""
         now = time.time()
         doomed: list[tuple[str, str]] = []
         for sandbox_id, live in list(self._live.items()):
             if now >= live.info.expires_at:
                 doomed.append((sandbox_id, "ttl"))
-            elif live.active_calls == 0 and now - live.info.last_active_at >= live.info.idle_timeout_s:
+            elif (
+                live.active_calls == 0
+                and now - live.info.last_active_at >= live.info.idle_timeout_s
+            ):
                 doomed.append((sandbox_id, "idle"))
         for sandbox_id, reason in doomed:
             with contextlib.suppress(SandboxNotFound):
@@ -584,7 +629,9 @@ class SandboxManager:
 
     def _require_started(self) -> None:
         if not self._started:
-            raise SandboxNotRunning("the SandboxManager is not started; use `async with` or start()")
+            raise SandboxNotRunning(
+                "the SandboxManager is not started; use `async with` or start()"
+            )
 
     def _get_live(self, sandbox_id: str, owner: str | None) -> _Live:
         self._require_started()

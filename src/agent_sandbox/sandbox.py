@@ -67,7 +67,11 @@ class _Runner:
             return callback
         if caller is self.portal.loop:
             return callback
-        return lambda text: caller.call_soon_threadsafe(callback, text)
+
+        def forward(text: str) -> None:
+            caller.call_soon_threadsafe(callback, text)
+
+        return forward
 
 
 class AsyncCommands:
@@ -90,10 +94,19 @@ class AsyncCommands:
     ) -> ExecResult:
         """Run ``command`` with bash; ``cd`` and ``export`` persist within ``session``."""
         run = self._sb._run
-        return await run(run.manager.run_command(
-            self._sb.id, command, session=session, timeout_s=timeout_s, env=env, cwd=cwd,
-            input=input, on_stdout=run.wrap(on_stdout), on_stderr=run.wrap(on_stderr),
-        ))
+        return await run(
+            run.manager.run_command(
+                self._sb.id,
+                command,
+                session=session,
+                timeout_s=timeout_s,
+                env=env,
+                cwd=cwd,
+                input=input,
+                on_stdout=run.wrap(on_stdout),
+                on_stderr=run.wrap(on_stderr),
+            )
+        )
 
 
 class AsyncFiles:
@@ -178,14 +191,24 @@ class AsyncSandbox:
             SandboxStartError: the sandbox did not start.
         """
         limits = SandboxLimits(
-            memory_mb=memory_mb, cpu_cores=cpu_cores, pids=pids, timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            cpu_cores=cpu_cores,
+            pids=pids,
+            timeout_s=timeout_s,
             disk_mb=disk_mb,
         )
         runner = await cls._runner(manager)
-        info = await runner(runner.manager.create(
-            backend=backend, limits=limits, network=network, env=env, metadata=metadata,
-            ttl_s=ttl_s, idle_timeout_s=idle_timeout_s,
-        ))
+        info = await runner(
+            runner.manager.create(
+                backend=backend,
+                limits=limits,
+                network=network,
+                env=env,
+                metadata=metadata,
+                ttl_s=ttl_s,
+                idle_timeout_s=idle_timeout_s,
+            )
+        )
         return cls(info, runner)
 
     @classmethod
@@ -211,10 +234,15 @@ class AsyncSandbox:
     ) -> ExecResult:
         """Run Python; variables persist, and ``text`` is the last expression's repr."""
         run = self._run
-        return await run(run.manager.run_code(
-            self.id, code, timeout_s=timeout_s, on_stdout=run.wrap(on_stdout),
-            on_stderr=run.wrap(on_stderr),
-        ))
+        return await run(
+            run.manager.run_code(
+                self.id,
+                code,
+                timeout_s=timeout_s,
+                on_stdout=run.wrap(on_stdout),
+                on_stderr=run.wrap(on_stderr),
+            )
+        )
 
     async def refresh(self) -> SandboxInfo:
         self.info = await self._run(self._run.manager.get(self.id))

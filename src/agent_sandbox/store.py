@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import sqlite3
 import threading
 from pathlib import Path
@@ -55,10 +56,12 @@ class Store:
 
     def get(self, sandbox_id: str) -> SandboxInfo | None:
         with self._lock:
-            row = self._db.execute("SELECT info FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT info FROM sandboxes WHERE id=?", (sandbox_id,)
+            ).fetchone()
         return SandboxInfo.model_validate_json(row[0]) if row else None
 
-    def list(self, owner: str | None = None, live_only: bool = False) -> list[SandboxInfo]:
+    def list(self, owner: str | None = None, live_only: bool = False) -> builtins.list[SandboxInfo]:
         query = "SELECT info FROM sandboxes WHERE 1=1"
         args: list[str] = []
         if owner is not None:
@@ -75,11 +78,16 @@ class Store:
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?)",
-                (artifact.sandbox_id, artifact.path, artifact.size_bytes, artifact.sha256,
-                 artifact.created_at),
+                (
+                    artifact.sandbox_id,
+                    artifact.path,
+                    artifact.size_bytes,
+                    artifact.sha256,
+                    artifact.created_at,
+                ),
             )
 
-    def artifacts(self, sandbox_id: str) -> list[ArtifactInfo]:
+    def artifacts(self, sandbox_id: str) -> builtins.list[ArtifactInfo]:
         with self._lock:
             rows = self._db.execute(
                 "SELECT sandbox_id, path, size_bytes, sha256, created_at FROM artifacts "

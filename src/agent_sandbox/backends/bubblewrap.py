@@ -30,7 +30,12 @@ import structlog
 
 from agent_sandbox.backends.base import GuestProcess, GuestSpec
 from agent_sandbox.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
-from agent_sandbox.backends.disk import create_loop_disk, loop_disks_available, mounted_below, unmount
+from agent_sandbox.backends.disk import (
+    create_loop_disk,
+    loop_disks_available,
+    mounted_below,
+    unmount,
+)
 from agent_sandbox.backends.seccomp import build_filter
 from agent_sandbox.backends.uids import UidAllocator
 from agent_sandbox.config import Settings
@@ -46,13 +51,21 @@ GUEST_PYTHON = "/usr/bin/python3"
 UID_LOCK_DIR = Path("/run/agent-sandbox/uids")
 HOST_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 ETC_BINDS = (
-    "/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime", "/etc/python3",
-    "/etc/python3.11", "/etc/ssl", "/etc/ca-certificates", "/etc/mime.types",
+    "/etc/ld.so.cache",
+    "/etc/alternatives",
+    "/etc/localtime",
+    "/etc/python3",
+    "/etc/python3.11",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/mime.types",
 )
 ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
 # Written to by root before the switch to the sandbox uid, so the process (and everything it
 # will ever fork) is inside the cgroup before a single instruction of sandbox code runs.
-PLACE_IN_CGROUP = 'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+PLACE_IN_CGROUP = (
+    'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+)
 READY_TIMEOUT_S = 15.0
 
 
@@ -210,30 +223,48 @@ class BubblewrapBackend:
         if spec.network:
             argv.append("--share-net")
         argv += [
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-            "--die-with-parent", "--new-session",
-            "--ro-bind", "/usr", "/usr",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--hostname",
+            "sandbox",
+            "--die-with-parent",
+            "--new-session",
+            "--ro-bind",
+            "/usr",
+            "/usr",
         ]
-        for link in HOST_LINKS:
-            if os.path.islink(link):
-                argv += ["--symlink", os.readlink(link), link]
-            elif os.path.isdir(link):
-                argv += ["--ro-bind", link, link]
+        for link in map(Path, HOST_LINKS):
+            if link.is_symlink():
+                argv += ["--symlink", str(link.readlink()), str(link)]
+            elif link.is_dir():
+                argv += ["--ro-bind", str(link), str(link)]
         argv += ["--proc", "/proc", "--dev", "/dev"]
         argv += ["--size", str(spec.limits.memory_mb * 1024 * 1024), "--tmpfs", "/tmp"]
         argv += ["--dir", "/etc"]
         for name in ("passwd", "group", "hosts", "nsswitch.conf"):
             argv += ["--ro-bind", str(self._etc / name), f"/etc/{name}"]
         for path in ETC_BINDS + (ETC_NETWORK_BINDS if spec.network else ()):
-            if os.path.exists(path):
+            if Path(path).exists():
                 argv += ["--ro-bind", path, path]
         argv += [
-            "--bind", str(box.workspace), "/workspace",
-            "--ro-bind", str(self._guest), GUEST_PATH_INSIDE,
-            "--chdir", "/workspace",
-            "--seccomp", str(seccomp_fd),
-            "--remount-ro", "/",
-            GUEST_PYTHON, "-I", "-S", GUEST_PATH_INSIDE,
+            "--bind",
+            str(box.workspace),
+            "/workspace",
+            "--ro-bind",
+            str(self._guest),
+            GUEST_PATH_INSIDE,
+            "--chdir",
+            "/workspace",
+            "--seccomp",
+            str(seccomp_fd),
+            "--remount-ro",
+            "/",
+            GUEST_PYTHON,
+            "-I",
+            "-S",
+            GUEST_PATH_INSIDE,
         ]
         return argv
 
@@ -251,10 +282,18 @@ class BubblewrapBackend:
             **spec.env,
         }
         argv = [
-            "/bin/sh", "-c", PLACE_IN_CGROUP, "sh",
-            *(str(p) for p in box.cgroup.procs_files), "--",
-            "setpriv", f"--reuid={box.uid}", f"--regid={box.uid}", "--clear-groups",
-            "--pdeathsig=SIGKILL", "--",
+            "/bin/sh",
+            "-c",
+            PLACE_IN_CGROUP,
+            "sh",
+            *(str(p) for p in box.cgroup.procs_files),
+            "--",
+            "setpriv",
+            f"--reuid={box.uid}",
+            f"--regid={box.uid}",
+            "--clear-groups",
+            "--pdeathsig=SIGKILL",
+            "--",
             *self._bwrap_argv(box, spec, read_fd),
         ]
         try:

@@ -122,7 +122,9 @@ class Cgroup:
                 oom_kills=self.oom_kills(),
                 pids_limit_hits=self.pids_limit_hits(),
             )
-        cpu_ns = _read_int(self.dirs["cpuacct"] / "cpuacct.usage") if "cpuacct" in self.dirs else None
+        cpu_ns = (
+            _read_int(self.dirs["cpuacct"] / "cpuacct.usage") if "cpuacct" in self.dirs else None
+        )
         return ResourceUsage(
             memory_bytes=_read_int(self.dirs["memory"] / "memory.usage_in_bytes"),
             memory_peak_bytes=_read_int(self.dirs["memory"] / "memory.max_usage_in_bytes"),

@@ -44,8 +44,16 @@ async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int, uid: int
         f.truncate(size_mb * 1024 * 1024)
     # No journal and lazy tables: a scratch disk that dies with the sandbox, made in ~20 ms.
     await _run(
-        "mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
-        "-E", f"root_owner={uid}:{uid},lazy_itable_init=1,nodiscard", str(image),
+        "mkfs.ext4",
+        "-q",
+        "-F",
+        "-m",
+        "0",
+        "-O",
+        "^has_journal",
+        "-E",
+        f"root_owner={uid}:{uid},lazy_itable_init=1,nodiscard",
+        str(image),
     )
     mountpoint.mkdir(parents=True, exist_ok=True)
     await _run("mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint))
@@ -70,12 +78,17 @@ def mounted_below(root: Path) -> list[Path]:
 async def unmount(mountpoint: Path) -> None:
     """Unmount (lazily if something still holds it); the loop device is freed with it."""
     proc = await asyncio.create_subprocess_exec(
-        "umount", str(mountpoint), stdout=asyncio.subprocess.DEVNULL,
+        "umount",
+        str(mountpoint),
+        stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
     if await proc.wait() != 0:
         lazy = await asyncio.create_subprocess_exec(
-            "umount", "-l", str(mountpoint), stdout=asyncio.subprocess.DEVNULL,
+            "umount",
+            "-l",
+            str(mountpoint),
+            stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
         )
         await lazy.wait()

@@ -54,10 +54,17 @@ class LocalBackend:
             **spec.env,
         }
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", str(GUEST_SCRIPT),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, cwd=workspace, env=env,
-            start_new_session=True, limit=1 << 20,
+            sys.executable,
+            "-I",
+            "-S",
+            str(GUEST_SCRIPT),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=workspace,
+            env=env,
+            start_new_session=True,
+            limit=1 << 20,
         )
         guest = GuestProcess(process)
         self._guests[spec.sandbox_id] = guest

@@ -18,7 +18,6 @@ each call's timeout and output caps, so a runaway cell never takes the protocol 
 import ast
 import base64
 import codecs
-import collections
 import json
 import linecache
 import os
@@ -155,7 +154,9 @@ class OutputSink:
         try:
             os.makedirs(OUTPUT_DIR, exist_ok=True)
             self.path = os.path.join(OUTPUT_DIR, "%s.%s" % (self.call_id, self.stream))
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            self.fd = os.open(
+                self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644
+            )
         except OSError:
             self.path = None
             self.fd = None
@@ -177,13 +178,22 @@ class OutputSink:
             os.close(self.fd)
             self.fd = None
         if not self.spilled:
-            return {"text": bytes(self.buf).decode("utf-8", "replace"), "truncated": False,
-                    "bytes": self.total, "path": None}
+            return {
+                "text": bytes(self.buf).decode("utf-8", "replace"),
+                "truncated": False,
+                "bytes": self.total,
+                "path": None,
+            }
         omitted = self.total - len(self.head) - min(len(self.tail), self.half)
         marker = "\n[... %d bytes omitted%s ...]\n" % (
-            omitted, "; full output in " + self.path if self.path else "")
-        text = (self.head.decode("utf-8", "replace") + marker
-                + bytes(self.tail[-self.half :]).decode("utf-8", "replace"))
+            omitted,
+            "; full output in " + self.path if self.path else "",
+        )
+        text = (
+            self.head.decode("utf-8", "replace")
+            + marker
+            + bytes(self.tail[-self.half :]).decode("utf-8", "replace")
+        )
         return {"text": text, "truncated": True, "bytes": self.total, "path": self.path}
 
 
@@ -350,10 +360,8 @@ def kernel_main(ctl_in, ctl_out):
     def _describe(exc):
         # Hide the kernel's own frames: the traceback should show only the user's code.
         te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
-        te.stack = traceback.StackSummary.from_list(
-            [f for f in te.stack if f.filename != __file__])
-        return {"type": type(exc).__name__, "message": str(exc),
-                "traceback": "".join(te.format())}
+        te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != __file__])
+        return {"type": type(exc).__name__, "message": str(exc), "traceback": "".join(te.format())}
 
     writer = FrameWriter(ctl_out)
     while True:
@@ -369,8 +377,11 @@ def kernel_main(ctl_in, ctl_out):
             try:
                 result = run_cell(request["code"])
             except KeyboardInterrupt:
-                result = {"exit_code": 1, "text": None, "error": {
-                    "type": "KeyboardInterrupt", "message": "", "traceback": ""}}
+                result = {
+                    "exit_code": 1,
+                    "text": None,
+                    "error": {"type": "KeyboardInterrupt", "message": "", "traceback": ""},
+                }
         if result["text"] is not None and len(result["text"]) > request.get("text_limit", 1 << 20):
             limit = request.get("text_limit", 1 << 20)
             result["text"] = result["text"][: limit // 2] + " ... " + result["text"][-limit // 2 :]
@@ -401,9 +412,13 @@ class Kernel:
         res_r, res_w = os.pipe()
         self.proc = subprocess.Popen(
             [PYTHON, "-u", os.path.abspath(__file__), "--kernel", str(req_r), str(res_w)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(req_r, res_w), cwd=WORKSPACE if os.path.isdir(WORKSPACE) else "/",
-            env=self.env, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(req_r, res_w),
+            cwd=WORKSPACE if os.path.isdir(WORKSPACE) else "/",
+            env=self.env,
+            start_new_session=True,
         )
         os.close(req_r)
         os.close(res_w)
@@ -480,14 +495,21 @@ class Supervisor:
             result = method(request)
             self.writer.send({"id": call_id, "event": "result", "result": result})
         except GuestFault as fault:
-            self.writer.send({"id": call_id, "event": "error", "code": fault.code,
-                              "message": fault.message})
+            self.writer.send(
+                {"id": call_id, "event": "error", "code": fault.code, "message": fault.message}
+            )
         except OSError as exc:
             code, message = os_error_code(exc)
             self.writer.send({"id": call_id, "event": "error", "code": code, "message": message})
         except Exception as exc:  # report, never die: the host decides what a failure means
-            self.writer.send({"id": call_id, "event": "error", "code": "guest_error",
-                              "message": "%s: %s" % (type(exc).__name__, exc)})
+            self.writer.send(
+                {
+                    "id": call_id,
+                    "event": "error",
+                    "code": "guest_error",
+                    "message": "%s: %s" % (type(exc).__name__, exc),
+                }
+            )
 
     def op_ping(self, request):
         return {"pong": True, "pid": os.getpid()}
@@ -531,8 +553,12 @@ class Supervisor:
         reason = []
         sinks = self._sinks(request, lambda: reason.append("output_limit"))
         pump = Pump({proc.stdout.fileno(): sinks[0], proc.stderr.fileno(): sinks[1]})
-        write_all(kernel.ctl_w, encode_frame({"code": request["code"],
-                                              "text_limit": request.get("output_limit", 1 << 20)}))
+        write_all(
+            kernel.ctl_w,
+            encode_frame(
+                {"code": request["code"], "text_limit": request.get("output_limit", 1 << 20)}
+            ),
+        )
         reply = None
         interrupt_at = None
         try:
@@ -575,10 +601,12 @@ class Supervisor:
             result["signal"] = -returncode if returncode < 0 else None
             if not reason and returncode < 0:
                 result["kill_reason"] = "cpu" if -returncode == signal.SIGXCPU else "killed"
-            result["error"] = {"type": "KernelDied" if not reason else "Interrupted",
-                               "message": "the interpreter was killed (signal %s); "
-                               "its variables and imports are lost" % (-returncode),
-                               "traceback": ""}
+            result["error"] = {
+                "type": "KernelDied" if not reason else "Interrupted",
+                "message": "the interpreter was killed (signal %s); "
+                "its variables and imports are lost" % (-returncode),
+                "traceback": "",
+            }
             result["text"] = None
             threading.Thread(target=self._rewarm_kernel, daemon=True).start()
         else:
@@ -600,8 +628,9 @@ class Supervisor:
         started = time.monotonic()
         name = str(request.get("session") or "default")
         with self.sessions_lock:
-            session = self.sessions.setdefault(name, {
-                "cwd": WORKSPACE, "env": dict(self.env), "lock": threading.Lock()})
+            session = self.sessions.setdefault(
+                name, {"cwd": WORKSPACE, "env": dict(self.env), "lock": threading.Lock()}
+            )
         call = Call()
         self.calls[call_id] = call
         try:
@@ -626,7 +655,10 @@ class Supervisor:
         proc = subprocess.Popen(
             ["/bin/bash", "-c", SHELL_WRAPPER, "bash", state_base, request["command"]],
             stdin=subprocess.PIPE if (has_input or keep_stdin) else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
             start_new_session=True,
         )
         set_oom_preferred(proc.pid)
@@ -667,8 +699,13 @@ class Supervisor:
                 call.stdin_fd = None
         returncode = proc.wait()
         self._update_session(session, state_base, call_env)
-        result = {"exit_code": signal_exit_code(returncode), "text": None, "error": None,
-                  "kill_reason": reason[0] if reason else None, "state_lost": False}
+        result = {
+            "exit_code": signal_exit_code(returncode),
+            "text": None,
+            "error": None,
+            "kill_reason": reason[0] if reason else None,
+            "state_lost": False,
+        }
         if returncode < 0 and not reason:
             result["kill_reason"] = "cpu" if -returncode == signal.SIGXCPU else "killed"
         self._finish_streams(result, sinks, started)
@@ -730,6 +767,7 @@ class Supervisor:
     def _streamer(self, call_id, name):
         def send(text):
             self.writer.send({"id": call_id, "event": name, "data": text})
+
         return send
 
     @staticmethod
@@ -756,8 +794,11 @@ class Supervisor:
             data = os.pread(fd, length, offset)
         finally:
             os.close(fd)
-        return {"data": base64.b64encode(data).decode("ascii"), "size": info.st_size,
-                "eof": offset + len(data) >= info.st_size}
+        return {
+            "data": base64.b64encode(data).decode("ascii"),
+            "size": info.st_size,
+            "eof": offset + len(data) >= info.st_size,
+        }
 
     def op_file_write(self, request):
         path = resolve_path(request.get("path"))
@@ -863,20 +904,22 @@ def resolve_path(raw, follow_final=True):
     if not isinstance(raw, str) or not raw or "\0" in raw:
         raise GuestFault("invalid_request", "path must be a non-empty string")
     if raw == "/workspace" or raw.startswith("/workspace/"):
-        raw = WORKSPACE + raw[len("/workspace"):]
+        raw = WORKSPACE + raw[len("/workspace") :]
     joined = raw if os.path.isabs(raw) else os.path.join(WORKSPACE, raw)
     normal = os.path.normpath(joined)
     root = os.path.realpath(WORKSPACE)
     if not _inside(normal, os.path.normpath(WORKSPACE)):
-        raise GuestFault("path_outside_workspace",
-                         "%r is outside /workspace; use a path relative to it" % raw)
+        raise GuestFault(
+            "path_outside_workspace", "%r is outside /workspace; use a path relative to it" % raw
+        )
     parent_real = os.path.realpath(os.path.dirname(normal))
     final = os.path.join(parent_real, os.path.basename(normal)) if normal != WORKSPACE else root
     if follow_final:
         final = os.path.realpath(final)
     if not _inside(final, root):
-        raise GuestFault("path_outside_workspace",
-                         "%r resolves (through a symlink) outside /workspace" % raw)
+        raise GuestFault(
+            "path_outside_workspace", "%r resolves (through a symlink) outside /workspace" % raw
+        )
     return final
 
 
@@ -902,10 +945,14 @@ def _describe_path(path):
         kind = "file"
     else:
         kind = "other"
-    return {"name": os.path.basename(path) or "workspace",
-            "path": os.path.relpath(path, os.path.realpath(WORKSPACE)),
-            "type": kind, "size_bytes": info.st_size, "mtime": info.st_mtime,
-            "mode": stat.S_IMODE(info.st_mode)}
+    return {
+        "name": os.path.basename(path) or "workspace",
+        "path": os.path.relpath(path, os.path.realpath(WORKSPACE)),
+        "type": kind,
+        "size_bytes": info.st_size,
+        "mtime": info.st_mtime,
+        "mode": stat.S_IMODE(info.st_mode),
+    }
 
 
 def os_error_code(exc):
@@ -958,8 +1005,16 @@ def supervisor_main():
     except OSError:
         pass
     threading.Thread(target=supervisor._rewarm_kernel, daemon=True).start()
-    writer.send({"id": 0, "event": "ready", "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
-                 "python": sys.version.split()[0], "uid": os.getuid()})
+    writer.send(
+        {
+            "id": 0,
+            "event": "ready",
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "python": sys.version.split()[0],
+            "uid": os.getuid(),
+        }
+    )
     while True:
         try:
             request = read_frame(0)
@@ -971,8 +1026,14 @@ def supervisor_main():
             threading.Thread(target=supervisor.handle, args=(request,), daemon=True).start()
         except RuntimeError:
             # The pids limit is exhausted (a fork bomb): say so instead of dying.
-            writer.send({"id": request.get("id"), "event": "error", "code": "pids_exhausted",
-                         "message": "the sandbox has no free process slots"})
+            writer.send(
+                {
+                    "id": request.get("id"),
+                    "event": "error",
+                    "code": "pids_exhausted",
+                    "message": "the sandbox has no free process slots",
+                }
+            )
     supervisor.kernel.stop()
 
 
