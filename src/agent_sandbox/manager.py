@@ -33,6 +33,7 @@ from agent_sandbox.errors import (
     SandboxNotRunning,
     SandboxStartError,
 )
+from agent_sandbox.log import configure_logging
 from agent_sandbox.models import (
     ArtifactInfo,
     ExecResult,
@@ -95,6 +96,10 @@ class SandboxManager:
         """
         if self._started:
             return
+        if not structlog.is_configured():
+            # A library must not print to stdout: send our logs to stderr unless the app
+            # configured structlog itself.
+            configure_logging(self.settings.log_level, self.settings.log_format)
         data_dir = self.settings.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(data_dir / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
