@@ -120,3 +120,7 @@ def version() -> None:
     from agent_sandbox import __version__
 
     typer.echo(__version__)
+
+
+if __name__ == "__main__":
+    app()

@@ -13,9 +13,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from agent_sandbox.errors import ConfigError
 from agent_sandbox.models import ResolvedLimits, SandboxLimits
 
 
@@ -152,3 +153,23 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """The process-wide settings, read once from the environment and ``.env``."""
     return Settings()
+
+
+def make_limits(**values: object) -> SandboxLimits:
+    """Build :class:`SandboxLimits`, turning validation errors into a :class:`ConfigError`
+    whose message names the argument and the environment variable behind its default.
+
+    Raises:
+        ConfigError: a value is out of range or of the wrong type.
+    """
+    try:
+        return SandboxLimits.model_validate(values)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "?"
+            field = Settings.model_fields.get(name)
+            alias = field.validation_alias if field is not None else None
+            env = f" (default from {alias.choices[-1]})" if isinstance(alias, AliasChoices) else ""
+            problems.append(f"{name}={error.get('input')!r}: {error['msg']}{env}")
+        raise ConfigError("invalid sandbox limits: " + "; ".join(problems)) from None

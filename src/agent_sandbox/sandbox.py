@@ -13,13 +13,13 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Self, TypeVar
 
 from agent_sandbox._portal import Portal, get_portal, on_exit
+from agent_sandbox.config import make_limits
 from agent_sandbox.manager import SandboxManager
 from agent_sandbox.models import (
     ExecResult,
     FileInfo,
     ResourceUsage,
     SandboxInfo,
-    SandboxLimits,
 )
 from agent_sandbox.protocol import OutputCallback
 
@@ -190,7 +190,7 @@ class AsyncSandbox:
             BackendUnavailable: the backend cannot run here (``agent-sandbox doctor`` says why).
             SandboxStartError: the sandbox did not start.
         """
-        limits = SandboxLimits(
+        limits = make_limits(
             memory_mb=memory_mb,
             cpu_cores=cpu_cores,
             pids=pids,

@@ -1,0 +1,128 @@
+"""Limits and options of isolating backends, from the inside and from the host."""
+
+from __future__ import annotations
+
+import socket
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent_sandbox import Sandbox, SandboxManager
+
+
+def _host_workspace(manager: SandboxManager, sb: Sandbox) -> Path:
+    return manager.settings.data_dir / "sandboxes" / sb.id / "workspace"
+
+
+def test_each_sandbox_has_its_own_unprivileged_host_uid(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    with (
+        Sandbox.create(manager=manager, backend=isolated_backend) as a,
+        Sandbox.create(manager=manager, backend=isolated_backend) as b,
+    ):
+        ws_a, ws_b = _host_workspace(manager, a), _host_workspace(manager, b)
+        uid_a, uid_b = ws_a.stat().st_uid, ws_b.stat().st_uid
+        assert uid_a != uid_b
+        assert min(uid_a, uid_b) >= manager.settings.uid_base
+        assert stat.S_IMODE(ws_a.stat().st_mode) == 0o700
+        inside = a.commands.run("id -u; touch made-here")
+        assert inside.stdout == "65534\n"
+        assert (ws_a / "made-here").stat().st_uid == uid_a  # never root on the host
+
+
+def test_workspace_has_the_requested_disk_size(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    with Sandbox.create(manager=manager, backend=isolated_backend, disk_mb=40) as sb:
+        size_kb = int(sb.commands.run("df -k --output=size /workspace | tail -1").stdout)
+        assert 30 * 1024 <= size_kb <= 40 * 1024
+
+
+def test_memory_below_the_limit_is_fine_and_measured(jail: Sandbox) -> None:
+    result = jail.run_code("blob = bytearray(100 * 1024 * 1024)\nlen(blob)")
+    assert result.text == str(100 * 1024 * 1024)
+    usage = jail.usage()
+    assert usage.memory_bytes is not None and usage.memory_bytes > 100 * 1024 * 1024
+    assert usage.oom_kills == 0
+
+
+def test_cpu_quota_caps_cpu_time(manager: SandboxManager, isolated_backend: str) -> None:
+    with Sandbox.create(manager=manager, backend=isolated_backend, cpu_cores=0.25) as sb:
+        before = sb.usage().cpu_s
+        started = time.monotonic()
+        sb.run_code("import time\nend = time.monotonic() + 2\nwhile time.monotonic() < end: pass")
+        wall_s = time.monotonic() - started
+        used_s = (sb.usage().cpu_s or 0) - (before or 0)
+        # A quarter of a core for ~2 s: well under the full 2 s a free spin would burn.
+        assert used_s < 0.45 * wall_s, (used_s, wall_s)
+
+
+def test_pids_limit_makes_fork_fail_not_the_host(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    with Sandbox.create(manager=manager, backend=isolated_backend, pids=64) as sb:
+        code = (
+            "import threading, time\nstarted = 0\ntry:\n"
+            "    for _ in range(200):\n"
+            "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+            "        started += 1\nexcept RuntimeError:\n    pass\nstarted"
+        )
+        result = sb.run_code(code)
+        assert result.text is not None and int(result.text) < 64
+        assert sb.usage().pids_limit_hits >= 1
+
+
+@pytest.fixture
+def host_server() -> Iterator[int]:
+    """A TCP server on the host's loopback that answers 'pong'."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"pong")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+CONNECT = (
+    "import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+    "s.recv(4).decode()"
+)
+
+
+def test_network_is_off_by_default(jail: Sandbox, host_server: int) -> None:
+    result = jail.run_code(CONNECT.format(port=host_server))
+    assert result.error is not None
+    assert "Address family not supported" in result.error.message
+
+
+def test_network_when_asked(
+    manager: SandboxManager, isolated_backend: str, host_server: int
+) -> None:
+    with Sandbox.create(manager=manager, backend=isolated_backend, network=True) as sb:
+        assert sb.run_code(CONNECT.format(port=host_server)).text == "'pong'"
+
+
+def test_sandbox_sees_its_own_pid_namespace(jail: Sandbox) -> None:
+    result = jail.commands.run("ls /proc | grep -E '^[0-9]+$' | wc -l")
+    # bwrap's init, the guest, the kernel, this shell and its pipeline: a handful, not the host.
+    assert int(result.stdout) < 15

@@ -1,0 +1,165 @@
+"""SandboxManager behaviour that does not depend on isolation, on the unsafe-local backend."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from agent_sandbox import (
+    AsyncSandbox,
+    ConfigError,
+    SandboxLimits,
+    SandboxManager,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SandboxStatus,
+)
+from tests.conftest import make_settings
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+def data_dir(data_root: Path, request: pytest.FixtureRequest) -> Path:
+    path = data_root / f"mgr-{request.node.name}"
+    path.mkdir()
+    return path
+
+
+async def test_ttl_expiry_destroys_sandbox(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create(ttl_s=0.3)
+        await asyncio.sleep(1.0)
+        after = await mgr.get(info.id)
+        assert after.status == SandboxStatus.DESTROYED
+        assert after.end_reason == "ttl"
+        with pytest.raises(SandboxNotRunning, match="ttl"):
+            await mgr.run_code(info.id, "1")
+
+
+async def test_idle_timeout_spares_active_sandboxes(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        idle = await mgr.create(idle_timeout_s=0.5)
+        busy = await mgr.create(idle_timeout_s=0.5)
+        # A call longer than the idle timeout must not get its sandbox reaped mid-call.
+        result = await mgr.run_code(busy.id, "import time; time.sleep(1.2); 'ok'")
+        assert result.text == "'ok'"
+        assert (await mgr.get(idle.id)).end_reason == "idle"
+        assert (await mgr.get(busy.id)).status == SandboxStatus.RUNNING
+
+
+async def test_extend_moves_the_deadline(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create(ttl_s=0.5)
+        await mgr.extend(info.id, 30)
+        await asyncio.sleep(1.0)
+        assert (await mgr.get(info.id)).status == SandboxStatus.RUNNING
+        with pytest.raises(ConfigError, match="ttl_s"):
+            await mgr.extend(info.id, 0)
+
+
+async def test_owners_cannot_see_each_other(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        alice = await mgr.create(owner="alice")
+        bob = await mgr.create(owner="bob")
+        assert [s.id for s in await mgr.list(owner="alice")] == [alice.id]
+        with pytest.raises(SandboxNotFound):
+            await mgr.get(bob.id, owner="alice")
+        with pytest.raises(SandboxNotFound):
+            await mgr.run_code(bob.id, "1", owner="alice")
+        with pytest.raises(SandboxNotFound):
+            await mgr.destroy(bob.id, owner="alice")
+        assert (await mgr.get(bob.id)).status == SandboxStatus.RUNNING
+
+
+async def test_unknown_sandbox_and_bad_arguments(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        with pytest.raises(SandboxNotFound):
+            await mgr.run_code("sb-nope", "1")
+        with pytest.raises(ConfigError, match="unknown backend 'nope'"):
+            await mgr.create(backend="nope")
+        with pytest.raises(ConfigError, match="ttl_s"):
+            await mgr.create(ttl_s=-1)
+        info = await mgr.create()
+        with pytest.raises(ConfigError, match="timeout_s"):
+            await mgr.run_code(info.id, "1", timeout_s=0)
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxLimits(memory_mb=1)
+
+
+async def test_one_manager_per_data_dir(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")):
+        second = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
+        with pytest.raises(ConfigError, match="AGENT_SANDBOX_DATA_DIR"):
+            await second.start()
+
+
+async def test_store_is_a_real_sqlite_file_that_survives_restart(data_dir: Path) -> None:
+    settings = make_settings(data_dir, backend="unsafe-local")
+    async with SandboxManager(settings) as mgr:
+        info = await mgr.create(metadata={"task": "t1"}, owner="alice")
+        await mgr.destroy(info.id)
+    rows = sqlite3.connect(data_dir / "agent-sandbox.db").execute(
+        "SELECT id, owner, status FROM sandboxes"
+    )
+    assert list(rows) == [(info.id, "alice", "destroyed")]
+    async with SandboxManager(settings) as mgr:
+        again = await mgr.get(info.id)
+        assert again.metadata == {"task": "t1"}
+        assert again.end_reason == "user"
+        assert [s.id for s in await mgr.list(include_ended=True)] == [info.id]
+
+
+async def test_close_destroys_live_sandboxes(data_dir: Path) -> None:
+    mgr = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
+    await mgr.start()
+    info = await mgr.create()
+    await mgr.close()
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as again:
+        assert (await again.get(info.id)).end_reason == "shutdown"
+    assert not (data_dir / "local-sandboxes" / info.id).exists()
+
+
+async def test_guest_killed_between_calls_reports_lost_state(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create()
+        await mgr.run_code(info.id, "x = 1")
+        # Kill the supervisor from outside, as an OOM kill between calls would.
+        pid = (await mgr.run_code(info.id, "import os; os.getppid()")).text
+        assert pid is not None
+        # The killer fires after its own call has returned: nobody has been told yet.
+        killer = await mgr.run_command(info.id, f"(sleep 0.3; kill -9 {pid}) >/dev/null 2>&1 &")
+        assert not killer.state_lost
+        await asyncio.sleep(1.0)
+        result = await mgr.run_code(info.id, "'x' in globals()")
+        assert result.text == "False"
+        assert result.state_lost
+        assert not (await mgr.run_code(info.id, "1")).state_lost
+
+
+async def test_async_sdk_with_explicit_manager(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        async with await AsyncSandbox.create(manager=mgr) as sb:
+            await sb.run_code("x = 41")
+            assert (await sb.run_code("x + 1")).text == "42"
+            result = await sb.commands.run("echo hi && exit 3")
+            assert (result.exit_code, result.stdout) == (3, "hi\n")
+            await sb.files.write("data/a.txt", "hello")
+            assert await sb.files.read("data/a.txt") == "hello"
+        assert sb.info.status == SandboxStatus.DESTROYED
+
+
+async def test_cancelled_call_is_stopped_in_the_guest(data_dir: Path) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create()
+        task = asyncio.create_task(mgr.run_command(info.id, "sleep 30", timeout_s=60))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The session lock is free again only if the guest really ended the command.
+        result = await asyncio.wait_for(mgr.run_command(info.id, "echo free"), 5)
+        assert result.stdout == "free\n"

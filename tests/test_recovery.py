@@ -1,0 +1,112 @@
+"""Crash recovery: kill -9 a manager holding live sandboxes, restart it, find nothing left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_sandbox import SandboxManager, SandboxStatus
+from agent_sandbox.backends.cgroups import CgroupDriver
+from agent_sandbox.backends.disk import mounted_below
+from tests.conftest import make_settings
+
+CRASHER = """
+import asyncio, json, os, sys
+from agent_sandbox import SandboxManager
+from tests.conftest import make_settings
+
+async def main():
+    mgr = SandboxManager(make_settings(sys.argv[1]))
+    await mgr.start()
+    out = []
+    for _ in range(int(sys.argv[2])):
+        info = await mgr.create(backend="bubblewrap")
+        # A daemon that would outlive its call, to prove it dies with the sandbox.
+        await mgr.run_command(info.id, "setsid sleep 3600 >/dev/null 2>&1 < /dev/null &")
+        await mgr.run_code(info.id, "x = 1")
+        ws = os.path.join(sys.argv[1], "sandboxes", info.id, "workspace")
+        out.append({"id": info.id, "uid": os.stat(ws).st_uid})
+    print(json.dumps(out), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def _processes_of(uids: set[int]) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid in uids:
+                    found.append(int(entry.name))
+            except FileNotFoundError:
+                continue
+    return found
+
+
+def _wait_until(predicate: object, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return bool(predicate())  # type: ignore[operator]
+
+
+@pytest.mark.asyncio
+async def test_restart_after_kill_9_cleans_every_orphan(
+    data_root: Path, isolated_backend: str
+) -> None:
+    data_dir = data_root / "crash"
+    data_dir.mkdir()
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASHER, str(data_dir), "3"],
+        stdout=subprocess.PIPE,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        sandboxes = json.loads(line)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert len(sandboxes) == 3
+    uids = {s["uid"] for s in sandboxes}
+    assert len(uids) == 3 and min(uids) >= 200_000  # one unprivileged host uid each
+
+    settings = make_settings(data_dir)
+    driver = CgroupDriver.detect()
+    from agent_sandbox.backends.bubblewrap import BubblewrapBackend
+
+    instance = BubblewrapBackend(settings).instance
+    cgroups_before = driver.children(settings.cgroup_root, instance)
+    assert sorted(cgroups_before) == sorted(s["id"] for s in sandboxes)
+    assert mounted_below(data_dir / "sandboxes")  # loop disks still mounted: orphans
+
+    async with SandboxManager(settings) as mgr:
+        for s in sandboxes:
+            info = await mgr.get(s["id"])
+            assert info.status == SandboxStatus.DESTROYED
+            assert info.end_reason == "recovered"
+        assert await mgr.list() == []
+        assert driver.children(settings.cgroup_root, instance) == []
+        assert mounted_below(data_dir / "sandboxes") == []
+        assert list((data_dir / "sandboxes").iterdir()) == []
+        assert _wait_until(lambda: _processes_of(uids) == []), _processes_of(uids)
+        # And the restarted manager works.
+        fresh = await mgr.create(backend=isolated_backend)
+        assert (await mgr.run_code(fresh.id, "6 * 7")).text == "42"
