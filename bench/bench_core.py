@@ -49,10 +49,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-for _key in list(os.environ):
-    if _key.startswith(("SANDBOX_", "AGENT_SANDBOX_", "LOG_")):
-        del os.environ[_key]
+for _var in list(os.environ):
+    if _var.startswith(("SANDBOX_", "AGENT_SANDBOX_", "LOG_")):
+        del os.environ[_var]
 
 from agent_sandbox import SandboxManager, Settings  # noqa: E402
 from agent_sandbox.models import SandboxLimits  # noqa: E402
@@ -76,6 +77,8 @@ EXEC_TARGET_MS = 1.0
 EXEC_BLOCK = 10
 COMMAND_BLOCK = 5
 BASELINE = "baseline"
+
+T = TypeVar("T")
 
 
 class BenchError(RuntimeError):
@@ -226,7 +229,7 @@ async def command_calls(manager: SandboxManager, rec: Recorder, backend: str, si
             raise BenchError(f"{backend}: run_command('true') gave {result!r}")
 
 
-def _rotated[T](items: Sequence[T], by: int) -> list[T]:
+def _rotated(items: Sequence[T], by: int) -> list[T]:
     k = by % len(items)
     return [*items[k:], *items[:k]]
 
@@ -312,9 +315,10 @@ def reading(stats: dict[str, Stats], backend: str) -> list[str]:
     lines = [
         f"Create on {backend} takes {_ms(iso['create'].p50)} ms p50 "
         f"({_ratio(iso['create'].p50, base)} a bare Python start-up); unsafe-local, which starts "
-        f"the same guest with no isolation, takes {_ms(local['create'].p50)} ms, so the guest's "
-        f"own Python start-up dominates and isolation (cgroup, ext4 workspace image, bwrap "
-        f"namespaces) adds {_ms(iso['create'].p50 - local['create'].p50)} ms.",
+        f"the same guest with no isolation, takes {_ms(local['create'].p50)} ms: the guest's own "
+        f"start-up (a Python interpreter loading the agent and its imports, until it reports "
+        f"ready) dominates, and isolation (cgroup, ext4 workspace image, bwrap namespaces) adds "
+        f"{_ms(iso['create'].p50 - local['create'].p50)} ms.",
         f"The first result comes {_ms(iso['first'].p50)} ms after create (the guest starts its "
         f"Python kernel process after reporting ready); with cpu_cores={UNTHROTTLED_CORES} it "
         f"comes after {_ms(fast['first'].p50)} ms, so the default 0.5-core CFS quota costs "
@@ -342,10 +346,12 @@ def reading(stats: dict[str, Stats], backend: str) -> list[str]:
     return lines
 
 
-def render_section(rec: Recorder, args: argparse.Namespace, started: dt.datetime, wall: float):
+def render_section(
+    rec: Recorder, args: argparse.Namespace, started: dt.datetime, wall: float
+) -> str:
     stats = rec.stats()
     method = (
-        f"{args.rounds} rounds, each of {args.cycles} interleaved create cycles per series, then "
+        f"{args.rounds} round(s), each of {args.cycles} interleaved create cycles per series, then "
         f"{args.exec_calls} `run_code('1')` and {args.command_calls} `run_command('true')` "
         f"calls per backend in alternating blocks; wall time, ms; whole run {wall:.0f} s."
     )
@@ -419,9 +425,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="markdown file whose section to replace")
     parser.add_argument("--cycles", type=int, default=20, help="create cycles per round")
     parser.add_argument("--exec-calls", type=int, default=200, help="run_code calls per round")
-    parser.add_argument(
-        "--command-calls", type=int, default=40, help="run_command calls per round"
-    )
+    parser.add_argument("--command-calls", type=int, default=40, help="run_command calls per round")
     args = parser.parse_args(argv)
     if min(args.rounds, args.cycles, args.exec_calls, args.command_calls) < 1:
         parser.error("--rounds, --cycles, --exec-calls and --command-calls must be >= 1")

@@ -286,3 +286,19 @@ def test_sandboxes_do_not_share_state(manager: SandboxManager, backend_name: str
         a.files.write("mine.txt", "a")
         assert b.run_code("'secret' in globals()").text == "False"
         assert not b.files.exists("mine.txt")
+
+
+def test_ttl_reaps_and_removes_everything(manager: SandboxManager, backend_name: str) -> None:
+    import time
+
+    sb = Sandbox.create(manager=manager, backend=backend_name, ttl_s=0.5)
+    sb.files.write("artifacts/kept.txt", "still here")
+    deadline = time.monotonic() + 10
+    while sb.refresh().status != "destroyed" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sb.info.end_reason == "ttl"
+    data_dir = manager.settings.data_dir
+    assert not (data_dir / "sandboxes" / sb.id).exists()
+    assert not (data_dir / "local-sandboxes" / sb.id).exists()
+    kept = get_portal().call(manager.list_artifacts(sb.id))
+    assert [a.path for a in kept] == ["kept.txt"]

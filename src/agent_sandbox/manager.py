@@ -492,17 +492,11 @@ class SandboxManager:
         self, sandbox_id: str, path: str, *, owner: str | None = None
     ) -> AsyncIterator[bytes]:
         """Stream a file out of the sandbox in chunks of at most 1 MiB."""
-        offset = 0
-        while True:
-            reply = await self._file_op(
-                sandbox_id, owner, "file_read", path=path, offset=offset, length=FILE_CHUNK_BYTES
-            )
-            data = _unb64(reply["data"])
-            offset += len(data)
-            if data:
-                yield data
-            if reply["eof"] or not data:
-                return
+        live = self._get_live(sandbox_id, owner)
+        self._touch(live)
+        conn, _ = await self._connection(live)
+        async for chunk in _read_chunks(conn, path, _disk_bytes(live)):
+            yield chunk
 
     async def read_file(self, sandbox_id: str, path: str, *, owner: str | None = None) -> bytes:
         return b"".join([c async for c in self.read_file_chunks(sandbox_id, path, owner=owner)])
@@ -545,6 +539,7 @@ class SandboxManager:
         except (SandboxError, OSError):
             return  # no artifacts directory
         dest_root = self._artifact_root(live.info.id).resolve()
+        budget = _disk_bytes(live)  # all artifacts together cannot exceed the sandbox's disk
         for entry in entries.get("entries", []):
             rel = PurePosixPath(str(entry.get("path", "")))
             if entry.get("type") != "file" or rel.is_absolute() or ".." in rel.parts:
@@ -557,19 +552,11 @@ class SandboxManager:
             digest = hashlib.sha256()
             size = 0
             with open(target, "wb") as out:
-                offset = 0
-                while True:
-                    reply = await live.conn.request(
-                        "file_read",
-                        {"path": str(rel), "offset": offset, "length": FILE_CHUNK_BYTES},
-                    )
-                    data = _unb64(reply["data"])
+                async for data in _read_chunks(live.conn, str(rel), budget):
                     out.write(data)
                     digest.update(data)
-                    offset += len(data)
                     size += len(data)
-                    if reply["eof"] or not data:
-                        break
+            budget -= size
             self._store.add_artifact(
                 ArtifactInfo(
                     sandbox_id=live.info.id,
@@ -667,3 +654,33 @@ def _unb64(text: str) -> bytes:
     import base64
 
     return base64.b64decode(text)
+
+
+def _disk_bytes(live: _Live) -> int:
+    return live.info.limits.disk_mb * 1024 * 1024
+
+
+async def _read_chunks(conn: GuestConnection, path: str, limit_bytes: int) -> AsyncIterator[bytes]:
+    """Read a file through the guest, never trusting it to say when to stop.
+
+    The guest shares a uid with sandboxed code, so a reply may lie: a "file" that never reaches
+    eof would otherwise stream until the host's disk or memory is full.
+
+    Raises:
+        GuestError: the guest sent more bytes than the sandbox's disk can hold.
+    """
+    offset = 0
+    while True:
+        reply = await conn.request(
+            "file_read", {"path": path, "offset": offset, "length": FILE_CHUNK_BYTES}
+        )
+        data = _unb64(reply["data"])
+        offset += len(data)
+        if offset > limit_bytes:
+            raise GuestError(
+                f"{path} grew past the sandbox's disk size ({limit_bytes} bytes) while read"
+            )
+        if data:
+            yield data
+        if reply["eof"] or not data:
+            return
