@@ -48,3 +48,12 @@ def test_unknown_wire_code_never_imports_anything() -> None:
     error = errors.error_from_code("os.system", "m")
     assert type(error) is errors.SandboxError
     assert error.message == "m"
+
+
+def test_host_and_guest_agree_on_the_launcher() -> None:
+    import re
+
+    from agent_sandbox.guest import GUEST_SCRIPT, LAUNCHER
+
+    match = re.search(r'^LAUNCHER = "(.*)"$', GUEST_SCRIPT.read_text(), re.M)
+    assert match is not None and match.group(1) == LAUNCHER

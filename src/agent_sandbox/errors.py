@@ -13,6 +13,11 @@ file missing inside a sandbox.
     ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
     ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
+    ├── AuthenticationError (PermissionError)    no API key, or an unknown or revoked one
+    ├── Forbidden (PermissionError)              the key's role may not do this
+    ├── QuotaExceeded (RuntimeError)             the tenant's live sandboxes or memory are at quota
+    ├── RateLimited (RuntimeError)               too many requests for this key; retry later
+    ├── RequestTooLarge (ValueError)             an upload over the size cap
     └── SandboxFileError (OSError)
         ├── SandboxFileNotFound (FileNotFoundError)
         ├── PathOutsideWorkspace (PermissionError)
@@ -68,6 +73,30 @@ class GuestError(SandboxError, RuntimeError):
     code = "guest_error"
 
 
+class AuthenticationError(SandboxError, PermissionError):
+    code = "unauthenticated"
+
+
+class Forbidden(SandboxError, PermissionError):
+    code = "forbidden"
+
+
+class QuotaExceeded(SandboxError, RuntimeError):
+    code = "quota_exceeded"
+
+
+class RateLimited(SandboxError, RuntimeError):
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTooLarge(SandboxError, ValueError):
+    code = "too_large"
+
+
 class SandboxFileError(SandboxError, OSError):
     code = "file_error"
 
@@ -110,6 +139,11 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxNotRunning,
         SandboxStartError,
         GuestError,
+        AuthenticationError,
+        Forbidden,
+        QuotaExceeded,
+        RateLimited,
+        RequestTooLarge,
         SandboxFileError,
         SandboxFileNotFound,
         PathOutsideWorkspace,

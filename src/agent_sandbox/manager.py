@@ -16,7 +16,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -28,6 +28,8 @@ from agent_sandbox.config import Settings, get_settings
 from agent_sandbox.errors import (
     ConfigError,
     GuestError,
+    QuotaExceeded,
+    RequestTooLarge,
     SandboxError,
     SandboxNotFound,
     SandboxNotRunning,
@@ -37,6 +39,7 @@ from agent_sandbox.log import configure_logging
 from agent_sandbox.models import (
     ArtifactInfo,
     ExecResult,
+    Quota,
     ResourceUsage,
     SandboxInfo,
     SandboxLimits,
@@ -52,6 +55,9 @@ READY_TIMEOUT_S = 15.0
 FILE_CHUNK_BYTES = 1 << 20
 ARTIFACTS_DIR = "artifacts"
 RESULT_FIELDS = frozenset(ExecResult.model_fields)
+
+# Observers of what happens to sandboxes (metrics, audit): called as listener(event, fields).
+Listener = Callable[[str, dict[str, Any]], None]
 
 
 @dataclass
@@ -78,6 +84,18 @@ class SandboxManager:
         self._lock_fd: int | None = None
         self._store: Store = None  # type: ignore[assignment]  # set by start()
         self._started = False
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event, fields)`` on "created", "destroyed", "exec", "backend_error"."""
+        self._listeners.append(listener)
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event, fields)
+            except Exception:
+                log.exception("listener failed", event=event)
 
     # ------------------------------------------------------------------ lifecycle of the manager
 
@@ -183,11 +201,13 @@ class SandboxManager:
         owner: str = "local",
         ttl_s: float | None = None,
         idle_timeout_s: float | None = None,
+        quota: Quota | None = None,
     ) -> SandboxInfo:
         """Start a sandbox and return once its guest answers.
 
         Raises:
             ConfigError: an unknown backend or an out-of-range setting.
+            QuotaExceeded: ``owner`` already holds ``quota`` worth of live sandboxes.
             BackendUnavailable: the backend cannot run on this host.
             SandboxStartError: the backend failed to start the guest.
         """
@@ -198,6 +218,8 @@ class SandboxManager:
         backend_name = backend or self.settings.backend
         chosen = self._backend(backend_name)
         resolved = self.settings.resolve_limits(limits)
+        if quota is not None:
+            self._check_quota(owner, resolved.memory_mb, quota)
         now = time.time()
         sandbox_id = "sb-" + secrets.token_hex(8)
         info = SandboxInfo(
@@ -225,11 +247,13 @@ class SandboxManager:
             with contextlib.suppress(Exception):
                 await chosen.stop(sandbox_id)
             self._end(info, SandboxStatus.FAILED, "failed")
+            self._emit("backend_error", backend=backend_name, code=getattr(exc, "code", "error"))
             if isinstance(exc, SandboxError | asyncio.CancelledError):
                 raise
             raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
         info.status = SandboxStatus.RUNNING
         self._store.save(info)
+        self._emit("created", info=info)
         log.info(
             "sandbox created",
             sandbox=sandbox_id,
@@ -251,6 +275,23 @@ class SandboxManager:
             raise SandboxStartError(f"the sandbox's guest did not start: {detail}") from exc
         live.conn = conn
         return conn
+
+    def _check_quota(self, owner: str, memory_mb: int, quota: Quota) -> None:
+        # No await between this check and registering the sandbox: concurrent creates of one
+        # owner cannot both slip under the quota.
+        mine = [live.info for live in self._live.values() if live.info.owner == owner]
+        if len(mine) >= quota.max_sandboxes:
+            raise QuotaExceeded(
+                f"{owner!r} has {len(mine)} live sandboxes, its quota is {quota.max_sandboxes}; "
+                "destroy one, or raise TENANT_MAX_SANDBOXES"
+            )
+        used_mb = sum(info.limits.memory_mb for info in mine)
+        if used_mb + memory_mb > quota.max_memory_mb:
+            raise QuotaExceeded(
+                f"{owner!r} uses {used_mb} MiB in live sandboxes; {memory_mb} MiB more is over "
+                f"its quota of {quota.max_memory_mb} MiB; use a smaller memory_mb, destroy a "
+                "sandbox, or raise TENANT_MAX_MEMORY_MB"
+            )
 
     async def get(self, sandbox_id: str, *, owner: str | None = None) -> SandboxInfo:
         """A live or ended sandbox's record.
@@ -298,6 +339,7 @@ class SandboxManager:
                 await live.conn.close()
             await live.backend.stop(sandbox_id)
         self._end(live.info, SandboxStatus.DESTROYED, reason)
+        self._emit("destroyed", info=live.info)
         log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)
         return live.info.model_copy()
 
@@ -348,18 +390,27 @@ class SandboxManager:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         input: str | None = None,
+        stdin: asyncio.Queue[bytes | None] | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         owner: str | None = None,
     ) -> ExecResult:
-        """Run a bash command; cwd and exported env persist within the named ``session``."""
+        """Run a bash command; cwd and exported env persist within the named ``session``.
+
+        ``input`` is written to the command's stdin up front; with ``stdin``, each item put on
+        the queue is sent while it runs, and ``None`` closes its stdin.
+        """
         live = self._get_live(sandbox_id, owner)
         payload: dict[str, Any] = {"command": command, "session": session, "env": env or {}}
         if cwd is not None:
             payload["cwd"] = cwd
         if input is not None:
             payload["input"] = input
-        return await self._exec(live, "exec_shell", payload, timeout_s, on_stdout, on_stderr)
+        if stdin is not None:
+            payload["stdin"] = True
+        return await self._exec(
+            live, "exec_shell", payload, timeout_s, on_stdout, on_stderr, stdin=stdin
+        )
 
     async def _exec(
         self,
@@ -369,6 +420,7 @@ class SandboxManager:
         timeout_s: float | None,
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
+        stdin: asyncio.Queue[bytes | None] | None = None,
     ) -> ExecResult:
         limits = live.info.limits
         timeout = limits.timeout_s if timeout_s is None else timeout_s
@@ -387,6 +439,11 @@ class SandboxManager:
                 "output_limit": limits.output_limit_bytes,
                 "output_file_limit": limits.output_file_limit_mb * 1024 * 1024,
             }
+            feeder = (
+                asyncio.create_task(_feed_stdin(conn, call_id, stdin))
+                if stdin is not None
+                else None
+            )
             try:
                 raw = await asyncio.wait_for(
                     conn.request(
@@ -404,6 +461,9 @@ class SandboxManager:
             except asyncio.CancelledError:
                 await conn.notify("cancel", {"target": call_id})
                 raise
+            finally:
+                if feeder is not None:
+                    feeder.cancel()
             after = await live.backend.usage(live.info.id)
             result = ExecResult.model_validate({k: v for k, v in raw.items() if k in RESULT_FIELDS})
             if not result.duration_ms:
@@ -411,6 +471,7 @@ class SandboxManager:
             await self._classify(live, result, before, after)
             if restarted:
                 result.state_lost = True
+            self._emit("exec", info=live.info, op=op, result=result)
             return result
         finally:
             live.active_calls -= 1
@@ -471,10 +532,37 @@ class SandboxManager:
         owner: str | None = None,
     ) -> int:
         """Write ``data`` to ``path`` (relative to /workspace); returns the size written."""
+        chunks = [data[i : i + FILE_CHUNK_BYTES] for i in range(0, len(data), FILE_CHUNK_BYTES)]
+        return await self.write_file_chunks(
+            sandbox_id, path, _aiter(chunks or [b""]), mode=mode, owner=owner
+        )
+
+    async def write_file_chunks(
+        self,
+        sandbox_id: str,
+        path: str,
+        chunks: AsyncIterable[bytes],
+        *,
+        mode: int = 0o644,
+        max_bytes: int | None = None,
+        owner: str | None = None,
+    ) -> int:
+        """Stream chunks into a file; past ``max_bytes`` the partial file is removed.
+
+        Raises:
+            RequestTooLarge: more than ``max_bytes`` arrived.
+        """
         written = 0
+        size = 0
         first = True
-        for start in range(0, max(len(data), 1), FILE_CHUNK_BYTES):
-            chunk = data[start : start + FILE_CHUNK_BYTES]
+        async for chunk in _rechunk(chunks, FILE_CHUNK_BYTES):
+            written += len(chunk)
+            if max_bytes is not None and written > max_bytes:
+                with contextlib.suppress(SandboxError):
+                    await self.remove_file(sandbox_id, path, owner=owner)
+                raise RequestTooLarge(
+                    f"upload is over {max_bytes} bytes; raise API_MAX_UPLOAD_MB to allow more"
+                )
             reply = await self._file_op(
                 sandbox_id,
                 owner,
@@ -484,9 +572,9 @@ class SandboxManager:
                 mode=mode,
                 data=_b64(chunk),
             )
-            written = int(reply["size_bytes"])
+            size = int(reply["size_bytes"])
             first = False
-        return written
+        return size
 
     async def read_file_chunks(
         self, sandbox_id: str, path: str, *, owner: str | None = None
@@ -683,4 +771,38 @@ async def _read_chunks(conn: GuestConnection, path: str, limit_bytes: int) -> As
         if data:
             yield data
         if reply["eof"] or not data:
+            return
+
+
+async def _aiter(items: builtins.list[bytes]) -> AsyncIterator[bytes]:
+    for item in items:
+        yield item
+
+
+async def _rechunk(chunks: AsyncIterable[bytes], size: int) -> AsyncIterator[bytes]:
+    """Regroup a byte stream into pieces of at most ``size`` (at least one, maybe empty)."""
+    buffer = bytearray()
+    sent = False
+    async for chunk in chunks:
+        buffer += chunk
+        while len(buffer) >= size:
+            yield bytes(buffer[:size])
+            del buffer[:size]
+            sent = True
+    if buffer or not sent:
+        yield bytes(buffer)
+
+
+async def _feed_stdin(
+    conn: GuestConnection, call_id: int, queue: asyncio.Queue[bytes | None]
+) -> None:
+    """Forward queued input to a running command; ``None`` closes its stdin."""
+    while True:
+        data = await queue.get()
+        payload = {"target": call_id, "data": _b64(data or b""), "eof": data is None}
+        try:
+            await conn.request("stdin", payload)
+        except SandboxError:
+            return  # the command ended (or never took stdin): later input has nowhere to go
+        if data is None:
             return

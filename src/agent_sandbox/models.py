@@ -99,6 +99,13 @@ class ResolvedLimits(_Model):
     output_file_limit_mb: int
 
 
+class Quota(_Model):
+    """What one owner (tenant) may hold at once."""
+
+    max_sandboxes: int = Field(ge=0)
+    max_memory_mb: int = Field(ge=0)
+
+
 class SandboxInfo(_Model):
     id: str
     backend: str

@@ -61,8 +61,11 @@ class GuestProcess:
         return self.process.returncode
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
+        # Signalling a process asyncio has already reaped would make it reap again and log
+        # "unknown child process"; and its pid may belong to someone else by now.
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
 
     async def wait(self) -> int:
         code = await self.process.wait()

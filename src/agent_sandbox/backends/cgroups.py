@@ -172,7 +172,7 @@ class Cgroup:
                 except FileNotFoundError:
                     remaining.discard(d)
                 except OSError as exc:
-                    if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
                         return False
             if remaining:
                 self.kill_all(timeout_s=0.2)

@@ -21,7 +21,7 @@ import structlog
 
 from agent_sandbox.backends.base import GuestProcess, GuestSpec
 from agent_sandbox.config import Settings
-from agent_sandbox.guest import GUEST_SCRIPT
+from agent_sandbox.guest import GUEST_SCRIPT, launcher
 from agent_sandbox.models import ResourceUsage
 
 log = structlog.get_logger(__name__)
@@ -57,7 +57,8 @@ class LocalBackend:
             sys.executable,
             "-I",
             "-S",
-            str(GUEST_SCRIPT),
+            "-c",
+            launcher(str(GUEST_SCRIPT.parent)),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

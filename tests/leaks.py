@@ -1,0 +1,234 @@
+"""Leak accounting for the hostile suite: what sandboxes leave behind on the host.
+
+A snapshot counts, for one manager (one data directory):
+
+- processes run by a sandbox uid (any of real/effective/saved/fs uid >= ``uid_base``), except
+  those provably inside another manager's cgroups (other test runs may share this host);
+- the sandbox cgroups of this manager (``<controller>/<cgroup_root>/<instance>/*``);
+- the sandbox directories under ``<data_dir>/sandboxes``;
+- the mounts below the data directory, and the loop devices backed by a file in it.
+
+After the sandboxes of a test are destroyed every count must return to its baseline. The kernel
+(and the host's init, which inherits each sandbox's pid 1 when it dies) may need a moment to
+reap, so :func:`wait_for_baseline` polls for a few seconds before it reports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent_sandbox import SandboxManager
+
+CGROUP_FS = Path("/sys/fs/cgroup")
+V1_CONTROLLERS = ("pids", "memory", "cpu", "cpuacct")
+REAP_WAIT_S = 3.0
+
+
+def instance_of(data_dir: Path) -> str:
+    """The bubblewrap backend's name for a data directory's cgroup subtree."""
+    return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+
+
+def cgroup_instance_dirs(manager: SandboxManager) -> list[Path]:
+    """``<hierarchy>/<cgroup_root>/<instance>`` in every hierarchy (v1 controllers or v2)."""
+    parts = (manager.settings.cgroup_root, instance_of(manager.settings.data_dir))
+    v1 = [CGROUP_FS / c for c in V1_CONTROLLERS if (CGROUP_FS / c).is_dir()]
+    roots = v1 or [CGROUP_FS]
+    return [root.joinpath(*parts) for root in roots]
+
+
+def sandbox_cgroup_dirs(manager: SandboxManager, sandbox_id: str) -> list[Path]:
+    return [d / sandbox_id for d in cgroup_instance_dirs(manager)]
+
+
+def pids_cgroup_dir(manager: SandboxManager, sandbox_id: str) -> Path:
+    """The cgroup directory holding the sandbox's ``pids.*`` files."""
+    instance = instance_of(manager.settings.data_dir)
+    for base in (CGROUP_FS / "pids", CGROUP_FS):
+        candidate = base / manager.settings.cgroup_root / instance / sandbox_id
+        if (candidate / "pids.max").exists():
+            return candidate
+    raise AssertionError(f"no pids cgroup for {sandbox_id}")
+
+
+def sandbox_root(manager: SandboxManager, sandbox_id: str) -> Path:
+    return manager.settings.data_dir.resolve() / "sandboxes" / sandbox_id
+
+
+def host_uid(manager: SandboxManager, sandbox_id: str) -> int:
+    """The host uid a sandbox runs as (the owner of its workspace)."""
+    return (sandbox_root(manager, sandbox_id) / "workspace").stat().st_uid
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    uids: tuple[int, ...]
+    state: str
+    cgroup: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} {self.name!r} state {self.state} uids {self.uids} in {self.cgroup}"
+
+
+def _pids_cgroup_path(pid: int) -> str:
+    """The process's path in the pids hierarchy (v1) or the unified one (v2)."""
+    text = Path(f"/proc/{pid}/cgroup").read_text()
+    unified = ""
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            return path
+        if controllers == "":
+            unified = path
+    return unified
+
+
+def read_proc(pid: int) -> Proc | None:
+    """What /proc says about ``pid``, or None if it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        cgroup = _pids_cgroup_path(pid)
+    except (OSError, ValueError):
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    uids = tuple(int(v) for v in fields.get("Uid", "").split())
+    state = fields.get("State", "?").strip()[:1]
+    return Proc(pid, uids, state, cgroup, fields.get("Name", "?").strip())
+
+
+def all_procs() -> list[Proc]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            proc = read_proc(int(name))
+            if proc is not None:
+                found.append(proc)
+    return found
+
+
+def procs_of_uid(uid: int) -> list[Proc]:
+    """Every process (zombies included) with ``uid`` as any of its uids."""
+    return [p for p in all_procs() if uid in p.uids]
+
+
+def sandbox_procs(manager: SandboxManager) -> list[Proc]:
+    """Processes of sandbox uids that may belong to this manager.
+
+    Those inside another manager's cgroup subtree are someone else's; processes outside every
+    sandbox cgroup (escaped ones, and zombies, which the kernel shows in the root cgroup) count.
+    """
+    base = manager.settings.uid_base
+    prefix = "/" + manager.settings.cgroup_root.strip("/") + "/"
+    ours = prefix + instance_of(manager.settings.data_dir) + "/"
+    found = []
+    for proc in all_procs():
+        if not any(u >= base for u in proc.uids):
+            continue
+        if proc.cgroup.startswith(prefix) and not proc.cgroup.startswith(ours):
+            continue
+        found.append(proc)
+    return found
+
+
+@dataclass
+class Snapshot:
+    procs: list[Proc] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
+    sandbox_dirs: list[str] = field(default_factory=list)
+    mounts: list[str] = field(default_factory=list)
+    loop_devices: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "processes": len(self.procs),
+            "cgroups": len(self.cgroups),
+            "sandbox_dirs": len(self.sandbox_dirs),
+            "mounts": len(self.mounts),
+            "loop_devices": len(self.loop_devices),
+        }
+
+    def excess_over(self, baseline: Snapshot) -> dict[str, list[str]]:
+        """What this snapshot holds beyond ``baseline``, for every count that grew."""
+        excess: dict[str, list[str]] = {}
+        before_pids = {p.pid for p in baseline.procs}
+        new_items = {
+            "processes": [str(p) for p in self.procs if p.pid not in before_pids],
+            "cgroups": sorted(set(self.cgroups) - set(baseline.cgroups)),
+            "sandbox_dirs": sorted(set(self.sandbox_dirs) - set(baseline.sandbox_dirs)),
+            "mounts": sorted(set(self.mounts) - set(baseline.mounts)),
+            "loop_devices": sorted(set(self.loop_devices) - set(baseline.loop_devices)),
+        }
+        now, then = self.counts(), baseline.counts()
+        for key, items in new_items.items():
+            if now[key] > then[key]:
+                excess[key] = items or [f"{now[key]} now, {then[key]} before"]
+        return excess
+
+
+def _mounts_below(root: Path) -> list[str]:
+    prefix = str(root.resolve())
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            point = line.split()[1].replace("\\040", " ")
+            if point == prefix or point.startswith(prefix + "/"):
+                found.append(point)
+    return found
+
+
+def _loop_devices_below(root: Path) -> list[str]:
+    prefix = str(root.resolve()) + "/"
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            target = backing.read_text().strip()
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            found.append(f"{backing.parent.parent.name} -> {target}")
+    return found
+
+
+def snapshot(manager: SandboxManager) -> Snapshot:
+    data_dir = manager.settings.data_dir.resolve()
+    cgroups = []
+    for d in cgroup_instance_dirs(manager):
+        if d.is_dir():
+            cgroups += [str(c) for c in d.iterdir() if c.is_dir()]
+    sandboxes = data_dir / "sandboxes"
+    dirs = sorted(p.name for p in sandboxes.iterdir()) if sandboxes.is_dir() else []
+    return Snapshot(
+        procs=sandbox_procs(manager),
+        cgroups=sorted(cgroups),
+        sandbox_dirs=dirs,
+        mounts=_mounts_below(data_dir),
+        loop_devices=_loop_devices_below(data_dir),
+    )
+
+
+def wait_for_baseline(
+    manager: SandboxManager, baseline: Snapshot, timeout_s: float = REAP_WAIT_S
+) -> dict[str, list[str]]:
+    """Poll until nothing exceeds ``baseline``; return what still does after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        excess = snapshot(manager).excess_over(baseline)
+        if not excess or time.monotonic() > deadline:
+            return excess
+        time.sleep(0.05)
+
+
+def wait_until_gone(manager: SandboxManager, uid: int, timeout_s: float = REAP_WAIT_S) -> list[Proc]:
+    """Poll until no process of this manager runs as ``uid``; return the survivors."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [p for p in sandbox_procs(manager) if uid in p.uids]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
