@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 for _key in list(os.environ):
@@ -107,3 +114,97 @@ def jail(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
     sb = Sandbox.create(manager=manager, backend=isolated_backend, timeout_s=10)
     yield sb
     sb.kill()
+
+
+# ---------------------------------------------------------------------- a real server
+
+
+@dataclass
+class LiveServer:
+    url: str
+    data_dir: Path
+    keys: dict[str, str]  # who -> API key
+    log: Path
+
+    def headers(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[who]}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_server(
+    data_dir: Path, extra_env: dict[str, str] | None = None, *args: str
+) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`agent-sandbox serve` as a real process on a free port; returns once /health answers."""
+    port = _free_port()
+    log_path = data_dir / "server.log"
+    env = {
+        **os.environ,
+        "AGENT_SANDBOX_DATA_DIR": str(data_dir),
+        "SANDBOX_TIMEOUT_SECONDS": "10",
+        "SANDBOX_DISK_LIMIT_MB": "64",
+        "SANDBOX_REAPER_INTERVAL_SECONDS": "0.5",
+        "LOG_LEVEL": "WARNING",
+        **(extra_env or {}),
+    }
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "agent_sandbox.cli", "serve", "--port", str(port), *args],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url, log_path
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("server did not answer /health within 30 s")
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="session")
+def live_server(data_root: Path) -> Iterator[LiveServer]:
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    from agent_sandbox.server.auth import AuthStore
+
+    data_dir = data_root / "server"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "agent-sandbox.db")
+    keys = {
+        "admin": store.create_key("ops", "admin")[1],
+        "alice": store.create_key("acme", "user")[1],
+        "alice2": store.create_key("acme", "user")[1],
+        "viewer": store.create_key("acme", "viewer")[1],
+        "bob": store.create_key("globex", "user")[1],
+        "small": store.create_key("tiny", "user")[1],
+        "burst": store.create_key("bursty", "user")[1],
+    }
+    revoked_id, keys["revoked"] = store.create_key("acme", "user")
+    store.revoke_key(revoked_id)
+    store.set_quota("tiny", max_sandboxes=1, max_memory_mb=300)
+    store.close()
+    process, url, log_path = start_server(data_dir)
+    yield LiveServer(url=url, data_dir=data_dir, keys=keys, log=log_path)
+    stop_server(process)

@@ -224,7 +224,9 @@ def wait_for_baseline(
         time.sleep(0.05)
 
 
-def wait_until_gone(manager: SandboxManager, uid: int, timeout_s: float = REAP_WAIT_S) -> list[Proc]:
+def wait_until_gone(
+    manager: SandboxManager, uid: int, timeout_s: float = REAP_WAIT_S
+) -> list[Proc]:
     """Poll until no process of this manager runs as ``uid``; return the survivors."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -13,6 +15,7 @@ from agent_sandbox.config import get_settings
 from agent_sandbox.errors import SandboxError
 from agent_sandbox.log import configure_logging
 from agent_sandbox.models import ExecResult
+from agent_sandbox.server.auth import AuthStore
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -120,6 +123,127 @@ def version() -> None:
     from agent_sandbox import __version__
 
     typer.echo(__version__)
+
+
+# ---------------------------------------------------------------------- server
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Default: API_HOST (127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Default: API_PORT (8000).")] = None,
+    no_auth: Annotated[
+        bool, typer.Option("--no-auth", help="No API keys: local single-user use only.")
+    ] = False,
+    workers: Annotated[int | None, typer.Option(help="Must be 1 (see API_WORKERS).")] = None,
+) -> None:
+    """Run the REST + WebSocket server."""
+    import uvicorn
+
+    from agent_sandbox.server import create_app
+
+    updates: dict[str, object] = {}
+    if host is not None:
+        updates["api_host"] = host
+    if port is not None:
+        updates["api_port"] = port
+    if no_auth:
+        updates["auth_enabled"] = False
+    if workers is not None and workers != 1:
+        console.print(
+            "[red]--workers must be 1:[/] sandboxes live in the server process that created "
+            "them; run more servers, each with its own AGENT_SANDBOX_DATA_DIR, to scale out"
+        )
+        raise typer.Exit(2)
+    settings = get_settings().model_copy(update=updates)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.api_host,
+        port=settings.api_port,
+        log_level=settings.log_level.lower(),
+        ws="websockets",
+    )
+
+
+# ---------------------------------------------------------------------- keys
+
+keys_app = typer.Typer(no_args_is_help=True, help="API keys, tenant quotas and the audit log.")
+app.add_typer(keys_app, name="keys")
+
+
+@contextlib.contextmanager
+def _auth_store() -> Iterator[AuthStore]:
+    store = AuthStore(get_settings().data_dir / "agent-sandbox.db")
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Whose sandboxes this key reaches.")],
+    role: Annotated[str, typer.Option(help="admin | user | viewer")] = "user",
+    name: Annotated[str, typer.Option(help="A label for people.")] = "",
+) -> None:
+    """Create a key and print it once (only its hash is stored)."""
+    try:
+        with _auth_store() as store:
+            key_id, key = store.create_key(tenant, role, name)
+    except SandboxError as exc:
+        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
+        raise typer.Exit(2) from None
+    console.print(f"created {key_id} for tenant {tenant!r} with role {role}; store it now:")
+    typer.echo(key)
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """List keys (never the keys themselves)."""
+    table = Table("key_id", "tenant", "role", "name", "revoked")
+    with _auth_store() as store:
+        for key in store.list_keys():
+            revoked = "yes" if key["revoked_at"] else ""
+            table.add_row(key["key_id"], key["tenant"], key["role"], key["name"], revoked)
+    Console().print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str) -> None:
+    """Revoke a key at once."""
+    with _auth_store() as store:
+        revoked = store.revoke_key(key_id)
+    if not revoked:
+        console.print(f"[red]no active key {key_id!r}[/] (see `agent-sandbox keys list`)")
+        raise typer.Exit(1)
+    console.print(f"revoked {key_id}")
+
+
+@keys_app.command("quota")
+def keys_quota(
+    tenant: str,
+    max_sandboxes: Annotated[int | None, typer.Option(min=0)] = None,
+    max_memory_mb: Annotated[int | None, typer.Option(min=0)] = None,
+) -> None:
+    """Set a tenant's quota (unset values keep TENANT_MAX_* defaults)."""
+    with _auth_store() as store:
+        store.set_quota(tenant, max_sandboxes, max_memory_mb)
+    console.print(f"quota of {tenant!r}: sandboxes={max_sandboxes} memory_mb={max_memory_mb}")
+
+
+@keys_app.command("audit")
+def keys_audit(
+    tenant: Annotated[str | None, typer.Option()] = None,
+    limit: Annotated[int, typer.Option(min=1)] = 50,
+) -> None:
+    """Show the newest audit log entries."""
+    table = Table("seq", "tenant", "key_id", "action", "sandbox", "outcome")
+    with _auth_store() as store:
+        for row in store.audit_log(tenant, limit):
+            sandbox = row["sandbox_id"] or ""
+            action, outcome = row["action"], row["outcome"]
+            table.add_row(str(row["seq"]), row["tenant"], row["key_id"], action, sandbox, outcome)
+    Console().print(table)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,71 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_CGROUP_ROOT", "cgroup_root"),
         description="Cgroup (relative to each hierarchy's root) under which sandboxes live.",
     )
+    api_host: str = Field(
+        default="127.0.0.1",
+        validation_alias=_env("API_HOST", "api_host"),
+        description="Address `agent-sandbox serve` listens on.",
+    )
+    api_port: int = Field(
+        default=8000,
+        ge=0,
+        le=65535,
+        validation_alias=_env("API_PORT", "api_port"),
+        description="Port `agent-sandbox serve` listens on.",
+    )
+    api_workers: int = Field(
+        default=1,
+        ge=1,
+        le=1,
+        validation_alias=_env("API_WORKERS", "api_workers"),
+        description="Server processes. Sandboxes live in the process that made them, so one "
+        "process serves a data directory; scale out with more hosts.",
+    )
+    auth_enabled: bool = Field(
+        default=True,
+        validation_alias=_env("SANDBOX_AUTH_ENABLED", "auth_enabled"),
+        description="Require API keys (`serve --no-auth` turns this off for local use).",
+    )
+    rate_limit_per_s: float = Field(
+        default=50.0,
+        gt=0,
+        validation_alias=_env("API_RATE_LIMIT_PER_SECOND", "rate_limit_per_s"),
+        description="Sustained requests per second allowed per API key.",
+    )
+    rate_limit_burst: int = Field(
+        default=100,
+        ge=1,
+        validation_alias=_env("API_RATE_LIMIT_BURST", "rate_limit_burst"),
+        description="Requests one API key may send at once above the sustained rate.",
+    )
+    tenant_max_sandboxes: int = Field(
+        default=10,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_SANDBOXES", "tenant_max_sandboxes"),
+        description="Default quota: live sandboxes per tenant.",
+    )
+    tenant_max_memory_mb: int = Field(
+        default=4096,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_MEMORY_MB", "tenant_max_memory_mb"),
+        description="Default quota: total memory_mb of a tenant's live sandboxes.",
+    )
+    max_upload_mb: int = Field(
+        default=100,
+        ge=1,
+        validation_alias=_env("API_MAX_UPLOAD_MB", "max_upload_mb"),
+        description="Largest file upload the server accepts.",
+    )
+    api_url: str | None = Field(
+        default=None,
+        validation_alias=_env("AGENT_SANDBOX_URL", "api_url"),
+        description="SDK: use this server instead of embedded mode.",
+    )
+    api_key: str | None = Field(
+        default=None,
+        validation_alias=_env("AGENT_SANDBOX_API_KEY", "api_key"),
+        description="SDK and CLI: the API key sent to the server.",
+    )
     log_level: str = Field(default="INFO", validation_alias=_env("LOG_LEVEL", "log_level"))
     log_format: Literal["console", "json"] = Field(
         default="console", validation_alias=_env("LOG_FORMAT", "log_format")

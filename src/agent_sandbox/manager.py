@@ -183,6 +183,9 @@ class SandboxManager:
             self._lock_fd = None
         self._started = False
 
+    def live_count(self) -> int:
+        return len(self._live)
+
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
             self._backends[name] = create_backend(name, self.settings)

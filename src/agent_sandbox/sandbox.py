@@ -8,12 +8,13 @@ pass in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Self, TypeVar
 
 from agent_sandbox._portal import Portal, get_portal, on_exit
-from agent_sandbox.config import make_limits
+from agent_sandbox.config import get_settings, make_limits
 from agent_sandbox.manager import SandboxManager
 from agent_sandbox.models import (
     ExecResult,
@@ -22,6 +23,7 @@ from agent_sandbox.models import (
     SandboxInfo,
 )
 from agent_sandbox.protocol import OutputCallback
+from agent_sandbox.service import SandboxService
 
 T = TypeVar("T")
 
@@ -46,9 +48,9 @@ def default_manager() -> SandboxManager:
 
 
 class _Runner:
-    """Runs manager coroutines on the manager's own loop, whichever loop the caller is on."""
+    """Runs service coroutines on the service's own loop, whichever loop the caller is on."""
 
-    def __init__(self, manager: SandboxManager, portal: Portal | None) -> None:
+    def __init__(self, manager: SandboxService, portal: Portal | None) -> None:
         self.manager = manager
         self.portal = portal
 
@@ -56,6 +58,20 @@ class _Runner:
         if self.portal is None:
             return await coro
         return await self.portal.run(coro)
+
+    async def aclose(self) -> None:
+        """Close a remote client this runner owns (the embedded manager outlives sandboxes)."""
+        aclose = getattr(self.manager, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    @contextlib.asynccontextmanager
+    async def closing_on_error(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except BaseException:
+            await self.aclose()
+            raise
 
     def wrap(self, callback: OutputCallback | None) -> OutputCallback | None:
         """Deliver streamed output on the caller's loop when the manager runs on another."""
@@ -182,8 +198,13 @@ class AsyncSandbox:
         ttl_s: float | None = None,
         idle_timeout_s: float | None = None,
         manager: SandboxManager | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> Self:
         """Start a sandbox. Unset limits take the settings (``SANDBOX_*`` variables).
+
+        Embedded by default; on a server with ``api_url`` (or ``AGENT_SANDBOX_URL``), sending
+        ``api_key`` (or ``AGENT_SANDBOX_API_KEY``).
 
         Raises:
             ConfigError: a limit out of range (the message names it).
@@ -197,30 +218,48 @@ class AsyncSandbox:
             timeout_s=timeout_s,
             disk_mb=disk_mb,
         )
-        runner = await cls._runner(manager)
-        info = await runner(
-            runner.manager.create(
-                backend=backend,
-                limits=limits,
-                network=network,
-                env=env,
-                metadata=metadata,
-                ttl_s=ttl_s,
-                idle_timeout_s=idle_timeout_s,
+        runner = await cls._runner(manager, api_url, api_key)
+        async with runner.closing_on_error():
+            info = await runner(
+                runner.manager.create(
+                    backend=backend,
+                    limits=limits,
+                    network=network,
+                    env=env,
+                    metadata=metadata,
+                    ttl_s=ttl_s,
+                    idle_timeout_s=idle_timeout_s,
+                )
             )
-        )
         return cls(info, runner)
 
     @classmethod
-    async def connect(cls, sandbox_id: str, *, manager: SandboxManager | None = None) -> Self:
+    async def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        manager: SandboxManager | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> Self:
         """Attach to a running sandbox by id."""
-        runner = await cls._runner(manager)
-        return cls(await runner(runner.manager.get(sandbox_id)), runner)
+        runner = await cls._runner(manager, api_url, api_key)
+        async with runner.closing_on_error():
+            info = await runner(runner.manager.get(sandbox_id))
+        return cls(info, runner)
 
     @staticmethod
-    async def _runner(manager: SandboxManager | None) -> _Runner:
+    async def _runner(
+        manager: SandboxManager | None, api_url: str | None, api_key: str | None
+    ) -> _Runner:
         if manager is not None:
             return _Runner(manager, None)
+        settings = get_settings()
+        url = api_url or settings.api_url
+        if url:
+            from agent_sandbox.client import RemoteService
+
+            return _Runner(RemoteService(url, api_key or settings.api_key), None)
         portal = get_portal()
         return _Runner(await asyncio.to_thread(default_manager), portal)
 
@@ -257,7 +296,10 @@ class AsyncSandbox:
 
     async def kill(self) -> None:
         """Destroy the sandbox (artifacts in /workspace/artifacts are kept)."""
-        self.info = await self._run(self._run.manager.destroy(self.id))
+        try:
+            self.info = await self._run(self._run.manager.destroy(self.id))
+        finally:
+            await self._run.aclose()
 
     close = kill
 

@@ -1,0 +1,169 @@
+"""The FastAPI application: ``create_app()`` builds it, ``agent-sandbox serve`` runs it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import structlog
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agent_sandbox import __version__
+from agent_sandbox.config import Settings, get_settings
+from agent_sandbox.errors import RateLimited, SandboxError
+from agent_sandbox.manager import SandboxManager
+from agent_sandbox.server import compat, routes, stream
+from agent_sandbox.server.auth import AuthStore
+from agent_sandbox.server.deps import ServerState, error_response, state_of, status_of
+from agent_sandbox.server.metrics import Metrics
+from agent_sandbox.server.schemas import Health
+
+log = structlog.get_logger(__name__)
+
+READY_CACHE_S = 30.0
+
+
+def create_app(settings: Settings | None = None, manager: SandboxManager | None = None) -> FastAPI:
+    """The API, serving ``manager`` (by default a new one for ``settings``)."""
+    settings = settings or get_settings()
+    state = ServerState(settings=settings, manager=manager or SandboxManager(settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.manager.start()
+        state.auth = AuthStore(settings.data_dir / "agent-sandbox.db")
+        state.metrics = Metrics(state.manager)
+        if not settings.auth_enabled:
+            log.warning(
+                "AUTH IS OFF: every request acts as the local admin; never expose this server",
+                host=settings.api_host,
+                port=settings.api_port,
+            )
+        try:
+            yield
+        finally:
+            await state.manager.close()
+            state.auth.close()
+
+    app = FastAPI(
+        title="agent-sandbox",
+        version=__version__,
+        summary="Isolated, stateful sandboxes for code that AI agents write.",
+        lifespan=lifespan,
+    )
+    app.state.sandbox = state
+    app.middleware("http")(_request_context)
+    app.add_exception_handler(SandboxError, _sandbox_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.include_router(routes.router)
+    app.include_router(stream.router)
+    app.include_router(compat.router)
+    _add_operational_routes(app)
+    return app
+
+
+def _add_operational_routes(app: FastAPI) -> None:
+    @app.get("/health", response_model=Health, tags=["operations"])
+    async def health(request: Request) -> Health:
+        """Liveness: the process answers."""
+        return Health(
+            status="ok", version=__version__, sandboxes_live=state_of(request).manager.live_count()
+        )
+
+    @app.get(
+        "/ready", response_model=Health, tags=["operations"], responses={503: {"model": Health}}
+    )
+    async def ready(request: Request) -> Response:
+        """Readiness: a real sandbox of the default backend started and ran code (cached 30 s)."""
+        state = state_of(request)
+        checked_at, ok, detail = state.ready_cache
+        if time.monotonic() - checked_at > READY_CACHE_S:
+            ok, detail = await _probe(state)
+            state.ready_cache = (time.monotonic(), ok, detail)
+        body = Health(status="ready" if ok else "unavailable", version=__version__, detail=detail)
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["operations"], response_class=Response)
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics."""
+        registry = state_of(request).metrics
+        data = generate_latest(registry.registry) if registry else b""
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _probe(state: ServerState) -> tuple[bool, str]:
+    try:
+        info = await state.manager.create(owner="__readiness__", ttl_s=60)
+        try:
+            result = await state.manager.run_code(info.id, "1 + 1")
+        finally:
+            await state.manager.destroy(info.id, reason="readiness")
+    except SandboxError as exc:
+        return False, f"{exc.code}: {exc.message}"
+    if result.text != "2":
+        return False, f"probe sandbox answered {result.text!r}"
+    return True, f"{info.backend} started a sandbox and ran code"
+
+
+async def _request_context(
+    request: Request, call_next: Callable[[Request], Awaitable[Response]]
+) -> Response:
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request.state.request_id = request_id
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    response = await call_next(request)
+    response.headers["X-Request-ID"] = request_id
+    metrics = state_of(request).metrics
+    if metrics is not None:
+        route = request.scope.get("route")
+        metrics.http_requests.labels(
+            request.method, getattr(route, "path", "unmatched"), str(response.status_code)
+        ).inc()
+    return response
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
+    status = status_of(exc)
+    headers = {}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if status >= 500:
+        log.warning("request failed", code=exc.code, error=exc.message)
+    return error_response(status, exc.code, exc.message, _request_id(request), **headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+    )
+    return error_response(
+        422, "invalid_request", problems or "invalid request", _request_id(request)
+    )
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, str(exc.detail), _request_id(request))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error", path=request.url.path)
+    return error_response(
+        500,
+        "internal_error",
+        "internal error; the request id is in the server log",
+        _request_id(request),
+    )

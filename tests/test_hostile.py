@@ -1,0 +1,1089 @@
+"""The hostile suite: programs that try to escape from, or exhaust, an isolating sandbox.
+
+Every attack runs in a sandbox of its own (``jail``, or one made with ``spawn``) next to a
+``bystander`` sandbox that holds state and a file. Each test checks three things:
+
+1. the attack is stopped and reported the right way (``kill_reason``, an errno, a refusal);
+2. the host and the bystander are unaffected (:func:`assert_unaffected`);
+3. nothing is left behind once the test's sandboxes are destroyed (the autouse ``no_leaks``
+   fixture, see ``tests/leaks.py``).
+
+Only loopback traffic is ever attempted: the probes for outside addresses stop as soon as
+``socket()`` answers, whatever it answers.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+import hashlib
+import os
+import secrets
+import select
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox import (
+    ExecResult,
+    PathOutsideWorkspace,
+    Sandbox,
+    SandboxDiskFull,
+    SandboxError,
+    SandboxManager,
+)
+from agent_sandbox._portal import get_portal
+from tests import leaks
+
+pytestmark = pytest.mark.hostile
+
+MiB = 1 << 20
+PRECIOUS = "the bystander's data, which no attack may touch\n" * 64
+PROBE_NAME = "agsb-hostile-probe"
+HOST_FILES = ("/etc/passwd", "/etc/shadow", "/etc/group", "/etc/hosts")
+SYSCALLS = {
+    # x86_64 and aarch64 numbers of the calls a sandbox must never make succeed.
+    "x86_64": {
+        "ptrace": 101,
+        "mount": 165,
+        "umount2": 166,
+        "chroot": 161,
+        "pivot_root": 155,
+        "unshare": 272,
+        "setns": 308,
+        "bpf": 321,
+        "keyctl": 250,
+        "add_key": 248,
+        "request_key": 249,
+        "perf_event_open": 298,
+        "init_module": 175,
+        "userfaultfd": 323,
+        "open_by_handle_at": 304,
+        "process_vm_readv": 310,
+        "io_uring_setup": 425,
+        "syslog": 103,
+    },
+    "aarch64": {
+        "ptrace": 117,
+        "mount": 40,
+        "umount2": 39,
+        "chroot": 51,
+        "pivot_root": 41,
+        "unshare": 97,
+        "setns": 268,
+        "bpf": 280,
+        "keyctl": 219,
+        "add_key": 217,
+        "request_key": 218,
+        "perf_event_open": 241,
+        "init_module": 105,
+        "userfaultfd": 282,
+        "open_by_handle_at": 265,
+        "process_vm_readv": 270,
+        "io_uring_setup": 425,
+        "syslog": 116,
+    },
+}
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(manager: SandboxManager) -> Iterator[None]:
+    """Processes, cgroups, sandbox dirs, mounts and loop devices return to their baseline."""
+    baseline = leaks.snapshot(manager)
+    yield
+    excess = leaks.wait_for_baseline(manager, baseline)
+    assert not excess, f"left behind after the test's sandboxes were destroyed: {excess}"
+
+
+@pytest.fixture
+def spawn(manager: SandboxManager, isolated_backend: str) -> Iterator[Callable[..., Sandbox]]:
+    """Make extra sandboxes with their own limits; all are destroyed after the test."""
+    made: list[Sandbox] = []
+
+    def create(**limits: Any) -> Sandbox:
+        limits.setdefault("timeout_s", 10)
+        sb = Sandbox.create(manager=manager, backend=isolated_backend, **limits)
+        made.append(sb)
+        return sb
+
+    yield create
+    for sb in made:
+        sb.kill()
+
+
+@pytest.fixture
+def bystander(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
+    """A second sandbox, with state and a file, that must not notice any attack."""
+    sb = Sandbox.create(manager=manager, backend=isolated_backend, timeout_s=10)
+    sb.files.write("precious.txt", PRECIOUS)
+    assert sb.run_code("kept = 'bystander state'").ok
+    yield sb
+    sb.kill()
+
+
+def _digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class Host:
+    canary: Path
+    canary_text: str
+    digests: dict[str, str | None]
+
+    def check(self) -> None:
+        """The host's files are as they were and it still runs programs."""
+        assert self.canary.read_text() == self.canary_text, "a host file was changed"
+        assert {p: _digest(p) for p in HOST_FILES} == self.digests, "a host /etc file changed"
+        for parent in ("/usr", "/etc", "/"):
+            for name in (PROBE_NAME, PROBE_NAME + ".d"):
+                assert not (Path(parent) / name).exists(), f"a sandbox wrote to host {parent}"
+        done = subprocess.run(
+            ["/bin/sh", "-c", "echo host-ok"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        assert done.stdout == "host-ok\n", "the host can no longer run a program"
+
+
+@pytest.fixture
+def host(data_root: Path) -> Iterator[Host]:
+    canary = data_root / f"host-canary-{secrets.token_hex(4)}"
+    text = f"host canary {secrets.token_hex(8)}\n"
+    canary.write_text(text)
+    canary.chmod(0o600)
+    yield Host(canary, text, {p: _digest(p) for p in HOST_FILES})
+    canary.unlink()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def describe(result: ExecResult) -> str:
+    return (
+        f"kill_reason={result.kill_reason!r} exit_code={result.exit_code} "
+        f"state_lost={result.state_lost} error={result.error and result.error.type} "
+        f"stdout={result.stdout[-300:]!r} stderr={result.stderr[-300:]!r}"
+    )
+
+
+def assert_unaffected(host: Host, bystander: Sandbox) -> None:
+    host.check()
+    assert bystander.run_code("1+1").text == "2"
+    kept = bystander.run_code("kept")
+    assert kept.text == "'bystander state'", "the bystander lost its interpreter state"
+    assert not kept.state_lost
+    assert bystander.files.read("precious.txt") == PRECIOUS
+    usage = bystander.usage()
+    assert usage.oom_kills == 0, "the bystander had an OOM kill"
+    assert usage.pids_limit_hits == 0, "the bystander hit its pids limit"
+
+
+def assert_usable(sb: Sandbox) -> None:
+    """The attacked sandbox answers both kinds of call again."""
+    try:
+        shell = sb.commands.run("echo alive", timeout_s=10)
+        code = sb.run_code("6 * 7", timeout_s=10)
+    except SandboxError as exc:
+        pytest.fail(f"the sandbox is unusable after the attack: {type(exc).__name__}: {exc}")
+    assert shell.stdout == "alive\n", describe(shell)
+    assert shell.kill_reason is None, describe(shell)
+    assert code.text == "42", describe(code)
+
+
+def assert_contained(manager: SandboxManager, sb: Sandbox) -> None:
+    """Every live process of the sandbox's uid is in its cgroup, runs as that uid only, and
+    the cgroup is within its pids limit."""
+    uid = leaks.host_uid(manager, sb.id)
+    pids_dir = leaks.pids_cgroup_dir(manager, sb.id)
+    suffix = f"/{leaks.instance_of(manager.settings.data_dir)}/{sb.id}"
+    for proc in leaks.procs_of_uid(uid):
+        if proc.state != "Z":  # the kernel shows zombies in the root cgroup
+            assert proc.cgroup.endswith(suffix), f"escaped its cgroup: {proc}"
+    for pid in (pids_dir / "cgroup.procs").read_text().split():
+        proc = leaks.read_proc(int(pid))
+        if proc is not None:
+            assert set(proc.uids) == {uid}, f"not the sandbox uid {uid}: {proc}"
+    current = int((pids_dir / "pids.current").read_text())
+    limit = int((pids_dir / "pids.max").read_text())
+    assert current <= limit
+
+
+def run_timed(call: Callable[[], ExecResult]) -> tuple[ExecResult, float]:
+    started = time.monotonic()
+    result = call()
+    return result, time.monotonic() - started
+
+
+def rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def literal(result: ExecResult) -> Any:
+    assert result.ok and result.text is not None, describe(result)
+    return ast.literal_eval(result.text)
+
+
+# ---------------------------------------------------------------------------- fork bombs
+
+
+def test_bash_fork_bomb_hits_the_pids_limit(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    result = jail.commands.run(":(){ :|:& };:", timeout_s=5)
+    assert_contained(manager, jail)
+    assert_unaffected(host, bystander)
+    assert result.kill_reason == "pids", describe(result)
+    assert_usable(jail)
+
+
+PY_FORK_LOOP = """
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+
+
+def test_python_fork_loop_hits_the_pids_limit(
+    manager: SandboxManager,
+    spawn: Callable[..., Sandbox],
+    bystander: Sandbox,
+    host: Host,
+) -> None:
+    # Memory headroom so that the pids limit, not the OOM killer, is what stops it.
+    bomb = spawn(pids=128, memory_mb=512)
+    result, elapsed = run_timed(lambda: bomb.run_code(PY_FORK_LOOP, timeout_s=3))
+    assert_contained(manager, bomb)
+    assert_unaffected(host, bystander)
+    assert result.kill_reason == "pids", describe(result)
+    assert result.exit_code != 0
+    assert elapsed < 30
+    assert_usable(bomb)
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize(
+    ("kind", "program"),
+    [
+        ("python", "hog = bytearray(2 * 1024**3)\nlen(hog)"),
+        ("subprocess", "python3 -c 'hog = bytearray(2 * 1024**3); print(len(hog))'"),
+        ("tmpfs", "head -c 2048M /dev/zero > /tmp/hog; ls -l /tmp/hog"),
+    ],
+)
+def test_memory_bomb_is_killed_for_memory(
+    jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
+) -> None:
+    assert jail.info.limits.memory_mb == 256
+    if kind == "python":
+        result = jail.run_code(program, timeout_s=10)
+    else:
+        result = jail.commands.run(program, timeout_s=10)
+    assert result.kill_reason == "memory", describe(result)
+    assert result.exit_code not in (0, None)
+    assert "2147483648" not in result.stdout  # the allocation never completed
+    assert jail.usage().oom_kills >= 1
+    assert_unaffected(host, bystander)
+    assert_usable(jail)
+
+
+# ---------------------------------------------------------------------------- time
+
+
+@pytest.mark.parametrize(
+    ("kind", "program"),
+    [
+        ("python loop", "while True: pass"),
+        ("C loop ignoring SIGINT", "sum(range(10**13))"),
+        ("shell loop", "while :; do :; done"),
+    ],
+)
+def test_cpu_spin_is_stopped_at_the_timeout(
+    jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
+) -> None:
+    if kind == "shell loop":
+        result, elapsed = run_timed(lambda: jail.commands.run(program, timeout_s=1))
+    else:
+        result, elapsed = run_timed(lambda: jail.run_code(program, timeout_s=1))
+    assert result.kill_reason == "timeout", describe(result)
+    assert result.exit_code != 0
+    assert elapsed < 8, f"took {elapsed:.1f}s to stop a 1s call"
+    assert_unaffected(host, bystander)
+    assert_usable(jail)
+
+
+@pytest.mark.parametrize(
+    ("kind", "program"),
+    [
+        ("shell", "sleep 3600"),
+        ("shell ignoring signals", "trap '' INT TERM HUP; sleep 3600"),
+        ("python", "import time\ntime.sleep(3600)"),
+    ],
+)
+def test_sleep_is_stopped_at_the_timeout(
+    jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
+) -> None:
+    if kind == "python":
+        result, elapsed = run_timed(lambda: jail.run_code(program, timeout_s=1))
+    else:
+        result, elapsed = run_timed(lambda: jail.commands.run(program, timeout_s=1))
+    assert result.kill_reason == "timeout", describe(result)
+    assert elapsed < 5, f"took {elapsed:.1f}s to stop a 1s call"
+    assert_unaffected(host, bystander)
+    assert_usable(jail)
+
+
+def test_detached_sleeper_holding_stdout_does_not_hang_the_call(
+    jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    result, elapsed = run_timed(
+        lambda: jail.commands.run("setsid sleep 3600 & echo detached", timeout_s=5)
+    )
+    assert result.stdout == "detached\n", describe(result)
+    assert result.kill_reason is None
+    assert elapsed < 4, f"took {elapsed:.1f}s"
+    assert_unaffected(host, bystander)
+    assert_usable(jail)
+
+
+# ---------------------------------------------------------------------------- disk
+
+FILL_WITH_PYTHON = """
+import errno
+try:
+    with open('fill2.bin', 'wb') as f:
+        while True:
+            f.write(b'\\0' * (1 << 20))
+            f.flush()
+except OSError as exc:
+    caught = exc.errno
+caught
+"""
+
+
+def test_disk_fill_stops_at_the_cap_with_enospc(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    cap = jail.info.limits.disk_mb * MiB
+    assert cap == 64 * MiB
+    root = leaks.sandbox_root(manager, jail.id)
+    free_before = shutil.disk_usage(root).free
+
+    dd = jail.commands.run("dd if=/dev/zero of=fill.bin bs=1M count=1024; echo rc=$?")
+    assert "No space left on device" in dd.stderr, describe(dd)
+    assert dd.stdout == "rc=1\n", describe(dd)
+    assert literal(jail.run_code(FILL_WITH_PYTHON)) == errno.ENOSPC
+    with pytest.raises(SandboxDiskFull):
+        jail.files.write("more.bin", b"x" * MiB)
+
+    image_bytes = (root / "disk.img").stat().st_blocks * 512
+    assert image_bytes <= cap + 2 * MiB, f"the workspace image holds {image_bytes} bytes"
+    used_on_host = free_before - shutil.disk_usage(root).free
+    assert used_on_host <= cap + 32 * MiB, f"the host lost {used_on_host / MiB:.0f} MiB"
+    assert_unaffected(host, bystander)
+
+    jail.files.remove("fill.bin")
+    jail.files.remove("fill2.bin")
+    assert jail.files.write("after.bin", b"y" * (8 * MiB)) == 8 * MiB
+    assert_usable(jail)
+
+
+# ---------------------------------------------------------------------------- output
+
+PY_FLOOD = """
+import sys
+chunk = 'y\\n' * (1 << 19)
+for _ in range(1024):
+    sys.stdout.write(chunk)
+"""
+
+
+@pytest.mark.parametrize("kind", ["shell", "python"])
+def test_gigabyte_of_stdout_is_capped(
+    jail: Sandbox, bystander: Sandbox, host: Host, kind: str
+) -> None:
+    assert jail.run_code("1").text == "1"  # warm both paths before measuring
+    assert jail.commands.run("true").ok
+    before = rss_kib()
+    if kind == "shell":
+        result, elapsed = run_timed(
+            lambda: jail.commands.run("yes | head -c 1073741824", timeout_s=60)
+        )
+    else:
+        result, elapsed = run_timed(lambda: jail.run_code(PY_FLOOD, timeout_s=60))
+    grown_kib = rss_kib() - before
+
+    limits = jail.info.limits
+    assert result.kill_reason in ("output_limit", None), describe(result)
+    if result.kill_reason == "output_limit":
+        assert result.stdout_bytes >= limits.output_file_limit_mb * MiB
+    else:
+        assert result.stdout_bytes == 1 << 30
+    assert result.stdout_truncated
+    assert len(result.stdout.encode()) <= limits.output_limit_bytes + 1024
+    assert result.stdout.startswith("y\ny\n")
+    assert grown_kib <= 20 * 1024, f"the host process grew by {grown_kib} KiB"
+    assert elapsed < 60
+    assert_unaffected(host, bystander)
+    assert_usable(jail)
+
+
+# ---------------------------------------------------------------------------- network
+
+NET_PROBE = """
+import socket
+port = {port}
+seen = {{}}
+for host in ("1.1.1.1:53", "10.0.0.1:80"):
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        try:
+            s = socket.socket(socket.AF_INET, kind)
+        except OSError as exc:
+            seen[host, int(kind)] = exc.errno
+        else:
+            s.close()  # never connect: nothing may leave the box, even if this is broken
+            seen[host, int(kind)] = "socket created"
+for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+    try:
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        seen[host, port] = exc.errno
+        continue
+    s.settimeout(2)
+    try:
+        s.connect((host, port))
+        seen[host, port] = "connected"
+    except OSError as exc:
+        seen[host, port] = "connect failed %s" % exc.errno
+    finally:
+        s.close()
+for name in ("AF_PACKET", "AF_NETLINK"):
+    try:
+        socket.socket(getattr(socket, name), socket.SOCK_RAW).close()
+        seen[name] = "socket created"
+    except OSError as exc:
+        seen[name] = exc.errno
+seen
+"""
+
+
+def test_network_is_refused_at_socket_creation(
+    jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    assert not jail.info.network
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        port = server.getsockname()[1]
+
+        seen = literal(jail.run_code(NET_PROBE.format(port=port)))
+        refused = errno.EAFNOSUPPORT
+        assert seen == {
+            ("1.1.1.1:53", socket.SOCK_STREAM): refused,
+            ("1.1.1.1:53", socket.SOCK_DGRAM): refused,
+            ("10.0.0.1:80", socket.SOCK_STREAM): refused,
+            ("10.0.0.1:80", socket.SOCK_DGRAM): refused,
+            ("127.0.0.1", port): refused,
+            ("::1", port): refused,
+            "AF_PACKET": refused,
+            "AF_NETLINK": refused,
+        }
+        bash = jail.commands.run(
+            f"(exec 3<>/dev/tcp/127.0.0.1/{port}) && echo connected; echo rc=$?", timeout_s=5
+        )
+        assert bash.stdout == "rc=1\n", describe(bash)
+        assert "Address family not supported" in bash.stderr, describe(bash)
+
+        ready, _, _ = select.select([server], [], [], 0.5)
+        assert not ready, "a connection from the sandbox reached the host's loopback server"
+    assert_unaffected(host, bystander)
+
+
+# ---------------------------------------------------------------------------- visibility
+
+SECRETS_PROBE = """
+import os, stat
+paths = ("/etc/shadow", "/etc/gshadow", "/root", "/home", "/var", "/sys", "/run",
+         "/proc/1/root/etc/shadow", "/run/agent-sandbox", "/boot")
+exists = {p: os.path.exists(p) for p in paths}
+devices = sorted(
+    e for e in os.listdir("/dev")
+    if stat.S_ISBLK(os.lstat("/dev/" + e).st_mode) or e in ("mem", "kmem", "port", "kmsg")
+)
+exists, devices
+"""
+
+
+def test_host_secrets_are_not_visible(jail: Sandbox, bystander: Sandbox, host: Host) -> None:
+    shadow = jail.commands.run("cat /etc/shadow; ls /root")
+    assert shadow.exit_code != 0
+    assert "root:" not in shadow.stdout, describe(shadow)
+    host_shadow = Path("/etc/shadow").read_text().splitlines()[0]
+    assert host_shadow not in shadow.stdout
+    exists, devices = literal(jail.run_code(SECRETS_PROBE))
+    assert not any(exists.values()), f"visible inside: {[p for p, e in exists.items() if e]}"
+    assert devices == [], f"raw devices inside: {devices}"
+    assert_unaffected(host, bystander)
+
+
+PROCESS_PROBE = """
+import os
+marker = {marker!r}
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+hits, cmdlines = [], {{}}
+for pid in pids:
+    for name in ("environ", "cmdline"):
+        try:
+            with open("/proc/%d/%s" % (pid, name), "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if marker.encode() in data:
+            hits.append((pid, name))
+        if name == "cmdline":
+            cmdlines[pid] = data.replace(b"\\0", b" ").decode(errors="replace")
+with open("/proc/1/environ", "rb") as f:
+    init_environ = f.read()
+pids, hits, cmdlines, init_environ
+"""
+
+
+def test_host_processes_are_not_visible(
+    jail: Sandbox, bystander: Sandbox, host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = f"HOSTILE_MARKER_{secrets.token_hex(8)}"
+    monkeypatch.setenv("AGSB_HOSTILE_MARKER", marker)  # in this host process's environ
+    pids, hits, cmdlines, init_environ = literal(jail.run_code(PROCESS_PROBE.format(marker=marker)))
+    assert hits == [], f"host process data visible inside: {hits}"
+    assert len(pids) < 30, f"{len(pids)} processes visible: {cmdlines}"
+    assert not any("pytest" in c for c in cmdlines.values()), cmdlines
+    host_init = Path("/proc/1/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    assert cmdlines[1] != host_init, "pid 1 inside is the host's init"
+    try:
+        host_init_environ = Path("/proc/1/environ").read_bytes()
+    except PermissionError:  # some hosts' init hides it even from root
+        host_init_environ = None
+    assert init_environ != host_init_environ
+    assert b"AGENT_SANDBOX_WORKSPACE=/workspace" in init_environ  # the sandbox's own pid 1
+    assert marker.encode() not in init_environ
+    assert_unaffected(host, bystander)
+
+
+def test_other_sandbox_workspace_is_not_reachable(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    other = leaks.sandbox_root(manager, bystander.id) / "workspace"
+    data_dir = manager.settings.data_dir.resolve()
+    # On the host, the other workspace belongs to another uid and is closed to others.
+    other_stat = other.stat()
+    assert other_stat.st_uid != leaks.host_uid(manager, jail.id)
+    assert other_stat.st_mode & 0o077 == 0
+
+    guesses = [
+        other / "precious.txt",
+        other,
+        data_dir,
+        data_dir / "sandboxes",
+        Path("/proc/1/root") / other.relative_to("/") / "precious.txt",
+        Path("/proc/self/root") / other.relative_to("/") / "precious.txt",
+        Path("/workspace/..") / other.relative_to("/") / "precious.txt",
+    ]
+    probe = (
+        "import os\n"
+        f"guesses = {[str(g) for g in guesses]!r}\n"
+        f"mounts = open('/proc/self/mountinfo').read()\n"
+        f"[g for g in guesses if os.path.exists(g)], {bystander.id!r} in mounts"
+    )
+    visible, mounted = literal(jail.run_code(probe))
+    assert visible == [], f"reachable from the jail: {visible}"
+    assert not mounted, "the other sandbox's workspace is mounted in the jail"
+    shell = jail.commands.run(f"cat {other}/precious.txt; ls {other} {data_dir}/sandboxes")
+    assert shell.exit_code != 0
+    assert "bystander" not in shell.stdout and bystander.id not in shell.stdout
+    with pytest.raises(PathOutsideWorkspace):
+        jail.files.read(str(other / "precious.txt"))
+    assert_unaffected(host, bystander)
+
+
+# The only mounts a sandbox may write to (device nodes and pseudo filesystems, scratch space).
+WRITABLE_MOUNTS = {"/workspace", "/tmp", "/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue"}
+WRITABLE_MOUNTS |= {f"/dev/{n}" for n in ("null", "zero", "full", "random", "urandom", "tty")}
+READ_ONLY_PROBE = f"""
+import errno, os
+targets = ("/usr/{PROBE_NAME}", "/etc/{PROBE_NAME}", "/{PROBE_NAME}",
+           "/opt/agent-sandbox/{PROBE_NAME}", "/etc/passwd",
+           "/etc/hosts", "/usr/bin/python3", "/opt/agent-sandbox/agent.py")
+seen = {{}}
+for path in targets:
+    try:
+        with open(path, "a"):
+            pass
+        seen[path] = "opened for writing"
+    except OSError as exc:
+        seen[path] = exc.errno
+for path in ("/usr/{PROBE_NAME}.d", "/etc/{PROBE_NAME}.d"):
+    try:
+        os.mkdir(path)
+        seen[path] = "created"
+    except OSError as exc:
+        seen[path] = exc.errno
+with open("/workspace/{PROBE_NAME}", "w") as f:  # the one writable place, as a control
+    f.write("ok")
+mounts = {{}}
+with open("/proc/self/mountinfo") as f:
+    for line in f:
+        fields = line.split()
+        mounts[fields[4]] = fields[5].split(",")  # the last mount on a path is the one seen
+seen, mounts
+"""
+
+
+def test_system_directories_are_read_only(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    seen, mounts = literal(jail.run_code(READ_ONLY_PROBE))
+    # Creating is refused by the read-only mount; opening a root-owned file for writing may be
+    # refused by its permissions first, and the mount would refuse it next.
+    refused = {errno.EROFS, errno.EACCES}
+    assert {p: e for p, e in seen.items() if e not in refused} == {}, seen
+    assert [p for p, e in seen.items() if PROBE_NAME in p and e != errno.EROFS] == [], seen
+    assert len(seen) == 10
+    assert "ro" in mounts["/"] and "ro" in mounts["/usr"], mounts
+    writable = {point for point, options in mounts.items() if "rw" in options}
+    assert writable <= WRITABLE_MOUNTS, f"writable inside: {writable - WRITABLE_MOUNTS}"
+    assert [p for p, options in mounts.items() if "nosuid" not in options] == []
+    shell = jail.commands.run(f"touch /usr/{PROBE_NAME} /etc/{PROBE_NAME} /{PROBE_NAME}")
+    assert shell.exit_code != 0
+    assert shell.stderr.count("Read-only file system") == 3, describe(shell)
+    assert jail.files.read(PROBE_NAME) == "ok"
+    assert not (manager.settings.data_dir / "guest" / PROBE_NAME).exists()
+    assert_unaffected(host, bystander)
+
+
+# ---------------------------------------------------------------------------- privileges
+
+SYSCALL_PROBE = """
+import ctypes, os
+numbers = {numbers!r}
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+attr = ctypes.create_string_buffer(256)
+buf = ctypes.addressof(attr)
+ns_fd = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+calls = {{
+    "ptrace(PTRACE_TRACEME)": ("ptrace", 0, 0, 0, 0),
+    "ptrace(PTRACE_ATTACH, 1)": ("ptrace", 16, 1, 0, 0),
+    "mount(tmpfs)": ("mount", ctypes.c_char_p(b"none"), ctypes.c_char_p(b"/tmp"),
+                     ctypes.c_char_p(b"tmpfs"), 0, 0),
+    "umount2(/workspace)": ("umount2", ctypes.c_char_p(b"/workspace"), 2),
+    "chroot(/tmp)": ("chroot", ctypes.c_char_p(b"/tmp")),
+    "pivot_root": ("pivot_root", ctypes.c_char_p(b"/tmp"), ctypes.c_char_p(b"/tmp")),
+    "unshare(CLONE_NEWUSER)": ("unshare", 0x10000000),
+    "unshare(CLONE_NEWNS)": ("unshare", 0x00020000),
+    "unshare(CLONE_NEWNET)": ("unshare", 0x40000000),
+    "setns(mnt)": ("setns", ns_fd, 0),
+    "bpf(BPF_MAP_CREATE)": ("bpf", 0, buf, 72),
+    "bpf(BPF_PROG_LOAD)": ("bpf", 5, buf, 128),
+    "keyctl(KEYCTL_GET_KEYRING_ID)": ("keyctl", 0, -3, 0, 0, 0),
+    "add_key": ("add_key", ctypes.c_char_p(b"user"), ctypes.c_char_p(b"k"), buf, 1, -3),
+    "request_key": ("request_key", ctypes.c_char_p(b"user"), ctypes.c_char_p(b"k"), 0, 0),
+    "perf_event_open": ("perf_event_open", buf, 0, -1, -1, 0),
+    "init_module": ("init_module", buf, 0, ctypes.c_char_p(b"")),
+    "userfaultfd": ("userfaultfd", 0),
+    "open_by_handle_at": ("open_by_handle_at", 3, buf, 0),
+    "process_vm_readv(1)": ("process_vm_readv", 1, buf, 1, buf, 1, 0),
+    "io_uring_setup": ("io_uring_setup", 1, buf),
+    "syslog(READ_ALL)": ("syslog", 3, buf, 256),
+}}
+seen = {{}}
+for label, (name, *args) in calls.items():
+    ctypes.set_errno(0)
+    rc = libc.syscall(ctypes.c_long(numbers[name]),
+                      *[a if isinstance(a, ctypes.c_char_p) else ctypes.c_long(a) for a in args])
+    seen[label] = ctypes.get_errno() if rc == -1 else "returned %d" % rc
+os.close(ns_fd)
+status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+seen, {{k: status[k].strip() for k in ("NoNewPrivs", "Seccomp", "CapEff", "CapPrm", "CapBnd")}}
+"""
+
+
+def test_privileged_syscalls_are_refused(jail: Sandbox, bystander: Sandbox, host: Host) -> None:
+    machine = os.uname().machine
+    if machine not in SYSCALLS:
+        pytest.skip(f"no syscall table for {machine}")
+    seen, status = literal(jail.run_code(SYSCALL_PROBE.format(numbers=SYSCALLS[machine])))
+    assert seen == dict.fromkeys(seen, errno.EPERM), seen
+    assert len(seen) == 22
+    assert status == {
+        "NoNewPrivs": "1",
+        "Seccomp": "2",
+        "CapEff": "0000000000000000",
+        "CapPrm": "0000000000000000",
+        "CapBnd": "0000000000000000",
+    }
+    assert_usable(jail)
+    assert_unaffected(host, bystander)
+
+
+@pytest.mark.parametrize(
+    ("tool", "command"),
+    [
+        ("mount", "mkdir -p /tmp/x && mount -t tmpfs none /tmp/x"),
+        ("unshare", "unshare -U true"),
+        ("unshare", "unshare -r id -u"),
+        ("unshare", "unshare -m -n true"),
+        ("nsenter", "nsenter -t 1 -m -u -n -p true"),
+        ("strace", "strace -f -o /dev/null true"),
+        ("chroot", "chroot / true"),
+    ],
+)
+def test_privileged_commands_fail(
+    jail: Sandbox, bystander: Sandbox, host: Host, tool: str, command: str
+) -> None:
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed")
+    result = jail.commands.run(command)
+    assert result.exit_code != 0, describe(result)
+    assert "0" not in result.stdout.split(), describe(result)
+    mounts = jail.commands.run("cat /proc/self/mounts").stdout
+    assert " /tmp/x " not in mounts
+    assert_unaffected(host, bystander)
+
+
+SETUID_PROBE = """
+import os, subprocess, time
+candidates = {paths!r}
+visible = sorted(p for p in candidates if os.path.exists(p) and os.stat(p).st_mode & 0o4000)
+setuid_procs = {{}}
+for path in visible:
+    try:
+        setuid_procs[path] = subprocess.Popen(
+            [path], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+    except OSError:
+        pass
+time.sleep(0.5)
+visible, {{p: pr.pid for p, pr in setuid_procs.items()}}
+"""
+
+
+def _host_setuid_binaries() -> list[str]:
+    found = subprocess.run(
+        ["find", "/usr", "-xdev", "-type", "f", "-perm", "-4000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return sorted(found.stdout.split())
+
+
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
+def test_setuid_binaries_do_not_grant_root(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    binaries = _host_setuid_binaries()
+    if not binaries:
+        pytest.skip("this host has no setuid binaries under /usr")
+    uid = leaks.host_uid(manager, jail.id)
+    visible, started = literal(jail.run_code(SETUID_PROBE.format(paths=binaries)))
+    assert visible == binaries  # the bits are there; only the sandbox makes them inert
+    assert started, "no setuid binary could be started"
+    # While they run (several wait for a password on stdin), look at them from the host.
+    running = [p for p in leaks.procs_of_uid(uid) if p.state != "Z"]
+    execs = {_exe(p.pid) for p in running}
+    assert execs & set(binaries), f"no setuid binary still running to inspect: {execs}"
+    assert_contained(manager, jail)  # every process of the jail runs as its uid, never root
+    assert 0 not in {u for p in running for u in p.uids}
+
+    su = jail.commands.run("su root -c 'id -u' </dev/null; id -u")
+    assert su.stdout.split() == ["65534"], describe(su)  # only the second id -u ran
+    assert jail.run_code("for p in setuid_procs.values():\n    p.kill()\n    p.wait()").ok
+    assert_unaffected(host, bystander)
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+@pytest.mark.parametrize(
+    ("kind", "program"),
+    [("shell", "kill -9 -1; echo survived"), ("python", "import os\nos.kill(-1, 9)")],
+)
+def test_kill_everything_from_inside(
+    jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
+) -> None:
+    assert jail.run_code("before = 1").ok
+    if kind == "shell":
+        result = jail.commands.run(program, timeout_s=10)
+    else:
+        result = jail.run_code(program, timeout_s=10)
+    # The sandbox may lose its processes (then it must say so), never the host or a neighbour.
+    if result.state_lost:
+        assert result.kill_reason == "killed", describe(result)
+    assert result.kill_reason in ("killed", None), describe(result)
+    assert_unaffected(host, bystander)
+    assert_usable(jail)
+    kept = jail.run_code("'before' in globals()").text
+    assert kept == ("False" if result.state_lost else "True")
+
+
+PY_DAEMON = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.closerange(0, 1024)
+        while True:
+            with open("/workspace/heartbeat2", "w") as f:
+                f.write(repr(time.time()))
+            time.sleep(0.1)
+    os._exit(0)
+'spawned'
+"""
+
+
+def test_double_forked_daemon_dies_with_the_sandbox(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    uid = leaks.host_uid(manager, jail.id)
+    root = leaks.sandbox_root(manager, jail.id)
+    cgroups = leaks.sandbox_cgroup_dirs(manager, jail.id)
+    shell = jail.commands.run(
+        "setsid bash -c 'while :; do date +%s%N > heartbeat; sleep 0.1; done' "
+        "</dev/null >/dev/null 2>&1 & echo started",
+        timeout_s=5,
+    )
+    assert shell.stdout == "started\n", describe(shell)
+    assert jail.run_code(PY_DAEMON).text == "'spawned'"
+
+    # Both daemons outlive their calls: their heartbeats keep changing.
+    beats = {name: (root / "workspace" / name) for name in ("heartbeat", "heartbeat2")}
+    first = {name: _read_when_present(path) for name, path in beats.items()}
+    deadline = time.monotonic() + 5
+    while any(_read_when_present(p) == first[n] for n, p in beats.items()):
+        assert time.monotonic() < deadline, "a daemon did not keep running after its call"
+        time.sleep(0.05)
+    assert len([p for p in leaks.procs_of_uid(uid) if p.state != "Z"]) >= 5
+    assert all(d.is_dir() for d in cgroups)
+    assert_contained(manager, jail)
+
+    jail.kill()
+    left = leaks.wait_until_gone(manager, uid)
+    assert left == [], f"still running after kill: {[str(p) for p in left]}"
+    assert [d for d in cgroups if d.exists()] == []
+    assert not root.exists()
+    assert_unaffected(host, bystander)
+
+
+def _read_when_present(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+ZOMBIE_FARM = """
+import os, time
+made, err = 0, None
+for _ in range({count}):
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        err = exc.errno
+        break
+    if pid == 0:
+        os._exit(0)
+    made += 1
+farmed = globals().get("farmed", 0) + made
+
+def my_zombies():
+    me, n = str(os.getpid()), 0
+    for name in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        n += fields[0] == "Z" and fields[1] == me
+    return n
+
+deadline = time.monotonic() + 10
+while my_zombies() < farmed and time.monotonic() < deadline:
+    time.sleep(0.05)
+made, err, my_zombies()
+"""
+
+
+def test_zombie_farm_is_capped_and_reaped(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    uid = leaks.host_uid(manager, jail.id)
+    pids_dir = leaks.pids_cgroup_dir(manager, jail.id)
+    limit = jail.info.limits.pids
+    assert int((pids_dir / "pids.max").read_text()) == limit == 256
+
+    made, err, zombies = literal(jail.run_code(ZOMBIE_FARM.format(count=100)))
+    assert (made, err, zombies) == (100, None, 100)
+    assert int((pids_dir / "pids.current").read_text()) >= 100  # zombies hold their slots
+    assert_unaffected(host, bystander)
+
+    # Farming on: the pids limit stops it, and holds.
+    made, err, zombies = literal(jail.run_code(ZOMBIE_FARM.format(count=1000)))
+    assert err == errno.EAGAIN
+    assert 0 < made < limit - 100
+    assert zombies == 100 + made
+    assert int((pids_dir / "pids.current").read_text()) <= limit
+    assert_contained(manager, jail)
+    assert_unaffected(host, bystander)
+
+    jail.kill()
+    left = leaks.wait_until_gone(manager, uid)
+    assert left == [], f"still present after kill: {[str(p) for p in left]}"
+    assert not pids_dir.exists()
+
+
+# ---------------------------------------------------------------------------- file API
+
+OUTSIDE_PATHS = [
+    "../../etc/passwd",
+    "../outside.txt",
+    "a/b/../../../etc/passwd",
+    "/etc/passwd",
+    "//etc/passwd",
+    "/workspace/../etc/passwd",
+    "/workspace/./../../etc/shadow",
+    "/proc/self/root/etc/passwd",
+    "/proc/1/environ",
+    "/tmp/x",
+]
+
+
+def _refused_everywhere(sb: Sandbox, path: str) -> None:
+    operations: dict[str, Callable[[], object]] = {
+        "read": lambda: sb.files.read(path),
+        "write": lambda: sb.files.write(path, "pwned"),
+        "list": lambda: sb.files.list(path),
+        "stat": lambda: sb.files.stat(path),
+        "exists": lambda: sb.files.exists(path),
+        "make_dir": lambda: sb.files.make_dir(path + "/newdir"),
+        "remove": lambda: sb.files.remove(path),
+    }
+    for name, operation in operations.items():
+        with pytest.raises(PathOutsideWorkspace):
+            operation()
+            pytest.fail(f"files.{name}({path!r}) was allowed")
+
+
+def test_file_api_refuses_paths_outside_the_workspace(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    other = leaks.sandbox_root(manager, bystander.id) / "workspace" / "precious.txt"
+    for path in [*OUTSIDE_PATHS, str(other)]:
+        _refused_everywhere(jail, path)
+    passwd = jail.commands.run("cat /etc/passwd")
+    assert "pwned" not in passwd.stdout
+    assert_unaffected(host, bystander)
+
+
+def test_file_api_refuses_symlinks_leading_out(
+    manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    other = leaks.sandbox_root(manager, bystander.id) / "workspace"
+    made = jail.commands.run(
+        "ln -s /etc etc_link && ln -s /etc/passwd passwd_link && "
+        f"ln -s {other} other_link && ln -s {other}/precious.txt other_file && "
+        "ln -s ../../../../../etc rel_link && ln -s /workspace/../etc ws_etc && "
+        "ln -s loop_b loop_a && ln -s loop_a loop_b && "
+        "mkdir -p deep/er && ln -s /proc/1/root deep/er/proc_root && "
+        "ln -s ../../etc_link deep/er/chained"
+    )
+    assert made.ok, describe(made)
+    for path in [
+        "etc_link/passwd",
+        "passwd_link",
+        "other_link/precious.txt",
+        "other_file",
+        "rel_link/passwd",
+        "ws_etc/passwd",
+        "loop_a",
+        "deep/er/proc_root/etc/passwd",
+        "deep/er/chained/passwd",
+    ]:
+        with pytest.raises(PathOutsideWorkspace):
+            jail.files.read(path)
+        with pytest.raises(PathOutsideWorkspace):
+            jail.files.write(path, "pwned")
+    for path in ["etc_link", "other_link", "rel_link", "deep/er/proc_root", "deep/er/chained"]:
+        with pytest.raises(PathOutsideWorkspace):
+            jail.files.list(path)
+        with pytest.raises(PathOutsideWorkspace):
+            jail.files.make_dir(path + "/newdir")
+        with pytest.raises(PathOutsideWorkspace):
+            jail.files.write(path + "/new.txt", "pwned")
+        with pytest.raises(PathOutsideWorkspace):
+            jail.files.remove(path + "/passwd")
+    # Removing a link itself is allowed, and leaves its target alone.
+    jail.files.remove("passwd_link")
+    jail.files.remove("etc_link")
+    assert not jail.files.exists("passwd_link")
+    assert "root:x:0:0" in jail.commands.run("cat /etc/passwd").stdout
+    assert_unaffected(host, bystander)
+
+
+def test_artifact_export_does_not_follow_symlinks(
+    manager: SandboxManager, spawn: Callable[..., Sandbox], bystander: Sandbox, host: Host
+) -> None:
+    portal = get_portal()
+    other = leaks.sandbox_root(manager, bystander.id) / "workspace"
+    linked = spawn()
+    made = linked.commands.run(
+        "mkdir artifacts && echo real > artifacts/real.txt && "
+        "ln -s /etc/passwd artifacts/passwd && ln -s /etc artifacts/etc && "
+        f"ln -s {other}/precious.txt artifacts/other.txt"
+    )
+    assert made.ok, describe(made)
+    hijacked = spawn()
+    assert hijacked.commands.run("ln -s /etc artifacts").ok
+    linked.kill()
+    hijacked.kill()
+    try:
+        kept = portal.call(manager.list_artifacts(linked.id))
+        assert [a.path for a in kept] == ["real.txt"]
+        assert portal.call(manager.list_artifacts(hijacked.id)) == []
+        art_root = manager.settings.data_dir / "artifacts"
+        on_host = sorted(str(p.relative_to(art_root)) for p in art_root.rglob("*") if p.is_file())
+        assert [p for p in on_host if p.startswith((linked.id, hijacked.id))] == [
+            f"{linked.id}/real.txt"
+        ]
+    finally:
+        portal.call(manager.delete_artifacts(linked.id))
+        portal.call(manager.delete_artifacts(hijacked.id))
+    assert_unaffected(host, bystander)

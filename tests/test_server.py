@@ -1,0 +1,567 @@
+"""The HTTP + WebSocket API, against a real `agent-sandbox serve` process on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from agent_sandbox import (
+    AsyncSandbox,
+    PathOutsideWorkspace,
+    Sandbox,
+    SandboxFileNotFound,
+    SandboxNotFound,
+)
+from tests.conftest import LiveServer
+
+SANDBOX_ROUTES: list[tuple[str, str, dict[str, Any] | None, bool]] = [
+    # method, path (with {id}), json body, writes?
+    ("GET", "/v1/sandboxes/{id}", None, False),
+    ("GET", "/v1/sandboxes/{id}/usage", None, False),
+    ("POST", "/v1/sandboxes/{id}/timeout", {"ttl_s": 600}, True),
+    ("POST", "/v1/sandboxes/{id}/code", {"code": "1"}, True),
+    ("POST", "/v1/sandboxes/{id}/commands", {"command": "true"}, True),
+    ("GET", "/v1/sandboxes/{id}/files?path=.", None, False),
+    ("GET", "/v1/sandboxes/{id}/files/stat?path=hello.txt", None, False),
+    ("GET", "/v1/sandboxes/{id}/files/content?path=hello.txt", None, False),
+    ("PUT", "/v1/sandboxes/{id}/files/content?path=x.txt", None, True),
+    ("POST", "/v1/sandboxes/{id}/directories?path=d", None, True),
+    ("DELETE", "/v1/sandboxes/{id}/files?path=nothing.txt", None, True),
+    ("GET", "/v1/sandboxes/{id}/artifacts", None, False),
+    ("DELETE", "/v1/sandboxes/{id}/artifacts", None, True),
+    ("DELETE", "/v1/sandboxes/{id}", None, True),
+]
+GLOBAL_ROUTES: list[tuple[str, str, dict[str, Any] | None, bool]] = [
+    ("GET", "/v1/sandboxes", None, False),
+    ("POST", "/v1/sandboxes", {}, True),
+    ("POST", "/create_session", None, True),
+    ("POST", "/api/sessions", {"provider": "e2b"}, True),
+]
+
+
+@pytest.fixture(scope="module")
+def http(live_server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live_server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def alice_box(http: httpx.Client, live_server: LiveServer) -> Iterator[str]:
+    """A sandbox of tenant acme (alice's), with one file in it."""
+    created = http.post("/v1/sandboxes", json={}, headers=live_server.headers("alice"))
+    assert created.status_code == 201, created.text
+    sandbox_id: str = created.json()["id"]
+    put = http.put(
+        f"/v1/sandboxes/{sandbox_id}/files/content",
+        params={"path": "hello.txt"},
+        content=b"hi",
+        headers=live_server.headers("alice"),
+    )
+    assert put.status_code == 200
+    yield sandbox_id
+    http.delete(f"/v1/sandboxes/{sandbox_id}", headers=live_server.headers("admin"))
+
+
+def _call(
+    http: httpx.Client, method: str, path: str, body: dict[str, Any] | None, headers: dict[str, str]
+) -> httpx.Response:
+    if method == "PUT":
+        return http.request(method, path, content=b"data", headers=headers)
+    return http.request(method, path, json=body, headers=headers)
+
+
+def _error_code(response: httpx.Response) -> str:
+    body = response.json()
+    assert set(body["error"]) == {"code", "message", "request_id"}
+    assert body["error"]["request_id"] == response.headers["x-request-id"]
+    code: str = body["error"]["code"]
+    return code
+
+
+# ------------------------------------------------------------------ auth on every endpoint
+
+
+@pytest.mark.parametrize(("method", "path", "body", "writes"), SANDBOX_ROUTES + GLOBAL_ROUTES)
+def test_every_endpoint_needs_a_valid_key(
+    http: httpx.Client,
+    live_server: LiveServer,
+    alice_box: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    writes: bool,
+) -> None:
+    url = path.format(id=alice_box)
+    for headers in ({}, {"Authorization": "Bearer asb_wrong"}, live_server.headers("revoked")):
+        response = _call(http, method, url, body, headers)
+        assert response.status_code == 401, (url, response.text)
+        assert _error_code(response) == "unauthenticated"
+
+
+@pytest.mark.parametrize(("method", "path", "body", "writes"), SANDBOX_ROUTES)
+def test_other_tenants_get_404_not_403(
+    http: httpx.Client,
+    live_server: LiveServer,
+    alice_box: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    writes: bool,
+) -> None:
+    response = _call(http, method, path.format(id=alice_box), body, live_server.headers("bob"))
+    assert response.status_code == 404, response.text
+    assert _error_code(response) == "sandbox_not_found"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "writes"), [r for r in SANDBOX_ROUTES + GLOBAL_ROUTES if r[3]]
+)
+def test_viewers_cannot_write(
+    http: httpx.Client,
+    live_server: LiveServer,
+    alice_box: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    writes: bool,
+) -> None:
+    response = _call(http, method, path.format(id=alice_box), body, live_server.headers("viewer"))
+    assert response.status_code == 403, response.text
+    assert _error_code(response) == "forbidden"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "writes"), [r for r in SANDBOX_ROUTES if not r[3]]
+)
+def test_viewers_and_teammates_can_read(
+    http: httpx.Client,
+    live_server: LiveServer,
+    alice_box: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    writes: bool,
+) -> None:
+    for who in ("viewer", "alice2", "admin"):
+        response = _call(http, method, path.format(id=alice_box), body, live_server.headers(who))
+        assert response.status_code == 200, (who, response.text)
+
+
+def test_listing_shows_only_your_tenant(
+    http: httpx.Client, live_server: LiveServer, alice_box: str
+) -> None:
+    def ids(who: str) -> set[str]:
+        return {s["id"] for s in http.get("/v1/sandboxes", headers=live_server.headers(who)).json()}
+
+    assert alice_box in ids("alice") and alice_box in ids("viewer") and alice_box in ids("admin")
+    assert alice_box not in ids("bob")
+
+
+# ------------------------------------------------------------------ behaviour
+
+
+def test_code_and_commands_over_http(
+    http: httpx.Client, live_server: LiveServer, alice_box: str
+) -> None:
+    headers = live_server.headers("alice")
+    base = f"/v1/sandboxes/{alice_box}"
+    assert (
+        http.post(f"{base}/code", json={"code": "n = 20"}, headers=headers).json()["exit_code"] == 0
+    )
+    assert (
+        http.post(f"{base}/code", json={"code": "n * 2 + 2"}, headers=headers).json()["text"]
+        == "42"
+    )
+    crash = http.post(f"{base}/code", json={"code": "raise KeyError('k')"}, headers=headers)
+    assert crash.status_code == 200  # sandboxed code failing is a result, never a 5xx
+    assert crash.json()["error"]["type"] == "KeyError"
+    cmd = {"command": "cd /tmp && echo $X && exit 4", "env": {"X": "y"}, "session": "s1"}
+    result = http.post(f"{base}/commands", json=cmd, headers=headers).json()
+    assert (result["exit_code"], result["stdout"]) == (4, "y\n")
+    assert (
+        http.post(
+            f"{base}/commands", json={"command": "pwd", "session": "s1"}, headers=headers
+        ).json()["stdout"]
+        == "/tmp\n"
+    )
+    timed = http.post(
+        f"{base}/commands", json={"command": "sleep 30", "timeout_s": 1}, headers=headers
+    )
+    assert timed.status_code == 200 and timed.json()["kill_reason"] == "timeout"
+
+
+def test_files_upload_download_list_delete(
+    http: httpx.Client, live_server: LiveServer, alice_box: str
+) -> None:
+    headers = live_server.headers("alice")
+    base = f"/v1/sandboxes/{alice_box}"
+    blob = bytes(range(256)) * 8192  # 2 MiB, several chunks each way
+    raw = http.put(
+        f"{base}/files/content", params={"path": "in/raw.bin"}, content=blob, headers=headers
+    )
+    assert raw.json() == {"path": "in/raw.bin", "size_bytes": len(blob)}
+    form = http.post(
+        f"{base}/files",
+        params={"path": "in/form.txt"},
+        files={"file": ("f.txt", b"multipart")},
+        headers=headers,
+    )
+    assert form.status_code == 201 and form.json()["size_bytes"] == 9
+    down = http.get(f"{base}/files/content", params={"path": "in/raw.bin"}, headers=headers)
+    assert down.content == blob
+    listed = http.get(f"{base}/files", params={"path": "in"}, headers=headers).json()
+    assert sorted(e["name"] for e in listed) == ["form.txt", "raw.bin"]
+    assert (
+        http.post(f"{base}/directories", params={"path": "made/deep"}, headers=headers).json()[
+            "type"
+        ]
+        == "dir"
+    )
+    assert (
+        http.delete(
+            f"{base}/files", params={"path": "in", "recursive": "true"}, headers=headers
+        ).status_code
+        == 204
+    )
+    missing = http.get(f"{base}/files/content", params={"path": "in/raw.bin"}, headers=headers)
+    assert missing.status_code == 404 and _error_code(missing) == "file_not_found"
+    escape = http.get(f"{base}/files/content", params={"path": "../../etc/passwd"}, headers=headers)
+    assert escape.status_code == 400 and _error_code(escape) == "path_outside_workspace"
+
+
+def test_upload_over_the_cap_is_refused_and_leaves_nothing(
+    data_root: Any, live_server: LiveServer
+) -> None:
+    from tests.conftest import start_server, stop_server
+
+    data_dir = data_root / "server-smallcap"
+    data_dir.mkdir()
+    process, url, _ = start_server(data_dir, {"API_MAX_UPLOAD_MB": "1"}, "--no-auth")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            sandbox_id = client.post("/v1/sandboxes", json={}).json()["id"]
+            base = f"/v1/sandboxes/{sandbox_id}"
+
+            def body() -> Iterator[bytes]:  # chunked: no Content-Length to refuse early on
+                for _ in range(3):
+                    yield b"x" * (1 << 20)
+
+            big = client.put(f"{base}/files/content", params={"path": "big.bin"}, content=body())
+            assert big.status_code == 413 and _error_code(big) == "too_large"
+            assert client.get(f"{base}/files/stat", params={"path": "big.bin"}).status_code == 404
+    finally:
+        stop_server(process)
+
+
+def test_artifacts_listing_and_download_after_delete(
+    http: httpx.Client, live_server: LiveServer
+) -> None:
+    headers = live_server.headers("alice")
+    sandbox_id = http.post("/v1/sandboxes", json={}, headers=headers).json()["id"]
+    base = f"/v1/sandboxes/{sandbox_id}"
+    http.post(
+        f"{base}/commands",
+        json={"command": "mkdir -p artifacts && echo result > artifacts/out.txt"},
+        headers=headers,
+    )
+    assert http.delete(base, headers=headers).json()["status"] == "destroyed"
+    listed = http.get(f"{base}/artifacts", headers=headers).json()
+    assert [a["path"] for a in listed] == ["out.txt"]
+    assert http.get(f"{base}/artifacts/out.txt", headers=headers).text == "result\n"
+    assert (
+        http.get(f"{base}/artifacts/out.txt", headers=live_server.headers("bob")).status_code == 404
+    )
+    assert http.get(f"{base}/artifacts/nope.txt", headers=headers).status_code == 404
+    assert http.delete(f"{base}/artifacts", headers=headers).status_code == 204
+    assert http.get(f"{base}/artifacts", headers=headers).json() == []
+
+
+def test_bad_input_is_a_typed_4xx(
+    http: httpx.Client, live_server: LiveServer, alice_box: str
+) -> None:
+    headers = live_server.headers("alice")
+    cases = [
+        ("POST", "/v1/sandboxes", {"memory_mb": 1}, 422, "invalid_request"),
+        ("POST", "/v1/sandboxes", {"backend": "nope"}, 422, "invalid_config"),
+        ("POST", "/v1/sandboxes", {"surprise": True}, 422, "invalid_request"),
+        (
+            "POST",
+            f"/v1/sandboxes/{alice_box}/code",
+            {"code": "1", "timeout_s": -1},
+            422,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            f"/v1/sandboxes/{alice_box}/commands",
+            {"command": "x", "session": "../x"},
+            422,
+            "invalid_request",
+        ),
+        ("GET", "/v1/sandboxes/sb-missing", None, 404, "sandbox_not_found"),
+        ("GET", "/no/such/route", None, 404, "not_found"),
+    ]
+    for method, path, body, status, code in cases:
+        response = http.request(method, path, json=body, headers=headers)
+        assert (response.status_code, _error_code(response)) == (status, code), (
+            path,
+            response.text,
+        )
+        assert "memory_mb" in response.text if body == {"memory_mb": 1} else True
+
+
+def test_destroyed_sandbox_is_409(http: httpx.Client, live_server: LiveServer) -> None:
+    headers = live_server.headers("alice")
+    sandbox_id = http.post("/v1/sandboxes", json={}, headers=headers).json()["id"]
+    http.delete(f"/v1/sandboxes/{sandbox_id}", headers=headers)
+    response = http.post(f"/v1/sandboxes/{sandbox_id}/code", json={"code": "1"}, headers=headers)
+    assert response.status_code == 409 and _error_code(response) == "sandbox_not_running"
+
+
+def test_tenant_quota(http: httpx.Client, live_server: LiveServer) -> None:
+    headers = live_server.headers("small")  # tenant "tiny": 1 sandbox, 300 MiB
+    too_big = http.post("/v1/sandboxes", json={"memory_mb": 512}, headers=headers)
+    assert too_big.status_code == 429 and _error_code(too_big) == "quota_exceeded"
+    first = http.post("/v1/sandboxes", json={"memory_mb": 128}, headers=headers)
+    assert first.status_code == 201
+    second = http.post("/v1/sandboxes", json={"memory_mb": 128}, headers=headers)
+    assert second.status_code == 429 and "TENANT_MAX_SANDBOXES" in second.json()["error"]["message"]
+    http.delete(f"/v1/sandboxes/{first.json()['id']}", headers=headers)
+    third = http.post("/v1/sandboxes", json={"memory_mb": 128}, headers=headers)
+    assert third.status_code == 201
+    http.delete(f"/v1/sandboxes/{third.json()['id']}", headers=headers)
+
+
+def test_rate_limit_per_key(http: httpx.Client, live_server: LiveServer) -> None:
+    statuses = [http.get("/v1/sandboxes", headers=live_server.headers("burst")) for _ in range(160)]
+    limited = [r for r in statuses if r.status_code == 429]
+    assert limited, "160 requests at once must pass the burst of 100"
+    assert _error_code(limited[0]) == "rate_limited"
+    assert int(limited[0].headers["retry-after"]) >= 1
+    # Another key is not slowed down by it.
+    assert http.get("/v1/sandboxes", headers=live_server.headers("bob")).status_code == 200
+
+
+def test_audit_log_records_who_did_what(http: httpx.Client, live_server: LiveServer) -> None:
+    from agent_sandbox.server.auth import AuthStore
+
+    headers = live_server.headers("alice")
+    sandbox_id = http.post("/v1/sandboxes", json={}, headers=headers).json()["id"]
+    http.post(f"/v1/sandboxes/{sandbox_id}/code", json={"code": "1"}, headers=headers)
+    http.delete(f"/v1/sandboxes/{sandbox_id}", headers=headers)
+    store = AuthStore(live_server.data_dir / "agent-sandbox.db")
+    try:
+        rows = [r for r in store.audit_log("acme") if r["sandbox_id"] == sandbox_id]
+        assert [r["action"] for r in reversed(rows)] == [
+            "sandbox.create",
+            "sandbox.run_code",
+            "sandbox.delete",
+        ]
+        assert all(r["outcome"] == "ok" and r["request_id"] for r in rows)
+        import sqlite3
+
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            store._db.execute("DELETE FROM audit")
+    finally:
+        store.close()
+
+
+def test_health_ready_metrics(http: httpx.Client, live_server: LiveServer) -> None:
+    assert http.get("/health").json()["status"] == "ok"
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    http.post("/v1/sandboxes", json={}, headers=live_server.headers("alice"))
+    metrics = http.get("/metrics").text
+    for name in (
+        "agent_sandbox_sandboxes_live",
+        "agent_sandbox_sandboxes_created_total",
+        "agent_sandbox_exec_duration_seconds_bucket",
+        "agent_sandbox_http_requests_total",
+    ):
+        assert name in metrics
+    openapi = http.get("/openapi.json").json()
+    assert "/v1/sandboxes/{sandbox_id}/code" in openapi["paths"]
+
+
+# ------------------------------------------------------------------ streaming
+
+
+def _ws(live_server: LiveServer, sandbox_id: str, who: str = "alice") -> Any:
+    url = live_server.url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/stream"
+    return connect(url, additional_headers=live_server.headers(who), open_timeout=10)
+
+
+def test_stream_delivers_output_in_order_then_result(
+    live_server: LiveServer, alice_box: str
+) -> None:
+    code = "import sys, time\nfor i in range(5):\n    print(i, flush=True)\n    time.sleep(0.05)\n"
+    code += "print('err', file=sys.stderr)\n'done'"
+    with _ws(live_server, alice_box) as ws:
+        ws.send(json.dumps({"type": "run_code", "code": code}))
+        events = []
+        while True:
+            event = json.loads(ws.recv(timeout=30))
+            events.append(event)
+            if event["type"] in ("result", "error"):
+                break
+    stdout = "".join(e["data"] for e in events if e["type"] == "stdout")
+    assert stdout == "0\n1\n2\n3\n4\n"
+    assert [e["type"] for e in events][-1] == "result"
+    assert events[-1]["result"]["text"] == "'done'"
+    assert any(e["type"] == "stderr" for e in events)
+
+
+def test_stream_stdin_to_a_running_command(live_server: LiveServer, alice_box: str) -> None:
+    with _ws(live_server, alice_box) as ws:
+        ws.send(
+            json.dumps(
+                {
+                    "type": "command",
+                    "command": "while read l; do echo got:$l; done",
+                    "stdin": True,
+                    "timeout_s": 20,
+                }
+            )
+        )
+        ws.send(json.dumps({"type": "stdin", "data": "a\nb\n"}))
+        ws.send(json.dumps({"type": "stdin_eof"}))
+        while True:
+            event = json.loads(ws.recv(timeout=30))
+            if event["type"] == "result":
+                break
+    assert event["result"]["stdout"] == "got:a\ngot:b\n"
+
+
+def test_stream_disconnect_mid_run_stops_the_run(
+    http: httpx.Client, live_server: LiveServer, alice_box: str
+) -> None:
+    headers = live_server.headers("alice")
+    with _ws(live_server, alice_box) as ws:
+        ws.send(json.dumps({"type": "command", "command": "echo up; sleep 300", "timeout_s": 600}))
+        assert json.loads(ws.recv(timeout=30)) == {"type": "stdout", "data": "up\n"}
+    # The session's lock frees only when the run has really been stopped inside the sandbox.
+    started = time.monotonic()
+    result = http.post(
+        f"/v1/sandboxes/{alice_box}/commands", json={"command": "echo next"}, headers=headers
+    )
+    assert result.json()["stdout"] == "next\n"
+    assert time.monotonic() - started < 60
+    procs = http.post(
+        f"/v1/sandboxes/{alice_box}/commands",
+        json={"command": "ps -eo args | grep -c '^sleep 300' || true"},
+        headers=headers,
+    )
+    assert procs.json()["stdout"].strip() == "0"
+
+
+def test_stream_refuses_bad_key_and_other_tenant(live_server: LiveServer, alice_box: str) -> None:
+    for who in ("bob", "revoked"):
+        with _ws(live_server, alice_box, who) as ws:
+            event = json.loads(ws.recv(timeout=10))
+            assert event["type"] == "error"
+            assert event["error"]["code"] in ("sandbox_not_found", "unauthenticated")
+
+
+# ------------------------------------------------------------------ seed compatibility
+
+
+def test_seed_004_flow(http: httpx.Client, live_server: LiveServer) -> None:
+    headers = live_server.headers("alice")
+    session_id = http.post("/create_session", headers=headers).json()["session_id"]
+    out = http.post(
+        "/execute",
+        json={"session_id": session_id, "command": "ls -la /workspace; exit 2"},
+        headers=headers,
+    ).json()
+    assert out["exit_code"] == 2 and "total" in out["output"]
+    assert (
+        http.post("/cleanup", json={"session_id": session_id}, headers=headers).json()["status"]
+        == "cleaned"
+    )
+
+
+def test_seed_001_flow(http: httpx.Client, live_server: LiveServer) -> None:
+    headers = live_server.headers("alice")
+    created = http.post(
+        "/api/sessions", json={"environment": "Python3", "provider": "e2b"}, headers=headers
+    ).json()
+    assert set(created) == {"session_id", "sandbox_id", "provider", "url"}
+    assert created["provider"] == "bubblewrap"
+    sid = created["session_id"]
+    http.post(
+        "/api/e2b/files",
+        json={"session_id": sid, "path": "artifacts/note.txt", "content": "n"},
+        headers=headers,
+    )
+    run = http.post(
+        "/api/e2b/execute", json={"session_id": sid, "code": "print(42)\n6*7"}, headers=headers
+    ).json()
+    assert (
+        run["stdout"] == "42\n"
+        and run["results"] == ["42"]
+        and run["artifacts"] == ["artifacts/note.txt"]
+    )
+    names = [f["name"] for f in http.get(f"/api/e2b/files/{sid}", headers=headers).json()]
+    assert "artifacts" in names
+    assert http.get(f"/api/sessions/{sid}", headers=headers).json()["status"] == "running"
+    assert http.delete(f"/api/sessions/{sid}", headers=headers).json()["status"] == "destroyed"
+
+
+# ------------------------------------------------------------------ remote SDK
+
+
+def test_remote_sdk_same_surface_as_embedded(live_server: LiveServer) -> None:
+    with Sandbox.create(
+        api_url=live_server.url, api_key=live_server.keys["alice"], timeout_s=5
+    ) as sb:
+        sb.run_code("x = 41")
+        assert sb.run_code("x + 1").text == "42"
+        r = sb.commands.run("echo hi && exit 3")
+        assert (r.exit_code, r.stdout) == (3, "hi\n")
+        sb.files.write("data/a.txt", "hello")
+        assert sb.files.read("data/a.txt") == "hello"
+        assert [f.name for f in sb.files.list("data")] == ["a.txt"]
+        sb.files.make_dir("d")
+        assert sb.files.exists("d") and not sb.files.exists("nope")
+        chunks: list[str] = []
+        streamed = sb.run_code("for i in range(3): print(i)", on_stdout=chunks.append)
+        assert "".join(chunks) == streamed.stdout == "0\n1\n2\n"
+        with pytest.raises(SandboxFileNotFound):
+            sb.files.read("missing.txt")
+        with pytest.raises(PathOutsideWorkspace):
+            sb.files.read("../x")
+        assert sb.usage().memory_bytes
+    assert sb.info.status == "destroyed"
+
+
+def test_remote_sdk_maps_errors_and_uses_env(
+    live_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent_sandbox.config import get_settings
+
+    monkeypatch.setenv("AGENT_SANDBOX_URL", live_server.url)
+    monkeypatch.setenv("AGENT_SANDBOX_API_KEY", live_server.keys["bob"])
+    get_settings.cache_clear()
+    try:
+
+        async def scenario() -> None:
+            async with await AsyncSandbox.create() as sb:
+                assert sb.info.owner == "globex"
+                got: list[str] = []
+                r = await sb.commands.run(
+                    "echo a; echo b >&2", on_stdout=got.append, on_stderr=got.append
+                )
+                assert r.stdout == "a\n" and sorted(got) == ["a\n", "b\n"]
+            with pytest.raises(SandboxNotFound):
+                await AsyncSandbox.connect("sb-missing")
+
+        asyncio.run(scenario())
+    finally:
+        get_settings.cache_clear()
