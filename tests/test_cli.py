@@ -65,3 +65,59 @@ def test_bad_option_names_the_option(cli_data_dir: Path) -> None:
     out = _run(["exec", "--memory-mb", "1", "true"], cli_data_dir)
     assert out.returncode == 2
     assert "memory_mb" in out.stderr
+
+
+def test_sandbox_commands_against_a_server(live_server: object, tmp_path: Path) -> None:
+    from tests.conftest import LiveServer
+
+    assert isinstance(live_server, LiveServer)
+    env = {
+        **os.environ,
+        "AGENT_SANDBOX_URL": live_server.url,
+        "AGENT_SANDBOX_API_KEY": live_server.keys["alice"],
+    }
+
+    def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # type: ignore[call-overload, no-any-return]
+            [*CLI, "sandbox", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+            **kwargs,
+        )
+
+    created = cli("create", "--memory-mb", "128")
+    assert created.returncode == 0, created.stderr
+    sandbox_id = created.stdout.strip()
+    assert sandbox_id in cli("ls").stdout
+    assert cli("run-code", sandbox_id, "v = 6").returncode == 0
+    code = cli("run-code", sandbox_id, "print('x'); v * 7")
+    assert (code.returncode, code.stdout) == (0, "x\n42\n")
+    failed = cli("exec", sandbox_id, "echo out; echo err >&2; exit 5")
+    assert (failed.returncode, failed.stdout) == (5, "out\n")
+    assert "err" in failed.stderr
+    local = tmp_path / "payload.bin"
+    local.write_bytes(os.urandom(3 * 1024 * 1024))
+    up = cli("upload", sandbox_id, str(local), "in/payload.bin")
+    assert up.returncode == 0 and "uploaded 3145728 bytes" in up.stderr
+    back = tmp_path / "back.bin"
+    down = cli("download", sandbox_id, "in/payload.bin", str(back))
+    assert down.returncode == 0, down.stderr
+    assert back.read_bytes() == local.read_bytes()
+    missing = cli("download", sandbox_id, "nope", str(tmp_path / "x"))
+    assert missing.returncode == 2 and "file_not_found" in missing.stderr
+    assert cli("rm", sandbox_id).returncode == 0
+    assert sandbox_id not in cli("ls").stdout
+    gone = cli("exec", sandbox_id, "true")
+    assert gone.returncode == 2 and "sandbox_not_running" in gone.stderr
+
+
+def test_sandbox_commands_say_when_no_server_answers(tmp_path: Path) -> None:
+    env = {**os.environ, "AGENT_SANDBOX_URL": "http://127.0.0.1:9"}
+    out = subprocess.run(
+        [*CLI, "sandbox", "ls"], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+    assert out.returncode == 2
+    assert "cannot reach the server" in out.stderr and "AGENT_SANDBOX_URL" in out.stderr

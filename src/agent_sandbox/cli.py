@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
+import httpx
 import typer
 from rich.console import Console
+from rich.progress import DownloadColumn, Progress
 from rich.table import Table
 
-from agent_sandbox.config import get_settings
+from agent_sandbox.client import RemoteService
+from agent_sandbox.config import get_settings, make_limits
 from agent_sandbox.errors import SandboxError
 from agent_sandbox.log import configure_logging
 from agent_sandbox.models import ExecResult
@@ -61,13 +67,7 @@ def doctor() -> None:
 def _print_result(result: ExecResult) -> int:
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
-    if result.text is not None:
-        sys.stdout.write(result.text + "\n")
-    if result.error is not None:
-        sys.stderr.write(result.error.traceback)
-    if result.kill_reason is not None:
-        console.print(f"[red]killed: {result.kill_reason}[/] after {result.duration_ms:.0f} ms")
-    return result.exit_code if result.exit_code is not None else 1
+    return _finish(result)
 
 
 def _one_shot(
@@ -244,6 +244,215 @@ def keys_audit(
             action, outcome = row["action"], row["outcome"]
             table.add_row(str(row["seq"]), row["tenant"], row["key_id"], action, sandbox, outcome)
     Console().print(table)
+
+
+# ---------------------------------------------------------------------- sandboxes on a server
+
+sandbox_app = typer.Typer(
+    no_args_is_help=True,
+    help="Sandboxes on a server (`agent-sandbox serve`). Sandboxes outlive each command, so "
+    "these need a server; `run-code` and `exec` above work embedded.",
+)
+app.add_typer(sandbox_app, name="sandbox")
+UrlOpt = Annotated[
+    str | None, typer.Option("--api-url", help="Default: AGENT_SANDBOX_URL, else localhost.")
+]
+KeyOpt = Annotated[str | None, typer.Option("--api-key", help="Default: AGENT_SANDBOX_API_KEY.")]
+
+
+def _remote(api_url: str | None, api_key: str | None) -> RemoteService:
+    settings = get_settings()
+    url = api_url or settings.api_url or f"http://127.0.0.1:{settings.api_port}"
+    return RemoteService(url, api_key or settings.api_key)
+
+
+def _remote_call(api_url: str | None, api_key: str | None, work: Any) -> Any:
+    """Run ``work(service)`` against the server; errors become a message and exit code 2."""
+
+    async def main() -> Any:
+        service = _remote(api_url, api_key)
+        try:
+            return await work(service)
+        finally:
+            await service.aclose()
+
+    try:
+        return asyncio.run(main())
+    except SandboxError as exc:
+        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
+        raise typer.Exit(2) from None
+    except httpx.TransportError as exc:
+        console.print(
+            f"[red]cannot reach the server:[/] {exc}; start `agent-sandbox serve` "
+            "or set --api-url / AGENT_SANDBOX_URL"
+        )
+        raise typer.Exit(2) from None
+
+
+@sandbox_app.command("create")
+def sandbox_create(
+    memory_mb: MemoryOpt = None,
+    timeout_s: TimeoutOpt = None,
+    network: NetworkOpt = False,
+    backend: BackendOpt = None,
+    ttl_s: Annotated[float | None, typer.Option("--ttl-s", help="Lifetime.")] = None,
+    api_url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Create a sandbox and print its id."""
+    try:
+        limits = make_limits(memory_mb=memory_mb, timeout_s=timeout_s)
+    except SandboxError as exc:
+        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
+        raise typer.Exit(2) from None
+    info = _remote_call(
+        api_url,
+        api_key,
+        lambda s: s.create(backend=backend, limits=limits, network=network, ttl_s=ttl_s),
+    )
+    typer.echo(info.id)
+
+
+@sandbox_app.command("ls")
+def sandbox_ls(
+    all_: Annotated[bool, typer.Option("--all", help="Include ended.")] = False,
+    api_url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """List your sandboxes."""
+    infos = _remote_call(api_url, api_key, lambda s: s.list(include_ended=all_))
+    table = Table("id", "status", "backend", "memory_mb", "owner", "expires in")
+    now = time.time()
+    for info in infos:
+        left = f"{max(0, info.expires_at - now):.0f} s" if info.status == "running" else ""
+        table.add_row(
+            info.id, info.status, info.backend, str(info.limits.memory_mb), info.owner, left
+        )
+    Console().print(table)
+
+
+@sandbox_app.command("exec")
+def sandbox_exec(
+    sandbox_id: str,
+    command: str,
+    session: Annotated[str, typer.Option(help="Shell session.")] = "default",
+    timeout_s: TimeoutOpt = None,
+    api_url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Run a shell command in a sandbox, streaming its output."""
+    result = _remote_call(
+        api_url,
+        api_key,
+        lambda s: s.run_command(
+            sandbox_id,
+            command,
+            session=session,
+            timeout_s=timeout_s,
+            on_stdout=_echo(sys.stdout),
+            on_stderr=_echo(sys.stderr),
+        ),
+    )
+    raise typer.Exit(_finish(result))
+
+
+@sandbox_app.command("run-code")
+def sandbox_run_code(
+    sandbox_id: str,
+    code: Annotated[str, typer.Argument(help="Python; '-' reads stdin.")],
+    timeout_s: TimeoutOpt = None,
+    api_url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Run Python in a sandbox's persistent interpreter, streaming its output."""
+    source = sys.stdin.read() if code == "-" else code
+    result = _remote_call(
+        api_url,
+        api_key,
+        lambda s: s.run_code(
+            sandbox_id,
+            source,
+            timeout_s=timeout_s,
+            on_stdout=_echo(sys.stdout),
+            on_stderr=_echo(sys.stderr),
+        ),
+    )
+    raise typer.Exit(_finish(result))
+
+
+def _transfer(
+    description: str, total: int | None, work: Any, api_url: str | None, api_key: str | None
+) -> Any:
+    with Progress(
+        *Progress.get_default_columns(), DownloadColumn(), console=console, transient=True
+    ) as progress:
+        task = progress.add_task(description, total=total)
+        return _remote_call(
+            api_url, api_key, lambda s: work(s, lambda n: progress.advance(task, n))
+        )
+
+
+@sandbox_app.command("upload")
+def sandbox_upload(
+    sandbox_id: str, local: Path, remote: str, api_url: UrlOpt = None, api_key: KeyOpt = None
+) -> None:
+    """Upload a local file into the sandbox's /workspace (with progress)."""
+    if not local.is_file():
+        console.print(f"[red]{local} is not a file[/]")
+        raise typer.Exit(2)
+    size = _transfer(
+        f"upload {local.name}",
+        local.stat().st_size,
+        lambda s, tick: s.upload(sandbox_id, remote, local, tick),
+        api_url,
+        api_key,
+    )
+    console.print(f"uploaded {size} bytes to /workspace/{remote.lstrip('/')}")
+
+
+@sandbox_app.command("download")
+def sandbox_download(
+    sandbox_id: str, remote: str, local: Path, api_url: UrlOpt = None, api_key: KeyOpt = None
+) -> None:
+    """Download a file from the sandbox's /workspace (with progress)."""
+    size = _transfer(
+        f"download {remote}",
+        None,
+        lambda s, tick: s.download(sandbox_id, remote, local, tick),
+        api_url,
+        api_key,
+    )
+    console.print(f"downloaded {size} bytes to {local}")
+
+
+@sandbox_app.command("rm")
+def sandbox_rm(sandbox_ids: list[str], api_url: UrlOpt = None, api_key: KeyOpt = None) -> None:
+    """Destroy sandboxes (their /workspace/artifacts are kept)."""
+
+    async def destroy_all(service: RemoteService) -> None:
+        for sandbox_id in sandbox_ids:
+            await service.destroy(sandbox_id)
+            console.print(f"destroyed {sandbox_id}")
+
+    _remote_call(api_url, api_key, destroy_all)
+
+
+def _echo(stream: Any) -> Any:
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return write
+
+
+def _finish(result: ExecResult) -> int:
+    if result.text is not None:
+        sys.stdout.write(result.text + "\n")
+    if result.error is not None:
+        sys.stderr.write(result.error.traceback)
+    if result.kill_reason is not None:
+        console.print(f"[red]killed: {result.kill_reason}[/] after {result.duration_ms:.0f} ms")
+    return result.exit_code if result.exit_code is not None else 1
 
 
 if __name__ == "__main__":

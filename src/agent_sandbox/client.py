@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import builtins
 import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +30,7 @@ from agent_sandbox.protocol import OutputCallback
 DEFAULT_TIMEOUT_S = 30.0
 EXEC_MARGIN_S = 30.0  # on top of the run's own timeout: the server answers after it
 RETRY_ATTEMPTS = 3
+STREAM_CHUNK_BYTES = 1 << 20
 
 
 class RemoteService:
@@ -209,6 +212,54 @@ class RemoteService:
             content=data,
         )
         return int(reply["size_bytes"])
+
+    async def upload(
+        self,
+        sandbox_id: str,
+        path: str,
+        source: Path,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Stream a local file to ``path`` without reading it whole into memory."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            with source.open("rb") as f:
+                while chunk := f.read(STREAM_CHUNK_BYTES):
+                    if on_progress is not None:
+                        on_progress(len(chunk))
+                    yield chunk
+
+        reply = await self._json(
+            "PUT",
+            f"/v1/sandboxes/{sandbox_id}/files/content",
+            idempotent=False,
+            params={"path": path},
+            content=chunks(),
+            timeout=None,
+        )
+        return int(reply["size_bytes"])
+
+    async def download(
+        self,
+        sandbox_id: str,
+        path: str,
+        dest: Path,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Stream ``path`` out of the sandbox into the local file ``dest``."""
+        size = 0
+        url = f"/v1/sandboxes/{sandbox_id}/files/content"
+        async with self._http.stream("GET", url, params={"path": path}, timeout=None) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise _error(response)
+            with dest.open("wb") as out:
+                async for chunk in response.aiter_bytes(STREAM_CHUNK_BYTES):
+                    out.write(chunk)
+                    size += len(chunk)
+                    if on_progress is not None:
+                        on_progress(len(chunk))
+        return size
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         response = await self._call(
