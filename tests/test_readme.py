@@ -11,16 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import skip_reason
+from tests.conftest import LiveServer, skip_reason
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TEXT = README.read_text()
-PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, re.S)
+SERVER_MARK = "# needs: server"
+ALL_PYTHON = re.findall(r"```python\n(.*?)```", TEXT, re.S)
+ALL_BASH = re.findall(r"```bash\n(.*?)```", TEXT, re.S)
+PYTHON_BLOCKS = [b for b in ALL_PYTHON if not b.startswith(SERVER_MARK)]
+SERVER_BLOCKS = [b for b in ALL_PYTHON + ALL_BASH if b.startswith(SERVER_MARK)]
 CLI_LINES = [
     line.split("#")[0].strip()
-    for block in re.findall(r"```bash\n(.*?)```", TEXT, re.S)
+    for block in ALL_BASH
+    if not block.startswith(SERVER_MARK)
     for line in block.splitlines()
     if line.startswith("agent-sandbox ")
+    and not line.startswith(("agent-sandbox serve", "agent-sandbox keys"))
 ]
 
 
@@ -37,6 +43,7 @@ def env(data_root: Path, request: pytest.FixtureRequest) -> dict[str, str]:
 def test_readme_has_examples() -> None:
     assert len(PYTHON_BLOCKS) >= 3
     assert len(CLI_LINES) >= 3
+    assert len(SERVER_BLOCKS) >= 3
 
 
 @pytest.mark.parametrize(
@@ -76,3 +83,38 @@ def test_quickstart_example_prints_what_the_readme_says(env: dict[str, str]) -> 
     expected = re.search(r"`make run` prints something like:\n\n```text\n(.*?)```", TEXT, re.S)
     assert expected is not None
     assert run.stdout == expected.group(1)
+
+
+@pytest.mark.parametrize(
+    "source", SERVER_BLOCKS, ids=[f"server-{i}" for i in range(len(SERVER_BLOCKS))]
+)
+def test_server_example_runs(source: str, live_server: LiveServer) -> None:
+    env = {
+        **os.environ,
+        "AGENT_SANDBOX_URL": live_server.url,
+        "AGENT_SANDBOX_API_KEY": live_server.keys["alice"],
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    is_python = source in ALL_PYTHON
+    argv = (
+        [sys.executable, "-c", source] if is_python else ["bash", "-euo", "pipefail", "-c", source]
+    )
+    run = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=120, check=False, cwd=README.parent
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_server_setup_commands_run(env: dict[str, str]) -> None:
+    """The two set-up lines: `keys create` prints a key; `serve` answers /health."""
+    cli = str(Path(sys.executable).parent / "agent-sandbox")
+    created = subprocess.run(
+        [cli, "keys", "create", "--tenant", "acme", "--role", "user"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert created.returncode == 0 and created.stdout.startswith("asb_"), created.stderr
+    assert "agent-sandbox serve" in TEXT
