@@ -163,3 +163,32 @@ async def test_cancelled_call_is_stopped_in_the_guest(data_dir: Path) -> None:
         # The session lock is free again only if the guest really ended the command.
         result = await asyncio.wait_for(mgr.run_command(info.id, "echo free"), 5)
         assert result.stdout == "free\n"
+
+
+async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> None:
+    settings = make_settings(data_dir, backend="unsafe-local", pool_size=2)
+    async with SandboxManager(settings) as mgr:
+        await _until(lambda: len(mgr._pool) == 2)
+        pooled_ids = {live.info.id for live in mgr._pool}
+        first = await mgr.create(owner="alice", metadata={"k": "v"})
+        assert first.id in pooled_ids
+        assert (first.owner, first.metadata, first.status) == ("alice", {"k": "v"}, "running")
+        assert (await mgr.run_code(first.id, "6 * 7")).text == "42"
+        # A create that differs from the pool's defaults gets a fresh sandbox.
+        custom = await mgr.create(limits=SandboxLimits(memory_mb=128))
+        assert custom.id not in pooled_ids
+        await _until(lambda: len(mgr._pool) == 2)
+        await asyncio.sleep(0.3)
+        assert len(mgr._pool) == 2  # refilled, never more
+        assert [s.id for s in await mgr.list()] == [first.id, custom.id]  # pool is not listed
+        pool_dirs = {live.info.id for live in mgr._pool}
+    # Closing removes pooled sandboxes too.
+    for sandbox_id in pool_dirs:
+        assert not (data_dir / "local-sandboxes" / sandbox_id).exists()
+
+
+async def _until(predicate: object, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -23,8 +24,11 @@ from agent_sandbox import SandboxManager
 from tests.conftest import make_settings
 
 async def main():
-    mgr = SandboxManager(make_settings(sys.argv[1]))
+    pool_size = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    mgr = SandboxManager(make_settings(sys.argv[1], pool_size=pool_size))
     await mgr.start()
+    while len(mgr._pool) < pool_size:
+        await asyncio.sleep(0.05)
     out = []
     for _ in range(int(sys.argv[2])):
         info = await mgr.create(backend="bubblewrap")
@@ -110,3 +114,46 @@ async def test_restart_after_kill_9_cleans_every_orphan(
         # And the restarted manager works.
         fresh = await mgr.create(backend=isolated_backend)
         assert (await mgr.run_code(fresh.id, "6 * 7")).text == "42"
+
+
+@pytest.mark.asyncio
+async def test_warm_pool_never_exceeds_its_size_after_a_crash(
+    data_root: Path, isolated_backend: str
+) -> None:
+    data_dir = data_root / "crash-pool"
+    data_dir.mkdir()
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASHER, str(data_dir), "1", "2"],
+        stdout=subprocess.PIPE,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        json.loads(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    settings = make_settings(data_dir, pool_size=2)
+    from agent_sandbox.backends.bubblewrap import BubblewrapBackend
+
+    instance = BubblewrapBackend(settings).instance
+    driver = CgroupDriver.detect()
+    assert len(driver.children(settings.cgroup_root, instance)) == 3  # 1 taken + 2 pooled
+
+    async with SandboxManager(settings) as mgr:
+        deadline = time.monotonic() + 20
+        while len(mgr._pool) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        assert len(mgr._pool) == 2
+        assert len(driver.children(settings.cgroup_root, instance)) == 2
+        assert len(list((data_dir / "sandboxes").iterdir())) == 2
+        taken = await mgr.create()
+        assert taken.id in {p.name for p in (data_dir / "sandboxes").iterdir()}
+        assert (await mgr.run_code(taken.id, "1 + 1")).text == "2"
+    assert driver.children(settings.cgroup_root, instance) == []

@@ -107,6 +107,13 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_REAPER_INTERVAL_SECONDS", "reaper_interval_s"),
         description="How often expired and idle sandboxes are looked for.",
     )
+    pool_size: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        validation_alias=_env("SANDBOX_POOL_SIZE", "pool_size"),
+        description="Sandboxes kept started with the default settings, so create is instant.",
+    )
     data_dir: Path = Field(
         default_factory=_default_data_dir,
         validation_alias=_env("AGENT_SANDBOX_DATA_DIR", "data_dir"),

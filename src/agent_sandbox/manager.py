@@ -40,6 +40,7 @@ from agent_sandbox.models import (
     ArtifactInfo,
     ExecResult,
     Quota,
+    ResolvedLimits,
     ResourceUsage,
     SandboxInfo,
     SandboxLimits,
@@ -85,6 +86,9 @@ class SandboxManager:
         self._store: Store = None  # type: ignore[assignment]  # set by start()
         self._started = False
         self._listeners: list[Listener] = []
+        self._pool: list[_Live] = []
+        self._pool_wanted = asyncio.Event()
+        self._pool_task: asyncio.Task[None] | None = None
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, fields)`` on "created", "destroyed", "exec", "backend_error"."""
@@ -137,6 +141,9 @@ class SandboxManager:
         self._started = True
         await self._recover()
         self._reaper = asyncio.create_task(self._reap_forever())
+        if self.settings.pool_size > 0:
+            self._pool_wanted.set()
+            self._pool_task = asyncio.create_task(self._fill_pool())
 
     async def _recover(self) -> None:
         """Mark sandboxes of a crashed run as ended and remove all they left behind."""
@@ -167,10 +174,13 @@ class SandboxManager:
         """Destroy every live sandbox and release the data directory."""
         if not self._started:
             return
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._pool_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        pooled, self._pool = self._pool, []
+        await asyncio.gather(*(self._discard_pooled(live) for live in pooled))
         await asyncio.gather(
             *(self.destroy(sid, reason="shutdown") for sid in list(self._live)),
             return_exceptions=True,
@@ -221,50 +231,123 @@ class SandboxManager:
         backend_name = backend or self.settings.backend
         chosen = self._backend(backend_name)
         resolved = self.settings.resolve_limits(limits)
+        network = self.settings.network if network is None else network
         if quota is not None:
             self._check_quota(owner, resolved.memory_mb, quota)
+        live = self._take_pooled(backend_name, resolved, network, env)
+        if live is None:
+            # Registered with its owner before the first await, so a concurrent create of
+            # the same owner counts it against the quota.
+            live = self._new_live(chosen, backend_name, resolved, network, env, owner)
+            self._live[live.info.id] = live
+            self._store.save(live.info)
+            await self._boot(live)
+        # Ownership and clocks start now, also for a sandbox that waited in the pool.
         now = time.time()
-        sandbox_id = "sb-" + secrets.token_hex(8)
-        info = SandboxInfo(
-            id=sandbox_id,
-            backend=backend_name,
-            status=SandboxStatus.STARTING,
-            owner=owner,
-            limits=resolved,
-            network=self.settings.network if network is None else network,
-            metadata=metadata or {},
-            created_at=now,
-            last_active_at=now,
-            expires_at=now + (ttl_s or self.settings.ttl_s),
-            idle_timeout_s=idle_timeout_s or self.settings.idle_timeout_s,
-        )
-        spec = GuestSpec(sandbox_id, resolved, info.network, dict(env or {}))
-        live = _Live(info=info, spec=spec, backend=chosen)
-        self._live[sandbox_id] = live
-        self._store.save(info)
-        try:
-            async with live.lock:
-                await self._start_guest(live)
-        except BaseException as exc:
-            self._live.pop(sandbox_id, None)
-            with contextlib.suppress(Exception):
-                await chosen.stop(sandbox_id)
-            self._end(info, SandboxStatus.FAILED, "failed")
-            self._emit("backend_error", backend=backend_name, code=getattr(exc, "code", "error"))
-            if isinstance(exc, SandboxError | asyncio.CancelledError):
-                raise
-            raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
+        info = live.info
+        info.owner = owner
+        info.metadata = metadata or {}
+        info.created_at = info.last_active_at = now
+        info.expires_at = now + (ttl_s or self.settings.ttl_s)
+        info.idle_timeout_s = idle_timeout_s or self.settings.idle_timeout_s
         info.status = SandboxStatus.RUNNING
+        self._live[info.id] = live
         self._store.save(info)
         self._emit("created", info=info)
         log.info(
             "sandbox created",
-            sandbox=sandbox_id,
+            sandbox=info.id,
             backend=backend_name,
             memory_mb=resolved.memory_mb,
-            network=info.network,
+            network=network,
         )
         return info.model_copy()
+
+    def _new_live(
+        self,
+        backend: Backend,
+        backend_name: str,
+        limits: ResolvedLimits,
+        network: bool,
+        env: dict[str, str] | None,
+        owner: str = "local",
+    ) -> _Live:
+        now = time.time()
+        info = SandboxInfo(
+            id="sb-" + secrets.token_hex(8),
+            backend=backend_name,
+            status=SandboxStatus.STARTING,
+            owner=owner,
+            limits=limits,
+            network=network,
+            created_at=now,
+            last_active_at=now,
+            expires_at=now + self.settings.ttl_s,
+            idle_timeout_s=self.settings.idle_timeout_s,
+        )
+        spec = GuestSpec(info.id, limits, network, dict(env or {}))
+        return _Live(info=info, spec=spec, backend=backend)
+
+    async def _boot(self, live: _Live) -> None:
+        """Start the guest of a new sandbox; on failure remove every trace of it."""
+        try:
+            async with live.lock:
+                await self._start_guest(live)
+        except BaseException as exc:
+            self._live.pop(live.info.id, None)
+            with contextlib.suppress(Exception):
+                await live.backend.stop(live.info.id)
+            self._end(live.info, SandboxStatus.FAILED, "failed")
+            self._emit(
+                "backend_error", backend=live.info.backend, code=getattr(exc, "code", "error")
+            )
+            if isinstance(exc, SandboxError | asyncio.CancelledError):
+                raise
+            raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
+
+    # ------------------------------------------------------------------ warm pool
+
+    def _take_pooled(
+        self, backend_name: str, limits: ResolvedLimits, network: bool, env: dict[str, str] | None
+    ) -> _Live | None:
+        """A pre-started sandbox, if the request is for exactly what the pool holds."""
+        if not self._pool or env or backend_name != self.settings.backend:
+            return None
+        if network != self.settings.network or limits != self.settings.resolve_limits(None):
+            return None
+        while self._pool:
+            live = self._pool.pop(0)
+            self._pool_wanted.set()
+            if live.conn is not None and live.conn.alive:
+                return live
+            asyncio.create_task(self._discard_pooled(live))  # noqa: RUF006 - fire and forget
+        return None
+
+    async def _discard_pooled(self, live: _Live) -> None:
+        if live.conn is not None:
+            await live.conn.close()
+        with contextlib.suppress(Exception):
+            await live.backend.stop(live.info.id)
+
+    async def _fill_pool(self) -> None:
+        """Keep ``pool_size`` default sandboxes started, never more (also after a crash: the
+        start-up sweep removed the previous run's, so the count starts from zero)."""
+        backend = self._backend(self.settings.backend)
+        limits = self.settings.resolve_limits(None)
+        while True:
+            await self._pool_wanted.wait()
+            self._pool_wanted.clear()
+            while len(self._pool) < self.settings.pool_size:
+                live = self._new_live(
+                    backend, self.settings.backend, limits, self.settings.network, None, "__pool__"
+                )
+                try:
+                    await self._boot(live)
+                except SandboxError as exc:
+                    log.warning("warm pool refill failed; retrying", error=exc.message)
+                    await asyncio.sleep(1.0)
+                    continue
+                self._pool.append(live)
 
     async def _start_guest(self, live: _Live) -> GuestConnection:
         guest = await live.backend.start(live.spec)
