@@ -161,7 +161,7 @@ def serve(
         host=settings.api_host,
         port=settings.api_port,
         log_level=settings.log_level.lower(),
-        ws="websockets",
+        ws="websockets-sansio",
     )
 
 

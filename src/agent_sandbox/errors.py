@@ -8,6 +8,7 @@ file missing inside a sandbox.
 
     SandboxError
     ├── ConfigError (ValueError)                 bad setting or argument; names the option
+    ├── InvalidRequest (ValueError)              a request the guest cannot act on (bad path)
     ├── BackendUnavailable (RuntimeError)        this host cannot run the chosen backend
     ├── SandboxNotFound (LookupError)            no such sandbox (or not yours)
     ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
@@ -51,6 +52,10 @@ class SandboxError(Exception):
 
 class ConfigError(SandboxError, ValueError):
     code = "invalid_config"
+
+
+class InvalidRequest(SandboxError, ValueError):
+    code = "invalid_request"
 
 
 class BackendUnavailable(SandboxError, RuntimeError):
@@ -134,6 +139,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
     for cls in (
         SandboxError,
         ConfigError,
+        InvalidRequest,
         BackendUnavailable,
         SandboxNotFound,
         SandboxNotRunning,

@@ -31,6 +31,7 @@ from agent_sandbox.errors import (
     QuotaExceeded,
     RequestTooLarge,
     SandboxError,
+    SandboxFileNotFound,
     SandboxNotFound,
     SandboxNotRunning,
     SandboxStartError,
@@ -69,6 +70,9 @@ class _Live:
     conn: GuestConnection | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     active_calls: int = 0
+    # Kill counters as last read; each call compares against these, so one cheap read per
+    # call suffices. (A limit hit between calls is blamed on the next call, if that fails.)
+    counters: ResourceUsage = field(default_factory=ResourceUsage)
 
 
 class SandboxManager:
@@ -360,6 +364,7 @@ class SandboxManager:
             detail = guest.stderr_tail() or str(exc)
             raise SandboxStartError(f"the sandbox's guest did not start: {detail}") from exc
         live.conn = conn
+        live.counters = await live.backend.usage(live.info.id, full=False)
         return conn
 
     def _check_quota(self, owner: str, memory_mb: int, quota: Quota) -> None:
@@ -517,7 +522,7 @@ class SandboxManager:
         started = time.monotonic()
         try:
             conn, restarted = await self._connection(live)
-            before = await live.backend.usage(live.info.id)
+            before = live.counters
             call_id = conn.new_id()
             request = {
                 **payload,
@@ -550,7 +555,7 @@ class SandboxManager:
             finally:
                 if feeder is not None:
                     feeder.cancel()
-            after = await live.backend.usage(live.info.id)
+            after = live.counters = await live.backend.usage(live.info.id, full=False)
             result = ExecResult.model_validate({k: v for k, v in raw.items() if k in RESULT_FIELDS})
             if not result.duration_ms:
                 result.duration_ms = (time.monotonic() - started) * 1000
@@ -751,11 +756,12 @@ class SandboxManager:
         """Host path of a kept artifact (for streaming it out).
 
         Raises:
-            SandboxNotFound: no such sandbox or artifact.
+            SandboxNotFound: no such sandbox.
+            SandboxFileNotFound: it kept no such artifact.
         """
         known = {a.path for a in await self.list_artifacts(sandbox_id, owner=owner)}
         if path not in known:
-            raise SandboxNotFound(f"sandbox {sandbox_id} kept no artifact {path!r}")
+            raise SandboxFileNotFound(f"sandbox {sandbox_id} kept no artifact {path!r}")
         return self._artifact_root(sandbox_id) / path
 
     async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:

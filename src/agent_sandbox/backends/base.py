@@ -96,8 +96,12 @@ class Backend(Protocol):
         """Kill every process of the sandbox and remove all it had (idempotent)."""
         ...
 
-    async def usage(self, sandbox_id: str) -> ResourceUsage:
-        """Current resource use and limit hits (OOM kills, pids-limit hits) so far."""
+    async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
+        """Current resource use and limit hits (OOM kills, pids-limit hits) so far.
+
+        With ``full=False`` only ``oom_kills`` and ``pids_limit_hits`` need be filled: the
+        manager reads those after every call, so they must be cheap.
+        """
         ...
 
     async def sweep(self, keep: Collection[str]) -> list[str]:

@@ -370,10 +370,14 @@ class BubblewrapBackend:
         if root.exists():
             await self._remove_dir(root)
 
-    async def usage(self, sandbox_id: str) -> ResourceUsage:
+    async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
         box = self._boxes.get(sandbox_id)
         if box is None:
             return ResourceUsage()
+        if not full:
+            return ResourceUsage(
+                oom_kills=box.cgroup.oom_kills(), pids_limit_hits=box.cgroup.pids_limit_hits()
+            )
         # A handful of small cgroupfs reads: cheaper inline than the hop to a thread, and
         # this runs twice per exec call.
         usage = box.cgroup.usage()

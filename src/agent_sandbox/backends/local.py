@@ -86,7 +86,7 @@ class LocalBackend:
             await self._kill(guest)
         await asyncio.to_thread(shutil.rmtree, self.root / sandbox_id, True)
 
-    async def usage(self, sandbox_id: str) -> ResourceUsage:
+    async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
         return ResourceUsage()
 
     async def sweep(self, keep: Collection[str]) -> list[str]:

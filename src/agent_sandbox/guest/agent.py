@@ -673,12 +673,22 @@ class Supervisor:
         state_base = os.path.join(SHELL_STATE_DIR, "%s-%s" % (_safe_name(name), request["id"]))
         env = dict(session["env"])
         call_env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
+        for key, value in call_env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise GuestFault(
+                    "invalid_request",
+                    "env names must be non-empty without '=' or NUL; values no NUL",
+                )
+        if "\0" in request["command"]:
+            raise GuestFault("invalid_request", "command contains a NUL byte")
         env.update(call_env)
-        cwd = request.get("cwd") or session["cwd"]
-        if not os.path.isabs(cwd):
-            cwd = os.path.join(session["cwd"], cwd)
-        if not os.path.isdir(cwd):
-            cwd = WORKSPACE if os.path.isdir(WORKSPACE) else "/"
+        cwd = session["cwd"]
+        if request.get("cwd"):
+            cwd = os.path.join(session["cwd"], request["cwd"])
+            if "\0" in cwd or not os.path.isdir(cwd):
+                raise GuestFault("file_not_found", "cwd %r is not a directory" % request["cwd"])
+        elif not os.path.isdir(cwd):
+            cwd = WORKSPACE if os.path.isdir(WORKSPACE) else "/"  # the session's dir was removed
         has_input = request.get("input") is not None
         keep_stdin = bool(request.get("stdin"))
         proc = subprocess.Popen(
@@ -1003,6 +1013,8 @@ def os_error_code(exc):
         errno.ENOSPC: "disk_full",
         errno.EDQUOT: "disk_full",
         errno.ELOOP: "path_outside_workspace",
+        errno.ENAMETOOLONG: "invalid_request",
+        errno.EINVAL: "invalid_request",
     }
     name = exc.filename if exc.filename is not None else ""
     where = display(name) if isinstance(name, str) and name.startswith(WORKSPACE) else name

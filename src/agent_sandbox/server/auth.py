@@ -100,6 +100,9 @@ class AuthStore:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA busy_timeout=5000")
+        # WAL + NORMAL: a committed audit row survives a crash of the server; only a power
+        # loss can take the last few. FULL would fsync on every request.
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
 
     def close(self) -> None:

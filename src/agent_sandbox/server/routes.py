@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -27,7 +28,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=ERRORS)
 Caller = Annotated[Principal, Depends(caller)]
 PathQuery = Annotated[
-    str, Query(min_length=1, max_length=4096, description="Relative to /workspace.")
+    str,
+    Query(
+        min_length=1, max_length=4096, pattern=r"^[^\x00]*$", description="Relative to /workspace."
+    ),
 ]
 UPLOAD_CHUNK_BYTES = 1 << 20
 
@@ -164,11 +168,20 @@ async def download_file(
         async for chunk in chunks:
             yield chunk
 
-    name = path.rsplit("/", 1)[-1]
     return StreamingResponse(
         body(),
         media_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+        headers={"Content-Disposition": _attachment(path.rsplit("/", 1)[-1])},
+    )
+
+
+def _attachment(name: str) -> str:
+    """RFC 6266 header for any file name: an ASCII fallback plus the exact UTF-8 name."""
+    fallback = "".join(
+        c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in name
+    )
+    return (
+        f"attachment; filename=\"{fallback}\"; filename*=utf-8''{urllib.parse.quote(name, safe='')}"
     )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from agent_sandbox.models import SandboxLimits
 
@@ -14,12 +16,31 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("must not contain a NUL byte")
+    return value
+
+
+NoNul = Annotated[str, AfterValidator(_no_nul)]
+
+
+def _env_ok(env: dict[str, str] | None) -> dict[str, str] | None:
+    for key, value in (env or {}).items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise ValueError("env names must be non-empty, without '=' or NUL; values no NUL")
+    return env
+
+
+Env = Annotated[dict[str, str] | None, AfterValidator(_env_ok)]
+
+
 class CreateSandboxRequest(SandboxLimits):
     """A new sandbox. Every field is optional; unset limits take the server's settings."""
 
     backend: str | None = Field(default=None, max_length=64, description="bubblewrap, ...")
     network: bool | None = None
-    env: dict[str, str] | None = Field(default=None, max_length=256)
+    env: Env = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = Field(default=None, max_length=64)
     ttl_s: float | None = Field(default=None, gt=0, le=30 * 86_400)
     idle_timeout_s: float | None = Field(default=None, gt=0, le=30 * 86_400)
@@ -36,11 +57,11 @@ class RunCodeRequest(_Body):
 
 
 class RunCommandRequest(_Body):
-    command: str = Field(max_length=MAX_SOURCE_CHARS)
+    command: NoNul = Field(max_length=MAX_SOURCE_CHARS)
     session: str = Field(default="default", pattern=SESSION_PATTERN)
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
-    env: dict[str, str] | None = Field(default=None, max_length=256)
-    cwd: str | None = Field(default=None, max_length=4096)
+    env: Env = Field(default=None, max_length=256)
+    cwd: NoNul | None = Field(default=None, max_length=4096)
     input: str | None = Field(default=None, max_length=MAX_SOURCE_CHARS)
 
 
@@ -83,7 +104,7 @@ class CreateSessionResponse(_Body):
 
 class LegacyExecuteRequest(_Body):
     session_id: str = Field(max_length=64)
-    command: str = Field(max_length=MAX_SOURCE_CHARS)
+    command: NoNul = Field(max_length=MAX_SOURCE_CHARS)
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
 
 
@@ -126,5 +147,5 @@ class SessionCodeResponse(_Body):
 
 class SessionFileWrite(_Body):
     session_id: str = Field(max_length=64)
-    path: str = Field(max_length=4096)
+    path: NoNul = Field(min_length=1, max_length=4096)
     content: str = Field(max_length=MAX_SOURCE_CHARS)
