@@ -19,10 +19,12 @@ interleaved so that the noise of a shared machine falls on all of them alike:
   ``run_code("1")`` and ``--command-calls`` calls of ``run_command("true")`` per backend,
   in alternating blocks.
 
-Every figure is wall time from :func:`time.perf_counter` around one awaited manager call, in
-milliseconds. The table gives p50, p95 (linear interpolation), mean and n of each series and
-its p50 and p95 as multiples of the baseline's p50: those ratios, measured in the same run,
-are what to compare between runs. Settings come from defaults only: ``SANDBOX_*``,
+One untimed create cycle per backend runs first, so one-off first-use costs (host checks,
+copying the guest files) stay out of the figures. Every figure is wall time from
+:func:`time.perf_counter` around one awaited manager call, in milliseconds. The table gives
+p50, p95 (linear interpolation), mean and n of each series and its p50 and p95 as multiples
+of the baseline's p50: those ratios, measured in the same run, are what to compare between
+runs. Settings come from defaults only: ``SANDBOX_*``,
 ``AGENT_SANDBOX_*`` and ``LOG_*`` variables are removed from the environment first.
 
 Usage::
