@@ -11,21 +11,35 @@ A snapshot counts, for one manager (one data directory):
 After the sandboxes of a test are destroyed every count must return to its baseline. The kernel
 (and the host's init, which inherits each sandbox's pid 1 when it dies) may need a moment to
 reap, so :func:`wait_for_baseline` polls for a few seconds before it reports.
+
+Zombies show in the root cgroup, so a zombie handed to the host's init is attributed by uid and
+start time instead: a uid belongs to one sandbox at a time (uids are locked while in use), so a
+process of uid U that started while one of our sandboxes held U is ours (:class:`UidRecorder`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agent_sandbox import SandboxManager
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("pids", "memory", "cpu", "cpuacct")
 REAP_WAIT_S = 3.0
+PF_EXITING = 0x4  # task flag: the process is in do_exit()
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def boot_time_s() -> float:
+    """Now, on the clock /proc uses for process start times."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def instance_of(data_dir: Path) -> str:
@@ -67,13 +81,29 @@ def host_uid(manager: SandboxManager, sandbox_id: str) -> int:
 @dataclass(frozen=True)
 class Proc:
     pid: int
+    ppid: int
     uids: tuple[int, ...]
     state: str
     cgroup: str
     name: str
+    flags: int
+    started_s: float  # on the boot_time_s() clock
+
+    @property
+    def exiting(self) -> bool:
+        """Dead or dying: the kernel already shows such a task in the root cgroup."""
+        return self.state in ("Z", "X") or bool(self.flags & PF_EXITING)
+
+    @property
+    def orphan_zombie(self) -> bool:
+        """Dead, and handed to the host's init, which has yet to reap it."""
+        return self.state == "Z" and self.ppid == 1
 
     def __str__(self) -> str:
-        return f"pid {self.pid} {self.name!r} state {self.state} uids {self.uids} in {self.cgroup}"
+        return (
+            f"pid {self.pid} {self.name!r} state {self.state} ppid {self.ppid} "
+            f"uids {self.uids} in {self.cgroup or '?'}"
+        )
 
 
 def _pids_cgroup_path(pid: int) -> str:
@@ -94,12 +124,21 @@ def read_proc(pid: int) -> Proc | None:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         cgroup = _pids_cgroup_path(pid)
-    except (OSError, ValueError):
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        flags, started = int(stat[6]), int(stat[19]) / CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    uids = tuple(int(v) for v in fields.get("Uid", "").split())
-    state = fields.get("State", "?").strip()[:1]
-    return Proc(pid, uids, state, cgroup, fields.get("Name", "?").strip())
+    return Proc(
+        pid=pid,
+        ppid=int(fields.get("PPid", "0")),
+        uids=tuple(int(v) for v in fields.get("Uid", "").split()),
+        state=fields.get("State", "?").strip()[:1],
+        cgroup=cgroup,
+        name=fields.get("Name", "?").strip(),
+        flags=flags,
+        started_s=started,
+    )
 
 
 def all_procs() -> list[Proc]:
@@ -117,11 +156,19 @@ def procs_of_uid(uid: int) -> list[Proc]:
     return [p for p in all_procs() if uid in p.uids]
 
 
-def sandbox_procs(manager: SandboxManager) -> list[Proc]:
+OrphanFilter = Callable[[Proc], bool]
+
+
+def no_orphans(proc: Proc) -> bool:
+    return False
+
+
+def sandbox_procs(manager: SandboxManager, *, orphans: OrphanFilter | None = None) -> list[Proc]:
     """Processes of sandbox uids that may belong to this manager.
 
-    Those inside another manager's cgroup subtree are someone else's; processes outside every
-    sandbox cgroup (escaped ones, and zombies, which the kernel shows in the root cgroup) count.
+    Those inside another manager's cgroup subtree are someone else's; live processes outside
+    every sandbox cgroup (escaped ones) count. Zombies already handed to the host's init count
+    if ``orphans`` says they are ours, or always if it is None.
     """
     base = manager.settings.uid_base
     prefix = "/" + manager.settings.cgroup_root.strip("/") + "/"
@@ -131,6 +178,8 @@ def sandbox_procs(manager: SandboxManager) -> list[Proc]:
         if not any(u >= base for u in proc.uids):
             continue
         if proc.cgroup.startswith(prefix) and not proc.cgroup.startswith(ours):
+            continue
+        if proc.orphan_zombie and orphans is not None and not orphans(proc):
             continue
         found.append(proc)
     return found
@@ -155,7 +204,6 @@ class Snapshot:
 
     def excess_over(self, baseline: Snapshot) -> dict[str, list[str]]:
         """What this snapshot holds beyond ``baseline``, for every count that grew."""
-        excess: dict[str, list[str]] = {}
         before_pids = {p.pid for p in baseline.procs}
         new_items = {
             "processes": [str(p) for p in self.procs if p.pid not in before_pids],
@@ -165,10 +213,11 @@ class Snapshot:
             "loop_devices": sorted(set(self.loop_devices) - set(baseline.loop_devices)),
         }
         now, then = self.counts(), baseline.counts()
-        for key, items in new_items.items():
-            if now[key] > then[key]:
-                excess[key] = items or [f"{now[key]} now, {then[key]} before"]
-        return excess
+        return {
+            key: items or [f"{now[key]} now, {then[key]} before"]
+            for key, items in new_items.items()
+            if now[key] > then[key]
+        }
 
 
 def _mounts_below(root: Path) -> list[str]:
@@ -195,7 +244,7 @@ def _loop_devices_below(root: Path) -> list[str]:
     return found
 
 
-def snapshot(manager: SandboxManager) -> Snapshot:
+def snapshot(manager: SandboxManager, *, orphans: OrphanFilter | None = None) -> Snapshot:
     data_dir = manager.settings.data_dir.resolve()
     cgroups = []
     for d in cgroup_instance_dirs(manager):
@@ -204,7 +253,7 @@ def snapshot(manager: SandboxManager) -> Snapshot:
     sandboxes = data_dir / "sandboxes"
     dirs = sorted(p.name for p in sandboxes.iterdir()) if sandboxes.is_dir() else []
     return Snapshot(
-        procs=sandbox_procs(manager),
+        procs=sandbox_procs(manager, orphans=orphans),
         cgroups=sorted(cgroups),
         sandbox_dirs=dirs,
         mounts=_mounts_below(data_dir),
@@ -213,24 +262,73 @@ def snapshot(manager: SandboxManager) -> Snapshot:
 
 
 def wait_for_baseline(
-    manager: SandboxManager, baseline: Snapshot, timeout_s: float = REAP_WAIT_S
+    manager: SandboxManager,
+    baseline: Snapshot,
+    *,
+    orphans: OrphanFilter | None = None,
+    timeout_s: float = REAP_WAIT_S,
 ) -> dict[str, list[str]]:
     """Poll until nothing exceeds ``baseline``; return what still does after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        excess = snapshot(manager).excess_over(baseline)
+        excess = snapshot(manager, orphans=orphans).excess_over(baseline)
         if not excess or time.monotonic() > deadline:
             return excess
         time.sleep(0.05)
 
 
 def wait_until_gone(
-    manager: SandboxManager, uid: int, timeout_s: float = REAP_WAIT_S
+    manager: SandboxManager, uid: int, *, started_before_s: float, timeout_s: float = REAP_WAIT_S
 ) -> list[Proc]:
-    """Poll until no process of this manager runs as ``uid``; return the survivors."""
+    """Poll until no process of ``uid`` started before ``started_before_s`` (the moment the
+    sandbox was destroyed and its uid freed for reuse) remains, zombies included."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = [p for p in sandbox_procs(manager) if uid in p.uids]
+        left = [
+            p for p in sandbox_procs(manager) if uid in p.uids and p.started_s <= started_before_s
+        ]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+class UidRecorder:
+    """Records when each sandbox a manager creates holds its uid; :meth:`owns` a process if
+    it ran as one of those uids and started while our sandbox held it.
+
+    Uses the manager's listener hook. Without one, :attr:`enabled` is False and every orphaned
+    zombie of a sandbox uid is counted (correct, but noisy when other runs share the host).
+    """
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self.manager = manager
+        self.active = True
+        self.spans: dict[str, tuple[int, float, float | None]] = {}  # id -> uid, start, end
+        add_listener = getattr(manager, "add_listener", None)
+        self.enabled = add_listener is not None
+        if add_listener is not None:
+            add_listener(self._on_event)
+
+    def _on_event(self, event: str, fields: dict[str, Any]) -> None:
+        info = fields.get("info")
+        if not self.active or info is None:
+            return
+        if event == "created":
+            with contextlib.suppress(OSError):
+                root = sandbox_root(self.manager, info.id)
+                # The sandbox directory is made before its first process starts.
+                age_s = time.time() - root.stat().st_ctime
+                uid = host_uid(self.manager, info.id)
+                self.spans[info.id] = (uid, boot_time_s() - age_s - 0.05, None)
+        elif event == "destroyed" and info.id in self.spans:
+            uid, start, _ = self.spans[info.id]
+            self.spans[info.id] = (uid, start, boot_time_s())
+
+    def owns(self, proc: Proc) -> bool:
+        for uid, start, end in self.spans.values():
+            if uid in proc.uids and start <= proc.started_s <= (end or float("inf")):
+                return True
+        return False
+
+    def filter(self) -> OrphanFilter | None:
+        return self.owns if self.enabled else None

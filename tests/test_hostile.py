@@ -6,7 +6,10 @@ Every attack runs in a sandbox of its own (``jail``, or one made with ``spawn``)
 1. the attack is stopped and reported the right way (``kill_reason``, an errno, a refusal);
 2. the host and the bystander are unaffected (:func:`assert_unaffected`);
 3. nothing is left behind once the test's sandboxes are destroyed (the autouse ``no_leaks``
-   fixture, see ``tests/leaks.py``).
+   and ``no_leaks_in_module`` fixtures, see ``tests/leaks.py``).
+
+A test that fails here has found a hole in the sandbox, not a flaw to work around: the tests
+assert what the sandbox must do.
 
 Only loopback traffic is ever attempted: the probes for outside addresses stop as soon as
 ``socket()`` answers, whatever it answers.
@@ -96,12 +99,27 @@ SYSCALLS = {
 # ---------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(autouse=True)
-def no_leaks(manager: SandboxManager) -> Iterator[None]:
-    """Processes, cgroups, sandbox dirs, mounts and loop devices return to their baseline."""
-    baseline = leaks.snapshot(manager)
+@pytest.fixture(scope="module", autouse=True)
+def no_leaks_in_module(manager: SandboxManager) -> Iterator[None]:
+    """Around the module, the zombies the host's init reaps late are counted too."""
+    recorder = leaks.UidRecorder(manager)
+    baseline = leaks.snapshot(manager, orphans=recorder.filter())
     yield
-    excess = leaks.wait_for_baseline(manager, baseline)
+    recorder.active = False
+    excess = leaks.wait_for_baseline(manager, baseline, orphans=recorder.filter())
+    assert not excess, f"left behind by the hostile suite: {excess}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(manager: SandboxManager, no_leaks_in_module: None) -> Iterator[None]:
+    """Processes, cgroups, sandbox dirs, mounts and loop devices return to their baseline.
+
+    Per test, a dead sandbox's pid 1 waiting for the host's init to reap it (about 2 s on some
+    hosts) is left to the module-wide check, which waits for it.
+    """
+    baseline = leaks.snapshot(manager, orphans=leaks.no_orphans)
+    yield
+    excess = leaks.wait_for_baseline(manager, baseline, orphans=leaks.no_orphans)
     assert not excess, f"left behind after the test's sandboxes were destroyed: {excess}"
 
 
@@ -213,8 +231,9 @@ def assert_contained(manager: SandboxManager, sb: Sandbox) -> None:
     pids_dir = leaks.pids_cgroup_dir(manager, sb.id)
     suffix = f"/{leaks.instance_of(manager.settings.data_dir)}/{sb.id}"
     for proc in leaks.procs_of_uid(uid):
-        if proc.state != "Z":  # the kernel shows zombies in the root cgroup
-            assert proc.cgroup.endswith(suffix), f"escaped its cgroup: {proc}"
+        if not proc.exiting and not proc.cgroup.endswith(suffix):
+            again = leaks.read_proc(proc.pid)  # it may have started exiting since
+            assert again is None or again.exiting, f"escaped its cgroup: {again}"
     for pid in (pids_dir / "cgroup.procs").read_text().split():
         proc = leaks.read_proc(int(pid))
         if proc is not None:
@@ -222,6 +241,14 @@ def assert_contained(manager: SandboxManager, sb: Sandbox) -> None:
     current = int((pids_dir / "pids.current").read_text())
     limit = int((pids_dir / "pids.max").read_text())
     assert current <= limit
+
+
+def run(sb: Sandbox, kind: str, program: str, *, timeout_s: float) -> ExecResult:
+    """Run ``program`` as Python in the persistent interpreter, or as a shell command."""
+    if kind == "python":
+        return sb.run_code(program, timeout_s=timeout_s)
+    assert kind == "shell", kind
+    return sb.commands.run(program, timeout_s=timeout_s)
 
 
 def run_timed(call: Callable[[], ExecResult]) -> tuple[ExecResult, float]:
@@ -251,8 +278,15 @@ def test_bash_fork_bomb_hits_the_pids_limit(
     result = jail.commands.run(":(){ :|:& };:", timeout_s=5)
     assert_contained(manager, jail)
     assert_unaffected(host, bystander)
-    assert result.kill_reason == "pids", describe(result)
-    assert_usable(jail)
+    # Report both halves of the contract, even when the first one fails.
+    problems = []
+    if result.kill_reason != "pids":
+        problems.append(f"kill_reason {result.kill_reason!r}, not 'pids': {describe(result)}")
+    try:
+        assert_usable(jail)
+    except (AssertionError, pytest.fail.Exception) as exc:
+        problems.append(str(exc))
+    assert not problems, "\n".join(problems)
 
 
 PY_FORK_LOOP = """
@@ -272,7 +306,7 @@ def test_python_fork_loop_hits_the_pids_limit(
     host: Host,
 ) -> None:
     # Memory headroom so that the pids limit, not the OOM killer, is what stops it.
-    bomb = spawn(pids=128, memory_mb=512)
+    bomb = spawn(pids=64, memory_mb=512)
     result, elapsed = run_timed(lambda: bomb.run_code(PY_FORK_LOOP, timeout_s=3))
     assert_contained(manager, bomb)
     assert_unaffected(host, bystander)
@@ -289,44 +323,59 @@ def test_python_fork_loop_hits_the_pids_limit(
     ("kind", "program"),
     [
         ("python", "hog = bytearray(2 * 1024**3)\nlen(hog)"),
-        ("subprocess", "python3 -c 'hog = bytearray(2 * 1024**3); print(len(hog))'"),
-        ("tmpfs", "head -c 2048M /dev/zero > /tmp/hog; ls -l /tmp/hog"),
+        ("shell", "python3 -c 'hog = bytearray(2 * 1024**3); print(len(hog))'"),
     ],
+    ids=["python", "subprocess"],
 )
 def test_memory_bomb_is_killed_for_memory(
     jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
 ) -> None:
     assert jail.info.limits.memory_mb == 256
-    if kind == "python":
-        result = jail.run_code(program, timeout_s=10)
-    else:
-        result = jail.commands.run(program, timeout_s=10)
-    assert result.kill_reason == "memory", describe(result)
-    assert result.exit_code not in (0, None)
-    assert "2147483648" not in result.stdout  # the allocation never completed
-    assert jail.usage().oom_kills >= 1
+    # Again and again: which process the OOM killer picks varies, and the sandbox must be
+    # usable afterwards whichever it was.
+    for attempt in range(4):
+        result = run(jail, kind, program, timeout_s=10)
+        assert result.kill_reason == "memory", f"attempt {attempt}: {describe(result)}"
+        assert result.exit_code not in (0, None)
+        assert "2147483648" not in result.stdout  # the allocation never completed
+        assert_usable(jail)
+    assert jail.usage().oom_kills >= 4
     assert_unaffected(host, bystander)
-    assert_usable(jail)
 
 
 # ---------------------------------------------------------------------------- time
 
 
+@pytest.mark.hostile
+def test_filling_tmp_hits_the_disk_cap_not_memory(
+    jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    # /tmp is on the sandbox's disk image: 2 GiB into it is a full disk, never a full memory
+    # (a tmpfs /tmp once left a sandbox at its memory limit, and every later call OOM-killed).
+    result = jail.commands.run("head -c 2048M /dev/zero > /tmp/hog; ls -l /tmp/hog", timeout_s=20)
+    assert "No space left on device" in result.stderr, describe(result)
+    assert result.kill_reason is None, describe(result)
+    usage = jail.usage()
+    assert usage.oom_kills == 0
+    assert (usage.memory_bytes or 0) < 0.5 * jail.info.limits.memory_mb * 1024 * 1024
+    jail.commands.run("rm -f /tmp/hog")
+    assert_usable(jail)
+    assert_unaffected(host, bystander)
+
+
 @pytest.mark.parametrize(
     ("kind", "program"),
     [
-        ("python loop", "while True: pass"),
-        ("C loop ignoring SIGINT", "sum(range(10**13))"),
-        ("shell loop", "while :; do :; done"),
+        ("python", "while True: pass"),
+        ("python", "sum(range(10**13))"),  # one C call: SIGINT waits, so the kernel is killed
+        ("shell", "while :; do :; done"),
     ],
+    ids=["python-loop", "C-loop", "shell-loop"],
 )
 def test_cpu_spin_is_stopped_at_the_timeout(
     jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
 ) -> None:
-    if kind == "shell loop":
-        result, elapsed = run_timed(lambda: jail.commands.run(program, timeout_s=1))
-    else:
-        result, elapsed = run_timed(lambda: jail.run_code(program, timeout_s=1))
+    result, elapsed = run_timed(lambda: run(jail, kind, program, timeout_s=1))
     assert result.kill_reason == "timeout", describe(result)
     assert result.exit_code != 0
     assert elapsed < 8, f"took {elapsed:.1f}s to stop a 1s call"
@@ -338,17 +387,15 @@ def test_cpu_spin_is_stopped_at_the_timeout(
     ("kind", "program"),
     [
         ("shell", "sleep 3600"),
-        ("shell ignoring signals", "trap '' INT TERM HUP; sleep 3600"),
+        ("shell", "trap '' INT TERM HUP; sleep 3600"),
         ("python", "import time\ntime.sleep(3600)"),
     ],
+    ids=["shell", "shell-ignoring-signals", "python"],
 )
 def test_sleep_is_stopped_at_the_timeout(
     jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
 ) -> None:
-    if kind == "python":
-        result, elapsed = run_timed(lambda: jail.run_code(program, timeout_s=1))
-    else:
-        result, elapsed = run_timed(lambda: jail.commands.run(program, timeout_s=1))
+    result, elapsed = run_timed(lambda: run(jail, kind, program, timeout_s=1))
     assert result.kill_reason == "timeout", describe(result)
     assert elapsed < 5, f"took {elapsed:.1f}s to stop a 1s call"
     assert_unaffected(host, bystander)
@@ -420,19 +467,18 @@ for _ in range(1024):
 """
 
 
-@pytest.mark.parametrize("kind", ["shell", "python"])
+@pytest.mark.parametrize(
+    ("kind", "program"),
+    [("shell", "yes | head -c 1073741824"), ("python", PY_FLOOD)],
+    ids=["shell", "python"],
+)
 def test_gigabyte_of_stdout_is_capped(
-    jail: Sandbox, bystander: Sandbox, host: Host, kind: str
+    jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
 ) -> None:
     assert jail.run_code("1").text == "1"  # warm both paths before measuring
     assert jail.commands.run("true").ok
     before = rss_kib()
-    if kind == "shell":
-        result, elapsed = run_timed(
-            lambda: jail.commands.run("yes | head -c 1073741824", timeout_s=60)
-        )
-    else:
-        result, elapsed = run_timed(lambda: jail.run_code(PY_FLOOD, timeout_s=60))
+    result, elapsed = run_timed(lambda: run(jail, kind, program, timeout_s=60))
     grown_kib = rss_kib() - before
 
     limits = jail.info.limits
@@ -564,8 +610,11 @@ for pid in pids:
             hits.append((pid, name))
         if name == "cmdline":
             cmdlines[pid] = data.replace(b"\\0", b" ").decode(errors="replace")
-with open("/proc/1/environ", "rb") as f:
-    init_environ = f.read()
+try:
+    with open("/proc/1/environ", "rb") as f:
+        init_environ = f.read()
+except PermissionError:
+    init_environ = None
 pids, hits, cmdlines, init_environ
 """
 
@@ -581,13 +630,10 @@ def test_host_processes_are_not_visible(
     assert not any("pytest" in c for c in cmdlines.values()), cmdlines
     host_init = Path("/proc/1/cmdline").read_bytes().replace(b"\0", b" ").decode()
     assert cmdlines[1] != host_init, "pid 1 inside is the host's init"
-    try:
-        host_init_environ = Path("/proc/1/environ").read_bytes()
-    except PermissionError:  # some hosts' init hides it even from root
-        host_init_environ = None
-    assert init_environ != host_init_environ
-    assert b"AGENT_SANDBOX_WORKSPACE=/workspace" in init_environ  # the sandbox's own pid 1
-    assert marker.encode() not in init_environ
+    # Pid 1 inside is the guest supervisor, and it is non-dumpable: not even the sandbox's
+    # own code may read its environment (or its memory, which would let it forge replies).
+    assert init_environ is None
+    assert "agent.main" in cmdlines[1], cmdlines[1]
     assert_unaffected(host, bystander)
 
 
@@ -758,6 +804,7 @@ def test_privileged_syscalls_are_refused(jail: Sandbox, bystander: Sandbox, host
         ("strace", "strace -f -o /dev/null true"),
         ("chroot", "chroot / true"),
     ],
+    ids=["mount", "unshare-U", "unshare-r", "unshare-mn", "nsenter", "strace", "chroot"],
 )
 def test_privileged_commands_fail(
     jail: Sandbox, bystander: Sandbox, host: Host, tool: str, command: str
@@ -836,18 +883,16 @@ def test_setuid_binaries_do_not_grant_root(
 @pytest.mark.parametrize(
     ("kind", "program"),
     [("shell", "kill -9 -1; echo survived"), ("python", "import os\nos.kill(-1, 9)")],
+    ids=["shell", "python"],
 )
 def test_kill_everything_from_inside(
     jail: Sandbox, bystander: Sandbox, host: Host, kind: str, program: str
 ) -> None:
     assert jail.run_code("before = 1").ok
-    if kind == "shell":
-        result = jail.commands.run(program, timeout_s=10)
-    else:
-        result = jail.run_code(program, timeout_s=10)
-    # The sandbox may lose its processes (then it must say so), never the host or a neighbour.
-    if result.state_lost:
-        assert result.kill_reason == "killed", describe(result)
+    result = run(jail, kind, program, timeout_s=10)
+    # The sandbox may lose its processes (then it must say so, in this very result), never
+    # the host or a neighbour. The supervisor is pid 1, which kill(-1) spares, so the call
+    # itself usually survives and only reports that the interpreter was lost.
     assert result.kill_reason in ("killed", None), describe(result)
     assert_unaffected(host, bystander)
     assert_usable(jail)
@@ -895,8 +940,9 @@ def test_double_forked_daemon_dies_with_the_sandbox(
     assert all(d.is_dir() for d in cgroups)
     assert_contained(manager, jail)
 
+    killed_at = leaks.boot_time_s()
     jail.kill()
-    left = leaks.wait_until_gone(manager, uid)
+    left = leaks.wait_until_gone(manager, uid, started_before_s=killed_at)
     assert left == [], f"still running after kill: {[str(p) for p in left]}"
     assert [d for d in cgroups if d.exists()] == []
     assert not root.exists()
@@ -955,8 +1001,12 @@ def test_zombie_farm_is_capped_and_reaped(
     assert int((pids_dir / "pids.current").read_text()) >= 100  # zombies hold their slots
     assert_unaffected(host, bystander)
 
-    # Farming on: the pids limit stops it, and holds.
-    made, err, zombies = literal(jail.run_code(ZOMBIE_FARM.format(count=1000)))
+    # Farming on: the pids limit stops it, and holds. The cell itself survives; the sandbox
+    # may still report the exhausted limit as a pids kill.
+    farm = jail.run_code(ZOMBIE_FARM.format(count=1000))
+    assert farm.kill_reason in (None, "pids"), describe(farm)
+    assert farm.error is None and farm.text is not None, describe(farm)
+    made, err, zombies = ast.literal_eval(farm.text)
     assert err == errno.EAGAIN
     assert 0 < made < limit - 100
     assert zombies == 100 + made
@@ -964,10 +1014,67 @@ def test_zombie_farm_is_capped_and_reaped(
     assert_contained(manager, jail)
     assert_unaffected(host, bystander)
 
+    killed_at = leaks.boot_time_s()
     jail.kill()
-    left = leaks.wait_until_gone(manager, uid)
+    left = leaks.wait_until_gone(manager, uid, started_before_s=killed_at)
     assert left == [], f"still present after kill: {[str(p) for p in left]}"
     assert not pids_dir.exists()
+
+
+# ---------------------------------------------------------------------------- guest protocol
+
+# Sandboxed code tries to speak for the guest agent: it patches a stub into pid 1 of the sandbox
+# (bwrap's init, which holds the guest's stdio pipes to the host) through /proc/1/mem, then makes
+# pid 1 return from wait() so the stub writes forged result frames to the host. The supervisor
+# is hardened against exactly this (PR_SET_DUMPABLE 0); whatever process holds the channel must
+# be out of reach too.
+FORGE_RESULT = r"""
+import json, os, struct, time
+frames = b"".join(
+    struct.pack(">I", len(body)) + body
+    for body in (
+        json.dumps({"id": i, "event": "result", "result": {"exit_code": 0, "stdout": "FORGED"}})
+        .encode()
+        for i in range(1, 400)
+    )
+)
+tail = bytes.fromhex("bf01000000" "b801000000" "0f05" "b822000000" "0f05" "ebf7")
+stub = (  # lea rsi,[rip+msg]; mov edx,len; mov edi,1; mov eax,1 (write); syscall; pause loop
+    bytes.fromhex("488d35") + struct.pack("<i", 5 + len(tail))
+    + b"\xba" + struct.pack("<I", len(frames)) + tail
+)
+try:
+    pc = int(open("/proc/1/syscall").read().split()[-1], 16)
+    fd = os.open("/proc/1/mem", os.O_RDWR)
+    try:
+        os.pwrite(fd, stub + frames, pc)
+    finally:
+        os.close(fd)
+    print("patched pid 1")
+except (OSError, ValueError) as exc:
+    print("refused:", exc.__class__.__name__)
+if os.fork() == 0:  # an orphan, reparented to pid 1, whose exit ends pid 1's wait()
+    if os.fork() == 0:
+        time.sleep(0.2)
+        os._exit(0)
+    os._exit(0)
+os.wait()
+time.sleep(1)
+print("real output")
+"""
+
+
+def test_sandboxed_code_cannot_forge_guest_replies(
+    jail: Sandbox, bystander: Sandbox, host: Host
+) -> None:
+    if os.uname().machine != "x86_64":
+        pytest.skip("the injected stub is x86_64 code")
+    jail.files.write("forge.py", FORGE_RESULT)
+    result = jail.commands.run("python3 forge.py", timeout_s=10)
+    assert result.stdout != "FORGED", "sandboxed code forged the guest's reply to the host"
+    assert result.stdout.endswith("real output\n"), describe(result)
+    assert_unaffected(host, bystander)
+    assert_usable(jail)
 
 
 # ---------------------------------------------------------------------------- file API

@@ -14,6 +14,7 @@ file missing inside a sandbox.
     ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
     ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
+    │   └── PidsExhausted                        the sandbox has no free process slot left
     ├── AuthenticationError (PermissionError)    no API key, or an unknown or revoked one
     ├── Forbidden (PermissionError)              the key's role may not do this
     ├── QuotaExceeded (RuntimeError)             the tenant's live sandboxes or memory are at quota
@@ -102,6 +103,10 @@ class RequestTooLarge(SandboxError, ValueError):
     code = "too_large"
 
 
+class PidsExhausted(GuestError):
+    code = "pids_exhausted"
+
+
 class SandboxFileError(SandboxError, OSError):
     code = "file_error"
 
@@ -145,6 +150,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxNotRunning,
         SandboxStartError,
         GuestError,
+        PidsExhausted,
         AuthenticationError,
         Forbidden,
         QuotaExceeded,

@@ -28,6 +28,7 @@ from agent_sandbox.config import Settings, get_settings
 from agent_sandbox.errors import (
     ConfigError,
     GuestError,
+    PidsExhausted,
     QuotaExceeded,
     RequestTooLarge,
     SandboxError,
@@ -52,6 +53,7 @@ from agent_sandbox.store import Store
 
 log = structlog.get_logger(__name__)
 
+SATURATED = 0.9  # a limit this full after a call means something left behind holds it
 BACKSTOP_S = 5.0  # the guest enforces timeouts; the host steps in only if the guest hangs
 READY_TIMEOUT_S = 15.0
 FILE_CHUNK_BYTES = 1 << 20
@@ -529,6 +531,8 @@ class SandboxManager:
                 "timeout_s": timeout,
                 "output_limit": limits.output_limit_bytes,
                 "output_file_limit": limits.output_file_limit_mb * 1024 * 1024,
+                # Full outputs are spilled to the sandbox's own disk: a quarter of it at most.
+                "output_spill_limit": _disk_bytes(live) // 4,
             }
             feeder = (
                 asyncio.create_task(_feed_stdin(conn, call_id, stdin))
@@ -542,6 +546,10 @@ class SandboxManager:
                     ),
                     timeout + BACKSTOP_S,
                 )
+            except PidsExhausted:
+                # Left-over processes hold every slot; only a fresh guest frees them.
+                raw = {"exit_code": 137, "kill_reason": "pids", "state_lost": True}
+                await self._drop_guest(live)
             except GuestDied:
                 raw = {"exit_code": 137, "kill_reason": "killed", "state_lost": True}
                 await self._drop_guest(live)
@@ -571,13 +579,25 @@ class SandboxManager:
     async def _classify(
         self, live: _Live, result: ExecResult, before: ResourceUsage, after: ResourceUsage
     ) -> None:
-        """Name the real cause of a kill from the cgroup's counters (exit codes lose it)."""
+        """Name the real cause of a kill from the cgroup's counters (exit codes lose it), and
+        restart a guest that a limit left wedged."""
         failed = result.kill_reason is not None or result.exit_code not in (0, None)
-        if after.oom_kills > before.oom_kills and failed:
+        oom = after.oom_kills > before.oom_kills
+        pids_hit = after.pids_limit_hits > before.pids_limit_hits
+        if not (oom or pids_hit):
+            return
+        usage = await live.backend.usage(live.info.id)
+        limits = live.info.limits
+        # Still at the limit after the call: background processes (a fork bomb whose first
+        # shell exited 0, files filling memory) hold it, and every next call would fail.
+        saturated = (
+            oom and (usage.memory_bytes or 0) >= SATURATED * limits.memory_mb * 1024 * 1024
+        ) or (pids_hit and (usage.pids or 0) >= SATURATED * limits.pids)
+        if oom and (failed or saturated):
             result.kill_reason = "memory"
-        elif after.pids_limit_hits > before.pids_limit_hits and failed:
+        elif pids_hit and (failed or saturated):
             result.kill_reason = "pids"
-            # Processes that left the call's group may still hold every slot: start afresh.
+        if saturated:
             await self._drop_guest(live)
             result.state_lost = True
 
@@ -611,7 +631,13 @@ class SandboxManager:
         live = self._get_live(sandbox_id, owner)
         self._touch(live)
         conn, _ = await self._connection(live)
-        return await conn.request(op, payload)
+        try:
+            return await conn.request(op, payload)
+        except PidsExhausted:
+            # A fork bomb in the background: a fresh guest (its processes killed) can serve.
+            await self._drop_guest(live)
+            conn, _ = await self._connection(live)
+            return await conn.request(op, payload)
 
     async def write_file(
         self,

@@ -217,7 +217,10 @@ class BubblewrapBackend:
         assert self._uids is not None
         uid, lock_fd = self._uids.acquire()
         root = self.sandboxes_dir / spec.sandbox_id
-        workspace = root / "workspace"
+        # One disk for /workspace and /tmp: files in /tmp count against the disk cap, not
+        # against memory (a tmpfs there let a sandbox fill its own memory and stay wedged).
+        volume = root / "volume"
+        workspace = volume / "workspace"
         limits = CgroupLimits(
             memory_bytes=spec.limits.memory_mb * 1024 * 1024,
             pids_max=spec.limits.pids,
@@ -235,11 +238,14 @@ class BubblewrapBackend:
         try:
             root.mkdir(mode=0o711)
             if self._loop_ok:
-                await create_loop_disk(root / "disk.img", workspace, spec.limits.disk_mb, uid)
+                await create_loop_disk(root / "disk.img", volume, spec.limits.disk_mb)
             else:
-                workspace.mkdir()
-                os.chown(workspace, uid, uid)
-            workspace.chmod(0o700)
+                volume.mkdir(mode=0o711)
+            for inside in (workspace, volume / "tmp"):
+                inside.mkdir(mode=0o700)
+                os.chown(inside, uid, uid)
+            # For people looking on the host: <data_dir>/sandboxes/<id>/workspace.
+            (root / "workspace").symlink_to("volume/workspace")
         except BaseException:
             await self.stop(spec.sandbox_id)
             raise
@@ -258,6 +264,10 @@ class BubblewrapBackend:
             "sandbox",
             "--die-with-parent",
             "--new-session",
+            # The guest is pid 1 itself: bwrap's own init would run as the sandbox uid, hold
+            # the pipes to the host and be dumpable, so sandboxed code could write to its
+            # memory and forge results. The guest makes itself non-dumpable instead.
+            "--as-pid-1",
             "--ro-bind",
             "/usr",
             "/usr",
@@ -268,7 +278,7 @@ class BubblewrapBackend:
             elif link.is_dir():
                 argv += ["--ro-bind", str(link), str(link)]
         argv += ["--proc", "/proc", "--dev", "/dev"]
-        argv += ["--size", str(spec.limits.memory_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+        argv += ["--bind", str(box.workspace.parent / "tmp"), "/tmp"]
         argv += ["--dir", "/etc"]
         for name in ("passwd", "group", "hosts", "nsswitch.conf"):
             argv += ["--ro-bind", str(self._etc / name), f"/etc/{name}"]

@@ -38,8 +38,8 @@ async def _run(*argv: str) -> None:
         )
 
 
-async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int, uid: int) -> None:
-    """Make a sparse ext4 image of ``size_mb``, mount it on ``mountpoint``, owned by ``uid``."""
+async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int) -> None:
+    """Make a sparse ext4 image of ``size_mb`` and mount it on ``mountpoint`` (root-owned)."""
     with open(image, "wb") as f:
         f.truncate(size_mb * 1024 * 1024)
     # No journal and lazy tables: a scratch disk that dies with the sandbox, made in ~20 ms.
@@ -52,15 +52,14 @@ async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int, uid: int
         "-O",
         "^has_journal",
         "-E",
-        f"root_owner={uid}:{uid},lazy_itable_init=1,nodiscard",
+        "root_owner=0:0,lazy_itable_init=1,nodiscard",
         str(image),
     )
     mountpoint.mkdir(parents=True, exist_ok=True)
     await _run("mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint))
     with contextlib.suppress(OSError):
         (mountpoint / "lost+found").rmdir()
-    os.chown(mountpoint, uid, uid)
-    mountpoint.chmod(0o755)
+    mountpoint.chmod(0o711)
 
 
 def mounted_below(root: Path) -> list[Path]:

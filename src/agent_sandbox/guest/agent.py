@@ -110,12 +110,24 @@ class OutputSink:
     start (what ran) and the end (the traceback), not the middle.
     """
 
-    def __init__(self, call_id, stream, keep_bytes, file_limit_bytes, on_text, on_overflow):
+    def __init__(
+        self,
+        call_id,
+        stream,
+        keep_bytes,
+        file_limit_bytes,
+        on_text,
+        on_overflow,
+        spill_limit_bytes=None,
+    ):
         self.call_id = call_id
         self.stream = stream
         self.keep = keep_bytes
         self.half = max(1, keep_bytes // 2)
         self.file_limit = file_limit_bytes
+        # The spill file lives on the sandbox's own disk: never let it take all of it.
+        self.spill_limit = spill_limit_bytes or file_limit_bytes
+        self.spilled_bytes = 0
         self.on_text = on_text
         self.on_overflow = on_overflow
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -155,6 +167,7 @@ class OutputSink:
         self.tail = bytearray(self.buf[-self.half :])
         try:
             os.makedirs(OUTPUT_DIR, exist_ok=True)
+            _prune_spills(KEEP_SPILL_FILES - 1)
             self.path = os.path.join(OUTPUT_DIR, "%s.%s" % (self.call_id, self.stream))
             self.fd = os.open(
                 self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644
@@ -168,8 +181,12 @@ class OutputSink:
     def _write_file(self, data):
         if self.fd is None:
             return
+        data = data[: max(0, self.spill_limit - self.spilled_bytes)]
+        self.spilled_bytes += len(data)
         try:
             write_all(self.fd, data)
+            if self.spilled_bytes >= self.spill_limit:
+                raise OSError("spill limit reached")
         except OSError:
             # Disk cap reached: keep the partial file, stop writing, keep capturing head/tail.
             os.close(self.fd)
@@ -197,6 +214,20 @@ class OutputSink:
             + bytes(self.tail[-self.half :]).decode("utf-8", "replace")
         )
         return {"text": text, "truncated": True, "bytes": self.total, "path": self.path}
+
+
+KEEP_SPILL_FILES = 8
+
+
+def _prune_spills(keep):
+    """Delete all but the ``keep`` newest spilled outputs."""
+    try:
+        names = [os.path.join(OUTPUT_DIR, n) for n in os.listdir(OUTPUT_DIR)]
+        names.sort(key=lambda p: os.stat(p).st_mtime, reverse=True)
+        for path in names[keep:]:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 class Pump:
@@ -291,6 +322,45 @@ def signal_exit_code(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
 
+# --------------------------------------------------------------------------- children and orphans
+
+CHILDREN = set()
+CHILDREN_LOCK = threading.Lock()
+
+
+def spawn(*args, **kwargs):
+    """Popen, remembering the pid so the orphan reaper never takes our child's exit status."""
+    with CHILDREN_LOCK:
+        proc = subprocess.Popen(*args, **kwargs)
+        CHILDREN.add(proc.pid)
+    return proc
+
+
+def forget(proc):
+    with CHILDREN_LOCK:
+        CHILDREN.discard(proc.pid)
+
+
+def reap_orphans_forever():
+    """As pid 1, reap the zombies of orphans (double-forked daemons) that were reparented to us.
+
+    Never waitpid(-1): that would steal the exit status of a command still being waited for.
+    """
+    while True:
+        time.sleep(0.5)
+        with CHILDREN_LOCK:
+            for name in os.listdir("/proc"):
+                if not name.isdigit() or int(name) in CHILDREN or name == "1":
+                    continue
+                try:
+                    with open("/proc/%s/stat" % name) as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    if fields[0] == "Z" and fields[1] == "1":
+                        os.waitpid(int(name), os.WNOHANG)
+                except (OSError, IndexError, ValueError):
+                    continue
+
+
 # --------------------------------------------------------------------------- python kernel (child)
 
 
@@ -299,6 +369,8 @@ def kernel_main(ctl_in, ctl_out):
     import ast  # the kernel's alone: keeps ~10 ms of imports off the supervisor's start
     import asyncio
     import builtins
+
+    _harden()
 
     sys.path[0] = ""
     # The user's own `import agent` must find their module, not this one.
@@ -408,6 +480,7 @@ class Kernel:
         self.ctl_r = None
         self.lock = threading.Lock()
         self.ever_started = False
+        self.loss_reported = False
 
     def ensure(self):
         if self.proc is not None and self.proc.poll() is None:
@@ -415,7 +488,7 @@ class Kernel:
         self.stop()
         req_r, req_w = os.pipe()
         res_r, res_w = os.pipe()
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [
                 PYTHON,
                 "-u",
@@ -437,9 +510,13 @@ class Kernel:
         os.close(res_w)
         self.ctl_w, self.ctl_r = req_w, res_r
         set_oom_preferred(self.proc.pid)
-        restarted = self.ever_started
+        restarted = self.ever_started and not self.loss_reported
         self.ever_started = True
+        self.loss_reported = False
         return restarted
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self):
         if self.proc is not None:
@@ -448,6 +525,7 @@ class Kernel:
             except OSError:
                 pass
             self.proc.wait()
+            forget(self.proc)
             for stream in (self.proc.stdout, self.proc.stderr):
                 if stream is not None:
                     stream.close()
@@ -655,6 +733,7 @@ class Supervisor:
     def op_exec_shell(self, request):
         call_id = request["id"]
         started = time.monotonic()
+        kernel_alive = self.kernel.alive()
         name = str(request.get("session") or "default")
         with self.sessions_lock:
             session = self.sessions.setdefault(
@@ -664,7 +743,12 @@ class Supervisor:
         self.calls[call_id] = call
         try:
             with session["lock"]:
-                return self._run_shell(request, session, name, call, started)
+                result = self._run_shell(request, session, name, call, started)
+            if kernel_alive and not self.kernel.alive():
+                # The command killed the Python interpreter (kill -9 -1, say): say so now.
+                self.kernel.loss_reported = True
+                result["state_lost"] = True
+            return result
         finally:
             self.calls.pop(call_id, None)
 
@@ -691,7 +775,7 @@ class Supervisor:
             cwd = WORKSPACE if os.path.isdir(WORKSPACE) else "/"  # the session's dir was removed
         has_input = request.get("input") is not None
         keep_stdin = bool(request.get("stdin"))
-        proc = subprocess.Popen(
+        proc = spawn(
             ["/bin/bash", "-c", SHELL_WRAPPER, "bash", state_base, request["command"]],
             stdin=subprocess.PIPE if (has_input or keep_stdin) else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -742,6 +826,7 @@ class Supervisor:
             proc.stderr.close()
             call.write_stdin(b"", True)
         returncode = proc.wait()
+        forget(proc)
         self._update_session(session, state_base, call_env)
         result = {
             "exit_code": signal_exit_code(returncode),
@@ -799,13 +884,24 @@ class Supervisor:
         call_id = request["id"]
         keep = int(request.get("output_limit", 1 << 20))
         file_limit = int(request.get("output_file_limit", 100 << 20))
+        spill_limit = request.get("output_spill_limit")
         stream = bool(request.get("stream"))
         sinks = []
         for name in ("stdout", "stderr"):
             on_text = None
             if stream:
                 on_text = self._streamer(call_id, name)
-            sinks.append(OutputSink(call_id, name, keep, file_limit, on_text, on_overflow))
+            sinks.append(
+                OutputSink(
+                    call_id,
+                    name,
+                    keep,
+                    file_limit,
+                    on_text,
+                    on_overflow,
+                    int(spill_limit) if spill_limit else None,
+                )
+            )
         return sinks
 
     def _streamer(self, call_id, name):
@@ -1014,6 +1110,7 @@ def os_error_code(exc):
         errno.EDQUOT: "disk_full",
         errno.ELOOP: "path_outside_workspace",
         errno.ENAMETOOLONG: "invalid_request",
+        errno.EAGAIN: "pids_exhausted",  # fork or thread creation at the pids limit
         errno.EINVAL: "invalid_request",
     }
     name = exc.filename if exc.filename is not None else ""
@@ -1024,8 +1121,13 @@ def os_error_code(exc):
 # --------------------------------------------------------------------------- entry points
 
 
-def _harden_supervisor():
-    """Keep sandboxed code (same uid) from reading or rewriting the supervisor's memory."""
+def _harden():
+    """Keep other processes of the sandbox (same uid) out of this one's memory and fds.
+
+    Non-dumpable: /proc/<pid>/mem, /fd and ptrace now need a capability nobody here has.
+    The supervisor does it so background jobs cannot forge its replies to the host; the
+    kernel, so they cannot forge a cell's result from outside the cell.
+    """
     import ctypes
     import resource
 
@@ -1041,7 +1143,12 @@ def _harden_supervisor():
 
 
 def supervisor_main():
-    _harden_supervisor()
+    _harden()
+    # As pid 1 no signal without a handler reaches us from inside the sandbox; Python's own
+    # SIGINT handler would, and would end the supervisor with a KeyboardInterrupt.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    if os.getpid() == 1:
+        threading.Thread(target=reap_orphans_forever, daemon=True).start()
     writer = FrameWriter(1)
     # Nothing may write to fd 1 but the protocol: point the Python-level stdout elsewhere.
     sys.stdout = sys.stderr
