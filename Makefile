@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-SYSTEM_PACKAGES := bubblewrap util-linux e2fsprogs libseccomp2 procps
+SYSTEM_PACKAGES := bubblewrap util-linux e2fsprogs libseccomp2 procps python3
 
 .PHONY: run test check lint typecheck pytest test-hostile bench doctor system venv clean
 
