@@ -169,8 +169,19 @@ def _key(backend: str, what: str, cores: float | None = None) -> str:
     return f"{backend}@{cores}:{what}" if cores is not None else f"{backend}:{what}"
 
 
+POOL_SIZE = 2
+
+
+def pooled(backend: str) -> str:
+    return f"{backend}+pool"
+
+
 def declare_series(rec: Recorder, backend: str) -> None:
     rec.declare(BASELINE, "baseline: `subprocess.run(python3 -c 'print(1)')`")
+    who = f"{backend}, warm pool (SANDBOX_POOL_SIZE={POOL_SIZE})"
+    rec.declare(_key(pooled(backend), "create"), f"{who}: create")
+    rec.declare(_key(pooled(backend), "first"), f"{who}: first `run_code('print(1)')`")
+    rec.declare(_key(pooled(backend), "to_result"), f"{who}: **create to first result**")
     for name, cores in ((backend, None), (backend, UNTHROTTLED_CORES), (LOCAL_BACKEND, None)):
         who = f"{name}, cpu_cores={cores}" if cores is not None else name
         rec.declare(_key(name, "create", cores), f"{who}: create")
@@ -190,12 +201,17 @@ def _bare_subprocess() -> float:
 
 
 async def create_cycle(
-    manager: SandboxManager, rec: Recorder, backend: str, cores: float | None
+    manager: SandboxManager,
+    rec: Recorder,
+    backend: str,
+    cores: float | None,
+    series: str | None = None,
 ) -> None:
     """create, first run_code and destroy of one fresh sandbox."""
     limits = SandboxLimits(cpu_cores=cores) if cores is not None else None
     t0 = time.perf_counter()
     info = await manager.create(backend=backend, limits=limits)
+    backend = series or backend
     try:
         t1 = time.perf_counter()
         result = await manager.run_code(info.id, "print(1)")
@@ -209,8 +225,18 @@ async def create_cycle(
     rec.add(_key(backend, "create", cores), t1 - t0)
     rec.add(_key(backend, "first", cores), t2 - t1)
     rec.add(_key(backend, "to_result", cores), t2 - t0)
-    if cores is None:
+    if cores is None and series is None:
         rec.add(_key(backend, "destroy", cores), t4 - t3)
+
+
+async def pool_cycle(manager: SandboxManager, rec: Recorder, backend: str) -> None:
+    """A create served from the warm pool, once the pool has refilled (not timed)."""
+    deadline = time.monotonic() + 30
+    while manager.pooled_count() < 1:
+        if time.monotonic() > deadline:
+            raise BenchError("the warm pool did not refill within 30 s")
+        await asyncio.sleep(0.01)
+    await create_cycle(manager, rec, backend, None, series=pooled(backend))
 
 
 async def exec_calls(manager: SandboxManager, rec: Recorder, backend: str, sid: str) -> None:
@@ -236,7 +262,9 @@ def _rotated(items: Sequence[T], by: int) -> list[T]:
     return [*items[k:], *items[:k]]
 
 
-async def run_round(manager: SandboxManager, rec: Recorder, args: argparse.Namespace) -> None:
+async def run_round(
+    manager: SandboxManager, pool: SandboxManager, rec: Recorder, args: argparse.Namespace
+) -> None:
     backend: str = args.backend
 
     async def baseline() -> None:
@@ -247,6 +275,7 @@ async def run_round(manager: SandboxManager, rec: Recorder, args: argparse.Names
         lambda: create_cycle(manager, rec, backend, None),
         lambda: create_cycle(manager, rec, backend, UNTHROTTLED_CORES),
         lambda: create_cycle(manager, rec, LOCAL_BACKEND, None),
+        lambda: pool_cycle(pool, rec, backend),
     ]
     for cycle in range(args.cycles):
         for step in _rotated(creates, cycle):
@@ -330,21 +359,23 @@ def reading(stats: dict[str, Stats], backend: str) -> list[str]:
         f"{_ms(local['exec'].p50)} ms on unsafe-local; `run_command('true')` takes "
         f"{_ms(command.p50)} ms p50 / {_ms(command.p95)} ms p95; destroy {_ms(destroy.p50)} ms.",
     ]
-    create_gap = iso["create"].p50 / CREATE_TARGET_MS
+    warm = {what: stats[_key(pooled(backend), what)] for what in ("create", "to_result")}
+    lines.append(
+        f"With a warm pool (SANDBOX_POOL_SIZE={POOL_SIZE}) a default create takes "
+        f"{_ms(warm['create'].p50)} ms p50 / {_ms(warm['create'].p95)} ms p95 and the first "
+        f"result comes {_ms(warm['to_result'].p50)} ms after asking: the pool pays the cold "
+        "start in the background, while the sandbox waits unused."
+    )
+    create_gap = warm["create"].p50 / CREATE_TARGET_MS
+    cold_gap = iso["create"].p50 / CREATE_TARGET_MS
     exec_gap = exec_.p50 / EXEC_TARGET_MS
     verdict = [
-        f"create is {'within' if create_gap <= 1 else f'{create_gap:.1f}x over'} its "
-        f"{CREATE_TARGET_MS:g} ms p50 target",
+        f"create from the pool is {'within' if create_gap <= 1 else f'{create_gap:.1f}x over'} "
+        f"its {CREATE_TARGET_MS:g} ms p50 target (a cold create is {cold_gap:.1f}x over)",
         f"exec is {'within' if exec_gap <= 1 else f'{exec_gap:.1f}x over'} its "
         f"{EXEC_TARGET_MS:g} ms p50 target",
     ]
-    tail = ""
-    if create_gap > 1 and local["create"].p50 > CREATE_TARGET_MS:
-        tail = (
-            "; even without isolation a cold guest misses the create target, so it needs "
-            "pre-started guests rather than a trimmed start-up"
-        )
-    lines.append(f"Targets: {verdict[0]}, and {verdict[1]}{tail}.")
+    lines.append(f"Targets: {verdict[0]}, and {verdict[1]}.")
     return lines
 
 
@@ -402,7 +433,10 @@ async def bench(args: argparse.Namespace, data_dir: Path) -> Recorder:
     rec = Recorder()
     declare_series(rec, args.backend)
     settings = Settings(_env_file=None, data_dir=data_dir, log_level="ERROR")  # type: ignore[call-arg]
-    async with SandboxManager(settings) as manager:
+    pool_settings = settings.model_copy(
+        update={"data_dir": data_dir / "pool", "pool_size": POOL_SIZE}
+    )
+    async with SandboxManager(settings) as manager, SandboxManager(pool_settings) as pool:
         # One untimed cycle per series: first-use costs (checks, guest file copies) are not
         # what a long-running server pays per sandbox.
         warm = Recorder()
@@ -411,7 +445,7 @@ async def bench(args: argparse.Namespace, data_dir: Path) -> Recorder:
             await create_cycle(manager, warm, backend, cores)
         for index in range(args.rounds):
             started = time.perf_counter()
-            await run_round(manager, rec, args)
+            await run_round(manager, pool, rec, args)
             print(
                 f"round {index + 1}/{args.rounds} done in {time.perf_counter() - started:.1f} s",
                 file=sys.stderr,

@@ -202,6 +202,10 @@ class SandboxManager:
     def live_count(self) -> int:
         return len(self._live)
 
+    def pooled_count(self) -> int:
+        """Started sandboxes waiting in the warm pool."""
+        return len(self._pool)
+
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
             self._backends[name] = create_backend(name, self.settings)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import structlog
@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent_sandbox import __version__
 from agent_sandbox.config import Settings, get_settings
@@ -58,7 +59,7 @@ def create_app(settings: Settings | None = None, manager: SandboxManager | None 
         lifespan=lifespan,
     )
     app.state.sandbox = state
-    app.middleware("http")(_request_context)
+    app.add_middleware(RequestContext, state=state)
     app.add_exception_handler(SandboxError, _sandbox_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
@@ -113,22 +114,42 @@ async def _probe(state: ServerState) -> tuple[bool, str]:
     return True, f"{info.backend} started a sandbox and ran code"
 
 
-async def _request_context(
-    request: Request, call_next: Callable[[Request], Awaitable[Response]]
-) -> Response:
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    request.state.request_id = request_id
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(request_id=request_id)
-    response = await call_next(request)
-    response.headers["X-Request-ID"] = request_id
-    metrics = state_of(request).metrics
-    if metrics is not None:
-        route = request.scope.get("route")
-        metrics.http_requests.labels(
-            request.method, getattr(route, "path", "unmatched"), str(response.status_code)
-        ).inc()
-    return response
+class RequestContext:
+    """Request id and per-route counts, as plain ASGI: Starlette's BaseHTTPMiddleware (what
+    ``@app.middleware("http")`` builds) costs about a millisecond a request in task hops."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = (
+            next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+            or uuid.uuid4().hex
+        )
+        scope.setdefault("state", {})["request_id"] = request_id
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                message["headers"] = headers
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.state.metrics is not None:
+                route = getattr(scope.get("route"), "path", "unmatched")
+                self.state.metrics.http_requests.labels(scope["method"], route, str(status)).inc()
 
 
 def _request_id(request: Request) -> str | None:

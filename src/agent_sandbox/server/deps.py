@@ -78,10 +78,9 @@ def status_of(error: SandboxError) -> int:
 def error_response(
     status: int, code: str, message: str, request_id: str | None, **headers: str
 ) -> JSONResponse:
+    # The request-id header itself is added by the RequestContext middleware.
     body = {"error": {"code": code, "message": message, "request_id": request_id}}
-    return JSONResponse(
-        body, status_code=status, headers={"X-Request-ID": request_id or "", **headers}
-    )
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @dataclass

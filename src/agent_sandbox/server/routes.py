@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
+from pydantic import BaseModel
 
 from agent_sandbox.errors import RequestTooLarge
 from agent_sandbox.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
@@ -92,7 +93,7 @@ async def usage(sandbox_id: str, request: Request, who: Caller) -> ResourceUsage
 @router.post("/{sandbox_id}/code", response_model=ExecResult)
 async def run_code(
     sandbox_id: str, body: RunCodeRequest, request: Request, who: Caller
-) -> ExecResult:
+) -> Response:
     """Run Python in the sandbox's persistent interpreter. A failing program is a 200."""
     who.require_write()
     state = state_of(request)
@@ -101,13 +102,13 @@ async def run_code(
             sandbox_id, body.code, timeout_s=body.timeout_s, owner=who.owner_filter
         )
         audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
-    return result
+    return _json(result)
 
 
 @router.post("/{sandbox_id}/commands", response_model=ExecResult)
 async def run_command(
     sandbox_id: str, body: RunCommandRequest, request: Request, who: Caller
-) -> ExecResult:
+) -> Response:
     """Run a bash command; ``cd`` and ``export`` persist within ``session``."""
     who.require_write()
     state = state_of(request)
@@ -123,7 +124,13 @@ async def run_command(
             owner=who.owner_filter,
         )
         audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
-    return result
+    return _json(result)
+
+
+def _json(model: BaseModel) -> Response:
+    """Our own model, already valid: serialize once instead of FastAPI validating it again
+    (``response_model`` still documents it in the OpenAPI document)."""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 # ---------------------------------------------------------------- files
