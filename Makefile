@@ -49,6 +49,7 @@ test-hostile: venv
 
 bench: venv
 	$(PY) bench/bench_core.py --rounds 5 --output BENCHMARKS.md
+	$(PY) bench/bench_server.py --rounds 3 --output BENCHMARKS.md
 
 doctor: venv
 	$(VENV)/bin/agent-sandbox doctor
