@@ -406,12 +406,12 @@ def render_section(
     return "\n".join(parts)
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace the section titled SECTION_TITLE in ``path`` (or add it; create the file)."""
+def write_section(path: Path, section: str, title: str = SECTION_TITLE) -> None:
+    """Replace the section titled ``title`` in ``path`` (or add it; create the file)."""
     text = path.read_text() if path.exists() else FILE_INTRO
     lines = text.splitlines()
     try:
-        start = lines.index(SECTION_TITLE)
+        start = lines.index(title)
     except ValueError:
         body = text.rstrip("\n") + "\n\n" + section
     else:

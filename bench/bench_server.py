@@ -72,10 +72,13 @@ import httpx  # noqa: E402
 from agent_sandbox import SandboxManager, Settings  # noqa: E402
 from agent_sandbox.server.auth import AuthStore  # noqa: E402
 from bench.bench_core import (  # noqa: E402
-    FILE_INTRO,
+    Stats,
+    _ms,
+    _ratio,
     command_line,
     machine_description,
     percentile,
+    write_section,
 )
 
 SECTION_TITLE = "## Server: HTTP exec round trip and 50-client concurrency"
@@ -115,19 +118,6 @@ LABELS = {
 
 class BenchError(RuntimeError):
     """A call did not return what the benchmark asked for."""
-
-
-@dataclass(frozen=True)
-class Stats:
-    n: int
-    p50: float
-    p95: float
-    mean: float
-
-    @classmethod
-    def of(cls, samples: Sequence[float]) -> Stats:
-        mean = sum(samples) / len(samples) if samples else math.nan
-        return cls(len(samples), percentile(samples, 50), percentile(samples, 95), mean)
 
 
 @dataclass
@@ -444,18 +434,6 @@ async def bench(args: argparse.Namespace, root: Path) -> Results:
 # --------------------------------------------------------------------------- report
 
 
-def _ms(value: float) -> str:
-    if math.isnan(value):
-        return "-"
-    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
-
-
-def _ratio(value: float, base: float) -> str:
-    if math.isnan(value) or math.isnan(base) or base <= 0:
-        return "-"
-    return f"{value / base:.2f}x" if value / base < 10 else f"{value / base:.1f}x"
-
-
 def render_table(res: Results, clients: int) -> str:
     stats = res.stats()
     base = stats[EMBEDDED_EXEC].p50 if EMBEDDED_EXEC in stats else math.nan
@@ -598,26 +576,6 @@ def render_section(
     return "\n".join(parts)
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace the section titled SECTION_TITLE in ``path`` (or add it; create the file)."""
-    text = path.read_text() if path.exists() else FILE_INTRO
-    lines = text.splitlines()
-    try:
-        start = lines.index(SECTION_TITLE)
-    except ValueError:
-        body = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        before = "\n".join(lines[:start]).rstrip("\n")
-        after = "\n".join(lines[end:]).strip("\n")
-        body = (before + "\n\n" if before else "") + section
-        if after:
-            body = body.rstrip("\n") + "\n\n" + after + "\n"
-    path.write_text(body.rstrip("\n") + "\n")
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -651,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     section = render_section(res, args, started_at, wall)
     print(section)
     if args.output is not None:
-        write_section(args.output, section)
+        write_section(args.output, section, SECTION_TITLE)
         print(f"wrote the section to {args.output}", file=sys.stderr)
     return 0
 

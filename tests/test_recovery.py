@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,6 +45,27 @@ asyncio.run(main())
 """
 
 
+def _crash_a_manager(data_dir: Path, count: int, pool_size: int = 0) -> list[dict[str, Any]]:
+    """Run a manager in a child process with ``count`` live sandboxes, then kill -9 it."""
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASHER, str(data_dir), str(count), str(pool_size)],
+        stdout=subprocess.PIPE,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        sandboxes: list[dict[str, Any]] = json.loads(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return sandboxes
+
+
 def _processes_of(uids: set[int]) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -71,23 +93,7 @@ async def test_restart_after_kill_9_cleans_every_orphan(
 ) -> None:
     data_dir = data_root / "crash"
     data_dir.mkdir()
-    repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CRASHER, str(data_dir), "3"],
-        stdout=subprocess.PIPE,
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        sandboxes = json.loads(line)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    sandboxes = _crash_a_manager(data_dir, count=3)
     assert len(sandboxes) == 3
     uids = {s["uid"] for s in sandboxes}
     assert len(uids) == 3 and min(uids) >= 200_000  # one unprivileged host uid each
@@ -122,22 +128,7 @@ async def test_warm_pool_never_exceeds_its_size_after_a_crash(
 ) -> None:
     data_dir = data_root / "crash-pool"
     data_dir.mkdir()
-    repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CRASHER, str(data_dir), "1", "2"],
-        stdout=subprocess.PIPE,
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        json.loads(proc.stdout.readline())
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    _crash_a_manager(data_dir, count=1, pool_size=2)
     settings = make_settings(data_dir, pool_size=2)
     from agent_sandbox.backends.bubblewrap import BubblewrapBackend
 
