@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -565,3 +566,35 @@ def test_remote_sdk_maps_errors_and_uses_env(
         asyncio.run(scenario())
     finally:
         get_settings.cache_clear()
+
+
+def test_json_logs_carry_the_request_id_of_the_error_body(data_root: Any) -> None:
+    from tests.conftest import start_server, stop_server
+
+    data_dir = data_root / "server-jsonlogs"
+    data_dir.mkdir()
+    env = {"LOG_FORMAT": "json", "LOG_LEVEL": "INFO"}
+    process, url, log_path = start_server(data_dir, env, "--no-auth")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            created = client.post(
+                "/v1/sandboxes", json={}, headers={"X-Request-ID": "req-create-1"}
+            )
+            assert created.status_code == 201
+            # The caller's own request id is echoed in the error body and header.
+            failed = client.post(
+                "/v1/sandboxes", json={"backend": "nope"}, headers={"X-Request-ID": "req-bad-2"}
+            )
+            assert failed.json()["error"]["request_id"] == "req-bad-2"
+            assert failed.headers["x-request-id"] == "req-bad-2"
+    finally:
+        stop_server(process)
+    records = []
+    for line in log_path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    created_logs = [r for r in records if r.get("event") == "sandbox created"]
+    assert created_logs and created_logs[0]["request_id"] == "req-create-1"
+    assert any(r.get("request_id") for r in records)
+    warnings = [r for r in records if "AUTH IS OFF" in str(r.get("event"))]
+    assert warnings and warnings[0]["level"] == "warning"  # --no-auth is said loudly
