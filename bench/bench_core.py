@@ -432,7 +432,7 @@ def write_section(path: Path, section: str, title: str = SECTION_TITLE) -> None:
 async def bench(args: argparse.Namespace, data_dir: Path) -> Recorder:
     rec = Recorder()
     declare_series(rec, args.backend)
-    settings = Settings(_env_file=None, data_dir=data_dir, log_level="ERROR")  # type: ignore[call-arg]
+    settings = Settings(_env_file=None, data_dir=data_dir, log_level="ERROR", allow_unsafe=True)  # type: ignore[call-arg]
     pool_settings = settings.model_copy(
         update={"data_dir": data_dir / "pool", "pool_size": POOL_SIZE}
     )

@@ -68,6 +68,7 @@ def make_settings(data_dir: Path, **overrides: object) -> Settings:
         "disk_mb": 64,
         "reaper_interval_s": 0.2,
         "log_level": "WARNING",
+        "allow_unsafe": True,  # the fake backend is how manager logic is tested
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]

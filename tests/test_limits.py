@@ -126,3 +126,36 @@ def test_sandbox_sees_its_own_pid_namespace(jail: Sandbox) -> None:
     result = jail.commands.run("ls /proc | grep -E '^[0-9]+$' | wc -l")
     # bwrap's init, the guest, the kernel, this shell and its pipeline: a handful, not the host.
     assert int(result.stdout) < 15
+
+
+def test_caller_env_never_reaches_the_root_side(
+    manager: SandboxManager, isolated_backend: str, data_root: Path
+) -> None:
+    # Sandbox A plants an executable named like the tools the host runs as root; sandbox B
+    # is then created with an env pointing PATH (and LD_PRELOAD) at it. Nothing may run it.
+    with Sandbox.create(manager=manager, backend=isolated_backend) as planter:
+        marker = data_root / f"root-ran-{planter.id}"
+        script = f'#!/bin/sh\nid -u > {marker}\nexec /usr/bin/setpriv "$@"\n'
+        for name in ("setpriv", "bwrap", "sh"):
+            planter.files.write(f"bin/{name}", script, mode=0o755)
+        planted = _host_workspace(manager, planter).resolve() / "bin"
+        env = {"PATH": str(planted), "LD_PRELOAD": str(planted / "sh")}
+        with Sandbox.create(manager=manager, backend=isolated_backend, env=env) as victim:
+            assert victim.commands.run("echo $PATH").stdout == f"{planted}\n"  # inside only
+        assert not marker.exists(), "a caller-planted program ran on the host"
+
+
+def test_unsafe_backend_is_refused_unless_allowed(data_root: Path) -> None:
+    import asyncio
+
+    from agent_sandbox import ConfigError
+    from tests.conftest import make_settings
+
+    async def scenario() -> None:
+        settings = make_settings(data_root / "no-unsafe", allow_unsafe=False)
+        async with SandboxManager(settings) as mgr:
+            with pytest.raises(ConfigError, match="SANDBOX_ALLOW_UNSAFE"):
+                await mgr.create(backend="unsafe-local")
+
+    (data_root / "no-unsafe").mkdir()
+    asyncio.run(scenario())

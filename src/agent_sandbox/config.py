@@ -42,6 +42,11 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_BACKEND", "backend"),
         description="Default backend for new sandboxes.",
     )
+    allow_unsafe: bool = Field(
+        default=False,
+        validation_alias=_env("SANDBOX_ALLOW_UNSAFE", "allow_unsafe"),
+        description="Allow the unsafe-local backend (no isolation): tests and development only.",
+    )
     timeout_s: float = Field(
         default=5.0,
         gt=0,

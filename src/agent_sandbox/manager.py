@@ -59,6 +59,7 @@ READY_TIMEOUT_S = 15.0
 FILE_CHUNK_BYTES = 1 << 20
 ARTIFACTS_DIR = "artifacts"
 RESULT_FIELDS = frozenset(ExecResult.model_fields)
+UNSAFE_BACKENDS = frozenset({"unsafe-local"})
 
 # Observers of what happens to sandboxes (metrics, audit): called as listener(event, fields).
 Listener = Callable[[str, dict[str, Any]], None]
@@ -239,6 +240,14 @@ class SandboxManager:
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {value}")
         backend_name = backend or self.settings.backend
+        if backend_name in UNSAFE_BACKENDS and not self.settings.allow_unsafe:
+            raise ConfigError(
+                f"backend {backend_name!r} has no isolation and runs code as this process's "
+                "user; it is refused unless SANDBOX_ALLOW_UNSAFE=true (tests, development)"
+            )
+        for env_key, env_value in (env or {}).items():
+            if not env_key or "=" in env_key or "\0" in env_key + env_value:
+                raise ConfigError(f"env {env_key!r}: names need no '=' or NUL, values no NUL")
         chosen = self._backend(backend_name)
         resolved = self.settings.resolve_limits(limits)
         network = self.settings.network if network is None else network

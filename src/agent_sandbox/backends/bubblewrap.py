@@ -68,6 +68,16 @@ PLACE_IN_CGROUP = (
     'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 )
 READY_TIMEOUT_S = 15.0
+BWRAP = "/usr/bin/bwrap"
+SETPRIV = "/usr/bin/setpriv"
+HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+
+def _setenv(env: dict[str, str]) -> list[str]:
+    args: list[str] = []
+    for key, value in env.items():
+        args += ["--setenv", key, value]
+    return args
 
 
 @dataclass
@@ -118,8 +128,8 @@ class BubblewrapBackend:
                 "its own unprivileged uid); run as root, or choose another backend with "
                 "SANDBOX_BACKEND"
             )
-        for tool in ("bwrap", "setpriv"):
-            if shutil.which(tool) is None:
+        for tool in (BWRAP, SETPRIV):
+            if not Path(tool).is_file():
                 raise BackendUnavailable(
                     f"`{tool}` is not installed: apt-get install -y bubblewrap util-linux"
                 )
@@ -252,7 +262,7 @@ class BubblewrapBackend:
         return box
 
     def _bwrap_argv(self, box: _Box, spec: GuestSpec, seccomp_fd: int) -> list[str]:
-        argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
+        argv = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns"]
         if spec.network:
             argv.append("--share-net")
         argv += [
@@ -294,6 +304,16 @@ class BubblewrapBackend:
             GUEST_DIR_INSIDE,
             "--chdir",
             "/workspace",
+            "--clearenv",
+            *_setenv(
+                {
+                    "PATH": "/usr/local/bin:/usr/bin:/bin",
+                    "HOME": "/workspace",
+                    "LANG": "C.UTF-8",
+                    **spec.env,
+                    "AGENT_SANDBOX_WORKSPACE": "/workspace",
+                }
+            ),
             "--seccomp",
             str(seccomp_fd),
             "--remount-ro",
@@ -312,13 +332,9 @@ class BubblewrapBackend:
             os.write(write_fd, build_filter(spec.network))
         finally:
             os.close(write_fd)
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": "/workspace",
-            "LANG": "C.UTF-8",
-            "AGENT_SANDBOX_WORKSPACE": "/workspace",
-            **spec.env,
-        }
+        # The host-side chain (sh as root, setpriv, bwrap) runs with a fixed environment and
+        # absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a root process would
+        # run code of their choosing as root. Their env is set inside the sandbox only.
         argv = [
             "/bin/sh",
             "-c",
@@ -326,7 +342,7 @@ class BubblewrapBackend:
             "sh",
             *(str(p) for p in box.cgroup.procs_files),
             "--",
-            "setpriv",
+            SETPRIV,
             f"--reuid={box.uid}",
             f"--regid={box.uid}",
             "--clear-groups",
@@ -341,7 +357,7 @@ class BubblewrapBackend:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 pass_fds=(read_fd,),
-                env=env,
+                env=HOST_ENV,
                 limit=1 << 20,
             )
         finally:

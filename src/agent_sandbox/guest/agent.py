@@ -585,9 +585,10 @@ class Supervisor:
             "PYTHONUNBUFFERED": "1",
             "TERM": "dumb",
         }
+        # What the sandbox was started with (the caller's env included) wins over defaults.
         for key, value in os.environ.items():
             if not key.startswith("AGENT_SANDBOX_"):
-                env.setdefault(key, value)
+                env[key] = value
         return env
 
     # -- dispatch
