@@ -36,6 +36,7 @@ import pytest
 
 from agent_sandbox import (
     ExecResult,
+    InvalidRequest,
     PathOutsideWorkspace,
     Sandbox,
     SandboxDiskFull,
@@ -1194,3 +1195,25 @@ def test_artifact_export_does_not_follow_symlinks(
         portal.call(manager.delete_artifacts(linked.id))
         portal.call(manager.delete_artifacts(hijacked.id))
     assert_unaffected(host, bystander)
+
+
+@pytest.mark.hostile
+def test_fifo_in_artifacts_cannot_stall_destroy(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    # A FIFO (or a file swapped for one) in artifacts/ must not block the export that
+    # destroy does through the guest: nobody ever writes to it.
+    sb = Sandbox.create(manager=manager, backend=isolated_backend)
+    sb.commands.run("mkdir -p artifacts && mkfifo artifacts/trap && echo ok > artifacts/real.txt")
+    started = time.monotonic()
+    sb.kill()
+    assert time.monotonic() - started < 30
+    kept = get_portal().call(manager.list_artifacts(sb.id))
+    assert [a.path for a in kept] == ["real.txt"]
+    with pytest.raises(InvalidRequest):
+        other = Sandbox.create(manager=manager, backend=isolated_backend)
+        try:
+            other.commands.run("mkfifo pipe")
+            other.files.read("pipe")
+        finally:
+            other.kill()

@@ -598,3 +598,58 @@ def test_json_logs_carry_the_request_id_of_the_error_body(data_root: Any) -> Non
     assert any(r.get("request_id") for r in records)
     warnings = [r for r in records if "AUTH IS OFF" in str(r.get("event"))]
     assert warnings and warnings[0]["level"] == "warning"  # --no-auth is said loudly
+
+
+def test_exhaustion_guards(data_root: Any) -> None:
+    """Uploads are checked before parsing, /ready probes one at a time, limits have ceilings."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import start_server, stop_server
+
+    data_dir = data_root / "server-guards"
+    data_dir.mkdir()
+    process, url, _ = start_server(data_dir, {"SANDBOX_MAX_DISK_MB": "256"}, "--no-auth")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            with ThreadPoolExecutor(8) as pool:
+                statuses = list(pool.map(lambda _: client.get("/ready").status_code, range(8)))
+            assert statuses == [200] * 8
+            created = [
+                line
+                for line in client.get("/metrics").text.splitlines()
+                if line.startswith("agent_sandbox_sandboxes_created_total")
+            ]
+            assert created == ['agent_sandbox_sandboxes_created_total{backend="bubblewrap"} 1.0']
+
+            big = client.post("/v1/sandboxes", json={"disk_mb": 100_000})
+            assert big.status_code == 422 and "SANDBOX_MAX_DISK_MB" in big.text
+            huge_output = client.post("/v1/sandboxes", json={"output_limit_bytes": 1 << 30})
+            assert huge_output.status_code == 422
+
+            sandbox_id = client.post("/v1/sandboxes", json={}).json()["id"]
+            files_url = f"/v1/sandboxes/{sandbox_id}/files"
+
+            def chunked() -> Iterator[bytes]:
+                yield b'--b\r\nContent-Disposition: form-data; name="file"; filename="f"\r\n\r\n'
+                yield b"x" * 1024 + b"\r\n--b--\r\n"
+
+            no_length = client.post(
+                files_url,
+                params={"path": "f"},
+                content=chunked(),
+                headers={"content-type": "multipart/form-data; boundary=b"},
+            )
+            assert no_length.status_code == 413 and "Content-Length" in no_length.text
+            wrong_field = client.post(files_url, params={"path": "f"}, files={"other": ("f", b"1")})
+            assert wrong_field.status_code == 422 and "'file'" in wrong_field.text
+    finally:
+        stop_server(process)
+
+
+def test_unauthenticated_multipart_is_refused(http: httpx.Client, alice_box: str) -> None:
+    response = http.post(
+        f"/v1/sandboxes/{alice_box}/files",
+        params={"path": "x"},
+        files={"file": ("x", b"y" * (2 << 20))},
+    )
+    assert response.status_code == 401

@@ -80,6 +80,7 @@ class Settings(BaseSettings):
     output_limit_bytes: int = Field(
         default=1 << 20,
         ge=1024,
+        le=8 << 20,
         validation_alias=_env("SANDBOX_OUTPUT_LIMIT_BYTES", "output_limit_bytes"),
         description="Bytes of each stream kept in a result (head and tail).",
     )
@@ -111,6 +112,36 @@ class Settings(BaseSettings):
         gt=0,
         validation_alias=_env("SANDBOX_REAPER_INTERVAL_SECONDS", "reaper_interval_s"),
         description="How often expired and idle sandboxes are looked for.",
+    )
+    max_memory_mb: int = Field(
+        default=8192,
+        ge=16,
+        validation_alias=_env("SANDBOX_MAX_MEMORY_MB", "max_memory_mb"),
+        description="Largest memory_mb a caller may ask for.",
+    )
+    max_cpu_cores: float = Field(
+        default=float(os.cpu_count() or 1),
+        gt=0,
+        validation_alias=_env("SANDBOX_MAX_CPU_CORES", "max_cpu_cores"),
+        description="Largest cpu_cores a caller may ask for (default: this host's cores).",
+    )
+    max_pids: int = Field(
+        default=4096,
+        ge=16,
+        validation_alias=_env("SANDBOX_MAX_PIDS", "max_pids"),
+        description="Largest pids a caller may ask for.",
+    )
+    max_disk_mb: int = Field(
+        default=8192,
+        ge=8,
+        validation_alias=_env("SANDBOX_MAX_DISK_MB", "max_disk_mb"),
+        description="Largest disk_mb a caller may ask for.",
+    )
+    max_output_file_limit_mb: int = Field(
+        default=1024,
+        ge=1,
+        validation_alias=_env("SANDBOX_MAX_OUTPUT_FILE_LIMIT_MB", "max_output_file_limit_mb"),
+        description="Largest output_file_limit_mb a caller may ask for.",
     )
     pool_size: int = Field(
         default=0,
@@ -223,7 +254,24 @@ class Settings(BaseSettings):
             "output_limit_bytes": self.output_limit_bytes,
             "output_file_limit_mb": self.output_file_limit_mb,
         }
-        return ResolvedLimits(**(defaults | given))
+        resolved = ResolvedLimits(**(defaults | given))
+        ceilings = {
+            "memory_mb": ("max_memory_mb", "SANDBOX_MAX_MEMORY_MB"),
+            "cpu_cores": ("max_cpu_cores", "SANDBOX_MAX_CPU_CORES"),
+            "pids": ("max_pids", "SANDBOX_MAX_PIDS"),
+            "disk_mb": ("max_disk_mb", "SANDBOX_MAX_DISK_MB"),
+            "output_file_limit_mb": (
+                "max_output_file_limit_mb",
+                "SANDBOX_MAX_OUTPUT_FILE_LIMIT_MB",
+            ),
+        }
+        for name, (ceiling, env) in ceilings.items():
+            if getattr(resolved, name) > getattr(self, ceiling):
+                raise ConfigError(
+                    f"{name}={getattr(resolved, name)} is over this server's ceiling of "
+                    f"{getattr(self, ceiling)}; ask for less, or raise {env}"
+                )
+        return resolved
 
 
 @lru_cache(maxsize=1)

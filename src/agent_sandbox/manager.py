@@ -60,6 +60,8 @@ FILE_CHUNK_BYTES = 1 << 20
 ARTIFACTS_DIR = "artifacts"
 RESULT_FIELDS = frozenset(ExecResult.model_fields)
 UNSAFE_BACKENDS = frozenset({"unsafe-local"})
+# Artifacts are read through the guest, which sandboxed code can slow down: bound the wait.
+ARTIFACT_EXPORT_TIMEOUT_S = 60.0
 
 # Observers of what happens to sandboxes (metrics, audit): called as listener(event, fields).
 Listener = Callable[[str, dict[str, Any]], None]
@@ -73,6 +75,7 @@ class _Live:
     conn: GuestConnection | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     active_calls: int = 0
+    destroying: bool = False
     # Kill counters as last read; each call compares against these, so one cheap read per
     # call suffices. (A limit hit between calls is blamed on the next call, if that fails.)
     counters: ResourceUsage = field(default_factory=ResourceUsage)
@@ -435,15 +438,22 @@ class SandboxManager:
             return await self.get(sandbox_id, owner=owner)
         if owner is not None and live.info.owner != owner:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
-        self._live.pop(sandbox_id, None)
-        async with live.lock:
-            try:
-                await self._export_artifacts(live)
-            except (SandboxError, OSError) as exc:
-                log.warning("artifacts not kept", sandbox=sandbox_id, error=str(exc))
-            if live.conn is not None:
-                await live.conn.close()
-            await live.backend.stop(sandbox_id)
+        if live.destroying:
+            async with live.lock:  # another destroy is under way: wait for it to finish
+                return live.info.model_copy()
+        # Still in _live (so still counted against its owner's quota) until really gone.
+        live.destroying = True
+        try:
+            async with live.lock:
+                try:
+                    await asyncio.wait_for(self._export_artifacts(live), ARTIFACT_EXPORT_TIMEOUT_S)
+                except (SandboxError, OSError, TimeoutError) as exc:
+                    log.warning("artifacts not kept", sandbox=sandbox_id, error=repr(exc))
+                if live.conn is not None:
+                    await live.conn.close()
+                await live.backend.stop(sandbox_id)
+        finally:
+            self._live.pop(sandbox_id, None)
         self._end(live.info, SandboxStatus.DESTROYED, reason)
         self._emit("destroyed", info=live.info)
         log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)
@@ -621,7 +631,7 @@ class SandboxManager:
         async with live.lock:
             if live.conn is not None and live.conn.alive:
                 return live.conn, False
-            if live.info.id not in self._live:
+            if live.info.id not in self._live or live.destroying:
                 raise SandboxNotRunning(f"sandbox {live.info.id} was destroyed")
             # A dead connection still attached means the guest died between calls and no
             # result has told the caller yet; _drop_guest detaches it once a result has.
@@ -824,6 +834,8 @@ class SandboxManager:
         now = time.time()
         doomed: list[tuple[str, str]] = []
         for sandbox_id, live in list(self._live.items()):
+            if live.destroying:
+                continue
             if now >= live.info.expires_at:
                 doomed.append((sandbox_id, "ttl"))
             elif (
@@ -856,6 +868,8 @@ class SandboxManager:
             )
         if owner is not None and live.info.owner != owner:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        if live.destroying:
+            raise SandboxNotRunning(f"sandbox {sandbox_id} is being destroyed")
         return live
 
     @staticmethod

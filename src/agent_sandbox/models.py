@@ -83,7 +83,8 @@ class SandboxLimits(_Model):
     pids: int | None = Field(default=None, ge=16, le=1_000_000)
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
     disk_mb: int | None = Field(default=None, ge=8, le=1_048_576)
-    output_limit_bytes: int | None = Field(default=None, ge=1024, le=1 << 30)
+    # Kept head + tail travel in one protocol frame (64 MiB, JSON-escaped): 8 MiB at most.
+    output_limit_bytes: int | None = Field(default=None, ge=1024, le=8 << 20)
     output_file_limit_mb: int | None = Field(default=None, ge=1, le=1_048_576)
 
 

@@ -927,11 +927,11 @@ class Supervisor:
         path = resolve_path(request.get("path"))
         offset = int(request.get("offset", 0))
         length = min(int(request.get("length", FILE_CHUNK_MAX_BYTES)), FILE_CHUNK_MAX_BYTES)
+        if os.path.isdir(path):
+            raise GuestFault("is_a_directory", "%s is a directory" % display(path))
         fd = _open_confined(path, os.O_RDONLY)
         try:
             info = os.fstat(fd)
-            if stat.S_ISDIR(info.st_mode):
-                raise GuestFault("is_a_directory", "%s is a directory" % display(path))
             data = os.pread(fd, length, offset)
         finally:
             os.close(fd)
@@ -1065,8 +1065,16 @@ def resolve_path(raw, follow_final=True):
 
 
 def _open_confined(path, flags, mode=0o644):
-    # O_NOFOLLOW closes the window between the check above and the open.
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    """Open a regular file only. O_NOFOLLOW closes the window between the check and the
+    open; O_NONBLOCK keeps a FIFO swapped in by sandboxed code from blocking us forever."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    mode_now = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode_now):
+        os.close(fd)
+        if stat.S_ISDIR(mode_now):
+            raise GuestFault("is_a_directory", "%s is a directory" % display(path))
+        raise GuestFault("invalid_request", "%s is not a regular file" % display(path))
+    return fd
 
 
 def _makedirs_confined(path):

@@ -85,10 +85,12 @@ def _add_operational_routes(app: FastAPI) -> None:
     async def ready(request: Request) -> Response:
         """Readiness: a real sandbox of the default backend started and ran code (cached 30 s)."""
         state = state_of(request)
-        checked_at, ok, detail = state.ready_cache
-        if time.monotonic() - checked_at > READY_CACHE_S:
-            ok, detail = await _probe(state)
-            state.ready_cache = (time.monotonic(), ok, detail)
+        # One probe at a time, whoever asks: it starts a real sandbox, and /ready needs no key.
+        async with state.ready_lock:
+            checked_at, ok, detail = state.ready_cache
+            if time.monotonic() - checked_at > READY_CACHE_S:
+                ok, detail = await _probe(state)
+                state.ready_cache = (time.monotonic(), ok, detail)
         body = Health(status="ready" if ok else "unavailable", version=__version__, detail=detail)
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 

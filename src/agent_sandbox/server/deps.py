@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -91,6 +92,7 @@ class ServerState:
     metrics: Metrics | None = None
     limiter: RateLimiter = field(init=False)
     ready_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
+    ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)

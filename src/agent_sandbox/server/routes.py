@@ -6,11 +6,12 @@ import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response, UploadFile
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.datastructures import UploadFile as StarletteUploadFile
 
-from agent_sandbox.errors import RequestTooLarge
+from agent_sandbox.errors import InvalidRequest, RequestTooLarge
 from agent_sandbox.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
 from agent_sandbox.server.auth import Principal
 from agent_sandbox.server.deps import caller, state_of
@@ -208,30 +209,64 @@ async def upload_raw(
     return WrittenFile(path=path, size_bytes=size)
 
 
-@router.post("/{sandbox_id}/files", response_model=WrittenFile, status_code=201)
+MULTIPART_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/{sandbox_id}/files",
+    response_model=WrittenFile,
+    status_code=201,
+    openapi_extra=MULTIPART_BODY,
+)
 async def upload_multipart(
-    sandbox_id: str, path: PathQuery, file: UploadFile, request: Request, who: Caller
+    sandbox_id: str, path: PathQuery, request: Request, who: Caller
 ) -> WrittenFile:
-    """Upload a multipart form's ``file`` field to ``path``."""
+    """Upload a multipart form's ``file`` field to ``path``.
+
+    The form is parsed here, after the key and the declared size were checked: declared as a
+    parameter, FastAPI would spool the whole body to disk before authenticating anyone.
+    """
     who.require_write()
     state = state_of(request)
-    limit = _upload_limit(request)
+    limit = _upload_limit(request, required=True)
+    form = await request.form(max_files=1, max_fields=4)
+    upload = form.get("file")
+    if not isinstance(upload, StarletteUploadFile):
+        raise InvalidRequest("send the file as the multipart field 'file'")
 
     async def chunks() -> AsyncIterator[bytes]:
-        while chunk := await file.read(UPLOAD_CHUNK_BYTES):
+        while chunk := await upload.read(UPLOAD_CHUNK_BYTES):
             yield chunk
 
-    async with state.audited(request, who, "file.write", sandbox_id, path=path) as audit:
-        size = await state.manager.write_file_chunks(
-            sandbox_id, path, chunks(), max_bytes=limit, owner=who.owner_filter
-        )
-        audit["size_bytes"] = size
+    try:
+        async with state.audited(request, who, "file.write", sandbox_id, path=path) as audit:
+            size = await state.manager.write_file_chunks(
+                sandbox_id, path, chunks(), max_bytes=limit, owner=who.owner_filter
+            )
+            audit["size_bytes"] = size
+    finally:
+        await form.close()
     return WrittenFile(path=path, size_bytes=size)
 
 
-def _upload_limit(request: Request) -> int:
+def _upload_limit(request: Request, required: bool = False) -> int:
     limit = state_of(request).settings.max_upload_mb * 1024 * 1024
     declared = request.headers.get("content-length")
+    if required and (declared is None or not declared.isdigit()):
+        raise RequestTooLarge("a multipart upload needs a Content-Length; or PUT the raw bytes")
     if declared is not None and declared.isdigit() and int(declared) > limit + 64 * 1024:
         raise RequestTooLarge(
             f"upload of {declared} bytes is over {limit} bytes; raise API_MAX_UPLOAD_MB"

@@ -36,6 +36,7 @@ from agent_sandbox.server.schemas import RunCodeRequest, RunCommandRequest
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["streaming"])
+STREAM_QUEUE_MAX_BYTES = 8 << 20
 
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/stream")
@@ -62,10 +63,15 @@ async def _one_run(
     websocket: WebSocket, state: ServerState, who: Principal, sandbox_id: str, message: Any
 ) -> None:
     outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    budget = _Budget()
     stdin: asyncio.Queue[bytes | None] | None = None
     try:
+        if not isinstance(message, dict):
+            raise ConfigError("each message must be a JSON object with a 'type'")
+        # Every run is a request: the key is checked (revoked?) and rate-limited again.
+        who = state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
         who.require_write()
-        kind = message.get("type") if isinstance(message, dict) else None
+        kind = message.get("type")
         fields = {k: v for k, v in message.items() if k not in ("type", "stdin")}
         if kind == "run_code":
             code = RunCodeRequest.model_validate(fields)
@@ -74,8 +80,8 @@ async def _one_run(
                 code.code,
                 timeout_s=code.timeout_s,
                 owner=who.owner_filter,
-                on_stdout=_put(outbox, "stdout"),
-                on_stderr=_put(outbox, "stderr"),
+                on_stdout=_put(outbox, "stdout", budget),
+                on_stderr=_put(outbox, "stderr", budget),
             )
         elif kind == "command":
             cmd = RunCommandRequest.model_validate(fields)
@@ -90,8 +96,8 @@ async def _one_run(
                 input=cmd.input,
                 stdin=stdin,
                 owner=who.owner_filter,
-                on_stdout=_put(outbox, "stdout"),
-                on_stderr=_put(outbox, "stderr"),
+                on_stdout=_put(outbox, "stdout", budget),
+                on_stderr=_put(outbox, "stderr", budget),
             )
         else:
             raise ConfigError(f"unknown message type {kind!r}; send run_code or command")
@@ -103,7 +109,7 @@ async def _one_run(
         return
 
     run = asyncio.create_task(call)
-    sender = asyncio.create_task(_drain(websocket, outbox))
+    sender = asyncio.create_task(_drain(websocket, outbox, budget))
     listener = asyncio.create_task(_listen(websocket, stdin))
     try:
         async with state.audited(websocket, who, f"stream.{kind}", sandbox_id):
@@ -125,17 +131,41 @@ async def _one_run(
             await sender
 
 
-def _put(outbox: asyncio.Queue[dict[str, Any] | None], stream: str) -> Any:
+class _Budget:
+    """Bytes of streamed output queued for a client that has not taken them yet."""
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.dropped = False
+
+
+def _put(outbox: asyncio.Queue[dict[str, Any] | None], stream: str, budget: _Budget) -> Any:
     def put(text: str) -> None:
+        # A client that does not read must not make the server hold its output: past the
+        # cap, chunks are dropped (the final result still carries head and tail).
+        if budget.queued + len(text) > STREAM_QUEUE_MAX_BYTES:
+            if not budget.dropped:
+                budget.dropped = True
+                outbox.put_nowait(
+                    {
+                        "type": "notice",
+                        "message": "stream output dropped: the client reads too slowly",
+                    }
+                )
+            return
+        budget.queued += len(text)
         outbox.put_nowait({"type": stream, "data": text})
 
     return put
 
 
-async def _drain(websocket: WebSocket, outbox: asyncio.Queue[dict[str, Any] | None]) -> None:
+async def _drain(
+    websocket: WebSocket, outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget
+) -> None:
     # One writer keeps chunks in the order they were produced, with the result last.
     while (item := await outbox.get()) is not None:
         await websocket.send_json(item)
+        budget.queued -= len(item.get("data", ""))
 
 
 async def _listen(websocket: WebSocket, stdin: asyncio.Queue[bytes | None] | None) -> None:
