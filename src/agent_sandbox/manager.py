@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import structlog
+from pydantic import ValidationError
 
 from agent_sandbox.backends import Backend, GuestSpec, create_backend
 from agent_sandbox.config import Settings, get_settings
@@ -587,7 +588,15 @@ class SandboxManager:
                 if feeder is not None:
                     feeder.cancel()
             after = live.counters = await live.backend.usage(live.info.id, full=False)
-            result = ExecResult.model_validate({k: v for k, v in raw.items() if k in RESULT_FIELDS})
+            try:
+                result = ExecResult.model_validate(
+                    {k: v for k, v in raw.items() if k in RESULT_FIELDS}
+                )
+            except ValidationError as exc:
+                # The guest shares a uid with sandboxed code: a malformed reply is its failure
+                # (502), never ours (500).
+                await self._drop_guest(live)
+                raise GuestError(f"the sandbox's guest sent an invalid result: {exc}") from exc
             if not result.duration_ms:
                 result.duration_ms = (time.monotonic() - started) * 1000
             await self._classify(live, result, before, after)

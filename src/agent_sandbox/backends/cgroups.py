@@ -19,7 +19,7 @@ from agent_sandbox.errors import BackendUnavailable
 from agent_sandbox.models import ResourceUsage
 
 CPU_PERIOD_US = 100_000
-V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
 REQUIRED = ("memory", "pids", "cpu")
 
 
@@ -142,12 +142,18 @@ class Cgroup:
         return sorted(found)
 
     def kill_all(self, timeout_s: float = 5.0) -> bool:
-        """SIGKILL every process in the cgroup until it is empty; True if it emptied."""
+        """SIGKILL every process in the cgroup until it is empty; True if it emptied.
+
+        Killing one pid at a time races a fork bomb (each death frees a slot it refills), so
+        the whole group is stopped first: cgroup.kill on v2, the freezer on v1.
+        """
         if self.version == 2:
             kill_file = self.dirs["unified"] / "cgroup.kill"
             if kill_file.exists():
                 with contextlib.suppress(OSError):
                     kill_file.write_text("1")
+        elif "freezer" in self.dirs:
+            self._kill_frozen()
         deadline = time.monotonic() + timeout_s
         while True:
             pids = self.pids()
@@ -159,6 +165,22 @@ class Cgroup:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.005)
+
+    def _kill_frozen(self) -> None:
+        state = self.dirs["freezer"] / "freezer.state"
+        try:
+            state.write_text("FROZEN")
+            deadline = time.monotonic() + 1.0
+            while _read(state) != "FROZEN" and time.monotonic() < deadline:
+                time.sleep(0.002)
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                state.write_text("THAWED")  # the killed tasks die as they thaw
 
     def remove(self, timeout_s: float = 3.0) -> bool:
         """rmdir the cgroup, retrying while the kernel still counts exiting tasks."""

@@ -440,6 +440,10 @@ def kernel_main(ctl_in, ctl_out):
         te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != __file__])
         return {"type": type(exc).__name__, "message": str(exc), "traceback": "".join(te.format())}
 
+    # Children of cells must not inherit the control pipes (a forked child still holds them,
+    # which is why every reply also echoes the request's nonce).
+    os.set_inheritable(ctl_in, False)
+    os.set_inheritable(ctl_out, False)
     writer = FrameWriter(ctl_out)
     while True:
         signal.signal(signal.SIGINT, on_sigint)
@@ -467,7 +471,25 @@ def kernel_main(ctl_in, ctl_out):
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
+        result["nonce"] = request.get("nonce")
         writer.send(result)
+
+
+def _checked_reply(reply, nonce):
+    """Only a well-formed answer to *this* request counts; anything else breaks the kernel."""
+    if not isinstance(reply, dict) or reply.get("nonce") != nonce:
+        raise ValueError("reply does not answer this request")
+    error = reply.get("error")
+    if not isinstance(reply.get("exit_code"), int) or isinstance(reply.get("exit_code"), bool):
+        raise ValueError("bad exit_code")
+    if reply.get("text") is not None and not isinstance(reply.get("text"), str):
+        raise ValueError("bad text")
+    if error is not None and not (
+        isinstance(error, dict)
+        and all(isinstance(error.get(k), str) for k in ("type", "message", "traceback"))
+    ):
+        raise ValueError("bad error")
+    return reply
 
 
 class Kernel:
@@ -550,6 +572,7 @@ class Call:
         self.stdin_fd = None
         self.stdin_ready = threading.Event()
         self.stdin_lock = threading.Lock()
+        self.finished = False
 
     def write_stdin(self, data, eof):
         with self.stdin_lock:
@@ -560,10 +583,23 @@ class Call:
                     write_all(self.stdin_fd, data)
             except OSError:
                 eof = True  # the reader is gone: nothing more can be delivered
-            if eof:
+            if eof or self.finished:
                 os.close(self.stdin_fd)
                 self.stdin_fd = None
             return True
+
+    def close_stdin_when_idle(self):
+        """The command ended: close its stdin now, or, if a writer is blocked on a pipe that
+        a left-over process keeps open and never reads, let that writer close it when it can.
+        Waiting for the writer here would hang the finished call."""
+        self.finished = True
+        if self.stdin_lock.acquire(blocking=False):
+            try:
+                if self.stdin_fd is not None:
+                    os.close(self.stdin_fd)
+                    self.stdin_fd = None
+            finally:
+                self.stdin_lock.release()
 
 
 class Supervisor:
@@ -644,13 +680,13 @@ class Supervisor:
 
     def op_exec_code(self, request):
         call_id = request["id"]
-        started = time.monotonic()
         call = Call()
         self.calls[call_id] = call
         try:
             with self.kernel.lock:
                 state_lost = self.kernel.ensure()
-                return self._run_cell(request, call, started, state_lost)
+                # The timeout counts from when the cell can run, not while it waits its turn.
+                return self._run_cell(request, call, time.monotonic(), state_lost)
         finally:
             self.calls.pop(call_id, None)
 
@@ -661,10 +697,15 @@ class Supervisor:
         reason = []
         sinks = self._sinks(request, lambda: reason.append("output_limit"))
         pump = Pump({proc.stdout.fileno(): sinks[0], proc.stderr.fileno(): sinks[1]})
+        nonce = os.urandom(16).hex()
         write_all(
             kernel.ctl_w,
             encode_frame(
-                {"code": request["code"], "text_limit": request.get("output_limit", 1 << 20)}
+                {
+                    "code": request["code"],
+                    "text_limit": request.get("output_limit", 1 << 20),
+                    "nonce": nonce,
+                }
             ),
         )
         reply = None
@@ -687,9 +728,9 @@ class Supervisor:
                 wait_s = 0.05 if interrupt_at is not None else min(0.25, deadline - now)
                 if pump.poll(wait_s, extra=kernel.ctl_r):
                     try:
-                        reply = read_frame(kernel.ctl_r)
+                        reply = _checked_reply(read_frame(kernel.ctl_r), nonce)
                     except (EOFError, ValueError):
-                        reply = None
+                        reply = None  # dead, or a forged / out-of-step reply: start afresh
                     break
                 if proc.poll() is not None:
                     break
@@ -718,7 +759,7 @@ class Supervisor:
             result["text"] = None
             threading.Thread(target=self._rewarm_kernel, daemon=True).start()
         else:
-            result.update(reply)
+            result.update(exit_code=reply["exit_code"], text=reply["text"], error=reply["error"])
         self._finish_streams(result, sinks, started)
         return result
 
@@ -733,7 +774,6 @@ class Supervisor:
 
     def op_exec_shell(self, request):
         call_id = request["id"]
-        started = time.monotonic()
         kernel_alive = self.kernel.alive()
         name = str(request.get("session") or "default")
         with self.sessions_lock:
@@ -744,7 +784,8 @@ class Supervisor:
         self.calls[call_id] = call
         try:
             with session["lock"]:
-                result = self._run_shell(request, session, name, call, started)
+                # The timeout counts from when the command can run, not while it queues.
+                result = self._run_shell(request, session, name, call, time.monotonic())
             if kernel_alive and not self.kernel.alive():
                 # The command killed the Python interpreter (kill -9 -1, say): say so now.
                 self.kernel.loss_reported = True
@@ -825,7 +866,7 @@ class Supervisor:
             pump.close()
             proc.stdout.close()
             proc.stderr.close()
-            call.write_stdin(b"", True)
+            call.close_stdin_when_idle()
         returncode = proc.wait()
         forget(proc)
         self._update_session(session, state_base, call_env)
