@@ -653,3 +653,62 @@ def test_unauthenticated_multipart_is_refused(http: httpx.Client, alice_box: str
         files={"file": ("x", b"y" * (2 << 20))},
     )
     assert response.status_code == 401
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _raw_ws_send(host: str, port: int, path: str, message: dict[str, Any]) -> Any:
+    """Open a WebSocket by hand and send one text frame; the caller then never reads."""
+    import base64
+    import os as _os
+    import socket
+    import struct
+
+    sock = socket.create_connection((host, port), timeout=10)
+    key = base64.b64encode(_os.urandom(16)).decode()
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+        "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    assert b" 101 " in sock.recv(4096).split(b"\r\n", 1)[0]
+    payload = json.dumps(message).encode()
+    mask = _os.urandom(4)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    header = struct.pack(">BBH", 0x81, 0x80 | 126, len(payload)) + mask
+    sock.sendall(header + masked)
+    return sock
+
+
+def test_a_client_that_stops_reading_cannot_grow_the_server(data_root: Any) -> None:
+    from tests.conftest import start_server, stop_server
+
+    data_dir = data_root / "server-slow-reader"
+    data_dir.mkdir()
+    process, url, _ = start_server(data_dir, {}, "--no-auth")
+    try:
+        sandbox_id = httpx.post(f"{url}/v1/sandboxes", json={}, timeout=60).json()["id"]
+        before = _rss_mib(process.pid)
+        host, port = url.removeprefix("http://").split(":")
+        # ~100 MiB of output while this client reads nothing at all.
+        flood = {"type": "command", "command": "yes | head -c 100000000", "timeout_s": 60}
+        sock = _raw_ws_send(host, int(port), f"/v1/sandboxes/{sandbox_id}/stream", flood)
+        try:
+            time.sleep(8)
+            grown = _rss_mib(process.pid) - before
+        finally:
+            sock.close()
+        assert grown < 48, f"the server grew by {grown:.0f} MiB for a client that did not read"
+        # The run ended (or was cancelled with the disconnect): the sandbox answers again.
+        answer = httpx.post(
+            f"{url}/v1/sandboxes/{sandbox_id}/commands", json={"command": "echo ok"}, timeout=120
+        )
+        assert answer.json()["stdout"] == "ok\n"
+    finally:
+        stop_server(process)
