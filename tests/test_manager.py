@@ -192,3 +192,14 @@ async def _until(predicate: object, timeout_s: float = 10.0) -> None:
     while not predicate():  # type: ignore[operator]
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+async def test_kept_artifacts_expire(data_dir: Path) -> None:
+    settings = make_settings(data_dir, backend="unsafe-local", artifact_retention_s=1.0)
+    async with SandboxManager(settings) as mgr:
+        info = await mgr.create()
+        await mgr.write_file(info.id, "artifacts/out.txt", b"result")
+        await mgr.destroy(info.id)
+        assert [a.path for a in await mgr.list_artifacts(info.id)] == ["out.txt"]
+        await _until(lambda: not (data_dir / "artifacts" / info.id).exists())
+        assert await mgr.list_artifacts(info.id) == []

@@ -107,6 +107,12 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_IDLE_TIMEOUT_SECONDS", "idle_timeout_s"),
         description="A sandbox with no call for this long is destroyed.",
     )
+    artifact_retention_s: float = Field(
+        default=7 * 86_400,
+        gt=0,
+        validation_alias=_env("SANDBOX_ARTIFACT_RETENTION_SECONDS", "artifact_retention_s"),
+        description="Kept artifacts are deleted this long after they were kept.",
+    )
     reaper_interval_s: float = Field(
         default=5.0,
         gt=0,

@@ -855,6 +855,10 @@ class SandboxManager:
         for sandbox_id, reason in doomed:
             with contextlib.suppress(SandboxNotFound):
                 await self.destroy(sandbox_id, reason=reason)
+        for sandbox_id in self._store.sandboxes_with_artifacts_before(
+            now - self.settings.artifact_retention_s
+        ):
+            await self.delete_artifacts(sandbox_id)
         return [sid for sid, _ in doomed]
 
     # ------------------------------------------------------------------ helpers

@@ -97,6 +97,15 @@ class Store:
         keys = ("sandbox_id", "path", "size_bytes", "sha256", "created_at")
         return [ArtifactInfo(**dict(zip(keys, row, strict=True))) for row in rows]
 
+    def sandboxes_with_artifacts_before(self, kept_before: float) -> builtins.list[str]:
+        """Sandboxes whose newest kept artifact is older than ``kept_before`` (Unix time)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT sandbox_id FROM artifacts GROUP BY sandbox_id HAVING MAX(created_at) < ?",
+                (kept_before,),
+            ).fetchall()
+        return [row[0] for row in rows]
+
     def delete_artifacts(self, sandbox_id: str) -> int:
         with self._lock:
             cursor = self._db.execute("DELETE FROM artifacts WHERE sandbox_id=?", (sandbox_id,))
