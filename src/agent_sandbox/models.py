@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -150,6 +150,3 @@ class ResourceUsage(_Model):
     oom_kills: int = 0
     pids_limit_hits: int = 0
     disk_used_bytes: int | None = None
-
-
-JSONDict = dict[str, Any]

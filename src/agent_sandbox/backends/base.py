@@ -56,10 +56,6 @@ class GuestProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    @property
-    def returncode(self) -> int | None:
-        return self.process.returncode
-
     def kill(self) -> None:
         # Signalling a process asyncio has already reaped would make it reap again and log
         # "unknown child process"; and its pid may belong to someone else by now.

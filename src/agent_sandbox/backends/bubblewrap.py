@@ -67,7 +67,6 @@ ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
 PLACE_IN_CGROUP = (
     'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 )
-READY_TIMEOUT_S = 15.0
 BWRAP = "/usr/bin/bwrap"
 SETPRIV = "/usr/bin/setpriv"
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -169,7 +168,3 @@ async def caller(request: Request) -> Principal:
     request.state.principal = principal
     structlog.contextvars.bind_contextvars(tenant=principal.tenant, key_id=principal.key_id)
     return principal
-
-
-def now_s() -> float:
-    return time.time()
