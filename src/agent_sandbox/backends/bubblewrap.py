@@ -370,6 +370,7 @@ class BubblewrapBackend:
                 await asyncio.wait_for(box.guest.wait(), 5.0)
             box.guest = None
         await asyncio.to_thread(box.cgroup.kill_all)
+        await asyncio.to_thread(box.cgroup.wait_released)
 
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)

@@ -166,6 +166,17 @@ class Cgroup:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.005)
 
+    def wait_released(self, timeout_s: float = 3.0) -> bool:
+        """Wait until ``pids.current`` is back to zero: killed tasks stay counted for a moment
+        after they leave cgroup.procs, and a guest started meanwhile finds no free slot."""
+        current = self._dir("pids") / "pids.current"
+        deadline = time.monotonic() + timeout_s
+        while (_read_int(current) or 0) > 0:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def _kill_frozen(self) -> None:
         state = self.dirs["freezer"] / "freezer.state"
         try:
