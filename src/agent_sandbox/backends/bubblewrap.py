@@ -67,6 +67,7 @@ ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
 PLACE_IN_CGROUP = (
     'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 )
+GUEST_PIDS_HEADROOM = 32
 BWRAP = "/usr/bin/bwrap"
 SETPRIV = "/usr/bin/setpriv"
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -219,6 +220,9 @@ class BubblewrapBackend:
             box = await self._provision(spec)
         else:
             await self._end_guest(box)
+            # Only a restart re-enters the cgroup (after a fork bomb, say): leave the fresh
+            # guest room to start its interpreter and run a command.
+            await asyncio.to_thread(box.cgroup.wait_for_headroom, GUEST_PIDS_HEADROOM)
         box.guest = await self._spawn(box, spec)
         return box.guest
 
@@ -370,7 +374,6 @@ class BubblewrapBackend:
                 await asyncio.wait_for(box.guest.wait(), 5.0)
             box.guest = None
         await asyncio.to_thread(box.cgroup.kill_all)
-        await asyncio.to_thread(box.cgroup.wait_released)
 
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)

@@ -166,12 +166,14 @@ class Cgroup:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.005)
 
-    def wait_released(self, timeout_s: float = 3.0) -> bool:
-        """Wait until ``pids.current`` is back to zero: killed tasks stay counted for a moment
-        after they leave cgroup.procs, and a guest started meanwhile finds no free slot."""
+    def wait_for_headroom(self, slots: int, timeout_s: float = 3.0) -> bool:
+        """Wait until ``slots`` processes fit under pids.max: killed tasks stay counted for a
+        moment after they leave cgroup.procs, and a guest started meanwhile finds no slot."""
         current = self._dir("pids") / "pids.current"
+        limit = _read_int(self._dir("pids") / "pids.max") or 0  # "max" (no limit) reads as 0
+        slots = min(slots, limit // 2)  # a small pids limit cannot spare the full headroom
         deadline = time.monotonic() + timeout_s
-        while (_read_int(current) or 0) > 0:
+        while limit and (_read_int(current) or 0) + slots > limit:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
