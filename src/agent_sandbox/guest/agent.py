@@ -538,7 +538,21 @@ class Kernel:
         return restarted
 
     def alive(self):
-        return self.proc is not None and self.proc.poll() is None
+        """Running, and not already doomed: a SIGKILL sent a moment ago may still be pending
+        (death is asynchronous), and must count as dead for whoever asks right after."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            with open("/proc/%d/status" % self.proc.pid) as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key == "State" and value.split()[0] in ("Z", "X"):
+                        return False
+                    if key in ("SigPnd", "ShdPnd") and int(value, 16) & (1 << (signal.SIGKILL - 1)):
+                        return False
+        except (OSError, ValueError):
+            return False
+        return True
 
     def stop(self):
         if self.proc is not None:
