@@ -42,6 +42,21 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_BACKEND", "backend"),
         description="Default backend for new sandboxes.",
     )
+    environment: str = Field(
+        default="python3",
+        validation_alias=_env("SANDBOX_ENVIRONMENT", "environment"),
+        description="Default environment (a name from the YAML registry) for new sandboxes.",
+    )
+    docker_runtime: str = Field(
+        default="runc",
+        validation_alias=_env("SANDBOX_DOCKER_RUNTIME", "docker_runtime"),
+        description="Default OCI runtime of the docker backend: runc, or runsc for gVisor.",
+    )
+    registry_dir: Path | None = Field(
+        default=None,
+        validation_alias=_env("AGENT_SANDBOX_REGISTRY_DIR", "registry_dir"),
+        description="A directory whose environments/*.yaml add to the shipped registry.",
+    )
     allow_unsafe: bool = Field(
         default=False,
         validation_alias=_env("SANDBOX_ALLOW_UNSAFE", "allow_unsafe"),
@@ -155,6 +170,14 @@ class Settings(BaseSettings):
         le=64,
         validation_alias=_env("SANDBOX_POOL_SIZE", "pool_size"),
         description="Sandboxes kept started with the default settings, so create is instant.",
+    )
+    pools: dict[str, int] = Field(
+        default_factory=dict,
+        validation_alias=_env("SANDBOX_POOLS", "pools"),
+        description=(
+            "Warm pools per backend, runtime and environment, as JSON: "
+            '{"docker:python3": 2, "docker+runsc:node": 1}. Keys are backend[+runtime][:env].'
+        ),
     )
     data_dir: Path = Field(
         default_factory=_default_data_dir,

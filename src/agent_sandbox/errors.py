@@ -13,6 +13,7 @@ file missing inside a sandbox.
     ├── SandboxNotFound (LookupError)            no such sandbox (or not yours)
     ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
     ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
+    ├── ImageBuildError (RuntimeError)           building an environment's image failed
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
     │   └── PidsExhausted                        the sandbox has no free process slot left
     ├── AuthenticationError (PermissionError)    no API key, or an unknown or revoked one
@@ -73,6 +74,10 @@ class SandboxNotRunning(SandboxError, RuntimeError):
 
 class SandboxStartError(SandboxError, RuntimeError):
     code = "sandbox_start_failed"
+
+
+class ImageBuildError(SandboxError, RuntimeError):
+    code = "image_build_failed"
 
 
 class GuestError(SandboxError, RuntimeError):
@@ -149,6 +154,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxNotFound,
         SandboxNotRunning,
         SandboxStartError,
+        ImageBuildError,
         GuestError,
         PidsExhausted,
         AuthenticationError,

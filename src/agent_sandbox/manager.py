@@ -24,8 +24,9 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from agent_sandbox.backends import Backend, GuestSpec, create_backend
+from agent_sandbox.backends import KNOWN_BACKENDS, Backend, GuestSpec, create_backend
 from agent_sandbox.config import Settings, get_settings
+from agent_sandbox.environments import get_environment
 from agent_sandbox.errors import (
     ConfigError,
     GuestError,
@@ -61,11 +62,27 @@ FILE_CHUNK_BYTES = 1 << 20
 ARTIFACTS_DIR = "artifacts"
 RESULT_FIELDS = frozenset(ExecResult.model_fields)
 UNSAFE_BACKENDS = frozenset({"unsafe-local"})
+HOST_ENVIRONMENT = "python3"  # what a backend without images (bubblewrap) offers
+MAX_POOL_SIZE = 64
+POOL_RETRY_S = 1.0
 # Artifacts are read through the guest, which sandboxed code can slow down: bound the wait.
 ARTIFACT_EXPORT_TIMEOUT_S = 60.0
 
 # Observers of what happens to sandboxes (metrics, audit): called as listener(event, fields).
 Listener = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """What a warm pool holds: sandboxes of one backend, runtime and environment."""
+
+    backend: str
+    runtime: str | None
+    environment: str
+
+    def __str__(self) -> str:
+        runtime = f"+{self.runtime}" if self.runtime else ""
+        return f"{self.backend}{runtime}:{self.environment}"
 
 
 @dataclass
@@ -97,9 +114,9 @@ class SandboxManager:
         self._store: Store = None  # type: ignore[assignment]  # set by start()
         self._started = False
         self._listeners: list[Listener] = []
-        self._pool: list[_Live] = []
-        self._pool_wanted = asyncio.Event()
-        self._pool_task: asyncio.Task[None] | None = None
+        self._pools: dict[PoolKey, list[_Live]] = {}
+        self._pool_wanted: dict[PoolKey, asyncio.Event] = {}
+        self._pool_tasks: list[asyncio.Task[None]] = []
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, fields)`` on "created", "destroyed", "exec", "backend_error"."""
@@ -150,16 +167,32 @@ class SandboxManager:
         self._lock_fd = fd
         self._store = Store(data_dir / "agent-sandbox.db")
         self._started = True
-        await self._recover()
+        try:
+            targets = self._pool_targets()
+        except ConfigError:
+            await self.close()
+            raise
+        await self._recover(extra_backends={key.backend for key in targets})
         self._reaper = asyncio.create_task(self._reap_forever())
-        if self.settings.pool_size > 0:
-            self._pool_wanted.set()
-            self._pool_task = asyncio.create_task(self._fill_pool())
+        for key, size in targets.items():
+            self._pools[key] = []
+            self._pool_wanted[key] = asyncio.Event()
+            self._pool_wanted[key].set()
+            self._pool_tasks.append(asyncio.create_task(self._fill_pool(key, size)))
 
-    async def _recover(self) -> None:
-        """Mark sandboxes of a crashed run as ended and remove all they left behind."""
+    async def _recover(self, extra_backends: set[str]) -> None:
+        """Mark sandboxes of a crashed run as ended and remove all they left behind.
+
+        Every backend this store ever used is swept (pooled sandboxes are never stored, and a
+        backend may have been left running with none live), plus those pools will use.
+        """
         orphans = self._store.list(live_only=True)
-        names = {info.backend for info in orphans} | {self.settings.backend}
+        names = (
+            {info.backend for info in orphans}
+            | self._store.backends_used()
+            | extra_backends
+            | {self.settings.backend}
+        ) & set(KNOWN_BACKENDS)
         for name in sorted(names):
             try:
                 backend = self._backend(name)
@@ -185,12 +218,14 @@ class SandboxManager:
         """Destroy every live sandbox and release the data directory."""
         if not self._started:
             return
-        for task in (self._reaper, self._pool_task):
+        for task in (self._reaper, *self._pool_tasks):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        pooled, self._pool = self._pool, []
+        self._pool_tasks = []
+        pooled = [live for pool in self._pools.values() for live in pool]
+        self._pools = {}
         await asyncio.gather(*(self._discard_pooled(live) for live in pooled))
         await asyncio.gather(
             *(self.destroy(sid, reason="shutdown") for sid in list(self._live)),
@@ -208,8 +243,8 @@ class SandboxManager:
         return len(self._live)
 
     def pooled_count(self) -> int:
-        """Started sandboxes waiting in the warm pool."""
-        return len(self._pool)
+        """Started sandboxes waiting in the warm pools."""
+        return sum(len(pool) for pool in self._pools.values())
 
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
@@ -222,6 +257,8 @@ class SandboxManager:
         self,
         *,
         backend: str | None = None,
+        runtime: str | None = None,
+        environment: str | None = None,
         limits: SandboxLimits | None = None,
         network: bool | None = None,
         env: dict[str, str] | None = None,
@@ -252,16 +289,17 @@ class SandboxManager:
         for env_key, env_value in (env or {}).items():
             if not env_key or "=" in env_key or "\0" in env_key + env_value:
                 raise ConfigError(f"env {env_key!r}: names need no '=' or NUL, values no NUL")
+        key = self._pool_key(backend_name, runtime, environment)
         chosen = self._backend(backend_name)
         resolved = self.settings.resolve_limits(limits)
         network = self.settings.network if network is None else network
         if quota is not None:
             self._check_quota(owner, resolved.memory_mb, quota)
-        live = self._take_pooled(backend_name, resolved, network, env)
+        live = self._take_pooled(key, resolved, network, env)
         if live is None:
             # Registered with its owner before the first await, so a concurrent create of
             # the same owner counts it against the quota.
-            live = self._new_live(chosen, backend_name, resolved, network, env, owner)
+            live = self._new_live(chosen, key, resolved, network, env, owner)
             self._live[live.info.id] = live
             self._store.save(live.info)
             await self._boot(live)
@@ -281,15 +319,68 @@ class SandboxManager:
             "sandbox created",
             sandbox=info.id,
             backend=backend_name,
+            runtime=key.runtime,
+            environment=key.environment,
             memory_mb=resolved.memory_mb,
             network=network,
         )
         return info.model_copy()
 
+    def _pool_key(self, backend: str, runtime: str | None, environment: str | None) -> PoolKey:
+        """Check the backend, runtime and environment go together; name them canonically.
+
+        Raises:
+            ConfigError: an unknown name, or a combination the backend cannot run.
+        """
+        chosen = self._backend(backend)
+        if runtime is not None and runtime not in chosen.runtimes:
+            choice = ", ".join(sorted(chosen.runtimes)) or "none (only docker has runtimes)"
+            raise ConfigError(
+                f"backend {backend!r} has no runtime {runtime!r}; its runtimes: {choice}"
+            )
+        if runtime is None and chosen.runtimes:
+            runtime = self.settings.docker_runtime
+            if runtime not in chosen.runtimes:
+                raise ConfigError(
+                    f"SANDBOX_DOCKER_RUNTIME={runtime!r} is not one of "
+                    f"{', '.join(sorted(chosen.runtimes))}"
+                )
+        env = get_environment(environment or self.settings.environment, self.settings.registry_dir)
+        if not chosen.any_environment and env.name != HOST_ENVIRONMENT:
+            raise ConfigError(
+                f"environment {env.name!r} needs its own image, which backend {backend!r} "
+                f"cannot use (it runs the host's {HOST_ENVIRONMENT}); use backend='docker'"
+            )
+        return PoolKey(backend, runtime, env.name)
+
+    def _pool_targets(self) -> dict[PoolKey, int]:
+        """Warm pool sizes: SANDBOX_POOL_SIZE for the defaults, SANDBOX_POOLS for the rest.
+
+        Raises:
+            ConfigError: a SANDBOX_POOLS key that names no backend, runtime or environment.
+        """
+        targets: dict[PoolKey, int] = {}
+        if self.settings.pool_size > 0:
+            targets[self._pool_key(self.settings.backend, None, None)] = self.settings.pool_size
+        for text, size in self.settings.pools.items():
+            head, _, environment = text.partition(":")
+            backend, _, runtime = head.partition("+")
+            if not 0 <= size <= MAX_POOL_SIZE:
+                raise ConfigError(f"SANDBOX_POOLS[{text!r}]={size}: sizes go from 0 to 64")
+            if backend in UNSAFE_BACKENDS and not self.settings.allow_unsafe:
+                raise ConfigError(f"SANDBOX_POOLS[{text!r}]: {backend} needs SANDBOX_ALLOW_UNSAFE")
+            try:
+                key = self._pool_key(backend, runtime or None, environment or None)
+            except ConfigError as exc:
+                raise ConfigError(f"SANDBOX_POOLS[{text!r}]: {exc.message}") from None
+            if size:
+                targets[key] = size
+        return targets
+
     def _new_live(
         self,
         backend: Backend,
-        backend_name: str,
+        key: PoolKey,
         limits: ResolvedLimits,
         network: bool,
         env: dict[str, str] | None,
@@ -298,7 +389,9 @@ class SandboxManager:
         now = time.time()
         info = SandboxInfo(
             id="sb-" + secrets.token_hex(8),
-            backend=backend_name,
+            backend=key.backend,
+            runtime=key.runtime,
+            environment=key.environment,
             status=SandboxStatus.STARTING,
             owner=owner,
             limits=limits,
@@ -308,7 +401,14 @@ class SandboxManager:
             expires_at=now + self.settings.ttl_s,
             idle_timeout_s=self.settings.idle_timeout_s,
         )
-        spec = GuestSpec(info.id, limits, network, dict(env or {}))
+        spec = GuestSpec(
+            info.id,
+            limits,
+            network,
+            dict(env or {}),
+            environment=key.environment,
+            runtime=key.runtime,
+        )
         return _Live(info=info, spec=spec, backend=backend)
 
     async def _boot(self, live: _Live) -> None:
@@ -331,16 +431,17 @@ class SandboxManager:
     # ------------------------------------------------------------------ warm pool
 
     def _take_pooled(
-        self, backend_name: str, limits: ResolvedLimits, network: bool, env: dict[str, str] | None
+        self, key: PoolKey, limits: ResolvedLimits, network: bool, env: dict[str, str] | None
     ) -> _Live | None:
-        """A pre-started sandbox, if the request is for exactly what the pool holds."""
-        if not self._pool or env or backend_name != self.settings.backend:
+        """A pre-started sandbox, if the request is for exactly what a pool holds."""
+        pool = self._pools.get(key)
+        if not pool or env:
             return None
         if network != self.settings.network or limits != self.settings.resolve_limits(None):
             return None
-        while self._pool:
-            live = self._pool.pop(0)
-            self._pool_wanted.set()
+        while pool:
+            live = pool.pop(0)
+            self._pool_wanted[key].set()
             if live.conn is not None and live.conn.alive:
                 return live
             asyncio.create_task(self._discard_pooled(live))  # noqa: RUF006 - fire and forget
@@ -352,25 +453,26 @@ class SandboxManager:
         with contextlib.suppress(Exception):
             await live.backend.stop(live.info.id)
 
-    async def _fill_pool(self) -> None:
-        """Keep ``pool_size`` default sandboxes started, never more (also after a crash: the
+    async def _fill_pool(self, key: PoolKey, size: int) -> None:
+        """Keep ``size`` sandboxes of ``key`` started, never more (also after a crash: the
         start-up sweep removed the previous run's, so the count starts from zero)."""
-        backend = self._backend(self.settings.backend)
+        backend = self._backend(key.backend)
         limits = self.settings.resolve_limits(None)
+        pool, wanted = self._pools[key], self._pool_wanted[key]
         while True:
-            await self._pool_wanted.wait()
-            self._pool_wanted.clear()
-            while len(self._pool) < self.settings.pool_size:
-                live = self._new_live(
-                    backend, self.settings.backend, limits, self.settings.network, None, "__pool__"
-                )
+            await wanted.wait()
+            wanted.clear()
+            while len(pool) < size:
+                live = self._new_live(backend, key, limits, self.settings.network, None, "__pool__")
                 try:
                     await self._boot(live)
                 except SandboxError as exc:
-                    log.warning("warm pool refill failed; retrying", error=exc.message)
-                    await asyncio.sleep(1.0)
+                    log.warning(
+                        "warm pool refill failed; retrying", pool=str(key), error=exc.message
+                    )
+                    await asyncio.sleep(POOL_RETRY_S)
                     continue
-                self._pool.append(live)
+                pool.append(live)
 
     async def _start_guest(self, live: _Live) -> GuestConnection:
         guest = await live.backend.start(live.spec)

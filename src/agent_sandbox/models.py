@@ -110,6 +110,10 @@ class Quota(_Model):
 class SandboxInfo(_Model):
     id: str
     backend: str
+    runtime: str | None = Field(
+        default=None, description="The OCI runtime (runc, runsc) of a docker sandbox."
+    )
+    environment: str = Field(default="python3", description="A name from the YAML registry.")
     status: SandboxStatus
     owner: str
     limits: ResolvedLimits

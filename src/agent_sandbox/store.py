@@ -74,6 +74,14 @@ class Store:
             rows = self._db.execute(query + " ORDER BY created_at", args).fetchall()
         return [SandboxInfo.model_validate_json(r[0]) for r in rows]
 
+    def backends_used(self) -> set[str]:
+        """Every backend a sandbox of this store ever ran on (whose leftovers a sweep seeks)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT DISTINCT json_extract(info, '$.backend') FROM sandboxes"
+            ).fetchall()
+        return {r[0] for r in rows if isinstance(r[0], str)}
+
     def add_artifact(self, artifact: ArtifactInfo) -> None:
         with self._lock:
             self._db.execute(

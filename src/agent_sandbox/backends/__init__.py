@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from agent_sandbox.backends.base import Backend, GuestProcess, GuestSpec
+from agent_sandbox.backends.base import Backend, Guest, GuestProcess, GuestSpec
 from agent_sandbox.config import Settings
 from agent_sandbox.errors import BackendUnavailable, ConfigError
 
@@ -13,6 +13,10 @@ KNOWN_BACKENDS: dict[str, tuple[str, str]] = {
     "bubblewrap": (
         "agent_sandbox.backends.bubblewrap:BubblewrapBackend",
         "apt-get install -y bubblewrap util-linux e2fsprogs",
+    ),
+    "docker": (
+        "agent_sandbox.backends.docker:DockerBackend",
+        "pip install 'agent-sandbox[docker]' and apt-get install -y docker.io",
     ),
     "unsafe-local": ("agent_sandbox.backends.local:LocalBackend", ""),
 }
@@ -39,4 +43,4 @@ def create_backend(name: str, settings: Settings) -> Backend:
     return backend
 
 
-__all__ = ["KNOWN_BACKENDS", "Backend", "GuestProcess", "GuestSpec", "create_backend"]
+__all__ = ["KNOWN_BACKENDS", "Backend", "Guest", "GuestProcess", "GuestSpec", "create_backend"]

@@ -16,6 +16,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 from agent_sandbox.models import ResolvedLimits, ResourceUsage
 
 STDERR_TAIL_BYTES = 8192
+# Process slots a restarted guest needs free in its pids cgroup to start and run a command.
+GUEST_PIDS_HEADROOM = 32
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,27 @@ class GuestSpec:
     limits: ResolvedLimits
     network: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    environment: str = "python3"  # a name from the YAML registry (agent_sandbox.environments)
+    runtime: str | None = None  # the OCI runtime, for backends that have a choice (docker)
+
+
+class Guest(Protocol):
+    """A running guest: the stream pair the framed protocol runs over, and its end."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    def kill(self) -> None:
+        """Cut the guest off now (idempotent); the backend's stop/start ends what is inside."""
+        ...
+
+    async def wait(self) -> int:
+        """Its exit status once it has ended."""
+        ...
+
+    def stderr_tail(self) -> str:
+        """The last few KiB it wrote to stderr: why it failed to start, if it did."""
+        ...
 
 
 class GuestProcess:
@@ -76,8 +99,13 @@ class Backend(Protocol):
     """The few verbs every isolation backend implements."""
 
     name: ClassVar[str]
+    # Whether the backend can give a sandbox any registry environment (an image), or only
+    # the host's own root file system (the "python3" environment).
+    any_environment: ClassVar[bool]
+    # OCI runtimes it can be asked for; empty when it has no such choice.
+    runtimes: ClassVar[frozenset[str]]
 
-    async def start(self, spec: GuestSpec) -> GuestProcess:
+    async def start(self, spec: GuestSpec) -> Guest:
         """Provision the sandbox if new, end any previous guest of it, start a fresh guest.
 
         The workspace survives a restart of the guest; only a :meth:`stop` removes it.

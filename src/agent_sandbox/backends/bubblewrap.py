@@ -21,7 +21,6 @@ import hashlib
 import os
 import shutil
 import stat
-import subprocess
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import ClassVar
 
 import structlog
 
-from agent_sandbox.backends.base import GuestProcess, GuestSpec
+from agent_sandbox.backends.base import GUEST_PIDS_HEADROOM, GuestProcess, GuestSpec
 from agent_sandbox.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from agent_sandbox.backends.disk import (
     create_loop_disk,
@@ -37,18 +36,17 @@ from agent_sandbox.backends.disk import (
     mounted_below,
     unmount,
 )
+from agent_sandbox.backends.guestfiles import GUEST_DIR_INSIDE, GUEST_PYTHON, install_guest
 from agent_sandbox.backends.seccomp import build_filter
 from agent_sandbox.backends.uids import UidAllocator
 from agent_sandbox.config import Settings
 from agent_sandbox.errors import BackendUnavailable, SandboxStartError
-from agent_sandbox.guest import GUEST_SCRIPT, launcher
+from agent_sandbox.guest import launcher
 from agent_sandbox.models import ResourceUsage
 
 log = structlog.get_logger(__name__)
 
 SANDBOX_UID = 65534  # "nobody" inside; the host uid behind it differs per sandbox
-GUEST_DIR_INSIDE = "/opt/agent-sandbox"
-GUEST_PYTHON = "/usr/bin/python3"
 UID_LOCK_DIR = Path("/run/agent-sandbox/uids")
 HOST_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 ETC_BINDS = (
@@ -67,7 +65,6 @@ ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
 PLACE_IN_CGROUP = (
     'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 )
-GUEST_PIDS_HEADROOM = 32
 BWRAP = "/usr/bin/bwrap"
 SETPRIV = "/usr/bin/setpriv"
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -103,6 +100,8 @@ def _traversable_by_others(path: Path) -> Path | None:
 
 class BubblewrapBackend:
     name: ClassVar[str] = "bubblewrap"
+    any_environment: ClassVar[bool] = False
+    runtimes: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -154,39 +153,7 @@ class BubblewrapBackend:
         self._checked = True
 
     def _install_guest_files(self) -> None:
-        # A copy the sandbox uid can read (the package may live under a 0700 home), compiled
-        # by the sandbox's own python, under the path the sandbox sees, so that its start-up
-        # loads bytecode instead of compiling a thousand lines every time.
-        guest_dir = self._guest.parent
-        guest_dir.mkdir(parents=True, exist_ok=True)
-        guest_dir.chmod(0o755)
-        tmp = self._guest.with_suffix(".tmp")
-        shutil.copyfile(GUEST_SCRIPT, tmp)
-        tmp.chmod(0o644)
-        tmp.replace(self._guest)
-        compile_guest = (
-            "import importlib.util, os, py_compile, sys; "
-            "cfile = importlib.util.cache_from_source(sys.argv[1]); "
-            "py_compile.compile(sys.argv[1], cfile=cfile, dfile=sys.argv[2], doraise=True); "
-            "os.chmod(cfile, 0o644); os.chmod(os.path.dirname(cfile), 0o755)"
-        )
-        done = subprocess.run(
-            [
-                GUEST_PYTHON,
-                "-I",
-                "-c",
-                compile_guest,
-                str(self._guest),
-                f"{GUEST_DIR_INSIDE}/agent.py",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise BackendUnavailable(
-                f"{GUEST_PYTHON} cannot compile the guest agent: {done.stderr.strip()}"
-            )
+        install_guest(self._guest.parent, GUEST_PYTHON, GUEST_DIR_INSIDE)
         self._etc.mkdir(parents=True, exist_ok=True)
         for d in (self._etc.parent, self._etc):
             d.chmod(0o755)

@@ -259,6 +259,23 @@ class CgroupDriver:
         dirs = {name: root.joinpath(*parts) for name, root in self.roots.items()}
         return Cgroup(self.version, dirs)
 
+    def of_process(self, pid: int) -> Cgroup:
+        """The cgroup ``pid`` is in (a container made by someone else, such as dockerd).
+
+        Raises:
+            OSError: the process is gone.
+        """
+        dirs: dict[str, Path] = {}
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            relative = path.lstrip("/")
+            if self.version == 2 and controllers == "":
+                dirs["unified"] = self.roots["unified"] / relative
+            for controller in controllers.split(","):
+                if controller in self.roots:
+                    dirs[controller] = self.roots[controller] / relative
+        return Cgroup(self.version, dirs)
+
     def create(self, parts: tuple[str, ...], limits: CgroupLimits) -> Cgroup:
         """Create the cgroup (and its parents), apply ``limits``, return it."""
         if self.version == 2:

@@ -29,6 +29,8 @@ log = structlog.get_logger(__name__)
 
 class LocalBackend:
     name: ClassVar[str] = "unsafe-local"
+    any_environment: ClassVar[bool] = False
+    runtimes: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, settings: Settings) -> None:
         self.root = settings.data_dir.resolve() / "local-sandboxes"
