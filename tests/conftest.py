@@ -26,12 +26,49 @@ for _key in list(os.environ):
     if _key.startswith(("SANDBOX_", "AGENT_SANDBOX_", "LOG_")):
         del os.environ[_key]
 
+# Test targets beyond the embedded ones, e.g. TEST_BACKENDS=docker,docker+runsc (`make
+# test-docker`). A target named here must run: it fails rather than skips when it cannot.
+EXTRA_TARGETS = [t for t in os.environ.get("TEST_BACKENDS", "").split(",") if t.strip()]
+
 from agent_sandbox import Sandbox, SandboxManager, Settings  # noqa: E402
 from agent_sandbox._portal import get_portal  # noqa: E402
 from agent_sandbox.doctor import run_checks  # noqa: E402
 
-BACKENDS = ["bubblewrap", "unsafe-local"]
-ISOLATED_BACKENDS = ["bubblewrap"]
+BACKENDS = ["bubblewrap", "unsafe-local", *EXTRA_TARGETS]
+ISOLATED_BACKENDS = ["bubblewrap", *EXTRA_TARGETS]
+
+
+def placement(target: str) -> dict[str, str]:
+    """The create() arguments of a test target: "docker+runsc" is docker on gVisor."""
+    backend, _, runtime = target.partition("+")
+    if backend == "docker":
+        return {"backend": backend, "runtime": runtime or "runc"}
+    return {"backend": backend}
+
+
+def runtime_of(sb: Sandbox) -> str:
+    """ "bubblewrap", "runc" or "runsc": which walls a sandbox has (for documented differences)."""
+    return sb.info.runtime or sb.info.backend
+
+
+def _docker_missing(target: str) -> str | None:
+    from agent_sandbox.backends.dockerd import connect
+    from agent_sandbox.environments import get_environment
+    from agent_sandbox.errors import SandboxError
+    from agent_sandbox.images import image_status
+
+    try:
+        client = connect()
+        runtimes = client.info().get("Runtimes") or {}
+        status = image_status(get_environment("python3"))
+    except SandboxError as exc:
+        return exc.message
+    runtime = placement(target)["runtime"]
+    if runtime not in runtimes:
+        return f"dockerd has no {runtime} runtime (make docker-setup)"
+    if not status.current:
+        return f"{status.image} is not built (make image)"
+    return None
 
 
 def _bubblewrap_missing() -> str | None:
@@ -48,7 +85,15 @@ _SKIP_REASON: dict[str, str | None] = {}
 
 def skip_reason(backend: str) -> str | None:
     if backend not in _SKIP_REASON:
-        _SKIP_REASON[backend] = _bubblewrap_missing() if backend == "bubblewrap" else None
+        if backend == "bubblewrap":
+            _SKIP_REASON[backend] = _bubblewrap_missing()
+        elif backend.startswith("docker"):
+            missing = _docker_missing(backend)
+            if missing:
+                pytest.fail(f"TEST_BACKENDS asks for {backend}, which cannot run: {missing}")
+            _SKIP_REASON[backend] = None
+        else:
+            _SKIP_REASON[backend] = None
     return _SKIP_REASON[backend]
 
 
@@ -104,7 +149,7 @@ def isolated_backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def sandbox(manager: SandboxManager, backend_name: str) -> Iterator[Sandbox]:
-    sb = Sandbox.create(manager=manager, backend=backend_name)
+    sb = Sandbox.create(manager=manager, **placement(backend_name))
     yield sb
     sb.kill()
 
@@ -112,7 +157,7 @@ def sandbox(manager: SandboxManager, backend_name: str) -> Iterator[Sandbox]:
 @pytest.fixture
 def jail(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
     """A sandbox on an isolating backend (for limits and escape attempts)."""
-    sb = Sandbox.create(manager=manager, backend=isolated_backend, timeout_s=10)
+    sb = Sandbox.create(manager=manager, **placement(isolated_backend), timeout_s=10)
     yield sb
     sb.kill()
 

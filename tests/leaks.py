@@ -56,11 +56,19 @@ def cgroup_instance_dirs(manager: SandboxManager) -> list[Path]:
 
 
 def sandbox_cgroup_dirs(manager: SandboxManager, sandbox_id: str) -> list[Path]:
+    cgroup = docker_cgroup(manager, sandbox_id)
+    if cgroup is not None:
+        return cgroup_dirs(cgroup)
     return [d / sandbox_id for d in cgroup_instance_dirs(manager)]
 
 
 def pids_cgroup_dir(manager: SandboxManager, sandbox_id: str) -> Path:
     """The cgroup directory holding the sandbox's ``pids.*`` files."""
+    cgroup = docker_cgroup(manager, sandbox_id)
+    if cgroup is not None:
+        for d in cgroup_dirs(cgroup):
+            if (d / "pids.max").exists():
+                return d
     instance = instance_of(manager.settings.data_dir)
     for base in (CGROUP_FS / "pids", CGROUP_FS):
         candidate = base / manager.settings.cgroup_root / instance / sandbox_id
@@ -70,7 +78,61 @@ def pids_cgroup_dir(manager: SandboxManager, sandbox_id: str) -> Path:
 
 
 def sandbox_root(manager: SandboxManager, sandbox_id: str) -> Path:
-    return manager.settings.data_dir.resolve() / "sandboxes" / sandbox_id
+    base = manager.settings.data_dir.resolve()
+    docker_root = base / "docker-sandboxes" / sandbox_id
+    return docker_root if docker_root.exists() else base / "sandboxes" / sandbox_id
+
+
+# ---------------------------------------------------------------------- docker sandboxes
+
+DOCKER_TESTED = "docker" in os.environ.get("TEST_BACKENDS", "")
+_DOCKER: list[Any] = []
+
+
+def _docker() -> Any:
+    if not _DOCKER:
+        from agent_sandbox.backends.dockerd import connect
+
+        _DOCKER.append(connect())
+    return _DOCKER[0]
+
+
+def our_containers(manager: SandboxManager) -> list[str]:
+    """Names of the containers (running or not) of this manager's data directory."""
+    if not DOCKER_TESTED:
+        return []
+    label = f"agent-sandbox.instance={instance_of(manager.settings.data_dir)}"
+    found = _docker().containers.list(all=True, filters={"label": label})
+    return sorted(c.name for c in found)
+
+
+def docker_cgroup(manager: SandboxManager, sandbox_id: str) -> str | None:
+    """The cgroup path (as /proc shows it) of a docker sandbox's container, else None."""
+    if not DOCKER_TESTED:
+        return None
+    label = f"agent-sandbox.sandbox={sandbox_id}"
+    found = _docker().containers.list(all=True, filters={"label": label})
+    if not found:
+        return None
+    pid = found[0].attrs["State"]["Pid"]
+    return _pids_cgroup_path(pid) if pid else None
+
+
+def cgroup_dirs(cgroup: str) -> list[Path]:
+    v1 = [CGROUP_FS / c for c in V1_CONTROLLERS if (CGROUP_FS / c).is_dir()]
+    return [root / cgroup.lstrip("/") for root in (v1 or [CGROUP_FS])]
+
+
+def procs_in_cgroup(cgroup: str) -> list[Proc]:
+    return [p for p in all_procs() if p.cgroup == cgroup]
+
+
+def sandbox_processes(manager: SandboxManager, sandbox_id: str) -> list[Proc]:
+    """The host's view of a sandbox's processes: its cgroup's (docker) or its uid's."""
+    cgroup = docker_cgroup(manager, sandbox_id)
+    if cgroup is not None:
+        return procs_in_cgroup(cgroup)
+    return procs_of_uid(host_uid(manager, sandbox_id))
 
 
 def host_uid(manager: SandboxManager, sandbox_id: str) -> int:
@@ -192,9 +254,11 @@ class Snapshot:
     sandbox_dirs: list[str] = field(default_factory=list)
     mounts: list[str] = field(default_factory=list)
     loop_devices: list[str] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         return {
+            "containers": len(self.containers),
             "processes": len(self.procs),
             "cgroups": len(self.cgroups),
             "sandbox_dirs": len(self.sandbox_dirs),
@@ -211,6 +275,7 @@ class Snapshot:
             "sandbox_dirs": sorted(set(self.sandbox_dirs) - set(baseline.sandbox_dirs)),
             "mounts": sorted(set(self.mounts) - set(baseline.mounts)),
             "loop_devices": sorted(set(self.loop_devices) - set(baseline.loop_devices)),
+            "containers": sorted(set(self.containers) - set(baseline.containers)),
         }
         now, then = self.counts(), baseline.counts()
         return {
@@ -250,14 +315,16 @@ def snapshot(manager: SandboxManager, *, orphans: OrphanFilter | None = None) ->
     for d in cgroup_instance_dirs(manager):
         if d.is_dir():
             cgroups += [str(c) for c in d.iterdir() if c.is_dir()]
-    sandboxes = data_dir / "sandboxes"
-    dirs = sorted(p.name for p in sandboxes.iterdir()) if sandboxes.is_dir() else []
+    dirs = []
+    for sandboxes in (data_dir / "sandboxes", data_dir / "docker-sandboxes"):
+        dirs += sorted(p.name for p in sandboxes.iterdir()) if sandboxes.is_dir() else []
     return Snapshot(
         procs=sandbox_procs(manager, orphans=orphans),
         cgroups=sorted(cgroups),
         sandbox_dirs=dirs,
         mounts=_mounts_below(data_dir),
         loop_devices=_loop_devices_below(data_dir),
+        containers=our_containers(manager),
     )
 
 

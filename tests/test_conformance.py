@@ -13,6 +13,7 @@ from agent_sandbox import (
     SandboxNotRunning,
 )
 from agent_sandbox._portal import get_portal
+from tests.conftest import placement
 
 # ---------------------------------------------------------------- stateful python
 
@@ -254,7 +255,7 @@ def test_absolute_workspace_paths_are_accepted(sandbox: Sandbox) -> None:
 
 
 def test_artifacts_outlive_the_sandbox(manager: SandboxManager, backend_name: str) -> None:
-    sb = Sandbox.create(manager=manager, backend=backend_name)
+    sb = Sandbox.create(manager=manager, **placement(backend_name))
     sb.commands.run("mkdir -p artifacts/plots && echo chart > artifacts/plots/a.txt")
     sb.files.write("artifacts/report.md", "# done")
     sb.files.write("not-an-artifact.txt", "scratch")
@@ -269,7 +270,7 @@ def test_artifacts_outlive_the_sandbox(manager: SandboxManager, backend_name: st
 
 
 def test_destroyed_sandbox_refuses_calls(manager: SandboxManager, backend_name: str) -> None:
-    sb = Sandbox.create(manager=manager, backend=backend_name)
+    sb = Sandbox.create(manager=manager, **placement(backend_name))
     sb.kill()
     assert sb.info.status == "destroyed"
     with pytest.raises(SandboxNotRunning):
@@ -279,8 +280,8 @@ def test_destroyed_sandbox_refuses_calls(manager: SandboxManager, backend_name: 
 
 def test_sandboxes_do_not_share_state(manager: SandboxManager, backend_name: str) -> None:
     with (
-        Sandbox.create(manager=manager, backend=backend_name) as a,
-        Sandbox.create(manager=manager, backend=backend_name) as b,
+        Sandbox.create(manager=manager, **placement(backend_name)) as a,
+        Sandbox.create(manager=manager, **placement(backend_name)) as b,
     ):
         a.run_code("secret = 'a'")
         a.files.write("mine.txt", "a")
@@ -291,7 +292,7 @@ def test_sandboxes_do_not_share_state(manager: SandboxManager, backend_name: str
 def test_ttl_reaps_and_removes_everything(manager: SandboxManager, backend_name: str) -> None:
     import time
 
-    sb = Sandbox.create(manager=manager, backend=backend_name, ttl_s=0.5)
+    sb = Sandbox.create(manager=manager, **placement(backend_name), ttl_s=0.5)
     sb.files.write("artifacts/kept.txt", "still here")
     deadline = time.monotonic() + 10
     while sb.refresh().status != "destroyed" and time.monotonic() < deadline:

@@ -45,6 +45,7 @@ from agent_sandbox import (
 )
 from agent_sandbox._portal import get_portal
 from tests import leaks
+from tests.conftest import placement
 
 pytestmark = pytest.mark.hostile
 
@@ -131,7 +132,7 @@ def spawn(manager: SandboxManager, isolated_backend: str) -> Iterator[Callable[.
 
     def create(**limits: Any) -> Sandbox:
         limits.setdefault("timeout_s", 10)
-        sb = Sandbox.create(manager=manager, backend=isolated_backend, **limits)
+        sb = Sandbox.create(manager=manager, **placement(isolated_backend), **limits)
         made.append(sb)
         return sb
 
@@ -143,7 +144,7 @@ def spawn(manager: SandboxManager, isolated_backend: str) -> Iterator[Callable[.
 @pytest.fixture
 def bystander(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
     """A second sandbox, with state and a file, that must not notice any attack."""
-    sb = Sandbox.create(manager=manager, backend=isolated_backend, timeout_s=10)
+    sb = Sandbox.create(manager=manager, **placement(isolated_backend), timeout_s=10)
     sb.files.write("precious.txt", PRECIOUS)
     assert sb.run_code("kept = 'bystander state'").ok
     yield sb
@@ -1211,7 +1212,7 @@ def test_fifo_in_artifacts_cannot_stall_destroy(
 ) -> None:
     # A FIFO (or a file swapped for one) in artifacts/ must not block the export that
     # destroy does through the guest: nobody ever writes to it.
-    sb = Sandbox.create(manager=manager, backend=isolated_backend)
+    sb = Sandbox.create(manager=manager, **placement(isolated_backend))
     sb.commands.run("mkdir -p artifacts && mkfifo artifacts/trap && echo ok > artifacts/real.txt")
     started = time.monotonic()
     sb.kill()
@@ -1219,7 +1220,7 @@ def test_fifo_in_artifacts_cannot_stall_destroy(
     kept = get_portal().call(manager.list_artifacts(sb.id))
     assert [a.path for a in kept] == ["real.txt"]
     with pytest.raises(InvalidRequest):
-        other = Sandbox.create(manager=manager, backend=isolated_backend)
+        other = Sandbox.create(manager=manager, **placement(isolated_backend))
         try:
             other.commands.run("mkfifo pipe")
             other.files.read("pipe")

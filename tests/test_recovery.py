@@ -17,7 +17,7 @@ import pytest
 from agent_sandbox import SandboxManager, SandboxStatus
 from agent_sandbox.backends.cgroups import CgroupDriver
 from agent_sandbox.backends.disk import mounted_below
-from tests.conftest import make_settings
+from tests.conftest import make_settings, placement
 
 CRASHER = """
 import asyncio, json, os, sys
@@ -118,7 +118,7 @@ async def test_restart_after_kill_9_cleans_every_orphan(
         assert list((data_dir / "sandboxes").iterdir()) == []
         assert _wait_until(lambda: _processes_of(uids) == []), _processes_of(uids)
         # And the restarted manager works.
-        fresh = await mgr.create(backend=isolated_backend)
+        fresh = await mgr.create(**placement(isolated_backend))
         assert (await mgr.run_code(fresh.id, "6 * 7")).text == "42"
 
 

@@ -33,7 +33,16 @@ console = Console(stderr=True)
 MemoryOpt = Annotated[int | None, typer.Option("--memory-mb", help="Memory limit (MiB).")]
 TimeoutOpt = Annotated[float | None, typer.Option("--timeout-s", help="Per-call timeout.")]
 NetworkOpt = Annotated[bool, typer.Option("--network/--no-network", help="Allow network.")]
-BackendOpt = Annotated[str | None, typer.Option("--backend", help="bubblewrap | unsafe-local")]
+BackendOpt = Annotated[
+    str | None, typer.Option("--backend", help="bubblewrap | docker | unsafe-local")
+]
+RuntimeOpt = Annotated[
+    str | None, typer.Option("--runtime", help="docker only: runc | runsc (gVisor)")
+]
+EnvironmentOpt = Annotated[
+    str | None,
+    typer.Option("--environment", "--env-name", help="Registry environment: python3 | node"),
+]
 
 
 @app.callback()
@@ -76,13 +85,19 @@ def _one_shot(
     memory_mb: int | None,
     timeout_s: float | None,
     network: bool,
-    backend: str | None,
+    placement: tuple[str | None, str | None, str | None],
 ) -> None:
     from agent_sandbox.sandbox import Sandbox
 
+    backend, runtime, environment = placement
     try:
         with Sandbox.create(
-            memory_mb=memory_mb, timeout_s=timeout_s, network=network, backend=backend
+            memory_mb=memory_mb,
+            timeout_s=timeout_s,
+            network=network,
+            backend=backend,
+            runtime=runtime,
+            environment=environment,
         ) as sb:
             result = sb.run_code(source) if kind == "code" else sb.commands.run(source)
     except SandboxError as exc:
@@ -98,11 +113,12 @@ def run_code(
     timeout_s: TimeoutOpt = None,
     network: NetworkOpt = False,
     backend: BackendOpt = None,
+    runtime: RuntimeOpt = None,
+    environment: EnvironmentOpt = None,
 ) -> None:
     """Run Python in a fresh sandbox and print what it printed (exit status follows it)."""
-    _one_shot(
-        "code", sys.stdin.read() if code == "-" else code, memory_mb, timeout_s, network, backend
-    )
+    source = sys.stdin.read() if code == "-" else code
+    _one_shot("code", source, memory_mb, timeout_s, network, (backend, runtime, environment))
 
 
 @app.command("exec")
@@ -112,9 +128,11 @@ def exec_command(
     timeout_s: TimeoutOpt = None,
     network: NetworkOpt = False,
     backend: BackendOpt = None,
+    runtime: RuntimeOpt = None,
+    environment: EnvironmentOpt = None,
 ) -> None:
     """Run a shell command in a fresh sandbox (exit status follows it)."""
-    _one_shot("shell", command, memory_mb, timeout_s, network, backend)
+    _one_shot("shell", command, memory_mb, timeout_s, network, (backend, runtime, environment))
 
 
 @app.command()
@@ -166,6 +184,57 @@ def serve(
 
 
 # ---------------------------------------------------------------------- keys
+
+image_app = typer.Typer(
+    no_args_is_help=True, help="Environments (YAML registry) and their offline-built images."
+)
+app.add_typer(image_app, name="image")
+
+
+@image_app.command("ls")
+def image_ls() -> None:
+    """List the registry's environments and whether each image is built and current."""
+    from agent_sandbox.environments import load_registry
+    from agent_sandbox.images import image_status
+
+    settings = get_settings()
+    table = Table("environment", "image", "packages", "built", "size_mb")
+    for env in load_registry(settings.registry_dir).values():
+        try:
+            status = image_status(env)
+            built = "yes" if status.current else ("stale" if status.present else "no")
+            size = "" if status.size_mb is None else str(status.size_mb)
+        except SandboxError as exc:
+            built, size = f"? ({exc.code})", ""
+        table.add_row(env.name, env.image, " ".join(env.packages), built, size)
+    Console().print(table)
+
+
+@image_app.command("build")
+def image_build(
+    names: Annotated[
+        list[str] | None, typer.Argument(help="Environments to build (default: all).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even if current.")] = False,
+) -> None:
+    """Build environment images offline: debootstrap from Debian's mirror, then docker import."""
+    from agent_sandbox.environments import get_environment, load_registry
+    from agent_sandbox.images import build_image
+
+    settings = get_settings()
+    try:
+        envs = (
+            [get_environment(n, settings.registry_dir) for n in names]
+            if names
+            else list(load_registry(settings.registry_dir).values())
+        )
+        for env in envs:
+            console.print(f"[bold]{env.name}[/]: {env.description}")
+            build_image(env, settings.data_dir, force=force, progress=console.print)
+    except SandboxError as exc:
+        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
+        raise typer.Exit(2) from None
+
 
 keys_app = typer.Typer(no_args_is_help=True, help="API keys, tenant quotas and the audit log.")
 app.add_typer(keys_app, name="keys")
@@ -295,6 +364,8 @@ def sandbox_create(
     timeout_s: TimeoutOpt = None,
     network: NetworkOpt = False,
     backend: BackendOpt = None,
+    runtime: RuntimeOpt = None,
+    environment: EnvironmentOpt = None,
     ttl_s: Annotated[float | None, typer.Option("--ttl-s", help="Lifetime.")] = None,
     api_url: UrlOpt = None,
     api_key: KeyOpt = None,
@@ -308,7 +379,14 @@ def sandbox_create(
     info = _remote_call(
         api_url,
         api_key,
-        lambda s: s.create(backend=backend, limits=limits, network=network, ttl_s=ttl_s),
+        lambda s: s.create(
+            backend=backend,
+            runtime=runtime,
+            environment=environment,
+            limits=limits,
+            network=network,
+            ttl_s=ttl_s,
+        ),
     )
     typer.echo(info.id)
 

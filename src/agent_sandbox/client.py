@@ -83,6 +83,8 @@ class RemoteService:
         self,
         *,
         backend: str | None = None,
+        runtime: str | None = None,
+        environment: str | None = None,
         limits: SandboxLimits | None = None,
         network: bool | None = None,
         env: dict[str, str] | None = None,
@@ -93,6 +95,8 @@ class RemoteService:
         body: dict[str, Any] = limits.model_dump(exclude_none=True) if limits else {}
         for name, value in (
             ("backend", backend),
+            ("runtime", runtime),
+            ("environment", environment),
             ("network", network),
             ("env", env),
             ("metadata", metadata),

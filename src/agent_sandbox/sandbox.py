@@ -187,6 +187,8 @@ class AsyncSandbox:
         cls,
         *,
         backend: str | None = None,
+        runtime: str | None = None,
+        environment: str | None = None,
         memory_mb: int | None = None,
         cpu_cores: float | None = None,
         pids: int | None = None,
@@ -202,6 +204,10 @@ class AsyncSandbox:
         api_key: str | None = None,
     ) -> Self:
         """Start a sandbox. Unset limits take the settings (``SANDBOX_*`` variables).
+
+        ``backend`` is ``bubblewrap`` (default), ``docker`` or ``unsafe-local``; ``runtime``
+        (docker only) is ``runc`` or ``runsc`` (gVisor); ``environment`` names a YAML
+        registry entry (``python3``, ``node``; images need the docker backend).
 
         Embedded by default; on a server with ``api_url`` (or ``AGENT_SANDBOX_URL``), sending
         ``api_key`` (or ``AGENT_SANDBOX_API_KEY``).
@@ -223,6 +229,8 @@ class AsyncSandbox:
             info = await runner(
                 runner.manager.create(
                     backend=backend,
+                    runtime=runtime,
+                    environment=environment,
                     limits=limits,
                     network=network,
                     env=env,

@@ -14,6 +14,8 @@ class SandboxService(Protocol):
         self,
         *,
         backend: str | None = None,
+        runtime: str | None = None,
+        environment: str | None = None,
         limits: SandboxLimits | None = None,
         network: bool | None = None,
         env: dict[str, str] | None = None,

@@ -2,9 +2,10 @@
 
 Seed 004 (Flask sandbox server): ``POST /create_session``, ``POST /execute`` (a bash command),
 ``POST /cleanup``. Seed 001 (stateful sandbox system): ``/api/sessions`` and ``/api/e2b/...``.
-A "session" is a sandbox; its id is the sandbox id. Providers the seeds name that this
-server does not run (``e2b``, ``docker`` until issue 4) are served by the default backend,
-and the response says which backend that was.
+A "session" is a sandbox; its id is the sandbox id. ``provider: "docker"`` runs on the docker
+backend; a provider this server does not run (``e2b``) is served by the default backend, and
+the response says which backend that was. ``environment`` is a YAML registry name or alias
+(``Python3``, ``Node``, ``python:latest``).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ router = APIRouter(tags=["seed compatibility"], responses=ERRORS)
 Caller = Annotated[Principal, Depends(caller)]
 
 
-async def _create(request: Request, who: Principal, backend: str | None = None) -> SandboxInfo:
+async def _create(
+    request: Request, who: Principal, backend: str | None = None, environment: str | None = None
+) -> SandboxInfo:
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.create", compat=True) as audit:
         info = await state.manager.create(
-            backend=backend, owner=who.tenant, quota=state.quota_for(who)
+            backend=backend, environment=environment, owner=who.tenant, quota=state.quota_for(who)
         )
         audit["sandbox_id"] = info.id
     return info
@@ -96,7 +99,7 @@ async def api_create_session(
     body: SessionCreateRequest, request: Request, who: Caller
 ) -> SessionCreateResponse:
     backend = body.provider if body.provider in KNOWN_BACKENDS else None
-    info = await _create(request, who, backend)
+    info = await _create(request, who, backend, body.environment)
     url = str(request.url_for("get_sandbox", sandbox_id=info.id))
     return SessionCreateResponse(
         session_id=info.id, sandbox_id=info.id, provider=info.backend, url=url

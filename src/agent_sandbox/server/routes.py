@@ -45,6 +45,8 @@ async def create_sandbox(body: CreateSandboxRequest, request: Request, who: Call
     async with state.audited(request, who, "sandbox.create", backend=body.backend) as audit:
         info = await state.manager.create(
             backend=body.backend,
+            runtime=body.runtime,
+            environment=body.environment,
             limits=body.limits(),
             network=body.network,
             env=body.env,

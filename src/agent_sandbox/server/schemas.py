@@ -38,7 +38,15 @@ Env = Annotated[dict[str, str] | None, AfterValidator(_env_ok)]
 class CreateSandboxRequest(SandboxLimits):
     """A new sandbox. Every field is optional; unset limits take the server's settings."""
 
-    backend: str | None = Field(default=None, max_length=64, description="bubblewrap, ...")
+    backend: str | None = Field(
+        default=None, max_length=64, description="bubblewrap | docker | unsafe-local"
+    )
+    runtime: str | None = Field(
+        default=None, max_length=64, description="docker only: runc | runsc (gVisor)"
+    )
+    environment: str | None = Field(
+        default=None, max_length=64, description="A YAML registry name: python3, node, ..."
+    )
     network: bool | None = None
     env: Env = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = Field(default=None, max_length=64)
