@@ -1,18 +1,22 @@
 # Two commands do all the set-up on a fresh Debian 12 machine (run as root):
 #   make run   - install, then run a real example in a bubblewrap sandbox
-#   make test  - install, then lint, type-check and run the test suite (what CI runs)
+#   make test  - install (docker.io, runsc and the images too), then lint, type-check and run
+#                the test suite, with the docker and docker+runsc subset (what CI runs)
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SYSTEM_PACKAGES := bubblewrap util-linux e2fsprogs libseccomp2 procps python3
 
-.PHONY: run test check lint typecheck pytest test-hostile bench doctor system venv clean
+DOCKER_TARGETS := docker,docker+runsc
+
+.PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench \
+	doctor system venv clean docker-setup image
 
 run: venv
 	$(PY) examples/quickstart.py
 
-test: venv check pytest
+test: venv check pytest pytest-docker
 
 # System packages the sandboxes need; apt only runs when one is missing.
 system:
@@ -43,12 +47,32 @@ typecheck: venv
 pytest: venv
 	$(VENV)/bin/pytest -q
 
+# Docker and gVisor: install docker.io, runsc and debootstrap if missing, register runsc,
+# start dockerd if it is not running.
+docker-setup:
+	sh scripts/docker-setup.sh
+
+# Build every environment's image offline (skipped when the image matches its YAML).
+image: venv docker-setup
+	$(VENV)/bin/agent-sandbox image build
+
+# CI's docker subset: conformance, limits and docker-only tests on docker and docker+runsc.
+pytest-docker: venv image
+	TEST_BACKENDS=$(DOCKER_TARGETS) $(VENV)/bin/pytest -q -k docker \
+	  tests/test_conformance.py tests/test_limits.py tests/test_docker.py
+
+# Everything on docker and docker+runsc, the hostile suite included (~10 minutes).
+test-docker: venv image
+	TEST_BACKENDS=$(DOCKER_TARGETS) $(VENV)/bin/pytest -q -k docker \
+	  tests/test_conformance.py tests/test_limits.py tests/test_docker.py tests/test_hostile.py
+
 # Only the escape and exhaustion programs (they are also part of `make test`).
 test-hostile: venv
 	$(VENV)/bin/pytest -q -m hostile
 
-bench: venv
+bench: venv image
 	$(PY) bench/bench_core.py --rounds 5 --output BENCHMARKS.md
+	$(PY) bench/bench_backends.py --rounds 5 --output BENCHMARKS.md
 	$(PY) bench/bench_server.py --rounds 3 --output BENCHMARKS.md
 
 doctor: venv

@@ -359,6 +359,16 @@ def wait_until_gone(
         time.sleep(0.05)
 
 
+def wait_until_cgroup_empty(cgroup: str, timeout_s: float = REAP_WAIT_S) -> list[Proc]:
+    """Poll until no process is left in a (docker) sandbox's cgroup; return what is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = procs_in_cgroup(cgroup)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
 class UidRecorder:
     """Records when each sandbox a manager creates holds its uid; :meth:`owns` a process if
     it ran as one of those uids and started while our sandbox held it.

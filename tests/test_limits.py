@@ -90,7 +90,7 @@ def host_server() -> Iterator[int]:
     """A TCP server on the host's loopback that answers 'pong'."""
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # All interfaces: a docker sandbox with network reaches the host through its bridge.
-    server.bind(("0.0.0.0", 0))  # noqa: S104
+    server.bind(("0.0.0.0", 0))
     server.listen()
     server.settimeout(0.2)
     stop = threading.Event()
@@ -113,8 +113,7 @@ def host_server() -> Iterator[int]:
 
 
 CONNECT = (
-    "import socket\ns = socket.create_connection(({host!r}, {port}), timeout=3)\n"
-    "s.recv(4).decode()"
+    "import socket\ns = socket.create_connection(({host!r}, {port}), timeout=3)\ns.recv(4).decode()"
 )
 
 
