@@ -742,6 +742,11 @@ WRITABLE_MOUNTS |= {f"/dev/{n}" for n in ("null", "zero", "full", "random", "ura
 # Docker adds a cgroup tmpfs (its controllers inside are read-only) and its own root-owned
 # /etc/hosts, /etc/hostname and /etc/resolv.conf (0644: the sandbox uid cannot write them).
 DOCKER_WRITABLE = {"/sys/fs/cgroup", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf"}
+# ... and masks these with an empty tmpfs or /dev/null (nothing behind them to write to).
+DOCKER_WRITABLE |= {
+    f"/proc/{name}"
+    for name in ("acpi", "asound", "kcore", "keys", "latency_stats", "scsi", "timer_list")
+} | {"/proc/sched_debug", "/proc/timer_stats", "/sys/firmware"}
 READ_ONLY_PROBE = f"""
 import errno, os
 targets = ("/usr/{PROBE_NAME}", "/etc/{PROBE_NAME}", "/{PROBE_NAME}",
