@@ -168,8 +168,8 @@ async def test_cancelled_call_is_stopped_in_the_guest(data_dir: Path) -> None:
 async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> None:
     settings = make_settings(data_dir, backend="unsafe-local", pool_size=2)
     async with SandboxManager(settings) as mgr:
-        await _until(lambda: len(mgr._pool) == 2)
-        pooled_ids = {live.info.id for live in mgr._pool}
+        await _until(lambda: mgr.pooled_count() == 2)
+        pooled_ids = {live.info.id for pool in mgr._pools.values() for live in pool}
         first = await mgr.create(owner="alice", metadata={"k": "v"})
         assert first.id in pooled_ids
         assert (first.owner, first.metadata, first.status) == ("alice", {"k": "v"}, "running")
@@ -177,11 +177,11 @@ async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> N
         # A create that differs from the pool's defaults gets a fresh sandbox.
         custom = await mgr.create(limits=SandboxLimits(memory_mb=128))
         assert custom.id not in pooled_ids
-        await _until(lambda: len(mgr._pool) == 2)
+        await _until(lambda: mgr.pooled_count() == 2)
         await asyncio.sleep(0.3)
-        assert len(mgr._pool) == 2  # refilled, never more
+        assert mgr.pooled_count() == 2  # refilled, never more
         assert [s.id for s in await mgr.list()] == [first.id, custom.id]  # pool is not listed
-        pool_dirs = {live.info.id for live in mgr._pool}
+        pool_dirs = {live.info.id for pool in mgr._pools.values() for live in pool}
     # Closing removes pooled sandboxes too.
     for sandbox_id in pool_dirs:
         assert not (data_dir / "local-sandboxes" / sandbox_id).exists()

@@ -153,10 +153,10 @@ async def test_warm_pool_never_exceeds_its_size_after_a_crash(
 
     async with SandboxManager(settings) as mgr:
         deadline = time.monotonic() + 20
-        while len(mgr._pool) < 2 and time.monotonic() < deadline:
+        while mgr.pooled_count() < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
-        assert len(mgr._pool) == 2
+        assert mgr.pooled_count() == 2
         assert len(driver.children(settings.cgroup_root, instance)) == 2
         assert len(list((data_dir / "sandboxes").iterdir())) == 2
         taken = await mgr.create()
