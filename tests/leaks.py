@@ -20,7 +20,6 @@ process of uid U that started while one of our sandboxes held U is ours (:class:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_sandbox import SandboxManager
+from agent_sandbox.backends.base import instance_of
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("pids", "memory", "cpu", "cpuacct")
@@ -40,11 +40,6 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 def boot_time_s() -> float:
     """Now, on the clock /proc uses for process start times."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
-def instance_of(data_dir: Path) -> str:
-    """The bubblewrap backend's name for a data directory's cgroup subtree."""
-    return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
 
 
 def cgroup_instance_dirs(manager: SandboxManager) -> list[Path]:

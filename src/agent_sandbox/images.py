@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent_sandbox.backends.dockerd import (
     LABEL,
@@ -26,6 +27,9 @@ from agent_sandbox.backends.dockerd import (
 )
 from agent_sandbox.environments import Environment
 from agent_sandbox.errors import BackendUnavailable, ImageBuildError
+
+if TYPE_CHECKING:
+    import docker
 
 Progress = Callable[[str], None]
 
@@ -39,11 +43,13 @@ class ImageStatus:
     size_mb: float | None = None
 
 
-def image_status(env: Environment) -> ImageStatus:
+def image_status(env: Environment, client: docker.DockerClient | None = None) -> ImageStatus:
     """Whether ``env``'s image exists in the daemon, and whether it matches its YAML."""
     import docker  # optional dependency
 
-    client = connect()
+    if client is None:
+        with contextlib.closing(connect()) as own:
+            return image_status(env, own)
     try:
         image = client.images.get(env.image)
     except docker.errors.ImageNotFound:
@@ -76,7 +82,19 @@ def build_image(
         BackendUnavailable: not root, debootstrap missing, or no Docker daemon.
         ImageBuildError: a step of the build failed (its output is in the message).
     """
-    status = image_status(env)
+    with contextlib.closing(connect()) as client:
+        return _build(env, data_dir, client, force=force, progress=progress)
+
+
+def _build(
+    env: Environment,
+    data_dir: Path,
+    client: docker.DockerClient,
+    *,
+    force: bool,
+    progress: Progress,
+) -> ImageStatus:
+    status = image_status(env, client)
     if status.current and not force:
         progress(f"{env.image} is up to date (spec {env.spec_hash()}); --force rebuilds it")
         return status
@@ -112,7 +130,6 @@ def build_image(
         _run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(tarball), "."], progress)
         repository, _, tag = env.image.rpartition(":")
         progress(f"importing into Docker as {env.image}")
-        client = connect()
         client.api.import_image_from_file(
             str(tarball),
             repository=repository or env.image,
@@ -131,20 +148,20 @@ def build_image(
         with contextlib.suppress(FileNotFoundError):
             tarball.unlink()
         shutil.rmtree(root, ignore_errors=True)
-    status = image_status(env)
+    status = image_status(env, client)
     if not status.current:
         raise ImageBuildError(f"{env.image} was imported but does not carry the expected label")
     progress(f"built {env.image} ({status.size_mb} MB)")
     return status
 
 
-async def ensure_image(env: Environment) -> None:
+async def ensure_image(env: Environment, client: docker.DockerClient) -> None:
     """Raise a clear error if ``env``'s image is missing (we never build on a create call).
 
     Raises:
         BackendUnavailable: the image is not built.
     """
-    status = await asyncio.to_thread(image_status, env)
+    status = await asyncio.to_thread(image_status, env, client)
     if not status.present:
         raise BackendUnavailable(
             f"the image {env.image} of environment {env.name!r} is not built; run "

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
 from agent_sandbox.models import ResolvedLimits, ResourceUsage
@@ -18,6 +20,11 @@ from agent_sandbox.models import ResolvedLimits, ResourceUsage
 STDERR_TAIL_BYTES = 8192
 # Process slots a restarted guest needs free in its pids cgroup to start and run a command.
 GUEST_PIDS_HEADROOM = 32
+
+
+def instance_of(data_dir: Path) -> str:
+    """A short name for a data directory: what marks its sandboxes' cgroups and containers."""
+    return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)

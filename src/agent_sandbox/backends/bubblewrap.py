@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
-import shutil
 import stat
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -28,13 +26,19 @@ from typing import ClassVar
 
 import structlog
 
-from agent_sandbox.backends.base import GUEST_PIDS_HEADROOM, GuestProcess, GuestSpec
+from agent_sandbox.backends.base import (
+    GUEST_PIDS_HEADROOM,
+    GuestProcess,
+    GuestSpec,
+    instance_of,
+)
 from agent_sandbox.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from agent_sandbox.backends.disk import (
-    create_loop_disk,
+    disk_used_bytes,
     loop_disks_available,
-    mounted_below,
-    unmount,
+    make_volume,
+    remove_volume,
+    volume_paths,
 )
 from agent_sandbox.backends.guestfiles import GUEST_DIR_INSIDE, GUEST_PYTHON, install_guest
 from agent_sandbox.backends.seccomp import build_filter
@@ -106,7 +110,7 @@ class BubblewrapBackend:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.data_dir = settings.data_dir.resolve()
-        self.instance = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:12]
+        self.instance = instance_of(self.data_dir)
         self.sandboxes_dir = self.data_dir / "sandboxes"
         self._boxes: dict[str, _Box] = {}
         self._checked = False
@@ -197,10 +201,7 @@ class BubblewrapBackend:
         assert self._uids is not None
         uid, lock_fd = self._uids.acquire()
         root = self.sandboxes_dir / spec.sandbox_id
-        # One disk for /workspace and /tmp: files in /tmp count against the disk cap, not
-        # against memory (a tmpfs there let a sandbox fill its own memory and stay wedged).
-        volume = root / "volume"
-        workspace = volume / "workspace"
+        workspace, _ = volume_paths(root)
         limits = CgroupLimits(
             memory_bytes=spec.limits.memory_mb * 1024 * 1024,
             pids_max=spec.limits.pids,
@@ -216,16 +217,7 @@ class BubblewrapBackend:
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         self._boxes[spec.sandbox_id] = box
         try:
-            root.mkdir(mode=0o711)
-            if self._loop_ok:
-                await create_loop_disk(root / "disk.img", volume, spec.limits.disk_mb)
-            else:
-                volume.mkdir(mode=0o711)
-            for inside in (workspace, volume / "tmp"):
-                inside.mkdir(mode=0o700)
-                os.chown(inside, uid, uid)
-            # For people looking on the host: <data_dir>/sandboxes/<id>/workspace.
-            (root / "workspace").symlink_to("volume/workspace")
+            await make_volume(root, spec.limits.disk_mb, uid, capped=self._loop_ok)
         except BaseException:
             await self.stop(spec.sandbox_id)
             raise
@@ -349,14 +341,8 @@ class BubblewrapBackend:
             return
         await self._end_guest(box)
         await asyncio.to_thread(box.cgroup.remove)
-        await self._remove_dir(box.root)
+        await remove_volume(box.root)
         UidAllocator.release(box.uid_lock_fd)
-
-    async def _remove_dir(self, root: Path) -> None:
-        for mountpoint in mounted_below(root):
-            await unmount(mountpoint)
-        # rmtree is fd-based on Linux: a symlink planted by sandbox code cannot redirect it.
-        await asyncio.to_thread(shutil.rmtree, root, True)
 
     async def _remove_leftovers(self, sandbox_id: str) -> None:
         cgroup = self.cgroups.path(*self._cgroup_parts(sandbox_id))
@@ -364,7 +350,7 @@ class BubblewrapBackend:
         await asyncio.to_thread(cgroup.remove)
         root = self.sandboxes_dir / sandbox_id
         if root.exists():
-            await self._remove_dir(root)
+            await remove_volume(root)
 
     async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
         box = self._boxes.get(sandbox_id)
@@ -377,10 +363,8 @@ class BubblewrapBackend:
         # A handful of small cgroupfs reads: cheaper inline than the hop to a thread, and
         # this runs twice per exec call.
         usage = box.cgroup.usage()
-        with contextlib.suppress(OSError):
-            fs = os.statvfs(box.workspace)
-            if box.disk_capped:
-                usage.disk_used_bytes = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+        if box.disk_capped:
+            usage.disk_used_bytes = disk_used_bytes(box.workspace)
         return usage
 
     async def sweep(self, keep: Collection[str]) -> list[str]:

@@ -91,3 +91,46 @@ async def unmount(mountpoint: Path) -> None:
             stderr=asyncio.subprocess.DEVNULL,
         )
         await lazy.wait()
+
+
+def volume_paths(root: Path) -> tuple[Path, Path]:
+    """A sandbox's ``/workspace`` and ``/tmp`` on the host, inside its directory ``root``."""
+    volume = root / "volume"
+    return volume / "workspace", volume / "tmp"
+
+
+async def make_volume(root: Path, size_mb: int, uid: int, *, capped: bool) -> None:
+    """Create ``root`` with one disk for /workspace and /tmp, both owned by ``uid``.
+
+    One disk for both: files in /tmp count against the disk cap, not against memory (a tmpfs
+    there let a sandbox fill its own memory and stay wedged). Without loop devices
+    (``capped=False``) the directories are plain ones on the host's disk.
+    """
+    workspace, tmp = volume_paths(root)
+    root.mkdir(mode=0o711)
+    if capped:
+        await create_loop_disk(root / "disk.img", workspace.parent, size_mb)
+    else:
+        workspace.parent.mkdir(mode=0o711)
+    for inside in (workspace, tmp):
+        inside.mkdir(mode=0o700)
+        os.chown(inside, uid, uid)
+    # For people looking on the host: <sandbox dir>/workspace.
+    (root / "workspace").symlink_to("volume/workspace")
+
+
+async def remove_volume(root: Path) -> None:
+    """Unmount everything below ``root`` and delete it (idempotent)."""
+    for mountpoint in mounted_below(root):
+        await unmount(mountpoint)
+    # rmtree is fd-based on Linux: a symlink planted by sandbox code cannot redirect it.
+    await asyncio.to_thread(shutil.rmtree, root, True)
+
+
+def disk_used_bytes(workspace: Path) -> int | None:
+    """Bytes used on a capped workspace's disk, or None if it is gone."""
+    try:
+        fs = os.statvfs(workspace)
+    except OSError:
+        return None
+    return (fs.f_blocks - fs.f_bfree) * fs.f_frsize

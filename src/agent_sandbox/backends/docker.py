@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
-import shutil
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +29,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import structlog
 
-from agent_sandbox.backends.base import GUEST_PIDS_HEADROOM, STDERR_TAIL_BYTES, GuestSpec
+from agent_sandbox.backends.base import (
+    GUEST_PIDS_HEADROOM,
+    STDERR_TAIL_BYTES,
+    GuestSpec,
+    instance_of,
+)
 from agent_sandbox.backends.cgroups import Cgroup, CgroupDriver
 from agent_sandbox.backends.disk import (
-    create_loop_disk,
+    disk_used_bytes,
     loop_disks_available,
-    mounted_below,
-    unmount,
+    make_volume,
+    remove_volume,
+    volume_paths,
 )
 from agent_sandbox.backends.dockerd import (
     LABEL,
@@ -170,7 +174,7 @@ class DockerBackend:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.data_dir = settings.data_dir.resolve()
-        self.instance = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:12]
+        self.instance = instance_of(self.data_dir)
         self.sandboxes_dir = self.data_dir / "docker-sandboxes"
         self._guest_dir = self.data_dir / "guest"
         self._boxes: dict[str, _Box] = {}
@@ -244,22 +248,14 @@ class DockerBackend:
         self._check_runtime(runtime, spec.network)
         env = get_environment(spec.environment, self.settings.registry_dir)
         if env.name not in self._images_ok:
-            await ensure_image(env)
+            await ensure_image(env, client)
             self._images_ok.add(env.name)
         root = self.sandboxes_dir / spec.sandbox_id
-        volume = root / "volume"
-        box = _Box(spec.sandbox_id, "", root, volume / "workspace", runtime, self._loop_ok)
+        workspace, _ = volume_paths(root)
+        box = _Box(spec.sandbox_id, "", root, workspace, runtime, self._loop_ok)
         self._boxes[spec.sandbox_id] = box
         try:
-            root.mkdir(mode=0o711)
-            if self._loop_ok:
-                await create_loop_disk(root / "disk.img", volume, spec.limits.disk_mb)
-            else:
-                volume.mkdir(mode=0o711)
-            for inside in (box.workspace, volume / "tmp"):
-                inside.mkdir(mode=0o700)
-                os.chown(inside, SANDBOX_UID, SANDBOX_UID)
-            (root / "workspace").symlink_to("volume/workspace")
+            await make_volume(root, spec.limits.disk_mb, SANDBOX_UID, capped=self._loop_ok)
             box.container_id = await asyncio.to_thread(
                 self._create_container, client, spec, env, box
             )
@@ -282,7 +278,7 @@ class DockerBackend:
         if box.runtime == "runsc":
             ulimits.append(Ulimit(name="nproc", soft=limits.pids, hard=limits.pids))
             pids += RUNSC_PIDS_HEADROOM
-        volume = box.workspace.parent
+        workspace, tmp = volume_paths(box.root)
         try:
             container = client.containers.create(
                 env.image,
@@ -302,8 +298,8 @@ class DockerBackend:
                 pids_limit=pids,
                 ulimits=ulimits,
                 mounts=[
-                    Mount("/workspace", str(box.workspace), type="bind"),
-                    Mount("/tmp", str(volume / "tmp"), type="bind"),
+                    Mount("/workspace", str(workspace), type="bind"),
+                    Mount("/tmp", str(tmp), type="bind"),
                     Mount(GUEST_DIR_INSIDE, str(self._guest_dir), type="bind", read_only=True),
                 ],
                 labels={
@@ -315,13 +311,12 @@ class DockerBackend:
                 runtime=box.runtime,
                 log_config=LogConfig(type="none"),
             )
-            box.container_id = container.id or ""
             container.start()
         except docker.errors.DockerException as exc:
             raise SandboxStartError(
                 f"docker could not start the sandbox's container: {exc}"
             ) from exc
-        return box.container_id
+        return container.id or ""
 
     async def _after_start(self, client: docker.DockerClient, box: _Box) -> None:
         """Find the (new) container's cgroup, to read its limit hits and usage."""
@@ -432,10 +427,7 @@ class DockerBackend:
             box.guest.kill()
         client = await self._ready()
         await asyncio.to_thread(self._remove_container, client, sandbox_id)
-        root = box.root if box is not None else self.sandboxes_dir / sandbox_id
-        for mountpoint in mounted_below(root) if root.exists() else []:
-            await unmount(mountpoint)
-        await asyncio.to_thread(shutil.rmtree, root, True)
+        await remove_volume(box.root if box is not None else self.sandboxes_dir / sandbox_id)
 
     def _remove_container(self, client: docker.DockerClient, sandbox_id: str) -> None:
         """Remove the sandbox's container by force, and make sure it is gone."""
@@ -488,11 +480,8 @@ class DockerBackend:
                 box.oom_base += 1
                 usage.oom_kills += 1
             box.counted_exit = True
-        if full:
-            with contextlib.suppress(OSError):
-                fs = os.statvfs(box.workspace)
-                if box.disk_capped:
-                    usage.disk_used_bytes = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+        if full and box.disk_capped:
+            usage.disk_used_bytes = disk_used_bytes(box.workspace)
         return usage
 
     async def _oom_killed(self, box: _Box) -> bool:
