@@ -169,7 +169,7 @@ async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> N
     settings = make_settings(data_dir, backend="unsafe-local", pool_size=2)
     async with SandboxManager(settings) as mgr:
         await _until(lambda: mgr.pooled_count() == 2)
-        pooled_ids = {live.info.id for pool in mgr._pools.values() for live in pool}
+        pooled_ids = {live.info.id for pool in mgr._pools.values() for live in pool.lives}
         first = await mgr.create(owner="alice", metadata={"k": "v"})
         assert first.id in pooled_ids
         assert (first.owner, first.metadata, first.status) == ("alice", {"k": "v"}, "running")
@@ -181,7 +181,7 @@ async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> N
         await asyncio.sleep(0.3)
         assert mgr.pooled_count() == 2  # refilled, never more
         assert [s.id for s in await mgr.list()] == [first.id, custom.id]  # pool is not listed
-        pool_dirs = {live.info.id for pool in mgr._pools.values() for live in pool}
+        pool_dirs = {live.info.id for pool in mgr._pools.values() for live in pool.lives}
     # Closing removes pooled sandboxes too.
     for sandbox_id in pool_dirs:
         assert not (data_dir / "local-sandboxes" / sandbox_id).exists()

@@ -86,6 +86,16 @@ class PoolKey:
 
 
 @dataclass
+class _Pool:
+    """A warm pool: ``size`` started sandboxes of one key, refilled by ``task`` when woken."""
+
+    size: int
+    lives: list[_Live] = field(default_factory=list)
+    wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
 class _Live:
     info: SandboxInfo
     spec: GuestSpec
@@ -114,9 +124,7 @@ class SandboxManager:
         self._store: Store = None  # type: ignore[assignment]  # set by start()
         self._started = False
         self._listeners: list[Listener] = []
-        self._pools: dict[PoolKey, list[_Live]] = {}
-        self._pool_wanted: dict[PoolKey, asyncio.Event] = {}
-        self._pool_tasks: list[asyncio.Task[None]] = []
+        self._pools: dict[PoolKey, _Pool] = {}
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, fields)`` on "created", "destroyed", "exec", "backend_error"."""
@@ -175,10 +183,9 @@ class SandboxManager:
         await self._recover(extra_backends={key.backend for key in targets})
         self._reaper = asyncio.create_task(self._reap_forever())
         for key, size in targets.items():
-            self._pools[key] = []
-            self._pool_wanted[key] = asyncio.Event()
-            self._pool_wanted[key].set()
-            self._pool_tasks.append(asyncio.create_task(self._fill_pool(key, size)))
+            pool = self._pools[key] = _Pool(size)
+            pool.wanted.set()
+            pool.task = asyncio.create_task(self._fill_pool(key, pool))
 
     async def _recover(self, extra_backends: set[str]) -> None:
         """Mark sandboxes of a crashed run as ended and remove all they left behind.
@@ -187,12 +194,9 @@ class SandboxManager:
         backend may have been left running with none live), plus those pools will use.
         """
         orphans = self._store.list(live_only=True)
-        names = (
-            {info.backend for info in orphans}
-            | self._store.backends_used()
-            | extra_backends
-            | {self.settings.backend}
-        ) & set(KNOWN_BACKENDS)
+        names = (self._store.backends_used() | extra_backends | {self.settings.backend}) & set(
+            KNOWN_BACKENDS
+        )
         for name in sorted(names):
             try:
                 backend = self._backend(name)
@@ -218,13 +222,12 @@ class SandboxManager:
         """Destroy every live sandbox and release the data directory."""
         if not self._started:
             return
-        for task in (self._reaper, *self._pool_tasks):
+        for task in (self._reaper, *(pool.task for pool in self._pools.values())):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._pool_tasks = []
-        pooled = [live for pool in self._pools.values() for live in pool]
+        pooled = [live for pool in self._pools.values() for live in pool.lives]
         self._pools = {}
         await asyncio.gather(*(self._discard_pooled(live) for live in pooled))
         await asyncio.gather(
@@ -244,7 +247,7 @@ class SandboxManager:
 
     def pooled_count(self) -> int:
         """Started sandboxes waiting in the warm pools."""
-        return sum(len(pool) for pool in self._pools.values())
+        return sum(len(pool.lives) for pool in self._pools.values())
 
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
@@ -281,11 +284,6 @@ class SandboxManager:
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {value}")
         backend_name = backend or self.settings.backend
-        if backend_name in UNSAFE_BACKENDS and not self.settings.allow_unsafe:
-            raise ConfigError(
-                f"backend {backend_name!r} has no isolation and runs code as this process's "
-                "user; it is refused unless SANDBOX_ALLOW_UNSAFE=true (tests, development)"
-            )
         for env_key, env_value in (env or {}).items():
             if not env_key or "=" in env_key or "\0" in env_key + env_value:
                 raise ConfigError(f"env {env_key!r}: names need no '=' or NUL, values no NUL")
@@ -330,8 +328,14 @@ class SandboxManager:
         """Check the backend, runtime and environment go together; name them canonically.
 
         Raises:
-            ConfigError: an unknown name, or a combination the backend cannot run.
+            ConfigError: an unknown name, a combination the backend cannot run, or an
+                unsafe backend without SANDBOX_ALLOW_UNSAFE.
         """
+        if backend in UNSAFE_BACKENDS and not self.settings.allow_unsafe:
+            raise ConfigError(
+                f"backend {backend!r} has no isolation and runs code as this process's "
+                "user; it is refused unless SANDBOX_ALLOW_UNSAFE=true (tests, development)"
+            )
         chosen = self._backend(backend)
         if runtime is not None and runtime not in chosen.runtimes:
             choice = ", ".join(sorted(chosen.runtimes)) or "none (only docker has runtimes)"
@@ -367,8 +371,6 @@ class SandboxManager:
             backend, _, runtime = head.partition("+")
             if not 0 <= size <= MAX_POOL_SIZE:
                 raise ConfigError(f"SANDBOX_POOLS[{text!r}]={size}: sizes go from 0 to 64")
-            if backend in UNSAFE_BACKENDS and not self.settings.allow_unsafe:
-                raise ConfigError(f"SANDBOX_POOLS[{text!r}]: {backend} needs SANDBOX_ALLOW_UNSAFE")
             try:
                 key = self._pool_key(backend, runtime or None, environment or None)
             except ConfigError as exc:
@@ -435,13 +437,13 @@ class SandboxManager:
     ) -> _Live | None:
         """A pre-started sandbox, if the request is for exactly what a pool holds."""
         pool = self._pools.get(key)
-        if not pool or env:
+        if pool is None or not pool.lives or env:
             return None
         if network != self.settings.network or limits != self.settings.resolve_limits(None):
             return None
-        while pool:
-            live = pool.pop(0)
-            self._pool_wanted[key].set()
+        while pool.lives:
+            live = pool.lives.pop(0)
+            pool.wanted.set()
             if live.conn is not None and live.conn.alive:
                 return live
             asyncio.create_task(self._discard_pooled(live))  # noqa: RUF006 - fire and forget
@@ -453,16 +455,15 @@ class SandboxManager:
         with contextlib.suppress(Exception):
             await live.backend.stop(live.info.id)
 
-    async def _fill_pool(self, key: PoolKey, size: int) -> None:
-        """Keep ``size`` sandboxes of ``key`` started, never more (also after a crash: the
+    async def _fill_pool(self, key: PoolKey, pool: _Pool) -> None:
+        """Keep ``pool.size`` sandboxes of ``key`` started, never more (also after a crash: the
         start-up sweep removed the previous run's, so the count starts from zero)."""
         backend = self._backend(key.backend)
         limits = self.settings.resolve_limits(None)
-        pool, wanted = self._pools[key], self._pool_wanted[key]
         while True:
-            await wanted.wait()
-            wanted.clear()
-            while len(pool) < size:
+            await pool.wanted.wait()
+            pool.wanted.clear()
+            while len(pool.lives) < pool.size:
                 live = self._new_live(backend, key, limits, self.settings.network, None, "__pool__")
                 try:
                     await self._boot(live)
@@ -472,7 +473,7 @@ class SandboxManager:
                     )
                     await asyncio.sleep(POOL_RETRY_S)
                     continue
-                pool.append(live)
+                pool.lives.append(live)
 
     async def _start_guest(self, live: _Live) -> GuestConnection:
         guest = await live.backend.start(live.spec)
