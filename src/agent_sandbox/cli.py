@@ -73,6 +73,16 @@ def doctor() -> None:
         raise typer.Exit(1)
 
 
+@contextlib.contextmanager
+def _errors_exit_2() -> Iterator[None]:
+    """Our errors become their code and message on stderr, and exit status 2."""
+    try:
+        yield
+    except SandboxError as exc:
+        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
+        raise typer.Exit(2) from None
+
+
 def _print_result(result: ExecResult) -> int:
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
@@ -90,19 +100,18 @@ def _one_shot(
     from agent_sandbox.sandbox import Sandbox
 
     backend, runtime, environment = placement
-    try:
-        with Sandbox.create(
+    with (
+        _errors_exit_2(),
+        Sandbox.create(
             memory_mb=memory_mb,
             timeout_s=timeout_s,
             network=network,
             backend=backend,
             runtime=runtime,
             environment=environment,
-        ) as sb:
-            result = sb.run_code(source) if kind == "code" else sb.commands.run(source)
-    except SandboxError as exc:
-        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
-        raise typer.Exit(2) from None
+        ) as sb,
+    ):
+        result = sb.run_code(source) if kind == "code" else sb.commands.run(source)
     raise typer.Exit(_print_result(result))
 
 
@@ -222,7 +231,7 @@ def image_build(
     from agent_sandbox.images import build_image
 
     settings = get_settings()
-    try:
+    with _errors_exit_2():
         envs = (
             [get_environment(n, settings.registry_dir) for n in names]
             if names
@@ -231,9 +240,6 @@ def image_build(
         for env in envs:
             console.print(f"[bold]{env.name}[/]: {env.description}")
             build_image(env, settings.data_dir, force=force, progress=console.print)
-    except SandboxError as exc:
-        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
-        raise typer.Exit(2) from None
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="API keys, tenant quotas and the audit log.")
@@ -256,12 +262,8 @@ def keys_create(
     name: Annotated[str, typer.Option(help="A label for people.")] = "",
 ) -> None:
     """Create a key and print it once (only its hash is stored)."""
-    try:
-        with _auth_store() as store:
-            key_id, key = store.create_key(tenant, role, name)
-    except SandboxError as exc:
-        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
-        raise typer.Exit(2) from None
+    with _errors_exit_2(), _auth_store() as store:
+        key_id, key = store.create_key(tenant, role, name)
     console.print(f"created {key_id} for tenant {tenant!r} with role {role}; store it now:")
     typer.echo(key)
 
@@ -346,10 +348,8 @@ def _remote_call(api_url: str | None, api_key: str | None, work: Any) -> Any:
             await service.aclose()
 
     try:
-        return asyncio.run(main())
-    except SandboxError as exc:
-        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
-        raise typer.Exit(2) from None
+        with _errors_exit_2():
+            return asyncio.run(main())
     except httpx.TransportError as exc:
         console.print(
             f"[red]cannot reach the server:[/] {exc}; start `agent-sandbox serve` "
@@ -371,11 +371,8 @@ def sandbox_create(
     api_key: KeyOpt = None,
 ) -> None:
     """Create a sandbox and print its id."""
-    try:
+    with _errors_exit_2():
         limits = make_limits(memory_mb=memory_mb, timeout_s=timeout_s)
-    except SandboxError as exc:
-        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
-        raise typer.Exit(2) from None
     info = _remote_call(
         api_url,
         api_key,
