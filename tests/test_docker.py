@@ -17,6 +17,7 @@ from agent_sandbox._portal import get_portal
 from agent_sandbox.backends.dockerd import LABEL_INSTANCE, LABEL_SANDBOX, connect
 from tests import leaks
 from tests.conftest import EXTRA_TARGETS, LiveServer, make_settings
+from tests.test_cli import _run as run_cli
 from tests.test_recovery import crash_a_manager
 
 pytestmark = pytest.mark.skipif(
@@ -207,23 +208,20 @@ def test_rest_create_takes_backend_runtime_and_environment(live_server: LiveServ
         assert http.delete(f"/v1/sandboxes/{info['id']}").status_code == 200
         bad = http.post("/v1/sandboxes", json={"backend": "docker", "runtime": "kata"})
         assert bad.status_code == 422
-        assert bad.json()["code"] == "invalid_config"
+        assert bad.json()["error"]["code"] == "invalid_config"
         legacy = http.post("/api/sessions", json={"provider": "docker", "environment": "Python3"})
         assert legacy.status_code == 200 and legacy.json()["provider"] == "docker"
         session = legacy.json()["session_id"]
         assert http.delete(f"/api/sessions/{session}").status_code == 200
 
 
-def test_image_list_shows_built_environments() -> None:
-    from typer.testing import CliRunner
-
-    from agent_sandbox.cli import app
-
-    result = CliRunner().invoke(app, ["image", "ls"])
-    assert result.exit_code == 0, result.output
-    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if "│" in line}
+def test_image_list_shows_built_environments(data_root: Path) -> None:
+    # In a child process, as a user runs it: the CLI configures logging for its own process.
+    listed = run_cli(["image", "ls"], data_root)
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split("│")[1].strip(): line for line in listed.stdout.splitlines() if "│" in line}
     assert "yes" in rows["python3"] and "yes" in rows["node"]
-    built = CliRunner().invoke(app, ["image", "build", "python3"])
-    assert built.exit_code == 0 and "up to date" in built.output, built.output
-    unknown = CliRunner().invoke(app, ["image", "build", "cobol"])
-    assert unknown.exit_code == 2 and "unknown environment" in unknown.output
+    built = run_cli(["image", "build", "python3"], data_root)
+    assert built.returncode == 0 and "up to date" in built.stderr, built.stderr
+    unknown = run_cli(["image", "build", "cobol"], data_root)
+    assert unknown.returncode == 2 and "unknown environment" in unknown.stderr
