@@ -702,7 +702,10 @@ class SandboxManager:
                 raise GuestError(f"the sandbox's guest sent an invalid result: {exc}") from exc
             if not result.duration_ms:
                 result.duration_ms = (time.monotonic() - started) * 1000
-            await self._classify(live, result, before, after)
+            tasks = raw.get("tasks")
+            await self._classify(
+                live, result, before, after, tasks if isinstance(tasks, int) else 0
+            )
             if restarted:
                 result.state_lost = True
             self._emit("exec", info=live.info, op=op, result=result)
@@ -712,22 +715,33 @@ class SandboxManager:
             self._touch(live)
 
     async def _classify(
-        self, live: _Live, result: ExecResult, before: ResourceUsage, after: ResourceUsage
+        self,
+        live: _Live,
+        result: ExecResult,
+        before: ResourceUsage,
+        after: ResourceUsage,
+        guest_tasks: int,
     ) -> None:
         """Name the real cause of a kill from the cgroup's counters (exit codes lose it), and
-        restart a guest that a limit left wedged."""
+        restart a guest that a limit left wedged.
+
+        ``guest_tasks`` is the process count the guest saw after the call. Under gVisor it
+        is the only witness of a fork bomb held at the limit: the host's pids cgroup holds
+        the sentry, not the sandbox's processes, and counts none of their failed forks.
+        """
         failed = result.kill_reason is not None or result.exit_code not in (0, None)
+        limits = live.info.limits
         oom = after.oom_kills > before.oom_kills
-        pids_hit = after.pids_limit_hits > before.pids_limit_hits
+        tasks_full = guest_tasks >= SATURATED * limits.pids
+        pids_hit = after.pids_limit_hits > before.pids_limit_hits or tasks_full
         if not (oom or pids_hit):
             return
         usage = await live.backend.usage(live.info.id)
-        limits = live.info.limits
         # Still at the limit after the call: background processes (a fork bomb whose first
         # shell exited 0, files filling memory) hold it, and every next call would fail.
         saturated = (
             oom and (usage.memory_bytes or 0) >= SATURATED * limits.memory_mb * 1024 * 1024
-        ) or (pids_hit and (usage.pids or 0) >= SATURATED * limits.pids)
+        ) or (pids_hit and (tasks_full or (usage.pids or 0) >= SATURATED * limits.pids))
         if oom and (failed or saturated):
             result.kill_reason = "memory"
         elif pids_hit and (failed or saturated):

@@ -76,6 +76,8 @@ KILL_ALL = ["/bin/sh", "-c", "kill -9 -1; kill -9 -1"]  # all of the uid but pid
 # start. The host limit gets this headroom; the user's limit is RLIMIT_NPROC, which gVisor
 # enforces per sandbox (its uids are its own).
 RUNSC_PIDS_HEADROOM = 512
+# How the sentry (a Go program) exits when the host refuses it a thread: see _exit_cause.
+RUNSC_THREAD_EXHAUSTED = 2
 RUNTIMES = frozenset({"runc", "runsc"})
 KILL_TIMEOUT_S = 10.0
 REMOVE_ATTEMPTS = 5
@@ -474,24 +476,42 @@ class DockerBackend:
         usage.oom_kills += box.oom_base
         usage.pids_limit_hits += box.pids_base
         if box.guest is not None and box.guest.ended and not box.counted_exit:
-            # Under gVisor a memory overrun kills the whole sandbox (the host OOM killer hits
-            # the sentry), and its cgroup goes with it: ask Docker why it ended.
-            if await self._oom_killed(box):
+            # Under gVisor a limit can kill the whole sandbox, and its cgroup (with the
+            # counters) goes with it: ask Docker why the container ended.
+            cause = await self._exit_cause(box)
+            if cause == "memory":
                 box.oom_base += 1
                 usage.oom_kills += 1
+            elif cause == "pids":
+                box.pids_base += 1
+                usage.pids_limit_hits += 1
             box.counted_exit = True
         if full and box.disk_capped:
             usage.disk_used_bytes = disk_used_bytes(box.workspace)
         return usage
 
-    async def _oom_killed(self, box: _Box) -> bool:
+    async def _exit_cause(self, box: _Box) -> str | None:
+        """Which limit ended a container that is no longer running, if one did.
+
+        A memory overrun shows as ``OOMKilled``. Under gVisor (ptrace platform) every
+        sandboxed process has host stub processes, which a fork bomb multiplies until the
+        host pids limit refuses the sentry a thread; Go's runtime then exits with status 2
+        (measured: within 2 s of `:(){ :|:& };:`, with RLIMIT_NPROC at 256 and the host
+        limit 770; without a host limit the stubs passed 5,000).
+        """
         client = await self._ready()
         try:
             container = await asyncio.to_thread(client.containers.get, box.container_id)
         except Exception:
-            return False
+            return None
         state = container.attrs.get("State", {})
-        return bool(state.get("OOMKilled")) and not state.get("Running")
+        if state.get("Running"):
+            return None
+        if state.get("OOMKilled"):
+            return "memory"
+        if box.runtime == "runsc" and state.get("ExitCode") == RUNSC_THREAD_EXHAUSTED:
+            return "pids"
+        return None
 
     async def sweep(self, keep: Collection[str]) -> list[str]:
         client = await self._ready()
