@@ -49,6 +49,7 @@ from agent_sandbox.sandbox import AsyncSandbox, Sandbox
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentRuntime",
     "ArtifactInfo",
     "AsyncSandbox",
     "AuthenticationError",
@@ -87,3 +88,12 @@ __all__ = [
     "__version__",
     "get_settings",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The agent layer is optional (LangGraph): import it only when it is asked for.
+    if name == "AgentRuntime":
+        from agent_sandbox.agent.runtime import AgentRuntime
+
+        return AgentRuntime
+    raise AttributeError(f"module 'agent_sandbox' has no attribute {name!r}")

@@ -530,5 +530,15 @@ def _finish(result: ExecResult) -> int:
     return result.exit_code if result.exit_code is not None else 1
 
 
+def _register_agent_commands() -> None:
+    # `run`, `benchmark`, `models`: their heavy imports wait until one of them runs.
+    from agent_sandbox.agent.cli import register
+
+    register(app)
+
+
+_register_agent_commands()
+
+
 if __name__ == "__main__":
     app()

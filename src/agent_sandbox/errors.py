@@ -21,6 +21,10 @@ file missing inside a sandbox.
     ├── QuotaExceeded (RuntimeError)             the tenant's live sandboxes or memory are at quota
     ├── RateLimited (RuntimeError)               too many requests for this key; retry later
     ├── RequestTooLarge (ValueError)             an upload over the size cap
+    ├── ProviderError (RuntimeError)             an LLM provider failed (HTTP error, timeout)
+    │   ├── ProviderAuthError (PermissionError)  the provider refused the API key
+    │   └── ProviderRateLimited                  the provider said 429 after our retries
+    ├── ModelOutputError (ValueError)            the model's reply did not fit the asked schema
     └── SandboxFileError (OSError)
         ├── SandboxFileNotFound (FileNotFoundError)
         ├── PathOutsideWorkspace (PermissionError)
@@ -112,6 +116,26 @@ class PidsExhausted(GuestError):
     code = "pids_exhausted"
 
 
+class ProviderError(SandboxError, RuntimeError):
+    """An LLM provider did not answer: an HTTP error, a time-out, a broken stream."""
+
+    code = "provider_error"
+
+
+class ProviderAuthError(ProviderError, PermissionError):
+    code = "provider_auth_failed"
+
+
+class ProviderRateLimited(ProviderError):
+    code = "provider_rate_limited"
+
+
+class ModelOutputError(SandboxError, ValueError):
+    """The model answered, but not with what was asked (no JSON, or JSON of the wrong shape)."""
+
+    code = "invalid_model_output"
+
+
 class SandboxFileError(SandboxError, OSError):
     code = "file_error"
 
@@ -162,6 +186,10 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         QuotaExceeded,
         RateLimited,
         RequestTooLarge,
+        ProviderError,
+        ProviderAuthError,
+        ProviderRateLimited,
+        ModelOutputError,
         SandboxFileError,
         SandboxFileNotFound,
         PathOutsideWorkspace,

@@ -19,7 +19,7 @@ from agent_sandbox import __version__
 from agent_sandbox.config import Settings, get_settings
 from agent_sandbox.errors import RateLimited, SandboxError
 from agent_sandbox.manager import SandboxManager
-from agent_sandbox.server import compat, routes, stream
+from agent_sandbox.server import agent, compat, routes, stream
 from agent_sandbox.server.auth import AuthStore
 from agent_sandbox.server.deps import ServerState, error_response, state_of, status_of
 from agent_sandbox.server.metrics import Metrics
@@ -49,6 +49,8 @@ def create_app(settings: Settings | None = None, manager: SandboxManager | None 
         try:
             yield
         finally:
+            if state.agent_runtime is not None:
+                await state.agent_runtime.aclose()
             await state.manager.close()
             state.auth.close()
 
@@ -67,6 +69,7 @@ def create_app(settings: Settings | None = None, manager: SandboxManager | None 
     app.include_router(routes.router)
     app.include_router(stream.router)
     app.include_router(compat.router)
+    app.include_router(agent.router)
     _add_operational_routes(app)
     return app
 

@@ -15,8 +15,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
+from agent_sandbox.agent.models import AgentResult
 from agent_sandbox.backends import KNOWN_BACKENDS
 from agent_sandbox.models import FileInfo, SandboxInfo
+from agent_sandbox.server.agent import AgentTaskRequest, execute_task
 from agent_sandbox.server.auth import Principal
 from agent_sandbox.server.deps import caller, state_of
 from agent_sandbox.server.routes import ERRORS
@@ -65,11 +67,15 @@ async def create_session(request: Request, who: Caller) -> CreateSessionResponse
     return CreateSessionResponse(session_id=(await _create(request, who)).id)
 
 
-@router.post("/execute", response_model=LegacyExecuteResponse)
+@router.post("/execute", response_model=LegacyExecuteResponse | AgentResult)
 async def execute(
-    body: LegacyExecuteRequest, request: Request, who: Caller
-) -> LegacyExecuteResponse:
-    """Run a bash command in the session's sandbox (seed 004's shape)."""
+    body: LegacyExecuteRequest | AgentTaskRequest, request: Request, who: Caller
+) -> LegacyExecuteResponse | AgentResult:
+    """Seed 002: ``{"task": ...}`` has the agent write and run code until it works (the
+    result records every attempt). Seed 004: ``{"session_id", "command"}`` runs a bash
+    command in that session's sandbox."""
+    if isinstance(body, AgentTaskRequest):
+        return await execute_task(body, request, who)
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.command", body.session_id):

@@ -20,7 +20,10 @@ from agent_sandbox.errors import (
     Forbidden,
     GuestError,
     InvalidRequest,
+    ModelOutputError,
     PathOutsideWorkspace,
+    ProviderError,
+    ProviderRateLimited,
     QuotaExceeded,
     RateLimited,
     RequestTooLarge,
@@ -65,6 +68,10 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     BackendUnavailable: 503,
     SandboxStartError: 503,
     GuestError: 502,
+    # The agent's model is upstream of us: its failures are a bad gateway, not a bad request.
+    ProviderRateLimited: 503,
+    ProviderError: 502,
+    ModelOutputError: 502,
 }
 
 
@@ -91,6 +98,7 @@ class ServerState:
     metrics: Metrics | None = None
     limiter: RateLimiter = field(init=False)
     ready_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
+    agent_runtime: Any = None  # the agent layer's AgentRuntime, made on the first task
     ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:

