@@ -139,4 +139,100 @@ def run_checks() -> list[Check]:
             "drops from root to the sandbox's uid before bwrap starts",
         )
     )
+    checks += _docker_checks() + _agent_checks()
     return checks
+
+
+def _docker_checks() -> list[Check]:
+    """The optional docker backend: the daemon, gVisor, and each environment's image."""
+    try:
+        from agent_sandbox.backends.dockerd import connect
+
+        client = connect()
+    except (SandboxError, ImportError) as exc:
+        detail = (
+            str(exc) if isinstance(exc, SandboxError) else "pip install 'agent-sandbox[docker]'"
+        )
+        return [Check("docker", False, detail, DOCKER_WHY, required=False)]
+    checks = []
+    try:
+        info = client.info()
+        runtimes = sorted(info.get("Runtimes", {}))
+        checks.append(
+            Check(
+                "docker",
+                True,
+                f"dockerd {info.get('ServerVersion', '?')}, runtimes: {' '.join(runtimes)}",
+                DOCKER_WHY,
+                required=False,
+            )
+        )
+        runsc = "runsc" in runtimes
+        checks.append(
+            Check(
+                "gVisor (runsc)",
+                runsc,
+                "registered with docker" if runsc else "not registered: make docker-setup",
+                "runtime=runsc: the sandbox's syscalls go to gVisor's own kernel, not the host's",
+                required=False,
+            )
+        )
+        from agent_sandbox.config import get_settings
+        from agent_sandbox.environments import load_registry
+        from agent_sandbox.images import image_status
+
+        for env in load_registry(get_settings().registry_dir).values():
+            status = image_status(env, client)
+            built = "current" if status.current else ("stale" if status.present else "missing")
+            checks.append(
+                Check(
+                    f"image {env.name}",
+                    status.current,
+                    f"{env.image}: {built}" + ("" if status.current else " (make image)"),
+                    "docker sandboxes of this environment start from this image",
+                    required=False,
+                )
+            )
+    except Exception as exc:  # a daemon that answers badly is a finding, not a crash
+        checks.append(Check("docker", False, repr(exc), DOCKER_WHY, required=False))
+    finally:
+        client.close()
+    return checks
+
+
+def _agent_checks() -> list[Check]:
+    """The optional agent layer's local model: llama.cpp and the fetched weights."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return [
+            Check(
+                "local model",
+                False,
+                "llama-cpp-python missing: pip install 'agent-sandbox[local]'",
+                LOCAL_WHY,
+                required=False,
+            )
+        ]
+    from agent_sandbox.agent.config import get_agent_settings
+    from agent_sandbox.agent.weights import is_fetched, model_path
+
+    settings = get_agent_settings()
+    if settings.local_model_path is not None:
+        ok = settings.local_model_path.is_file()
+        return [Check("local model", ok, str(settings.local_model_path), LOCAL_WHY, False)]
+    name = settings.local_model
+    try:
+        fetched = is_fetched(name, settings.models_dir)
+        detail = (
+            str(model_path(name, settings.models_dir))
+            if fetched
+            else (f"{name} not fetched: make models")
+        )
+    except SandboxError as exc:
+        fetched, detail = False, str(exc)
+    return [Check("local model", fetched, detail, LOCAL_WHY, required=False)]
+
+
+DOCKER_WHY = "backend=docker: a container per sandbox (optional; bubblewrap needs no daemon)"
+LOCAL_WHY = "LLM_PROVIDER=local: the agent writes code with no network and no key"

@@ -7,7 +7,16 @@ A client of the sandbox like any other (it uses the public SDK only). Optional: 
 
 from __future__ import annotations
 
+from agent_sandbox.agent.code import function_task
 from agent_sandbox.agent.models import AgentEvent, AgentResult, Attempt, Execution, TaskSpec
 from agent_sandbox.agent.runtime import AgentRuntime
 
-__all__ = ["AgentEvent", "AgentResult", "AgentRuntime", "Attempt", "Execution", "TaskSpec"]
+__all__ = [
+    "AgentEvent",
+    "AgentResult",
+    "AgentRuntime",
+    "Attempt",
+    "Execution",
+    "TaskSpec",
+    "function_task",
+]

@@ -144,3 +144,15 @@ def _clean_want(want: str) -> str:
 def visible_tests_from_examples(prompt: str, entry_point: str) -> str:
     pairs = visible_examples(prompt, entry_point)
     return EXAMPLES_RUNNER.format(pairs=pairs) if pairs else ""
+
+
+def function_task(prompt: str, entry_point: str, *, task_id: str | None = None) -> TaskSpec:
+    """A task to complete the function ``entry_point`` whose signature and docstring are
+    ``prompt``; the docstring's examples become the visible tests the loop must pass."""
+    return TaskSpec(
+        task=prompt,
+        prompt=prompt,
+        entry_point=entry_point,
+        task_id=task_id,
+        visible_tests=visible_tests_from_examples(prompt, entry_point),
+    )

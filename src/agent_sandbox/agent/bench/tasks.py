@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from agent_sandbox.agent.code import candidate_program, visible_tests_from_examples
+from agent_sandbox.agent.code import candidate_program, function_task
 from agent_sandbox.agent.models import TaskSpec
 from agent_sandbox.errors import ConfigError
 
@@ -34,13 +34,7 @@ class BenchTask:
 def _function_task(
     task_id: str, prompt: str, entry_point: str, hidden: str, difficulty: Difficulty
 ) -> BenchTask:
-    spec = TaskSpec(
-        task=prompt,
-        prompt=prompt,
-        entry_point=entry_point,
-        task_id=task_id,
-        visible_tests=visible_tests_from_examples(prompt, entry_point),
-    )
+    spec = function_task(prompt, entry_point, task_id=task_id)
     return BenchTask(spec=spec, hidden_tests=hidden, difficulty=difficulty)
 
 

@@ -12,9 +12,9 @@ There is no JSON switch: ``generate_json`` relies on its prompt.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from agent_sandbox.agent.providers.base import (
     Completion,
@@ -103,7 +103,7 @@ class AnthropicProvider(HttpProvider):
         finish: str | None = None
         saw_text = False
         # Closed explicitly so that an error raised here releases the connection at once.
-        lines = cast(AsyncGenerator[str, None], self._stream_lines(self.path, body))
+        lines = self._stream_lines(self.path, body)
         async with aclosing(lines):
             async for line in lines:
                 payload = sse_data(line)

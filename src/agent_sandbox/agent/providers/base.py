@@ -18,7 +18,7 @@ import json
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -288,11 +288,12 @@ class HttpProvider(Provider):
             return data
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
-    async def _stream_lines(self, path: str, body: Mapping[str, Any]) -> AsyncIterator[str]:
+    async def _stream_lines(self, path: str, body: Mapping[str, Any]) -> AsyncGenerator[str, None]:
         """POST and yield the reply's lines as they come (SSE or newline-delimited JSON).
 
         A stream is retried only before its first line: after that, output was seen.
         """
+        started = False
         for attempt in range(self.retries + 1):
             try:
                 async with self._client.stream("POST", path, json=body) as response:
@@ -306,6 +307,7 @@ class HttpProvider(Provider):
                         self._raise_for_status(response)
                     async for line in response.aiter_lines():
                         if line:
+                            started = True
                             yield line
                     return
             except httpx.TimeoutException as exc:
@@ -314,6 +316,10 @@ class HttpProvider(Provider):
                     "(raise LLM_TIMEOUT_SECONDS)"
                 ) from exc
             except httpx.TransportError as exc:
+                # Before the first line nothing was seen: a dropped link is worth a retry.
+                if not started and attempt < self.retries:
+                    await asyncio.sleep(_backoff_s(attempt, None))
+                    continue
                 raise ProviderError(f"{self.name} stream broke: {exc!r}") from exc
 
     def _raise_for_status(self, response: httpx.Response) -> None:

@@ -11,9 +11,9 @@ candidates) or the candidate stopped for safety, recitation and the like (``fini
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import httpx
 
@@ -103,7 +103,7 @@ class GeminiProvider(HttpProvider):
         saw_text = False
         path = self._path("streamGenerateContent") + "?alt=sse"
         # Closed explicitly so that an error raised here releases the connection at once.
-        lines = cast(AsyncGenerator[str, None], self._stream_lines(path, body))
+        lines = self._stream_lines(path, body)
         async with aclosing(lines):
             async for line in lines:
                 payload = sse_data(line)

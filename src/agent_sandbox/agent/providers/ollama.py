@@ -9,9 +9,9 @@ objects (not server-sent events), the last with ``done: true`` and the token cou
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import httpx
 
@@ -110,7 +110,7 @@ class OllamaProvider(HttpProvider):
         finish: str | None = None
         saw_text = False
         # Closed explicitly so that an error raised here releases the connection at once.
-        lines = cast(AsyncGenerator[str, None], self._stream_lines(self.path, body))
+        lines = self._stream_lines(self.path, body)
         async with aclosing(lines):
             async for line in lines:
                 try:
