@@ -21,8 +21,6 @@ from agent_sandbox.agent.providers.base import (
     GenerationParams,
     HttpProvider,
     Message,
-    Prompt,
-    as_messages,
     sse_data,
 )
 from agent_sandbox.errors import ProviderError
@@ -82,14 +80,8 @@ class AnthropicProvider(HttpProvider):
             finish_reason=finish,
         )
 
-    async def stream(
-        self,
-        prompt: Prompt,
-        *,
-        system: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        stop: Sequence[str] | None = None,
+    async def _stream(
+        self, messages: list[Message], params: GenerationParams
     ) -> AsyncIterator[str]:
         """The reply's text deltas as the API sends them.
 
@@ -97,9 +89,7 @@ class AnthropicProvider(HttpProvider):
             ProviderError: an ``error`` event (e.g. overloaded), a broken or stalled stream,
                 or a stream without text.
         """
-        body = self._body(
-            as_messages(prompt, system), self._params(max_tokens, temperature, stop), stream=True
-        )
+        body = self._body(messages, params, stream=True)
         finish: str | None = None
         saw_text = False
         # Closed explicitly so that an error raised here releases the connection at once.

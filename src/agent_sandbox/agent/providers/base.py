@@ -133,10 +133,16 @@ class Provider(ABC):
         temperature: float | None = None,
         stop: Sequence[str] | None = None,
     ) -> AsyncIterator[str]:
-        """The reply as it is produced. Providers without streaming yield it whole."""
-        completion = await self.generate(
-            prompt, system=system, max_tokens=max_tokens, temperature=temperature, stop=stop
-        )
+        """The reply as it is produced."""
+        params = self._params(max_tokens, temperature, stop)
+        async for chunk in self._stream(as_messages(prompt, system), params):
+            yield chunk
+
+    async def _stream(
+        self, messages: list[Message], params: GenerationParams
+    ) -> AsyncIterator[str]:
+        """Providers without streaming yield the whole reply at once."""
+        completion = await self._complete(messages, params)
         yield completion.text
 
     async def generate_json(

@@ -11,7 +11,7 @@ candidates) or the candidate stopped for safety, recitation and the like (``fini
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, ClassVar
 
@@ -22,8 +22,6 @@ from agent_sandbox.agent.providers.base import (
     GenerationParams,
     HttpProvider,
     Message,
-    Prompt,
-    as_messages,
     sse_data,
 )
 from agent_sandbox.errors import ProviderAuthError, ProviderError
@@ -83,14 +81,8 @@ class GeminiProvider(HttpProvider):
             finish_reason=finish,
         )
 
-    async def stream(
-        self,
-        prompt: Prompt,
-        *,
-        system: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        stop: Sequence[str] | None = None,
+    async def _stream(
+        self, messages: list[Message], params: GenerationParams
     ) -> AsyncIterator[str]:
         """The reply's text as the API sends it, one GenerateContentResponse at a time.
 
@@ -98,7 +90,7 @@ class GeminiProvider(HttpProvider):
             ProviderError: a blocked prompt, an error chunk, a broken or stalled stream, or a
                 stream without text (the last finishReason is named).
         """
-        body = self._body(as_messages(prompt, system), self._params(max_tokens, temperature, stop))
+        body = self._body(messages, params)
         finish: str | None = None
         saw_text = False
         path = self._path("streamGenerateContent") + "?alt=sse"

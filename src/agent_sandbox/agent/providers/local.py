@@ -20,7 +20,7 @@ import atexit
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,9 +28,7 @@ from agent_sandbox.agent.providers.base import (
     Completion,
     GenerationParams,
     Message,
-    Prompt,
     Provider,
-    as_messages,
 )
 from agent_sandbox.agent.weights import is_fetched, model_path, shipped_model
 from agent_sandbox.errors import ConfigError, ProviderError
@@ -162,19 +160,11 @@ class LocalProvider(Provider):
             finish_reason=stats.get("finish_reason"),
         )
 
-    async def stream(
-        self,
-        prompt: Prompt,
-        *,
-        system: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        stop: Sequence[str] | None = None,
+    async def _stream(
+        self, messages: list[Message], params: GenerationParams
     ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, str | BaseException | None]] = asyncio.Queue()
-        params = self._params(max_tokens, temperature, stop)
-        messages = as_messages(prompt, system)
 
         def produce() -> None:
             try:

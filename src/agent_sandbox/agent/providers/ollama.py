@@ -9,7 +9,7 @@ objects (not server-sent events), the last with ``done: true`` and the token cou
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, ClassVar
 
@@ -20,8 +20,6 @@ from agent_sandbox.agent.providers.base import (
     GenerationParams,
     HttpProvider,
     Message,
-    Prompt,
-    as_messages,
 )
 from agent_sandbox.errors import ProviderError
 
@@ -90,23 +88,15 @@ class OllamaProvider(HttpProvider):
             finish_reason=finish,
         )
 
-    async def stream(
-        self,
-        prompt: Prompt,
-        *,
-        system: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        stop: Sequence[str] | None = None,
+    async def _stream(
+        self, messages: list[Message], params: GenerationParams
     ) -> AsyncIterator[str]:
         """The reply's text as the server sends it, one JSON object per line.
 
         Raises:
             ProviderError: an ``error`` line, a broken or stalled stream, or no text.
         """
-        body = self._body(
-            as_messages(prompt, system), self._params(max_tokens, temperature, stop), stream=True
-        )
+        body = self._body(messages, params, stream=True)
         finish: str | None = None
         saw_text = False
         # Closed explicitly so that an error raised here releases the connection at once.

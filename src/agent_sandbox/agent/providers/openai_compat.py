@@ -12,7 +12,7 @@ OpenAI, Groq and OpenRouter differ only in base URL and, for OpenRouter, attribu
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, ClassVar
 
@@ -21,8 +21,6 @@ from agent_sandbox.agent.providers.base import (
     GenerationParams,
     HttpProvider,
     Message,
-    Prompt,
-    as_messages,
     sse_data,
 )
 from agent_sandbox.errors import ProviderError
@@ -79,23 +77,15 @@ class OpenAICompatibleProvider(HttpProvider):
             finish_reason=finish,
         )
 
-    async def stream(
-        self,
-        prompt: Prompt,
-        *,
-        system: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        stop: Sequence[str] | None = None,
+    async def _stream(
+        self, messages: list[Message], params: GenerationParams
     ) -> AsyncIterator[str]:
         """The reply's text deltas as the service sends them.
 
         Raises:
             ProviderError: the stream carried an error chunk, broke, stalled, or had no text.
         """
-        body = self._body(
-            as_messages(prompt, system), self._params(max_tokens, temperature, stop), stream=True
-        )
+        body = self._body(messages, params, stream=True)
         finish: str | None = None
         saw_text = False
         # Closed explicitly so that an error raised here releases the connection at once.
