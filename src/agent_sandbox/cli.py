@@ -56,7 +56,7 @@ def doctor() -> None:
     """Report which isolation features this host supports, and why each matters."""
     from agent_sandbox.doctor import run_checks
 
-    checks = run_checks()
+    checks = run_checks(optional=True)
     table = Table(title="agent-sandbox doctor")
     for column in ("check", "status", "detail", "why it matters"):
         table.add_column(column, overflow="fold")

@@ -60,6 +60,14 @@ def markdown_report(
     outcomes: Sequence[TaskOutcome], config: BenchConfig, wall_s: float, command: str
 ) -> str:
     errors = sum(1 for o in outcomes if o.error)
+    compared = [o.single_same_as_first for o in outcomes if o.single_same_as_first is not None]
+    same = (
+        f" Single shot ran on its own (--separate): its code equalled the loop's first "
+        f"attempt in {sum(compared)} of {len(compared)} tasks."
+        if compared
+        else " Single shot is scored on the loop's first attempt (greedy decoding makes it the "
+        "same generation; `--separate` runs it on its own and checks)."
+    )
     fixed = sum(1 for o in outcomes if o.loop_pass and not o.single_pass)
     broken = sum(1 for o in outcomes if o.single_pass and not o.loop_pass)
     return (
@@ -70,7 +78,7 @@ def markdown_report(
         + markdown_table(outcomes)
         + f"\nThe loop fixed {fixed} task(s) the first attempt failed and lost {broken} that "
         f"it passed (visible tests passed, hidden tests failed after a rewrite). "
-        f"{errors} task(s) ended on a provider error.\n"
+        f"{errors} task(s) ended on a provider error.{same}\n"
     )
 
 

@@ -48,6 +48,9 @@ class TaskOutcome(BaseModel):
     wall_s: float
     error: str | None = None
     hidden_failure: str = ""
+    # With --separate: whether the single-shot run wrote the same code as the loop's first
+    # attempt (it must, under greedy decoding; this is how that claim is checked).
+    single_same_as_first: bool | None = None
 
 
 class BenchConfig(BaseModel):
@@ -102,6 +105,12 @@ async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> 
         wall_s=time.monotonic() - started,
         error=result.error,
         hidden_failure="" if loop_pass else hidden_failure,
+        single_same_as_first=(
+            None
+            if single is None
+            else bool(single.attempts and result.attempts)
+            and single.attempts[0].code == result.attempts[0].code
+        ),
     )
 
 
