@@ -53,6 +53,7 @@ def config(manager: SandboxManager) -> BenchConfig:
         model="script",
         max_attempts=3,
         temperature=0.0,
+        retry_temperature=0.7,
         separate_single=False,
         concurrency=1,
         sandbox_options={"manager": manager},
@@ -69,8 +70,12 @@ def test_hidden_tests_decide_and_the_loop_gain_is_counted(
             PRIME_CRASH,
             CRITIQUE,
             PRIME,  # is_prime: fixed by the loop
-            *[IDENTITY, CRITIQUE] * 2,
-            IDENTITY,  # reverse_words: never right
+            # reverse_words: three different wrong answers
+            IDENTITY,
+            CRITIQUE,
+            IDENTITY.replace("return s", "return s[::-1]"),
+            CRITIQUE,
+            IDENTITY.replace("return s", "return s.upper()"),
         ]
     )
     results = tmp_path / "builtin.jsonl"

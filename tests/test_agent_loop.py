@@ -85,29 +85,57 @@ async def test_success_after_a_fix(manager: SandboxManager) -> None:
     assert "AttributeError" in result.errors[0]
     assert first.critique == "lists have no sorted() method Fix: use sorted(values)"
     assert result.critiques == [first.critique]
-    # The retry prompt carried the failed code, its error and the critique.
-    retry_prompt = provider.calls[2][-1].content
-    assert "values.sorted()" in retry_prompt
-    assert "AttributeError" in retry_prompt
-    assert "use sorted(values)" in retry_prompt
+    # The retry continued the conversation: the failed code as the model's turn, then its
+    # error and the critique.
+    retry = provider.calls[2]
+    assert [m.role for m in retry] == ["system", "user", "assistant", "user"]
+    assert "values.sorted()" in retry[2].content
+    assert "AttributeError" in retry[3].content and "use sorted(values)" in retry[3].content
     # The critic was asked for JSON of the Critique schema.
     assert '"diagnosis"' in provider.calls[1][-1].content
     assert result.input_tokens == sum(a.input_tokens for a in result.attempts)
 
 
 async def test_exhausting_retries(manager: SandboxManager) -> None:
-    broken = fenced("raise SystemExit(3)")
     provider = ScriptedProvider(
-        [broken, critique("exits 3", "exit 0"), broken, critique("still 3", "exit 0"), broken]
+        [
+            fenced("raise SystemExit(3)"),
+            critique("exits 3", "exit 0"),
+            fenced("raise SystemExit(4)"),
+            critique("exits 4", "exit 0"),
+            fenced("raise SystemExit(5)"),
+        ]
     )
     result = await runtime(manager, provider, max_attempts=3).execute("exit cleanly")
     assert result.status == "failed" and not result.success
     assert len(result.attempts) == 3
-    assert len(result.errors) == 3 and all("exit code 3" in e for e in result.errors)
+    assert [e.split("\n")[0] for e in result.errors] == [
+        "exit code 3",
+        "exit code 4",
+        "exit code 5",
+    ]
     # The last failure is not critiqued: no attempt is left to use it.
     assert len(result.critiques) == 2
     assert result.attempts[-1].critique is None
     assert provider.remaining == 0
+
+
+async def test_a_retry_that_repeats_failed_code_is_redrawn_not_run(
+    manager: SandboxManager,
+) -> None:
+    broken = fenced("raise SystemExit(3)")
+    provider = ScriptedProvider(
+        [broken, critique("exits 3", "exit 0"), broken, fenced("print('ok')")]
+    )
+    result = await runtime(manager, provider).execute("exit cleanly")
+    assert result.success and len(result.attempts) == 2
+    second = result.attempts[1]
+    assert second.redraws == 1 and second.code == "print('ok')"
+    # The redraw sampled hotter than the retry before it, and the first attempt used the
+    # provider's own temperature.
+    assert provider.temperatures == [0.0, 0.0, 0.7, pytest.approx(1.0)]
+    # The repeated code never ran: two runs in all.
+    assert result.errors == [result.errors[0]] and "exit code 3" in result.errors[0]
 
 
 async def test_sandbox_timeout_is_a_failure_the_loop_fixes(manager: SandboxManager) -> None:

@@ -195,6 +195,7 @@ def benchmark(
         model=providers[0].model,
         max_attempts=max_attempts or settings.max_reflexion_attempts,
         temperature=temperature,
+        retry_temperature=settings.llm_retry_temperature,
         separate_single=separate,
         concurrency=concurrency,
         sandbox_options={"backend": backend} if backend else {},

@@ -48,6 +48,14 @@ class AgentSettings(BaseSettings):
     llm_temperature: float = Field(
         default=0.2, ge=0, le=2, validation_alias=_env("llm_temperature", "LLM_TEMPERATURE")
     )
+    llm_retry_temperature: float = Field(
+        default=0.7,
+        ge=0,
+        le=2,
+        validation_alias=_env("llm_retry_temperature", "LLM_RETRY_TEMPERATURE"),
+        description="Sampling temperature of the loop's retries (the first attempt uses "
+        "LLM_TEMPERATURE): decoded greedily, a small model rewrites the code it already wrote.",
+    )
     llm_timeout_s: float = Field(
         default=120.0,
         gt=0,

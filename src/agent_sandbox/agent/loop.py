@@ -6,8 +6,11 @@
                    |--failure, attempts left--> critique -> retry --> generate
                    |--failure, none left / agent error--> finalize
 
-- **generate** asks the model for code (the task; on a retry, the last code, its failure
-  and the critique), and takes the code out of its reply;
+- **generate** asks the model for code and takes it out of the reply. The loop is one
+  conversation: each attempt is the model's turn, its failure and review the next user turn.
+  Retries sample (``LLM_RETRY_TEMPERATURE``, 0.7): decoded greedily, a 1.5B model rewrote the
+  very code that had failed, whatever the review said (0 of 10 fixed on HumanEval's first
+  63). A retry that still repeats failed code is redrawn (twice at most), not run again;
 - **execute** runs the candidate plus the task's visible tests in a sandbox, through the SDK;
 - **critique** asks the model, for a JSON :class:`Critique`, what went wrong; a reply that
   is not valid JSON (after one repair turn) is recorded and the raw error stands in for it;
@@ -37,14 +40,20 @@ from agent_sandbox.agent.models import (
 )
 from agent_sandbox.agent.prompts import (
     GENERATOR_SYSTEM,
-    critique_prompt,
-    generate_prompt,
-    retry_prompt,
+    conversation,
+    critique_conversation,
 )
 from agent_sandbox.agent.providers.base import Provider
 from agent_sandbox.errors import ModelOutputError, ProviderError
 
 CRITIQUE_MAX_TOKENS = 256  # a diagnosis and a fix: longer only costs decoding time
+RETRY_TEMPERATURE = 0.7
+DUPLICATE_REDRAWS = 2  # new samples drawn when a retry rewrites code that already failed
+REDRAW_TEMPERATURE_STEP = 0.3
+
+
+def _normalized(code: str) -> str:
+    return "\n".join(line.rstrip() for line in code.strip().splitlines() if line.strip())
 
 
 class LoopState(TypedDict, total=False):
@@ -71,11 +80,13 @@ class ReflexionLoop:
         executor: SandboxExecutor,
         *,
         max_attempts: int = 3,
+        retry_temperature: float = RETRY_TEMPERATURE,
         on_event: EventSink | None = None,
     ) -> None:
         self.provider = provider
         self.executor = executor
         self.max_attempts = max_attempts
+        self.retry_temperature = retry_temperature
         self.emit = on_event or _no_events
         self.graph = self._build()
 
@@ -117,22 +128,31 @@ class ReflexionLoop:
         attempts = list(state.get("attempts", []))
         number = len(attempts) + 1
         await self.emit(AgentEvent(event="generate", attempt=number))
-        if attempts and state.get("critiques"):
-            prompt = retry_prompt(spec, attempts[-1], state["critiques"][-1])
-        else:
-            prompt = generate_prompt(spec, state.get("recalled", ""))
-        try:
-            completion = await self.provider.generate(prompt, system=GENERATOR_SYSTEM)
-        except ProviderError as exc:
-            await self.emit(AgentEvent(event="error", attempt=number, data={"error": str(exc)}))
-            return {"status": "error", "error": str(exc)}
-        attempt = Attempt(
-            number=number,
-            code=extract_code(completion.text),
-            input_tokens=completion.input_tokens,
-            output_tokens=completion.output_tokens,
-            llm_s=completion.duration_s,
+        messages = conversation(
+            spec, state.get("recalled", ""), attempts, state.get("critiques", [])
         )
+        # The first attempt decodes at the provider's temperature (greedy in the benchmark);
+        # a retry samples, or a small model rewrites the same code whatever the review says.
+        temperature = None if not attempts else self.retry_temperature
+        attempt = Attempt(number=number, code="")
+        tried = {_normalized(a.code) for a in attempts}
+        for _ in range(1 + (DUPLICATE_REDRAWS if attempts else 0)):
+            try:
+                completion = await self.provider.generate(
+                    messages, system=GENERATOR_SYSTEM, temperature=temperature
+                )
+            except ProviderError as exc:
+                await self.emit(AgentEvent(event="error", attempt=number, data={"error": str(exc)}))
+                return {"status": "error", "error": str(exc)}
+            attempt.code = extract_code(completion.text)
+            attempt.input_tokens += completion.input_tokens
+            attempt.output_tokens += completion.output_tokens
+            attempt.llm_s += completion.duration_s
+            if _normalized(attempt.code) not in tried:
+                break
+            # The same code already failed: running it again would teach nothing.
+            attempt.redraws += 1
+            temperature = min((temperature or 0.0) + REDRAW_TEMPERATURE_STEP, 1.5)
         await self.emit(AgentEvent(event="code", attempt=number, data={"code": attempt.code}))
         return {"attempts": [*attempts, attempt]}
 
@@ -154,9 +174,12 @@ class ReflexionLoop:
         attempts = list(state["attempts"])
         attempt = attempts[-1].model_copy()
         errors = list(state.get("errors", []))
+        messages = critique_conversation(
+            state["spec"], state.get("recalled", ""), attempts, state.get("critiques", [])
+        )
         try:
             critique, completion = await self.provider.generate_json(
-                critique_prompt(state["spec"], attempt),
+                messages,
                 Critique,
                 system=GENERATOR_SYSTEM,
                 max_tokens=CRITIQUE_MAX_TOKENS,

@@ -73,6 +73,9 @@ class Attempt(BaseModel):
     code: str
     execution: Execution | None = None
     critique: str | None = None
+    redraws: int = Field(
+        default=0, description="Samples thrown away for repeating code that already failed."
+    )
     input_tokens: int = 0
     output_tokens: int = 0
     llm_s: float = 0.0

@@ -98,7 +98,11 @@ class AgentRuntime:
             else:
                 attempts = 1 if mode == "single" else self.max_attempts
                 loop = ReflexionLoop(
-                    self.provider, executor, max_attempts=attempts, on_event=on_event
+                    self.provider,
+                    executor,
+                    max_attempts=attempts,
+                    retry_temperature=self.settings.llm_retry_temperature,
+                    on_event=on_event,
                 )
                 result = await loop.run(spec, recalled=recalled, mode=mode)
         await self._remember(memory, result)

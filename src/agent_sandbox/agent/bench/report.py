@@ -72,7 +72,8 @@ def markdown_report(
     broken = sum(1 for o in outcomes if o.single_pass and not o.loop_pass)
     return (
         f"Task set `{config.task_set}`, provider `{config.provider}` model `{config.model}`, "
-        f"up to {config.max_attempts} attempts, temperature {config.temperature:g}, "
+        f"up to {config.max_attempts} attempts, temperature {config.temperature:g} "
+        f"(retries {config.retry_temperature:g}), "
         f"{config.concurrency} worker(s); {len(outcomes)} tasks in {wall_s / 60:.1f} min "
         f"wall.\nCommand: `{command}`\n\n"
         + markdown_table(outcomes)

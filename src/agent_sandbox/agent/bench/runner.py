@@ -59,6 +59,7 @@ class BenchConfig(BaseModel):
     model: str
     max_attempts: int
     temperature: float
+    retry_temperature: float
     separate_single: bool
     concurrency: int
     sandbox_options: dict[str, Any] = {}
@@ -76,7 +77,12 @@ async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> 
     started = time.monotonic()
     options = config.sandbox_options
     async with SandboxExecutor(**options) as executor:
-        loop = ReflexionLoop(provider, executor, max_attempts=config.max_attempts)
+        loop = ReflexionLoop(
+            provider,
+            executor,
+            max_attempts=config.max_attempts,
+            retry_temperature=config.retry_temperature,
+        )
         result = await loop.run(task.spec, mode="loop")
     single: AgentResult | None = None
     if config.separate_single:

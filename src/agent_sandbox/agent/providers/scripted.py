@@ -36,6 +36,7 @@ class ScriptedProvider(Provider):
         self.replies = list(replies)
         self.by_role = {role: list(script) for role, script in (by_role or {}).items()}
         self.calls: list[list[Message]] = []
+        self.temperatures: list[float] = []
 
     def _next(self, messages: list[Message]) -> Reply:
         system = messages[0].content if messages and messages[0].role == "system" else ""
@@ -51,6 +52,7 @@ class ScriptedProvider(Provider):
 
     async def _complete(self, messages: list[Message], params: GenerationParams) -> Completion:
         self.calls.append(list(messages))
+        self.temperatures.append(params.temperature)
         reply = self._next(messages)
         if isinstance(reply, BaseException):
             raise reply
