@@ -113,6 +113,40 @@ def docker_cgroup(manager: SandboxManager, sandbox_id: str) -> str | None:
     return _pids_cgroup_path(pid) if pid else None
 
 
+def docker_container(manager: SandboxManager, sandbox_id: str) -> tuple[str, dict[str, Any]]:
+    """The id and Docker's ``State`` of a docker sandbox's container."""
+    label = f"agent-sandbox.sandbox={sandbox_id}"
+    found = _docker().containers.list(all=True, filters={"label": label})
+    assert len(found) == 1, f"{len(found)} containers for {sandbox_id}"
+    return found[0].id, dict(found[0].attrs["State"])
+
+
+def procs_of_container(container_id: str) -> list[Proc]:
+    """Host processes in any cgroup of a container (docker names its cgroups by its id)."""
+    return [p for p in all_procs() if container_id in p.cgroup]
+
+
+def wait_until_container_empty(container_id: str, timeout_s: float = REAP_WAIT_S) -> list[Proc]:
+    """Poll until no host process is left in the cgroups of an ended container."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = procs_of_container(container_id)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def status_fields(pid: int) -> dict[str, str] | None:
+    """/proc/<pid>/status as a dict of stripped values, or None if the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return {
+        k: v.strip() for k, v in (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    }
+
+
 def cgroup_dirs(cgroup: str) -> list[Path]:
     v1 = [CGROUP_FS / c for c in V1_CONTROLLERS if (CGROUP_FS / c).is_dir()]
     return [root / cgroup.lstrip("/") for root in (v1 or [CGROUP_FS])]

@@ -80,6 +80,7 @@ RUNSC_PIDS_HEADROOM = 512
 RUNSC_THREAD_EXHAUSTED = 2
 RUNTIMES = frozenset({"runc", "runsc"})
 KILL_TIMEOUT_S = 10.0
+END_WAIT_S = 5.0  # for Docker to notice that a container whose cgroup is gone has ended
 REMOVE_ATTEMPTS = 5
 
 
@@ -165,7 +166,20 @@ class _Box:
     # Limit hits of earlier incarnations of the container (a restart resets its cgroup).
     oom_base: int = 0
     pids_base: int = 0
-    counted_exit: bool = False
+    # This incarnation's: the most its cgroup's counters showed (the counters vanish with
+    # the cgroup when the container ends), and what its end added, once Docker has told.
+    oom_seen: int = 0
+    pids_seen: int = 0
+    end_cause: str | None = None
+    end_known: bool = False
+
+    def oom_kills(self) -> int:
+        # Docker's OOMKilled says "an OOM kill happened in this incarnation", which the
+        # cgroup's counter may already have shown: the end adds at most one.
+        return self.oom_base + max(self.oom_seen, int(self.end_cause == "memory"))
+
+    def pids_limit_hits(self) -> int:
+        return self.pids_base + self.pids_seen + int(self.end_cause == "pids")
 
 
 class DockerBackend:
@@ -325,7 +339,8 @@ class DockerBackend:
         container = await asyncio.to_thread(client.containers.get, box.container_id)
         pid = container.attrs.get("State", {}).get("Pid") or 0
         box.cgroup = None
-        box.counted_exit = False
+        box.oom_seen = box.pids_seen = 0
+        box.end_cause, box.end_known = None, False
         if self._cgroups is not None and pid:
             with contextlib.suppress(OSError, KeyError):
                 box.cgroup = self._cgroups.of_process(pid)
@@ -417,8 +432,8 @@ class DockerBackend:
             raise SandboxError(f"kill exited {code}")
 
     async def _restart_container(self, client: docker.DockerClient, box: _Box) -> None:
-        usage = await self.usage(box.sandbox_id, full=False)
-        box.oom_base, box.pids_base = usage.oom_kills, usage.pids_limit_hits
+        await self._observe(box, ended=True)
+        box.oom_base, box.pids_base = box.oom_kills(), box.pids_limit_hits()
         container = await asyncio.to_thread(client.containers.get, box.container_id)
         await asyncio.to_thread(container.restart, timeout=0)
         await self._after_start(client, box)
@@ -466,6 +481,23 @@ class DockerBackend:
         box = self._boxes.get(sandbox_id)
         if box is None:
             return ResourceUsage()
+        usage = await self._observe(box, full=full)
+        usage.oom_kills = box.oom_kills()
+        usage.pids_limit_hits = box.pids_limit_hits()
+        if full and box.disk_capped:
+            usage.disk_used_bytes = disk_used_bytes(box.workspace)
+        return usage
+
+    async def _observe(
+        self, box: _Box, *, full: bool = False, ended: bool = False
+    ) -> ResourceUsage:
+        """Read the incarnation's cgroup into the box's counters; once its guest has ended
+        (or ``ended``: it is being restarted), learn from Docker how the container ended.
+
+        Under gVisor a limit can end the whole sandbox, and its cgroup, counters and all,
+        goes with it: a kill the cgroup showed before it went is kept in ``*_seen``, and
+        one it never showed is Docker's ``OOMKilled`` or the sentry's exit status.
+        """
         usage = ResourceUsage()
         if box.cgroup is not None:
             if full:
@@ -473,25 +505,34 @@ class DockerBackend:
             else:
                 usage.oom_kills = box.cgroup.oom_kills()
                 usage.pids_limit_hits = box.cgroup.pids_limit_hits()
-        usage.oom_kills += box.oom_base
-        usage.pids_limit_hits += box.pids_base
-        if box.guest is not None and box.guest.ended and not box.counted_exit:
-            # Under gVisor a limit can kill the whole sandbox, and its cgroup (with the
-            # counters) goes with it: ask Docker why the container ended.
-            cause = await self._exit_cause(box)
-            if cause == "memory":
-                box.oom_base += 1
-                usage.oom_kills += 1
-            elif cause == "pids":
-                box.pids_base += 1
-                usage.pids_limit_hits += 1
-            box.counted_exit = True
-        if full and box.disk_capped:
-            usage.disk_used_bytes = disk_used_bytes(box.workspace)
+            box.oom_seen = max(box.oom_seen, usage.oom_kills)
+            box.pids_seen = max(box.pids_seen, usage.pids_limit_hits)
+        guest_ended = box.guest is not None and box.guest.ended
+        if (ended or guest_ended) and not box.end_known:
+            box.end_known, box.end_cause = await self._end_of(box)
         return usage
 
-    async def _exit_cause(self, box: _Box) -> str | None:
-        """Which limit ended a container that is no longer running, if one did.
+    async def _end_of(self, box: _Box) -> tuple[bool, str | None]:
+        """Whether the container has ended (as far as Docker knows yet), and which limit
+        ended it, if one did.
+
+        The guest's stream can close before Docker has seen the container exit: when its
+        cgroup is already gone, the container is ending, and we wait for Docker to say so.
+        """
+        deadline = asyncio.get_running_loop().time() + END_WAIT_S
+        while True:
+            running, cause = await self._exit_cause(box)
+            if not running:
+                return True, cause
+            cgroup_gone = box.cgroup is not None and not any(
+                d.exists() for d in box.cgroup.dirs.values()
+            )
+            if not cgroup_gone or asyncio.get_running_loop().time() > deadline:
+                return False, None
+            await asyncio.sleep(0.05)
+
+    async def _exit_cause(self, box: _Box) -> tuple[bool, str | None]:
+        """Whether the container still runs, and which limit ended it if it does not.
 
         A memory overrun shows as ``OOMKilled``. Under gVisor (ptrace platform) every
         sandboxed process has host stub processes, which a fork bomb multiplies until the
@@ -503,15 +544,15 @@ class DockerBackend:
         try:
             container = await asyncio.to_thread(client.containers.get, box.container_id)
         except Exception:
-            return None
+            return False, None  # gone: nothing more to learn
         state = container.attrs.get("State", {})
         if state.get("Running"):
-            return None
+            return True, None
         if state.get("OOMKilled"):
-            return "memory"
+            return False, "memory"
         if box.runtime == "runsc" and state.get("ExitCode") == RUNSC_THREAD_EXHAUSTED:
-            return "pids"
-        return None
+            return False, "pids"
+        return False, None
 
     async def sweep(self, keep: Collection[str]) -> list[str]:
         client = await self._ready()

@@ -1122,15 +1122,30 @@ def resolve_path(raw, follow_final=True):
         raise GuestFault(
             "path_outside_workspace", "%r is outside /workspace; use a path relative to it" % raw
         )
-    parent_real = os.path.realpath(os.path.dirname(normal))
+    parent_real = _realpath(os.path.dirname(normal), raw)
     final = os.path.join(parent_real, os.path.basename(normal)) if normal != WORKSPACE else root
     if follow_final:
-        final = os.path.realpath(final)
+        final = _realpath(final, raw)
     if not _inside(final, root):
         raise GuestFault(
             "path_outside_workspace", "%r resolves (through a symlink) outside /workspace" % raw
         )
     return final
+
+
+def _realpath(path, raw):
+    """os.path.realpath, refusing a path whose symlinks cannot all be read.
+
+    A link we may not read cannot be shown to stay inside the workspace: gVisor, for one,
+    refuses readlink("/proc/1/root") (EACCES) where Linux answers "/".
+    """
+    try:
+        return os.path.realpath(path)
+    except OSError as exc:
+        raise GuestFault(
+            "path_outside_workspace",
+            "%r goes through a symlink that cannot be followed (%s)" % (raw, exc.strerror),
+        ) from exc
 
 
 def _open_confined(path, flags, mode=0o644):
@@ -1148,7 +1163,7 @@ def _open_confined(path, flags, mode=0o644):
 
 def _makedirs_confined(path):
     root = os.path.realpath(WORKSPACE)
-    if not _inside(os.path.realpath(path), root):
+    if not _inside(_realpath(path, path), root):
         raise GuestFault("path_outside_workspace", "%s is outside /workspace" % path)
     os.makedirs(path, exist_ok=True)
 
