@@ -124,8 +124,10 @@ async def test_a_retry_that_repeats_failed_code_is_redrawn_not_run(
     manager: SandboxManager,
 ) -> None:
     broken = fenced("raise SystemExit(3)")
+    # The same code with a docstring and a comment added is still the same code.
+    reworded = fenced('"""Exit."""\n# exits cleanly now\nraise SystemExit(3)')
     provider = ScriptedProvider(
-        [broken, critique("exits 3", "exit 0"), broken, fenced("print('ok')")]
+        [broken, critique("exits 3", "exit 0"), reworded, fenced("print('ok')")]
     )
     result = await runtime(manager, provider).execute("exit cleanly")
     assert result.success and len(result.attempts) == 2

@@ -24,6 +24,7 @@ code, run and critique, errors, critiques, tokens, model time and sandbox time.
 
 from __future__ import annotations
 
+import ast
 import time
 from typing import Any, Literal, TypedDict
 
@@ -53,7 +54,18 @@ REDRAW_TEMPERATURE_STEP = 0.3
 
 
 def _normalized(code: str) -> str:
-    return "\n".join(line.rstrip() for line in code.strip().splitlines() if line.strip())
+    """The code without docstrings, comments and layout: a retry that only rewords the
+    docstring it repeated is the same code."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return "\n".join(line.rstrip() for line in code.strip().splitlines() if line.strip())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
 
 
 class LoopState(TypedDict, total=False):
