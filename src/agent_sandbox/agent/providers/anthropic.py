@@ -11,7 +11,6 @@ There is no JSON switch: ``generate_json`` relies on its prompt.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any, ClassVar
@@ -21,7 +20,9 @@ from agent_sandbox.agent.providers.base import (
     GenerationParams,
     HttpProvider,
     Message,
+    no_text,
     sse_data,
+    streamed_object,
 )
 from agent_sandbox.errors import ProviderError
 
@@ -69,7 +70,7 @@ class AnthropicProvider(HttpProvider):
         )
         finish = _finish_reason(data.get("stop_reason"))
         if not text:
-            raise ProviderError(_no_text(self.name, finish))
+            raise ProviderError(no_text(self.name, finish, "stop_reason"))
         usage = data.get("usage") or {}
         return Completion(
             text=text,
@@ -99,7 +100,7 @@ class AnthropicProvider(HttpProvider):
                 payload = sse_data(line)
                 if payload is None:  # the "event:" lines repeat the payload's own type
                     continue
-                event = _json_object(self.name, payload)
+                event = streamed_object(self.name, payload)
                 kind = event.get("type")
                 if kind == "content_block_delta":
                     delta = event.get("delta") or {}
@@ -119,7 +120,7 @@ class AnthropicProvider(HttpProvider):
                 # message_start, content_block_start/stop, ping and event types added later
                 # carry no text: the API's versioning policy says to ignore unknown events.
         if not saw_text:
-            raise ProviderError(_no_text(self.name, finish))
+            raise ProviderError(no_text(self.name, finish, "stop_reason"))
 
 
 def _split_system(messages: Sequence[Message]) -> tuple[str, list[dict[str, str]]]:
@@ -140,20 +141,3 @@ def _finish_reason(raw: object) -> str | None:
     if not raw:
         return None
     return _FINISH.get(str(raw), str(raw))
-
-
-def _no_text(provider: str, finish: str | None) -> str:
-    hint = " (raise LLM_MAX_TOKENS)" if finish == "length" else ""
-    return f"{provider} returned no text (stop_reason {finish}){hint}"
-
-
-def _json_object(provider: str, payload: str) -> dict[str, Any]:
-    try:
-        value = json.loads(payload)
-    except ValueError as exc:
-        raise ProviderError(
-            f"{provider} streamed something that is not JSON: {payload[:200]!r}"
-        ) from exc
-    if not isinstance(value, dict):
-        raise ProviderError(f"{provider} streamed JSON that is not an object: {payload[:200]!r}")
-    return value

@@ -341,6 +341,28 @@ class HttpProvider(Provider):
         raise ProviderError(message)
 
 
+def streamed_object(provider: str, payload: str) -> dict[str, Any]:
+    """One streamed JSON object (an SSE payload, an NDJSON line), or a ProviderError."""
+    try:
+        value = json.loads(payload)
+    except ValueError as exc:
+        raise ProviderError(
+            f"{provider} streamed something that is not JSON: {payload[:200]!r}"
+        ) from exc
+    if not isinstance(value, dict):
+        raise ProviderError(f"{provider} streamed JSON that is not an object: {payload[:200]!r}")
+    return value
+
+
+def no_text(provider: str, finish: str | None, field: str, refusal: object = None) -> str:
+    """Why a reply had no text: the provider's refusal, or its finish reason (``field`` is
+    what the API calls it)."""
+    if refusal:
+        return f"{provider} refused to answer: {str(refusal)[:300]}"
+    hint = " (raise LLM_MAX_TOKENS)" if finish == "length" else ""
+    return f"{provider} returned no text ({field} {finish}){hint}"
+
+
 def sse_data(line: str) -> str | None:
     """The payload of an SSE ``data:`` line, or None for comments, events and blanks."""
     if not line.startswith("data:"):

@@ -10,7 +10,6 @@ candidates) or the candidate stopped for safety, recitation and the like (``fini
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, ClassVar
@@ -22,7 +21,9 @@ from agent_sandbox.agent.providers.base import (
     GenerationParams,
     HttpProvider,
     Message,
+    no_text,
     sse_data,
+    streamed_object,
 )
 from agent_sandbox.errors import ProviderAuthError, ProviderError
 
@@ -70,7 +71,7 @@ class GeminiProvider(HttpProvider):
         _raise_if_blocked(self.name, data)
         text, finish = _text_and_finish(data)
         if not text:
-            raise ProviderError(_no_text(self.name, finish))
+            raise ProviderError(no_text(self.name, finish, "finishReason"))
         usage = data.get("usageMetadata") or {}
         return Completion(
             text=text,
@@ -101,7 +102,7 @@ class GeminiProvider(HttpProvider):
                 payload = sse_data(line)
                 if payload is None:
                     continue
-                chunk = _json_object(self.name, payload)
+                chunk = streamed_object(self.name, payload)
                 if chunk.get("error"):
                     error = chunk["error"]
                     message = error.get("message") if isinstance(error, dict) else error
@@ -113,7 +114,7 @@ class GeminiProvider(HttpProvider):
                     saw_text = True
                     yield text
         if not saw_text:
-            raise ProviderError(_no_text(self.name, finish))
+            raise ProviderError(no_text(self.name, finish, "finishReason"))
 
     def _raise_for_status(self, response: httpx.Response) -> None:
         # A wrong key is HTTP 400 INVALID_ARGUMENT with reason API_KEY_INVALID, not 401/403.
@@ -151,20 +152,3 @@ def _raise_if_blocked(provider: str, data: dict[str, Any]) -> None:
 def _output_tokens(usage: dict[str, Any]) -> int:
     # Thinking models bill their hidden reasoning as output, counted apart from the answer.
     return int(usage.get("candidatesTokenCount") or 0) + int(usage.get("thoughtsTokenCount") or 0)
-
-
-def _no_text(provider: str, finish: str | None) -> str:
-    hint = " (raise LLM_MAX_TOKENS)" if finish == "length" else ""
-    return f"{provider} returned no text (finishReason {finish}){hint}"
-
-
-def _json_object(provider: str, payload: str) -> dict[str, Any]:
-    try:
-        value = json.loads(payload)
-    except ValueError as exc:
-        raise ProviderError(
-            f"{provider} streamed something that is not JSON: {payload[:200]!r}"
-        ) from exc
-    if not isinstance(value, dict):
-        raise ProviderError(f"{provider} streamed JSON that is not an object: {payload[:200]!r}")
-    return value

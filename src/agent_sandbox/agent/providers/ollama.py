@@ -8,7 +8,6 @@ objects (not server-sent events), the last with ``done: true`` and the token cou
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, ClassVar
@@ -20,6 +19,8 @@ from agent_sandbox.agent.providers.base import (
     GenerationParams,
     HttpProvider,
     Message,
+    no_text,
+    streamed_object,
 )
 from agent_sandbox.errors import ProviderError
 
@@ -78,7 +79,7 @@ class OllamaProvider(HttpProvider):
         text = str((data.get("message") or {}).get("content") or "")
         finish = _finish_reason(data)
         if not text:
-            raise ProviderError(_no_text(self.name, finish))
+            raise ProviderError(no_text(self.name, finish, "done_reason"))
         return Completion(
             text=text,
             provider=self.name,
@@ -103,14 +104,7 @@ class OllamaProvider(HttpProvider):
         lines = self._stream_lines(self.path, body)
         async with aclosing(lines):
             async for line in lines:
-                try:
-                    chunk = json.loads(line)
-                except ValueError as exc:
-                    raise ProviderError(
-                        f"{self.name} streamed a line that is not JSON: {line[:200]!r}"
-                    ) from exc
-                if not isinstance(chunk, dict):
-                    raise ProviderError(f"{self.name} streamed JSON that is not an object")
+                chunk = streamed_object(self.name, line)
                 if chunk.get("error"):
                     raise ProviderError(f"{self.name} stream failed: {str(chunk['error'])[:500]}")
                 content = (chunk.get("message") or {}).get("content")
@@ -121,7 +115,7 @@ class OllamaProvider(HttpProvider):
                     finish = _finish_reason(chunk)
                     break
         if not saw_text:
-            raise ProviderError(_no_text(self.name, finish))
+            raise ProviderError(no_text(self.name, finish, "done_reason"))
 
     def _raise_for_status(self, response: httpx.Response) -> None:
         # The commonest failure: the model was never pulled onto this server.
@@ -137,8 +131,3 @@ def _finish_reason(data: dict[str, Any]) -> str | None:
     # "stop" and "length" are already our words; others ("load", "unload") pass through.
     raw = data.get("done_reason")
     return str(raw) if raw else None
-
-
-def _no_text(provider: str, finish: str | None) -> str:
-    hint = " (raise LLM_MAX_TOKENS)" if finish == "length" else ""
-    return f"{provider} returned no text (done_reason {finish}){hint}"

@@ -21,7 +21,9 @@ from agent_sandbox.agent.providers.base import (
     GenerationParams,
     HttpProvider,
     Message,
+    no_text,
     sse_data,
+    streamed_object,
 )
 from agent_sandbox.errors import ProviderError
 
@@ -66,7 +68,7 @@ class OpenAICompatibleProvider(HttpProvider):
         finish = _finish_reason(choice.get("finish_reason"))
         text = message.get("content") or ""
         if not text:
-            raise ProviderError(_no_text(self.name, finish, message.get("refusal")))
+            raise ProviderError(no_text(self.name, finish, "finish_reason", message.get("refusal")))
         usage = data.get("usage") or {}
         return Completion(
             text=str(text),
@@ -97,7 +99,7 @@ class OpenAICompatibleProvider(HttpProvider):
                     continue
                 if payload == "[DONE]":
                     break
-                chunk = _json_object(self.name, payload)
+                chunk = streamed_object(self.name, payload)
                 if chunk.get("error"):
                     raise ProviderError(f"{self.name} stream failed: {_error_text(chunk['error'])}")
                 for choice in chunk.get("choices") or []:
@@ -107,7 +109,7 @@ class OpenAICompatibleProvider(HttpProvider):
                         yield str(content)
                     finish = _finish_reason(choice.get("finish_reason")) or finish
         if not saw_text:
-            raise ProviderError(_no_text(self.name, finish, None))
+            raise ProviderError(no_text(self.name, finish, "finish_reason", None))
 
 
 class OpenAIProvider(OpenAICompatibleProvider):
@@ -137,25 +139,6 @@ def _finish_reason(raw: object) -> str | None:
     if not raw:
         return None
     return _FINISH.get(str(raw), str(raw))
-
-
-def _no_text(provider: str, finish: str | None, refusal: object) -> str:
-    if refusal:
-        return f"{provider} refused to answer: {str(refusal)[:300]}"
-    hint = " (raise LLM_MAX_TOKENS)" if finish == "length" else ""
-    return f"{provider} returned no text (finish_reason {finish}){hint}"
-
-
-def _json_object(provider: str, payload: str) -> dict[str, Any]:
-    try:
-        value = json.loads(payload)
-    except ValueError as exc:
-        raise ProviderError(
-            f"{provider} streamed something that is not JSON: {payload[:200]!r}"
-        ) from exc
-    if not isinstance(value, dict):
-        raise ProviderError(f"{provider} streamed JSON that is not an object: {payload[:200]!r}")
-    return value
 
 
 def _error_text(error: object) -> str:
