@@ -7,12 +7,11 @@ are imported only when one of these commands runs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,8 +19,6 @@ import typer
 from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
-
-from agent_sandbox.errors import SandboxError
 
 console = Console(stderr=True)
 out = Console()
@@ -44,13 +41,12 @@ BackendOpt = Annotated[
 ]
 
 
-@contextlib.contextmanager
-def _agent_errors() -> Iterator[None]:
-    try:
-        yield
-    except SandboxError as exc:
-        console.print(f"[red]error[/] ({exc.code}): {exc.message}")
-        raise typer.Exit(2) from None
+def _agent_errors() -> AbstractContextManager[None]:
+    """The main CLI's handler: our errors on stderr, exit status 2. Imported when a command
+    runs, because the main CLI imports this module to register the commands."""
+    from agent_sandbox.cli import _errors_exit_2
+
+    return _errors_exit_2()
 
 
 def _settings(provider: str | None, model: str | None, **extra: Any) -> Any:

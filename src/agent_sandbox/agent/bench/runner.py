@@ -15,7 +15,6 @@ a JSONL file task by task, so an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -65,12 +64,18 @@ class BenchConfig(BaseModel):
     sandbox_options: dict[str, Any] = {}
 
 
-async def _hidden_pass(task: BenchTask, code: str, options: dict[str, Any]) -> tuple[bool, str]:
-    if not code.strip():
-        return False, "no code"
+async def _hidden_passes(
+    task: BenchTask, codes: list[str], options: dict[str, Any]
+) -> list[tuple[bool, str]]:
+    """Each code against the hidden tests, in one fresh sandbox (not the loop's), each run a
+    new process; the same code is run once (the loop's answer is usually its first)."""
+    verdicts: dict[str, tuple[bool, str]] = {"": (False, "no code")}
     async with SandboxExecutor(timeout_s=HIDDEN_TIMEOUT_S, **options) as executor:
-        run = await executor.run(task.scoring_program(code), name="hidden_check.py")
-    return run.ok, run.failure_summary(300)
+        for code in codes:
+            if code.strip() not in verdicts:
+                run = await executor.run(task.scoring_program(code), name="hidden_check.py")
+                verdicts[code.strip()] = (run.ok, run.failure_summary(300))
+    return [verdicts[code.strip()] for code in codes]
 
 
 async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> TaskOutcome:
@@ -92,8 +97,9 @@ async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> 
             )
     first = (single or result).attempts[:1]
     first_code = first[0].code if first else ""
-    single_pass, _ = await _hidden_pass(task, first_code, options)
-    loop_pass, hidden_failure = await _hidden_pass(task, result.code, options)
+    (single_pass, _), (loop_pass, hidden_failure) = await _hidden_passes(
+        task, [first_code, result.code], options
+    )
     one = first[0] if first else None
     return TaskOutcome(
         task_id=task.task_id,
@@ -166,7 +172,3 @@ async def run_benchmark(
     await asyncio.gather(*(worker(p) for p in providers))
     order = {t.task_id: i for i, t in enumerate(tasks)}
     return sorted(outcomes, key=lambda o: order.get(o.task_id, 0))
-
-
-def write_config(path: Path, config: BenchConfig) -> None:
-    path.write_text(json.dumps(config.model_dump(), indent=2) + "\n")
