@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from agent_sandbox.agent.bench.runner import BenchConfig, TaskOutcome
 
@@ -100,43 +101,60 @@ def write_charts(outcomes: Sequence[TaskOutcome], out_dir: Path, title: str) -> 
         m = members(group)
         return 100 * sum(getattr(o, attr) for o in m) / len(m) if m else 0.0
 
-    xs = range(len(groups))
-    width = 0.38
-    fig, ax = plt.subplots(figsize=(7, 4))
-    single = [rate(g, "single_pass") for g in groups]
-    loop = [rate(g, "loop_pass") for g in groups]
-    ax.bar([x - width / 2 for x in xs], single, width, label="single shot", color="#8da0cb")
-    ax.bar([x + width / 2 for x in xs], loop, width, label="reflexion loop", color="#fc8d62")
-    for x, s, lp in zip(xs, single, loop, strict=True):
-        ax.text(x - width / 2, s + 1, f"{s:.0f}", ha="center", fontsize=8)
-        ax.text(x + width / 2, lp + 1, f"{lp:.0f}", ha="center", fontsize=8)
-    ax.set_xticks(list(xs), [f"{g}\n({len(members(g))})" for g in groups])
-    ax.set_ylabel("pass@1 (%)")
-    ax.set_ylim(0, 105)
-    ax.set_title(f"{title}: pass@1 by difficulty")
-    ax.legend()
-    fig.tight_layout()
-    success = out_dir / "benchmark_success_rate.png"
-    fig.savefig(success, dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-
     def per_solved(group: str, tokens: str, passed: str) -> float:
         m = members(group)
         solved = sum(getattr(o, passed) for o in m)
         return sum(getattr(o, tokens) for o in m) / solved if solved else 0.0
 
-    st = [per_solved(g, "single_tokens", "single_pass") for g in groups]
-    lt = [per_solved(g, "loop_tokens", "loop_pass") for g in groups]
-    ax.bar([x - width / 2 for x in xs], st, width, label="single shot", color="#8da0cb")
-    ax.bar([x + width / 2 for x in xs], lt, width, label="reflexion loop", color="#fc8d62")
-    ax.set_xticks(list(xs), groups)
-    ax.set_ylabel("tokens per solved task")
-    ax.set_title(f"{title}: cost of a solved task")
+    success = _paired_bars(
+        plt,
+        [f"{g}\n({len(members(g))})" for g in groups],
+        [rate(g, "single_pass") for g in groups],
+        [rate(g, "loop_pass") for g in groups],
+        ylabel="pass@1 (%)",
+        title=f"{title}: pass@1 by difficulty",
+        path=out_dir / "benchmark_success_rate.png",
+        percent=True,
+    )
+    cost = _paired_bars(
+        plt,
+        groups,
+        [per_solved(g, "single_tokens", "single_pass") for g in groups],
+        [per_solved(g, "loop_tokens", "loop_pass") for g in groups],
+        ylabel="tokens per solved task",
+        title=f"{title}: cost of a solved task",
+        path=out_dir / "benchmark_tokens.png",
+    )
+    return [success, cost]
+
+
+def _paired_bars(
+    plt: Any,
+    labels: list[str],
+    single: list[float],
+    loop: list[float],
+    *,
+    ylabel: str,
+    title: str,
+    path: Path,
+    percent: bool = False,
+) -> Path:
+    """Single shot beside the loop, one pair of bars a group; percentages are labelled."""
+    xs = range(len(labels))
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([x - width / 2 for x in xs], single, width, label="single shot", color="#8da0cb")
+    ax.bar([x + width / 2 for x in xs], loop, width, label="reflexion loop", color="#fc8d62")
+    if percent:
+        for x, s, lp in zip(xs, single, loop, strict=True):
+            ax.text(x - width / 2, s + 1, f"{s:.0f}", ha="center", fontsize=8)
+            ax.text(x + width / 2, lp + 1, f"{lp:.0f}", ha="center", fontsize=8)
+        ax.set_ylim(0, 105)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    cost = out_dir / "benchmark_tokens.png"
-    fig.savefig(cost, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [success, cost]
+    return path
