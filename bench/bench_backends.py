@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from agent_sandbox import SandboxManager, Settings
+from sandlot import SandboxManager, Settings
 from bench_core import (
     BASELINE,
     Recorder,

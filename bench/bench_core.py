@@ -1,6 +1,6 @@
 """Core benchmark: create, exec and destroy of sandboxes in embedded mode.
 
-Method. One :class:`~agent_sandbox.manager.SandboxManager` (a fresh data directory under
+Method. One :class:`~sandlot.manager.SandboxManager` (a fresh data directory under
 /tmp, mode 0711, removed at the end) runs every series in ONE process, and the series are
 interleaved so that the noise of a shared machine falls on all of them alike:
 
@@ -25,7 +25,7 @@ copying the guest files) stay out of the figures. Every figure is wall time from
 p50, p95 (linear interpolation), mean and n of each series and its p50 and p95 as multiples
 of the baseline's p50: those ratios, measured in the same run, are what to compare between
 runs. Settings come from defaults only: ``SANDBOX_*``,
-``AGENT_SANDBOX_*`` and ``LOG_*`` variables are removed from the environment first.
+``SANDLOT_*`` and ``LOG_*`` variables are removed from the environment first.
 
 Usage::
 
@@ -54,11 +54,11 @@ from pathlib import Path
 from typing import TypeVar
 
 for _var in list(os.environ):
-    if _var.startswith(("SANDBOX_", "AGENT_SANDBOX_", "LOG_")):
+    if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
         del os.environ[_var]
 
-from agent_sandbox import SandboxManager, Settings  # noqa: E402
-from agent_sandbox.models import SandboxLimits  # noqa: E402
+from sandlot import SandboxManager, Settings  # noqa: E402
+from sandlot.models import SandboxLimits  # noqa: E402
 
 SECTION_TITLE = "## Core: create, exec, destroy (embedded mode)"
 FILE_INTRO = (
@@ -318,7 +318,7 @@ def machine_description() -> str:
                 break
     cgroups = "cgroups unknown"
     with contextlib.suppress(Exception):
-        from agent_sandbox.backends.cgroups import CgroupDriver
+        from sandlot.backends.cgroups import CgroupDriver
 
         cgroups = f"cgroup v{CgroupDriver.detect().version}"
     return (

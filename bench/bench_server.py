@@ -1,10 +1,10 @@
 """Server benchmark: exec round trip over HTTP, 50 concurrent clients, create and delete.
 
-Method. The benchmark starts its own ``agent-sandbox serve`` (a real process on a free port, a
+Method. The benchmark starts its own ``sandlot serve`` (a real process on a free port, a
 fresh data directory under /tmp, mode 0711, removed at the end; auth on, with one API key per
 client in its own tenant, and the per-key rate limit raised so it never answers 429; every
 other setting is the default) and drives it with ``httpx.AsyncClient`` from this process. In
-the same process, an embedded :class:`~agent_sandbox.manager.SandboxManager` (its own data
+the same process, an embedded :class:`~sandlot.manager.SandboxManager` (its own data
 directory) gives the same-run baseline: what a call costs without HTTP. Client, server and
 sandboxes share the machine's cores.
 
@@ -62,15 +62,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 for _var in list(os.environ):
-    if _var.startswith(("SANDBOX_", "AGENT_SANDBOX_", "LOG_", "API_", "TENANT_")):
+    if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_", "API_", "TENANT_")):
         del os.environ[_var]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from agent_sandbox import SandboxManager, Settings  # noqa: E402
-from agent_sandbox.server.auth import AuthStore  # noqa: E402
+from sandlot import SandboxManager, Settings  # noqa: E402
+from sandlot.server.auth import AuthStore  # noqa: E402
 from bench.bench_core import (  # noqa: E402
     Stats,
     _ms,
@@ -165,13 +165,13 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(data_dir: Path, env: dict[str, str]) -> Iterator[tuple[str, int]]:
-    """`agent-sandbox serve` on a free port until the block ends; yields its URL and pid."""
+    """`sandlot serve` on a free port until the block ends; yields its URL and pid."""
     port = _free_port()
     log_path = data_dir / "server.log"
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "agent_sandbox.cli", "serve", "--port", str(port)],
-            env={**os.environ, "AGENT_SANDBOX_DATA_DIR": str(data_dir), **env},
+            [sys.executable, "-m", "sandlot.cli", "serve", "--port", str(port)],
+            env={**os.environ, "SANDLOT_DATA_DIR": str(data_dir), **env},
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
@@ -388,7 +388,7 @@ async def bench(args: argparse.Namespace, root: Path) -> Results:
     res = Results()
     server_dir = root / "server"
     server_dir.mkdir(mode=0o711)
-    store = AuthStore(server_dir / "agent-sandbox.db")
+    store = AuthStore(server_dir / "sandlot.db")
     single_key = store.create_key("bench", "user", "single client")[1]
     keys = [store.create_key(f"client{i}", "user", "bench")[1] for i in range(args.clients)]
     store.close()
@@ -554,7 +554,7 @@ def render_section(
         f"rotating blocks of {BLOCK}; {args.clients} clients x {args.calls} `POST /code` calls "
         f"at once (own key, tenant, `httpx.AsyncClient` and sandbox with memory_mb=64, "
         f"disk_mb=16, warmed by one untimed call); {args.creates} create+delete cycles per "
-        f"path, alternating. One `agent-sandbox serve` (auth on, default settings but the "
+        f"path, alternating. One `sandlot serve` (auth on, default settings but the "
         f"per-key rate limit raised) and the embedded manager share the machine with the "
         f"client; wall time, ms; whole run {wall:.0f} s."
     )

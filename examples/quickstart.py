@@ -1,6 +1,6 @@
 """The quick-start example `make run` executes: a real sandbox on the bubblewrap backend."""
 
-from agent_sandbox import Sandbox
+from sandlot import Sandbox
 
 with Sandbox.create(memory_mb=256, timeout_s=5) as sb:
     # A stateful Python interpreter: variables persist between calls, like notebook cells.

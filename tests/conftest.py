@@ -23,16 +23,16 @@ import httpx
 import pytest
 
 for _key in list(os.environ):
-    if _key.startswith(("SANDBOX_", "AGENT_SANDBOX_", "LOG_")):
+    if _key.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
         del os.environ[_key]
 
 # Test targets beyond the embedded ones, e.g. TEST_BACKENDS=docker,docker+runsc (`make
 # test-docker`). A target named here must run: it fails rather than skips when it cannot.
 EXTRA_TARGETS = [t for t in os.environ.get("TEST_BACKENDS", "").split(",") if t.strip()]
 
-from agent_sandbox import Sandbox, SandboxManager, Settings  # noqa: E402
-from agent_sandbox._portal import get_portal  # noqa: E402
-from agent_sandbox.doctor import run_checks  # noqa: E402
+from sandlot import Sandbox, SandboxManager, Settings  # noqa: E402
+from sandlot._portal import get_portal  # noqa: E402
+from sandlot.doctor import run_checks  # noqa: E402
 
 BACKENDS = ["bubblewrap", "unsafe-local", *EXTRA_TARGETS]
 ISOLATED_BACKENDS = ["bubblewrap", *EXTRA_TARGETS]
@@ -52,10 +52,10 @@ def runtime_of(sb: Sandbox) -> str:
 
 
 def _docker_missing(target: str) -> str | None:
-    from agent_sandbox.backends.dockerd import connect
-    from agent_sandbox.environments import get_environment
-    from agent_sandbox.errors import SandboxError
-    from agent_sandbox.images import image_status
+    from sandlot.backends.dockerd import connect
+    from sandlot.environments import get_environment
+    from sandlot.errors import SandboxError
+    from sandlot.images import image_status
 
     try:
         client = connect()
@@ -186,12 +186,12 @@ def _free_port() -> int:
 def start_server(
     data_dir: Path, extra_env: dict[str, str] | None = None, *args: str
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
-    """`agent-sandbox serve` as a real process on a free port; returns once /health answers."""
+    """`sandlot serve` as a real process on a free port; returns once /health answers."""
     port = _free_port()
     log_path = data_dir / "server.log"
     env = {
         **os.environ,
-        "AGENT_SANDBOX_DATA_DIR": str(data_dir),
+        "SANDLOT_DATA_DIR": str(data_dir),
         "SANDBOX_TIMEOUT_SECONDS": "10",
         "SANDBOX_DISK_LIMIT_MB": "64",
         "SANDBOX_REAPER_INTERVAL_SECONDS": "0.5",
@@ -200,7 +200,7 @@ def start_server(
     }
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "agent_sandbox.cli", "serve", "--port", str(port), *args],
+            [sys.executable, "-m", "sandlot.cli", "serve", "--port", str(port), *args],
             env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -233,11 +233,11 @@ def live_server(data_root: Path) -> Iterator[LiveServer]:
     reason = skip_reason("bubblewrap")
     if reason:
         pytest.skip(reason)
-    from agent_sandbox.server.auth import AuthStore
+    from sandlot.server.auth import AuthStore
 
     data_dir = data_root / "server"
     data_dir.mkdir()
-    store = AuthStore(data_dir / "agent-sandbox.db")
+    store = AuthStore(data_dir / "sandlot.db")
     keys = {
         "admin": store.create_key("ops", "admin")[1],
         "alice": store.create_key("acme", "user")[1],

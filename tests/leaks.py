@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent_sandbox import SandboxManager
-from agent_sandbox.backends.base import instance_of
+from sandlot import SandboxManager
+from sandlot.backends.base import instance_of
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("pids", "memory", "cpu", "cpuacct")
@@ -86,7 +86,7 @@ _DOCKER: list[Any] = []
 
 def _docker() -> Any:
     if not _DOCKER:
-        from agent_sandbox.backends.dockerd import connect
+        from sandlot.backends.dockerd import connect
 
         _DOCKER.append(connect())
     return _DOCKER[0]
@@ -96,7 +96,7 @@ def our_containers(manager: SandboxManager) -> list[str]:
     """Names of the containers (running or not) of this manager's data directory."""
     if not DOCKER_TESTED:
         return []
-    label = f"agent-sandbox.instance={instance_of(manager.settings.data_dir)}"
+    label = f"sandlot.instance={instance_of(manager.settings.data_dir)}"
     found = _docker().containers.list(all=True, filters={"label": label})
     return sorted(c.name for c in found)
 
@@ -105,7 +105,7 @@ def docker_cgroup(manager: SandboxManager, sandbox_id: str) -> str | None:
     """The cgroup path (as /proc shows it) of a docker sandbox's container, else None."""
     if not DOCKER_TESTED:
         return None
-    label = f"agent-sandbox.sandbox={sandbox_id}"
+    label = f"sandlot.sandbox={sandbox_id}"
     found = _docker().containers.list(all=True, filters={"label": label})
     if not found:
         return None
@@ -115,7 +115,7 @@ def docker_cgroup(manager: SandboxManager, sandbox_id: str) -> str | None:
 
 def docker_container(manager: SandboxManager, sandbox_id: str) -> tuple[str, dict[str, Any]]:
     """The id and Docker's ``State`` of a docker sandbox's container."""
-    label = f"agent-sandbox.sandbox={sandbox_id}"
+    label = f"sandlot.sandbox={sandbox_id}"
     found = _docker().containers.list(all=True, filters={"label": label})
     assert len(found) == 1, f"{len(found)} containers for {sandbox_id}"
     return found[0].id, dict(found[0].attrs["State"])

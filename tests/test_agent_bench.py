@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox import SandboxManager
-from agent_sandbox.agent.bench.report import markdown_report, write_charts
-from agent_sandbox.agent.bench.runner import BenchConfig, run_benchmark
-from agent_sandbox.agent.bench.tasks import BUILTIN_TASKS, humaneval_tasks, load_tasks
-from agent_sandbox.agent.providers.scripted import ScriptedProvider
-from agent_sandbox.errors import ConfigError
-from agent_sandbox.sandbox import get_portal
+from sandlot import SandboxManager
+from sandlot.agent.bench.report import markdown_report, write_charts
+from sandlot.agent.bench.runner import BenchConfig, run_benchmark
+from sandlot.agent.bench.tasks import BUILTIN_TASKS, humaneval_tasks, load_tasks
+from sandlot.agent.providers.scripted import ScriptedProvider
+from sandlot.errors import ConfigError
+from sandlot.sandbox import get_portal
 
 from .conftest import make_settings, skip_reason
 
@@ -90,7 +90,7 @@ def test_hidden_tests_decide_and_the_loop_gain_is_counted(
     assert "AssertionError" in by_id["builtin/3"].hidden_failure
     assert len(results.read_text().splitlines()) == 3
 
-    report = markdown_report(outcomes, config(manager), 12.0, "agent-sandbox benchmark")
+    report = markdown_report(outcomes, config(manager), 12.0, "sandlot benchmark")
     assert "| all (3) | 33.3% (1) | 66.7% (2) |" in report
     assert "The loop fixed 1 task(s)" in report
     charts = write_charts(outcomes, tmp_path / "charts", "builtin")

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from agent_sandbox.agent import weights
-from agent_sandbox.agent.config import AgentSettings
-from agent_sandbox.agent.providers import create_provider
-from agent_sandbox.agent.providers.local import LocalProvider
-from agent_sandbox.errors import ConfigError, ProviderError
+from sandlot.agent import weights
+from sandlot.agent.config import AgentSettings
+from sandlot.agent.providers import create_provider
+from sandlot.agent.providers.local import LocalProvider
+from sandlot.errors import ConfigError, ProviderError
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -81,7 +81,7 @@ def test_wall_clock_bound(small_model: Path) -> None:
 
 def test_unfetched_model_names_the_command(tmp_path: Path) -> None:
     settings = AgentSettings(llm_provider="local", local_model=SMALL, models_dir=tmp_path)
-    with pytest.raises(ConfigError, match="agent-sandbox models fetch smollm2-135m"):
+    with pytest.raises(ConfigError, match="sandlot models fetch smollm2-135m"):
         create_provider(settings=settings)
     with pytest.raises(ConfigError, match="LOCAL_MODEL"):
         create_provider(settings=AgentSettings(local_model="gpt-17", models_dir=tmp_path))

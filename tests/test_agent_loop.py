@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox import SandboxManager
-from agent_sandbox.agent.code import visible_tests_from_examples
-from agent_sandbox.agent.models import AgentEvent, TaskSpec
-from agent_sandbox.agent.providers.scripted import ScriptedProvider
-from agent_sandbox.agent.runtime import AgentRuntime
-from agent_sandbox.errors import ConfigError, ProviderError
+from sandlot import SandboxManager
+from sandlot.agent.code import visible_tests_from_examples
+from sandlot.agent.models import AgentEvent, TaskSpec
+from sandlot.agent.providers.scripted import ScriptedProvider
+from sandlot.agent.runtime import AgentRuntime
+from sandlot.errors import ConfigError, ProviderError
 
 from .conftest import make_settings, skip_reason
 
@@ -282,7 +282,7 @@ async def test_swarm_revises_after_concerns_and_security_veto(manager: SandboxMa
 
 
 async def test_swarm_abstentions_and_no_consensus(manager: SandboxManager) -> None:
-    from agent_sandbox.agent.config import AgentSettings
+    from sandlot.agent.config import AgentSettings
 
     provider = ScriptedProvider(
         by_role={
@@ -331,8 +331,8 @@ async def test_memory_recalls_a_past_fix_into_the_prompt(
     manager: SandboxManager, tmp_path: Path
 ) -> None:
     pytest.importorskip("qdrant_client")
-    from agent_sandbox.agent.config import AgentSettings
-    from agent_sandbox.agent.memory import AgentMemory
+    from sandlot.agent.config import AgentSettings
+    from sandlot.agent.memory import AgentMemory
 
     settings = AgentSettings(memory_enabled=True, qdrant_path=tmp_path / "memory")
     memory = await AgentMemory.open(settings)

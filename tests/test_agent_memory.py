@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox.agent.config import AgentSettings
-from agent_sandbox.agent.memory import (
+from sandlot.agent.config import AgentSettings
+from sandlot.agent.memory import (
     COLLECTION_NAME,
     RECALL_MAX_CHARS,
     SOLVED_BONUS,
@@ -25,8 +25,8 @@ from agent_sandbox.agent.memory import (
     MemoryRecord,
     format_recall,
 )
-from agent_sandbox.config import get_settings
-from agent_sandbox.errors import BackendUnavailable, ConfigError
+from sandlot.config import get_settings
+from sandlot.errors import BackendUnavailable, ConfigError
 
 CSV_TASK = "Write a function parse_csv(path) that reads a CSV file and returns its rows as dicts"
 FIB_TASK = "Implement fibonacci(n) that returns the n-th Fibonacci number"
@@ -97,7 +97,7 @@ def test_hashing_embedder_is_stable_across_processes() -> None:
             sys.executable,
             "-c",
             "import json, sys\n"
-            "from agent_sandbox.agent.memory import HashingEmbedder\n"
+            "from sandlot.agent.memory import HashingEmbedder\n"
             "print(json.dumps(HashingEmbedder().embed(json.loads(sys.argv[1]))))",
             json.dumps(texts),
         ],
@@ -234,7 +234,7 @@ async def test_vector_size_mismatch_is_refused(tmp_path: Path) -> None:
 async def test_default_folder_is_under_the_data_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("AGENT_SANDBOX_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("SANDLOT_DATA_DIR", str(tmp_path))
     get_settings.cache_clear()
     try:
         async with await AgentMemory.open(AgentSettings(qdrant_url=None, qdrant_path=None)) as m:
@@ -263,7 +263,7 @@ async def test_missing_qdrant_client_names_the_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "qdrant_client", None)
-    with pytest.raises(ConfigError, match=r"agent-sandbox\[memory\]"):
+    with pytest.raises(ConfigError, match=r"sandlot\[memory\]"):
         await AgentMemory.open(settings_at(tmp_path / "memory"))
 
 
@@ -306,9 +306,9 @@ def test_format_recall_is_compact_and_bounded() -> None:
 
 def llama_embedder_or_skip() -> LlamaEmbedder:
     pytest.importorskip("llama_cpp")
-    # conftest clears AGENT_SANDBOX_* before any test runs (so a developer's settings never
+    # conftest clears SANDLOT_* before any test runs (so a developer's settings never
     # leak in); TEST_GGUF, like TEST_BACKENDS, survives that.
-    gguf = os.environ.get("TEST_GGUF") or os.environ.get("AGENT_SANDBOX_TEST_GGUF")
+    gguf = os.environ.get("TEST_GGUF") or os.environ.get("SANDLOT_TEST_GGUF")
     if not gguf or not Path(gguf).is_file():
         pytest.skip("set TEST_GGUF to a GGUF file to test LlamaEmbedder")
     return LlamaEmbedder(gguf)

@@ -24,19 +24,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agent_sandbox.agent.config import AgentSettings
-from agent_sandbox.agent.providers import RECOMMENDED_MODELS, create_provider
-from agent_sandbox.agent.providers import base as providers_base
-from agent_sandbox.agent.providers.anthropic import AnthropicProvider
-from agent_sandbox.agent.providers.base import HttpProvider, Message
-from agent_sandbox.agent.providers.gemini import GeminiProvider
-from agent_sandbox.agent.providers.ollama import OllamaProvider
-from agent_sandbox.agent.providers.openai_compat import (
+from sandlot.agent.config import AgentSettings
+from sandlot.agent.providers import RECOMMENDED_MODELS, create_provider
+from sandlot.agent.providers import base as providers_base
+from sandlot.agent.providers.anthropic import AnthropicProvider
+from sandlot.agent.providers.base import HttpProvider, Message
+from sandlot.agent.providers.gemini import GeminiProvider
+from sandlot.agent.providers.ollama import OllamaProvider
+from sandlot.agent.providers.openai_compat import (
     GroqProvider,
     OpenAIProvider,
     OpenRouterProvider,
 )
-from agent_sandbox.errors import (
+from sandlot.errors import (
     ConfigError,
     ModelOutputError,
     ProviderAuthError,
@@ -362,7 +362,7 @@ class OpenRouterDialect(OpenAIDialect):
 
     def check_headers(self, headers: dict[str, str]) -> None:
         super().check_headers(headers)
-        assert headers["x-title"] == "agent-sandbox"
+        assert headers["x-title"] == "sandlot"
         assert headers["http-referer"].startswith("https://")
 
 

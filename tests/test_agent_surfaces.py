@@ -1,4 +1,4 @@
-"""The agent's surfaces end to end: `agent-sandbox run`, `POST /execute {"task"}` and
+"""The agent's surfaces end to end: `sandlot run`, `POST /execute {"task"}` and
 `WS /stream` on a real server process, with the model behind a real HTTP server that speaks
 OpenAI's chat-completions wire format and replays scripted replies.
 
@@ -195,12 +195,12 @@ def run_cli(
     env = {
         **os.environ,
         **model_env(model_server),
-        "AGENT_SANDBOX_DATA_DIR": str(data_dir),
+        "SANDLOT_DATA_DIR": str(data_dir),
         "LOG_LEVEL": "WARNING",
         "COLUMNS": "200",
     }
     return subprocess.run(
-        [sys.executable, "-m", "agent_sandbox.cli", "run", *args],
+        [sys.executable, "-m", "sandlot.cli", "run", *args],
         env=env,
         capture_output=True,
         text=True,

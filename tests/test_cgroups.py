@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox import BackendUnavailable
-from agent_sandbox.backends.cgroups import CgroupDriver, CgroupLimits
+from sandlot import BackendUnavailable
+from sandlot.backends.cgroups import CgroupDriver, CgroupLimits
 
 LIMITS = CgroupLimits(memory_bytes=256 << 20, pids_max=128, cpu_cores=0.5)
 
@@ -45,16 +45,16 @@ def test_v2_create_enables_controllers_and_writes_limits(tmp_path: Path) -> None
     root = _fake_v2(tmp_path / "cg")
     driver = CgroupDriver(2, {"unified": root})
     # The kernel creates a cgroup's files on mkdir; here the parents need theirs up front.
-    for parent in (root / "agent-sandbox", root / "agent-sandbox" / "inst"):
+    for parent in (root / "sandlot", root / "sandlot" / "inst"):
         parent.mkdir()
         (parent / "cgroup.subtree_control").write_text("\n")
-    cgroup = driver.create(("agent-sandbox", "inst", "sb-1"), LIMITS)
-    leaf = root / "agent-sandbox" / "inst" / "sb-1"
+    cgroup = driver.create(("sandlot", "inst", "sb-1"), LIMITS)
+    leaf = root / "sandlot" / "inst" / "sb-1"
     assert (leaf / "memory.max").read_text() == str(256 << 20)
     assert (leaf / "memory.swap.max").read_text() == "0"
     assert (leaf / "pids.max").read_text() == "128"
     assert (leaf / "cpu.max").read_text() == "50000 100000"
-    for parent in (root, root / "agent-sandbox", root / "agent-sandbox" / "inst"):
+    for parent in (root, root / "sandlot", root / "sandlot" / "inst"):
         assert (parent / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
     assert cgroup.procs_files == [leaf / "cgroup.procs"]
 

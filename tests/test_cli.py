@@ -1,4 +1,4 @@
-"""The agent-sandbox command, run as a real process."""
+"""The sandlot command, run as a real process."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 from tests.conftest import skip_reason
 
-CLI = [sys.executable, "-m", "agent_sandbox.cli"]
+CLI = [sys.executable, "-m", "sandlot.cli"]
 
 
 def _run(args: list[str], data_dir: Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AGENT_SANDBOX_DATA_DIR": str(data_dir), "SANDBOX_BACKEND": "bubblewrap"}
+    env = {**os.environ, "SANDLOT_DATA_DIR": str(data_dir), "SANDBOX_BACKEND": "bubblewrap"}
     return subprocess.run(
         [*CLI, *args], capture_output=True, text=True, env=env, timeout=120, check=False, **kwargs
     )  # type: ignore[call-overload]
@@ -73,8 +73,8 @@ def test_sandbox_commands_against_a_server(live_server: object, tmp_path: Path) 
     assert isinstance(live_server, LiveServer)
     env = {
         **os.environ,
-        "AGENT_SANDBOX_URL": live_server.url,
-        "AGENT_SANDBOX_API_KEY": live_server.keys["alice"],
+        "SANDLOT_URL": live_server.url,
+        "SANDLOT_API_KEY": live_server.keys["alice"],
     }
 
     def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -115,9 +115,9 @@ def test_sandbox_commands_against_a_server(live_server: object, tmp_path: Path) 
 
 
 def test_sandbox_commands_say_when_no_server_answers(tmp_path: Path) -> None:
-    env = {**os.environ, "AGENT_SANDBOX_URL": "http://127.0.0.1:9"}
+    env = {**os.environ, "SANDLOT_URL": "http://127.0.0.1:9"}
     out = subprocess.run(
         [*CLI, "sandbox", "ls"], capture_output=True, text=True, env=env, timeout=60, check=False
     )
     assert out.returncode == 2
-    assert "cannot reach the server" in out.stderr and "AGENT_SANDBOX_URL" in out.stderr
+    assert "cannot reach the server" in out.stderr and "SANDLOT_URL" in out.stderr

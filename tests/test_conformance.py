@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent_sandbox import (
+from sandlot import (
     PathOutsideWorkspace,
     Sandbox,
     SandboxFileNotFound,
@@ -12,7 +12,7 @@ from agent_sandbox import (
     SandboxManager,
     SandboxNotRunning,
 )
-from agent_sandbox._portal import get_portal
+from sandlot._portal import get_portal
 from tests.conftest import placement
 
 # ---------------------------------------------------------------- stateful python
@@ -48,7 +48,7 @@ def test_exception_is_a_result_with_traceback(sandbox: Sandbox) -> None:
     assert result.error.type == "ZeroDivisionError"
     assert result.error.message == "division by zero"
     assert "return 1 / 0" in result.error.traceback
-    assert "agent.py" not in result.error.traceback
+    assert "supervisor.py" not in result.error.traceback
     assert sandbox.run_code("1 + 1").text == "2"
 
 

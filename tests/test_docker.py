@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from agent_sandbox import ConfigError, Sandbox, SandboxManager, SandboxStatus
-from agent_sandbox._portal import get_portal
-from agent_sandbox.backends.dockerd import LABEL_INSTANCE, LABEL_SANDBOX, connect
+from sandlot import ConfigError, Sandbox, SandboxManager, SandboxStatus
+from sandlot._portal import get_portal
+from sandlot.backends.dockerd import LABEL_INSTANCE, LABEL_SANDBOX, connect
 from tests import leaks
 from tests.conftest import EXTRA_TARGETS, LiveServer, make_settings
 from tests.test_cli import _run as run_cli
@@ -67,7 +67,7 @@ def test_container_carries_the_seed_hardening(
     assert host["NanoCpus"] == int(limits.cpu_cores * 1e9)
     assert host["PidsLimit"] == limits.pids + 2  # + the reaper loop and its sleep
     assert host["Privileged"] is False
-    assert config["Labels"]["agent-sandbox"] == "1"
+    assert config["Labels"]["sandlot"] == "1"
 
     inside = docker_sb.commands.run(
         "id -u; grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/self/status; "

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox import (
+from sandlot import (
     ExecResult,
     InvalidRequest,
     PathOutsideWorkspace,
@@ -43,8 +43,8 @@ from agent_sandbox import (
     SandboxError,
     SandboxManager,
 )
-from agent_sandbox._portal import get_portal
-from agent_sandbox.backends.docker import RUNSC_THREAD_EXHAUSTED
+from sandlot._portal import get_portal
+from sandlot.backends.docker import RUNSC_THREAD_EXHAUSTED
 from tests import leaks
 from tests.conftest import placement
 
@@ -711,7 +711,7 @@ outcome
 SECRETS_PROBE = """
 import os, stat
 paths = ("/etc/shadow", "/etc/gshadow", "/root", "/home", "/var", "/sys", "/run",
-         "/proc/1/root/etc/shadow", "/run/agent-sandbox", "/boot")
+         "/proc/1/root/etc/shadow", "/run/sandlot", "/boot")
 exists = {p: os.path.exists(p) for p in paths}
 devices = sorted(
     e for e in os.listdir("/dev")
@@ -749,8 +749,8 @@ def test_host_secrets_are_not_visible(jail: Sandbox, bystander: Sandbox, host: H
             assert "ls: cannot access '/root': Invalid argument" in image.stderr, describe(image)
         listing = jail.run_code(ROOT_LISTING)
         assert listing.text == "'denied'", describe(listing)
-        assert not exists["/run/agent-sandbox"]
-        exists = {p: e for p, e in exists.items() if p in ("/run/agent-sandbox",)}
+        assert not exists["/run/sandlot"]
+        exists = {p: e for p, e in exists.items() if p in ("/run/sandlot",)}
     assert not any(exists.values()), f"visible inside: {[p for p, e in exists.items() if e]}"
     assert devices == [], f"raw devices inside: {devices}"
     assert_unaffected(host, bystander)
@@ -863,8 +863,8 @@ DOCKER_WRITABLE |= {
 READ_ONLY_PROBE = f"""
 import errno, os
 targets = ("/usr/{PROBE_NAME}", "/etc/{PROBE_NAME}", "/{PROBE_NAME}",
-           "/opt/agent-sandbox/{PROBE_NAME}", "/etc/passwd",
-           "/etc/hosts", "/usr/bin/python3", "/opt/agent-sandbox/agent.py")
+           "/opt/sandlot/{PROBE_NAME}", "/etc/passwd",
+           "/etc/hosts", "/usr/bin/python3", "/opt/sandlot/supervisor.py")
 seen = {{}}
 for path in targets:
     try:
@@ -1134,11 +1134,11 @@ def as_root():
     attempt("mount tmpfs on /tmp/x", lambda: libc.mount(b"none", b"/tmp/x", b"tmpfs", 0, None))
     attempt("remount / read-write", lambda: libc.mount(None, b"/", None, MS_REMOUNT, None))
     attempt("remount the guest's directory read-write", lambda: libc.mount(
-        None, b"/opt/agent-sandbox", None, MS_REMOUNT | MS_BIND, None))
+        None, b"/opt/sandlot", None, MS_REMOUNT | MS_BIND, None))
     attempt("bind /workspace over /usr/lib", lambda: libc.mount(
         b"/workspace", b"/usr/lib", None, MS_BIND, None))
     for path in ("/usr/{PROBE_NAME}", "/etc/{PROBE_NAME}", "/{PROBE_NAME}",
-                 "/opt/agent-sandbox/{PROBE_NAME}"):
+                 "/opt/sandlot/{PROBE_NAME}"):
         attempt("create " + path, lambda: write(path))
     attempt("append to /etc/passwd", lambda: write("/etc/passwd", "a"))
     attempt("read /etc/shadow", lambda: read("/etc/shadow"))
@@ -1181,7 +1181,7 @@ GVISOR_USERNS_ROOT = {
     f"create /usr/{PROBE_NAME}": "EACCES",
     f"create /etc/{PROBE_NAME}": "EACCES",
     f"create /{PROBE_NAME}": "EACCES",
-    f"create /opt/agent-sandbox/{PROBE_NAME}": "EACCES",
+    f"create /opt/sandlot/{PROBE_NAME}": "EACCES",
     "append to /etc/passwd": "EACCES",
     "read /etc/shadow": "EACCES",
     "read the guest's memory": "EACCES",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox import ConfigError, Sandbox, SandboxManager
+from sandlot import ConfigError, Sandbox, SandboxManager
 from tests.conftest import placement
 
 
@@ -122,7 +122,7 @@ def _host_address(sb: Sandbox) -> str:
     host's network namespace when asked) or the docker bridge's gateway."""
     if sb.info.backend != "docker":
         return "127.0.0.1"
-    from agent_sandbox.backends.dockerd import connect
+    from sandlot.backends.dockerd import connect
 
     bridge = connect().networks.get("bridge").attrs["IPAM"]["Config"][0]
     return str(bridge["Gateway"])
@@ -179,7 +179,7 @@ def test_caller_env_never_reaches_the_root_side(
 def test_unsafe_backend_is_refused_unless_allowed(data_root: Path) -> None:
     import asyncio
 
-    from agent_sandbox import ConfigError
+    from sandlot import ConfigError
     from tests.conftest import make_settings
 
     async def scenario() -> None:

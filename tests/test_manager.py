@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox import (
+from sandlot import (
     AsyncSandbox,
     ConfigError,
     SandboxLimits,
@@ -93,7 +93,7 @@ async def test_unknown_sandbox_and_bad_arguments(data_dir: Path) -> None:
 async def test_one_manager_per_data_dir(data_dir: Path) -> None:
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")):
         second = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
-        with pytest.raises(ConfigError, match="AGENT_SANDBOX_DATA_DIR"):
+        with pytest.raises(ConfigError, match="SANDLOT_DATA_DIR"):
             await second.start()
 
 
@@ -102,7 +102,7 @@ async def test_store_is_a_real_sqlite_file_that_survives_restart(data_dir: Path)
     async with SandboxManager(settings) as mgr:
         info = await mgr.create(metadata={"task": "t1"}, owner="alice")
         await mgr.destroy(info.id)
-    rows = sqlite3.connect(data_dir / "agent-sandbox.db").execute(
+    rows = sqlite3.connect(data_dir / "sandlot.db").execute(
         "SELECT id, owner, status FROM sandboxes"
     )
     assert list(rows) == [(info.id, "alice", "destroyed")]

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox import GuestError, SandboxFileNotFound
-from agent_sandbox.manager import _read_chunks
-from agent_sandbox.protocol import GuestConnection, GuestDied
+from sandlot import GuestError, SandboxFileNotFound
+from sandlot.manager import _read_chunks
+from sandlot.protocol import GuestConnection, GuestDied
 
 pytestmark = pytest.mark.asyncio
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import inspect
 
-import agent_sandbox
-from agent_sandbox import errors
+import sandlot
+from sandlot import errors
 
 
 def test_all_lists_every_public_name() -> None:
     public = {
         name
-        for name, value in vars(agent_sandbox).items()
+        for name, value in vars(sandlot).items()
         if not name.startswith("_") and not inspect.ismodule(value)
     }
-    assert public <= set(agent_sandbox.__all__) | {"annotations"}
-    for name in agent_sandbox.__all__:
-        assert hasattr(agent_sandbox, name), name
+    assert public <= set(sandlot.__all__) | {"annotations"}
+    for name in sandlot.__all__:
+        assert hasattr(sandlot, name), name
 
 
 def test_every_error_derives_from_one_root_and_a_builtin() -> None:
@@ -53,7 +53,7 @@ def test_unknown_wire_code_never_imports_anything() -> None:
 def test_host_and_guest_agree_on_the_launcher() -> None:
     import re
 
-    from agent_sandbox.guest import GUEST_SCRIPT, LAUNCHER
+    from sandlot.guest import GUEST_SCRIPT, LAUNCHER
 
     match = re.search(r'^LAUNCHER = "(.*)"$', GUEST_SCRIPT.read_text(), re.M)
     assert match is not None and match.group(1) == LAUNCHER

@@ -25,8 +25,8 @@ CLI_LINES = [
     for block in ALL_BASH
     if not block.startswith(SERVER_MARK)
     for line in block.splitlines()
-    if line.startswith("agent-sandbox ")
-    and not line.startswith(("agent-sandbox serve", "agent-sandbox keys"))
+    if line.startswith("sandlot ")
+    and not line.startswith(("sandlot serve", "sandlot keys"))
 ]
 
 
@@ -37,7 +37,7 @@ def env(data_root: Path, request: pytest.FixtureRequest) -> dict[str, str]:
         pytest.skip(reason)
     data_dir = data_root / f"readme-{abs(hash(request.node.name))}"
     data_dir.mkdir()
-    return {**os.environ, "AGENT_SANDBOX_DATA_DIR": str(data_dir)}
+    return {**os.environ, "SANDLOT_DATA_DIR": str(data_dir)}
 
 
 def test_readme_has_examples() -> None:
@@ -64,7 +64,7 @@ def test_python_example_runs(source: str, env: dict[str, str]) -> None:
 @pytest.mark.parametrize("line", CLI_LINES)
 def test_cli_example_runs(line: str, env: dict[str, str]) -> None:
     argv = shlex.split(line)
-    argv[0] = str(Path(sys.executable).parent / "agent-sandbox")
+    argv[0] = str(Path(sys.executable).parent / "sandlot")
     run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
 
@@ -91,8 +91,8 @@ def test_quickstart_example_prints_what_the_readme_says(env: dict[str, str]) -> 
 def test_server_example_runs(source: str, live_server: LiveServer) -> None:
     env = {
         **os.environ,
-        "AGENT_SANDBOX_URL": live_server.url,
-        "AGENT_SANDBOX_API_KEY": live_server.keys["alice"],
+        "SANDLOT_URL": live_server.url,
+        "SANDLOT_API_KEY": live_server.keys["alice"],
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     is_python = source in ALL_PYTHON
@@ -107,7 +107,7 @@ def test_server_example_runs(source: str, live_server: LiveServer) -> None:
 
 def test_server_setup_commands_run(env: dict[str, str]) -> None:
     """The two set-up lines: `keys create` prints a key; `serve` answers /health."""
-    cli = str(Path(sys.executable).parent / "agent-sandbox")
+    cli = str(Path(sys.executable).parent / "sandlot")
     created = subprocess.run(
         [cli, "keys", "create", "--tenant", "acme", "--role", "user"],
         env=env,
@@ -117,4 +117,4 @@ def test_server_setup_commands_run(env: dict[str, str]) -> None:
         check=False,
     )
     assert created.returncode == 0 and created.stdout.startswith("asb_"), created.stderr
-    assert "agent-sandbox serve" in TEXT
+    assert "sandlot serve" in TEXT

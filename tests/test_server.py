@@ -1,4 +1,4 @@
-"""The HTTP + WebSocket API, against a real `agent-sandbox serve` process on a free port."""
+"""The HTTP + WebSocket API, against a real `sandlot serve` process on a free port."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from agent_sandbox import (
+from sandlot import (
     AsyncSandbox,
     PathOutsideWorkspace,
     Sandbox,
@@ -351,13 +351,13 @@ def test_rate_limit_per_key(http: httpx.Client, live_server: LiveServer) -> None
 
 
 def test_audit_log_records_who_did_what(http: httpx.Client, live_server: LiveServer) -> None:
-    from agent_sandbox.server.auth import AuthStore
+    from sandlot.server.auth import AuthStore
 
     headers = live_server.headers("alice")
     sandbox_id = http.post("/v1/sandboxes", json={}, headers=headers).json()["id"]
     http.post(f"/v1/sandboxes/{sandbox_id}/code", json={"code": "1"}, headers=headers)
     http.delete(f"/v1/sandboxes/{sandbox_id}", headers=headers)
-    store = AuthStore(live_server.data_dir / "agent-sandbox.db")
+    store = AuthStore(live_server.data_dir / "sandlot.db")
     try:
         rows = [r for r in store.audit_log("acme") if r["sandbox_id"] == sandbox_id]
         assert [r["action"] for r in reversed(rows)] == [
@@ -381,10 +381,10 @@ def test_health_ready_metrics(http: httpx.Client, live_server: LiveServer) -> No
     http.post("/v1/sandboxes", json={}, headers=live_server.headers("alice"))
     metrics = http.get("/metrics").text
     for name in (
-        "agent_sandbox_sandboxes_live",
-        "agent_sandbox_sandboxes_created_total",
-        "agent_sandbox_exec_duration_seconds_bucket",
-        "agent_sandbox_http_requests_total",
+        "sandlot_sandboxes_live",
+        "sandlot_sandboxes_created_total",
+        "sandlot_exec_duration_seconds_bucket",
+        "sandlot_http_requests_total",
     ):
         assert name in metrics
     openapi = http.get("/openapi.json").json()
@@ -545,10 +545,10 @@ def test_remote_sdk_same_surface_as_embedded(live_server: LiveServer) -> None:
 def test_remote_sdk_maps_errors_and_uses_env(
     live_server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agent_sandbox.config import get_settings
+    from sandlot.config import get_settings
 
-    monkeypatch.setenv("AGENT_SANDBOX_URL", live_server.url)
-    monkeypatch.setenv("AGENT_SANDBOX_API_KEY", live_server.keys["bob"])
+    monkeypatch.setenv("SANDLOT_URL", live_server.url)
+    monkeypatch.setenv("SANDLOT_API_KEY", live_server.keys["bob"])
     get_settings.cache_clear()
     try:
 
@@ -617,9 +617,9 @@ def test_exhaustion_guards(data_root: Any) -> None:
             created = [
                 line
                 for line in client.get("/metrics").text.splitlines()
-                if line.startswith("agent_sandbox_sandboxes_created_total")
+                if line.startswith("sandlot_sandboxes_created_total")
             ]
-            assert created == ['agent_sandbox_sandboxes_created_total{backend="bubblewrap"} 1.0']
+            assert created == ['sandlot_sandboxes_created_total{backend="bubblewrap"} 1.0']
 
             big = client.post("/v1/sandboxes", json={"disk_mb": 100_000})
             assert big.status_code == 422 and "SANDBOX_MAX_DISK_MB" in big.text

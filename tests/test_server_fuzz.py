@@ -1,6 +1,6 @@
 """Fuzz the HTTP API from its own OpenAPI document with schemathesis, against a real server.
 
-One `agent-sandbox serve` process (auth on, a fresh data directory, an admin key made with
+One `sandlot serve` process (auth on, a fresh data directory, an admin key made with
 ``AuthStore`` before it starts) serves every operation of its OpenAPI document; the WebSocket
 stream is not in the document, so it is not fuzzed. For each operation schemathesis generates
 valid and invalid requests (its examples, coverage and fuzzing phases, deterministic;
@@ -55,7 +55,7 @@ from tests.conftest import skip_reason, start_server, stop_server
 # Hypothesis keeps caches (not only its example database) under .hypothesis/ in the working
 # directory; keep them out of the repository.
 hypothesis.configuration.set_hypothesis_home_dir(
-    Path(tempfile.gettempdir()) / "agent-sandbox-test-hypothesis"
+    Path(tempfile.gettempdir()) / "sandlot-test-hypothesis"
 )
 
 REQUEST_TIMEOUT_S = 30.0  # the server's call timeout is 10 s; 30 s without an answer is a hang
@@ -94,10 +94,10 @@ CONFIG = schemathesis.Config.from_dict(
 
 def _openapi_document() -> dict[str, Any]:
     """The document the server serves, built in-process (no sandbox, no server needed)."""
-    from agent_sandbox.config import Settings
-    from agent_sandbox.server.app import create_app
+    from sandlot.config import Settings
+    from sandlot.server.app import create_app
 
-    settings = Settings(_env_file=None, data_dir=Path("/nonexistent/agent-sandbox-openapi"))  # type: ignore[call-arg]
+    settings = Settings(_env_file=None, data_dir=Path("/nonexistent/sandlot-openapi"))  # type: ignore[call-arg]
     document: dict[str, Any] = json.loads(json.dumps(create_app(settings).openapi()))
     return document
 
@@ -146,12 +146,12 @@ def fuzz_server(data_root: Path) -> Iterator[FuzzServer]:
     reason = skip_reason("bubblewrap")
     if reason:
         pytest.skip(reason)
-    from agent_sandbox.server.auth import AuthStore
+    from sandlot.server.auth import AuthStore
 
     data_dir = data_root / "fuzz"
     data_dir.mkdir()
     data_dir.chmod(0o711)
-    store = AuthStore(data_dir / "agent-sandbox.db")
+    store = AuthStore(data_dir / "sandlot.db")
     admin_key = store.create_key("ops", "admin", "fuzzer")[1]
     keeper_key = store.create_key("keeper", "user", "live sandbox")[1]
     store.close()

@@ -1,6 +1,6 @@
 """50 concurrent clients against one real server: every answer right, nothing left behind.
 
-A fresh `agent-sandbox serve` process (its own data directory, auth on) gets 50 API keys in 50
+A fresh `sandlot serve` process (its own data directory, auth on) gets 50 API keys in 50
 tenants, so neither the per-key rate limit nor the per-tenant quota is what this test meets.
 50 clients (asyncio tasks, one ``httpx.AsyncClient`` each) start at once; each creates a small
 sandbox (``memory_mb=64``, ``disk_mb=16``), makes 20 calls that alternate Python
@@ -55,17 +55,17 @@ def load_server(data_root: Path) -> Iterator[LoadServer]:
     reason = skip_reason("bubblewrap")
     if reason:
         pytest.skip(reason)
-    from agent_sandbox.server.auth import AuthStore
+    from sandlot.server.auth import AuthStore
 
     data_dir = data_root / "load"
     data_dir.mkdir()
     data_dir.chmod(0o711)
-    store = AuthStore(data_dir / "agent-sandbox.db")
+    store = AuthStore(data_dir / "sandlot.db")
     admin = store.create_key("ops", "admin", "load test")[1]
     keys = [store.create_key(f"load{i:02d}", "user", "load test")[1] for i in range(CLIENTS)]
     store.close()
-    from agent_sandbox.backends.bubblewrap import BubblewrapBackend
-    from agent_sandbox.config import Settings
+    from sandlot.backends.bubblewrap import BubblewrapBackend
+    from sandlot.config import Settings
 
     settings = Settings(_env_file=None, data_dir=data_dir)  # type: ignore[call-arg]
     instance = BubblewrapBackend(settings).instance

@@ -1,0 +1,99 @@
+"""sandlot: isolated, stateful, resource-limited sandboxes for code AI agents write.
+
+>>> from sandlot import Sandbox
+>>> with Sandbox.create(memory_mb=256, timeout_s=5) as sb:   # doctest: +SKIP
+...     sb.run_code("x = 41")
+...     sb.run_code("x + 1").text
+'42'
+"""
+
+from sandlot.config import Settings, get_settings
+from sandlot.errors import (
+    AuthenticationError,
+    BackendUnavailable,
+    ConfigError,
+    Forbidden,
+    GuestError,
+    InvalidRequest,
+    PathOutsideWorkspace,
+    QuotaExceeded,
+    RateLimited,
+    RequestTooLarge,
+    SandboxDiskFull,
+    SandboxError,
+    SandboxFileError,
+    SandboxFileExists,
+    SandboxFileNotFound,
+    SandboxIsADirectory,
+    SandboxNotADirectory,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SandboxPermissionError,
+    SandboxStartError,
+)
+from sandlot.manager import SandboxManager
+from sandlot.models import (
+    ArtifactInfo,
+    ExecError,
+    ExecResult,
+    FileInfo,
+    KillReason,
+    ResolvedLimits,
+    ResourceUsage,
+    SandboxInfo,
+    SandboxLimits,
+    SandboxStatus,
+)
+from sandlot.sandbox import AsyncSandbox, Sandbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentRuntime",
+    "ArtifactInfo",
+    "AsyncSandbox",
+    "AuthenticationError",
+    "BackendUnavailable",
+    "ConfigError",
+    "ExecError",
+    "ExecResult",
+    "FileInfo",
+    "Forbidden",
+    "GuestError",
+    "InvalidRequest",
+    "KillReason",
+    "PathOutsideWorkspace",
+    "QuotaExceeded",
+    "RateLimited",
+    "RequestTooLarge",
+    "ResolvedLimits",
+    "ResourceUsage",
+    "Sandbox",
+    "SandboxDiskFull",
+    "SandboxError",
+    "SandboxFileError",
+    "SandboxFileExists",
+    "SandboxFileNotFound",
+    "SandboxInfo",
+    "SandboxIsADirectory",
+    "SandboxLimits",
+    "SandboxManager",
+    "SandboxNotADirectory",
+    "SandboxNotFound",
+    "SandboxNotRunning",
+    "SandboxPermissionError",
+    "SandboxStartError",
+    "SandboxStatus",
+    "Settings",
+    "__version__",
+    "get_settings",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The agent layer is optional (LangGraph): import it only when it is asked for.
+    if name == "AgentRuntime":
+        from sandlot.agent.runtime import AgentRuntime
+
+        return AgentRuntime
+    raise AttributeError(f"module 'sandlot' has no attribute {name!r}")

@@ -1,0 +1,160 @@
+"""The benchmark's table (Markdown) and charts (PNG, matplotlib)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sandlot.agent.bench.runner import BenchConfig, TaskOutcome
+
+DIFFICULTIES = ("easy", "medium", "hard")
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _per_solved(values: Sequence[float], solved: int) -> str:
+    return f"{sum(values) / solved:,.0f}" if solved else "-"
+
+
+def summary_rows(outcomes: Sequence[TaskOutcome]) -> list[dict[str, str]]:
+    rows = []
+    groups = [("all", list(outcomes))] + [
+        (d, [o for o in outcomes if o.difficulty == d]) for d in DIFFICULTIES
+    ]
+    for name, group in groups:
+        if not group:
+            continue
+        single = sum(o.single_pass for o in group)
+        loop = sum(o.loop_pass for o in group)
+        rows.append(
+            {
+                "tasks": f"{name} ({len(group)})",
+                "single pass@1": f"{_pct(single, len(group))} ({single})",
+                "loop pass@1": f"{_pct(loop, len(group))} ({loop})",
+                "mean attempts": f"{statistics.mean(o.attempts for o in group):.2f}",
+                "tokens / solved (single)": _per_solved([o.single_tokens for o in group], single),
+                "tokens / solved (loop)": _per_solved([o.loop_tokens for o in group], loop),
+                "sandbox s / solved (loop)": (
+                    f"{sum(o.loop_sandbox_s for o in group) / loop:.2f}" if loop else "-"
+                ),
+                "model s / task (loop)": f"{statistics.mean(o.loop_llm_s for o in group):.1f}",
+            }
+        )
+    return rows
+
+
+def markdown_table(outcomes: Sequence[TaskOutcome]) -> str:
+    rows = summary_rows(outcomes)
+    if not rows:
+        return "(no results)\n"
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row[h] for h in header) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_report(
+    outcomes: Sequence[TaskOutcome], config: BenchConfig, wall_s: float, command: str
+) -> str:
+    errors = sum(1 for o in outcomes if o.error)
+    compared = [o.single_same_as_first for o in outcomes if o.single_same_as_first is not None]
+    same = (
+        f" Single shot ran on its own (--separate): its code equalled the loop's first "
+        f"attempt in {sum(compared)} of {len(compared)} tasks."
+        if compared
+        else " Single shot is scored on the loop's first attempt (greedy decoding makes it the "
+        "same generation; `--separate` runs it on its own and checks)."
+    )
+    fixed = sum(1 for o in outcomes if o.loop_pass and not o.single_pass)
+    broken = sum(1 for o in outcomes if o.single_pass and not o.loop_pass)
+    return (
+        f"Task set `{config.task_set}`, provider `{config.provider}` model `{config.model}`, "
+        f"up to {config.max_attempts} attempts, temperature {config.temperature:g} "
+        f"(retries {config.retry_temperature:g}), "
+        f"{config.concurrency} worker(s); {len(outcomes)} tasks in {wall_s / 60:.1f} min "
+        f"wall.\nCommand: `{command}`\n\n"
+        + markdown_table(outcomes)
+        + f"\nThe loop fixed {fixed} task(s) the first attempt failed and lost {broken} that "
+        f"it passed (visible tests passed, hidden tests failed after a rewrite). "
+        f"{errors} task(s) ended on a provider error.{same}\n"
+    )
+
+
+def write_charts(outcomes: Sequence[TaskOutcome], out_dir: Path, title: str) -> list[Path]:
+    """Two PNGs: pass@1 by difficulty per mode, and tokens per solved task per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = [d for d in DIFFICULTIES if any(o.difficulty == d for o in outcomes)] + ["all"]
+
+    def members(group: str) -> list[TaskOutcome]:
+        return list(outcomes) if group == "all" else [o for o in outcomes if o.difficulty == group]
+
+    def rate(group: str, attr: str) -> float:
+        m = members(group)
+        return 100 * sum(getattr(o, attr) for o in m) / len(m) if m else 0.0
+
+    def per_solved(group: str, tokens: str, passed: str) -> float:
+        m = members(group)
+        solved = sum(getattr(o, passed) for o in m)
+        return sum(getattr(o, tokens) for o in m) / solved if solved else 0.0
+
+    success = _paired_bars(
+        plt,
+        [f"{g}\n({len(members(g))})" for g in groups],
+        [rate(g, "single_pass") for g in groups],
+        [rate(g, "loop_pass") for g in groups],
+        ylabel="pass@1 (%)",
+        title=f"{title}: pass@1 by difficulty",
+        path=out_dir / "benchmark_success_rate.png",
+        percent=True,
+    )
+    cost = _paired_bars(
+        plt,
+        groups,
+        [per_solved(g, "single_tokens", "single_pass") for g in groups],
+        [per_solved(g, "loop_tokens", "loop_pass") for g in groups],
+        ylabel="tokens per solved task",
+        title=f"{title}: cost of a solved task",
+        path=out_dir / "benchmark_tokens.png",
+    )
+    return [success, cost]
+
+
+def _paired_bars(
+    plt: Any,
+    labels: list[str],
+    single: list[float],
+    loop: list[float],
+    *,
+    ylabel: str,
+    title: str,
+    path: Path,
+    percent: bool = False,
+) -> Path:
+    """Single shot beside the loop, one pair of bars a group; percentages are labelled."""
+    xs = range(len(labels))
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([x - width / 2 for x in xs], single, width, label="single shot", color="#8da0cb")
+    ax.bar([x + width / 2 for x in xs], loop, width, label="reflexion loop", color="#fc8d62")
+    if percent:
+        for x, s, lp in zip(xs, single, loop, strict=True):
+            ax.text(x - width / 2, s + 1, f"{s:.0f}", ha="center", fontsize=8)
+            ax.text(x + width / 2, lp + 1, f"{lp:.0f}", ha="center", fontsize=8)
+        ax.set_ylim(0, 105)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,174 @@
+"""``sandlot benchmark``: a task set through the provider, single shot vs the loop.
+
+For each task the reflexion loop runs (generate, run with the visible tests, critique,
+retry); then the scorer runs the task's hidden tests, in a fresh sandbox, on
+
+- the **first** attempt's code: the single-shot answer, and
+- the **final** attempt's code: the loop's answer.
+
+With greedy decoding (temperature 0, the benchmark's default) the first attempt is exactly
+what a single-shot run would generate, so one loop run measures both modes; ``--separate``
+runs single shot on its own instead (for sampling temperatures). Results are appended to
+a JSONL file task by task, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from sandlot.agent.bench.tasks import BenchTask
+from sandlot.agent.executor import SandboxExecutor
+from sandlot.agent.loop import ReflexionLoop
+from sandlot.agent.models import AgentResult
+from sandlot.agent.providers.base import Provider
+
+HIDDEN_TIMEOUT_S = 20.0
+
+
+class TaskOutcome(BaseModel):
+    task_id: str
+    difficulty: str
+    single_pass: bool
+    loop_pass: bool
+    attempts: int
+    status: str
+    single_tokens: int
+    loop_tokens: int
+    single_llm_s: float
+    loop_llm_s: float
+    single_sandbox_s: float
+    loop_sandbox_s: float
+    wall_s: float
+    error: str | None = None
+    hidden_failure: str = ""
+    # With --separate: whether the single-shot run wrote the same code as the loop's first
+    # attempt (it must, under greedy decoding; this is how that claim is checked).
+    single_same_as_first: bool | None = None
+
+
+class BenchConfig(BaseModel):
+    task_set: str
+    provider: str
+    model: str
+    max_attempts: int
+    temperature: float
+    retry_temperature: float
+    separate_single: bool
+    concurrency: int
+    sandbox_options: dict[str, Any] = {}
+
+
+async def _hidden_passes(
+    task: BenchTask, codes: list[str], options: dict[str, Any]
+) -> list[tuple[bool, str]]:
+    """Each code against the hidden tests, in one fresh sandbox (not the loop's), each run a
+    new process; the same code is run once (the loop's answer is usually its first)."""
+    verdicts: dict[str, tuple[bool, str]] = {"": (False, "no code")}
+    async with SandboxExecutor(timeout_s=HIDDEN_TIMEOUT_S, **options) as executor:
+        for code in codes:
+            if code.strip() not in verdicts:
+                run = await executor.run(task.scoring_program(code), name="hidden_check.py")
+                verdicts[code.strip()] = (run.ok, run.failure_summary(300))
+    return [verdicts[code.strip()] for code in codes]
+
+
+async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> TaskOutcome:
+    started = time.monotonic()
+    options = config.sandbox_options
+    async with SandboxExecutor(**options) as executor:
+        loop = ReflexionLoop(
+            provider,
+            executor,
+            max_attempts=config.max_attempts,
+            retry_temperature=config.retry_temperature,
+        )
+        result = await loop.run(task.spec, mode="loop")
+    single: AgentResult | None = None
+    if config.separate_single:
+        async with SandboxExecutor(**options) as executor:
+            single = await ReflexionLoop(provider, executor, max_attempts=1).run(
+                task.spec, mode="single"
+            )
+    first = (single or result).attempts[:1]
+    first_code = first[0].code if first else ""
+    (single_pass, _), (loop_pass, hidden_failure) = await _hidden_passes(
+        task, [first_code, result.code], options
+    )
+    one = first[0] if first else None
+    return TaskOutcome(
+        task_id=task.task_id,
+        difficulty=task.difficulty,
+        single_pass=single_pass,
+        loop_pass=loop_pass,
+        attempts=len(result.attempts),
+        status=result.status,
+        single_tokens=(one.input_tokens + one.output_tokens) if one else 0,
+        loop_tokens=result.total_tokens,
+        single_llm_s=one.llm_s if one else 0.0,
+        loop_llm_s=result.llm_s,
+        single_sandbox_s=(one.execution.duration_s if one and one.execution else 0.0),
+        loop_sandbox_s=result.sandbox_s,
+        wall_s=time.monotonic() - started,
+        error=result.error,
+        hidden_failure="" if loop_pass else hidden_failure,
+        single_same_as_first=(
+            None
+            if single is None
+            else bool(single.attempts and result.attempts)
+            and single.attempts[0].code == result.attempts[0].code
+        ),
+    )
+
+
+def load_done(path: Path) -> dict[str, TaskOutcome]:
+    done: dict[str, TaskOutcome] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                outcome = TaskOutcome.model_validate_json(line)
+                done[outcome.task_id] = outcome
+    return done
+
+
+async def run_benchmark(
+    tasks: list[BenchTask],
+    providers: list[Provider],
+    config: BenchConfig,
+    results_path: Path,
+    *,
+    on_outcome: Callable[[TaskOutcome, int, int], Awaitable[None]] | None = None,
+) -> list[TaskOutcome]:
+    """Run every task not already in ``results_path``; one worker per provider."""
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    done = load_done(results_path)
+    todo: asyncio.Queue[BenchTask] = asyncio.Queue()
+    for task in tasks:
+        if task.task_id not in done:
+            todo.put_nowait(task)
+    outcomes = [done[t.task_id] for t in tasks if t.task_id in done]
+    total = len(tasks)
+    write_lock = asyncio.Lock()
+
+    async def worker(provider: Provider) -> None:
+        while True:
+            try:
+                task = todo.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            outcome = await run_task(task, provider, config)
+            async with write_lock:
+                outcomes.append(outcome)
+                with results_path.open("a") as f:
+                    f.write(outcome.model_dump_json() + "\n")
+                if on_outcome is not None:
+                    await on_outcome(outcome, len(outcomes), total)
+
+    await asyncio.gather(*(worker(p) for p in providers))
+    order = {t.task_id: i for i, t in enumerate(tasks)}
+    return sorted(outcomes, key=lambda o: order.get(o.task_id, 0))

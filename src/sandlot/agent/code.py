@@ -1,0 +1,158 @@
+"""Code out of a model's reply, and the program that runs it in the sandbox."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import re
+
+from sandlot.agent.models import TaskSpec
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_OPEN_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*)$", re.DOTALL | re.IGNORECASE)
+
+
+def extract_code(text: str) -> str:
+    """The code of a reply: the longest fenced block, an unclosed block cut by max_tokens,
+    or the whole reply when it has no fence."""
+    blocks = _FENCE.findall(text)
+    if blocks:
+        return str(max(blocks, key=len)).strip("\n")
+    unclosed = _OPEN_FENCE.search(text)
+    if unclosed:
+        return unclosed.group(1).strip("\n")
+    return text.strip("\n")
+
+
+def defines(code: str, name: str) -> bool:
+    """Whether ``code`` defines ``name`` at top level (by parsing, not by grep)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", code, re.MULTILINE) is not None
+    return any(
+        isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name
+        for node in tree.body
+    )
+
+
+def _prompt_imports(prompt: str) -> str:
+    lines = []
+    for line in prompt.splitlines():
+        if line.startswith(("import ", "from ")):
+            lines.append(line)
+        elif line.startswith("def "):
+            break
+    return "\n".join(lines)
+
+
+def candidate_program(spec: TaskSpec, code: str) -> str:
+    """The candidate as a module: for a function task, a reply that only wrote the body is
+    put under the prompt's signature, and the prompt's imports always come first."""
+    if not spec.is_function or spec.entry_point is None:
+        return code
+    prompt = spec.prompt or spec.task
+    if defines(code, spec.entry_point):
+        imports = _prompt_imports(prompt)
+        return f"{imports}\n\n{code}" if imports else code
+    return prompt + code
+
+
+def program_to_run(spec: TaskSpec, code: str) -> str:
+    """What the sandbox runs for an attempt: the candidate plus the visible tests."""
+    program = candidate_program(spec, code)
+    if spec.visible_tests:
+        program += "\n\n" + spec.visible_tests
+    return program + "\n"
+
+
+EXAMPLES_RUNNER = """
+# --- the task's own examples, checked: the only tests the agent may see
+import sys as _sys
+
+_failures = []
+for _call, _want in {pairs!r}:
+    try:
+        _expected = eval(_want)
+    except Exception:
+        _expected = _want  # not a Python value: compare with the printed result
+    _got = eval(_call)
+    _same = _got == _expected or (isinstance(_expected, str) and repr(_got) == _expected)
+    if not _same and isinstance(_got, float) and isinstance(_expected, (int, float)):
+        _same = abs(_got - _expected) <= 1e-6 * max(1.0, abs(_expected))
+    if not _same:
+        _failures.append("%s returned %r, expected %s" % (_call, _got, _want))
+for _line in _failures:
+    print("example failed: " + _line, file=_sys.stderr)
+if _failures:
+    raise SystemExit(1)
+"""
+
+_ARROW = re.compile(
+    r"^\s*(?P<call>{name}\(.*\))\s*(?:==>|==|=>|->|➞|should return|returns?)\s*(?P<want>.+?)\s*$"
+)
+
+
+def visible_examples(prompt: str, entry_point: str) -> list[tuple[str, str]]:
+    """The prompt's examples as (call, expected) source pairs: ``>>>`` doctests, and the
+    ``f(x) == y`` / ``f(x) ➞ y`` / ``f(x) => y`` lines about half of HumanEval uses."""
+    pairs: list[tuple[str, str]] = []
+    try:
+        examples = doctest.DocTestParser().get_examples(prompt)
+    except ValueError:  # inconsistent indentation in a prompt: no usable doctests
+        examples = []
+    for example in examples:
+        want = [
+            line for line in example.want.strip().splitlines() if line.strip() not in ('"""', "'''")
+        ]
+        if entry_point in example.source and want:
+            pairs.append((example.source.strip(), "\n".join(want).strip()))
+    if pairs:
+        return pairs
+    arrow = re.compile(_ARROW.pattern.format(name=re.escape(entry_point)))
+    for line in prompt.splitlines():
+        found = arrow.match(line)
+        if found and not line.lstrip().startswith("def ") and _literal_call(found["call"]):
+            pairs.append((found["call"], _clean_want(found["want"])))
+    return pairs
+
+
+def _literal_call(source: str) -> bool:
+    """A call whose arguments are literals: ``f(a)`` in prose names no value."""
+    try:
+        call = ast.parse(source, mode="eval").body
+    except SyntaxError:
+        return False
+    if not isinstance(call, ast.Call):
+        return False
+    try:
+        for arg in [*call.args, *(k.value for k in call.keywords)]:
+            ast.literal_eval(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def _clean_want(want: str) -> str:
+    """``> True``, ``true``, ``1 + 9 = 10`` and a full stop, as prompts write them."""
+    want = want.strip().lstrip(">").strip().rstrip(".").strip()
+    if " = " in want:
+        want = want.rsplit(" = ", 1)[1].strip()
+    return {"true": "True", "false": "False", "none": "None"}.get(want, want)
+
+
+def visible_tests_from_examples(prompt: str, entry_point: str) -> str:
+    pairs = visible_examples(prompt, entry_point)
+    return EXAMPLES_RUNNER.format(pairs=pairs) if pairs else ""
+
+
+def function_task(prompt: str, entry_point: str, *, task_id: str | None = None) -> TaskSpec:
+    """A task to complete the function ``entry_point`` whose signature and docstring are
+    ``prompt``; the docstring's examples become the visible tests the loop must pass."""
+    return TaskSpec(
+        task=prompt,
+        prompt=prompt,
+        entry_point=entry_point,
+        task_id=task_id,
+        visible_tests=visible_tests_from_examples(prompt, entry_point),
+    )

@@ -1,0 +1,161 @@
+"""Settings of the agent layer (seed 002's variables), apart from the sandbox's own.
+
+Precedence as for :mod:`sandlot.config`: explicit argument > environment > ``.env`` >
+default. The default provider is ``local``: a model run in-process, so that the agent works
+with no network and no key once the README's set-up has fetched the weights.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sandlot.errors import ConfigError
+
+ProviderName = Literal["local", "groq", "openrouter", "anthropic", "google", "openai", "ollama"]
+
+
+def _env(*names: str) -> AliasChoices:
+    return AliasChoices(*names)
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_file=".env", extra="ignore", populate_by_name=True, frozen=True
+    )
+
+    llm_provider: ProviderName = Field(
+        default="local",
+        validation_alias=_env("llm_provider", "LLM_PROVIDER"),
+        description="Which provider writes the code.",
+    )
+    llm_model: str | None = Field(
+        default=None,
+        validation_alias=_env("llm_model", "LLM_MODEL"),
+        description="Model name; unset takes the provider's recommended model.",
+    )
+    llm_max_tokens: int = Field(
+        default=1024,
+        ge=16,
+        le=32_768,
+        validation_alias=_env("llm_max_tokens", "LLM_MAX_TOKENS"),
+        description="Most tokens one reply may have.",
+    )
+    llm_temperature: float = Field(
+        default=0.2, ge=0, le=2, validation_alias=_env("llm_temperature", "LLM_TEMPERATURE")
+    )
+    llm_retry_temperature: float = Field(
+        default=0.7,
+        ge=0,
+        le=2,
+        validation_alias=_env("llm_retry_temperature", "LLM_RETRY_TEMPERATURE"),
+        description="Sampling temperature of the loop's retries (the first attempt uses "
+        "LLM_TEMPERATURE): decoded greedily, a small model rewrites the code it already wrote.",
+    )
+    llm_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        validation_alias=_env("llm_timeout_s", "LLM_TIMEOUT_SECONDS"),
+        description="Most seconds one model call may take (HTTP or local decoding).",
+    )
+    llm_retries: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        validation_alias=_env("llm_retries", "LLM_RETRIES"),
+        description="Retries of a call the provider answered with 429, 5xx or a dropped link.",
+    )
+    groq_api_key: str | None = Field(default=None, validation_alias=_env("GROQ_API_KEY"))
+    openrouter_api_key: str | None = Field(
+        default=None, validation_alias=_env("OPENROUTER_API_KEY")
+    )
+    anthropic_api_key: str | None = Field(default=None, validation_alias=_env("ANTHROPIC_API_KEY"))
+    google_api_key: str | None = Field(
+        default=None, validation_alias=_env("GOOGLE_API_KEY", "GEMINI_API_KEY")
+    )
+    openai_api_key: str | None = Field(default=None, validation_alias=_env("OPENAI_API_KEY"))
+    # Base URLs: self-hosted gateways, proxies, and the wire-format test servers.
+    groq_base_url: str = Field(
+        default="https://api.groq.com/openai/v1", validation_alias=_env("GROQ_BASE_URL")
+    )
+    openrouter_base_url: str = Field(
+        default="https://openrouter.ai/api/v1", validation_alias=_env("OPENROUTER_BASE_URL")
+    )
+    anthropic_base_url: str = Field(
+        default="https://api.anthropic.com", validation_alias=_env("ANTHROPIC_BASE_URL")
+    )
+    google_base_url: str = Field(
+        default="https://generativelanguage.googleapis.com",
+        validation_alias=_env("GOOGLE_BASE_URL", "GEMINI_BASE_URL"),
+    )
+    openai_base_url: str = Field(
+        default="https://api.openai.com/v1", validation_alias=_env("OPENAI_BASE_URL")
+    )
+    ollama_host: str = Field(default="http://localhost:11434", validation_alias=_env("OLLAMA_HOST"))
+    local_model: str = Field(
+        default="qwen2.5-coder-1.5b",
+        validation_alias=_env("local_model", "LOCAL_MODEL"),
+        description="Which shipped GGUF the local provider runs (see `sandlot models`).",
+    )
+    local_model_path: Path | None = Field(
+        default=None,
+        validation_alias=_env("local_model_path", "LOCAL_MODEL_PATH"),
+        description="A GGUF file of your own for the local provider; overrides LOCAL_MODEL.",
+    )
+    local_threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        validation_alias=_env("local_threads", "LOCAL_THREADS"),
+        description="Decoding threads. 1 by default: with every core asked for and one busy "
+        "(a sandbox running), llama.cpp's decoding collapses below 1 token/s.",
+    )
+    local_context_tokens: int = Field(
+        default=4096, ge=512, validation_alias=_env("local_context_tokens", "LOCAL_CONTEXT")
+    )
+    max_reflexion_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=20,
+        validation_alias=_env("max_reflexion_attempts", "MAX_REFLEXION_ATTEMPTS"),
+        description="Most code generations per task in the reflexion loop.",
+    )
+    swarm_rounds: int = Field(
+        default=2,
+        ge=1,
+        le=10,
+        validation_alias=_env("swarm_rounds", "SWARM_MAX_ROUNDS"),
+        description="Most review rounds of the swarm before it takes the best proposal.",
+    )
+    memory_enabled: bool = Field(
+        default=False,
+        validation_alias=_env("memory_enabled", "AGENT_MEMORY"),
+        description="Recall past tasks and fixes from Qdrant (needs the `memory` extra).",
+    )
+    qdrant_url: str | None = Field(
+        default=None,
+        validation_alias=_env("qdrant_url", "QDRANT_URL"),
+        description="A Qdrant server; unset uses embedded local mode under the data dir.",
+    )
+    qdrant_path: Path | None = Field(
+        default=None,
+        validation_alias=_env("qdrant_path", "QDRANT_PATH"),
+        description="Folder of the embedded Qdrant (default <data dir>/memory).",
+    )
+    models_dir: Path | None = Field(
+        default=None,
+        validation_alias=_env("models_dir", "SANDLOT_MODELS_DIR", "AGENT_SANDBOX_MODELS_DIR"),
+        description="Where fetched model weights live (default <data dir>/models).",
+    )
+
+
+@lru_cache(maxsize=1)
+def get_agent_settings() -> AgentSettings:
+    try:
+        return AgentSettings()
+    except ValidationError as exc:
+        raise ConfigError(f"invalid agent setting: {exc}") from exc

@@ -1,0 +1,142 @@
+"""``AgentRuntime``: the agent layer's one entry point (seed 000).
+
+::
+
+    runtime = AgentRuntime()
+    result = await runtime.execute("Write a function to sort a list")
+
+It wires a provider (``LLM_PROVIDER``), a sandbox per task (through the SDK: embedded, or a
+server when ``api_url`` is given), the optional memory, and runs a task in one of three
+modes: ``single`` (one generation, run once), ``loop`` (reflexion, the default) or
+``swarm`` (five roles propose and vote, the winner is proven in the sandbox).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from sandlot.agent.config import AgentSettings, get_agent_settings
+from sandlot.agent.executor import SandboxExecutor
+from sandlot.agent.loop import ReflexionLoop
+from sandlot.agent.models import AgentResult, EventSink, Mode, TaskSpec
+from sandlot.agent.providers import create_provider
+from sandlot.agent.providers.base import Provider
+from sandlot.errors import ConfigError
+from sandlot.sandbox import AsyncSandbox
+
+log = structlog.get_logger(__name__)
+
+
+class AgentRuntime:
+    def __init__(
+        self,
+        provider: Provider | None = None,
+        *,
+        settings: AgentSettings | None = None,
+        memory: Any | None = None,
+        max_attempts: int | None = None,
+        sandbox_options: dict[str, Any] | None = None,
+    ) -> None:
+        """``memory`` is an :class:`~sandlot.agent.memory.AgentMemory`; by default one
+        is opened when ``AGENT_MEMORY`` is on. ``sandbox_options`` go to
+        :meth:`AsyncSandbox.create` (``backend``, ``memory_mb``, ``api_url``...)."""
+        self.settings = settings or get_agent_settings()
+        self._provider = provider
+        self._memory = memory
+        self._memory_opened = False
+        self.max_attempts = max_attempts or self.settings.max_reflexion_attempts
+        self.sandbox_options = dict(sandbox_options or {})
+
+    @property
+    def provider(self) -> Provider:
+        if self._provider is None:
+            self._provider = create_provider(settings=self.settings)
+        return self._provider
+
+    async def memory(self) -> Any | None:
+        if self._memory is None and self.settings.memory_enabled and not self._memory_opened:
+            from sandlot.agent.memory import AgentMemory
+
+            self._memory = await AgentMemory.open(self.settings)
+            self._memory_opened = True
+        return self._memory
+
+    async def execute(
+        self,
+        task: str | TaskSpec,
+        *,
+        mode: Mode = "loop",
+        on_event: EventSink | None = None,
+        timeout_s: float | None = None,
+        sandbox: AsyncSandbox | None = None,
+    ) -> AgentResult:
+        """Solve ``task``; the result records every attempt. A failure of the generated code
+        is ``status="failed"``; a provider failure is ``status="error"``.
+
+        Runs in a new sandbox (destroyed after), or in ``sandbox`` if given (left running).
+        """
+        spec = TaskSpec(task=task) if isinstance(task, str) else task
+        if not spec.task.strip():
+            raise ConfigError("the task is empty: say what the code should do")
+        memory = await self.memory()
+        recalled = await self._recall(memory, spec)
+        options = {"sandbox": sandbox} if sandbox is not None else self.sandbox_options
+        async with SandboxExecutor(timeout_s=timeout_s, **options) as executor:
+            if mode == "swarm":
+                from sandlot.agent.swarm import Swarm
+
+                swarm = Swarm(
+                    self.provider,
+                    executor,
+                    max_rounds=self.settings.swarm_rounds,
+                    max_attempts=self.max_attempts,
+                    on_event=on_event,
+                )
+                result = await swarm.run(spec, recalled=recalled)
+            else:
+                attempts = 1 if mode == "single" else self.max_attempts
+                loop = ReflexionLoop(
+                    self.provider,
+                    executor,
+                    max_attempts=attempts,
+                    retry_temperature=self.settings.llm_retry_temperature,
+                    on_event=on_event,
+                )
+                result = await loop.run(spec, recalled=recalled, mode=mode)
+        await self._remember(memory, result)
+        return result
+
+    async def _recall(self, memory: Any | None, spec: TaskSpec) -> str:
+        if memory is None:
+            return ""
+        from sandlot.agent.memory import format_recall
+
+        hits = await memory.recall(spec.prompt or spec.task)
+        return str(format_recall(hits)) if hits else ""
+
+    async def _remember(self, memory: Any | None, result: AgentResult) -> None:
+        if memory is None or result.status == "error" or not result.code:
+            return
+        from sandlot.agent.memory import MemoryRecord
+
+        fix = None
+        if result.success and len(result.attempts) > 1:
+            fix = result.attempts[-2].critique
+        await memory.remember(
+            MemoryRecord(
+                task=result.task,
+                code=result.code,
+                outcome="solved" if result.success else "failed",
+                errors=result.errors[-3:],
+                fix=fix,
+                attempts=len(result.attempts),
+            )
+        )
+
+    async def aclose(self) -> None:
+        if self._provider is not None:
+            await self._provider.aclose()
+        if self._memory is not None and self._memory_opened:
+            await self._memory.close()

@@ -1,0 +1,327 @@
+"""The swarm (seed 000): five roles design, propose, run, vote, and revise until consensus.
+
+Each round:
+
+1. the **architect** writes a short design (first round only);
+2. the **coder** and the **optimizer** each propose code from it, concurrently; every
+   proposal runs in the sandbox with the task's visible tests, so the vote sees evidence;
+3. all five roles (architect, coder, critic, security, optimizer) vote concurrently, each
+   with its own prompt, for one proposal and whether they approve it;
+4. **consensus** is a proposal approved by at least ``quorum`` voters (4 of 5 by default),
+   that ran successfully and that security did not veto. Without it, the voters' concerns
+   go back to the coder and the optimizer for the next round.
+
+After ``max_rounds`` the proposal with the most approvals wins (one that ran beats one that
+did not). The winner's run in the sandbox is the proof: ``success`` means it ran and passed
+the visible tests, whatever the votes said. A voter whose reply is not valid JSON abstains;
+the abstention is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from sandlot.agent.code import extract_code, program_to_run
+from sandlot.agent.executor import SandboxExecutor
+from sandlot.agent.loop import build_result
+from sandlot.agent.models import AgentEvent, AgentResult, Attempt, EventSink, TaskSpec
+from sandlot.agent.prompts import GENERATOR_SYSTEM
+from sandlot.agent.providers.base import Completion, Provider
+from sandlot.errors import ModelOutputError, ProviderError
+
+VOTE_MAX_TOKENS = 200
+DESIGN_MAX_TOKENS = 300
+
+
+class AgentRole(StrEnum):
+    ARCHITECT = "architect"
+    CODER = "coder"
+    CRITIC = "critic"
+    SECURITY = "security"
+    OPTIMIZER = "optimizer"
+
+
+# Each starts "You are the <role>": the scripted provider routes its replies by that.
+ROLE_PROMPTS: dict[AgentRole, str] = {
+    AgentRole.ARCHITECT: "You are the architect. You plan the structure of a solution: the "
+    "functions, the data structures, the edge cases to handle. You judge proposals on "
+    "whether they follow a sound design.",
+    AgentRole.CODER: "You are the coder. You write correct, clear Python that follows the "
+    "design and handles the edge cases. " + GENERATOR_SYSTEM,
+    AgentRole.CRITIC: "You are the critic. You look for bugs: wrong results, unhandled edge "
+    "cases, crashes. You judge proposals on correctness, using their test runs as evidence.",
+    AgentRole.SECURITY: "You are the security reviewer. You reject code that touches files "
+    "outside its task, opens network connections, runs shell commands, uses eval or exec on "
+    "input, or could hang or exhaust memory. Correct code that does none of this is safe.",
+    AgentRole.OPTIMIZER: "You are the optimizer. You write and prefer code that is simple "
+    "and efficient (time and memory) without losing correctness. " + GENERATOR_SYSTEM,
+}
+PROPOSERS = (AgentRole.CODER, AgentRole.OPTIMIZER)
+
+
+class Vote(BaseModel):
+    choice: int = Field(description="Number of the proposal you vote for (1-based).")
+    approve: bool = Field(description="Whether that proposal is good enough to ship.")
+    concerns: str = Field(default="", description="What must change, if anything.")
+
+
+class Proposal(BaseModel):
+    role: AgentRole
+    attempt: Attempt
+
+
+class Swarm:
+    def __init__(
+        self,
+        provider: Provider,
+        executor: SandboxExecutor,
+        *,
+        max_rounds: int = 2,
+        max_attempts: int = 3,
+        quorum: int = 4,
+        on_event: EventSink | None = None,
+    ) -> None:
+        self.provider = provider
+        self.executor = executor
+        self.max_rounds = max_rounds
+        self.quorum = quorum
+        self.max_attempts = max_attempts
+        self.on_event = on_event
+
+    async def emit(self, event: AgentEvent) -> None:
+        if self.on_event is not None:
+            await self.on_event(event)
+
+    async def run(self, spec: TaskSpec, *, recalled: str = "") -> AgentResult:
+        started = time.monotonic()
+        await self.emit(AgentEvent(event="start", data={"task": spec.task[:500], "swarm": True}))
+        attempts: list[Attempt] = []
+        rounds: list[dict[str, Any]] = []
+        errors: list[str] = []
+        winner: Proposal | None = None
+        consensus = False
+        try:
+            design, spent = await self._design(spec, recalled)
+            feedback = ""
+            proposals: list[Proposal] = []
+            for round_no in range(1, self.max_rounds + 1):
+                proposals = await self._propose(spec, design, feedback, proposals, len(attempts))
+                attempts += [p.attempt for p in proposals]
+                votes = await self._vote(spec, proposals, errors)
+                winner, consensus, tally = self._count(proposals, votes)
+                rounds.append(_round_record(round_no, proposals, votes, tally, consensus))
+                await self.emit(AgentEvent(event="vote", attempt=round_no, data=rounds[-1]))
+                if consensus:
+                    break
+                feedback = "\n".join(
+                    f"- {role}: {vote.concerns}" for role, vote in votes.items() if vote.concerns
+                )
+        except ProviderError as exc:
+            return self._finish(
+                spec, attempts, errors, rounds, None, False, started, status="error", error=str(exc)
+            )
+        if attempts:
+            attempts[0].input_tokens += spent.input_tokens
+            attempts[0].output_tokens += spent.output_tokens
+            attempts[0].llm_s += spent.duration_s
+        return self._finish(spec, attempts, errors, rounds, winner, consensus, started)
+
+    # ------------------------------------------------------------------ steps
+
+    async def _design(self, spec: TaskSpec, recalled: str) -> tuple[str, Completion]:
+        memory = f"{recalled}\n\n" if recalled else ""
+        completion = await self.provider.generate(
+            f"{memory}Task:\n{spec.prompt or spec.task}\n\nWrite a short design (at most 8 "
+            "lines): the approach, the functions, the edge cases. No code.",
+            system=ROLE_PROMPTS[AgentRole.ARCHITECT],
+            max_tokens=DESIGN_MAX_TOKENS,
+        )
+        return completion.text.strip(), completion
+
+    async def _propose(
+        self,
+        spec: TaskSpec,
+        design: str,
+        feedback: str,
+        previous: list[Proposal],
+        numbered: int,
+    ) -> list[Proposal]:
+        what = (
+            "function (with its imports)" if spec.is_function else "program that prints the result"
+        )
+        task = f"```python\n{spec.prompt}\n```" if spec.is_function and spec.prompt else spec.task
+
+        async def one(role: AgentRole, number: int) -> Proposal:
+            prompt = f"Task:\n{task}\n\nDesign:\n{design}\n\n"
+            mine = next((p for p in previous if p.role == role), None)
+            if mine is not None:
+                run = mine.attempt.execution
+                outcome = (
+                    "it passed its run"
+                    if run and run.ok
+                    else (run.failure_summary(600) if run else "it did not run")
+                )
+                prompt += (
+                    f"Your previous proposal:\n```python\n{mine.attempt.code}\n```\nResult: "
+                    f"{outcome}\nThe reviewers said:\n{feedback or '(nothing)'}\n\n"
+                )
+            prompt += f"Write the complete {what} in one ```python block."
+            completion = await self.provider.generate(prompt, system=ROLE_PROMPTS[role])
+            attempt = Attempt(
+                number=number,
+                code=extract_code(completion.text),
+                input_tokens=completion.input_tokens,
+                output_tokens=completion.output_tokens,
+                llm_s=completion.duration_s,
+            )
+            await self.emit(
+                AgentEvent(
+                    event="code", attempt=number, data={"role": role.value, "code": attempt.code}
+                )
+            )
+            return Proposal(role=role, attempt=attempt)
+
+        proposals = list(
+            await asyncio.gather(*(one(r, numbered + i + 1) for i, r in enumerate(PROPOSERS)))
+        )
+        # One sandbox, one run at a time: each proposal gets the same conditions.
+        for proposal in proposals:
+            run = await self.executor.run(program_to_run(spec, proposal.attempt.code))
+            proposal.attempt.execution = run
+            await self.emit(
+                AgentEvent(
+                    event="execute",
+                    attempt=proposal.attempt.number,
+                    data={"role": proposal.role.value, **run.model_dump()},
+                )
+            )
+        return proposals
+
+    async def _vote(
+        self, spec: TaskSpec, proposals: list[Proposal], errors: list[str]
+    ) -> dict[AgentRole, Vote]:
+        shown = "\n\n".join(
+            f"Proposal {i} (by the {p.role.value}):\n```python\n{p.attempt.code}\n```\n"
+            f"Test run: {_outcome(p)}"
+            for i, p in enumerate(proposals, 1)
+        )
+        prompt = (
+            f"Task:\n{spec.prompt or spec.task}\n\n{shown}\n\nVote for the best proposal and "
+            "say whether you approve it."
+        )
+
+        async def one(role: AgentRole) -> tuple[AgentRole, Vote | None]:
+            try:
+                vote, _ = await self.provider.generate_json(
+                    prompt, Vote, system=ROLE_PROMPTS[role], max_tokens=VOTE_MAX_TOKENS
+                )
+            except ModelOutputError as exc:
+                errors.append(f"{role.value} abstained: {exc}")
+                return role, None
+            if not 1 <= vote.choice <= len(proposals):
+                errors.append(f"{role.value} abstained: voted for proposal {vote.choice}")
+                return role, None
+            return role, vote
+
+        cast = await asyncio.gather(*(one(role) for role in AgentRole))
+        return {role: vote for role, vote in cast if vote is not None}
+
+    def _count(
+        self, proposals: list[Proposal], votes: dict[AgentRole, Vote]
+    ) -> tuple[Proposal, bool, list[int]]:
+        tally = [0] * len(proposals)
+        for vote in votes.values():
+            if vote.approve:
+                tally[vote.choice - 1] += 1
+
+        def rank(i: int) -> tuple[int, bool, int]:
+            run = proposals[i].attempt.execution
+            # Most approvals; then a proposal that ran; then the coder's (listed first).
+            return tally[i], bool(run and run.ok), -i
+
+        best = max(range(len(proposals)), key=rank)
+        security = votes.get(AgentRole.SECURITY)
+        vetoed = security is not None and security.choice == best + 1 and not security.approve
+        run = proposals[best].attempt.execution
+        consensus = tally[best] >= self.quorum and not vetoed and bool(run and run.ok)
+        return proposals[best], consensus, tally
+
+    def _finish(
+        self,
+        spec: TaskSpec,
+        attempts: list[Attempt],
+        errors: list[str],
+        rounds: list[dict[str, Any]],
+        winner: Proposal | None,
+        consensus: bool,
+        started: float,
+        *,
+        status: str | None = None,
+        error: str | None = None,
+    ) -> AgentResult:
+        ran = winner.attempt.execution if winner is not None else None
+        final_status = status or ("solved" if ran is not None and ran.ok else "failed")
+        state: dict[str, Any] = {
+            "attempts": attempts,
+            "errors": errors
+            + [
+                a.execution.failure_summary(400)
+                for a in attempts
+                if a.execution is not None and not a.execution.ok
+            ],
+            "critiques": [],
+            "status": final_status,
+            "error": error,
+        }
+        result = build_result(
+            spec,
+            state,  # type: ignore[arg-type]
+            mode="swarm",
+            provider=self.provider,
+            wall_s=time.monotonic() - started,
+        )
+        if winner is not None:
+            result.code = winner.attempt.code
+            result.output = ran.stdout if ran is not None else ""
+        result.swarm = {
+            "rounds": rounds,
+            "consensus": consensus,
+            "winner": winner.role.value if winner is not None else None,
+            "winner_attempt": winner.attempt.number if winner is not None else None,
+        }
+        return result
+
+
+def _outcome(proposal: Proposal) -> str:
+    run = proposal.attempt.execution
+    if run is None:
+        return "not run"
+    return "passed" if run.ok else "failed: " + run.failure_summary(300)
+
+
+def _round_record(
+    number: int,
+    proposals: list[Proposal],
+    votes: dict[AgentRole, Vote],
+    tally: list[int],
+    consensus: bool,
+) -> dict[str, Any]:
+    return {
+        "round": number,
+        "proposals": [
+            {
+                "role": p.role.value,
+                "attempt": p.attempt.number,
+                "ok": bool(p.attempt.execution and p.attempt.execution.ok),
+                "approvals": n,
+            }
+            for p, n in zip(proposals, tally, strict=True)
+        ],
+        "votes": {role.value: vote.model_dump() for role, vote in votes.items()},
+        "consensus": consensus,
+    }

@@ -1,0 +1,144 @@
+"""The backend contract: how to start, talk to, measure and destroy one isolated guest.
+
+A backend knows nothing of TTLs, owners, pools or persistence; that is the manager's job.
+Every backend runs the same guest agent (``sandlot/guest/supervisor.py``) and hands back its
+stdio as a :class:`GuestProcess`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Protocol, runtime_checkable
+
+from sandlot.models import ResolvedLimits, ResourceUsage
+
+STDERR_TAIL_BYTES = 8192
+# Process slots a restarted guest needs free in its pids cgroup to start and run a command.
+GUEST_PIDS_HEADROOM = 32
+
+
+def instance_of(data_dir: Path) -> str:
+    """A short name for a data directory: what marks its sandboxes' cgroups and containers."""
+    return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class GuestSpec:
+    """What the manager asks a backend for."""
+
+    sandbox_id: str
+    limits: ResolvedLimits
+    network: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    environment: str = "python3"  # a name from the YAML registry (sandlot.environments)
+    runtime: str | None = None  # the OCI runtime, for backends that have a choice (docker)
+
+
+class Guest(Protocol):
+    """A running guest: the stream pair the framed protocol runs over, and its end."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    def kill(self) -> None:
+        """Cut the guest off now (idempotent); the backend's stop/start ends what is inside."""
+        ...
+
+    async def wait(self) -> int:
+        """Its exit status once it has ended."""
+        ...
+
+    def stderr_tail(self) -> str:
+        """The last few KiB it wrote to stderr: why it failed to start, if it did."""
+        ...
+
+
+class GuestProcess:
+    """A running guest reached through a local subprocess's stdio (bwrap, docker exec, ...)."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self.reader: asyncio.StreamReader = process.stdout
+        self.writer: asyncio.StreamWriter = process.stdin
+        self._stderr_tail = bytearray()
+        self._stderr_task = (
+            asyncio.create_task(self._collect_stderr(process.stderr))
+            if process.stderr is not None
+            else None
+        )
+
+    async def _collect_stderr(self, stream: asyncio.StreamReader) -> None:
+        # Kept small: this is for "why did the sandbox fail to start" messages only.
+        while chunk := await stream.read(4096):
+            self._stderr_tail += chunk
+            del self._stderr_tail[:-STDERR_TAIL_BYTES]
+
+    def stderr_tail(self) -> str:
+        return self._stderr_tail.decode("utf-8", "replace").strip()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def kill(self) -> None:
+        # Signalling a process asyncio has already reaped would make it reap again and log
+        # "unknown child process"; and its pid may belong to someone else by now.
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+    async def wait(self) -> int:
+        code = await self.process.wait()
+        if self._stderr_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._stderr_task, 1.0)
+        return code
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The few verbs every isolation backend implements."""
+
+    name: ClassVar[str]
+    # Whether the backend can give a sandbox any registry environment (an image), or only
+    # the host's own root file system (the "python3" environment).
+    any_environment: ClassVar[bool]
+    # OCI runtimes it can be asked for; empty when it has no such choice.
+    runtimes: ClassVar[frozenset[str]]
+
+    async def start(self, spec: GuestSpec) -> Guest:
+        """Provision the sandbox if new, end any previous guest of it, start a fresh guest.
+
+        The workspace survives a restart of the guest; only a :meth:`stop` removes it.
+
+        Raises:
+            BackendUnavailable: this host cannot run the backend.
+            SandboxStartError: the guest could not be started.
+        """
+        ...
+
+    async def stop(self, sandbox_id: str) -> None:
+        """Kill every process of the sandbox and remove all it had (idempotent)."""
+        ...
+
+    async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
+        """Current resource use and limit hits (OOM kills, pids-limit hits) so far.
+
+        With ``full=False`` only ``oom_kills`` and ``pids_limit_hits`` need be filled: the
+        manager reads those after every call, so they must be cheap.
+        """
+        ...
+
+    async def sweep(self, keep: Collection[str]) -> list[str]:
+        """Remove every sandbox of this backend instance not in ``keep``; return their ids."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the backend holds itself (not the sandboxes)."""
+        ...

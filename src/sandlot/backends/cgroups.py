@@ -1,0 +1,314 @@
+"""One cgroup per sandbox for memory, pids and CPU, on cgroup v1 and v2.
+
+A shared cgroup would not do: a pid namespace leaves ``pids.current`` one too high for a
+second or two after it exits, and OOM counters must be read per sandbox to name the
+``kill_reason``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandlot.errors import BackendUnavailable
+from sandlot.models import ResourceUsage
+
+CPU_PERIOD_US = 100_000
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
+REQUIRED = ("memory", "pids", "cpu")
+
+
+@dataclass(frozen=True)
+class CgroupLimits:
+    memory_bytes: int
+    pids_max: int
+    cpu_cores: float
+
+
+def _read(path: Path) -> str:
+    return path.read_text().strip()
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(_read(path))
+    except (OSError, ValueError):
+        return None
+
+
+def _keyed(path: Path, key: str) -> int:
+    """Value of ``key`` in a flat-keyed file such as memory.events or pids.events."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _mounts() -> list[tuple[str, str, set[str]]]:
+    """(mountpoint, fstype, options) of every cgroup mount."""
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 4 and parts[2] in ("cgroup", "cgroup2"):
+                found.append((parts[1], parts[2], set(parts[3].split(","))))
+    return found
+
+
+class Cgroup:
+    """One sandbox's cgroup, in every hierarchy that holds one of its controllers."""
+
+    def __init__(self, version: int, dirs: dict[str, Path]) -> None:
+        self.version = version
+        self.dirs = dirs  # controller (or "unified") -> directory
+
+    @property
+    def procs_files(self) -> list[Path]:
+        """The cgroup.procs files a new process must be written to (one per hierarchy)."""
+        unique = {d.resolve() for d in self.dirs.values()}
+        return [d / "cgroup.procs" for d in sorted(unique)]
+
+    def _dir(self, controller: str) -> Path:
+        return self.dirs["unified"] if self.version == 2 else self.dirs[controller]
+
+    def apply(self, limits: CgroupLimits) -> None:
+        quota_us = max(1000, int(limits.cpu_cores * CPU_PERIOD_US))
+        if self.version == 2:
+            d = self.dirs["unified"]
+            (d / "memory.max").write_text(str(limits.memory_bytes))
+            with contextlib.suppress(FileNotFoundError):
+                (d / "memory.swap.max").write_text("0")
+            (d / "pids.max").write_text(str(limits.pids_max))
+            (d / "cpu.max").write_text(f"{quota_us} {CPU_PERIOD_US}")
+            return
+        mem = self.dirs["memory"]
+        (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+        memsw = mem / "memory.memsw.limit_in_bytes"
+        if memsw.exists():  # only with swap accounting; memsw == limit means no swap on top
+            memsw.write_text(str(limits.memory_bytes))
+        with contextlib.suppress(OSError):
+            (mem / "memory.swappiness").write_text("0")
+        (self.dirs["pids"] / "pids.max").write_text(str(limits.pids_max))
+        cpu = self.dirs["cpu"]
+        (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (cpu / "cpu.cfs_quota_us").write_text(str(quota_us))
+
+    def oom_kills(self) -> int:
+        if self.version == 2:
+            return _keyed(self.dirs["unified"] / "memory.events", "oom_kill")
+        return _keyed(self.dirs["memory"] / "memory.oom_control", "oom_kill")
+
+    def pids_limit_hits(self) -> int:
+        return _keyed(self._dir("pids") / "pids.events", "max")
+
+    def usage(self) -> ResourceUsage:
+        if self.version == 2:
+            d = self.dirs["unified"]
+            usec = _keyed(d / "cpu.stat", "usage_usec")
+            return ResourceUsage(
+                memory_bytes=_read_int(d / "memory.current"),
+                memory_peak_bytes=_read_int(d / "memory.peak"),
+                pids=_read_int(d / "pids.current"),
+                cpu_s=usec / 1e6,
+                oom_kills=self.oom_kills(),
+                pids_limit_hits=self.pids_limit_hits(),
+            )
+        cpu_ns = (
+            _read_int(self.dirs["cpuacct"] / "cpuacct.usage") if "cpuacct" in self.dirs else None
+        )
+        return ResourceUsage(
+            memory_bytes=_read_int(self.dirs["memory"] / "memory.usage_in_bytes"),
+            memory_peak_bytes=_read_int(self.dirs["memory"] / "memory.max_usage_in_bytes"),
+            pids=_read_int(self.dirs["pids"] / "pids.current"),
+            cpu_s=cpu_ns / 1e9 if cpu_ns is not None else None,
+            oom_kills=self.oom_kills(),
+            pids_limit_hits=self.pids_limit_hits(),
+        )
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for procs in self.procs_files:
+            with contextlib.suppress(OSError):
+                found.update(int(p) for p in procs.read_text().split())
+        return sorted(found)
+
+    def kill_all(self, timeout_s: float = 5.0) -> bool:
+        """SIGKILL every process in the cgroup until it is empty; True if it emptied.
+
+        Killing one pid at a time races a fork bomb (each death frees a slot it refills), so
+        the whole group is stopped first: cgroup.kill on v2, the freezer on v1.
+        """
+        if self.version == 2:
+            kill_file = self.dirs["unified"] / "cgroup.kill"
+            if kill_file.exists():
+                with contextlib.suppress(OSError):
+                    kill_file.write_text("1")
+        elif "freezer" in self.dirs:
+            self._kill_frozen()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pids = self.pids()
+            if not pids:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+
+    def wait_for_headroom(self, slots: int, timeout_s: float = 3.0) -> bool:
+        """Wait until ``slots`` processes fit under pids.max: killed tasks stay counted for a
+        moment after they leave cgroup.procs, and a guest started meanwhile finds no slot."""
+        current = self._dir("pids") / "pids.current"
+        limit = _read_int(self._dir("pids") / "pids.max") or 0  # "max" (no limit) reads as 0
+        slots = min(slots, limit // 2)  # a small pids limit cannot spare the full headroom
+        deadline = time.monotonic() + timeout_s
+        while limit and (_read_int(current) or 0) + slots > limit:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _kill_frozen(self) -> None:
+        state = self.dirs["freezer"] / "freezer.state"
+        try:
+            state.write_text("FROZEN")
+            deadline = time.monotonic() + 1.0
+            while _read(state) != "FROZEN" and time.monotonic() < deadline:
+                time.sleep(0.002)
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                state.write_text("THAWED")  # the killed tasks die as they thaw
+
+    def remove(self, timeout_s: float = 3.0) -> bool:
+        """rmdir the cgroup, retrying while the kernel still counts exiting tasks."""
+        deadline = time.monotonic() + timeout_s
+        remaining = {d.resolve() for d in self.dirs.values()}
+        while remaining:
+            for d in list(remaining):
+                try:
+                    d.rmdir()
+                    remaining.discard(d)
+                except FileNotFoundError:
+                    remaining.discard(d)
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+                        return False
+            if remaining:
+                self.kill_all(timeout_s=0.2)
+                time.sleep(0.02)
+        return True
+
+
+class CgroupDriver:
+    """Finds the cgroup hierarchies of this host and makes per-sandbox cgroups in them."""
+
+    def __init__(self, version: int, roots: dict[str, Path]) -> None:
+        self.version = version
+        self.roots = roots  # controller (or "unified") -> mountpoint
+
+    @classmethod
+    def detect(cls, mounts: list[tuple[str, str, set[str]]] | None = None) -> CgroupDriver:
+        """Prefer v1 controllers where they are mounted (hybrid hosts), else v2.
+
+        Raises:
+            BackendUnavailable: neither hierarchy offers memory, pids and cpu.
+        """
+        mounts = _mounts() if mounts is None else mounts
+        v1: dict[str, Path] = {}
+        for mountpoint, fstype, options in mounts:
+            if fstype == "cgroup":
+                for controller in V1_CONTROLLERS:
+                    if controller in options:
+                        v1.setdefault(controller, Path(mountpoint))
+        if all(c in v1 for c in REQUIRED):
+            return cls(1, v1)
+        for mountpoint, fstype, _ in mounts:
+            if fstype == "cgroup2":
+                controllers_file = Path(mountpoint) / "cgroup.controllers"
+                with contextlib.suppress(OSError):
+                    available = set(controllers_file.read_text().split())
+                    if all(c in available for c in REQUIRED):
+                        return cls(2, {"unified": Path(mountpoint)})
+        raise BackendUnavailable(
+            "no cgroup hierarchy offers the memory, pids and cpu controllers; "
+            "limits cannot be enforced (see `sandlot doctor`)"
+        )
+
+    def describe(self) -> str:
+        where = ", ".join(f"{k}={v}" for k, v in sorted(self.roots.items()))
+        return f"cgroup v{self.version} ({where})"
+
+    def path(self, *parts: str) -> Cgroup:
+        """The cgroup at ``parts`` below each hierarchy's root (not created)."""
+        dirs = {name: root.joinpath(*parts) for name, root in self.roots.items()}
+        return Cgroup(self.version, dirs)
+
+    def of_process(self, pid: int) -> Cgroup:
+        """The cgroup ``pid`` is in (a container made by someone else, such as dockerd).
+
+        Raises:
+            OSError: the process is gone.
+        """
+        dirs: dict[str, Path] = {}
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            relative = path.lstrip("/")
+            if self.version == 2 and controllers == "":
+                dirs["unified"] = self.roots["unified"] / relative
+            for controller in controllers.split(","):
+                if controller in self.roots:
+                    dirs[controller] = self.roots[controller] / relative
+        return Cgroup(self.version, dirs)
+
+    def create(self, parts: tuple[str, ...], limits: CgroupLimits) -> Cgroup:
+        """Create the cgroup (and its parents), apply ``limits``, return it."""
+        if self.version == 2:
+            self._enable_v2_controllers(parts[:-1])
+        cgroup = self.path(*parts)
+        for d in {d.resolve() for d in cgroup.dirs.values()}:
+            d.mkdir(parents=True, exist_ok=True)
+        cgroup.apply(limits)
+        return cgroup
+
+    def _enable_v2_controllers(self, parents: tuple[str, ...]) -> None:
+        # In v2 a controller reaches a child only if every ancestor lists it in subtree_control.
+        current = self.roots["unified"]
+        wanted = " ".join(f"+{c}" for c in REQUIRED)
+        for part in ("", *parents):
+            current = current / part if part else current
+            current.mkdir(exist_ok=True)
+            control = current / "cgroup.subtree_control"
+            enabled = set(control.read_text().split())
+            if not all(c in enabled for c in REQUIRED):
+                try:
+                    control.write_text(wanted)
+                except OSError as exc:
+                    raise BackendUnavailable(
+                        f"cannot enable {wanted} in {control}: {exc}; the cgroup there holds "
+                        "processes. Set SANDBOX_CGROUP_ROOT to a cgroup you delegate to us"
+                    ) from exc
+
+    def children(self, *parts: str) -> list[str]:
+        """Names of the cgroups directly below ``parts`` in any hierarchy."""
+        names: set[str] = set()
+        for root in self.roots.values():
+            d = root.joinpath(*parts)
+            with contextlib.suppress(OSError):
+                names.update(p.name for p in d.iterdir() if p.is_dir())
+        return sorted(names)

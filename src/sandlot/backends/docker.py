@@ -1,0 +1,576 @@
+"""The docker backend: a container per sandbox, with runc or gVisor's runsc as its runtime.
+
+Each sandbox is a container made from its environment's image (built offline, see
+:mod:`sandlot.images`) with the seeds' hardening: no network, memory with swap equal to
+it, a CPU quota, a pids limit, a read-only root with only /workspace and /tmp writable, uid
+65534, every capability dropped, ``no-new-privileges`` and Docker's default seccomp profile.
+/workspace and /tmp live on the same size-capped ext4 image as in the bubblewrap backend.
+
+The container's pid 1 is a tiny shell loop that only reaps orphans; the guest agent is
+started next to it with an exec whose stdio we read through Docker's hijacked HTTP stream.
+Restarting the guest (after a kernel that would not stop, say) kills every process of the
+sandbox uid except pid 1, which costs one exec instead of a container restart.
+
+Killing the Docker *client* does not stop a container: every container carries our labels,
+:meth:`DockerBackend.stop` removes it by force and checks it is gone, and :meth:`sweep`
+removes any container of this data directory the store does not know.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import structlog
+
+from sandlot.backends.base import (
+    GUEST_PIDS_HEADROOM,
+    STDERR_TAIL_BYTES,
+    GuestSpec,
+    instance_of,
+)
+from sandlot.backends.cgroups import Cgroup, CgroupDriver
+from sandlot.backends.disk import (
+    disk_used_bytes,
+    loop_disks_available,
+    make_volume,
+    remove_volume,
+    volume_paths,
+)
+from sandlot.backends.dockerd import (
+    LABEL,
+    LABEL_ENVIRONMENT,
+    LABEL_INSTANCE,
+    LABEL_SANDBOX,
+    connect,
+)
+from sandlot.backends.guestfiles import GUEST_DIR_INSIDE, GUEST_PYTHON, install_guest
+from sandlot.config import Settings
+from sandlot.environments import Environment, get_environment
+from sandlot.errors import BackendUnavailable, ConfigError, SandboxError, SandboxStartError
+from sandlot.guest import launcher
+from sandlot.images import ensure_image
+from sandlot.models import ResourceUsage
+
+if TYPE_CHECKING:
+    import docker
+    from docker.models.containers import Container
+
+log = structlog.get_logger(__name__)
+
+SANDBOX_UID = 65534
+SANDBOX_USER = f"{SANDBOX_UID}:{SANDBOX_UID}"
+# pid 1 of every container: reaps the orphans reparented to it (dash's `wait` reaps any
+# child), and being pid 1 it ignores every signal from inside the container.
+REAPER = 'trap "" HUP INT TERM; while :; do sleep 2147483647 & wait; done'
+REAPER_PIDS = 2  # the loop and its sleep: not the user's to spend
+KILL_ALL = ["/bin/sh", "-c", "kill -9 -1; kill -9 -1"]  # all of the uid but pid 1 and us
+# gVisor's sentry runs the whole sandbox as host threads of one process, and those count
+# against the container's pids cgroup: a limit near the user's would kill the sandbox at
+# start. The host limit gets this headroom; the user's limit is RLIMIT_NPROC, which gVisor
+# enforces per sandbox (its uids are its own).
+RUNSC_PIDS_HEADROOM = 512
+# How the sentry (a Go program) exits when the host refuses it a thread: see _exit_cause.
+RUNSC_THREAD_EXHAUSTED = 2
+RUNTIMES = frozenset({"runc", "runsc"})
+KILL_TIMEOUT_S = 10.0
+END_WAIT_S = 5.0  # for Docker to notice that a container whose cgroup is gone has ended
+REMOVE_ATTEMPTS = 5
+
+
+def _socket_path() -> str:
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    if not host.startswith("unix://"):
+        raise BackendUnavailable(
+            f"DOCKER_HOST={host}: the docker backend streams the guest's stdio over the "
+            "daemon's unix socket; point DOCKER_HOST at a unix:// socket"
+        )
+    return host.removeprefix("unix://")
+
+
+class _ExecGuest:
+    """The guest's stdio over a hijacked ``POST /exec/{id}/start`` connection.
+
+    Docker multiplexes stdout and stderr on it in frames (an 8-byte header: stream, 0, 0, 0,
+    big-endian length); we demultiplex stdout into :attr:`reader` and keep stderr's tail.
+    """
+
+    def __init__(
+        self,
+        raw: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        exec_id: str,
+        api: Any,
+    ) -> None:
+        self.reader = asyncio.StreamReader(limit=1 << 20)
+        self.writer = writer
+        self.exec_id = exec_id
+        self._api = api
+        self._raw = raw
+        self._stderr_tail = bytearray()
+        self._demux_task = asyncio.create_task(self._demux())
+
+    async def _demux(self) -> None:
+        try:
+            while True:
+                header = await self._raw.readexactly(8)
+                size = int.from_bytes(header[4:8], "big")
+                payload = await self._raw.readexactly(size) if size else b""
+                if header[0] == 2:
+                    self._stderr_tail += payload
+                    del self._stderr_tail[:-STDERR_TAIL_BYTES]
+                else:
+                    self.reader.feed_data(payload)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            self.reader.feed_eof()
+
+    @property
+    def ended(self) -> bool:
+        return self._demux_task.done()
+
+    def stderr_tail(self) -> str:
+        return self._stderr_tail.decode("utf-8", "replace").strip()
+
+    def kill(self) -> None:
+        # Closing the stream is all a client can do; the backend kills what runs inside.
+        self.writer.transport.abort()
+
+    async def wait(self) -> int:
+        await self._demux_task
+        try:
+            info = await asyncio.to_thread(self._api.exec_inspect, self.exec_id)
+        except Exception:  # the container may be gone already
+            return -1
+        code = info.get("ExitCode")
+        return code if isinstance(code, int) else -1
+
+
+@dataclass
+class _Box:
+    sandbox_id: str
+    container_id: str
+    root: Path
+    workspace: Path
+    runtime: str
+    disk_capped: bool
+    cgroup: Cgroup | None = None
+    guest: _ExecGuest | None = None
+    # Limit hits of earlier incarnations of the container (a restart resets its cgroup).
+    oom_base: int = 0
+    pids_base: int = 0
+    # This incarnation's: the most its cgroup's counters showed (the counters vanish with
+    # the cgroup when the container ends), and what its end added, once Docker has told.
+    oom_seen: int = 0
+    pids_seen: int = 0
+    end_cause: str | None = None
+    end_known: bool = False
+
+    def oom_kills(self) -> int:
+        # Docker's OOMKilled says "an OOM kill happened in this incarnation", which the
+        # cgroup's counter may already have shown: the end adds at most one.
+        return self.oom_base + max(self.oom_seen, int(self.end_cause == "memory"))
+
+    def pids_limit_hits(self) -> int:
+        return self.pids_base + self.pids_seen + int(self.end_cause == "pids")
+
+
+class DockerBackend:
+    name: ClassVar[str] = "docker"
+    any_environment: ClassVar[bool] = True
+    runtimes: ClassVar[frozenset[str]] = RUNTIMES
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.data_dir = settings.data_dir.resolve()
+        self.instance = instance_of(self.data_dir)
+        self.sandboxes_dir = self.data_dir / "docker-sandboxes"
+        self._guest_dir = self.data_dir / "guest"
+        self._boxes: dict[str, _Box] = {}
+        self._client: docker.DockerClient | None = None
+        self._runtime_args: dict[str, list[str]] = {}
+        self._images_ok: set[str] = set()
+        self._cgroups: CgroupDriver | None = None
+        self._loop_ok = False
+        self._api_version = ""
+
+    # -- set-up
+
+    async def _ready(self) -> docker.DockerClient:
+        if self._client is None:
+            self._client = await asyncio.to_thread(self._connect)
+        return self._client
+
+    def _connect(self) -> docker.DockerClient:
+        if os.geteuid() != 0:
+            raise BackendUnavailable(
+                "the docker backend runs as root (it mounts each sandbox's size-capped "
+                "workspace); run as root, or choose another backend with SANDBOX_BACKEND"
+            )
+        _socket_path()
+        client = connect()
+        info = client.info()
+        self._runtime_args = {
+            name: list(spec.get("runtimeArgs") or []) if isinstance(spec, dict) else []
+            for name, spec in (info.get("Runtimes") or {}).items()
+        }
+        self._api_version = client.api.api_version
+        with contextlib.suppress(BackendUnavailable):
+            self._cgroups = CgroupDriver.detect()
+        self._loop_ok, why = loop_disks_available()
+        if not self._loop_ok:
+            log.warning("disk cap not enforced", reason=why)
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.sandboxes_dir.chmod(0o711)
+        install_guest(self._guest_dir, GUEST_PYTHON, GUEST_DIR_INSIDE)
+        return client
+
+    def _check_runtime(self, runtime: str, network: bool) -> None:
+        if runtime not in RUNTIMES:
+            raise ConfigError(f"unknown runtime {runtime!r}; choose one of: runc, runsc")
+        if runtime not in self._runtime_args:
+            raise BackendUnavailable(
+                f"the Docker daemon has no {runtime!r} runtime; for gVisor install Debian's "
+                "runsc and register it in /etc/docker/daemon.json (`make docker-setup` does "
+                "both; see the README's backend table)"
+            )
+        if runtime == "runsc" and network and "--network=none" in self._runtime_args[runtime]:
+            raise ConfigError(
+                "the runsc runtime is registered with --network=none, so network=True cannot "
+                "be honoured; use runtime='runc' for a sandbox with network"
+            )
+
+    # -- contract
+
+    async def start(self, spec: GuestSpec) -> _ExecGuest:
+        client = await self._ready()
+        box = self._boxes.get(spec.sandbox_id)
+        if box is None:
+            box = await self._provision(client, spec)
+        else:
+            await self._end_guest(box)
+        box.guest = await self._exec_guest(client, box, spec)
+        return box.guest
+
+    async def _provision(self, client: docker.DockerClient, spec: GuestSpec) -> _Box:
+        runtime = spec.runtime or self.settings.docker_runtime
+        self._check_runtime(runtime, spec.network)
+        env = get_environment(spec.environment, self.settings.registry_dir)
+        if env.name not in self._images_ok:
+            await ensure_image(env, client)
+            self._images_ok.add(env.name)
+        root = self.sandboxes_dir / spec.sandbox_id
+        workspace, _ = volume_paths(root)
+        box = _Box(spec.sandbox_id, "", root, workspace, runtime, self._loop_ok)
+        self._boxes[spec.sandbox_id] = box
+        try:
+            await make_volume(root, spec.limits.disk_mb, SANDBOX_UID, capped=self._loop_ok)
+            box.container_id = await asyncio.to_thread(
+                self._create_container, client, spec, env, box
+            )
+            await self._after_start(client, box)
+        except BaseException:
+            await self.stop(spec.sandbox_id)
+            raise
+        return box
+
+    def _create_container(
+        self, client: docker.DockerClient, spec: GuestSpec, env: Environment, box: _Box
+    ) -> str:
+        import docker.errors  # optional dependency
+        from docker.types import LogConfig, Mount, Ulimit
+
+        limits = spec.limits
+        memory = f"{limits.memory_mb}m"
+        pids = limits.pids + REAPER_PIDS
+        ulimits = []
+        if box.runtime == "runsc":
+            ulimits.append(Ulimit(name="nproc", soft=limits.pids, hard=limits.pids))
+            pids += RUNSC_PIDS_HEADROOM
+        workspace, tmp = volume_paths(box.root)
+        try:
+            container = client.containers.create(
+                env.image,
+                command=["/bin/sh", "-c", REAPER],
+                name=f"sandlot-{spec.sandbox_id}",
+                hostname="sandbox",
+                user=SANDBOX_USER,
+                working_dir="/workspace",
+                environment={"LANG": "C.UTF-8"},
+                network_mode="bridge" if spec.network else "none",
+                read_only=True,
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                mem_limit=memory,
+                memswap_limit=memory,
+                nano_cpus=int(limits.cpu_cores * 1e9),
+                pids_limit=pids,
+                ulimits=ulimits,
+                mounts=[
+                    Mount("/workspace", str(workspace), type="bind"),
+                    Mount("/tmp", str(tmp), type="bind"),
+                    Mount(GUEST_DIR_INSIDE, str(self._guest_dir), type="bind", read_only=True),
+                ],
+                labels={
+                    LABEL: "1",
+                    LABEL_INSTANCE: self.instance,
+                    LABEL_SANDBOX: spec.sandbox_id,
+                    LABEL_ENVIRONMENT: env.name,
+                },
+                runtime=box.runtime,
+                log_config=LogConfig(type="none"),
+            )
+            container.start()
+        except docker.errors.DockerException as exc:
+            raise SandboxStartError(
+                f"docker could not start the sandbox's container: {exc}"
+            ) from exc
+        return container.id or ""
+
+    async def _after_start(self, client: docker.DockerClient, box: _Box) -> None:
+        """Find the (new) container's cgroup, to read its limit hits and usage."""
+        container = await asyncio.to_thread(client.containers.get, box.container_id)
+        pid = container.attrs.get("State", {}).get("Pid") or 0
+        box.cgroup = None
+        box.oom_seen = box.pids_seen = 0
+        box.end_cause, box.end_known = None, False
+        if self._cgroups is not None and pid:
+            with contextlib.suppress(OSError, KeyError):
+                box.cgroup = self._cgroups.of_process(pid)
+
+    async def _exec_guest(
+        self, client: docker.DockerClient, box: _Box, spec: GuestSpec
+    ) -> _ExecGuest:
+        environment = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/workspace",
+            "LANG": "C.UTF-8",
+            **spec.env,
+            "SANDLOT_WORKSPACE": "/workspace",
+        }
+        argv = [GUEST_PYTHON, "-I", "-S", "-c", launcher(GUEST_DIR_INSIDE)]
+        try:
+            created = await asyncio.to_thread(
+                client.api.exec_create,
+                box.container_id,
+                argv,
+                stdin=True,
+                user=SANDBOX_USER,
+                environment=environment,
+                workdir="/workspace",
+            )
+        except Exception as exc:
+            raise SandboxStartError(f"docker could not start the guest: {exc}") from exc
+        exec_id = created["Id"]
+        raw, writer = await self._hijack(exec_id)
+        return _ExecGuest(raw, writer, exec_id, client.api)
+
+    async def _hijack(self, exec_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Start the exec on a connection of our own and keep it as the raw stdio stream.
+
+        Done by hand rather than with the SDK's ``socket=True`` because the SDK reads the
+        HTTP response through a buffer that may swallow the first bytes of the stream.
+        """
+        reader, writer = await asyncio.open_unix_connection(_socket_path(), limit=1 << 20)
+        body = json.dumps({"Detach": False, "Tty": False}).encode()
+        writer.write(
+            (
+                f"POST /v{self._api_version}/exec/{exec_id}/start HTTP/1.1\r\n"
+                "Host: docker\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
+            ).encode()
+            + body
+        )
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30.0)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            writer.close()
+            raise SandboxStartError(f"docker did not start the guest: {exc!r}") from exc
+        status = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+        if status not in (b"101", b"200"):
+            writer.close()
+            raise SandboxStartError(
+                f"docker refused to start the guest: {head.decode(errors='replace').strip()}"
+            )
+        return reader, writer
+
+    async def _end_guest(self, box: _Box) -> None:
+        """Kill the guest and everything the sandbox started, keeping the container."""
+        if box.guest is not None:
+            box.guest.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(box.guest.wait(), 5.0)
+            box.guest = None
+        client = await self._ready()
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self._kill_inside, client, box), KILL_TIMEOUT_S
+            )
+        except Exception as exc:
+            # A full pids table can refuse even our exec; restarting the container is sure.
+            log.info("restarting container", sandbox=box.sandbox_id, reason=repr(exc))
+            await self._restart_container(client, box)
+            return
+        if box.cgroup is not None:
+            await asyncio.to_thread(box.cgroup.wait_for_headroom, GUEST_PIDS_HEADROOM)
+
+    def _kill_inside(self, client: docker.DockerClient, box: _Box) -> None:
+        container = client.containers.get(box.container_id)
+        if container.status != "running":
+            raise SandboxError(f"container is {container.status}")
+        created = client.api.exec_create(box.container_id, KILL_ALL, user=SANDBOX_USER)
+        client.api.exec_start(created["Id"])
+        code = client.api.exec_inspect(created["Id"]).get("ExitCode")
+        if code not in (0, None):
+            raise SandboxError(f"kill exited {code}")
+
+    async def _restart_container(self, client: docker.DockerClient, box: _Box) -> None:
+        await self._observe(box, ended=True)
+        box.oom_base, box.pids_base = box.oom_kills(), box.pids_limit_hits()
+        container = await asyncio.to_thread(client.containers.get, box.container_id)
+        await asyncio.to_thread(container.restart, timeout=0)
+        await self._after_start(client, box)
+
+    async def stop(self, sandbox_id: str) -> None:
+        box = self._boxes.pop(sandbox_id, None)
+        if box is not None and box.guest is not None:
+            box.guest.kill()
+        client = await self._ready()
+        await asyncio.to_thread(self._remove_container, client, sandbox_id)
+        await remove_volume(box.root if box is not None else self.sandboxes_dir / sandbox_id)
+
+    def _remove_container(self, client: docker.DockerClient, sandbox_id: str) -> None:
+        """Remove the sandbox's container by force, and make sure it is gone."""
+        import docker.errors
+
+        for attempt in range(REMOVE_ATTEMPTS):
+            found = self._containers(client, sandbox_id)
+            if not found:
+                return
+            for container in found:
+                with contextlib.suppress(docker.errors.NotFound):
+                    try:
+                        container.remove(force=True, v=True)
+                    except docker.errors.APIError as exc:  # e.g. removal already in progress
+                        log.info("container removal retried", sandbox=sandbox_id, error=str(exc))
+            if attempt:
+                import time
+
+                time.sleep(0.2 * attempt)
+        if self._containers(client, sandbox_id):
+            raise SandboxError(
+                f"docker did not remove the container of {sandbox_id}; it will be swept at the "
+                "next start"
+            )
+
+    def _containers(self, client: docker.DockerClient, sandbox_id: str | None) -> list[Container]:
+        labels = [f"{LABEL_INSTANCE}={self.instance}"]
+        if sandbox_id is not None:
+            labels.append(f"{LABEL_SANDBOX}={sandbox_id}")
+        found: list[Container] = client.containers.list(all=True, filters={"label": labels})
+        return found
+
+    async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
+        box = self._boxes.get(sandbox_id)
+        if box is None:
+            return ResourceUsage()
+        usage = await self._observe(box, full=full)
+        usage.oom_kills = box.oom_kills()
+        usage.pids_limit_hits = box.pids_limit_hits()
+        if full and box.disk_capped:
+            usage.disk_used_bytes = disk_used_bytes(box.workspace)
+        return usage
+
+    async def _observe(
+        self, box: _Box, *, full: bool = False, ended: bool = False
+    ) -> ResourceUsage:
+        """Read the incarnation's cgroup into the box's counters; once its guest has ended
+        (or ``ended``: it is being restarted), learn from Docker how the container ended.
+
+        Under gVisor a limit can end the whole sandbox, and its cgroup, counters and all,
+        goes with it: a kill the cgroup showed before it went is kept in ``*_seen``, and
+        one it never showed is Docker's ``OOMKilled`` or the sentry's exit status.
+        """
+        usage = ResourceUsage()
+        if box.cgroup is not None:
+            if full:
+                usage = box.cgroup.usage()
+            else:
+                usage.oom_kills = box.cgroup.oom_kills()
+                usage.pids_limit_hits = box.cgroup.pids_limit_hits()
+            box.oom_seen = max(box.oom_seen, usage.oom_kills)
+            box.pids_seen = max(box.pids_seen, usage.pids_limit_hits)
+        guest_ended = box.guest is not None and box.guest.ended
+        if (ended or guest_ended) and not box.end_known:
+            box.end_known, box.end_cause = await self._end_of(box)
+        return usage
+
+    async def _end_of(self, box: _Box) -> tuple[bool, str | None]:
+        """Whether the container has ended (as far as Docker knows yet), and which limit
+        ended it, if one did.
+
+        The guest's stream can close before Docker has seen the container exit: when its
+        cgroup is already gone, the container is ending, and we wait for Docker to say so.
+        """
+        deadline = asyncio.get_running_loop().time() + END_WAIT_S
+        while True:
+            running, cause = await self._exit_cause(box)
+            if not running:
+                return True, cause
+            cgroup_gone = box.cgroup is not None and not any(
+                d.exists() for d in box.cgroup.dirs.values()
+            )
+            if not cgroup_gone or asyncio.get_running_loop().time() > deadline:
+                return False, None
+            await asyncio.sleep(0.05)
+
+    async def _exit_cause(self, box: _Box) -> tuple[bool, str | None]:
+        """Whether the container still runs, and which limit ended it if it does not.
+
+        A memory overrun shows as ``OOMKilled``. Under gVisor (ptrace platform) every
+        sandboxed process has host stub processes, which a fork bomb multiplies until the
+        host pids limit refuses the sentry a thread; Go's runtime then exits with status 2
+        (measured: within 2 s of `:(){ :|:& };:`, with RLIMIT_NPROC at 256 and the host
+        limit 770; without a host limit the stubs passed 5,000).
+        """
+        client = await self._ready()
+        try:
+            container = await asyncio.to_thread(client.containers.get, box.container_id)
+        except Exception:
+            return False, None  # gone: nothing more to learn
+        state = container.attrs.get("State", {})
+        if state.get("Running"):
+            return True, None
+        if state.get("OOMKilled"):
+            return False, "memory"
+        if box.runtime == "runsc" and state.get("ExitCode") == RUNSC_THREAD_EXHAUSTED:
+            return False, "pids"
+        return False, None
+
+    async def sweep(self, keep: Collection[str]) -> list[str]:
+        client = await self._ready()
+        keep_ids = set(keep) | set(self._boxes)
+        containers = await asyncio.to_thread(self._containers, client, None)
+        found = {c.labels.get(LABEL_SANDBOX, "") for c in containers} - {""}
+        with contextlib.suppress(FileNotFoundError):
+            found.update(p.name for p in self.sandboxes_dir.iterdir() if p.is_dir())
+        removed = sorted(found - keep_ids)
+        for sandbox_id in removed:
+            await self.stop(sandbox_id)
+        return removed
+
+    async def close(self) -> None:
+        for box in self._boxes.values():
+            if box.guest is not None:
+                box.guest.kill()
+        self._boxes.clear()
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)
+            self._client = None

@@ -1,0 +1,104 @@
+"""``unsafe-local``: the guest agent as a plain child process, with NO isolation.
+
+For unit tests of the manager and SDK, and for development on a machine without bubblewrap.
+It runs the very same guest program as every other backend, so everything but the walls
+(limits, namespaces, seccomp) behaves the same. Never point it at untrusted code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Collection
+from pathlib import Path
+from typing import ClassVar
+
+import structlog
+
+from sandlot.backends.base import GuestProcess, GuestSpec
+from sandlot.config import Settings
+from sandlot.guest import GUEST_SCRIPT, launcher
+from sandlot.models import ResourceUsage
+
+log = structlog.get_logger(__name__)
+
+
+class LocalBackend:
+    name: ClassVar[str] = "unsafe-local"
+    any_environment: ClassVar[bool] = False
+    runtimes: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, settings: Settings) -> None:
+        self.root = settings.data_dir.resolve() / "local-sandboxes"
+        self._guests: dict[str, GuestProcess] = {}
+
+    def _workspace(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id / "workspace"
+
+    async def start(self, spec: GuestSpec) -> GuestProcess:
+        old = self._guests.pop(spec.sandbox_id, None)
+        if old is not None:
+            await self._kill(old)
+        else:
+            log.warning("sandbox without isolation", backend=self.name, sandbox=spec.sandbox_id)
+        workspace = self._workspace(spec.sandbox_id)
+        workspace.mkdir(parents=True, exist_ok=True)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(workspace),
+            "LANG": "C.UTF-8",
+            "SANDLOT_WORKSPACE": str(workspace),
+            "SANDLOT_SHELL_STATE": str(workspace.parent / "shells"),
+            **spec.env,
+        }
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            launcher(str(GUEST_SCRIPT.parent)),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=workspace,
+            env=env,
+            start_new_session=True,
+            limit=1 << 20,
+        )
+        guest = GuestProcess(process)
+        self._guests[spec.sandbox_id] = guest
+        return guest
+
+    @staticmethod
+    async def _kill(guest: GuestProcess) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(guest.pid, signal.SIGKILL)
+        # Children that left the group (kernel, shells) are in their own sessions.
+        guest.kill()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(guest.wait(), 5.0)
+
+    async def stop(self, sandbox_id: str) -> None:
+        guest = self._guests.pop(sandbox_id, None)
+        if guest is not None:
+            await self._kill(guest)
+        await asyncio.to_thread(shutil.rmtree, self.root / sandbox_id, True)
+
+    async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
+        return ResourceUsage()
+
+    async def sweep(self, keep: Collection[str]) -> list[str]:
+        removed = []
+        with contextlib.suppress(FileNotFoundError):
+            for path in self.root.iterdir():
+                if path.name not in keep and path.name not in self._guests:
+                    await asyncio.to_thread(shutil.rmtree, path, True)
+                    removed.append(path.name)
+        return removed
+
+    async def close(self) -> None:
+        self._guests.clear()

@@ -1,0 +1,355 @@
+"""Settings: one model, one documented order of precedence.
+
+explicit argument > environment variable > ``.env`` file in the working directory > default.
+
+Names follow the seeds where they give one (``SANDBOX_TIMEOUT_SECONDS``,
+``SANDBOX_MEMORY_LIMIT_MB``); every other variable is listed in the README.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sandlot.errors import ConfigError
+from sandlot.models import ResolvedLimits, SandboxLimits
+
+
+def _default_data_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/sandlot")
+    return Path.home() / ".local" / "share" / "sandlot"
+
+
+def _env(name: str, field: str) -> AliasChoices:
+    return AliasChoices(field, name)
+
+
+# The project was called agent-sandbox: its own variables were AGENT_SANDBOX_*. They are read
+# for one more release (the new name wins when both are set), with a warning.
+OLD_PREFIX, NEW_PREFIX = "AGENT_SANDBOX_", "SANDLOT_"
+
+
+def _renamed(name: str, field: str) -> AliasChoices:
+    return AliasChoices(field, name, OLD_PREFIX + name.removeprefix(NEW_PREFIX))
+
+
+def warn_old_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Warn (FutureWarning) about AGENT_SANDBOX_* variables; return the names found."""
+    old = sorted(k for k in (os.environ if environ is None else environ) if k.startswith(OLD_PREFIX))
+    if old:
+        renames = ", ".join(f"{k} -> {NEW_PREFIX}{k.removeprefix(OLD_PREFIX)}" for k in old)
+        warnings.warn(
+            f"AGENT_SANDBOX_* variables are deprecated and will stop working in the next "
+            f"release; rename them: {renames}",
+            FutureWarning,
+            stacklevel=2,
+        )
+    return old
+
+
+class Settings(BaseSettings):
+    """Everything configurable, with the environment variable that sets it."""
+
+    model_config = SettingsConfigDict(
+        env_file=".env", extra="ignore", populate_by_name=True, case_sensitive=False
+    )
+
+    backend: str = Field(
+        default="bubblewrap",
+        validation_alias=_env("SANDBOX_BACKEND", "backend"),
+        description="Default backend for new sandboxes.",
+    )
+    environment: str = Field(
+        default="python3",
+        validation_alias=_env("SANDBOX_ENVIRONMENT", "environment"),
+        description="Default environment (a name from the YAML registry) for new sandboxes.",
+    )
+    docker_runtime: str = Field(
+        default="runc",
+        validation_alias=_env("SANDBOX_DOCKER_RUNTIME", "docker_runtime"),
+        description="Default OCI runtime of the docker backend: runc, or runsc for gVisor.",
+    )
+    registry_dir: Path | None = Field(
+        default=None,
+        validation_alias=_renamed("SANDLOT_REGISTRY_DIR", "registry_dir"),
+        description="A directory whose environments/*.yaml add to the shipped registry.",
+    )
+    allow_unsafe: bool = Field(
+        default=False,
+        validation_alias=_env("SANDBOX_ALLOW_UNSAFE", "allow_unsafe"),
+        description="Allow the unsafe-local backend (no isolation): tests and development only.",
+    )
+    timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_TIMEOUT_SECONDS", "timeout_s"),
+        description="Default per-call timeout of code and commands.",
+    )
+    memory_mb: int = Field(
+        default=256,
+        ge=16,
+        validation_alias=_env("SANDBOX_MEMORY_LIMIT_MB", "memory_mb"),
+        description="Memory limit of a sandbox (swap is not allowed on top).",
+    )
+    cpu_cores: float = Field(
+        default=0.5,
+        gt=0,
+        validation_alias=_env("SANDBOX_CPU_LIMIT", "cpu_cores"),
+        description="CPU quota of a sandbox in cores (0.5 = half of one core).",
+    )
+    pids: int = Field(
+        default=256,
+        ge=16,
+        validation_alias=_env("SANDBOX_PIDS_LIMIT", "pids"),
+        description="Most processes and threads alive at once in a sandbox.",
+    )
+    disk_mb: int = Field(
+        default=512,
+        ge=8,
+        validation_alias=_env("SANDBOX_DISK_LIMIT_MB", "disk_mb"),
+        description="Size cap of the writable /workspace.",
+    )
+    output_limit_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        le=8 << 20,
+        validation_alias=_env("SANDBOX_OUTPUT_LIMIT_BYTES", "output_limit_bytes"),
+        description="Bytes of each stream kept in a result (head and tail).",
+    )
+    output_file_limit_mb: int = Field(
+        default=100,
+        ge=1,
+        validation_alias=_env("SANDBOX_OUTPUT_FILE_LIMIT_MB", "output_file_limit_mb"),
+        description="A call whose stream passes this size is killed (kill_reason output_limit).",
+    )
+    network: bool = Field(
+        default=False,
+        validation_alias=_env("SANDBOX_NETWORK", "network"),
+        description="Give new sandboxes a network unless the caller says otherwise.",
+    )
+    ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_TTL_SECONDS", "ttl_s"),
+        description="Absolute lifetime of a sandbox.",
+    )
+    idle_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_IDLE_TIMEOUT_SECONDS", "idle_timeout_s"),
+        description="A sandbox with no call for this long is destroyed.",
+    )
+    artifact_retention_s: float = Field(
+        default=7 * 86_400,
+        gt=0,
+        validation_alias=_env("SANDBOX_ARTIFACT_RETENTION_SECONDS", "artifact_retention_s"),
+        description="Kept artifacts are deleted this long after they were kept.",
+    )
+    reaper_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_REAPER_INTERVAL_SECONDS", "reaper_interval_s"),
+        description="How often expired and idle sandboxes are looked for.",
+    )
+    max_memory_mb: int = Field(
+        default=8192,
+        ge=16,
+        validation_alias=_env("SANDBOX_MAX_MEMORY_MB", "max_memory_mb"),
+        description="Largest memory_mb a caller may ask for.",
+    )
+    max_cpu_cores: float = Field(
+        default=float(os.cpu_count() or 1),
+        gt=0,
+        validation_alias=_env("SANDBOX_MAX_CPU_CORES", "max_cpu_cores"),
+        description="Largest cpu_cores a caller may ask for (default: this host's cores).",
+    )
+    max_pids: int = Field(
+        default=4096,
+        ge=16,
+        validation_alias=_env("SANDBOX_MAX_PIDS", "max_pids"),
+        description="Largest pids a caller may ask for.",
+    )
+    max_disk_mb: int = Field(
+        default=8192,
+        ge=8,
+        validation_alias=_env("SANDBOX_MAX_DISK_MB", "max_disk_mb"),
+        description="Largest disk_mb a caller may ask for.",
+    )
+    max_output_file_limit_mb: int = Field(
+        default=1024,
+        ge=1,
+        validation_alias=_env("SANDBOX_MAX_OUTPUT_FILE_LIMIT_MB", "max_output_file_limit_mb"),
+        description="Largest output_file_limit_mb a caller may ask for.",
+    )
+    pool_size: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        validation_alias=_env("SANDBOX_POOL_SIZE", "pool_size"),
+        description="Sandboxes kept started with the default settings, so create is instant.",
+    )
+    pools: dict[str, int] = Field(
+        default_factory=dict,
+        validation_alias=_env("SANDBOX_POOLS", "pools"),
+        description=(
+            "Warm pools per backend, runtime and environment, as JSON: "
+            '{"docker:python3": 2, "docker+runsc:node": 1}. Keys are backend[+runtime][:env].'
+        ),
+    )
+    data_dir: Path = Field(
+        default_factory=_default_data_dir,
+        validation_alias=_renamed("SANDLOT_DATA_DIR", "data_dir"),
+        description="SQLite store, workspaces and kept artifacts.",
+    )
+    uid_base: int = Field(
+        default=200_000,
+        ge=1000,
+        validation_alias=_env("SANDBOX_UID_BASE", "uid_base"),
+        description="First host uid given to sandboxes (each sandbox gets its own).",
+    )
+    uid_count: int = Field(
+        default=10_000,
+        ge=1,
+        validation_alias=_env("SANDBOX_UID_COUNT", "uid_count"),
+        description="How many host uids from uid_base sandboxes may use.",
+    )
+    cgroup_root: str = Field(
+        default="sandlot",
+        validation_alias=_env("SANDBOX_CGROUP_ROOT", "cgroup_root"),
+        description="Cgroup (relative to each hierarchy's root) under which sandboxes live.",
+    )
+    api_host: str = Field(
+        default="127.0.0.1",
+        validation_alias=_env("API_HOST", "api_host"),
+        description="Address `sandlot serve` listens on.",
+    )
+    api_port: int = Field(
+        default=8000,
+        ge=0,
+        le=65535,
+        validation_alias=_env("API_PORT", "api_port"),
+        description="Port `sandlot serve` listens on.",
+    )
+    api_workers: int = Field(
+        default=1,
+        ge=1,
+        le=1,
+        validation_alias=_env("API_WORKERS", "api_workers"),
+        description="Server processes. Sandboxes live in the process that made them, so one "
+        "process serves a data directory; scale out with more hosts.",
+    )
+    auth_enabled: bool = Field(
+        default=True,
+        validation_alias=_env("SANDBOX_AUTH_ENABLED", "auth_enabled"),
+        description="Require API keys (`serve --no-auth` turns this off for local use).",
+    )
+    rate_limit_per_s: float = Field(
+        default=50.0,
+        gt=0,
+        validation_alias=_env("API_RATE_LIMIT_PER_SECOND", "rate_limit_per_s"),
+        description="Sustained requests per second allowed per API key.",
+    )
+    rate_limit_burst: int = Field(
+        default=100,
+        ge=1,
+        validation_alias=_env("API_RATE_LIMIT_BURST", "rate_limit_burst"),
+        description="Requests one API key may send at once above the sustained rate.",
+    )
+    tenant_max_sandboxes: int = Field(
+        default=10,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_SANDBOXES", "tenant_max_sandboxes"),
+        description="Default quota: live sandboxes per tenant.",
+    )
+    tenant_max_memory_mb: int = Field(
+        default=4096,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_MEMORY_MB", "tenant_max_memory_mb"),
+        description="Default quota: total memory_mb of a tenant's live sandboxes.",
+    )
+    max_upload_mb: int = Field(
+        default=100,
+        ge=1,
+        validation_alias=_env("API_MAX_UPLOAD_MB", "max_upload_mb"),
+        description="Largest file upload the server accepts.",
+    )
+    api_url: str | None = Field(
+        default=None,
+        validation_alias=_renamed("SANDLOT_URL", "api_url"),
+        description="SDK: use this server instead of embedded mode.",
+    )
+    api_key: str | None = Field(
+        default=None,
+        validation_alias=_renamed("SANDLOT_API_KEY", "api_key"),
+        description="SDK and CLI: the API key sent to the server.",
+    )
+    log_level: str = Field(default="INFO", validation_alias=_env("LOG_LEVEL", "log_level"))
+    log_format: Literal["console", "json"] = Field(
+        default="console", validation_alias=_env("LOG_FORMAT", "log_format")
+    )
+
+    def resolve_limits(self, limits: SandboxLimits | None) -> ResolvedLimits:
+        """Fill every unset field of ``limits`` from these settings."""
+        given = limits.model_dump(exclude_none=True) if limits else {}
+        defaults = {
+            "memory_mb": self.memory_mb,
+            "cpu_cores": self.cpu_cores,
+            "pids": self.pids,
+            "timeout_s": self.timeout_s,
+            "disk_mb": self.disk_mb,
+            "output_limit_bytes": self.output_limit_bytes,
+            "output_file_limit_mb": self.output_file_limit_mb,
+        }
+        resolved = ResolvedLimits(**(defaults | given))
+        ceilings = {
+            "memory_mb": ("max_memory_mb", "SANDBOX_MAX_MEMORY_MB"),
+            "cpu_cores": ("max_cpu_cores", "SANDBOX_MAX_CPU_CORES"),
+            "pids": ("max_pids", "SANDBOX_MAX_PIDS"),
+            "disk_mb": ("max_disk_mb", "SANDBOX_MAX_DISK_MB"),
+            "output_file_limit_mb": (
+                "max_output_file_limit_mb",
+                "SANDBOX_MAX_OUTPUT_FILE_LIMIT_MB",
+            ),
+        }
+        for name, (ceiling, env) in ceilings.items():
+            if getattr(resolved, name) > getattr(self, ceiling):
+                raise ConfigError(
+                    f"{name}={getattr(resolved, name)} is over this server's ceiling of "
+                    f"{getattr(self, ceiling)}; ask for less, or raise {env}"
+                )
+        return resolved
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment and ``.env``."""
+    warn_old_names()
+    return Settings()
+
+
+def make_limits(**values: object) -> SandboxLimits:
+    """Build :class:`SandboxLimits`, turning validation errors into a :class:`ConfigError`
+    whose message names the argument and the environment variable behind its default.
+
+    Raises:
+        ConfigError: a value is out of range or of the wrong type.
+    """
+    try:
+        return SandboxLimits.model_validate(values)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "?"
+            field = Settings.model_fields.get(name)
+            alias = field.validation_alias if field is not None else None
+            env = f" (default from {alias.choices[-1]})" if isinstance(alias, AliasChoices) else ""
+            problems.append(f"{name}={error.get('input')!r}: {error['msg']}{env}")
+        raise ConfigError("invalid sandbox limits: " + "; ".join(problems)) from None

@@ -1,0 +1,209 @@
+"""The one exception tree of sandlot.
+
+Every error this package raises derives from :class:`SandboxError`; each also inherits the
+built-in exception a caller would naturally catch, so ``except FileNotFoundError`` works on a
+file missing inside a sandbox.
+
+::
+
+    SandboxError
+    ├── ConfigError (ValueError)                 bad setting or argument; names the option
+    ├── InvalidRequest (ValueError)              a request the guest cannot act on (bad path)
+    ├── BackendUnavailable (RuntimeError)        this host cannot run the chosen backend
+    ├── SandboxNotFound (LookupError)            no such sandbox (or not yours)
+    ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
+    ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
+    ├── ImageBuildError (RuntimeError)           building an environment's image failed
+    ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
+    │   └── PidsExhausted                        the sandbox has no free process slot left
+    ├── AuthenticationError (PermissionError)    no API key, or an unknown or revoked one
+    ├── Forbidden (PermissionError)              the key's role may not do this
+    ├── QuotaExceeded (RuntimeError)             the tenant's live sandboxes or memory are at quota
+    ├── RateLimited (RuntimeError)               too many requests for this key; retry later
+    ├── RequestTooLarge (ValueError)             an upload over the size cap
+    ├── ProviderError (RuntimeError)             an LLM provider failed (HTTP error, timeout)
+    │   ├── ProviderAuthError (PermissionError)  the provider refused the API key
+    │   └── ProviderRateLimited                  the provider said 429 after our retries
+    ├── ModelOutputError (ValueError)            the model's reply did not fit the asked schema
+    └── SandboxFileError (OSError)
+        ├── SandboxFileNotFound (FileNotFoundError)
+        ├── PathOutsideWorkspace (PermissionError)
+        ├── SandboxPermissionError (PermissionError)
+        ├── SandboxIsADirectory (IsADirectoryError)
+        ├── SandboxNotADirectory (NotADirectoryError)
+        ├── SandboxFileExists (FileExistsError)
+        └── SandboxDiskFull (OSError)
+
+A crash, timeout or resource kill of *sandboxed code* is not an exception: it is an
+:class:`~sandlot.models.ExecResult` with ``exit_code``, ``error`` and ``kill_reason`` set.
+
+Each class has a stable ``code``; over the wire errors travel as ``{"code", "message"}`` and
+are mapped back with :func:`error_from_code`, an allow-list that never imports a class by name.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class SandboxError(Exception):
+    """Root of every sandlot error."""
+
+    code: ClassVar[str] = "sandbox_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(SandboxError, ValueError):
+    code = "invalid_config"
+
+
+class InvalidRequest(SandboxError, ValueError):
+    code = "invalid_request"
+
+
+class BackendUnavailable(SandboxError, RuntimeError):
+    code = "backend_unavailable"
+
+
+class SandboxNotFound(SandboxError, LookupError):
+    code = "sandbox_not_found"
+
+
+class SandboxNotRunning(SandboxError, RuntimeError):
+    code = "sandbox_not_running"
+
+
+class SandboxStartError(SandboxError, RuntimeError):
+    code = "sandbox_start_failed"
+
+
+class ImageBuildError(SandboxError, RuntimeError):
+    code = "image_build_failed"
+
+
+class GuestError(SandboxError, RuntimeError):
+    code = "guest_error"
+
+
+class AuthenticationError(SandboxError, PermissionError):
+    code = "unauthenticated"
+
+
+class Forbidden(SandboxError, PermissionError):
+    code = "forbidden"
+
+
+class QuotaExceeded(SandboxError, RuntimeError):
+    code = "quota_exceeded"
+
+
+class RateLimited(SandboxError, RuntimeError):
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTooLarge(SandboxError, ValueError):
+    code = "too_large"
+
+
+class PidsExhausted(GuestError):
+    code = "pids_exhausted"
+
+
+class ProviderError(SandboxError, RuntimeError):
+    """An LLM provider did not answer: an HTTP error, a time-out, a broken stream."""
+
+    code = "provider_error"
+
+
+class ProviderAuthError(ProviderError, PermissionError):
+    code = "provider_auth_failed"
+
+
+class ProviderRateLimited(ProviderError):
+    code = "provider_rate_limited"
+
+
+class ModelOutputError(SandboxError, ValueError):
+    """The model answered, but not with what was asked (no JSON, or JSON of the wrong shape)."""
+
+    code = "invalid_model_output"
+
+
+class SandboxFileError(SandboxError, OSError):
+    code = "file_error"
+
+
+class SandboxFileNotFound(SandboxFileError, FileNotFoundError):
+    code = "file_not_found"
+
+
+class PathOutsideWorkspace(SandboxFileError, PermissionError):
+    code = "path_outside_workspace"
+
+
+class SandboxPermissionError(SandboxFileError, PermissionError):
+    code = "permission_denied"
+
+
+class SandboxIsADirectory(SandboxFileError, IsADirectoryError):
+    code = "is_a_directory"
+
+
+class SandboxNotADirectory(SandboxFileError, NotADirectoryError):
+    code = "not_a_directory"
+
+
+class SandboxFileExists(SandboxFileError, FileExistsError):
+    code = "file_exists"
+
+
+class SandboxDiskFull(SandboxFileError):
+    code = "disk_full"
+
+
+_BY_CODE: dict[str, type[SandboxError]] = {
+    cls.code: cls
+    for cls in (
+        SandboxError,
+        ConfigError,
+        InvalidRequest,
+        BackendUnavailable,
+        SandboxNotFound,
+        SandboxNotRunning,
+        SandboxStartError,
+        ImageBuildError,
+        GuestError,
+        PidsExhausted,
+        AuthenticationError,
+        Forbidden,
+        QuotaExceeded,
+        RateLimited,
+        RequestTooLarge,
+        ProviderError,
+        ProviderAuthError,
+        ProviderRateLimited,
+        ModelOutputError,
+        SandboxFileError,
+        SandboxFileNotFound,
+        PathOutsideWorkspace,
+        SandboxPermissionError,
+        SandboxIsADirectory,
+        SandboxNotADirectory,
+        SandboxFileExists,
+        SandboxDiskFull,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> SandboxError:
+    """Build our exception for a wire ``code``; unknown codes become a plain SandboxError."""
+    cls = _BY_CODE.get(code, SandboxError)
+    error = cls(message)
+    return error

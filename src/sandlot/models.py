@@ -1,0 +1,156 @@
+"""Typed models shared by the manager, the backends, the SDK and (later) the API.
+
+:class:`ExecResult` is the one result schema for Python code and shell commands alike.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+KillReason = Literal["timeout", "memory", "pids", "output_limit", "cpu", "killed"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExecError(_Model):
+    """An exception raised by sandboxed Python code (never by sandlot itself)."""
+
+    type: str = Field(description="Exception class name, e.g. 'ZeroDivisionError'.")
+    message: str = Field(description="str() of the exception.")
+    traceback: str = Field(description="Formatted traceback, cell source lines included.")
+
+
+class ExecResult(_Model):
+    """What one run of code or of a shell command produced.
+
+    A crash, a timeout or a resource kill of the sandboxed program is reported here, not
+    raised: check :attr:`ok`, ``exit_code``, ``error`` and ``kill_reason``.
+    """
+
+    exit_code: int | None = Field(
+        description="0 on success. Python: 1 on an uncaught exception, the SystemExit code "
+        "otherwise. Shell: the command's status; 128+N when killed by signal N."
+    )
+    stdout: str = ""
+    stderr: str = ""
+    text: str | None = Field(
+        default=None,
+        description="repr() of the value of the last expression (Python only), like a "
+        "notebook cell; None when the cell ends in a statement or the value is None.",
+    )
+    error: ExecError | None = None
+    kill_reason: KillReason | None = Field(
+        default=None, description="Why the run was stopped, if it was stopped."
+    )
+    duration_ms: float = 0.0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    stdout_bytes: int = Field(default=0, description="Full size of stdout, kept or not.")
+    stderr_bytes: int = Field(default=0, description="Full size of stderr, kept or not.")
+    stdout_path: str | None = Field(
+        default=None, description="Where the full stdout was written inside the sandbox."
+    )
+    stderr_path: str | None = Field(
+        default=None, description="Where the full stderr was written inside the sandbox."
+    )
+    state_lost: bool = Field(
+        default=False,
+        description="The interpreter had to be restarted: variables and imports are gone.",
+    )
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.error is None and self.kill_reason is None
+
+
+class SandboxStatus(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    DESTROYED = "destroyed"
+    FAILED = "failed"
+
+
+class SandboxLimits(_Model):
+    """Resource limits of one sandbox. ``None`` fields take the server's settings."""
+
+    memory_mb: int | None = Field(default=None, ge=16, le=1_048_576)
+    cpu_cores: float | None = Field(default=None, gt=0, le=1024)
+    pids: int | None = Field(default=None, ge=16, le=1_000_000)
+    timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+    disk_mb: int | None = Field(default=None, ge=8, le=1_048_576)
+    # Kept head + tail travel in one protocol frame (64 MiB, JSON-escaped): 8 MiB at most.
+    output_limit_bytes: int | None = Field(default=None, ge=1024, le=8 << 20)
+    output_file_limit_mb: int | None = Field(default=None, ge=1, le=1_048_576)
+
+
+class ResolvedLimits(_Model):
+    """Limits with every field set (after settings were applied)."""
+
+    memory_mb: int
+    cpu_cores: float
+    pids: int
+    timeout_s: float
+    disk_mb: int
+    output_limit_bytes: int
+    output_file_limit_mb: int
+
+
+class Quota(_Model):
+    """What one owner (tenant) may hold at once."""
+
+    max_sandboxes: int = Field(ge=0)
+    max_memory_mb: int = Field(ge=0)
+
+
+class SandboxInfo(_Model):
+    id: str
+    backend: str
+    runtime: str | None = Field(
+        default=None, description="The OCI runtime (runc, runsc) of a docker sandbox."
+    )
+    environment: str = Field(default="python3", description="A name from the YAML registry.")
+    status: SandboxStatus
+    owner: str
+    limits: ResolvedLimits
+    network: bool
+    metadata: dict[str, str] = Field(default_factory=dict)
+    created_at: float = Field(description="Unix time, seconds.")
+    last_active_at: float
+    expires_at: float = Field(description="Absolute TTL deadline, Unix time.")
+    idle_timeout_s: float
+    ended_at: float | None = None
+    end_reason: str | None = Field(
+        default=None, description="user | ttl | idle | shutdown | recovered | failed"
+    )
+
+
+class FileInfo(_Model):
+    name: str
+    path: str = Field(description="Path relative to /workspace.")
+    type: Literal["file", "dir", "symlink", "other"]
+    size_bytes: int
+    mtime: float
+    mode: int
+
+
+class ArtifactInfo(_Model):
+    sandbox_id: str
+    path: str = Field(description="Path relative to /workspace/artifacts.")
+    size_bytes: int
+    sha256: str
+    created_at: float
+
+
+class ResourceUsage(_Model):
+    memory_bytes: int | None = None
+    memory_peak_bytes: int | None = None
+    pids: int | None = None
+    cpu_s: float | None = None
+    oom_kills: int = 0
+    pids_limit_hits: int = 0
+    disk_used_bytes: int | None = None

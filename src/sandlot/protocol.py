@@ -1,0 +1,166 @@
+"""Host side of the guest protocol: length-prefixed JSON frames over the guest's stdio.
+
+One :class:`GuestConnection` per live guest. Requests are multiplexed by id, so a file read
+can run while a long command streams its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from sandlot.errors import GuestError, SandboxError, error_from_code
+
+HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 64 << 20
+
+OutputCallback = Callable[[str], None]
+
+
+class GuestDied(GuestError):
+    """The guest process exited (or was killed) while calls were outstanding."""
+
+    code = "guest_died"
+
+
+class _Pending:
+    __slots__ = ("future", "on_stderr", "on_stdout")
+
+    def __init__(
+        self,
+        future: asyncio.Future[dict[str, Any]],
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+    ) -> None:
+        self.future = future
+        self.on_stdout = on_stdout
+        self.on_stderr = on_stderr
+
+
+class GuestConnection:
+    """Talks to one guest over a pair of byte streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._closed = False
+        self._task = asyncio.create_task(self._read_loop())
+        self.info: dict[str, Any] = {}
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        """Wait for the guest's hello frame; raises GuestDied if it exits first."""
+        self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        return self.info
+
+    async def request(
+        self,
+        op: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        call_id: int | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and wait for its result frame.
+
+        Raises:
+            GuestDied: the guest exited before answering.
+            SandboxError: the guest answered with an error frame (mapped by its code).
+        """
+        if self._closed:
+            raise GuestDied("the sandbox's guest process is not running")
+        call_id = call_id if call_id is not None else self.new_id()
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = _Pending(future, on_stdout, on_stderr)
+        message = {"id": call_id, "op": op, **(payload or {})}
+        if on_stdout is not None or on_stderr is not None:
+            message["stream"] = True
+        try:
+            await self._send(message)
+            return await future
+        finally:
+            self._pending.pop(call_id, None)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    async def notify(self, op: str, payload: dict[str, Any]) -> None:
+        """Send a request whose answer nobody waits for (cancel, shutdown)."""
+        if not self._closed:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self._send({"id": self.new_id(), "op": op, **payload})
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        data = json.dumps(message, separators=(",", ":")).encode()
+        self._writer.write(HEADER.pack(len(data)) + data)
+        try:
+            await self._writer.drain()
+        except (ConnectionError, RuntimeError) as exc:
+            self._fail_all(GuestDied(f"the guest stopped reading its input: {exc}"))
+            raise GuestDied("the sandbox's guest process is not running") from exc
+
+    async def _read_loop(self) -> None:
+        error: SandboxError = GuestDied("the sandbox's guest process exited")
+        try:
+            while True:
+                header = await self._reader.readexactly(HEADER.size)
+                (size,) = HEADER.unpack(header)
+                if size > MAX_FRAME_BYTES:
+                    error = GuestError(f"guest sent a {size}-byte frame; the protocol is broken")
+                    break
+                self._dispatch(json.loads(await self._reader.readexactly(size)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except (ValueError, KeyError) as exc:
+            error = GuestError(f"guest sent a malformed frame: {exc}")
+        finally:
+            self._fail_all(error)
+
+    def _dispatch(self, frame: dict[str, Any]) -> None:
+        event = frame.get("event")
+        if event == "ready":
+            if not self._ready.done():
+                self._ready.set_result(frame)
+            return
+        pending = self._pending.get(frame.get("id", -1))
+        if pending is None:
+            return  # an answer to a notify(), or to a call whose waiter was cancelled
+        if event == "stdout" and pending.on_stdout is not None:
+            pending.on_stdout(frame["data"])
+        elif event == "stderr" and pending.on_stderr is not None:
+            pending.on_stderr(frame["data"])
+        elif event == "result" and not pending.future.done():
+            pending.future.set_result(frame["result"])
+        elif event == "error" and not pending.future.done():
+            pending.future.set_exception(error_from_code(frame["code"], frame["message"]))
+
+    def _fail_all(self, error: SandboxError) -> None:
+        self._closed = True
+        if not self._ready.done():
+            self._ready.set_exception(error)
+            self._ready.exception()  # mark retrieved: nobody may be waiting any more
+        for pending in list(self._pending.values()):
+            if not pending.future.done():
+                pending.future.set_exception(error)
+
+    async def close(self) -> None:
+        """Ask the guest to exit, then stop reading."""
+        await self.notify("shutdown", {})
+        with contextlib.suppress(Exception):
+            self._writer.close()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+        self._fail_all(GuestDied("the sandbox was closed"))

@@ -1,0 +1,126 @@
+"""Seed 002's agent endpoints: ``POST /execute {"task": ...}`` and ``WS /stream``.
+
+The agent works through the SDK like any client: the server creates the sandbox for the
+caller (their quota, their audit trail), hands the agent an :class:`AsyncSandbox` attached
+to it, and destroys it when the task is done. ``POST /execute`` with seed 004's body
+(``session_id`` and ``command``) still runs a command; see :mod:`.compat`.
+
+``WS /stream``, client -> server, once per task::
+
+    {"task": "...", "mode": "loop" | "single" | "swarm", "max_attempts": 3}
+
+server -> client: ``{"type": "event", "event": {AgentEvent}}`` for each step (generate, code,
+execute, critique, vote), then ``{"type": "result", "result": {AgentResult}}``, or
+``{"type": "error", "error": {"code", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from typing import Any, Literal
+
+import structlog
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from pydantic import Field, ValidationError
+
+from sandlot.agent.models import AgentEvent, AgentResult
+from sandlot.errors import ConfigError, SandboxError
+from sandlot.server.auth import Principal
+from sandlot.server.deps import ServerState, state_of
+from sandlot.server.schemas import _Body
+
+log = structlog.get_logger(__name__)
+router = APIRouter(tags=["agent"])
+MAX_TASK_CHARS = 20_000
+
+
+class AgentTaskRequest(_Body):
+    task: str = Field(min_length=1, max_length=MAX_TASK_CHARS, description="What to build.")
+    mode: Literal["loop", "single", "swarm"] = "loop"
+    max_attempts: int | None = Field(default=None, ge=1, le=10)
+
+
+def _runtime(state: ServerState, max_attempts: int | None) -> Any:
+    from sandlot.agent.runtime import AgentRuntime
+
+    # One runtime (and so one loaded model) per server; attempts are per request.
+    runtime = state.agent_runtime
+    if runtime is None:
+        runtime = state.agent_runtime = AgentRuntime()
+    if max_attempts is None:
+        return runtime
+    return AgentRuntime(
+        runtime._provider or runtime.provider,
+        settings=runtime.settings,
+        max_attempts=max_attempts,
+    )
+
+
+async def run_task(
+    state: ServerState,
+    who: Principal,
+    body: AgentTaskRequest,
+    on_event: Any = None,
+) -> AgentResult:
+    """Create the caller's sandbox, run the task in it, destroy it."""
+    from sandlot.sandbox import AsyncSandbox
+
+    who.require_write()
+    runtime = _runtime(state, body.max_attempts)
+    info = await state.manager.create(owner=who.tenant, quota=state.quota_for(who))
+    try:
+        sandbox = await AsyncSandbox.connect(info.id, manager=state.manager)
+        result: AgentResult = await runtime.execute(
+            body.task, mode=body.mode, on_event=on_event, sandbox=sandbox
+        )
+        return result
+    finally:
+        with contextlib.suppress(SandboxError):
+            await state.manager.destroy(info.id, owner=who.owner_filter)
+
+
+async def execute_task(body: AgentTaskRequest, request: Request, who: Principal) -> AgentResult:
+    state = state_of(request)
+    async with state.audited(request, who, "agent.execute") as audit:
+        result = await run_task(state, who, body)
+        audit["status"] = result.status
+    return result
+
+
+@router.websocket("/stream")
+async def stream(websocket: WebSocket) -> None:
+    state: ServerState = websocket.app.state.sandbox
+    websocket.state.request_id = websocket.headers.get("x-request-id") or uuid.uuid4().hex
+    await websocket.accept()
+    try:
+        while True:
+            message = await websocket.receive_json()
+            await _one_task(websocket, state, message)
+    except WebSocketDisconnect:
+        return
+
+
+async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> None:
+    async def send_event(event: AgentEvent) -> None:
+        try:
+            await websocket.send_json({"type": "event", "event": event.model_dump(mode="json")})
+        except (RuntimeError, OSError) as exc:
+            # The client left: end the task (its sandbox is destroyed on the way out).
+            raise WebSocketDisconnect(1001) from exc
+
+    try:
+        # Every task is a request: the key is checked (revoked?) and rate-limited again.
+        who = state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
+        if not isinstance(message, dict):
+            raise ConfigError("each message must be a JSON object with a 'task'")
+        try:
+            body = AgentTaskRequest.model_validate(message)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid task message: {exc.errors(include_url=False)}") from exc
+        result = await run_task(state, who, body, on_event=send_event)
+        await websocket.send_json({"type": "result", "result": result.model_dump(mode="json")})
+    except SandboxError as exc:
+        await websocket.send_json(
+            {"type": "error", "error": {"code": exc.code, "message": exc.message}}
+        )

@@ -1,0 +1,195 @@
+"""The FastAPI application: ``create_app()`` builds it, ``sandlot serve`` runs it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import structlog
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sandlot import __version__
+from sandlot.config import Settings, get_settings
+from sandlot.errors import RateLimited, SandboxError
+from sandlot.manager import SandboxManager
+from sandlot.server import agent, compat, routes, stream
+from sandlot.server.auth import AuthStore
+from sandlot.server.deps import ServerState, error_response, state_of, status_of
+from sandlot.server.metrics import Metrics
+from sandlot.server.schemas import Health
+
+log = structlog.get_logger(__name__)
+
+READY_CACHE_S = 30.0
+
+
+def create_app(settings: Settings | None = None, manager: SandboxManager | None = None) -> FastAPI:
+    """The API, serving ``manager`` (by default a new one for ``settings``)."""
+    settings = settings or get_settings()
+    state = ServerState(settings=settings, manager=manager or SandboxManager(settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.manager.start()
+        state.auth = AuthStore(settings.data_dir / "sandlot.db")
+        state.metrics = Metrics(state.manager)
+        if not settings.auth_enabled:
+            log.warning(
+                "AUTH IS OFF: every request acts as the local admin; never expose this server",
+                host=settings.api_host,
+                port=settings.api_port,
+            )
+        try:
+            yield
+        finally:
+            if state.agent_runtime is not None:
+                await state.agent_runtime.aclose()
+            await state.manager.close()
+            state.auth.close()
+
+    app = FastAPI(
+        title="sandlot",
+        version=__version__,
+        summary="Isolated, stateful sandboxes for code that AI agents write.",
+        lifespan=lifespan,
+    )
+    app.state.sandbox = state
+    app.add_middleware(RequestContext, state=state)
+    app.add_exception_handler(SandboxError, _sandbox_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.include_router(routes.router)
+    app.include_router(stream.router)
+    app.include_router(compat.router)
+    app.include_router(agent.router)
+    _add_operational_routes(app)
+    return app
+
+
+def _add_operational_routes(app: FastAPI) -> None:
+    @app.get("/health", response_model=Health, tags=["operations"])
+    async def health(request: Request) -> Health:
+        """Liveness: the process answers."""
+        return Health(
+            status="ok", version=__version__, sandboxes_live=state_of(request).manager.live_count()
+        )
+
+    @app.get(
+        "/ready", response_model=Health, tags=["operations"], responses={503: {"model": Health}}
+    )
+    async def ready(request: Request) -> Response:
+        """Readiness: a real sandbox of the default backend started and ran code (cached 30 s)."""
+        state = state_of(request)
+        # One probe at a time, whoever asks: it starts a real sandbox, and /ready needs no key.
+        async with state.ready_lock:
+            checked_at, ok, detail = state.ready_cache
+            if time.monotonic() - checked_at > READY_CACHE_S:
+                ok, detail = await _probe(state)
+                state.ready_cache = (time.monotonic(), ok, detail)
+        body = Health(status="ready" if ok else "unavailable", version=__version__, detail=detail)
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["operations"], response_class=Response)
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics."""
+        registry = state_of(request).metrics
+        data = generate_latest(registry.registry) if registry else b""
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _probe(state: ServerState) -> tuple[bool, str]:
+    try:
+        info = await state.manager.create(owner="__readiness__", ttl_s=60)
+        try:
+            result = await state.manager.run_code(info.id, "1 + 1")
+        finally:
+            await state.manager.destroy(info.id, reason="readiness")
+    except SandboxError as exc:
+        return False, f"{exc.code}: {exc.message}"
+    if result.text != "2":
+        return False, f"probe sandbox answered {result.text!r}"
+    return True, f"{info.backend} started a sandbox and ran code"
+
+
+class RequestContext:
+    """Request id and per-route counts, as plain ASGI: Starlette's BaseHTTPMiddleware (what
+    ``@app.middleware("http")`` builds) costs about a millisecond a request in task hops."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = (
+            next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+            or uuid.uuid4().hex
+        )
+        scope.setdefault("state", {})["request_id"] = request_id
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                message["headers"] = headers
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.state.metrics is not None:
+                route = getattr(scope.get("route"), "path", "unmatched")
+                self.state.metrics.http_requests.labels(scope["method"], route, str(status)).inc()
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
+    status = status_of(exc)
+    headers = {}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if status >= 500:
+        log.warning("request failed", code=exc.code, error=exc.message)
+    return error_response(status, exc.code, exc.message, _request_id(request), **headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+    )
+    return error_response(
+        422, "invalid_request", problems or "invalid request", _request_id(request)
+    )
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, str(exc.detail), _request_id(request))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error", path=request.url.path)
+    return error_response(
+        500,
+        "internal_error",
+        "internal error; the request id is in the server log",
+        _request_id(request),
+    )

@@ -1,0 +1,174 @@
+"""The seeds' own endpoints, so users of those systems can move over unchanged.
+
+Seed 004 (Flask sandbox server): ``POST /create_session``, ``POST /execute`` (a bash command),
+``POST /cleanup``. Seed 001 (stateful sandbox system): ``/api/sessions`` and ``/api/e2b/...``.
+A "session" is a sandbox; its id is the sandbox id. ``provider: "docker"`` runs on the docker
+backend; a provider this server does not run (``e2b``) is served by the default backend, and
+the response says which backend that was. ``environment`` is a YAML registry name or alias
+(``Python3``, ``Node``, ``python:latest``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from sandlot.agent.models import AgentResult
+from sandlot.backends import KNOWN_BACKENDS
+from sandlot.models import FileInfo, SandboxInfo
+from sandlot.server.agent import AgentTaskRequest, execute_task
+from sandlot.server.auth import Principal
+from sandlot.server.deps import caller, state_of
+from sandlot.server.routes import ERRORS
+from sandlot.server.schemas import (
+    CreateSessionResponse,
+    LegacyExecuteRequest,
+    LegacyExecuteResponse,
+    SessionCodeRequest,
+    SessionCodeResponse,
+    SessionCreateRequest,
+    SessionCreateResponse,
+    SessionFileWrite,
+    SessionRef,
+    WrittenFile,
+)
+
+router = APIRouter(tags=["seed compatibility"], responses=ERRORS)
+Caller = Annotated[Principal, Depends(caller)]
+
+
+async def _create(
+    request: Request, who: Principal, backend: str | None = None, environment: str | None = None
+) -> SandboxInfo:
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.create", compat=True) as audit:
+        info = await state.manager.create(
+            backend=backend, environment=environment, owner=who.tenant, quota=state.quota_for(who)
+        )
+        audit["sandbox_id"] = info.id
+    return info
+
+
+async def _destroy(request: Request, who: Principal, session_id: str) -> SandboxInfo:
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.delete", session_id):
+        return await state.manager.destroy(session_id, owner=who.owner_filter)
+
+
+# ------------------------------------------------------------------ seed 004
+
+
+@router.post("/create_session", response_model=CreateSessionResponse)
+async def create_session(request: Request, who: Caller) -> CreateSessionResponse:
+    return CreateSessionResponse(session_id=(await _create(request, who)).id)
+
+
+@router.post("/execute", response_model=LegacyExecuteResponse | AgentResult)
+async def execute(
+    body: LegacyExecuteRequest | AgentTaskRequest, request: Request, who: Caller
+) -> LegacyExecuteResponse | AgentResult:
+    """Seed 002: ``{"task": ...}`` has the agent write and run code until it works (the
+    result records every attempt). Seed 004: ``{"session_id", "command"}`` runs a bash
+    command in that session's sandbox."""
+    if isinstance(body, AgentTaskRequest):
+        return await execute_task(body, request, who)
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.command", body.session_id):
+        r = await state.manager.run_command(
+            body.session_id, body.command, timeout_s=body.timeout_s, owner=who.owner_filter
+        )
+    return LegacyExecuteResponse(
+        exit_code=r.exit_code,
+        output=r.stdout + r.stderr,
+        stdout=r.stdout,
+        stderr=r.stderr,
+        kill_reason=r.kill_reason,
+    )
+
+
+@router.post("/cleanup")
+async def cleanup(body: SessionRef, request: Request, who: Caller) -> dict[str, str]:
+    await _destroy(request, who, body.session_id)
+    return {"status": "cleaned", "session_id": body.session_id}
+
+
+# ------------------------------------------------------------------ seed 001
+
+
+@router.post("/api/sessions", response_model=SessionCreateResponse)
+async def api_create_session(
+    body: SessionCreateRequest, request: Request, who: Caller
+) -> SessionCreateResponse:
+    backend = body.provider if body.provider in KNOWN_BACKENDS else None
+    info = await _create(request, who, backend, body.environment)
+    url = str(request.url_for("get_sandbox", sandbox_id=info.id))
+    return SessionCreateResponse(
+        session_id=info.id, sandbox_id=info.id, provider=info.backend, url=url
+    )
+
+
+@router.get("/api/sessions/{session_id}", response_model=SandboxInfo)
+async def api_get_session(session_id: str, request: Request, who: Caller) -> SandboxInfo:
+    return await state_of(request).manager.get(session_id, owner=who.owner_filter)
+
+
+@router.delete("/api/sessions/{session_id}", response_model=SandboxInfo)
+async def api_delete_session(
+    session_id: str,
+    request: Request,
+    who: Caller,
+    sandbox_id: Annotated[str | None, Query(description="Accepted for seed 001; ignored.")] = None,
+) -> SandboxInfo:
+    return await _destroy(request, who, session_id)
+
+
+@router.post("/api/e2b/execute", response_model=SessionCodeResponse)
+async def api_execute(
+    body: SessionCodeRequest, request: Request, who: Caller
+) -> SessionCodeResponse:
+    """Run Python in the session (seed 001's shape: stdout, stderr, results, artifacts)."""
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.run_code", body.session_id):
+        r = await state.manager.run_code(
+            body.session_id, body.code, timeout_s=body.timeout_s, owner=who.owner_filter
+        )
+    files: list[dict[str, Any]] = []
+    with contextlib.suppress(FileNotFoundError):  # no artifacts directory yet
+        files = await state.manager.list_files(
+            body.session_id, "artifacts", depth=8, owner=who.owner_filter
+        )
+    return SessionCodeResponse(
+        stdout=r.stdout,
+        stderr=r.stderr,
+        results=[r.text] if r.text is not None else [],
+        error=r.error.traceback or f"{r.error.type}: {r.error.message}" if r.error else None,
+        artifacts=[f["path"] for f in files if f["type"] == "file"],
+    )
+
+
+@router.get("/api/e2b/files/{session_id}", response_model=list[FileInfo])
+async def api_list_files(
+    session_id: str,
+    request: Request,
+    who: Caller,
+    path: Annotated[str, Query(max_length=4096)] = ".",
+) -> list[FileInfo]:
+    entries = await state_of(request).manager.list_files(session_id, path, owner=who.owner_filter)
+    return [FileInfo.model_validate(e) for e in entries]
+
+
+@router.post("/api/e2b/files", response_model=WrittenFile)
+async def api_write_file(body: SessionFileWrite, request: Request, who: Caller) -> WrittenFile:
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "file.write", body.session_id, path=body.path):
+        size = await state.manager.write_file(
+            body.session_id, body.path, body.content.encode(), owner=who.owner_filter
+        )
+    return WrittenFile(path=body.path, size_bytes=size)

@@ -1,0 +1,178 @@
+"""What every route shares: the server's state, the caller, audit, and error bodies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from fastapi import Request, WebSocket
+from fastapi.responses import JSONResponse
+
+from sandlot.config import Settings
+from sandlot.errors import (
+    AuthenticationError,
+    BackendUnavailable,
+    ConfigError,
+    Forbidden,
+    GuestError,
+    InvalidRequest,
+    ModelOutputError,
+    PathOutsideWorkspace,
+    ProviderError,
+    ProviderRateLimited,
+    QuotaExceeded,
+    RateLimited,
+    RequestTooLarge,
+    SandboxDiskFull,
+    SandboxError,
+    SandboxFileError,
+    SandboxFileExists,
+    SandboxFileNotFound,
+    SandboxIsADirectory,
+    SandboxNotADirectory,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SandboxPermissionError,
+    SandboxStartError,
+)
+from sandlot.manager import SandboxManager
+from sandlot.models import Quota
+from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore, Principal
+from sandlot.server.limits import RateLimiter
+from sandlot.server.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+HTTP_STATUS: dict[type[SandboxError], int] = {
+    AuthenticationError: 401,
+    Forbidden: 403,
+    SandboxPermissionError: 403,
+    SandboxNotFound: 404,
+    SandboxFileNotFound: 404,
+    PathOutsideWorkspace: 400,
+    ConfigError: 422,
+    InvalidRequest: 422,
+    RequestTooLarge: 413,
+    QuotaExceeded: 429,
+    RateLimited: 429,
+    SandboxNotRunning: 409,
+    SandboxIsADirectory: 409,
+    SandboxNotADirectory: 409,
+    SandboxFileExists: 409,
+    SandboxDiskFull: 507,
+    SandboxFileError: 400,  # any other file problem is about the path the client sent
+    BackendUnavailable: 503,
+    SandboxStartError: 503,
+    GuestError: 502,
+    # The agent's model is upstream of us: its failures are a bad gateway, not a bad request.
+    ProviderRateLimited: 503,
+    ProviderError: 502,
+    ModelOutputError: 502,
+}
+
+
+def status_of(error: SandboxError) -> int:
+    for cls in type(error).__mro__:
+        if cls in HTTP_STATUS:
+            return HTTP_STATUS[cls]
+    return 500
+
+
+def error_response(
+    status: int, code: str, message: str, request_id: str | None, **headers: str
+) -> JSONResponse:
+    # The request-id header itself is added by the RequestContext middleware.
+    body = {"error": {"code": code, "message": message, "request_id": request_id}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    manager: SandboxManager
+    auth: AuthStore | None = None
+    metrics: Metrics | None = None
+    limiter: RateLimiter = field(init=False)
+    ready_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
+    agent_runtime: Any = None  # the agent layer's AgentRuntime, made on the first task
+    ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)
+
+    def default_quota(self) -> Quota:
+        return Quota(
+            max_sandboxes=self.settings.tenant_max_sandboxes,
+            max_memory_mb=self.settings.tenant_max_memory_mb,
+        )
+
+    def quota_for(self, principal: Principal) -> Quota | None:
+        if not self.settings.auth_enabled or self.auth is None:
+            return None
+        return self.auth.quota(principal.tenant, self.default_quota())
+
+    def authenticate(self, headers: Any, query_key: str | None = None) -> Principal:
+        if not self.settings.auth_enabled:
+            principal = LOCAL_PRINCIPAL
+        else:
+            assert self.auth is not None
+            principal = self.auth.authenticate(_key_from(headers) or query_key)
+        self.limiter.check(principal.key_id)
+        return principal
+
+    @asynccontextmanager
+    async def audited(
+        self,
+        request: Request | WebSocket,
+        principal: Principal,
+        action: str,
+        sandbox_id: str | None = None,
+        **detail: Any,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Record ``action`` in the audit log with its outcome, whatever happens inside."""
+        extra: dict[str, Any] = {}
+        outcome = "ok"
+        try:
+            yield extra
+        except SandboxError as exc:
+            outcome = exc.code
+            raise
+        except BaseException:
+            outcome = "error"
+            raise
+        finally:
+            if self.auth is not None:
+                self.auth.audit(
+                    principal=principal,
+                    action=action,
+                    outcome=outcome,
+                    request_id=getattr(request.state, "request_id", None),
+                    sandbox_id=extra.get("sandbox_id", sandbox_id),
+                    detail={**detail, **{k: v for k, v in extra.items() if k != "sandbox_id"}},
+                )
+
+
+def _key_from(headers: Any) -> str | None:
+    authorization = headers.get("authorization")
+    if authorization and authorization.lower().startswith("bearer "):
+        key: str = authorization[7:].strip()
+        return key
+    api_key: str | None = headers.get("x-api-key")
+    return api_key
+
+
+def state_of(request: Request) -> ServerState:
+    state: ServerState = request.app.state.sandbox
+    return state
+
+
+async def caller(request: Request) -> Principal:
+    """FastAPI dependency: authenticate and rate-limit the request."""
+    principal = state_of(request).authenticate(request.headers)
+    request.state.principal = principal
+    structlog.contextvars.bind_contextvars(tenant=principal.tenant, key_id=principal.key_id)
+    return principal

@@ -1,0 +1,328 @@
+"""``/v1/sandboxes``: lifecycle, code, commands, files and artifacts."""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import FileResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.datastructures import UploadFile as StarletteUploadFile
+
+from sandlot.errors import InvalidRequest, RequestTooLarge
+from sandlot.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
+from sandlot.server.auth import Principal
+from sandlot.server.deps import caller, state_of
+from sandlot.server.schemas import (
+    CreateSandboxRequest,
+    ErrorBody,
+    RunCodeRequest,
+    RunCommandRequest,
+    TimeoutRequest,
+    WrittenFile,
+)
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
+}
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=ERRORS)
+Caller = Annotated[Principal, Depends(caller)]
+PathQuery = Annotated[
+    str,
+    Query(
+        min_length=1, max_length=4096, pattern=r"^[^\x00]*$", description="Relative to /workspace."
+    ),
+]
+UPLOAD_CHUNK_BYTES = 1 << 20
+
+
+@router.post("", status_code=201, response_model=SandboxInfo)
+async def create_sandbox(body: CreateSandboxRequest, request: Request, who: Caller) -> SandboxInfo:
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.create", backend=body.backend) as audit:
+        info = await state.manager.create(
+            backend=body.backend,
+            runtime=body.runtime,
+            environment=body.environment,
+            limits=body.limits(),
+            network=body.network,
+            env=body.env,
+            metadata=body.metadata,
+            owner=who.tenant,
+            ttl_s=body.ttl_s,
+            idle_timeout_s=body.idle_timeout_s,
+            quota=state.quota_for(who),
+        )
+        audit["sandbox_id"] = info.id
+    return info
+
+
+@router.get("", response_model=list[SandboxInfo])
+async def list_sandboxes(
+    request: Request, who: Caller, include_ended: bool = False
+) -> list[SandboxInfo]:
+    return await state_of(request).manager.list(owner=who.owner_filter, include_ended=include_ended)
+
+
+@router.get("/{sandbox_id}", response_model=SandboxInfo)
+async def get_sandbox(sandbox_id: str, request: Request, who: Caller) -> SandboxInfo:
+    return await state_of(request).manager.get(sandbox_id, owner=who.owner_filter)
+
+
+@router.delete("/{sandbox_id}", response_model=SandboxInfo)
+async def delete_sandbox(sandbox_id: str, request: Request, who: Caller) -> SandboxInfo:
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.delete", sandbox_id):
+        return await state.manager.destroy(sandbox_id, owner=who.owner_filter)
+
+
+@router.post("/{sandbox_id}/timeout", response_model=SandboxInfo)
+async def set_timeout(
+    sandbox_id: str, body: TimeoutRequest, request: Request, who: Caller
+) -> SandboxInfo:
+    who.require_write()
+    return await state_of(request).manager.extend(sandbox_id, body.ttl_s, owner=who.owner_filter)
+
+
+@router.get("/{sandbox_id}/usage", response_model=ResourceUsage)
+async def usage(sandbox_id: str, request: Request, who: Caller) -> ResourceUsage:
+    return await state_of(request).manager.usage(sandbox_id, owner=who.owner_filter)
+
+
+@router.post("/{sandbox_id}/code", response_model=ExecResult)
+async def run_code(
+    sandbox_id: str, body: RunCodeRequest, request: Request, who: Caller
+) -> Response:
+    """Run Python in the sandbox's persistent interpreter. A failing program is a 200."""
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.run_code", sandbox_id) as audit:
+        result = await state.manager.run_code(
+            sandbox_id, body.code, timeout_s=body.timeout_s, owner=who.owner_filter
+        )
+        audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
+    return _json(result)
+
+
+@router.post("/{sandbox_id}/commands", response_model=ExecResult)
+async def run_command(
+    sandbox_id: str, body: RunCommandRequest, request: Request, who: Caller
+) -> Response:
+    """Run a bash command; ``cd`` and ``export`` persist within ``session``."""
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.command", sandbox_id) as audit:
+        result = await state.manager.run_command(
+            sandbox_id,
+            body.command,
+            session=body.session,
+            timeout_s=body.timeout_s,
+            env=body.env,
+            cwd=body.cwd,
+            input=body.input,
+            owner=who.owner_filter,
+        )
+        audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
+    return _json(result)
+
+
+def _json(model: BaseModel) -> Response:
+    """Our own model, already valid: serialize once instead of FastAPI validating it again
+    (``response_model`` still documents it in the OpenAPI document)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+# ---------------------------------------------------------------- files
+
+
+@router.get("/{sandbox_id}/files", response_model=list[FileInfo])
+async def list_files(
+    sandbox_id: str,
+    request: Request,
+    who: Caller,
+    path: Annotated[str, Query(max_length=4096)] = ".",
+    depth: Annotated[int, Query(ge=1, le=32)] = 1,
+) -> list[FileInfo]:
+    entries = await state_of(request).manager.list_files(
+        sandbox_id, path, depth=depth, owner=who.owner_filter
+    )
+    return [FileInfo.model_validate(e) for e in entries]
+
+
+@router.get("/{sandbox_id}/files/stat", response_model=FileInfo)
+async def stat_file(sandbox_id: str, path: PathQuery, request: Request, who: Caller) -> FileInfo:
+    entry = await state_of(request).manager.stat_file(sandbox_id, path, owner=who.owner_filter)
+    return FileInfo.model_validate(entry)
+
+
+@router.get(
+    "/{sandbox_id}/files/content",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
+async def download_file(
+    sandbox_id: str, path: PathQuery, request: Request, who: Caller
+) -> StreamingResponse:
+    """Stream a file out of the sandbox."""
+    chunks = state_of(request).manager.read_file_chunks(sandbox_id, path, owner=who.owner_filter)
+    # Pull the first chunk now, so a missing file is a 404 rather than a broken stream.
+    first = await anext(chunks, b"")
+
+    async def body() -> AsyncIterator[bytes]:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return StreamingResponse(
+        body(),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": _attachment(path.rsplit("/", 1)[-1])},
+    )
+
+
+def _attachment(name: str) -> str:
+    """RFC 6266 header for any file name: an ASCII fallback plus the exact UTF-8 name."""
+    fallback = "".join(
+        c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in name
+    )
+    return (
+        f"attachment; filename=\"{fallback}\"; filename*=utf-8''{urllib.parse.quote(name, safe='')}"
+    )
+
+
+@router.put("/{sandbox_id}/files/content", response_model=WrittenFile)
+async def upload_raw(
+    sandbox_id: str, path: PathQuery, request: Request, who: Caller
+) -> WrittenFile:
+    """Upload the raw request body to ``path``, streamed (never held whole in memory)."""
+    who.require_write()
+    state = state_of(request)
+    limit = _upload_limit(request)
+    async with state.audited(request, who, "file.write", sandbox_id, path=path) as audit:
+        size = await state.manager.write_file_chunks(
+            sandbox_id, path, request.stream(), max_bytes=limit, owner=who.owner_filter
+        )
+        audit["size_bytes"] = size
+    return WrittenFile(path=path, size_bytes=size)
+
+
+MULTIPART_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/{sandbox_id}/files",
+    response_model=WrittenFile,
+    status_code=201,
+    openapi_extra=MULTIPART_BODY,
+)
+async def upload_multipart(
+    sandbox_id: str, path: PathQuery, request: Request, who: Caller
+) -> WrittenFile:
+    """Upload a multipart form's ``file`` field to ``path``.
+
+    The form is parsed here, after the key and the declared size were checked: declared as a
+    parameter, FastAPI would spool the whole body to disk before authenticating anyone.
+    """
+    who.require_write()
+    state = state_of(request)
+    limit = _upload_limit(request, required=True)
+    form = await request.form(max_files=1, max_fields=4)
+    upload = form.get("file")
+    if not isinstance(upload, StarletteUploadFile):
+        raise InvalidRequest("send the file as the multipart field 'file'")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        while chunk := await upload.read(UPLOAD_CHUNK_BYTES):
+            yield chunk
+
+    try:
+        async with state.audited(request, who, "file.write", sandbox_id, path=path) as audit:
+            size = await state.manager.write_file_chunks(
+                sandbox_id, path, chunks(), max_bytes=limit, owner=who.owner_filter
+            )
+            audit["size_bytes"] = size
+    finally:
+        await form.close()
+    return WrittenFile(path=path, size_bytes=size)
+
+
+def _upload_limit(request: Request, required: bool = False) -> int:
+    limit = state_of(request).settings.max_upload_mb * 1024 * 1024
+    declared = request.headers.get("content-length")
+    if required and (declared is None or not declared.isdigit()):
+        raise RequestTooLarge("a multipart upload needs a Content-Length; or PUT the raw bytes")
+    if declared is not None and declared.isdigit() and int(declared) > limit + 64 * 1024:
+        raise RequestTooLarge(
+            f"upload of {declared} bytes is over {limit} bytes; raise API_MAX_UPLOAD_MB"
+        )
+    return limit
+
+
+@router.post("/{sandbox_id}/directories", response_model=FileInfo, status_code=201)
+async def make_dir(sandbox_id: str, path: PathQuery, request: Request, who: Caller) -> FileInfo:
+    """Create a directory (and its parents)."""
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "file.mkdir", sandbox_id, path=path):
+        await state.manager.make_dir(sandbox_id, path, owner=who.owner_filter)
+    entry = await state.manager.stat_file(sandbox_id, path, owner=who.owner_filter)
+    return FileInfo.model_validate(entry)
+
+
+@router.delete("/{sandbox_id}/files", status_code=204)
+async def delete_file(
+    sandbox_id: str, path: PathQuery, request: Request, who: Caller, recursive: bool = False
+) -> Response:
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "file.delete", sandbox_id, path=path):
+        await state.manager.remove_file(
+            sandbox_id, path, recursive=recursive, owner=who.owner_filter
+        )
+    return Response(status_code=204)
+
+
+# ---------------------------------------------------------------- artifacts
+
+
+@router.get("/{sandbox_id}/artifacts", response_model=list[ArtifactInfo])
+async def list_artifacts(sandbox_id: str, request: Request, who: Caller) -> list[ArtifactInfo]:
+    """Files the sandbox left in /workspace/artifacts, kept after it was destroyed."""
+    return await state_of(request).manager.list_artifacts(sandbox_id, owner=who.owner_filter)
+
+
+@router.get("/{sandbox_id}/artifacts/{path:path}", response_class=FileResponse)
+async def download_artifact(
+    sandbox_id: str, path: str, request: Request, who: Caller
+) -> FileResponse:
+    host_path = await state_of(request).manager.artifact_path(
+        sandbox_id, path, owner=who.owner_filter
+    )
+    return FileResponse(host_path, filename=path.rsplit("/", 1)[-1])
+
+
+@router.delete("/{sandbox_id}/artifacts", status_code=204)
+async def delete_artifacts(sandbox_id: str, request: Request, who: Caller) -> Response:
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "artifacts.delete", sandbox_id):
+        await state.manager.delete_artifacts(sandbox_id, owner=who.owner_filter)
+    return Response(status_code=204)
