@@ -46,7 +46,7 @@ from sandlot.models import (
 )
 from sandlot.sandbox import AsyncSandbox, Sandbox
 
-__version__ = "0.1.0"
+from sandlot._version import __version__
 
 __all__ = [
     "AgentRuntime",

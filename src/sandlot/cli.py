@@ -147,7 +147,7 @@ def exec_command(
 @app.command()
 def version() -> None:
     """Print the version."""
-    from sandlot import __version__
+    from sandlot._version import __version__
 
     typer.echo(__version__)
 

@@ -22,7 +22,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from sandlot import __version__
+from sandlot._version import __version__
 from sandlot.errors import ConfigError, SandboxError, error_from_code
 from sandlot.models import ExecResult, ResourceUsage, SandboxInfo, SandboxLimits
 from sandlot.protocol import OutputCallback

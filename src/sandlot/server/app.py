@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sandlot import __version__
+from sandlot._version import __version__
 from sandlot.config import Settings, get_settings
 from sandlot.errors import RateLimited, SandboxError
 from sandlot.manager import SandboxManager

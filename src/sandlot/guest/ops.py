@@ -1,0 +1,40 @@
+"""The guest protocol's names, written once: the operations the host may ask for and the
+events the guest sends back.
+
+Standard library only and Python >= 3.9: this file is shipped into every sandbox beside
+``supervisor.py``, which dispatches on :class:`Op`; the host (``sandlot.core.guest_link``)
+sends the same members. Both are ``str`` enums, so a frame carries the plain name.
+"""
+
+from enum import Enum
+
+# Sent in the "ready" event; the host refuses a guest that speaks another version.
+PROTOCOL_VERSION = 1
+
+
+class Op(str, Enum):
+    """A request the host sends (``{"id": N, "op": <Op>, ...}``)."""
+
+    PING = "ping"
+    CANCEL = "cancel"  # stop the call ``target``
+    STDIN = "stdin"  # bytes (base64) for the running command ``target``
+    EXEC_CODE = "exec_code"
+    EXEC_SHELL = "exec_shell"
+    CLOSE_SESSION = "close_session"
+    FILE_READ = "file_read"
+    FILE_WRITE = "file_write"
+    FILE_LIST = "file_list"
+    FILE_STAT = "file_stat"
+    FILE_REMOVE = "file_remove"
+    FILE_MKDIR = "file_mkdir"
+    SHUTDOWN = "shutdown"  # handled by the read loop itself: the guest exits
+
+
+class Event(str, Enum):
+    """What the guest sends (``{"id": N, "event": <Event>, ...}``)."""
+
+    READY = "ready"  # id 0, once, before anything else
+    STDOUT = "stdout"
+    STDERR = "stderr"
+    RESULT = "result"
+    ERROR = "error"
