@@ -19,7 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sandlot import SandboxManager, Settings
 from bench_core import (
     BASELINE,
     Recorder,
@@ -27,6 +26,7 @@ from bench_core import (
     render_table,
     write_section,
 )
+from sandlot import RunCode, SandboxManager, SandboxSpec, Settings
 
 SECTION_TITLE = "## Backends: bubblewrap, docker, docker + gVisor, docker warm pool"
 TARGETS = {  # label -> create() arguments
@@ -43,7 +43,7 @@ async def _execs(rec: Recorder, manager: SandboxManager, label: str, sandbox_id:
     a series of its own; the rest are the steady-state round trip."""
     for i in range(EXECS_PER_ROUND):
         started = time.perf_counter()
-        result = await manager.run_code(sandbox_id, "1 + 1")
+        result = await manager.run_code(sandbox_id, RunCode(code="1 + 1"))
         rec.add(f"{label}:{'first' if i == 0 else 'exec'}", time.perf_counter() - started)
         if result.text != "2":
             raise RuntimeError(f"{label}: unexpected result {result}")
@@ -51,7 +51,7 @@ async def _execs(rec: Recorder, manager: SandboxManager, label: str, sandbox_id:
 
 async def _cycle(rec: Recorder, manager: SandboxManager, label: str, args: dict[str, str]) -> None:
     started = time.perf_counter()
-    info = await manager.create(**args)  # type: ignore[arg-type]
+    info = await manager.create(SandboxSpec(**args))
     rec.add(f"{label}:create", time.perf_counter() - started)
     try:
         await _execs(rec, manager, label, info.id)

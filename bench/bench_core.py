@@ -58,7 +58,7 @@ for _var in list(os.environ):
         del os.environ[_var]
 
 from sandlot import SandboxManager, Settings  # noqa: E402
-from sandlot.models import SandboxLimits  # noqa: E402
+from sandlot.requests import RunCode, RunCommand, SandboxSpec  # noqa: E402
 
 SECTION_TITLE = "## Core: create, exec, destroy (embedded mode)"
 FILE_INTRO = (
@@ -208,13 +208,12 @@ async def create_cycle(
     series: str | None = None,
 ) -> None:
     """create, first run_code and destroy of one fresh sandbox."""
-    limits = SandboxLimits(cpu_cores=cores) if cores is not None else None
     t0 = time.perf_counter()
-    info = await manager.create(backend=backend, limits=limits)
+    info = await manager.create(SandboxSpec(backend=backend, cpu_cores=cores))
     backend = series or backend
     try:
         t1 = time.perf_counter()
-        result = await manager.run_code(info.id, "print(1)")
+        result = await manager.run_code(info.id, RunCode(code="print(1)"))
         t2 = time.perf_counter()
         if result.stdout != "1\n" or not result.ok:
             raise BenchError(f"{backend}: print(1) gave {result!r}")
@@ -242,7 +241,7 @@ async def pool_cycle(manager: SandboxManager, rec: Recorder, backend: str) -> No
 async def exec_calls(manager: SandboxManager, rec: Recorder, backend: str, sid: str) -> None:
     for _ in range(EXEC_BLOCK):
         started = time.perf_counter()
-        result = await manager.run_code(sid, "1")
+        result = await manager.run_code(sid, RunCode(code="1"))
         rec.add(_key(backend, "exec"), time.perf_counter() - started)
         if result.text != "1" or not result.ok:
             raise BenchError(f"{backend}: run_code('1') gave {result!r}")
@@ -251,7 +250,7 @@ async def exec_calls(manager: SandboxManager, rec: Recorder, backend: str, sid: 
 async def command_calls(manager: SandboxManager, rec: Recorder, backend: str, sid: str) -> None:
     for _ in range(COMMAND_BLOCK):
         started = time.perf_counter()
-        result = await manager.run_command(sid, "true")
+        result = await manager.run_command(sid, RunCommand(command="true"))
         rec.add(_key(backend, "command"), time.perf_counter() - started)
         if not result.ok:
             raise BenchError(f"{backend}: run_command('true') gave {result!r}")
@@ -284,9 +283,11 @@ async def run_round(
     live: dict[str, str] = {}
     try:
         for name in (backend, LOCAL_BACKEND):
-            info = await manager.create(backend=name)
+            info = await manager.create(SandboxSpec(backend=name))
             live[name] = info.id
-            await manager.run_code(info.id, "print(1)")  # the kernel is warm from here on
+            await manager.run_code(
+                info.id, RunCode(code="print(1)")
+            )  # the kernel is warm from here on
         names = list(live)
         for block in range(max(1, args.exec_calls // EXEC_BLOCK)):
             for name in _rotated(names, block):

@@ -69,8 +69,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from sandlot import SandboxManager, Settings  # noqa: E402
-from sandlot.server.auth import AuthStore  # noqa: E402
 from bench.bench_core import (  # noqa: E402
     Stats,
     _ms,
@@ -80,6 +78,8 @@ from bench.bench_core import (  # noqa: E402
     percentile,
     write_section,
 )
+from sandlot import RunCode, SandboxManager, Settings  # noqa: E402
+from sandlot.server.auth import AuthStore  # noqa: E402
 
 SECTION_TITLE = "## Server: HTTP exec round trip and 50-client concurrency"
 EXEC_TARGET_MS = 3.0
@@ -259,7 +259,7 @@ async def single_client_blocks(
     async def embedded_block() -> None:
         for _ in range(BLOCK):
             started = time.perf_counter()
-            result = await manager.run_code(local_sid, "1")
+            result = await manager.run_code(local_sid, RunCode(code="1"))
             res.add(EMBEDDED_EXEC, time.perf_counter() - started)
             _check("run_code('1')", result.text == "1" and result.ok, result)
 

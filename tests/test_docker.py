@@ -15,6 +15,7 @@ import pytest
 from sandlot import ConfigError, Sandbox, SandboxManager, SandboxStatus
 from sandlot._portal import get_portal
 from sandlot.backends.dockerd import LABEL_INSTANCE, LABEL_SANDBOX, connect
+from sandlot.requests import RunCode, SandboxSpec
 from tests import leaks
 from tests.conftest import EXTRA_TARGETS, LiveServer, make_settings
 from tests.test_cli import _run as run_cli
@@ -153,8 +154,8 @@ def test_kill_9_of_the_server_with_10_docker_sandboxes(data_root: Path, client: 
                 assert (info.status, info.end_reason) == (SandboxStatus.DESTROYED, "recovered")
             assert _ours(client, data_dir) == []  # zero containers the store does not know
             assert not any((data_dir / "docker-sandboxes").iterdir())
-            fresh = await mgr.create(backend="docker")
-            assert (await mgr.run_code(fresh.id, "6 * 7")).text == "42"
+            fresh = await mgr.create(SandboxSpec(backend="docker"))
+            assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
 
     asyncio.run(restart())
     assert _ours(client, data_dir) == []
@@ -176,11 +177,11 @@ def test_pools_per_environment_refill_and_survive_a_crash(data_root: Path, clien
                 await asyncio.sleep(0.1)
             assert len(_ours(client, data_dir)) == 3  # never more than the pools' sizes
             pooled = {c.labels[LABEL_SANDBOX] for c in _ours(client, data_dir)}
-            info = await mgr.create(backend="docker")
+            info = await mgr.create(SandboxSpec(backend="docker"))
             assert info.id in pooled, "create did not take a pooled container"
-            gvisor = await mgr.create(backend="docker", runtime="runsc")
+            gvisor = await mgr.create(SandboxSpec(backend="docker", runtime="runsc"))
             assert gvisor.id in pooled and gvisor.runtime == "runsc"
-            assert (await mgr.run_code(gvisor.id, "1 + 1")).text == "2"
+            assert (await mgr.run_code(gvisor.id, RunCode(code="1 + 1"))).text == "2"
             while mgr.pooled_count() < 3:  # refilled in the background
                 assert time.monotonic() < deadline, "pools did not refill"
                 await asyncio.sleep(0.1)

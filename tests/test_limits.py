@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sandlot import ConfigError, Sandbox, SandboxManager
+from sandlot.requests import SandboxSpec
 from tests.conftest import placement
 
 
@@ -186,7 +187,7 @@ def test_unsafe_backend_is_refused_unless_allowed(data_root: Path) -> None:
         settings = make_settings(data_root / "no-unsafe", allow_unsafe=False)
         async with SandboxManager(settings) as mgr:
             with pytest.raises(ConfigError, match="SANDBOX_ALLOW_UNSAFE"):
-                await mgr.create(backend="unsafe-local")
+                await mgr.create(SandboxSpec(backend="unsafe-local"))
 
     (data_root / "no-unsafe").mkdir()
     asyncio.run(scenario())

@@ -17,6 +17,7 @@ from sandlot import (
     SandboxNotRunning,
     SandboxStatus,
 )
+from sandlot.requests import RunCode, RunCommand, SandboxSpec, SetTimeout, WriteFile, build
 from tests.conftest import make_settings
 
 pytestmark = pytest.mark.asyncio
@@ -31,21 +32,21 @@ def data_dir(data_root: Path, request: pytest.FixtureRequest) -> Path:
 
 async def test_ttl_expiry_destroys_sandbox(data_dir: Path) -> None:
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
-        info = await mgr.create(ttl_s=0.3)
+        info = await mgr.create(SandboxSpec(ttl_s=0.3))
         await asyncio.sleep(1.0)
         after = await mgr.get(info.id)
         assert after.status == SandboxStatus.DESTROYED
         assert after.end_reason == "ttl"
         with pytest.raises(SandboxNotRunning, match="ttl"):
-            await mgr.run_code(info.id, "1")
+            await mgr.run_code(info.id, RunCode(code="1"))
 
 
 async def test_idle_timeout_spares_active_sandboxes(data_dir: Path) -> None:
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
-        idle = await mgr.create(idle_timeout_s=0.5)
-        busy = await mgr.create(idle_timeout_s=0.5)
+        idle = await mgr.create(SandboxSpec(idle_timeout_s=0.5))
+        busy = await mgr.create(SandboxSpec(idle_timeout_s=0.5))
         # A call longer than the idle timeout must not get its sandbox reaped mid-call.
-        result = await mgr.run_code(busy.id, "import time; time.sleep(1.2); 'ok'")
+        result = await mgr.run_code(busy.id, RunCode(code="import time; time.sleep(1.2); 'ok'"))
         assert result.text == "'ok'"
         assert (await mgr.get(idle.id)).end_reason == "idle"
         assert (await mgr.get(busy.id)).status == SandboxStatus.RUNNING
@@ -53,12 +54,12 @@ async def test_idle_timeout_spares_active_sandboxes(data_dir: Path) -> None:
 
 async def test_extend_moves_the_deadline(data_dir: Path) -> None:
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
-        info = await mgr.create(ttl_s=0.5)
-        await mgr.extend(info.id, 30)
+        info = await mgr.create(SandboxSpec(ttl_s=0.5))
+        await mgr.extend(info.id, SetTimeout(ttl_s=30))
         await asyncio.sleep(1.0)
         assert (await mgr.get(info.id)).status == SandboxStatus.RUNNING
         with pytest.raises(ConfigError, match="ttl_s"):
-            await mgr.extend(info.id, 0)
+            await mgr.extend(info.id, build(SetTimeout, ttl_s=0))
 
 
 async def test_owners_cannot_see_each_other(data_dir: Path) -> None:
@@ -69,7 +70,7 @@ async def test_owners_cannot_see_each_other(data_dir: Path) -> None:
         with pytest.raises(SandboxNotFound):
             await mgr.get(bob.id, owner="alice")
         with pytest.raises(SandboxNotFound):
-            await mgr.run_code(bob.id, "1", owner="alice")
+            await mgr.run_code(bob.id, RunCode(code="1"), owner="alice")
         with pytest.raises(SandboxNotFound):
             await mgr.destroy(bob.id, owner="alice")
         assert (await mgr.get(bob.id)).status == SandboxStatus.RUNNING
@@ -78,14 +79,14 @@ async def test_owners_cannot_see_each_other(data_dir: Path) -> None:
 async def test_unknown_sandbox_and_bad_arguments(data_dir: Path) -> None:
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
         with pytest.raises(SandboxNotFound):
-            await mgr.run_code("sb-nope", "1")
+            await mgr.run_code("sb-nope", RunCode(code="1"))
         with pytest.raises(ConfigError, match="unknown backend 'nope'"):
-            await mgr.create(backend="nope")
+            await mgr.create(SandboxSpec(backend="nope"))
         with pytest.raises(ConfigError, match="ttl_s"):
-            await mgr.create(ttl_s=-1)
+            await mgr.create(build(SandboxSpec, ttl_s=-1))
         info = await mgr.create()
         with pytest.raises(ConfigError, match="timeout_s"):
-            await mgr.run_code(info.id, "1", timeout_s=0)
+            await mgr.run_code(info.id, build(RunCode, code="1", timeout_s=0))
     with pytest.raises(ValueError, match="memory_mb"):
         SandboxLimits(memory_mb=1)
 
@@ -100,7 +101,7 @@ async def test_one_manager_per_data_dir(data_dir: Path) -> None:
 async def test_store_is_a_real_sqlite_file_that_survives_restart(data_dir: Path) -> None:
     settings = make_settings(data_dir, backend="unsafe-local")
     async with SandboxManager(settings) as mgr:
-        info = await mgr.create(metadata={"task": "t1"}, owner="alice")
+        info = await mgr.create(SandboxSpec(metadata={"task": "t1"}), owner="alice")
         await mgr.destroy(info.id)
     rows = sqlite3.connect(data_dir / "sandlot.db").execute(
         "SELECT id, owner, status FROM sandboxes"
@@ -126,18 +127,20 @@ async def test_close_destroys_live_sandboxes(data_dir: Path) -> None:
 async def test_guest_killed_between_calls_reports_lost_state(data_dir: Path) -> None:
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
         info = await mgr.create()
-        await mgr.run_code(info.id, "x = 1")
+        await mgr.run_code(info.id, RunCode(code="x = 1"))
         # Kill the supervisor from outside, as an OOM kill between calls would.
-        pid = (await mgr.run_code(info.id, "import os; os.getppid()")).text
+        pid = (await mgr.run_code(info.id, RunCode(code="import os; os.getppid()"))).text
         assert pid is not None
         # The killer fires after its own call has returned: nobody has been told yet.
-        killer = await mgr.run_command(info.id, f"(sleep 0.3; kill -9 {pid}) >/dev/null 2>&1 &")
+        killer = await mgr.run_command(
+            info.id, RunCommand(command=f"(sleep 0.3; kill -9 {pid}) >/dev/null 2>&1 &")
+        )
         assert not killer.state_lost
         await asyncio.sleep(1.0)
-        result = await mgr.run_code(info.id, "'x' in globals()")
+        result = await mgr.run_code(info.id, RunCode(code="'x' in globals()"))
         assert result.text == "False"
         assert result.state_lost
-        assert not (await mgr.run_code(info.id, "1")).state_lost
+        assert not (await mgr.run_code(info.id, RunCode(code="1"))).state_lost
 
 
 async def test_async_sdk_with_explicit_manager(data_dir: Path) -> None:
@@ -155,13 +158,17 @@ async def test_async_sdk_with_explicit_manager(data_dir: Path) -> None:
 async def test_cancelled_call_is_stopped_in_the_guest(data_dir: Path) -> None:
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
         info = await mgr.create()
-        task = asyncio.create_task(mgr.run_command(info.id, "sleep 30", timeout_s=60))
+        task = asyncio.create_task(
+            mgr.run_command(info.id, RunCommand(command="sleep 30", timeout_s=60))
+        )
         await asyncio.sleep(0.5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # The session lock is free again only if the guest really ended the command.
-        result = await asyncio.wait_for(mgr.run_command(info.id, "echo free"), 5)
+        result = await asyncio.wait_for(
+            mgr.run_command(info.id, RunCommand(command="echo free")), 5
+        )
         assert result.stdout == "free\n"
 
 
@@ -169,19 +176,20 @@ async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> N
     settings = make_settings(data_dir, backend="unsafe-local", pool_size=2)
     async with SandboxManager(settings) as mgr:
         await _until(lambda: mgr.pooled_count() == 2)
-        pooled_ids = {live.info.id for pool in mgr._pools.values() for live in pool.lives}
-        first = await mgr.create(owner="alice", metadata={"k": "v"})
+        assert mgr._pools is not None
+        pooled_ids = mgr._pools.ids()
+        first = await mgr.create(SandboxSpec(metadata={"k": "v"}), owner="alice")
         assert first.id in pooled_ids
         assert (first.owner, first.metadata, first.status) == ("alice", {"k": "v"}, "running")
-        assert (await mgr.run_code(first.id, "6 * 7")).text == "42"
+        assert (await mgr.run_code(first.id, RunCode(code="6 * 7"))).text == "42"
         # A create that differs from the pool's defaults gets a fresh sandbox.
-        custom = await mgr.create(limits=SandboxLimits(memory_mb=128))
+        custom = await mgr.create(SandboxSpec(memory_mb=128))
         assert custom.id not in pooled_ids
         await _until(lambda: mgr.pooled_count() == 2)
         await asyncio.sleep(0.3)
         assert mgr.pooled_count() == 2  # refilled, never more
         assert [s.id for s in await mgr.list()] == [first.id, custom.id]  # pool is not listed
-        pool_dirs = {live.info.id for pool in mgr._pools.values() for live in pool.lives}
+        pool_dirs = mgr._pools.ids()
     # Closing removes pooled sandboxes too.
     for sandbox_id in pool_dirs:
         assert not (data_dir / "local-sandboxes" / sandbox_id).exists()
@@ -198,7 +206,7 @@ async def test_kept_artifacts_expire(data_dir: Path) -> None:
     settings = make_settings(data_dir, backend="unsafe-local", artifact_retention_s=1.0)
     async with SandboxManager(settings) as mgr:
         info = await mgr.create()
-        await mgr.write_file(info.id, "artifacts/out.txt", b"result")
+        await mgr.write_file(info.id, WriteFile(path="artifacts/out.txt"), b"result")
         await mgr.destroy(info.id)
         assert [a.path for a in await mgr.list_artifacts(info.id)] == ["out.txt"]
         await _until(lambda: not (data_dir / "artifacts" / info.id).exists())

@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from sandlot import GuestError, SandboxFileNotFound
-from sandlot.manager import _read_chunks
-from sandlot.protocol import GuestConnection, GuestDied
+from sandlot.core.files import read_through
+from sandlot.core.guest_link import GuestConnection
+from sandlot.errors import GuestDied, ProtocolMismatch
+from sandlot.guest.ops import PROTOCOL_VERSION, Op
 
 pytestmark = pytest.mark.asyncio
 
@@ -31,7 +33,7 @@ class EndlessFile:
 async def test_read_stops_at_the_disk_size_whatever_the_guest_says() -> None:
     received = 0
     with pytest.raises(GuestError, match="disk size"):
-        async for chunk in _read_chunks(EndlessFile(), "f", limit_bytes=1 << 20):  # type: ignore[arg-type]
+        async for chunk in read_through(EndlessFile(), "f", limit_bytes=1 << 20):  # type: ignore[arg-type]
             received += len(chunk)
     assert received <= 1 << 20
 
@@ -79,13 +81,25 @@ async def _finish(conn: GuestConnection, proc: asyncio.subprocess.Process) -> No
 
 
 async def test_error_frames_map_to_our_exceptions() -> None:
-    ready = _frame({"id": 0, "event": "ready"})
+    ready = _frame({"id": 0, "event": "ready", "protocol": PROTOCOL_VERSION})
     error = _frame({"id": 7, "event": "error", "code": "file_not_found", "message": "m"})
     conn, proc = await _guest(ready, error)
     try:
         await conn.wait_ready(5)
         with pytest.raises(SandboxFileNotFound):
-            await conn.request("file_read", {"path": "x"}, call_id=7)
+            await conn.request(Op.FILE_READ, {"path": "x"}, call_id=7)
+    finally:
+        await _finish(conn, proc)
+
+
+@pytest.mark.parametrize("version", [None, PROTOCOL_VERSION + 1, "1"])
+async def test_a_guest_of_another_protocol_version_is_refused(version: object) -> None:
+    # A stale guest baked into an image would otherwise be spoken to in a language it
+    # half-understands.
+    conn, proc = await _guest(_frame({"id": 0, "event": "ready", "protocol": version}))
+    try:
+        with pytest.raises(ProtocolMismatch, match="sandlot image build"):
+            await conn.wait_ready(5)
     finally:
         await _finish(conn, proc)
 
@@ -94,7 +108,7 @@ async def test_oversized_frame_kills_the_connection_not_the_host() -> None:
     conn, proc = await _guest(struct.pack(">I", 1 << 30))  # claims a 1 GiB frame
     try:
         with pytest.raises(GuestError, match="frame"):
-            await conn.request("ping", {})
+            await conn.request(Op.PING, {})
         assert not conn.alive
     finally:
         await _finish(conn, proc)
@@ -104,8 +118,8 @@ async def test_guest_exit_fails_pending_calls() -> None:
     conn, proc = await _guest(b"", linger_s=0.2)
     try:
         with pytest.raises(GuestDied):
-            await conn.request("ping", {})
+            await conn.request(Op.PING, {})
         with pytest.raises(GuestDied):
-            await conn.request("ping", {})
+            await conn.request(Op.PING, {})
     finally:
         await _finish(conn, proc)

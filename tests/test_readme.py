@@ -25,8 +25,7 @@ CLI_LINES = [
     for block in ALL_BASH
     if not block.startswith(SERVER_MARK)
     for line in block.splitlines()
-    if line.startswith("sandlot ")
-    and not line.startswith(("sandlot serve", "sandlot keys"))
+    if line.startswith("sandlot ") and not line.startswith(("sandlot serve", "sandlot keys"))
 ]
 
 

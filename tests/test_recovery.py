@@ -17,11 +17,13 @@ import pytest
 from sandlot import SandboxManager, SandboxStatus
 from sandlot.backends.cgroups import CgroupDriver
 from sandlot.backends.disk import mounted_below
+from sandlot.requests import RunCode, SandboxSpec
 from tests.conftest import make_settings, placement
 
 CRASHER = """
 import asyncio, json, os, sys
 from sandlot import SandboxManager
+from sandlot.requests import RunCode, RunCommand, SandboxSpec
 from tests.conftest import make_settings
 
 async def main():
@@ -35,10 +37,11 @@ async def main():
         await asyncio.sleep(0.05)
     out = []
     for _ in range(int(count)):
-        info = await mgr.create(backend=backend, runtime=runtime or None)
+        info = await mgr.create(SandboxSpec(backend=backend, runtime=runtime or None))
         # A daemon that would outlive its call, to prove it dies with the sandbox.
-        await mgr.run_command(info.id, "setsid sleep 3600 >/dev/null 2>&1 < /dev/null &")
-        await mgr.run_code(info.id, "x = 1")
+        daemon = "setsid sleep 3600 >/dev/null 2>&1 < /dev/null &"
+        await mgr.run_command(info.id, RunCommand(command=daemon))
+        await mgr.run_code(info.id, RunCode(code="x = 1"))
         ws = os.path.join(data_dir, "sandboxes", info.id, "workspace")
         uid = os.stat(ws).st_uid if os.path.exists(ws) else None
         out.append({"id": info.id, "uid": uid})
@@ -131,8 +134,8 @@ async def test_restart_after_kill_9_cleans_every_orphan(
         assert list((data_dir / "sandboxes").iterdir()) == []
         assert _wait_until(lambda: _processes_of(uids) == []), _processes_of(uids)
         # And the restarted manager works.
-        fresh = await mgr.create(**placement(isolated_backend))
-        assert (await mgr.run_code(fresh.id, "6 * 7")).text == "42"
+        fresh = await mgr.create(SandboxSpec(**placement(isolated_backend)))
+        assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
 
 
 @pytest.mark.asyncio
@@ -161,5 +164,5 @@ async def test_warm_pool_never_exceeds_its_size_after_a_crash(
         assert len(list((data_dir / "sandboxes").iterdir())) == 2
         taken = await mgr.create()
         assert taken.id in {p.name for p in (data_dir / "sandboxes").iterdir()}
-        assert (await mgr.run_code(taken.id, "1 + 1")).text == "2"
+        assert (await mgr.run_code(taken.id, RunCode(code="1 + 1"))).text == "2"
     assert driver.children(settings.cgroup_root, instance) == []

@@ -7,7 +7,9 @@
 '42'
 """
 
+from sandlot._version import __version__
 from sandlot.config import Settings, get_settings
+from sandlot.core import SandboxManager
 from sandlot.errors import (
     AuthenticationError,
     BackendUnavailable,
@@ -31,7 +33,6 @@ from sandlot.errors import (
     SandboxPermissionError,
     SandboxStartError,
 )
-from sandlot.manager import SandboxManager
 from sandlot.models import (
     ArtifactInfo,
     ExecError,
@@ -44,9 +45,17 @@ from sandlot.models import (
     SandboxLimits,
     SandboxStatus,
 )
+from sandlot.requests import (
+    FilePath,
+    ListFiles,
+    RemoveFile,
+    RunCode,
+    RunCommand,
+    SandboxSpec,
+    SetTimeout,
+    WriteFile,
+)
 from sandlot.sandbox import AsyncSandbox, Sandbox
-
-from sandlot._version import __version__
 
 __all__ = [
     "AgentRuntime",
@@ -58,16 +67,21 @@ __all__ = [
     "ExecError",
     "ExecResult",
     "FileInfo",
+    "FilePath",
     "Forbidden",
     "GuestError",
     "InvalidRequest",
     "KillReason",
+    "ListFiles",
     "PathOutsideWorkspace",
     "QuotaExceeded",
     "RateLimited",
+    "RemoveFile",
     "RequestTooLarge",
     "ResolvedLimits",
     "ResourceUsage",
+    "RunCode",
+    "RunCommand",
     "Sandbox",
     "SandboxDiskFull",
     "SandboxError",
@@ -82,9 +96,12 @@ __all__ = [
     "SandboxNotFound",
     "SandboxNotRunning",
     "SandboxPermissionError",
+    "SandboxSpec",
     "SandboxStartError",
     "SandboxStatus",
+    "SetTimeout",
     "Settings",
+    "WriteFile",
     "__version__",
     "get_settings",
 ]

@@ -1,5 +1,9 @@
 """The SDK's view of a remote server: the same verbs as the embedded manager, over HTTP.
 
+Each verb sends its typed request (:mod:`sandlot.requests`) through one helper, ``_send``:
+the model's fields are the JSON body (or, for the file verbs, the query), so a new option
+is a new field and nothing here changes.
+
 Errors come back as ``{"error": {"code", "message"}}`` and are raised as this package's own
 classes, chosen from an allow-list by ``code`` (:func:`sandlot.errors.error_from_code`).
 Idempotent calls are retried on transport failures; a non-idempotent call (create, run) only
@@ -15,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -24,8 +29,17 @@ from tenacity import (
 
 from sandlot._version import __version__
 from sandlot.errors import ConfigError, SandboxError, error_from_code
-from sandlot.models import ExecResult, ResourceUsage, SandboxInfo, SandboxLimits
-from sandlot.protocol import OutputCallback
+from sandlot.models import ExecResult, FileInfo, OutputCallback, ResourceUsage, SandboxInfo
+from sandlot.requests import (
+    FilePath,
+    ListFiles,
+    RemoveFile,
+    RunCode,
+    RunCommand,
+    SandboxSpec,
+    SetTimeout,
+    WriteFile,
+)
 
 DEFAULT_TIMEOUT_S = 30.0
 EXEC_MARGIN_S = 30.0  # on top of the run's own timeout: the server answers after it
@@ -77,42 +91,37 @@ class RemoteService:
     async def _json(self, method: str, url: str, *, idempotent: bool, **kwargs: Any) -> Any:
         return (await self._call(method, url, idempotent=idempotent, **kwargs)).json()
 
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        request: BaseModel | None = None,
+        *,
+        idempotent: bool,
+        in_query: bool = False,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """Send one verb's typed request: as the JSON body, or (file verbs, whose body is
+        bytes) as query parameters. Unset fields are left out, so the server's defaults apply."""
+        if request is not None:
+            fields = request.model_dump(mode="json", exclude_none=True)
+            if in_query:
+                kwargs["params"] = {k: _query_value(v) for k, v in fields.items()}
+            else:
+                kwargs["json"] = fields
+        return await self._call(method, url, idempotent=idempotent, **kwargs)
+
     # -- lifecycle
 
-    async def create(
-        self,
-        *,
-        backend: str | None = None,
-        runtime: str | None = None,
-        environment: str | None = None,
-        limits: SandboxLimits | None = None,
-        network: bool | None = None,
-        env: dict[str, str] | None = None,
-        metadata: dict[str, str] | None = None,
-        ttl_s: float | None = None,
-        idle_timeout_s: float | None = None,
-    ) -> SandboxInfo:
-        body: dict[str, Any] = limits.model_dump(exclude_none=True) if limits else {}
-        for name, value in (
-            ("backend", backend),
-            ("runtime", runtime),
-            ("environment", environment),
-            ("network", network),
-            ("env", env),
-            ("metadata", metadata),
-            ("ttl_s", ttl_s),
-            ("idle_timeout_s", idle_timeout_s),
-        ):
-            if value is not None:
-                body[name] = value
-        data = await self._json("POST", "/v1/sandboxes", idempotent=False, json=body)
-        return SandboxInfo.model_validate(data)
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        response = await self._send("POST", "/v1/sandboxes", spec, idempotent=False)
+        return SandboxInfo.model_validate(response.json())
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         data = await self._json("GET", f"/v1/sandboxes/{sandbox_id}", idempotent=True)
         return SandboxInfo.model_validate(data)
 
-    async def list(self, include_ended: bool = False) -> list[SandboxInfo]:
+    async def list(self, include_ended: bool = False) -> builtins.list[SandboxInfo]:
         params = {"include_ended": str(include_ended).lower()}
         data = await self._json("GET", "/v1/sandboxes", idempotent=True, params=params)
         return [SandboxInfo.model_validate(item) for item in data]
@@ -121,11 +130,10 @@ class RemoteService:
         data = await self._json("DELETE", f"/v1/sandboxes/{sandbox_id}", idempotent=True)
         return SandboxInfo.model_validate(data)
 
-    async def extend(self, sandbox_id: str, ttl_s: float) -> SandboxInfo:
-        data = await self._json(
-            "POST", f"/v1/sandboxes/{sandbox_id}/timeout", idempotent=True, json={"ttl_s": ttl_s}
-        )
-        return SandboxInfo.model_validate(data)
+    async def extend(self, sandbox_id: str, request: SetTimeout) -> SandboxInfo:
+        url = f"/v1/sandboxes/{sandbox_id}/timeout"
+        response = await self._send("POST", url, request, idempotent=True)
+        return SandboxInfo.model_validate(response.json())
 
     async def usage(self, sandbox_id: str) -> ResourceUsage:
         data = await self._json("GET", f"/v1/sandboxes/{sandbox_id}/usage", idempotent=True)
@@ -136,51 +144,37 @@ class RemoteService:
     async def run_code(
         self,
         sandbox_id: str,
-        code: str,
+        request: RunCode,
         *,
-        timeout_s: float | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
-        body: dict[str, Any] = {"code": code}
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
         if on_stdout is not None or on_stderr is not None:
-            return await self._stream(
-                sandbox_id, {"type": "run_code", **body}, on_stdout, on_stderr
-            )
-        return await self._exec(f"/v1/sandboxes/{sandbox_id}/code", body, timeout_s)
+            return await self._stream(sandbox_id, "run_code", request, on_stdout, on_stderr)
+        return await self._exec(f"/v1/sandboxes/{sandbox_id}/code", request)
 
     async def run_command(
         self,
         sandbox_id: str,
-        command: str,
+        request: RunCommand,
         *,
-        session: str = "default",
-        timeout_s: float | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        input: str | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
-        body: dict[str, Any] = {"command": command, "session": session}
-        for name, value in (("timeout_s", timeout_s), ("env", env), ("cwd", cwd), ("input", input)):
-            if value is not None:
-                body[name] = value
         if on_stdout is not None or on_stderr is not None:
-            return await self._stream(sandbox_id, {"type": "command", **body}, on_stdout, on_stderr)
-        return await self._exec(f"/v1/sandboxes/{sandbox_id}/commands", body, timeout_s)
+            return await self._stream(sandbox_id, "command", request, on_stdout, on_stderr)
+        return await self._exec(f"/v1/sandboxes/{sandbox_id}/commands", request)
 
-    async def _exec(self, url: str, body: dict[str, Any], timeout_s: float | None) -> ExecResult:
-        timeout = (timeout_s or DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
-        data = await self._json("POST", url, idempotent=False, json=body, timeout=timeout)
-        return ExecResult.model_validate(data)
+    async def _exec(self, url: str, request: RunCode | RunCommand) -> ExecResult:
+        timeout = (request.timeout_s or DEFAULT_TIMEOUT_S) + EXEC_MARGIN_S
+        response = await self._send("POST", url, request, idempotent=False, timeout=timeout)
+        return ExecResult.model_validate(response.json())
 
     async def _stream(
         self,
         sandbox_id: str,
-        message: dict[str, Any],
+        kind: str,
+        request: RunCode | RunCommand,
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
     ) -> ExecResult:
@@ -188,6 +182,7 @@ class RemoteService:
 
         url = self.base_url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/stream"
         headers = {k: v for k, v in self._headers.items() if k == "Authorization"}
+        message = {"type": kind, **request.model_dump(mode="json", exclude_none=True)}
         async with connect(url, additional_headers=headers, max_size=16 << 20) as ws:
             await ws.send(json.dumps(message))
             async for raw in ws:
@@ -205,17 +200,15 @@ class RemoteService:
 
     # -- files
 
-    async def write_file(
-        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644
-    ) -> int:
-        reply = await self._json(
-            "PUT",
-            f"/v1/sandboxes/{sandbox_id}/files/content",
-            idempotent=True,
-            params={"path": path},
-            content=data,
+    def _files_url(self, sandbox_id: str, tail: str = "") -> str:
+        return f"/v1/sandboxes/{sandbox_id}/files{tail}"
+
+    async def write_file(self, sandbox_id: str, request: WriteFile, data: bytes) -> int:
+        url = self._files_url(sandbox_id, "/content")
+        response = await self._send(
+            "PUT", url, request, idempotent=True, in_query=True, content=data
         )
-        return int(reply["size_bytes"])
+        return int(response.json()["size_bytes"])
 
     async def upload(
         self,
@@ -233,15 +226,16 @@ class RemoteService:
                         on_progress(len(chunk))
                     yield chunk
 
-        reply = await self._json(
+        response = await self._send(
             "PUT",
-            f"/v1/sandboxes/{sandbox_id}/files/content",
+            self._files_url(sandbox_id, "/content"),
+            WriteFile(path=path),
             idempotent=False,
-            params={"path": path},
+            in_query=True,
             content=chunks(),
             timeout=None,
         )
-        return int(reply["size_bytes"])
+        return int(response.json()["size_bytes"])
 
     async def download(
         self,
@@ -252,7 +246,7 @@ class RemoteService:
     ) -> int:
         """Stream ``path`` out of the sandbox into the local file ``dest``."""
         size = 0
-        url = f"/v1/sandboxes/{sandbox_id}/files/content"
+        url = self._files_url(sandbox_id, "/content")
         async with self._http.stream("GET", url, params={"path": path}, timeout=None) as response:
             if response.status_code >= 400:
                 await response.aread()
@@ -265,50 +259,33 @@ class RemoteService:
                         on_progress(len(chunk))
         return size
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        response = await self._call(
-            "GET",
-            f"/v1/sandboxes/{sandbox_id}/files/content",
-            idempotent=True,
-            params={"path": path},
-        )
+    async def read_file(self, sandbox_id: str, request: FilePath) -> bytes:
+        url = self._files_url(sandbox_id, "/content")
+        response = await self._send("GET", url, request, idempotent=True, in_query=True)
         return response.content
 
-    async def list_files(
-        self, sandbox_id: str, path: str = ".", *, depth: int = 1
-    ) -> builtins.list[dict[str, Any]]:
-        entries: builtins.list[dict[str, Any]] = await self._json(
-            "GET",
-            f"/v1/sandboxes/{sandbox_id}/files",
-            idempotent=True,
-            params={"path": path, "depth": depth},
-        )
-        return entries
+    async def list_files(self, sandbox_id: str, request: ListFiles) -> builtins.list[FileInfo]:
+        url = self._files_url(sandbox_id)
+        response = await self._send("GET", url, request, idempotent=True, in_query=True)
+        return [FileInfo.model_validate(entry) for entry in response.json()]
 
-    async def stat_file(self, sandbox_id: str, path: str) -> dict[str, Any]:
-        entry: dict[str, Any] = await self._json(
-            "GET",
-            f"/v1/sandboxes/{sandbox_id}/files/stat",
-            idempotent=True,
-            params={"path": path},
-        )
-        return entry
+    async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo:
+        url = self._files_url(sandbox_id, "/stat")
+        response = await self._send("GET", url, request, idempotent=True, in_query=True)
+        return FileInfo.model_validate(response.json())
 
-    async def remove_file(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        await self._call(
-            "DELETE",
-            f"/v1/sandboxes/{sandbox_id}/files",
-            idempotent=True,
-            params={"path": path, "recursive": str(recursive).lower()},
-        )
+    async def remove_file(self, sandbox_id: str, request: RemoveFile) -> None:
+        url = self._files_url(sandbox_id)
+        await self._send("DELETE", url, request, idempotent=True, in_query=True)
 
-    async def make_dir(self, sandbox_id: str, path: str) -> None:
-        await self._call(
-            "POST",
-            f"/v1/sandboxes/{sandbox_id}/directories",
-            idempotent=True,
-            params={"path": path},
-        )
+    async def make_dir(self, sandbox_id: str, request: FilePath) -> None:
+        url = f"/v1/sandboxes/{sandbox_id}/directories"
+        await self._send("POST", url, request, idempotent=True, in_query=True)
+
+
+def _query_value(value: Any) -> Any:
+    """Query strings carry booleans as true/false, the way the server's parser reads them."""
+    return str(value).lower() if isinstance(value, bool) else value
 
 
 def _error(response: httpx.Response) -> SandboxError:

@@ -43,7 +43,9 @@ def _renamed(name: str, field: str) -> AliasChoices:
 
 def warn_old_names(environ: Mapping[str, str] | None = None) -> list[str]:
     """Warn (FutureWarning) about AGENT_SANDBOX_* variables; return the names found."""
-    old = sorted(k for k in (os.environ if environ is None else environ) if k.startswith(OLD_PREFIX))
+    old = sorted(
+        k for k in (os.environ if environ is None else environ) if k.startswith(OLD_PREFIX)
+    )
     if old:
         renames = ", ".join(f"{k} -> {NEW_PREFIX}{k.removeprefix(OLD_PREFIX)}" for k in old)
         warnings.warn(
@@ -345,11 +347,17 @@ def make_limits(**values: object) -> SandboxLimits:
     try:
         return SandboxLimits.model_validate(values)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            name = str(error["loc"][0]) if error["loc"] else "?"
-            field = Settings.model_fields.get(name)
-            alias = field.validation_alias if field is not None else None
-            env = f" (default from {alias.choices[-1]})" if isinstance(alias, AliasChoices) else ""
-            problems.append(f"{name}={error.get('input')!r}: {error['msg']}{env}")
-        raise ConfigError("invalid sandbox limits: " + "; ".join(problems)) from None
+        raise ConfigError(explain_invalid(exc, "invalid sandbox limits")) from None
+
+
+def explain_invalid(exc: ValidationError, what: str) -> str:
+    """One clause per problem, each naming the argument and, where a setting gives its
+    default, that setting's environment variable."""
+    problems = []
+    for error in exc.errors():
+        name = ".".join(str(part) for part in error["loc"]) or "?"
+        field = Settings.model_fields.get(name)
+        alias = field.validation_alias if field is not None else None
+        env = f" (default from {alias.choices[-1]})" if isinstance(alias, AliasChoices) else ""
+        problems.append(f"{name}={error.get('input')!r}: {error['msg']}{env}")
+    return f"{what}: " + "; ".join(problems)

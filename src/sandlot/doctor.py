@@ -153,9 +153,7 @@ def _docker_checks() -> list[Check]:
 
         client = connect()
     except (SandboxError, ImportError) as exc:
-        detail = (
-            str(exc) if isinstance(exc, SandboxError) else "pip install 'sandlot[docker]'"
-        )
+        detail = str(exc) if isinstance(exc, SandboxError) else "pip install 'sandlot[docker]'"
         return [Check("docker", False, detail, DOCKER_WHY, required=False)]
     checks = []
     try:

@@ -15,6 +15,8 @@ file missing inside a sandbox.
     ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
     ├── ImageBuildError (RuntimeError)           building an environment's image failed
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
+    │   ├── GuestDied                            the guest process exited with calls outstanding
+    │   ├── ProtocolMismatch                     the guest speaks another protocol version
     │   └── PidsExhausted                        the sandbox has no free process slot left
     ├── AuthenticationError (PermissionError)    no API key, or an unknown or revoked one
     ├── Forbidden (PermissionError)              the key's role may not do this
@@ -116,6 +118,18 @@ class PidsExhausted(GuestError):
     code = "pids_exhausted"
 
 
+class GuestDied(GuestError):
+    """The guest process exited (or was killed) while calls were outstanding."""
+
+    code = "guest_died"
+
+
+class ProtocolMismatch(GuestError):
+    """The guest's "ready" frame names a protocol version this host does not speak."""
+
+    code = "protocol_mismatch"
+
+
 class ProviderError(SandboxError, RuntimeError):
     """An LLM provider did not answer: an HTTP error, a time-out, a broken stream."""
 
@@ -181,6 +195,8 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         ImageBuildError,
         GuestError,
         PidsExhausted,
+        GuestDied,
+        ProtocolMismatch,
         AuthenticationError,
         Forbidden,
         QuotaExceeded,

@@ -5,12 +5,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 KillReason = Literal["timeout", "memory", "pids", "output_limit", "cpu", "killed"]
+
+# Receives each piece of a run's stdout or stderr as it is produced (decoded UTF-8).
+OutputCallback = Callable[[str], None]
 
 
 class _Model(BaseModel):

@@ -1,8 +1,10 @@
-"""The SDK: ``AsyncSandbox`` (the one implementation) and ``Sandbox`` (its sync facade).
+"""The SDK: ``AsyncSandbox`` (the one implementation) and ``Sandbox`` (its blocking twin,
+generated from it by :mod:`sandlot._sync`).
 
 Embedded mode needs no server: sandboxes run under a process-wide
-:class:`~sandlot.manager.SandboxManager` on a background loop, or under the manager you
-pass in.
+:class:`~sandlot.core.SandboxManager` on a background loop, or under the manager you pass in.
+Each method builds its verb's typed request (:mod:`sandlot.requests`) once from friendly
+keyword arguments; a bad value is a :class:`~sandlot.errors.ConfigError` naming the argument.
 """
 
 from __future__ import annotations
@@ -10,19 +12,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Self, TypeVar
 
 from sandlot._portal import Portal, get_portal, on_exit
-from sandlot.config import get_settings, make_limits
-from sandlot.manager import SandboxManager
-from sandlot.models import (
-    ExecResult,
-    FileInfo,
-    ResourceUsage,
-    SandboxInfo,
+from sandlot._sync import SyncTwin, blocking, constructor
+from sandlot.config import get_settings
+from sandlot.core import SandboxManager
+from sandlot.models import ExecResult, FileInfo, OutputCallback, ResourceUsage, SandboxInfo
+from sandlot.requests import (
+    FilePath,
+    ListFiles,
+    RemoveFile,
+    RunCode,
+    RunCommand,
+    SandboxSpec,
+    SetTimeout,
+    WriteFile,
+    build,
 )
-from sandlot.protocol import OutputCallback
 from sandlot.service import SandboxService
 
 T = TypeVar("T")
@@ -108,19 +116,24 @@ class AsyncCommands:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
-        """Run ``command`` with bash; ``cd`` and ``export`` persist within ``session``."""
+        """Run ``command`` with bash; ``cd`` and ``export`` persist within ``session``.
+
+        ``input`` is written to the command's stdin. A failing command is a result (check
+        ``exit_code``), not an exception.
+        """
+        request = build(
+            RunCommand,
+            command=command,
+            session=session,
+            timeout_s=timeout_s,
+            env=env,
+            cwd=cwd,
+            input=input,
+        )
         run = self._sb._run
         return await run(
             run.manager.run_command(
-                self._sb.id,
-                command,
-                session=session,
-                timeout_s=timeout_s,
-                env=env,
-                cwd=cwd,
-                input=input,
-                on_stdout=run.wrap(on_stdout),
-                on_stderr=run.wrap(on_stderr),
+                self._sb.id, request, on_stdout=run.wrap(on_stdout), on_stderr=run.wrap(on_stderr)
             )
         )
 
@@ -135,25 +148,31 @@ class AsyncFiles:
         """Create or replace a file (parents are made); returns its size in bytes."""
         raw = data.encode() if isinstance(data, str) else data
         run = self._sb._run
-        return await run(run.manager.write_file(self._sb.id, path, raw, mode=mode))
+        request = build(WriteFile, path=path, mode=mode)
+        return await run(run.manager.write_file(self._sb.id, request, raw))
 
     async def read_bytes(self, path: str) -> bytes:
+        """A file's content."""
         run = self._sb._run
-        return await run(run.manager.read_file(self._sb.id, path))
+        return await run(run.manager.read_file(self._sb.id, build(FilePath, path=path)))
 
     async def read(self, path: str, encoding: str = "utf-8") -> str:
+        """A file's content, decoded."""
         return (await self.read_bytes(path)).decode(encoding)
 
     async def list(self, path: str = ".", *, depth: int = 1) -> list[FileInfo]:
+        """Entries below ``path``, ``depth`` levels down."""
         run = self._sb._run
-        entries = await run(run.manager.list_files(self._sb.id, path, depth=depth))
-        return [FileInfo.model_validate(e) for e in entries]
+        request = build(ListFiles, path=path, depth=depth)
+        return await run(run.manager.list_files(self._sb.id, request))
 
     async def stat(self, path: str) -> FileInfo:
+        """One entry; raises FileNotFoundError (SandboxFileNotFound) if it is missing."""
         run = self._sb._run
-        return FileInfo.model_validate(await run(run.manager.stat_file(self._sb.id, path)))
+        return await run(run.manager.stat_file(self._sb.id, build(FilePath, path=path)))
 
     async def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
         try:
             await self.stat(path)
         except FileNotFoundError:
@@ -161,12 +180,15 @@ class AsyncFiles:
         return True
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, or a directory (its contents too with ``recursive``)."""
         run = self._sb._run
-        await run(run.manager.remove_file(self._sb.id, path, recursive=recursive))
+        request = build(RemoveFile, path=path, recursive=recursive)
+        await run(run.manager.remove_file(self._sb.id, request))
 
     async def make_dir(self, path: str) -> None:
+        """Create a directory and its parents."""
         run = self._sb._run
-        await run(run.manager.make_dir(self._sb.id, path))
+        await run(run.manager.make_dir(self._sb.id, build(FilePath, path=path)))
 
 
 class AsyncSandbox:
@@ -217,28 +239,25 @@ class AsyncSandbox:
             BackendUnavailable: the backend cannot run here (``sandlot doctor`` says why).
             SandboxStartError: the sandbox did not start.
         """
-        limits = make_limits(
+        spec = build(
+            SandboxSpec,
+            backend=backend,
+            runtime=runtime,
+            environment=environment,
             memory_mb=memory_mb,
             cpu_cores=cpu_cores,
             pids=pids,
             timeout_s=timeout_s,
             disk_mb=disk_mb,
+            network=network,
+            env=env,
+            metadata=metadata,
+            ttl_s=ttl_s,
+            idle_timeout_s=idle_timeout_s,
         )
         runner = await cls._runner(manager, api_url, api_key)
         async with runner.closing_on_error():
-            info = await runner(
-                runner.manager.create(
-                    backend=backend,
-                    runtime=runtime,
-                    environment=environment,
-                    limits=limits,
-                    network=network,
-                    env=env,
-                    metadata=metadata,
-                    ttl_s=ttl_s,
-                    idle_timeout_s=idle_timeout_s,
-                )
-            )
+            info = await runner(runner.manager.create(spec))
         return cls(info, runner)
 
     @classmethod
@@ -250,7 +269,7 @@ class AsyncSandbox:
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> Self:
-        """Attach to a running sandbox by id."""
+        """Attach to a running sandbox by id (one made by another process, or on a server)."""
         runner = await cls._runner(manager, api_url, api_key)
         async with runner.closing_on_error():
             info = await runner(runner.manager.get(sandbox_id))
@@ -279,28 +298,32 @@ class AsyncSandbox:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
-        """Run Python; variables persist, and ``text`` is the last expression's repr."""
+        """Run Python; variables persist, and ``text`` is the last expression's repr.
+
+        A crash, timeout or resource kill of the code is a result (``ok`` is False,
+        ``error`` and ``kill_reason`` say why), not an exception.
+        """
+        request = build(RunCode, code=code, timeout_s=timeout_s)
         run = self._run
         return await run(
             run.manager.run_code(
-                self.id,
-                code,
-                timeout_s=timeout_s,
-                on_stdout=run.wrap(on_stdout),
-                on_stderr=run.wrap(on_stderr),
+                self.id, request, on_stdout=run.wrap(on_stdout), on_stderr=run.wrap(on_stderr)
             )
         )
 
     async def refresh(self) -> SandboxInfo:
+        """Read the sandbox's record again (status, expiry, last activity)."""
         self.info = await self._run(self._run.manager.get(self.id))
         return self.info
 
     async def usage(self) -> ResourceUsage:
+        """Current memory, processes, CPU time and limit hits."""
         return await self._run(self._run.manager.usage(self.id))
 
     async def set_timeout(self, ttl_s: float) -> None:
         """Let the sandbox live ``ttl_s`` more seconds from now."""
-        self.info = await self._run(self._run.manager.extend(self.id, ttl_s))
+        request = build(SetTimeout, ttl_s=ttl_s)
+        self.info = await self._run(self._run.manager.extend(self.id, request))
 
     async def kill(self) -> None:
         """Destroy the sandbox (artifacts in /workspace/artifacts are kept)."""
@@ -318,70 +341,45 @@ class AsyncSandbox:
         await self.kill()
 
 
-# ---------------------------------------------------------------------- sync facade
-# Every method below is one line that hands the async implementation to the portal.
+# ---------------------------------------------------------------------- blocking twins
+# One line per method: each is generated from its async twin (signature, docstring, types).
 
 
-def _blocking(portal: Portal) -> Callable[[Coroutine[Any, Any, T]], T]:
-    return portal.call
+class Commands(SyncTwin[AsyncCommands]):
+    """Blocking twin of :class:`AsyncCommands`."""
+
+    run = blocking(AsyncCommands.run)
 
 
-class Commands:
-    def __init__(self, inner: AsyncCommands, portal: Portal) -> None:
-        self._inner, self._call = inner, _blocking(portal)
+class Files(SyncTwin[AsyncFiles]):
+    """Blocking twin of :class:`AsyncFiles`."""
 
-    def run(self, command: str, **kwargs: Any) -> ExecResult:
-        """See :meth:`AsyncCommands.run`."""
-        return self._call(self._inner.run(command, **kwargs))
-
-
-class Files:
-    def __init__(self, inner: AsyncFiles, portal: Portal) -> None:
-        self._inner, self._call = inner, _blocking(portal)
-
-    def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> int:
-        return self._call(self._inner.write(path, data, mode=mode))
-
-    def read(self, path: str, encoding: str = "utf-8") -> str:
-        return self._call(self._inner.read(path, encoding))
-
-    def read_bytes(self, path: str) -> bytes:
-        return self._call(self._inner.read_bytes(path))
-
-    def list(self, path: str = ".", *, depth: int = 1) -> list[FileInfo]:
-        return self._call(self._inner.list(path, depth=depth))
-
-    def stat(self, path: str) -> FileInfo:
-        return self._call(self._inner.stat(path))
-
-    def exists(self, path: str) -> bool:
-        return self._call(self._inner.exists(path))
-
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        return self._call(self._inner.remove(path, recursive=recursive))
-
-    def make_dir(self, path: str) -> None:
-        return self._call(self._inner.make_dir(path))
+    write = blocking(AsyncFiles.write)
+    read = blocking(AsyncFiles.read)
+    read_bytes = blocking(AsyncFiles.read_bytes)
+    list = blocking(AsyncFiles.list)
+    stat = blocking(AsyncFiles.stat)
+    exists = blocking(AsyncFiles.exists)
+    remove = blocking(AsyncFiles.remove)
+    make_dir = blocking(AsyncFiles.make_dir)
 
 
-class Sandbox:
+class Sandbox(SyncTwin[AsyncSandbox]):
     """Blocking twin of :class:`AsyncSandbox` (same arguments, same results)."""
 
     def __init__(self, inner: AsyncSandbox, portal: Portal) -> None:
-        self._inner, self._call = inner, _blocking(portal)
+        super().__init__(inner, portal)
         self.commands = Commands(inner.commands, portal)
         self.files = Files(inner.files, portal)
 
-    @classmethod
-    def create(cls, **kwargs: Any) -> Sandbox:
-        """See :meth:`AsyncSandbox.create`."""
-        portal = get_portal()
-        return cls(portal.call(AsyncSandbox.create(**kwargs)), portal)
-
-    @classmethod
-    def connect(cls, sandbox_id: str, **kwargs: Any) -> Sandbox:
-        portal = get_portal()
-        return cls(portal.call(AsyncSandbox.connect(sandbox_id, **kwargs)), portal)
+    create = constructor(AsyncSandbox.create)
+    connect = constructor(AsyncSandbox.connect)
+    run_code = blocking(AsyncSandbox.run_code)
+    refresh = blocking(AsyncSandbox.refresh)
+    usage = blocking(AsyncSandbox.usage)
+    set_timeout = blocking(AsyncSandbox.set_timeout)
+    kill = blocking(AsyncSandbox.kill)
+    close = kill
 
     @property
     def id(self) -> str:
@@ -390,24 +388,6 @@ class Sandbox:
     @property
     def info(self) -> SandboxInfo:
         return self._inner.info
-
-    def run_code(self, code: str, **kwargs: Any) -> ExecResult:
-        """See :meth:`AsyncSandbox.run_code`."""
-        return self._call(self._inner.run_code(code, **kwargs))
-
-    def refresh(self) -> SandboxInfo:
-        return self._call(self._inner.refresh())
-
-    def usage(self) -> ResourceUsage:
-        return self._call(self._inner.usage())
-
-    def set_timeout(self, ttl_s: float) -> None:
-        return self._call(self._inner.set_timeout(ttl_s))
-
-    def kill(self) -> None:
-        return self._call(self._inner.kill())
-
-    close = kill
 
     def __enter__(self) -> Self:
         return self

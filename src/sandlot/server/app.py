@@ -17,8 +17,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandlot._version import __version__
 from sandlot.config import Settings, get_settings
+from sandlot.core import SandboxManager
 from sandlot.errors import RateLimited, SandboxError
-from sandlot.manager import SandboxManager
+from sandlot.requests import RunCode, SandboxSpec
 from sandlot.server import agent, compat, routes, stream
 from sandlot.server.auth import AuthStore
 from sandlot.server.deps import ServerState, error_response, state_of, status_of
@@ -107,9 +108,9 @@ def _add_operational_routes(app: FastAPI) -> None:
 
 async def _probe(state: ServerState) -> tuple[bool, str]:
     try:
-        info = await state.manager.create(owner="__readiness__", ttl_s=60)
+        info = await state.manager.create(SandboxSpec(ttl_s=60), owner="__readiness__")
         try:
-            result = await state.manager.run_code(info.id, "1 + 1")
+            result = await state.manager.run_code(info.id, RunCode(code="1 + 1"))
         finally:
             await state.manager.destroy(info.id, reason="readiness")
     except SandboxError as exc:

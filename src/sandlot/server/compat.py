@@ -11,13 +11,14 @@ the response says which backend that was. ``environment`` is a YAML registry nam
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 
 from sandlot.agent.models import AgentResult
 from sandlot.backends import KNOWN_BACKENDS
 from sandlot.models import FileInfo, SandboxInfo
+from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteFile, build
 from sandlot.server.agent import AgentTaskRequest, execute_task
 from sandlot.server.auth import Principal
 from sandlot.server.deps import caller, state_of
@@ -45,9 +46,8 @@ async def _create(
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.create", compat=True) as audit:
-        info = await state.manager.create(
-            backend=backend, environment=environment, owner=who.tenant, quota=state.quota_for(who)
-        )
+        spec = build(SandboxSpec, backend=backend, environment=environment)
+        info = await state.manager.create(spec, owner=who.tenant, quota=state.quota_for(who))
         audit["sandbox_id"] = info.id
     return info
 
@@ -79,9 +79,8 @@ async def execute(
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.command", body.session_id):
-        r = await state.manager.run_command(
-            body.session_id, body.command, timeout_s=body.timeout_s, owner=who.owner_filter
-        )
+        command = build(RunCommand, command=body.command, timeout_s=body.timeout_s)
+        r = await state.manager.run_command(body.session_id, command, owner=who.owner_filter)
     return LegacyExecuteResponse(
         exit_code=r.exit_code,
         output=r.stdout + r.stderr,
@@ -135,20 +134,19 @@ async def api_execute(
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.run_code", body.session_id):
-        r = await state.manager.run_code(
-            body.session_id, body.code, timeout_s=body.timeout_s, owner=who.owner_filter
-        )
-    files: list[dict[str, Any]] = []
+        code = build(RunCode, code=body.code, timeout_s=body.timeout_s)
+        r = await state.manager.run_code(body.session_id, code, owner=who.owner_filter)
+    files: list[FileInfo] = []
     with contextlib.suppress(FileNotFoundError):  # no artifacts directory yet
         files = await state.manager.list_files(
-            body.session_id, "artifacts", depth=8, owner=who.owner_filter
+            body.session_id, ListFiles(path="artifacts", depth=8), owner=who.owner_filter
         )
     return SessionCodeResponse(
         stdout=r.stdout,
         stderr=r.stderr,
         results=[r.text] if r.text is not None else [],
         error=r.error.traceback or f"{r.error.type}: {r.error.message}" if r.error else None,
-        artifacts=[f["path"] for f in files if f["type"] == "file"],
+        artifacts=[f.path for f in files if f.type == "file"],
     )
 
 
@@ -159,8 +157,9 @@ async def api_list_files(
     who: Caller,
     path: Annotated[str, Query(max_length=4096)] = ".",
 ) -> list[FileInfo]:
-    entries = await state_of(request).manager.list_files(session_id, path, owner=who.owner_filter)
-    return [FileInfo.model_validate(e) for e in entries]
+    return await state_of(request).manager.list_files(
+        session_id, build(ListFiles, path=path), owner=who.owner_filter
+    )
 
 
 @router.post("/api/e2b/files", response_model=WrittenFile)
@@ -169,6 +168,9 @@ async def api_write_file(body: SessionFileWrite, request: Request, who: Caller) 
     state = state_of(request)
     async with state.audited(request, who, "file.write", body.session_id, path=body.path):
         size = await state.manager.write_file(
-            body.session_id, body.path, body.content.encode(), owner=who.owner_filter
+            body.session_id,
+            build(WriteFile, path=body.path),
+            body.content.encode(),
+            owner=who.owner_filter,
         )
     return WrittenFile(path=body.path, size_bytes=size)

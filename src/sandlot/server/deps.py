@@ -13,6 +13,7 @@ from fastapi import Request, WebSocket
 from fastapi.responses import JSONResponse
 
 from sandlot.config import Settings
+from sandlot.core import SandboxManager
 from sandlot.errors import (
     AuthenticationError,
     BackendUnavailable,
@@ -39,7 +40,6 @@ from sandlot.errors import (
     SandboxPermissionError,
     SandboxStartError,
 )
-from sandlot.manager import SandboxManager
 from sandlot.models import Quota
 from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore, Principal
 from sandlot.server.limits import RateLimiter

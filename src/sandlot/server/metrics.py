@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from sandlot.manager import SandboxManager
+from sandlot.core import SandboxManager
 from sandlot.models import ExecResult, SandboxInfo
 
 EXEC_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -16,9 +16,7 @@ EXEC_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.
 class Metrics:
     def __init__(self, manager: SandboxManager) -> None:
         self.registry = CollectorRegistry()
-        self.live = Gauge(
-            "sandlot_sandboxes_live", "Sandboxes alive now.", registry=self.registry
-        )
+        self.live = Gauge("sandlot_sandboxes_live", "Sandboxes alive now.", registry=self.registry)
         self.live.set_function(manager.live_count)
         self.created = Counter(
             "sandlot_sandboxes_created_total",

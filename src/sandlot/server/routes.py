@@ -13,49 +13,36 @@ from starlette.datastructures import UploadFile as StarletteUploadFile
 
 from sandlot.errors import InvalidRequest, RequestTooLarge
 from sandlot.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
+from sandlot.requests import (
+    FilePath,
+    ListFiles,
+    RemoveFile,
+    RunCode,
+    RunCommand,
+    SandboxSpec,
+    SetTimeout,
+    WriteFile,
+)
 from sandlot.server.auth import Principal
 from sandlot.server.deps import caller, state_of
-from sandlot.server.schemas import (
-    CreateSandboxRequest,
-    ErrorBody,
-    RunCodeRequest,
-    RunCommandRequest,
-    TimeoutRequest,
-    WrittenFile,
-)
+from sandlot.server.schemas import ErrorBody, WrittenFile
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=ERRORS)
 Caller = Annotated[Principal, Depends(caller)]
-PathQuery = Annotated[
-    str,
-    Query(
-        min_length=1, max_length=4096, pattern=r"^[^\x00]*$", description="Relative to /workspace."
-    ),
-]
+# The file verbs' requests arrive as query parameters (the body, where there is one, is bytes).
+PathQuery = Annotated[FilePath, Query()]
 UPLOAD_CHUNK_BYTES = 1 << 20
 
 
 @router.post("", status_code=201, response_model=SandboxInfo)
-async def create_sandbox(body: CreateSandboxRequest, request: Request, who: Caller) -> SandboxInfo:
+async def create_sandbox(body: SandboxSpec, request: Request, who: Caller) -> SandboxInfo:
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.create", backend=body.backend) as audit:
-        info = await state.manager.create(
-            backend=body.backend,
-            runtime=body.runtime,
-            environment=body.environment,
-            limits=body.limits(),
-            network=body.network,
-            env=body.env,
-            metadata=body.metadata,
-            owner=who.tenant,
-            ttl_s=body.ttl_s,
-            idle_timeout_s=body.idle_timeout_s,
-            quota=state.quota_for(who),
-        )
+        info = await state.manager.create(body, owner=who.tenant, quota=state.quota_for(who))
         audit["sandbox_id"] = info.id
     return info
 
@@ -82,10 +69,10 @@ async def delete_sandbox(sandbox_id: str, request: Request, who: Caller) -> Sand
 
 @router.post("/{sandbox_id}/timeout", response_model=SandboxInfo)
 async def set_timeout(
-    sandbox_id: str, body: TimeoutRequest, request: Request, who: Caller
+    sandbox_id: str, body: SetTimeout, request: Request, who: Caller
 ) -> SandboxInfo:
     who.require_write()
-    return await state_of(request).manager.extend(sandbox_id, body.ttl_s, owner=who.owner_filter)
+    return await state_of(request).manager.extend(sandbox_id, body, owner=who.owner_filter)
 
 
 @router.get("/{sandbox_id}/usage", response_model=ResourceUsage)
@@ -94,38 +81,23 @@ async def usage(sandbox_id: str, request: Request, who: Caller) -> ResourceUsage
 
 
 @router.post("/{sandbox_id}/code", response_model=ExecResult)
-async def run_code(
-    sandbox_id: str, body: RunCodeRequest, request: Request, who: Caller
-) -> Response:
+async def run_code(sandbox_id: str, body: RunCode, request: Request, who: Caller) -> Response:
     """Run Python in the sandbox's persistent interpreter. A failing program is a 200."""
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.run_code", sandbox_id) as audit:
-        result = await state.manager.run_code(
-            sandbox_id, body.code, timeout_s=body.timeout_s, owner=who.owner_filter
-        )
+        result = await state.manager.run_code(sandbox_id, body, owner=who.owner_filter)
         audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
     return _json(result)
 
 
 @router.post("/{sandbox_id}/commands", response_model=ExecResult)
-async def run_command(
-    sandbox_id: str, body: RunCommandRequest, request: Request, who: Caller
-) -> Response:
+async def run_command(sandbox_id: str, body: RunCommand, request: Request, who: Caller) -> Response:
     """Run a bash command; ``cd`` and ``export`` persist within ``session``."""
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.command", sandbox_id) as audit:
-        result = await state.manager.run_command(
-            sandbox_id,
-            body.command,
-            session=body.session,
-            timeout_s=body.timeout_s,
-            env=body.env,
-            cwd=body.cwd,
-            input=body.input,
-            owner=who.owner_filter,
-        )
+        result = await state.manager.run_command(sandbox_id, body, owner=who.owner_filter)
         audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
     return _json(result)
 
@@ -144,19 +116,14 @@ async def list_files(
     sandbox_id: str,
     request: Request,
     who: Caller,
-    path: Annotated[str, Query(max_length=4096)] = ".",
-    depth: Annotated[int, Query(ge=1, le=32)] = 1,
+    query: Annotated[ListFiles, Query()],
 ) -> list[FileInfo]:
-    entries = await state_of(request).manager.list_files(
-        sandbox_id, path, depth=depth, owner=who.owner_filter
-    )
-    return [FileInfo.model_validate(e) for e in entries]
+    return await state_of(request).manager.list_files(sandbox_id, query, owner=who.owner_filter)
 
 
 @router.get("/{sandbox_id}/files/stat", response_model=FileInfo)
-async def stat_file(sandbox_id: str, path: PathQuery, request: Request, who: Caller) -> FileInfo:
-    entry = await state_of(request).manager.stat_file(sandbox_id, path, owner=who.owner_filter)
-    return FileInfo.model_validate(entry)
+async def stat_file(sandbox_id: str, query: PathQuery, request: Request, who: Caller) -> FileInfo:
+    return await state_of(request).manager.stat_file(sandbox_id, query, owner=who.owner_filter)
 
 
 @router.get(
@@ -165,10 +132,10 @@ async def stat_file(sandbox_id: str, path: PathQuery, request: Request, who: Cal
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 async def download_file(
-    sandbox_id: str, path: PathQuery, request: Request, who: Caller
+    sandbox_id: str, query: PathQuery, request: Request, who: Caller
 ) -> StreamingResponse:
     """Stream a file out of the sandbox."""
-    chunks = state_of(request).manager.read_file_chunks(sandbox_id, path, owner=who.owner_filter)
+    chunks = state_of(request).manager.read_file_chunks(sandbox_id, query, owner=who.owner_filter)
     # Pull the first chunk now, so a missing file is a 404 rather than a broken stream.
     first = await anext(chunks, b"")
 
@@ -181,7 +148,7 @@ async def download_file(
     return StreamingResponse(
         body(),
         media_type="application/octet-stream",
-        headers={"Content-Disposition": _attachment(path.rsplit("/", 1)[-1])},
+        headers={"Content-Disposition": _attachment(query.path.rsplit("/", 1)[-1])},
     )
 
 
@@ -197,18 +164,18 @@ def _attachment(name: str) -> str:
 
 @router.put("/{sandbox_id}/files/content", response_model=WrittenFile)
 async def upload_raw(
-    sandbox_id: str, path: PathQuery, request: Request, who: Caller
+    sandbox_id: str, query: Annotated[WriteFile, Query()], request: Request, who: Caller
 ) -> WrittenFile:
     """Upload the raw request body to ``path``, streamed (never held whole in memory)."""
     who.require_write()
     state = state_of(request)
     limit = _upload_limit(request)
-    async with state.audited(request, who, "file.write", sandbox_id, path=path) as audit:
+    async with state.audited(request, who, "file.write", sandbox_id, path=query.path) as audit:
         size = await state.manager.write_file_chunks(
-            sandbox_id, path, request.stream(), max_bytes=limit, owner=who.owner_filter
+            sandbox_id, query, request.stream(), max_bytes=limit, owner=who.owner_filter
         )
         audit["size_bytes"] = size
-    return WrittenFile(path=path, size_bytes=size)
+    return WrittenFile(path=query.path, size_bytes=size)
 
 
 MULTIPART_BODY = {
@@ -234,7 +201,7 @@ MULTIPART_BODY = {
     openapi_extra=MULTIPART_BODY,
 )
 async def upload_multipart(
-    sandbox_id: str, path: PathQuery, request: Request, who: Caller
+    sandbox_id: str, query: Annotated[WriteFile, Query()], request: Request, who: Caller
 ) -> WrittenFile:
     """Upload a multipart form's ``file`` field to ``path``.
 
@@ -254,14 +221,14 @@ async def upload_multipart(
             yield chunk
 
     try:
-        async with state.audited(request, who, "file.write", sandbox_id, path=path) as audit:
+        async with state.audited(request, who, "file.write", sandbox_id, path=query.path) as audit:
             size = await state.manager.write_file_chunks(
-                sandbox_id, path, chunks(), max_bytes=limit, owner=who.owner_filter
+                sandbox_id, query, chunks(), max_bytes=limit, owner=who.owner_filter
             )
             audit["size_bytes"] = size
     finally:
         await form.close()
-    return WrittenFile(path=path, size_bytes=size)
+    return WrittenFile(path=query.path, size_bytes=size)
 
 
 def _upload_limit(request: Request, required: bool = False) -> int:
@@ -277,26 +244,23 @@ def _upload_limit(request: Request, required: bool = False) -> int:
 
 
 @router.post("/{sandbox_id}/directories", response_model=FileInfo, status_code=201)
-async def make_dir(sandbox_id: str, path: PathQuery, request: Request, who: Caller) -> FileInfo:
+async def make_dir(sandbox_id: str, query: PathQuery, request: Request, who: Caller) -> FileInfo:
     """Create a directory (and its parents)."""
     who.require_write()
     state = state_of(request)
-    async with state.audited(request, who, "file.mkdir", sandbox_id, path=path):
-        await state.manager.make_dir(sandbox_id, path, owner=who.owner_filter)
-    entry = await state.manager.stat_file(sandbox_id, path, owner=who.owner_filter)
-    return FileInfo.model_validate(entry)
+    async with state.audited(request, who, "file.mkdir", sandbox_id, path=query.path):
+        await state.manager.make_dir(sandbox_id, query, owner=who.owner_filter)
+    return await state.manager.stat_file(sandbox_id, query, owner=who.owner_filter)
 
 
 @router.delete("/{sandbox_id}/files", status_code=204)
 async def delete_file(
-    sandbox_id: str, path: PathQuery, request: Request, who: Caller, recursive: bool = False
+    sandbox_id: str, query: Annotated[RemoveFile, Query()], request: Request, who: Caller
 ) -> Response:
     who.require_write()
     state = state_of(request)
-    async with state.audited(request, who, "file.delete", sandbox_id, path=path):
-        await state.manager.remove_file(
-            sandbox_id, path, recursive=recursive, owner=who.owner_filter
-        )
+    async with state.audited(request, who, "file.delete", sandbox_id, path=query.path):
+        await state.manager.remove_file(sandbox_id, query, owner=who.owner_filter)
     return Response(status_code=204)
 
 

@@ -30,9 +30,9 @@ from pydantic import ValidationError
 
 from sandlot.errors import ConfigError, SandboxError
 from sandlot.models import ExecResult
+from sandlot.requests import RunCode, RunCommand
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState
-from sandlot.server.schemas import RunCodeRequest, RunCommandRequest
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["streaming"])
@@ -74,26 +74,19 @@ async def _one_run(
         kind = message.get("type")
         fields = {k: v for k, v in message.items() if k not in ("type", "stdin")}
         if kind == "run_code":
-            code = RunCodeRequest.model_validate(fields)
             call = state.manager.run_code(
                 sandbox_id,
-                code.code,
-                timeout_s=code.timeout_s,
+                RunCode.model_validate(fields),
                 owner=who.owner_filter,
                 on_stdout=_put(outbox, "stdout", budget),
                 on_stderr=_put(outbox, "stderr", budget),
             )
         elif kind == "command":
-            cmd = RunCommandRequest.model_validate(fields)
+            command = RunCommand.model_validate(fields)
             stdin = asyncio.Queue() if message.get("stdin") else None
             call = state.manager.run_command(
                 sandbox_id,
-                cmd.command,
-                session=cmd.session,
-                timeout_s=cmd.timeout_s,
-                env=cmd.env,
-                cwd=cmd.cwd,
-                input=cmd.input,
+                command,
                 stdin=stdin,
                 owner=who.owner_filter,
                 on_stdout=_put(outbox, "stdout", budget),

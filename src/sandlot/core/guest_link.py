@@ -1,7 +1,9 @@
 """Host side of the guest protocol: length-prefixed JSON frames over the guest's stdio.
 
 One :class:`GuestConnection` per live guest. Requests are multiplexed by id, so a file read
-can run while a long command streams its output.
+can run while a long command streams its output. Operation and event names come from
+:mod:`sandlot.guest.ops`, the same table the guest dispatches on; the guest's protocol version
+is checked when it says "ready".
 """
 
 from __future__ import annotations
@@ -11,21 +13,14 @@ import contextlib
 import itertools
 import json
 import struct
-from collections.abc import Callable
 from typing import Any
 
-from sandlot.errors import GuestError, SandboxError, error_from_code
+from sandlot.errors import GuestDied, GuestError, ProtocolMismatch, SandboxError, error_from_code
+from sandlot.guest.ops import PROTOCOL_VERSION, Event, Op
+from sandlot.models import OutputCallback
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
-
-OutputCallback = Callable[[str], None]
-
-
-class GuestDied(GuestError):
-    """The guest process exited (or was killed) while calls were outstanding."""
-
-    code = "guest_died"
 
 
 class _Pending:
@@ -60,13 +55,25 @@ class GuestConnection:
         return not self._closed
 
     async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        """Wait for the guest's hello frame; raises GuestDied if it exits first."""
+        """Wait for the guest's "ready" frame.
+
+        Raises:
+            GuestDied: the guest exited first.
+            ProtocolMismatch: it speaks another protocol version (a stale guest in an image).
+            TimeoutError: it said nothing for ``timeout_s``.
+        """
         self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        version = self.info.get("protocol")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolMismatch(
+                f"the sandbox's guest speaks protocol {version!r}, this host {PROTOCOL_VERSION}; "
+                "rebuild the environment's image (`sandlot image build`)"
+            )
         return self.info
 
     async def request(
         self,
-        op: str,
+        op: Op,
         payload: dict[str, Any] | None = None,
         *,
         on_stdout: OutputCallback | None = None,
@@ -96,7 +103,7 @@ class GuestConnection:
     def new_id(self) -> int:
         return next(self._ids)
 
-    async def notify(self, op: str, payload: dict[str, Any]) -> None:
+    async def notify(self, op: Op, payload: dict[str, Any]) -> None:
         """Send a request whose answer nobody waits for (cancel, shutdown)."""
         if not self._closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
@@ -130,20 +137,20 @@ class GuestConnection:
 
     def _dispatch(self, frame: dict[str, Any]) -> None:
         event = frame.get("event")
-        if event == "ready":
+        if event == Event.READY:
             if not self._ready.done():
                 self._ready.set_result(frame)
             return
         pending = self._pending.get(frame.get("id", -1))
         if pending is None:
             return  # an answer to a notify(), or to a call whose waiter was cancelled
-        if event == "stdout" and pending.on_stdout is not None:
+        if event == Event.STDOUT and pending.on_stdout is not None:
             pending.on_stdout(frame["data"])
-        elif event == "stderr" and pending.on_stderr is not None:
+        elif event == Event.STDERR and pending.on_stderr is not None:
             pending.on_stderr(frame["data"])
-        elif event == "result" and not pending.future.done():
+        elif event == Event.RESULT and not pending.future.done():
             pending.future.set_result(frame["result"])
-        elif event == "error" and not pending.future.done():
+        elif event == Event.ERROR and not pending.future.done():
             pending.future.set_exception(error_from_code(frame["code"], frame["message"]))
 
     def _fail_all(self, error: SandboxError) -> None:
@@ -157,7 +164,7 @@ class GuestConnection:
 
     async def close(self) -> None:
         """Ask the guest to exit, then stop reading."""
-        await self.notify("shutdown", {})
+        await self.notify(Op.SHUTDOWN, {})
         with contextlib.suppress(Exception):
             self._writer.close()
         self._task.cancel()

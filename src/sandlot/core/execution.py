@@ -1,0 +1,185 @@
+"""One run of code or of a command in a live sandbox, from request to :class:`ExecResult`.
+
+The guest enforces the call's timeout and output caps; this room adds the host's backstop
+(a guest that hangs past its timeout is restarted), turns a guest death into a result, and
+names the real cause of a kill from the cgroup's counters, which exit codes lose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from sandlot.core.guest_link import GuestConnection
+from sandlot.core.live import Live
+from sandlot.errors import ConfigError, GuestDied, GuestError, PidsExhausted, SandboxError
+from sandlot.guest.ops import Op
+from sandlot.models import ExecResult, OutputCallback, ResourceUsage
+from sandlot.requests import RunCode, RunCommand
+
+log = structlog.get_logger(__name__)
+
+SATURATED = 0.9  # a limit this full after a call means something left behind holds it
+BACKSTOP_S = 5.0  # the guest enforces timeouts; the host steps in only if the guest hangs
+RESULT_FIELDS = frozenset(ExecResult.model_fields)
+
+
+def code_payload(request: RunCode) -> tuple[Op, dict[str, Any]]:
+    return Op.EXEC_CODE, {"code": request.code}
+
+
+def command_payload(request: RunCommand, *, streams_stdin: bool) -> tuple[Op, dict[str, Any]]:
+    payload: dict[str, Any] = {
+        "command": request.command,
+        "session": request.session,
+        "env": request.env or {},
+    }
+    if request.cwd is not None:
+        payload["cwd"] = request.cwd
+    if request.input is not None:
+        payload["input"] = request.input
+    if streams_stdin:
+        payload["stdin"] = True
+    return Op.EXEC_SHELL, payload
+
+
+async def execute(
+    live: Live,
+    op: Op,
+    payload: dict[str, Any],
+    timeout_s: float | None,
+    on_stdout: OutputCallback | None,
+    on_stderr: OutputCallback | None,
+    stdin: asyncio.Queue[bytes | None] | None = None,
+) -> ExecResult:
+    """Run one exec call; a crash, timeout or kill of the sandboxed program is a result.
+
+    Raises:
+        ConfigError: ``timeout_s`` is not positive.
+        GuestError: the guest sent a result that is not one.
+        SandboxNotRunning: the sandbox is being destroyed.
+    """
+    limits = live.info.limits
+    timeout = limits.timeout_s if timeout_s is None else timeout_s
+    if timeout <= 0:
+        raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout}")
+    live.active_calls += 1
+    live.touch()
+    started = time.monotonic()
+    try:
+        conn, restarted = await live.connection()
+        before = live.counters
+        call_id = conn.new_id()
+        request = {
+            **payload,
+            "timeout_s": timeout,
+            "output_limit": limits.output_limit_bytes,
+            "output_file_limit": limits.output_file_limit_mb * 1024 * 1024,
+            # Full outputs are spilled to the sandbox's own disk: a quarter of it at most.
+            "output_spill_limit": live.disk_bytes // 4,
+        }
+        feeder = (
+            asyncio.create_task(_feed_stdin(conn, call_id, stdin)) if stdin is not None else None
+        )
+        try:
+            raw = await asyncio.wait_for(
+                conn.request(
+                    op, request, on_stdout=on_stdout, on_stderr=on_stderr, call_id=call_id
+                ),
+                timeout + BACKSTOP_S,
+            )
+        except PidsExhausted:
+            # Left-over processes hold every slot; only a fresh guest frees them.
+            raw = {"exit_code": 137, "kill_reason": "pids", "state_lost": True}
+            await live.drop_guest()
+        except GuestDied:
+            raw = {"exit_code": 137, "kill_reason": "killed", "state_lost": True}
+            await live.drop_guest()
+        except TimeoutError:
+            log.warning("guest hung past its timeout; restarting it", sandbox=live.id)
+            raw = {"exit_code": 137, "kill_reason": "timeout", "state_lost": True}
+            await live.drop_guest()
+        except asyncio.CancelledError:
+            await conn.notify(Op.CANCEL, {"target": call_id})
+            raise
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+        after = live.counters = await live.backend.usage(live.id, full=False)
+        try:
+            result = ExecResult.model_validate({k: v for k, v in raw.items() if k in RESULT_FIELDS})
+        except ValidationError as exc:
+            # The guest shares a uid with sandboxed code: a malformed reply is its failure
+            # (502), never ours (500).
+            await live.drop_guest()
+            raise GuestError(f"the sandbox's guest sent an invalid result: {exc}") from exc
+        if not result.duration_ms:
+            result.duration_ms = (time.monotonic() - started) * 1000
+        tasks = raw.get("tasks")
+        await _classify(live, result, before, after, tasks if isinstance(tasks, int) else 0)
+        if restarted:
+            result.state_lost = True
+        return result
+    finally:
+        live.active_calls -= 1
+        live.touch()
+
+
+async def _classify(
+    live: Live,
+    result: ExecResult,
+    before: ResourceUsage,
+    after: ResourceUsage,
+    guest_tasks: int,
+) -> None:
+    """Name the real cause of a kill from the cgroup's counters (exit codes lose it), and
+    restart a guest that a limit left wedged.
+
+    ``guest_tasks`` is the process count the guest saw after the call. Under gVisor it
+    is the only witness of a fork bomb held at the limit: the host's pids cgroup holds
+    the sentry, not the sandbox's processes, and counts none of their failed forks.
+    """
+    failed = result.kill_reason is not None or result.exit_code not in (0, None)
+    limits = live.info.limits
+    oom = after.oom_kills > before.oom_kills
+    tasks_full = guest_tasks >= SATURATED * limits.pids
+    pids_hit = after.pids_limit_hits > before.pids_limit_hits or tasks_full
+    if not (oom or pids_hit):
+        return
+    usage = await live.backend.usage(live.id)
+    # Still at the limit after the call: background processes (a fork bomb whose first
+    # shell exited 0, files filling memory) hold it, and every next call would fail.
+    saturated = (
+        oom and (usage.memory_bytes or 0) >= SATURATED * limits.memory_mb * 1024 * 1024
+    ) or (pids_hit and (tasks_full or (usage.pids or 0) >= SATURATED * limits.pids))
+    if oom and (failed or saturated):
+        result.kill_reason = "memory"
+    elif pids_hit and (failed or saturated):
+        result.kill_reason = "pids"
+    if saturated:
+        await live.drop_guest()
+        result.state_lost = True
+
+
+async def _feed_stdin(
+    conn: GuestConnection, call_id: int, queue: asyncio.Queue[bytes | None]
+) -> None:
+    """Forward queued input to a running command; ``None`` closes its stdin."""
+    while True:
+        data = await queue.get()
+        payload = {
+            "target": call_id,
+            "data": base64.b64encode(data or b"").decode("ascii"),
+            "eof": data is None,
+        }
+        try:
+            await conn.request(Op.STDIN, payload)
+        except SandboxError:
+            return  # the command ended (or never took stdin): later input has nowhere to go
+        if data is None:
+            return

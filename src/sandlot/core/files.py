@@ -1,0 +1,140 @@
+"""Files in a live sandbox's /workspace, moved through its guest in chunks.
+
+The guest shares a uid with sandboxed code, so nothing it says is trusted to end: reads are
+bounded by the sandbox's disk size, and what a listing names is validated by the caller.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
+
+from sandlot.core.guest_link import GuestConnection
+from sandlot.core.live import Live
+from sandlot.errors import GuestError, PidsExhausted, RequestTooLarge, SandboxError
+from sandlot.guest.ops import Op
+from sandlot.models import FileInfo
+from sandlot.requests import FilePath, ListFiles, RemoveFile, WriteFile
+
+FILE_CHUNK_BYTES = 1 << 20
+
+
+async def file_op(live: Live, op: Op, payload: dict[str, Any]) -> dict[str, Any]:
+    """One file request to the guest, restarting a guest a background fork bomb starves."""
+    live.touch()
+    conn, _ = await live.connection()
+    try:
+        return await conn.request(op, payload)
+    except PidsExhausted:
+        # A fork bomb in the background: a fresh guest (its processes killed) can serve.
+        await live.drop_guest()
+        conn, _ = await live.connection()
+        return await conn.request(op, payload)
+
+
+async def write_chunks(
+    live: Live,
+    request: WriteFile,
+    chunks: AsyncIterable[bytes],
+    *,
+    max_bytes: int | None = None,
+) -> int:
+    """Stream chunks into a file; past ``max_bytes`` the partial file is removed.
+
+    Raises:
+        RequestTooLarge: more than ``max_bytes`` arrived.
+    """
+    written = 0
+    size = 0
+    first = True
+    async for chunk in rechunk(chunks, FILE_CHUNK_BYTES):
+        written += len(chunk)
+        if max_bytes is not None and written > max_bytes:
+            with contextlib.suppress(SandboxError):
+                await remove(live, RemoveFile(path=request.path))
+            raise RequestTooLarge(
+                f"upload is over {max_bytes} bytes; raise API_MAX_UPLOAD_MB to allow more"
+            )
+        reply = await file_op(
+            live,
+            Op.FILE_WRITE,
+            {"path": request.path, "append": not first, "mode": request.mode, "data": _b64(chunk)},
+        )
+        size = int(reply["size_bytes"])
+        first = False
+    return size
+
+
+async def read_chunks(live: Live, request: FilePath) -> AsyncIterator[bytes]:
+    """Stream a file out of the sandbox in chunks of at most 1 MiB."""
+    live.touch()
+    conn, _ = await live.connection()
+    async for chunk in read_through(conn, request.path, live.disk_bytes):
+        yield chunk
+
+
+async def list_dir(live: Live, request: ListFiles) -> list[FileInfo]:
+    reply = await file_op(live, Op.FILE_LIST, request.model_dump())
+    return [FileInfo.model_validate(entry) for entry in reply["entries"]]
+
+
+async def stat(live: Live, request: FilePath) -> FileInfo:
+    return FileInfo.model_validate(await file_op(live, Op.FILE_STAT, request.model_dump()))
+
+
+async def remove(live: Live, request: RemoveFile) -> None:
+    await file_op(live, Op.FILE_REMOVE, request.model_dump())
+
+
+async def make_dir(live: Live, request: FilePath) -> None:
+    await file_op(live, Op.FILE_MKDIR, request.model_dump())
+
+
+async def read_through(conn: GuestConnection, path: str, limit_bytes: int) -> AsyncIterator[bytes]:
+    """Read a file through the guest, never trusting it to say when to stop.
+
+    The guest shares a uid with sandboxed code, so a reply may lie: a "file" that never reaches
+    eof would otherwise stream until the host's disk or memory is full.
+
+    Raises:
+        GuestError: the guest sent more bytes than the sandbox's disk can hold.
+    """
+    offset = 0
+    while True:
+        reply = await conn.request(
+            Op.FILE_READ, {"path": path, "offset": offset, "length": FILE_CHUNK_BYTES}
+        )
+        data = base64.b64decode(reply["data"])
+        offset += len(data)
+        if offset > limit_bytes:
+            raise GuestError(
+                f"{path} grew past the sandbox's disk size ({limit_bytes} bytes) while read"
+            )
+        if data:
+            yield data
+        if reply["eof"] or not data:
+            return
+
+
+async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def rechunk(chunks: AsyncIterable[bytes], size: int) -> AsyncIterator[bytes]:
+    """Regroup a byte stream into pieces of at most ``size`` (at least one, maybe empty)."""
+    buffer = bytearray()
+    sent = False
+    async for chunk in chunks:
+        buffer += chunk
+        while len(buffer) >= size:
+            yield bytes(buffer[:size])
+            del buffer[:size]
+            sent = True
+    if buffer or not sent:
+        yield bytes(buffer)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")

@@ -1,0 +1,108 @@
+"""A live sandbox as the core holds it: its record, its backend, and its guest link.
+
+A :class:`Live` owns its guest's lifecycle (start, restart after a death, drop) so that the
+execution and file rooms can ask for "a working connection" without knowing how one is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from sandlot.backends import Backend, GuestSpec
+from sandlot.core.guest_link import GuestConnection
+from sandlot.errors import GuestError, SandboxNotRunning, SandboxStartError
+from sandlot.models import ResourceUsage, SandboxInfo
+
+log = structlog.get_logger(__name__)
+
+READY_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """What a sandbox runs on: backend, OCI runtime and environment (a warm pool holds one)."""
+
+    backend: str
+    runtime: str | None
+    environment: str
+
+    def __str__(self) -> str:
+        runtime = f"+{self.runtime}" if self.runtime else ""
+        return f"{self.backend}{runtime}:{self.environment}"
+
+
+@dataclass
+class Live:
+    info: SandboxInfo
+    spec: GuestSpec
+    backend: Backend
+    conn: GuestConnection | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    active_calls: int = 0
+    destroying: bool = False
+    # Kill counters as last read; each call compares against these, so one cheap read per
+    # call suffices. (A limit hit between calls is blamed on the next call, if that fails.)
+    counters: ResourceUsage = field(default_factory=ResourceUsage)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.info.limits.disk_mb * 1024 * 1024
+
+    def touch(self) -> None:
+        self.info.last_active_at = time.time()
+
+    async def start_guest(self) -> GuestConnection:
+        """Start a fresh guest (the backend ends any previous one; the workspace is kept).
+
+        Raises:
+            SandboxStartError: it did not say "ready" in time, or speaks another protocol.
+        """
+        guest = await self.backend.start(self.spec)
+        conn = GuestConnection(guest.reader, guest.writer)
+        try:
+            await conn.wait_ready(READY_TIMEOUT_S)
+        except (GuestError, TimeoutError) as exc:
+            guest.kill()
+            await guest.wait()
+            detail = guest.stderr_tail() or str(exc)
+            raise SandboxStartError(f"the sandbox's guest did not start: {detail}") from exc
+        self.conn = conn
+        self.counters = await self.backend.usage(self.id, full=False)
+        return conn
+
+    async def connection(self) -> tuple[GuestConnection, bool]:
+        """The live guest connection, restarting a dead guest (workspace kept).
+
+        Returns the connection and whether a guest death went unreported until now (the
+        caller's result then says ``state_lost``).
+
+        Raises:
+            SandboxNotRunning: the sandbox is being destroyed.
+        """
+        if self.conn is not None and self.conn.alive:
+            return self.conn, False
+        async with self.lock:
+            if self.conn is not None and self.conn.alive:
+                return self.conn, False
+            if self.destroying:
+                raise SandboxNotRunning(f"sandbox {self.id} was destroyed")
+            # A dead connection still attached means the guest died between calls and no
+            # result has told the caller yet; drop_guest detaches it once a result has.
+            lost_unreported = self.conn is not None
+            log.info("restarting guest", sandbox=self.id)
+            conn = await self.start_guest()
+            return conn, lost_unreported
+
+    async def drop_guest(self) -> None:
+        """Forget the guest after a call already reported the loss of its state."""
+        if self.conn is not None:
+            await self.conn.close()
+            self.conn = None

@@ -1,0 +1,659 @@
+"""SandboxManager: the lifecycle of sandboxes, whatever backend isolates them.
+
+It owns what backends do not: ids, owners and quotas, TTL and idle reaping, the SQLite store
+and crash recovery. Each verb takes one typed request (:mod:`sandlot.requests`) and hands the
+work to the room that does it: :mod:`~sandlot.core.execution` (one run),
+:mod:`~sandlot.core.files`, :mod:`~sandlot.core.artifacts`, :mod:`~sandlot.core.pools`; a
+:class:`~sandlot.core.live.Live` owns its guest link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import fcntl
+import os
+import secrets
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from sandlot.backends import KNOWN_BACKENDS, Backend, GuestSpec, create_backend
+from sandlot.config import Settings, get_settings
+from sandlot.core import execution, files
+from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
+from sandlot.core.live import Live, PoolKey
+from sandlot.core.pools import MAX_POOL_SIZE, Pools
+from sandlot.core.store import Store
+from sandlot.environments import get_environment
+from sandlot.errors import (
+    ConfigError,
+    QuotaExceeded,
+    SandboxError,
+    SandboxNotFound,
+    SandboxNotRunning,
+    SandboxStartError,
+)
+from sandlot.log import configure_logging
+from sandlot.models import (
+    ArtifactInfo,
+    ExecResult,
+    FileInfo,
+    OutputCallback,
+    Quota,
+    ResolvedLimits,
+    ResourceUsage,
+    SandboxInfo,
+    SandboxStatus,
+)
+from sandlot.requests import (
+    FilePath,
+    ListFiles,
+    RemoveFile,
+    RunCode,
+    RunCommand,
+    SandboxSpec,
+    SetTimeout,
+    WriteFile,
+)
+
+log = structlog.get_logger(__name__)
+
+UNSAFE_BACKENDS = frozenset({"unsafe-local"})
+HOST_ENVIRONMENT = "python3"  # what a backend without images (bubblewrap) offers
+POOL_OWNER = "__pool__"
+
+# Observers of what happens to sandboxes (metrics, audit): called as listener(event, fields).
+Listener = Callable[[str, dict[str, Any]], None]
+
+
+class SandboxManager:
+    """Creates, runs, reaps and destroys sandboxes; one per data directory.
+
+    Use as an async context manager, or call :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or get_settings()
+        self._backends: dict[str, Backend] = {}
+        self._live: dict[str, Live] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._lock_fd: int | None = None
+        self._store: Store = None  # type: ignore[assignment]  # set by start()
+        self._artifacts: Artifacts = None  # type: ignore[assignment]  # set by start()
+        self._pools: Pools | None = None
+        self._started = False
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event, fields)`` on "created", "destroyed", "exec", "backend_error"."""
+        self._listeners.append(listener)
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event, fields)
+            except Exception:
+                log.exception("listener failed", event=event)
+
+    # ------------------------------------------------------------------ the manager itself
+
+    async def __aenter__(self) -> SandboxManager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Lock the data dir, clean up after a previous crash, start the reaper and pools.
+
+        Raises:
+            ConfigError: another process uses this data directory, or a pool setting is bad.
+        """
+        if self._started:
+            return
+        if not structlog.is_configured():
+            # A library must not print to stdout: send our logs to stderr unless the app
+            # configured structlog itself.
+            configure_logging(self.settings.log_level, self.settings.log_format)
+        data_dir = self.settings.data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_data_dir(data_dir)
+        self._store = Store(data_dir / "sandlot.db")
+        self._artifacts = Artifacts(data_dir, self._store)
+        self._started = True
+        try:
+            targets = self._pool_targets()
+            pools = Pools(
+                self.settings.resolve_limits(None),
+                self.settings.network,
+                self._new_pooled,
+                self._boot,
+            )
+        except ConfigError:
+            await self.close()
+            raise
+        await self._recover(extra_backends={key.backend for key in targets})
+        self._reaper = asyncio.create_task(self._reap_forever())
+        self._pools = pools
+        pools.start(targets)
+
+    async def _recover(self, extra_backends: set[str]) -> None:
+        """Mark sandboxes of a crashed run as ended and remove all they left behind.
+
+        Every backend this store ever used is swept (pooled sandboxes are never stored, and a
+        backend may have been left running with none live), plus those pools will use.
+        """
+        orphans = self._store.list(live_only=True)
+        names = (self._store.backends_used() | extra_backends | {self.settings.backend}) & set(
+            KNOWN_BACKENDS
+        )
+        for name in sorted(names):
+            try:
+                removed = await self._backend(name).sweep(keep=())
+            except SandboxError as exc:
+                log.warning("recovery sweep skipped", backend=name, error=str(exc))
+                continue
+            if removed:
+                log.warning("removed orphaned sandboxes", backend=name, ids=removed)
+        for info in orphans:
+            self._end(info, SandboxStatus.DESTROYED, "recovered")
+
+    async def close(self) -> None:
+        """Destroy every live sandbox and release the data directory."""
+        if not self._started:
+            return
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        if self._pools is not None:
+            await self._pools.close()
+            self._pools = None
+        await asyncio.gather(
+            *(self.destroy(sid, reason="shutdown") for sid in list(self._live)),
+            return_exceptions=True,
+        )
+        for backend in self._backends.values():
+            await backend.close()
+        self._store.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._started = False
+
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def pooled_count(self) -> int:
+        """Started sandboxes waiting in the warm pools."""
+        return self._pools.count() if self._pools is not None else 0
+
+    def _backend(self, name: str) -> Backend:
+        if name not in self._backends:
+            self._backends[name] = create_backend(name, self.settings)
+        return self._backends[name]
+
+    # ------------------------------------------------------------------ creating
+
+    async def create(
+        self,
+        spec: SandboxSpec | None = None,
+        *,
+        owner: str = "local",
+        quota: Quota | None = None,
+    ) -> SandboxInfo:
+        """Start a sandbox and return once its guest answers.
+
+        Raises:
+            ConfigError: an unknown backend or an out-of-range setting.
+            QuotaExceeded: ``owner`` already holds ``quota`` worth of live sandboxes.
+            BackendUnavailable: the backend cannot run on this host.
+            SandboxStartError: the backend failed to start the guest.
+        """
+        self._require_started()
+        spec = spec or SandboxSpec()
+        key = self.placement(spec.backend, spec.runtime, spec.environment)
+        resolved = self.settings.resolve_limits(spec.limits())
+        network = self.settings.network if spec.network is None else spec.network
+        if quota is not None:
+            self._check_quota(owner, resolved.memory_mb, quota)
+        live = self._pools.take(key, resolved, network, spec.env) if self._pools else None
+        if live is None:
+            # Registered with its owner before the first await, so a concurrent create of
+            # the same owner counts it against the quota.
+            live = self._new_live(key, resolved, network, spec.env, owner)
+            self._live[live.id] = live
+            self._store.save(live.info)
+            await self._boot(live)
+        # Ownership and clocks start now, also for a sandbox that waited in the pool.
+        now = time.time()
+        info = live.info
+        info.owner = owner
+        info.metadata = spec.metadata or {}
+        info.created_at = info.last_active_at = now
+        info.expires_at = now + (spec.ttl_s or self.settings.ttl_s)
+        info.idle_timeout_s = spec.idle_timeout_s or self.settings.idle_timeout_s
+        info.status = SandboxStatus.RUNNING
+        self._live[info.id] = live
+        self._store.save(info)
+        self._emit("created", info=info)
+        log.info(
+            "sandbox created",
+            sandbox=info.id,
+            backend=key.backend,
+            runtime=key.runtime,
+            environment=key.environment,
+            memory_mb=resolved.memory_mb,
+            network=network,
+        )
+        return info.model_copy()
+
+    def placement(
+        self, backend: str | None, runtime: str | None, environment: str | None
+    ) -> PoolKey:
+        """Check the backend, runtime and environment go together; name them canonically.
+
+        Raises:
+            ConfigError: an unknown name, a combination the backend cannot run, or an
+                unsafe backend without SANDBOX_ALLOW_UNSAFE.
+        """
+        backend = backend or self.settings.backend
+        if backend in UNSAFE_BACKENDS and not self.settings.allow_unsafe:
+            raise ConfigError(
+                f"backend {backend!r} has no isolation and runs code as this process's "
+                "user; it is refused unless SANDBOX_ALLOW_UNSAFE=true (tests, development)"
+            )
+        chosen = self._backend(backend)
+        if runtime is not None and runtime not in chosen.runtimes:
+            choice = ", ".join(sorted(chosen.runtimes)) or "none (only docker has runtimes)"
+            raise ConfigError(
+                f"backend {backend!r} has no runtime {runtime!r}; its runtimes: {choice}"
+            )
+        if runtime is None and chosen.runtimes:
+            runtime = self.settings.docker_runtime
+            if runtime not in chosen.runtimes:
+                raise ConfigError(
+                    f"SANDBOX_DOCKER_RUNTIME={runtime!r} is not one of "
+                    f"{', '.join(sorted(chosen.runtimes))}"
+                )
+        env = get_environment(environment or self.settings.environment, self.settings.registry_dir)
+        if not chosen.any_environment and env.name != HOST_ENVIRONMENT:
+            raise ConfigError(
+                f"environment {env.name!r} needs its own image, which backend {backend!r} "
+                f"cannot use (it runs the host's {HOST_ENVIRONMENT}); use backend='docker'"
+            )
+        return PoolKey(backend, runtime, env.name)
+
+    def _pool_targets(self) -> dict[PoolKey, int]:
+        """Warm pool sizes: SANDBOX_POOL_SIZE for the defaults, SANDBOX_POOLS for the rest.
+
+        Raises:
+            ConfigError: a SANDBOX_POOLS key that names no backend, runtime or environment.
+        """
+        targets: dict[PoolKey, int] = {}
+        if self.settings.pool_size > 0:
+            targets[self.placement(None, None, None)] = self.settings.pool_size
+        for text, size in self.settings.pools.items():
+            head, _, environment = text.partition(":")
+            backend, _, runtime = head.partition("+")
+            if not 0 <= size <= MAX_POOL_SIZE:
+                raise ConfigError(f"SANDBOX_POOLS[{text!r}]={size}: sizes go from 0 to 64")
+            try:
+                key = self.placement(backend, runtime or None, environment or None)
+            except ConfigError as exc:
+                raise ConfigError(f"SANDBOX_POOLS[{text!r}]: {exc.message}") from None
+            if size:
+                targets[key] = size
+        return targets
+
+    def _new_live(
+        self,
+        key: PoolKey,
+        limits: ResolvedLimits,
+        network: bool,
+        env: dict[str, str] | None,
+        owner: str,
+    ) -> Live:
+        now = time.time()
+        info = SandboxInfo(
+            id="sb-" + secrets.token_hex(8),
+            backend=key.backend,
+            runtime=key.runtime,
+            environment=key.environment,
+            status=SandboxStatus.STARTING,
+            owner=owner,
+            limits=limits,
+            network=network,
+            created_at=now,
+            last_active_at=now,
+            expires_at=now + self.settings.ttl_s,
+            idle_timeout_s=self.settings.idle_timeout_s,
+        )
+        spec = GuestSpec(
+            info.id,
+            limits,
+            network,
+            dict(env or {}),
+            environment=key.environment,
+            runtime=key.runtime,
+        )
+        return Live(info=info, spec=spec, backend=self._backend(key.backend))
+
+    def _new_pooled(self, key: PoolKey) -> Live:
+        limits = self.settings.resolve_limits(None)
+        return self._new_live(key, limits, self.settings.network, None, POOL_OWNER)
+
+    async def _boot(self, live: Live) -> None:
+        """Start the guest of a new sandbox; on failure remove every trace of it."""
+        try:
+            async with live.lock:
+                await live.start_guest()
+        except BaseException as exc:
+            self._live.pop(live.id, None)
+            with contextlib.suppress(Exception):
+                await live.backend.stop(live.id)
+            self._end(live.info, SandboxStatus.FAILED, "failed")
+            self._emit(
+                "backend_error", backend=live.info.backend, code=getattr(exc, "code", "error")
+            )
+            if isinstance(exc, SandboxError | asyncio.CancelledError):
+                raise
+            raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
+
+    def _check_quota(self, owner: str, memory_mb: int, quota: Quota) -> None:
+        # No await between this check and registering the sandbox: concurrent creates of one
+        # owner cannot both slip under the quota.
+        mine = [live.info for live in self._live.values() if live.info.owner == owner]
+        if len(mine) >= quota.max_sandboxes:
+            raise QuotaExceeded(
+                f"{owner!r} has {len(mine)} live sandboxes, its quota is {quota.max_sandboxes}; "
+                "destroy one, or raise TENANT_MAX_SANDBOXES"
+            )
+        used_mb = sum(info.limits.memory_mb for info in mine)
+        if used_mb + memory_mb > quota.max_memory_mb:
+            raise QuotaExceeded(
+                f"{owner!r} uses {used_mb} MiB in live sandboxes; {memory_mb} MiB more is over "
+                f"its quota of {quota.max_memory_mb} MiB; use a smaller memory_mb, destroy a "
+                "sandbox, or raise TENANT_MAX_MEMORY_MB"
+            )
+
+    # ------------------------------------------------------------------ records and ending
+
+    async def get(self, sandbox_id: str, *, owner: str | None = None) -> SandboxInfo:
+        """A live or ended sandbox's record.
+
+        Raises:
+            SandboxNotFound: no such sandbox, or it belongs to another owner.
+        """
+        live = self._live.get(sandbox_id)
+        info = live.info if live else self._store.get(sandbox_id)
+        if info is None or (owner is not None and info.owner != owner):
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        return info.model_copy()
+
+    async def list(
+        self, *, owner: str | None = None, include_ended: bool = False
+    ) -> builtins.list[SandboxInfo]:
+        if include_ended:
+            return self._store.list(owner=owner)
+        return [
+            live.info.model_copy()
+            for live in self._live.values()
+            if owner is None or live.info.owner == owner
+        ]
+
+    async def destroy(
+        self, sandbox_id: str, *, owner: str | None = None, reason: str = "user"
+    ) -> SandboxInfo:
+        """Kill the sandbox, keep its artifacts, remove everything else (idempotent).
+
+        Raises:
+            SandboxNotFound: no such sandbox, or it belongs to another owner.
+        """
+        live = self._live.get(sandbox_id)
+        if live is None:
+            return await self.get(sandbox_id, owner=owner)
+        if owner is not None and live.info.owner != owner:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        if live.destroying:
+            async with live.lock:  # another destroy is under way: wait for it to finish
+                return live.info.model_copy()
+        # Still in _live (so still counted against its owner's quota) until really gone.
+        live.destroying = True
+        try:
+            async with live.lock:
+                try:
+                    await asyncio.wait_for(self._artifacts.export(live), EXPORT_TIMEOUT_S)
+                except (SandboxError, OSError, TimeoutError) as exc:
+                    log.warning("artifacts not kept", sandbox=sandbox_id, error=repr(exc))
+                if live.conn is not None:
+                    await live.conn.close()
+                await live.backend.stop(sandbox_id)
+        finally:
+            self._live.pop(sandbox_id, None)
+        self._end(live.info, SandboxStatus.DESTROYED, reason)
+        self._emit("destroyed", info=live.info)
+        log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)
+        return live.info.model_copy()
+
+    def _end(self, info: SandboxInfo, status: SandboxStatus, reason: str) -> None:
+        info.status = status
+        info.ended_at = time.time()
+        info.end_reason = reason
+        self._store.save(info)
+
+    async def extend(
+        self, sandbox_id: str, request: SetTimeout, *, owner: str | None = None
+    ) -> SandboxInfo:
+        """Set the sandbox to expire ``request.ttl_s`` seconds from now."""
+        live = self._get_live(sandbox_id, owner)
+        live.info.expires_at = time.time() + request.ttl_s
+        self._store.save(live.info)
+        return live.info.model_copy()
+
+    async def usage(self, sandbox_id: str, *, owner: str | None = None) -> ResourceUsage:
+        live = self._get_live(sandbox_id, owner)
+        return await live.backend.usage(sandbox_id)
+
+    # ------------------------------------------------------------------ running
+
+    async def run_code(
+        self,
+        sandbox_id: str,
+        request: RunCode,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        owner: str | None = None,
+    ) -> ExecResult:
+        """Run Python in the sandbox's persistent interpreter (state survives between calls)."""
+        live = self._get_live(sandbox_id, owner)
+        op, payload = execution.code_payload(request)
+        result = await execution.execute(live, op, payload, request.timeout_s, on_stdout, on_stderr)
+        self._emit("exec", info=live.info, op=op.value, result=result)
+        return result
+
+    async def run_command(
+        self,
+        sandbox_id: str,
+        request: RunCommand,
+        *,
+        stdin: asyncio.Queue[bytes | None] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        owner: str | None = None,
+    ) -> ExecResult:
+        """Run a bash command; cwd and exported env persist within the request's ``session``.
+
+        ``request.input`` is written to the command's stdin up front; with ``stdin``, each
+        item put on the queue is sent while it runs, and ``None`` closes its stdin.
+        """
+        live = self._get_live(sandbox_id, owner)
+        op, payload = execution.command_payload(request, streams_stdin=stdin is not None)
+        result = await execution.execute(
+            live, op, payload, request.timeout_s, on_stdout, on_stderr, stdin=stdin
+        )
+        self._emit("exec", info=live.info, op=op.value, result=result)
+        return result
+
+    # ------------------------------------------------------------------ files
+
+    async def write_file(
+        self, sandbox_id: str, request: WriteFile, data: bytes, *, owner: str | None = None
+    ) -> int:
+        """Write ``data`` to ``request.path`` (relative to /workspace); returns its size."""
+        return await self.write_file_chunks(sandbox_id, request, files.one_chunk(data), owner=owner)
+
+    async def write_file_chunks(
+        self,
+        sandbox_id: str,
+        request: WriteFile,
+        chunks: AsyncIterable[bytes],
+        *,
+        max_bytes: int | None = None,
+        owner: str | None = None,
+    ) -> int:
+        """Stream chunks into a file; past ``max_bytes`` the partial file is removed.
+
+        Raises:
+            RequestTooLarge: more than ``max_bytes`` arrived.
+        """
+        live = self._get_live(sandbox_id, owner)
+        return await files.write_chunks(live, request, chunks, max_bytes=max_bytes)
+
+    async def read_file_chunks(
+        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
+    ) -> AsyncIterator[bytes]:
+        """Stream a file out of the sandbox in chunks of at most 1 MiB."""
+        live = self._get_live(sandbox_id, owner)
+        async for chunk in files.read_chunks(live, request):
+            yield chunk
+
+    async def read_file(
+        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
+    ) -> bytes:
+        chunks = self.read_file_chunks(sandbox_id, request, owner=owner)
+        return b"".join([chunk async for chunk in chunks])
+
+    async def list_files(
+        self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
+    ) -> builtins.list[FileInfo]:
+        return await files.list_dir(self._get_live(sandbox_id, owner), request)
+
+    async def stat_file(
+        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
+    ) -> FileInfo:
+        return await files.stat(self._get_live(sandbox_id, owner), request)
+
+    async def remove_file(
+        self, sandbox_id: str, request: RemoveFile, *, owner: str | None = None
+    ) -> None:
+        await files.remove(self._get_live(sandbox_id, owner), request)
+
+    async def make_dir(
+        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
+    ) -> None:
+        await files.make_dir(self._get_live(sandbox_id, owner), request)
+
+    # ------------------------------------------------------------------ artifacts
+
+    async def list_artifacts(
+        self, sandbox_id: str, *, owner: str | None = None
+    ) -> builtins.list[ArtifactInfo]:
+        await self.get(sandbox_id, owner=owner)
+        return self._artifacts.list(sandbox_id)
+
+    async def artifact_path(self, sandbox_id: str, path: str, *, owner: str | None = None) -> Path:
+        """Host path of a kept artifact (for streaming it out).
+
+        Raises:
+            SandboxNotFound: no such sandbox.
+            SandboxFileNotFound: it kept no such artifact.
+        """
+        await self.get(sandbox_id, owner=owner)
+        return self._artifacts.path(sandbox_id, path)
+
+    async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
+        await self.get(sandbox_id, owner=owner)
+        return await self._artifacts.delete(sandbox_id)
+
+    # ------------------------------------------------------------------ reaping
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reaper_interval_s)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("reaper pass failed")
+
+    async def reap(self) -> builtins.list[str]:
+        """Destroy sandboxes past their TTL or idle timeout; return their ids."""
+        now = time.time()
+        doomed: list[tuple[str, str]] = []
+        for sandbox_id, live in list(self._live.items()):
+            if live.destroying:
+                continue
+            if now >= live.info.expires_at:
+                doomed.append((sandbox_id, "ttl"))
+            elif (
+                live.active_calls == 0
+                and now - live.info.last_active_at >= live.info.idle_timeout_s
+            ):
+                doomed.append((sandbox_id, "idle"))
+        for sandbox_id, reason in doomed:
+            with contextlib.suppress(SandboxNotFound):
+                await self.destroy(sandbox_id, reason=reason)
+        await self._artifacts.delete_older_than(now - self.settings.artifact_retention_s)
+        return [sid for sid, _ in doomed]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise SandboxNotRunning(
+                "the SandboxManager is not started; use `async with` or start()"
+            )
+
+    def _get_live(self, sandbox_id: str, owner: str | None) -> Live:
+        self._require_started()
+        live = self._live.get(sandbox_id)
+        if live is None:
+            info = self._store.get(sandbox_id)
+            if info is None or (owner is not None and info.owner != owner):
+                raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+            raise SandboxNotRunning(
+                f"sandbox {sandbox_id} is {info.status.value} ({info.end_reason}); create a new one"
+            )
+        if owner is not None and live.info.owner != owner:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        if live.destroying:
+            raise SandboxNotRunning(f"sandbox {sandbox_id} is being destroyed")
+        return live
+
+
+def _lock_data_dir(data_dir: Path) -> int:
+    """Take the data directory's lock file; one manager per data directory.
+
+    Raises:
+        ConfigError: another process holds it.
+    """
+    fd = os.open(data_dir / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"data directory {data_dir} is in use by another sandlot process "
+            f"(pid {holder}); set SANDLOT_DATA_DIR to another directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

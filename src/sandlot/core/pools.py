@@ -1,0 +1,123 @@
+"""Warm pools: sandboxes started ahead of demand, handed out by :meth:`Pools.take`.
+
+A pool holds sandboxes of one :class:`PoolKey` with the settings' default limits, network
+and no extra env; a request for exactly that is served from it, and the pool refills behind.
+Pooled sandboxes belong to nobody and are never stored: the start-up sweep removes a crashed
+run's, so a pool always counts from zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from sandlot.core.live import Live, PoolKey
+from sandlot.errors import SandboxError
+from sandlot.models import ResolvedLimits
+
+log = structlog.get_logger(__name__)
+
+MAX_POOL_SIZE = 64
+POOL_RETRY_S = 1.0
+
+
+@dataclass
+class _Pool:
+    """``size`` started sandboxes of one key, refilled by ``task`` when ``wanted`` is set."""
+
+    size: int
+    lives: list[Live] = field(default_factory=list)
+    wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class Pools:
+    """Every warm pool of one manager.
+
+    ``make`` builds a not-yet-started sandbox of a key; ``boot`` starts it (and on failure
+    removes every trace of it).
+    """
+
+    def __init__(
+        self,
+        default_limits: ResolvedLimits,
+        default_network: bool,
+        make: Callable[[PoolKey], Live],
+        boot: Callable[[Live], Awaitable[None]],
+    ) -> None:
+        self._limits = default_limits
+        self._network = default_network
+        self._make = make
+        self._boot = boot
+        self._pools: dict[PoolKey, _Pool] = {}
+
+    def start(self, targets: dict[PoolKey, int]) -> None:
+        for key, size in targets.items():
+            pool = self._pools[key] = _Pool(size)
+            pool.wanted.set()
+            pool.task = asyncio.create_task(self._fill(key, pool))
+
+    def count(self) -> int:
+        """Started sandboxes waiting in the pools."""
+        return sum(len(pool.lives) for pool in self._pools.values())
+
+    def ids(self) -> set[str]:
+        """The ids of the pooled sandboxes (for introspection and tests)."""
+        return {live.id for pool in self._pools.values() for live in pool.lives}
+
+    def take(
+        self, key: PoolKey, limits: ResolvedLimits, network: bool, env: dict[str, str] | None
+    ) -> Live | None:
+        """A pre-started sandbox, if the request is for exactly what a pool holds."""
+        pool = self._pools.get(key)
+        if pool is None or not pool.lives or env:
+            return None
+        if network != self._network or limits != self._limits:
+            return None
+        while pool.lives:
+            live = pool.lives.pop(0)
+            pool.wanted.set()
+            if live.conn is not None and live.conn.alive:
+                return live
+            asyncio.create_task(discard(live))  # noqa: RUF006 - fire and forget
+        return None
+
+    async def close(self) -> None:
+        """Stop refilling and destroy every pooled sandbox."""
+        for pool in self._pools.values():
+            if pool.task is not None:
+                pool.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pool.task
+        pooled = [live for pool in self._pools.values() for live in pool.lives]
+        self._pools = {}
+        await asyncio.gather(*(discard(live) for live in pooled))
+
+    async def _fill(self, key: PoolKey, pool: _Pool) -> None:
+        """Keep ``pool.size`` sandboxes of ``key`` started, never more."""
+        while True:
+            await pool.wanted.wait()
+            pool.wanted.clear()
+            while len(pool.lives) < pool.size:
+                live = self._make(key)
+                try:
+                    await self._boot(live)
+                except SandboxError as exc:
+                    log.warning(
+                        "warm pool refill failed; retrying", pool=str(key), error=exc.message
+                    )
+                    await asyncio.sleep(POOL_RETRY_S)
+                    continue
+                pool.lives.append(live)
+
+
+async def discard(live: Live) -> None:
+    """Stop a sandbox nobody was given (pooled, or never handed out)."""
+    if live.conn is not None:
+        await live.conn.close()
+    with contextlib.suppress(Exception):
+        await live.backend.stop(live.id)

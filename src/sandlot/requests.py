@@ -1,0 +1,155 @@
+"""One typed request per verb: what the SDK builds, the REST API receives and the core runs.
+
+Each verb (create, run code, run a command, the file verbs, set a timeout) is one pydantic
+model, validated once at whichever edge it enters: the SDK's keyword arguments, a REST body or
+query, a WebSocket message. The manager, the remote client and the server routes pass the same
+object on, so a new option is one field here plus the code that uses it.
+
+The sandbox id is not part of a request: it names the resource (the URL path in REST), not what
+to do with it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from sandlot.config import explain_invalid
+from sandlot.errors import ConfigError
+from sandlot.models import SandboxLimits
+
+MAX_SOURCE_CHARS = 1 << 20
+MAX_PATH_CHARS = 4096
+MAX_ENV_VARS = 256
+MAX_METADATA_KEYS = 64
+MAX_TTL_S = 30 * 86_400
+SESSION_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+R = TypeVar("R", bound=BaseModel)
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("must not contain a NUL byte")
+    return value
+
+
+NoNul = Annotated[str, AfterValidator(_no_nul)]
+
+
+def _env_ok(env: dict[str, str] | None) -> dict[str, str] | None:
+    for key, value in (env or {}).items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise ValueError("env names must be non-empty, without '=' or NUL; values no NUL")
+    return env
+
+
+Env = Annotated[dict[str, str] | None, AfterValidator(_env_ok)]
+
+
+class SandboxSpec(SandboxLimits):
+    """A new sandbox: placement, limits, environment, metadata and lifetimes.
+
+    Every field is optional; unset ones take the settings (``SANDBOX_*`` variables).
+    """
+
+    backend: str | None = Field(
+        default=None, max_length=64, description="bubblewrap | docker | unsafe-local"
+    )
+    runtime: str | None = Field(
+        default=None, max_length=64, description="docker only: runc | runsc (gVisor)"
+    )
+    environment: str | None = Field(
+        default=None, max_length=64, description="A YAML registry name: python3, node, ..."
+    )
+    network: bool | None = Field(default=None, description="Give the sandbox a network.")
+    env: Env = Field(
+        default=None, max_length=MAX_ENV_VARS, description="Environment of its processes."
+    )
+    metadata: dict[str, str] | None = Field(
+        default=None, max_length=MAX_METADATA_KEYS, description="Free-form labels."
+    )
+    ttl_s: float | None = Field(
+        default=None, gt=0, le=MAX_TTL_S, description="Absolute lifetime from now."
+    )
+    idle_timeout_s: float | None = Field(
+        default=None, gt=0, le=MAX_TTL_S, description="Destroyed after this long unused."
+    )
+
+    def limits(self) -> SandboxLimits:
+        """The resource limits alone (unset ones stay None)."""
+        return SandboxLimits.model_validate(
+            self.model_dump(include=set(SandboxLimits.model_fields))
+        )
+
+
+class RunCode(Request):
+    """Run Python in the sandbox's persistent interpreter."""
+
+    code: str = Field(max_length=MAX_SOURCE_CHARS)
+    timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+
+
+class RunCommand(Request):
+    """Run a bash command; ``cd`` and ``export`` persist within ``session``."""
+
+    command: NoNul = Field(max_length=MAX_SOURCE_CHARS)
+    session: str = Field(default="default", pattern=SESSION_PATTERN)
+    timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+    env: Env = Field(default=None, max_length=MAX_ENV_VARS)
+    cwd: NoNul | None = Field(default=None, max_length=MAX_PATH_CHARS)
+    input: str | None = Field(
+        default=None, max_length=MAX_SOURCE_CHARS, description="Written to stdin up front."
+    )
+
+
+PathField = Annotated[
+    NoNul,
+    Field(min_length=1, max_length=MAX_PATH_CHARS, description="Relative to /workspace."),
+]
+
+
+class FilePath(Request):
+    """A path in /workspace: read a file, stat it, make a directory."""
+
+    path: PathField
+
+
+class WriteFile(Request):
+    """Create or replace a file (its parents are made); the bytes travel beside the request."""
+
+    path: PathField
+    mode: int = Field(default=0o644, ge=0, le=0o7777)
+
+
+class ListFiles(Request):
+    path: PathField = "."
+    depth: int = Field(default=1, ge=1, le=32)
+
+
+class RemoveFile(Request):
+    path: PathField
+    recursive: bool = False
+
+
+class SetTimeout(Request):
+    ttl_s: float = Field(gt=0, le=MAX_TTL_S, description="Seconds from now until expiry.")
+
+
+def build(model: type[R], **values: Any) -> R:
+    """Build ``model`` from keyword arguments, dropping the ones left as None (so they take
+    their defaults); a bad value becomes a :class:`ConfigError` that names the argument.
+
+    Raises:
+        ConfigError: a value is out of range or of the wrong type.
+    """
+    given = {name: value for name, value in values.items() if value is not None}
+    try:
+        return model.model_validate(given)
+    except ValidationError as exc:
+        raise ConfigError(explain_invalid(exc, f"invalid {model.__name__}")) from None
