@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import sandlot
 from sandlot import errors
@@ -57,3 +60,57 @@ def test_host_and_guest_agree_on_the_launcher() -> None:
 
     match = re.search(r'^LAUNCHER = "(.*)"$', GUEST_SCRIPT.read_text(), re.M)
     assert match is not None and match.group(1) == LAUNCHER
+
+
+def test_blocking_twins_cover_every_async_method() -> None:
+    from sandlot._sync import twin_of
+    from sandlot.sandbox import AsyncCommands, AsyncFiles, Commands, Files
+
+    assert twin_of(sandlot.Sandbox, sandlot.AsyncSandbox) == []
+    assert twin_of(Files, AsyncFiles) == []
+    assert twin_of(Commands, AsyncCommands) == []
+
+
+def test_blocking_methods_keep_signature_and_docstring() -> None:
+    from sandlot.sandbox import AsyncCommands, Commands
+
+    pairs = [
+        (sandlot.Sandbox.run_code, sandlot.AsyncSandbox.run_code),
+        (sandlot.Sandbox.set_timeout, sandlot.AsyncSandbox.set_timeout),
+        (Commands.run, AsyncCommands.run),
+    ]
+    for blocking, original in pairs:
+        assert inspect.signature(blocking) == inspect.signature(original)
+        assert blocking.__doc__ == original.__doc__
+    create = inspect.signature(sandlot.Sandbox.create)
+    original = inspect.signature(sandlot.AsyncSandbox.create)
+    assert list(create.parameters) == list(original.parameters)
+    assert create.parameters["memory_mb"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert create.return_annotation == "Sandbox"
+
+
+def test_mypy_checks_calls_to_the_blocking_sdk(tmp_path: Path) -> None:
+    # The twin is generated, yet a type checker still sees every parameter and result.
+    program = tmp_path / "uses_sdk.py"
+    program.write_text(
+        "from sandlot import Sandbox\n"
+        "sb = Sandbox.create(memory_mb=128)\n"
+        "reveal_type(sb)\n"
+        "reveal_type(sb.run_code('1').text)\n"
+        "sb.run_code(42)\n"
+        "Sandbox.create(memory=128)\n"
+        "sb.commands.run('ls', sesion='x')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(program)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    out = done.stdout
+    assert 'Revealed type is "sandlot.sandbox.Sandbox"' in out, out
+    assert 'Revealed type is "str | None"' in out, out
+    assert 'Argument 1 has incompatible type "int"; expected "str"' in out, out
+    assert 'Unexpected keyword argument "memory"' in out, out
+    assert 'Unexpected keyword argument "sesion"' in out, out
