@@ -19,6 +19,13 @@ def set_oom_preferred(pid):
         pass
 
 
+def killpg(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def kill_group_except(pgid, keep_pid):
     """SIGKILL every process in group ``pgid`` but ``keep_pid`` (children a cell left behind)."""
     for name in os.listdir("/proc"):
@@ -36,8 +43,6 @@ def kill_group_except(pgid, keep_pid):
 def signal_exit_code(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
-
-# --------------------------------------------------------------------------- children and orphans
 
 CHILDREN = set()
 CHILDREN_LOCK = threading.Lock()
@@ -74,13 +79,6 @@ def reap_orphans_forever():
                         os.waitpid(int(name), os.WNOHANG)
                 except (OSError, IndexError, ValueError):
                     continue
-
-
-def killpg(pid):
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def count_tasks():
