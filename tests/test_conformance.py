@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+import sandlot.guest.ops
 from sandlot import (
     PathOutsideWorkspace,
     Sandbox,
@@ -14,6 +17,8 @@ from sandlot import (
 )
 from sandlot._portal import get_portal
 from tests.conftest import placement
+
+GUEST_DIR = Path(sandlot.guest.ops.__file__).parent
 
 # ---------------------------------------------------------------- stateful python
 
@@ -49,7 +54,21 @@ def test_exception_is_a_result_with_traceback(sandbox: Sandbox) -> None:
     assert result.error.message == "division by zero"
     assert "return 1 / 0" in result.error.traceback
     assert "supervisor.py" not in result.error.traceback
+    assert "kernel.py" not in result.error.traceback
     assert sandbox.run_code("1 + 1").text == "2"
+
+
+def test_the_users_modules_win_over_the_guests(sandbox: Sandbox) -> None:
+    # The guest's modules share the kernel's interpreter; none may answer the user's imports.
+    names = sorted(p.stem for p in GUEST_DIR.glob("*.py") if p.name != "__init__.py")
+    assert "ops" in names
+    for name in names:
+        sandbox.files.write(f"{name}.py", f"X = 1\nMINE = {name!r}\n")
+    assert sandbox.run_code("import ops\nops.X").text == "1"
+    found = sandbox.run_code(
+        f"import importlib\n[importlib.import_module(n).MINE for n in {names!r}]"
+    )
+    assert found.text == repr(names)
 
 
 def test_syntax_error_is_reported(sandbox: Sandbox) -> None:

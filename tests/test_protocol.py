@@ -7,21 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
 import json
+import os
+import signal
 import struct
+import subprocess
 import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
+import sandlot.guest.ops
 from sandlot import GuestError, SandboxFileNotFound
 from sandlot.core.files import read_through
 from sandlot.core.guest_link import GuestConnection
 from sandlot.errors import GuestDied, ProtocolMismatch
 from sandlot.guest.ops import PROTOCOL_VERSION, Op
-
-pytestmark = pytest.mark.asyncio
-
 
 class EndlessFile:
     """A connection whose guest claims a file never ends."""
@@ -123,3 +129,89 @@ async def test_guest_exit_fails_pending_calls() -> None:
             await conn.request(Op.PING, {})
     finally:
         await _finish(conn, proc)
+
+
+# ---------------------------------------------------------------- the guest's own side
+
+GUEST_DIR = Path(sandlot.guest.ops.__file__).parent
+GUEST_MODULES = sorted(p.stem for p in GUEST_DIR.glob("*.py") if p.name != "__init__.py")
+
+
+class _Frames:
+    """A frame writer that keeps what the supervisor sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sent.append(json.loads(json.dumps(obj)))  # as the host would decode it
+
+
+@pytest.fixture
+def guest(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    """``supervisor`` imported the way the sandbox imports it: top-level modules of the
+    guest folder, which is first on sys.path. They leave sys.modules afterwards."""
+    clashes = [name for name in GUEST_MODULES if name in sys.modules]
+    assert not clashes, f"the host already has modules named {clashes}"
+    monkeypatch.syspath_prepend(str(GUEST_DIR))
+    try:
+        yield importlib.import_module("supervisor")
+    finally:
+        for name in GUEST_MODULES:
+            sys.modules.pop(name, None)
+
+
+def test_every_op_but_shutdown_has_a_handler(guest: types.ModuleType) -> None:
+    ops = sys.modules["ops"]
+    handlers = guest.Supervisor(_Frames()).handlers
+    assert set(handlers) == {op for op in ops.Op if op is not ops.Op.SHUTDOWN}
+    assert all(callable(handler) for handler in handlers.values())
+    # The host's names are the guest's: one file, imported twice.
+    assert [op.value for op in ops.Op] == [op.value for op in sandlot.guest.ops.Op]
+
+
+@pytest.mark.parametrize("op", ["nope", "shutdown", None, ["ping"], "op_ping", "PING"])
+def test_an_op_outside_the_table_is_an_invalid_request(guest: types.ModuleType, op: Any) -> None:
+    frames = _Frames()
+    guest.Supervisor(frames).handle({"id": 3, "op": op})
+    assert frames.sent == [
+        {"id": 3, "event": "error", "code": "invalid_request", "message": f"unknown op {op!r}"}
+    ]
+
+
+def test_a_handler_answers_with_one_result_frame(guest: types.ModuleType) -> None:
+    frames = _Frames()
+    guest.Supervisor(frames).handle({"id": 5, "op": "ping"})
+    assert frames.sent == [{"id": 5, "event": "result", "result": {"pong": True, "pid": ANY}}]
+
+
+def test_ready_frame_carries_the_protocol_version(tmp_path: Path) -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SANDLOT_WORKSPACE": str(tmp_path / "workspace"),
+        "SANDLOT_SHELL_STATE": str(tmp_path / "shells"),
+    }
+    launcher = f"import sys; sys.path.insert(0, {str(GUEST_DIR)!r}); import supervisor; "
+    launcher += "supervisor.main(sys.argv)"
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", launcher],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        (size,) = struct.unpack(">I", proc.stdout.read(4))
+        ready = json.loads(proc.stdout.read(size))
+        proc.stdin.write(_frame({"id": 1, "op": "shutdown"}))
+        proc.stdin.flush()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+    assert ready["event"] == "ready" and ready["id"] == 0
+    assert ready["protocol"] == sandlot.guest.ops.PROTOCOL_VERSION

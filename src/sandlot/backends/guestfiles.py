@@ -12,18 +12,21 @@ from sandlot.guest import GUEST_SCRIPT
 GUEST_DIR_INSIDE = "/opt/sandlot"  # where sandboxes see the guest directory
 GUEST_PYTHON = "/usr/bin/python3"  # the sandbox's own interpreter (never a pyenv shim)
 
+# Arguments: pairs of (file here, the same file's path inside the sandbox).
 _COMPILE = (
-    "import importlib.util, os, py_compile, sys; "
-    "cfile = importlib.util.cache_from_source(sys.argv[1]); "
-    "py_compile.compile(sys.argv[1], cfile=cfile, dfile=sys.argv[2], doraise=True); "
-    "os.chmod(cfile, 0o644); os.chmod(os.path.dirname(cfile), 0o755)"
+    "import importlib.util, os, py_compile, sys\n"
+    "for src, inside in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+    "    cfile = importlib.util.cache_from_source(src)\n"
+    "    py_compile.compile(src, cfile=cfile, dfile=inside, doraise=True)\n"
+    "    os.chmod(cfile, 0o644); os.chmod(os.path.dirname(cfile), 0o755)"
 )
 
 
 def install_guest(
     directory: Path, python: str = GUEST_PYTHON, inside: str = GUEST_DIR_INSIDE
 ) -> Path:
-    """Copy ``supervisor.py`` into ``directory`` and compile it there; return the script's path.
+    """Copy the guest's modules into ``directory`` and compile them there; return the path
+    of ``supervisor.py``, the one the launcher imports.
 
     A copy every sandbox uid can read (the package may live under a 0700 home), compiled by
     the sandbox's python under the path the sandbox sees, so a guest start loads bytecode
@@ -35,17 +38,19 @@ def install_guest(
     """
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o755)
-    script = directory / "supervisor.py"
-    tmp = script.with_suffix(".tmp")
-    shutil.copyfile(GUEST_SCRIPT, tmp)
-    tmp.chmod(0o644)
-    tmp.replace(script)
+    pairs: list[str] = []
+    for source in sorted(GUEST_SCRIPT.parent.glob("*.py")):
+        if source.name == "__init__.py":  # the host's package, not the guest's
+            continue
+        script = directory / source.name
+        tmp = script.with_suffix(".tmp")
+        shutil.copyfile(source, tmp)
+        tmp.chmod(0o644)
+        tmp.replace(script)
+        pairs += [str(script), f"{inside}/{source.name}"]
     done = subprocess.run(
-        [python, "-I", "-c", _COMPILE, str(script), f"{inside}/supervisor.py"],
-        capture_output=True,
-        text=True,
-        check=False,
+        [python, "-I", "-c", _COMPILE, *pairs], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise BackendUnavailable(f"{python} cannot compile the guest agent: {done.stderr.strip()}")
-    return script
+    return directory / "supervisor.py"

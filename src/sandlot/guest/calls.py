@@ -1,0 +1,86 @@
+"""The running exec calls, by id: what ``cancel`` and ``stdin`` requests act on.
+
+Standard library only, Python >= 3.9 (shipped into every sandbox). Both ops touch only the
+registry and the :class:`Call` they name, never a process: the cell or shell loop that owns
+the call sees ``cancelled`` and kills its own process.
+"""
+
+import base64
+import os
+import threading
+import time
+
+from wire import GuestFault, write_all
+
+STDIN_WAIT_S = 5.0  # how long input may arrive before the command it is for has started
+
+
+class Call:
+    """One running exec call: can be cancelled and fed stdin by other requests."""
+
+    def __init__(self):
+        self.cancelled = False
+        self.stdin_fd = None
+        self.stdin_ready = threading.Event()
+        self.stdin_lock = threading.Lock()
+        self.finished = False
+
+    def write_stdin(self, data, eof):
+        with self.stdin_lock:
+            if self.stdin_fd is None:
+                return False
+            try:
+                if data:
+                    write_all(self.stdin_fd, data)
+            except OSError:
+                eof = True  # the reader is gone: nothing more can be delivered
+            if eof or self.finished:
+                os.close(self.stdin_fd)
+                self.stdin_fd = None
+            return True
+
+    def close_stdin_when_idle(self):
+        """The command ended: close its stdin now, or, if a writer is blocked on a pipe that
+        a left-over process keeps open and never reads, let that writer close it when it can.
+        Waiting for the writer here would hang the finished call."""
+        self.finished = True
+        if self.stdin_lock.acquire(blocking=False):
+            try:
+                if self.stdin_fd is not None:
+                    os.close(self.stdin_fd)
+                    self.stdin_fd = None
+            finally:
+                self.stdin_lock.release()
+
+
+class Calls:
+    """The registry of running calls, and the handlers of ``cancel`` and ``stdin``."""
+
+    def __init__(self):
+        self.running = {}
+
+    def start(self, call_id):
+        call = Call()
+        self.running[call_id] = call
+        return call
+
+    def end(self, call_id):
+        self.running.pop(call_id, None)
+
+    def cancel(self, request):
+        call = self.running.get(request.get("target"))
+        if call is not None:
+            call.cancelled = True
+        return {"cancelled": call is not None}
+
+    def stdin(self, request):
+        # Input may race ahead of the process it is for: wait briefly for its pipe.
+        deadline = time.monotonic() + STDIN_WAIT_S
+        call = self.running.get(request.get("target"))
+        while time.monotonic() < deadline and (call is None or not call.stdin_ready.is_set()):
+            time.sleep(0.005)
+            call = self.running.get(request.get("target"))
+        data = base64.b64decode(request.get("data", ""))
+        if call is None or not call.write_stdin(data, bool(request.get("eof"))):
+            raise GuestFault("invalid_request", "no running call with open stdin")
+        return {"written": len(data)}

@@ -1,0 +1,224 @@
+"""Python cells: the ``exec_code`` handler and the kernel process it runs cells in.
+
+Standard library only, Python >= 3.9 (shipped into every sandbox). The kernel (``kernel.py``)
+holds the interpreter state; this side starts it, sends it cells, enforces each cell's
+timeout and output caps, and starts a fresh one when it dies.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from output import Pump, call_sinks, finish_streams
+from procs import forget, kill_group_except, set_oom_preferred, signal_exit_code, spawn
+from wire import encode_frame, read_frame, write_all
+from workspace import WORKSPACE
+
+PYTHON = sys.executable or "/usr/bin/python3"
+INTERRUPT_GRACE_S = 0.5
+
+
+def _checked_reply(reply, nonce):
+    """Only a well-formed answer to *this* request counts; anything else breaks the kernel."""
+    if not isinstance(reply, dict) or reply.get("nonce") != nonce:
+        raise ValueError("reply does not answer this request")
+    error = reply.get("error")
+    if not isinstance(reply.get("exit_code"), int) or isinstance(reply.get("exit_code"), bool):
+        raise ValueError("bad exit_code")
+    if reply.get("text") is not None and not isinstance(reply.get("text"), str):
+        raise ValueError("bad text")
+    if error is not None and not (
+        isinstance(error, dict)
+        and all(isinstance(error.get(k), str) for k in ("type", "message", "traceback"))
+    ):
+        raise ValueError("bad error")
+    return reply
+
+
+class Kernel:
+    """The supervisor's handle on the kernel process; restarts it when it dies."""
+
+    def __init__(self, env, program):
+        self.env = env
+        # The ``python -c`` program that starts a kernel: the supervisor's own launcher, which
+        # reads ``--kernel CTL_IN CTL_OUT`` from the arguments after it.
+        self.program = program
+        self.proc = None
+        self.ctl_w = None
+        self.ctl_r = None
+        self.lock = threading.Lock()
+        self.ever_started = False
+        self.loss_reported = False
+
+    def ensure(self):
+        if self.proc is not None and self.proc.poll() is None:
+            return False
+        self.stop()
+        req_r, req_w = os.pipe()
+        res_r, res_w = os.pipe()
+        self.proc = spawn(
+            [
+                PYTHON,
+                "-u",
+                "-c",
+                self.program,
+                "--kernel",
+                str(req_r),
+                str(res_w),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(req_r, res_w),
+            cwd=WORKSPACE if os.path.isdir(WORKSPACE) else "/",
+            env=self.env,
+            start_new_session=True,
+        )
+        os.close(req_r)
+        os.close(res_w)
+        self.ctl_w, self.ctl_r = req_w, res_r
+        set_oom_preferred(self.proc.pid)
+        restarted = self.ever_started and not self.loss_reported
+        self.ever_started = True
+        self.loss_reported = False
+        return restarted
+
+    def alive(self):
+        """Running, and not already doomed: a SIGKILL sent a moment ago may still be pending
+        (death is asynchronous), and must count as dead for whoever asks right after."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            with open("/proc/%d/status" % self.proc.pid) as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key == "State" and value.split()[0] in ("Z", "X"):
+                        return False
+                    if key in ("SigPnd", "ShdPnd") and int(value, 16) & (1 << (signal.SIGKILL - 1)):
+                        return False
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def stop(self):
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
+            forget(self.proc)
+            for stream in (self.proc.stdout, self.proc.stderr):
+                if stream is not None:
+                    stream.close()
+            self.proc = None
+        for fd in (self.ctl_w, self.ctl_r):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.ctl_w = self.ctl_r = None
+
+
+class Cells:
+    """The ``exec_code`` handler: one cell at a time in the one kernel."""
+
+    def __init__(self, writer, calls, kernel):
+        self.writer = writer
+        self.calls = calls
+        self.kernel = kernel
+
+    def exec_code(self, request):
+        call_id = request["id"]
+        call = self.calls.start(call_id)
+        try:
+            with self.kernel.lock:
+                state_lost = self.kernel.ensure()
+                # The timeout counts from when the cell can run, not while it waits its turn.
+                return self._run_cell(request, call, time.monotonic(), state_lost)
+        finally:
+            self.calls.end(call_id)
+
+    def _run_cell(self, request, call, started, state_lost):
+        kernel = self.kernel
+        proc = kernel.proc
+        deadline = started + float(request.get("timeout_s", 30))
+        reason = []
+        sinks = call_sinks(request, self.writer, lambda: reason.append("output_limit"))
+        pump = Pump({proc.stdout.fileno(): sinks[0], proc.stderr.fileno(): sinks[1]})
+        nonce = os.urandom(16).hex()
+        write_all(
+            kernel.ctl_w,
+            encode_frame(
+                {
+                    "code": request["code"],
+                    "text_limit": request.get("output_limit", 1 << 20),
+                    "nonce": nonce,
+                }
+            ),
+        )
+        reply = None
+        interrupt_at = None
+        try:
+            while True:
+                now = time.monotonic()
+                if reply is None and not reason and call.cancelled:
+                    reason.append("killed")
+                if reply is None and not reason and now >= deadline:
+                    reason.append("timeout")
+                if reason and interrupt_at is None:
+                    interrupt_at = now
+                    try:
+                        os.kill(proc.pid, signal.SIGINT)
+                    except OSError:
+                        pass
+                if interrupt_at is not None and now - interrupt_at > INTERRUPT_GRACE_S:
+                    break  # ignored the interrupt (C loop, or a handler of its own)
+                wait_s = 0.05 if interrupt_at is not None else min(0.25, deadline - now)
+                if pump.poll(wait_s, extra=kernel.ctl_r):
+                    try:
+                        reply = _checked_reply(read_frame(kernel.ctl_r), nonce)
+                    except (EOFError, ValueError):
+                        reply = None  # dead, or a forged / out-of-step reply: start afresh
+                    break
+                if proc.poll() is not None:
+                    break
+            pump.drain_now()
+            if interrupt_at is not None:
+                # The cell is over, but processes it started may still run: end them.
+                kill_group_except(proc.pid, proc.pid)
+        finally:
+            pump.close()
+        result = {"kill_reason": reason[0] if reason else None, "state_lost": state_lost}
+        if reply is None:
+            # The kernel died or would not stop: its state is gone, start a fresh one.
+            kernel.stop()
+            returncode = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+            result["exit_code"] = signal_exit_code(returncode)
+            result["state_lost"] = True
+            result["signal"] = -returncode if returncode < 0 else None
+            if not reason and returncode < 0:
+                result["kill_reason"] = "cpu" if -returncode == signal.SIGXCPU else "killed"
+            result["error"] = {
+                "type": "KernelDied" if not reason else "Interrupted",
+                "message": "the interpreter was killed (signal %s); "
+                "its variables and imports are lost" % (-returncode),
+                "traceback": "",
+            }
+            result["text"] = None
+            threading.Thread(target=self.rewarm, daemon=True).start()
+        else:
+            result.update(exit_code=reply["exit_code"], text=reply["text"], error=reply["error"])
+        finish_streams(result, sinks, started)
+        return result
+
+    def rewarm(self):
+        with self.kernel.lock:
+            try:
+                self.kernel.ensure()
+            except OSError:
+                pass

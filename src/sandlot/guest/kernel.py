@@ -1,0 +1,135 @@
+"""The Python kernel: a child process that runs cells in one persistent namespace.
+
+Standard library only, Python >= 3.9 (shipped into every sandbox). The supervisor starts it
+as ``supervisor.py --kernel CTL_IN CTL_OUT`` (see ``cells.py``) and sends each cell as a frame
+on CTL_IN; the kernel answers on CTL_OUT. Its stdout and stderr are the cell's.
+"""
+
+import ast
+import asyncio
+import builtins
+import linecache
+import os
+import signal
+import sys
+import traceback
+
+from procs import harden
+from wire import FrameWriter, read_frame
+from workspace import WORKSPACE
+
+GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def hide_guest_modules():
+    """Leave the user's imports to the user: their own ``ops.py`` or ``supervisor.py`` in the
+    workspace must be what ``import ops`` finds, not the guest's module of that name."""
+    sys.path[0] = ""  # the launcher put the guest directory there
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and os.path.dirname(os.path.abspath(path)) == GUEST_DIR:
+            del sys.modules[name]
+
+
+def kernel_main(ctl_in, ctl_out):
+    """Run cells sent by the supervisor in one persistent namespace."""
+    harden()
+    hide_guest_modules()
+    try:
+        os.chdir(WORKSPACE)
+    except OSError:
+        pass
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    state = {"in_cell": False, "loop": None, "count": 0}
+
+    def on_sigint(signum, frame):
+        # Interrupts only land inside a cell; between cells they would corrupt the protocol.
+        if state["in_cell"]:
+            raise KeyboardInterrupt
+
+    def run_cell(code):
+        state["count"] += 1
+        filename = "<cell-%d>" % state["count"]
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        result = {"exit_code": 0, "text": None, "error": None}
+        try:
+            state["in_cell"] = True
+            tree = ast.parse(code, filename, "exec")
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = ast.Expression(tree.body.pop().value)
+            flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+            body = compile(tree, filename, "exec", flags=flags)
+            value = None
+            if body.co_flags & 0x80:  # CO_COROUTINE: the cell used top-level await
+                value = _run_async(eval(body, namespace))
+            else:
+                exec(body, namespace)
+            if last is not None:
+                expr = compile(last, filename, "eval", flags=flags)
+                value = eval(expr, namespace)
+                if expr.co_flags & 0x80:
+                    value = _run_async(value)
+                if value is not None:
+                    namespace["_"] = value
+                    result["text"] = repr(value)
+        except SystemExit as exc:
+            code_value = exc.code
+            if code_value is None:
+                result["exit_code"] = 0
+            elif isinstance(code_value, int):
+                result["exit_code"] = code_value
+            else:
+                sys.stderr.write("%s\n" % (code_value,))
+                result["exit_code"] = 1
+        except BaseException as exc:  # the cell's failure is a result, not our crash
+            result["exit_code"] = 1
+            result["error"] = _describe(exc)
+        finally:
+            state["in_cell"] = False
+        return result
+
+    def _run_async(awaitable):
+        if state["loop"] is None:
+            state["loop"] = asyncio.new_event_loop()
+        return state["loop"].run_until_complete(awaitable)
+
+    def _describe(exc):
+        # Hide the kernel's own frames: the traceback should show only the user's code.
+        te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+        te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != __file__])
+        return {"type": type(exc).__name__, "message": str(exc), "traceback": "".join(te.format())}
+
+    # Children of cells must not inherit the control pipes (a forked child still holds them,
+    # which is why every reply also echoes the request's nonce).
+    os.set_inheritable(ctl_in, False)
+    os.set_inheritable(ctl_out, False)
+    writer = FrameWriter(ctl_out)
+    while True:
+        signal.signal(signal.SIGINT, on_sigint)
+        try:
+            request = read_frame(ctl_in)
+        except EOFError:
+            return
+        except KeyboardInterrupt:
+            continue
+        result = None
+        while result is None:
+            try:
+                result = run_cell(request["code"])
+            except KeyboardInterrupt:
+                result = {
+                    "exit_code": 1,
+                    "text": None,
+                    "error": {"type": "KeyboardInterrupt", "message": "", "traceback": ""},
+                }
+        if result["text"] is not None and len(result["text"]) > request.get("text_limit", 1 << 20):
+            limit = request.get("text_limit", 1 << 20)
+            result["text"] = result["text"][: limit // 2] + " ... " + result["text"][-limit // 2 :]
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        result["nonce"] = request.get("nonce")
+        writer.send(result)

@@ -1,0 +1,254 @@
+"""A call's output: read from its pipes, streamed to the host, capped, spilled to a file.
+
+Standard library only, Python >= 3.9 (shipped into every sandbox).
+"""
+
+import codecs
+import os
+import selectors
+import time
+
+from ops import Event
+from wire import write_all
+from workspace import WORKSPACE
+
+OUTPUT_DIR = os.path.join(WORKSPACE, ".sandlot", "outputs")
+READ_CHUNK_BYTES = 65536
+DRAIN_QUIET_S = 0.02
+DRAIN_MAX_S = 0.5
+KEEP_SPILL_FILES = 8
+STREAMS = (("stdout", Event.STDOUT), ("stderr", Event.STDERR))
+
+
+def call_sinks(request, writer, on_overflow):
+    """The stdout and stderr sinks of one exec request, streaming through ``writer`` if it
+    asked to ``stream``."""
+    call_id = request["id"]
+    keep = int(request.get("output_limit", 1 << 20))
+    file_limit = int(request.get("output_file_limit", 100 << 20))
+    spill_limit = request.get("output_spill_limit")
+    stream = bool(request.get("stream"))
+    sinks = []
+    for name, event in STREAMS:
+        on_text = None
+        if stream:
+            on_text = _streamer(writer, call_id, event)
+        sinks.append(
+            OutputSink(
+                call_id,
+                name,
+                keep,
+                file_limit,
+                on_text,
+                on_overflow,
+                int(spill_limit) if spill_limit else None,
+            )
+        )
+    return sinks
+
+
+def _streamer(writer, call_id, event):
+    def send(text):
+        writer.send({"id": call_id, "event": event, "data": text})
+
+    return send
+
+
+def finish_streams(result, sinks, started):
+    """Put both sinks' text and counters, and the call's duration, into ``result``."""
+    for (name, _), sink in zip(STREAMS, sinks):
+        out = sink.finish()
+        result[name] = out["text"]
+        result[name + "_truncated"] = out["truncated"]
+        result[name + "_bytes"] = out["bytes"]
+        result[name + "_path"] = out["path"]
+    result["duration_ms"] = (time.monotonic() - started) * 1000.0
+
+
+class OutputSink:
+    """Keeps head and tail of one stream; spills the full stream to a file past the cap.
+
+    Memory stays bounded by ``keep_bytes`` whatever the program prints: an LLM needs the
+    start (what ran) and the end (the traceback), not the middle.
+    """
+
+    def __init__(
+        self,
+        call_id,
+        stream,
+        keep_bytes,
+        file_limit_bytes,
+        on_text,
+        on_overflow,
+        spill_limit_bytes=None,
+    ):
+        self.call_id = call_id
+        self.stream = stream
+        self.keep = keep_bytes
+        self.half = max(1, keep_bytes // 2)
+        self.file_limit = file_limit_bytes
+        # The spill file lives on the sandbox's own disk: never let it take all of it.
+        self.spill_limit = spill_limit_bytes or file_limit_bytes
+        self.spilled_bytes = 0
+        self.on_text = on_text
+        self.on_overflow = on_overflow
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.buf = bytearray()
+        self.head = b""
+        self.tail = bytearray()
+        self.total = 0
+        self.spilled = False
+        self.path = None
+        self.fd = None
+        self.overflowed = False
+
+    def feed(self, data):
+        if not data:
+            return
+        self.total += len(data)
+        if self.on_text is not None:
+            text = self.decoder.decode(data)
+            if text:
+                self.on_text(text)
+        if not self.spilled:
+            self.buf += data
+            if len(self.buf) > self.keep:
+                self._spill()
+        else:
+            self._write_file(data)
+            self.tail += data
+            if len(self.tail) > 4 * self.half:
+                del self.tail[: -self.half]
+        if self.total > self.file_limit and not self.overflowed:
+            self.overflowed = True
+            self.on_overflow()
+
+    def _spill(self):
+        self.spilled = True
+        self.head = bytes(self.buf[: self.half])
+        self.tail = bytearray(self.buf[-self.half :])
+        try:
+            os.makedirs(OUTPUT_DIR, exist_ok=True)
+            _prune_spills(KEEP_SPILL_FILES - 1)
+            self.path = os.path.join(OUTPUT_DIR, "%s.%s" % (self.call_id, self.stream))
+            self.fd = os.open(
+                self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644
+            )
+        except OSError:
+            self.path = None
+            self.fd = None
+        self._write_file(bytes(self.buf))
+        self.buf = bytearray()
+
+    def _write_file(self, data):
+        if self.fd is None:
+            return
+        data = data[: max(0, self.spill_limit - self.spilled_bytes)]
+        self.spilled_bytes += len(data)
+        try:
+            write_all(self.fd, data)
+            if self.spilled_bytes >= self.spill_limit:
+                raise OSError("spill limit reached")
+        except OSError:
+            # Disk cap reached: keep the partial file, stop writing, keep capturing head/tail.
+            os.close(self.fd)
+            self.fd = None
+
+    def finish(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.spilled:
+            return {
+                "text": bytes(self.buf).decode("utf-8", "replace"),
+                "truncated": False,
+                "bytes": self.total,
+                "path": None,
+            }
+        omitted = self.total - len(self.head) - min(len(self.tail), self.half)
+        marker = "\n[... %d bytes omitted%s ...]\n" % (
+            omitted,
+            "; full output in " + self.path if self.path else "",
+        )
+        text = (
+            self.head.decode("utf-8", "replace")
+            + marker
+            + bytes(self.tail[-self.half :]).decode("utf-8", "replace")
+        )
+        return {"text": text, "truncated": True, "bytes": self.total, "path": self.path}
+
+
+def _prune_spills(keep):
+    """Delete all but the ``keep`` newest spilled outputs."""
+    try:
+        names = [os.path.join(OUTPUT_DIR, n) for n in os.listdir(OUTPUT_DIR)]
+        names.sort(key=lambda p: os.stat(p).st_mtime, reverse=True)
+        for path in names[keep:]:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+class Pump:
+    """Reads a set of pipes into their sinks until told to stop."""
+
+    def __init__(self, sinks):
+        self.sel = selectors.DefaultSelector()
+        self.sinks = {}
+        for fd, sink in sinks.items():
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ)
+            self.sinks[fd] = sink
+
+    def open_count(self):
+        return len(self.sinks)
+
+    def poll(self, timeout_s, extra=None):
+        """Read what is ready within ``timeout_s``; return True if ``extra`` became readable."""
+        if extra is not None:
+            self.sel.register(extra, selectors.EVENT_READ)
+        try:
+            if not self.sinks and extra is None:
+                time.sleep(max(0.0, timeout_s))
+                return False
+            hit_extra = False
+            for key, _ in self.sel.select(max(0.0, timeout_s)):
+                if key.fd == extra:
+                    hit_extra = True
+                else:
+                    self._read(key.fd)
+            return hit_extra
+        finally:
+            if extra is not None:
+                self.sel.unregister(extra)
+
+    def _read(self, fd):
+        try:
+            data = os.read(fd, READ_CHUNK_BYTES)
+        except BlockingIOError:
+            return 0
+        if not data:
+            self.sel.unregister(fd)
+            del self.sinks[fd]
+            return -1
+        self.sinks[fd].feed(data)
+        return len(data)
+
+    def drain_now(self):
+        """Read everything already sitting in the pipes, without waiting for more."""
+        for fd in list(self.sinks):
+            while fd in self.sinks and self._read(fd) > 0:
+                pass
+
+    def drain_after_exit(self):
+        """After the process exited: read until EOF, or until a child holding the pipe is quiet."""
+        end = time.monotonic() + DRAIN_MAX_S
+        while self.sinks and time.monotonic() < end:
+            events = self.sel.select(DRAIN_QUIET_S)
+            if not events:
+                break
+            for key, _ in events:
+                self._read(key.fd)
+
+    def close(self):
+        self.sel.close()

@@ -1,0 +1,197 @@
+"""Shell commands: the ``exec_shell`` and ``close_session`` handlers.
+
+Standard library only, Python >= 3.9 (shipped into every sandbox). Each command runs in a
+fresh bash; a named *session* carries its working directory and environment from one command
+to the next (the wrapper saves both when bash exits).
+"""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+from output import Pump, call_sinks, finish_streams
+from procs import forget, killpg, set_oom_preferred, signal_exit_code, spawn
+from wire import GuestFault
+from workspace import WORKSPACE
+
+SHELL_STATE_DIR = os.environ.get("SANDLOT_SHELL_STATE", "/tmp/.sandlot_shells")
+
+SHELL_WRAPPER = r"""
+__agsb_state=$1
+__agsb_cmd=$2
+set --
+__agsb_save() {
+  __agsb_rc=$?
+  pwd > "$__agsb_state.cwd" 2>/dev/null
+  /usr/bin/env -0 > "$__agsb_state.env" 2>/dev/null
+  exit $__agsb_rc
+}
+trap __agsb_save EXIT
+eval "$__agsb_cmd"
+"""
+
+
+def _safe_name(name):
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:64] or "default"
+
+
+class Shells:
+    """The shell handlers: named sessions, one command at a time in each."""
+
+    def __init__(self, writer, calls, kernel, env):
+        self.writer = writer
+        self.calls = calls
+        # Only watched: a command that kills the interpreter must say the cells' state is lost.
+        self.kernel = kernel
+        self.env = env  # a new session's environment
+        self.sessions = {}
+        self.sessions_lock = threading.Lock()
+
+    def exec_shell(self, request):
+        call_id = request["id"]
+        kernel_alive = self.kernel.alive()
+        name = str(request.get("session") or "default")
+        with self.sessions_lock:
+            session = self.sessions.setdefault(
+                name, {"cwd": WORKSPACE, "env": dict(self.env), "lock": threading.Lock()}
+            )
+        call = self.calls.start(call_id)
+        try:
+            with session["lock"]:
+                # The timeout counts from when the command can run, not while it queues.
+                result = self._run_shell(request, session, name, call, time.monotonic())
+            if kernel_alive and not self.kernel.alive():
+                # The command killed the Python interpreter (kill -9 -1, say): say so now.
+                self.kernel.loss_reported = True
+                result["state_lost"] = True
+            return result
+        finally:
+            self.calls.end(call_id)
+
+    def _run_shell(self, request, session, name, call, started):
+        os.makedirs(SHELL_STATE_DIR, exist_ok=True)
+        state_base = os.path.join(SHELL_STATE_DIR, "%s-%s" % (_safe_name(name), request["id"]))
+        env = dict(session["env"])
+        call_env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
+        for key, value in call_env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise GuestFault(
+                    "invalid_request",
+                    "env names must be non-empty without '=' or NUL; values no NUL",
+                )
+        if "\0" in request["command"]:
+            raise GuestFault("invalid_request", "command contains a NUL byte")
+        env.update(call_env)
+        cwd = session["cwd"]
+        if request.get("cwd"):
+            cwd = os.path.join(session["cwd"], request["cwd"])
+            if "\0" in cwd or not os.path.isdir(cwd):
+                raise GuestFault("file_not_found", "cwd %r is not a directory" % request["cwd"])
+        elif not os.path.isdir(cwd):
+            cwd = WORKSPACE if os.path.isdir(WORKSPACE) else "/"  # the session's dir was removed
+        has_input = request.get("input") is not None
+        keep_stdin = bool(request.get("stdin"))
+        proc = spawn(
+            ["/bin/bash", "-c", SHELL_WRAPPER, "bash", state_base, request["command"]],
+            stdin=subprocess.PIPE if (has_input or keep_stdin) else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+        )
+        set_oom_preferred(proc.pid)
+        if proc.stdin is not None:
+            call.stdin_fd = os.dup(proc.stdin.fileno())
+            proc.stdin.close()
+            if has_input:
+                # From a thread: a big input and a chatty command would deadlock one thread.
+                data = request["input"].encode("utf-8")
+                threading.Thread(
+                    target=call.write_stdin, args=(data, not keep_stdin), daemon=True
+                ).start()
+        call.stdin_ready.set()
+        deadline = started + float(request.get("timeout_s", 30))
+        reason = []
+        sinks = call_sinks(request, self.writer, lambda: reason.append("output_limit"))
+        pump = Pump({proc.stdout.fileno(): sinks[0], proc.stderr.fileno(): sinks[1]})
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if not reason and call.cancelled:
+                    reason.append("killed")
+                if not reason and now >= deadline:
+                    reason.append("timeout")
+                if reason:
+                    killpg(proc.pid)
+                    proc.wait()
+                    break
+                wait_s = min(0.25, deadline - now)
+                if pump.open_count():
+                    pump.poll(wait_s)
+                else:
+                    # Pipes closed but not yet reaped: wait on the process, not on a sleep.
+                    try:
+                        proc.wait(max(0.0, wait_s))
+                    except subprocess.TimeoutExpired:
+                        pass
+            pump.drain_after_exit()
+        finally:
+            pump.close()
+            proc.stdout.close()
+            proc.stderr.close()
+            call.close_stdin_when_idle()
+        returncode = proc.wait()
+        forget(proc)
+        self._update_session(session, state_base, call_env)
+        result = {
+            "exit_code": signal_exit_code(returncode),
+            "text": None,
+            "error": None,
+            "kill_reason": reason[0] if reason else None,
+            "state_lost": False,
+        }
+        if returncode < 0 and not reason:
+            result["kill_reason"] = "cpu" if -returncode == signal.SIGXCPU else "killed"
+        finish_streams(result, sinks, started)
+        return result
+
+    def _update_session(self, session, state_base, call_env):
+        try:
+            with open(state_base + ".cwd") as f:
+                cwd = f.read().strip()
+            if os.path.isdir(cwd):
+                session["cwd"] = cwd
+            with open(state_base + ".env", "rb") as f:
+                raw = f.read()
+            env = {}
+            for item in raw.split(b"\0"):
+                key, sep, value = item.partition(b"=")
+                if sep and key:
+                    env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+            for key, value in call_env.items():
+                # Per-call env applies to that call only, unless the command changed it.
+                if env.get(key) == value:
+                    if key in session["env"]:
+                        env[key] = session["env"][key]
+                    else:
+                        env.pop(key, None)
+            for key in ("PWD", "OLDPWD", "SHLVL", "_"):
+                env.pop(key, None)
+            if env:
+                session["env"] = env
+        except OSError:
+            pass  # killed before its EXIT trap ran: the session keeps its previous state
+        finally:
+            for suffix in (".cwd", ".env"):
+                try:
+                    os.unlink(state_base + suffix)
+                except OSError:
+                    pass
+
+    def close_session(self, request):
+        with self.sessions_lock:
+            existed = self.sessions.pop(str(request.get("session")), None) is not None
+        return {"closed": existed}
