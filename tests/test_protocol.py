@@ -29,6 +29,7 @@ from sandlot.core.guest_link import GuestConnection
 from sandlot.errors import GuestDied, ProtocolMismatch
 from sandlot.guest.ops import PROTOCOL_VERSION, Op
 
+
 class EndlessFile:
     """A connection whose guest claims a file never ends."""
 
