@@ -236,15 +236,30 @@ async def test_swarm_reaches_consensus(manager: SandboxManager) -> None:
             "security": [vote(1)],
         }
     )
-    result = await runtime(manager, provider).execute("print 6", mode="swarm")
+    votes: list[AgentEvent] = []
+
+    async def record(event: AgentEvent) -> None:
+        if event.event == "vote":
+            votes.append(event)
+
+    result = await runtime(manager, provider).execute("print 6", mode="swarm", on_event=record)
     assert result.mode == "swarm" and result.success
     assert result.output == "6\n" and result.code == "print(sum([1, 2, 3]))"
     assert result.swarm is not None
-    assert result.swarm["consensus"] is True and result.swarm["winner"] == "coder"
-    [round_one] = result.swarm["rounds"]
-    assert [p["ok"] for p in round_one["proposals"]] == [True, False]
-    assert round_one["proposals"][0]["approvals"] == 5
-    assert set(round_one["votes"]) == {"architect", "coder", "critic", "security", "optimizer"}
+    assert result.swarm.consensus is True and result.swarm.winner == "coder"
+    [round_one] = result.swarm.rounds
+    assert [p.ok for p in round_one.proposals] == [True, False]
+    assert round_one.proposals[0].approvals == 5
+    assert set(round_one.votes) == {"architect", "coder", "critic", "security", "optimizer"}
+    # The JSON that /execute, WS /stream and `sandlot run --json` carry.
+    dumped = result.model_dump(mode="json")["swarm"]
+    assert set(dumped) == {"rounds", "consensus", "winner", "winner_attempt"}
+    assert (dumped["winner"], dumped["winner_attempt"]) == ("coder", 1)
+    [round_json] = dumped["rounds"]
+    assert set(round_json) == {"round", "proposals", "votes", "consensus"}
+    assert round_json["proposals"][0] == {"role": "coder", "attempt": 1, "ok": True, "approvals": 5}
+    assert round_json["votes"]["critic"] == {"choice": 1, "approve": True, "concerns": ""}
+    assert [e.data for e in votes] == [round_json]
     # Both proposals ran in the sandbox: two attempts, one failed with a SyntaxError.
     assert len(result.attempts) == 2 and "SyntaxError" in " ".join(result.errors)
     assert provider.remaining == 0
@@ -264,11 +279,11 @@ async def test_swarm_revises_after_concerns_and_security_veto(manager: SandboxMa
     )
     result = await runtime(manager, provider).execute("print 6", mode="swarm")
     assert result.swarm is not None
-    first, second = result.swarm["rounds"]
+    first, second = result.swarm.rounds
     # Four approvals, but security vetoed the shell: no consensus in round one.
-    assert first["proposals"][0]["approvals"] == 4 and first["consensus"] is False
-    assert second["consensus"] is True
-    assert result.swarm["winner"] == "optimizer"
+    assert first.proposals[0].approvals == 4 and first.consensus is False
+    assert second.consensus is True
+    assert result.swarm.winner == "optimizer"
     assert result.success and result.output == "6\n"
     # The concerns went back to the proposers in round two.
     coder_revision = next(
@@ -296,14 +311,14 @@ async def test_swarm_abstentions_and_no_consensus(manager: SandboxManager) -> No
     one_round = AgentSettings(swarm_rounds=1)
     result = await runtime(manager, provider, settings=one_round).execute("print 6", mode="swarm")
     assert result.swarm is not None
-    [only] = result.swarm["rounds"]
-    assert set(only["votes"]) == {"coder", "critic", "security"}
+    [only] = result.swarm.rounds
+    assert set(only.votes) == {"coder", "critic", "security"}
     assert any("architect abstained" in e for e in result.errors)
     assert any("optimizer abstained" in e for e in result.errors)
     # Two approvals of four needed: no consensus, and the round limit ends the vote. The
     # most approved proposal wins and, having run, is the answer.
-    assert only["consensus"] is False and result.swarm["consensus"] is False
-    assert result.swarm["winner"] == "coder" and result.success
+    assert only.consensus is False and result.swarm.consensus is False
+    assert result.swarm.winner == "coder" and result.success
     assert provider.remaining == 0
 
 
@@ -320,8 +335,8 @@ async def test_swarm_final_code_is_proven_not_voted(manager: SandboxManager) -> 
     )
     result = await runtime(manager, provider).execute("print 6", mode="swarm")
     assert result.status == "failed" and not result.success
-    assert result.swarm is not None and result.swarm["consensus"] is False
-    assert len(result.swarm["rounds"]) == 2
+    assert result.swarm is not None and result.swarm.consensus is False
+    assert len(result.swarm.rounds) == 2
 
 
 # ---------------------------------------------------------------------------- memory

@@ -10,6 +10,7 @@ wrong path, header or body shape fails here. A test scripts the server with a li
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import threading
@@ -25,10 +26,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sandlot.agent.config import AgentSettings
-from sandlot.agent.providers import RECOMMENDED_MODELS, create_provider
+from sandlot.agent.providers import PROVIDERS, create_provider, provider_class
 from sandlot.agent.providers import base as providers_base
 from sandlot.agent.providers.anthropic import AnthropicProvider
-from sandlot.agent.providers.base import HttpProvider, Message
+from sandlot.agent.providers.base import HttpProvider, Message, Provider
 from sandlot.agent.providers.gemini import GeminiProvider
 from sandlot.agent.providers.ollama import OllamaProvider
 from sandlot.agent.providers.openai_compat import (
@@ -152,7 +153,7 @@ class Dialect:
 
     @property
     def model(self) -> str:
-        return RECOMMENDED_MODELS[self.name]
+        return PROVIDERS[self.name].recommended_model
 
     def path(self, *, stream: bool) -> str:
         raise NotImplementedError
@@ -970,6 +971,29 @@ async def test_create_provider_from_settings(wire: Wire) -> None:
 def test_create_provider_without_a_key_names_the_variable() -> None:
     with pytest.raises(ConfigError, match="GROQ_API_KEY"):
         create_provider("groq", settings=AgentSettings(groq_api_key=None))
+
+
+def test_every_provider_row_names_a_provider_class() -> None:
+    for name, spec in PROVIDERS.items():
+        cls = provider_class(name)
+        assert issubclass(cls, Provider) and cls.__name__ == spec.target.partition(":")[2]
+        if spec.key_setting is not None:
+            assert spec.key_setting in AgentSettings.model_fields
+        if spec.url_setting is not None:
+            assert spec.url_setting in AgentSettings.model_fields
+    with pytest.raises(ConfigError, match="choose one of: anthropic, google"):
+        provider_class("gpt-17")
+
+
+def test_a_missing_optional_dependency_names_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    missing = dataclasses.replace(PROVIDERS["local"], requires="no_such_module_0123")
+    monkeypatch.setitem(PROVIDERS, "local", missing)
+    with pytest.raises(
+        ConfigError, match=r"no_such_module_0123 module: pip install 'sandlot\[local\]'"
+    ):
+        create_provider("local", settings=AgentSettings())
 
 
 @pytest.mark.parametrize("wire", ["anthropic"], indirect=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import sandlot
 from tests.conftest import skip_reason
 
 CLI = [sys.executable, "-m", "sandlot.cli"]
@@ -121,3 +124,72 @@ def test_sandbox_commands_say_when_no_server_answers(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "cannot reach the server" in out.stderr and "SANDLOT_URL" in out.stderr
+
+
+def test_python_m_sandlot_is_the_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sandlot", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Usage: sandlot " in out.stdout and "run-code" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["sandlot", "agent-sandbox"])
+def test_console_scripts_run(name: str) -> None:
+    # Installing the package puts its scripts beside the interpreter (a venv's bin/).
+    script = Path(sys.executable).parent / name
+    assert script.is_file(), f"{script} is missing: is the package installed?"
+    out = subprocess.run(
+        [str(script), "version"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == sandlot.__version__
+
+
+def _modules_under(package: str) -> dict[str, Path]:
+    root = Path(sandlot.__file__).parent / package.removeprefix("sandlot.").replace(".", "/")
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue  # running it is running the command
+        name = ".".join((package, *parts)).removesuffix(".__init__")
+        found[name] = path
+    return found
+
+
+def _imported_names(module: str, path: Path) -> set[str]:
+    names = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_agent_layer_never_imports_the_cli() -> None:
+    # The CLI is the top layer: it may import the agent, never the other way round.
+    cli_modules = _modules_under("sandlot.cli")
+    agent_modules = _modules_under("sandlot.agent")
+    for name in [*cli_modules, *agent_modules]:
+        importlib.import_module(name)
+    assert "sandlot.agent.loop" in agent_modules and "sandlot.agent.bench.runner" in agent_modules
+    offenders = [
+        (name, imported)
+        for name, path in agent_modules.items()
+        for imported in sorted(_imported_names(name, path))
+        if imported == "sandlot.cli" or imported.startswith("sandlot.cli.")
+    ]
+    assert offenders == []

@@ -157,9 +157,7 @@ class ReflexionLoop:
                 await self.emit(AgentEvent(event="error", attempt=number, data={"error": str(exc)}))
                 return {"status": "error", "error": str(exc)}
             attempt.code = extract_code(completion.text)
-            attempt.input_tokens += completion.input_tokens
-            attempt.output_tokens += completion.output_tokens
-            attempt.llm_s += completion.duration_s
+            attempt.charge(completion)
             if _normalized(attempt.code) not in tried:
                 break
             # The same code already failed: running it again would teach nothing.
@@ -197,9 +195,7 @@ class ReflexionLoop:
                 max_tokens=CRITIQUE_MAX_TOKENS,
             )
             text = f"{critique.diagnosis} Fix: {critique.fix}"
-            attempt.input_tokens += completion.input_tokens
-            attempt.output_tokens += completion.output_tokens
-            attempt.llm_s += completion.duration_s
+            attempt.charge(completion)
         except ModelOutputError as exc:
             # The critic's reply did not parse: the error itself is the best review we have.
             errors.append(f"critic: {exc}")
@@ -282,7 +278,7 @@ def build_result(
     attempts = state.get("attempts", [])
     status = state.get("status", "failed")
     last = attempts[-1] if attempts else None
-    return AgentResult(
+    result = AgentResult(
         task=spec.task,
         task_id=spec.task_id,
         mode=mode,
@@ -293,12 +289,11 @@ def build_result(
         attempts=attempts,
         errors=state.get("errors", []),
         critiques=state.get("critiques", []),
-        input_tokens=sum(a.input_tokens for a in attempts),
-        output_tokens=sum(a.output_tokens for a in attempts),
-        llm_s=sum(a.llm_s for a in attempts),
         sandbox_s=sum(a.execution.duration_s for a in attempts if a.execution),
         wall_s=wall_s,
         provider=provider.name,
         model=provider.model,
         error=state.get("error"),
     )
+    result.add(attempts)
+    return result

@@ -7,9 +7,12 @@ the benchmark read the same fields.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+
+from sandlot.agent.usage import Usage
 
 Status = Literal["solved", "failed", "error"]
 Mode = Literal["single", "loop", "swarm"]
@@ -68,7 +71,48 @@ class Critique(BaseModel):
     fix: str = Field(description="The concrete change to make to the code.")
 
 
-class Attempt(BaseModel):
+class AgentRole(StrEnum):
+    ARCHITECT = "architect"
+    CODER = "coder"
+    CRITIC = "critic"
+    SECURITY = "security"
+    OPTIMIZER = "optimizer"
+
+
+class Vote(BaseModel):
+    """A swarm voter's ballot, as the model is asked to give it."""
+
+    choice: int = Field(description="Number of the proposal you vote for (1-based).")
+    approve: bool = Field(description="Whether that proposal is good enough to ship.")
+    concerns: str = Field(default="", description="What must change, if anything.")
+
+
+class ProposalRecord(BaseModel):
+    """One proposal of a swarm round, as the round's record shows it."""
+
+    role: AgentRole
+    attempt: int = Field(description="The number of the attempt that holds its code.")
+    ok: bool = Field(description="Whether its run in the sandbox passed.")
+    approvals: int
+
+
+class SwarmRound(BaseModel):
+    round: int
+    proposals: list[ProposalRecord]
+    votes: dict[AgentRole, Vote] = Field(description="The ballots cast; abstainers are absent.")
+    consensus: bool
+
+
+class SwarmOutcome(BaseModel):
+    """How the swarm decided: every round, and the proposal that won."""
+
+    rounds: list[SwarmRound] = Field(default_factory=list)
+    consensus: bool = False
+    winner: AgentRole | None = None
+    winner_attempt: int | None = None
+
+
+class Attempt(BaseModel, Usage):
     number: int
     code: str
     execution: Execution | None = None
@@ -81,7 +125,7 @@ class Attempt(BaseModel):
     llm_s: float = 0.0
 
 
-class AgentResult(BaseModel):
+class AgentResult(BaseModel, Usage):
     task: str
     task_id: str | None = None
     mode: Mode
@@ -104,11 +148,7 @@ class AgentResult(BaseModel):
         description="Why the agent itself stopped (status error): a provider "
         "failure, never a failure of the generated code.",
     )
-    swarm: dict[str, Any] | None = None
-
-    @property
-    def total_tokens(self) -> int:
-        return self.input_tokens + self.output_tokens
+    swarm: SwarmOutcome | None = None
 
 
 class AgentEvent(BaseModel):

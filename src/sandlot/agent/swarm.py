@@ -21,29 +21,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from enum import StrEnum
-from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from sandlot.agent.code import extract_code, program_to_run
 from sandlot.agent.executor import SandboxExecutor
-from sandlot.agent.loop import build_result
-from sandlot.agent.models import AgentEvent, AgentResult, Attempt, EventSink, TaskSpec
+from sandlot.agent.loop import LoopState, build_result
+from sandlot.agent.models import (
+    AgentEvent,
+    AgentResult,
+    AgentRole,
+    Attempt,
+    EventSink,
+    ProposalRecord,
+    Status,
+    SwarmOutcome,
+    SwarmRound,
+    TaskSpec,
+    Vote,
+)
 from sandlot.agent.prompts import GENERATOR_SYSTEM
 from sandlot.agent.providers.base import Completion, Provider
 from sandlot.errors import ModelOutputError, ProviderError
 
 VOTE_MAX_TOKENS = 200
 DESIGN_MAX_TOKENS = 300
-
-
-class AgentRole(StrEnum):
-    ARCHITECT = "architect"
-    CODER = "coder"
-    CRITIC = "critic"
-    SECURITY = "security"
-    OPTIMIZER = "optimizer"
 
 
 # Each starts "You are the <role>": the scripted provider routes its replies by that.
@@ -64,13 +66,9 @@ ROLE_PROMPTS: dict[AgentRole, str] = {
 PROPOSERS = (AgentRole.CODER, AgentRole.OPTIMIZER)
 
 
-class Vote(BaseModel):
-    choice: int = Field(description="Number of the proposal you vote for (1-based).")
-    approve: bool = Field(description="Whether that proposal is good enough to ship.")
-    concerns: str = Field(default="", description="What must change, if anything.")
-
-
 class Proposal(BaseModel):
+    """A proposal while the swarm works on it: its code and run live on the attempt."""
+
     role: AgentRole
     attempt: Attempt
 
@@ -101,7 +99,7 @@ class Swarm:
         started = time.monotonic()
         await self.emit(AgentEvent(event="start", data={"task": spec.task[:500], "swarm": True}))
         attempts: list[Attempt] = []
-        rounds: list[dict[str, Any]] = []
+        rounds: list[SwarmRound] = []
         errors: list[str] = []
         winner: Proposal | None = None
         consensus = False
@@ -115,7 +113,11 @@ class Swarm:
                 votes = await self._vote(spec, proposals, errors)
                 winner, consensus, tally = self._count(proposals, votes)
                 rounds.append(_round_record(round_no, proposals, votes, tally, consensus))
-                await self.emit(AgentEvent(event="vote", attempt=round_no, data=rounds[-1]))
+                await self.emit(
+                    AgentEvent(
+                        event="vote", attempt=round_no, data=rounds[-1].model_dump(mode="json")
+                    )
+                )
                 if consensus:
                     break
                 feedback = "\n".join(
@@ -126,9 +128,7 @@ class Swarm:
                 spec, attempts, errors, rounds, None, False, started, status="error", error=str(exc)
             )
         if attempts:
-            attempts[0].input_tokens += spent.input_tokens
-            attempts[0].output_tokens += spent.output_tokens
-            attempts[0].llm_s += spent.duration_s
+            attempts[0].charge(spent)  # the design was written for the first round
         return self._finish(spec, attempts, errors, rounds, winner, consensus, started)
 
     # ------------------------------------------------------------------ steps
@@ -172,13 +172,8 @@ class Swarm:
                 )
             prompt += f"Write the complete {what} in one ```python block."
             completion = await self.provider.generate(prompt, system=ROLE_PROMPTS[role])
-            attempt = Attempt(
-                number=number,
-                code=extract_code(completion.text),
-                input_tokens=completion.input_tokens,
-                output_tokens=completion.output_tokens,
-                llm_s=completion.duration_s,
-            )
+            attempt = Attempt(number=number, code=extract_code(completion.text))
+            attempt.charge(completion)
             await self.emit(
                 AgentEvent(
                     event="code", attempt=number, data={"role": role.value, "code": attempt.code}
@@ -256,17 +251,17 @@ class Swarm:
         spec: TaskSpec,
         attempts: list[Attempt],
         errors: list[str],
-        rounds: list[dict[str, Any]],
+        rounds: list[SwarmRound],
         winner: Proposal | None,
         consensus: bool,
         started: float,
         *,
-        status: str | None = None,
+        status: Status | None = None,
         error: str | None = None,
     ) -> AgentResult:
         ran = winner.attempt.execution if winner is not None else None
         final_status = status or ("solved" if ran is not None and ran.ok else "failed")
-        state: dict[str, Any] = {
+        state: LoopState = {
             "attempts": attempts,
             "errors": errors
             + [
@@ -280,7 +275,7 @@ class Swarm:
         }
         result = build_result(
             spec,
-            state,  # type: ignore[arg-type]
+            state,
             mode="swarm",
             provider=self.provider,
             wall_s=time.monotonic() - started,
@@ -288,12 +283,12 @@ class Swarm:
         if winner is not None:
             result.code = winner.attempt.code
             result.output = ran.stdout if ran is not None else ""
-        result.swarm = {
-            "rounds": rounds,
-            "consensus": consensus,
-            "winner": winner.role.value if winner is not None else None,
-            "winner_attempt": winner.attempt.number if winner is not None else None,
-        }
+        result.swarm = SwarmOutcome(
+            rounds=rounds,
+            consensus=consensus,
+            winner=winner.role if winner is not None else None,
+            winner_attempt=winner.attempt.number if winner is not None else None,
+        )
         return result
 
 
@@ -310,18 +305,18 @@ def _round_record(
     votes: dict[AgentRole, Vote],
     tally: list[int],
     consensus: bool,
-) -> dict[str, Any]:
-    return {
-        "round": number,
-        "proposals": [
-            {
-                "role": p.role.value,
-                "attempt": p.attempt.number,
-                "ok": bool(p.attempt.execution and p.attempt.execution.ok),
-                "approvals": n,
-            }
+) -> SwarmRound:
+    return SwarmRound(
+        round=number,
+        proposals=[
+            ProposalRecord(
+                role=p.role,
+                attempt=p.attempt.number,
+                ok=bool(p.attempt.execution and p.attempt.execution.ok),
+                approvals=n,
+            )
             for p, n in zip(proposals, tally, strict=True)
         ],
-        "votes": {role.value: vote.model_dump() for role, vote in votes.items()},
-        "consensus": consensus,
-    }
+        votes=votes,
+        consensus=consensus,
+    )

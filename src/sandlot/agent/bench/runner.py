@@ -108,7 +108,7 @@ async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> 
         loop_pass=loop_pass,
         attempts=len(result.attempts),
         status=result.status,
-        single_tokens=(one.input_tokens + one.output_tokens) if one else 0,
+        single_tokens=one.total_tokens if one else 0,
         loop_tokens=result.total_tokens,
         single_llm_s=one.llm_s if one else 0.0,
         loop_llm_s=result.llm_s,

@@ -8,6 +8,8 @@ dependency (llama-cpp-python for ``local``) is only needed when it is used.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 from sandlot.agent.config import AgentSettings, get_agent_settings
@@ -21,43 +23,91 @@ from sandlot.agent.providers.base import (
 )
 from sandlot.errors import ConfigError
 
-# Seed 002's recommended model per provider; ``local`` names a shipped GGUF (local.MODELS).
-RECOMMENDED_MODELS: dict[str, str] = {
-    "groq": "llama-3.3-70b-versatile",
-    "openrouter": "qwen/qwen-2.5-coder-32b-instruct:free",
-    "anthropic": "claude-3-5-sonnet-20241022",
-    "google": "gemini-1.5-flash",
-    "ollama": "qwen2.5-coder:7b",
-    "openai": "gpt-4o-mini",
-    "local": "qwen2.5-coder-1.5b",
-}
 
-_CLASSES: dict[str, tuple[str, str]] = {
-    "groq": ("sandlot.agent.providers.openai_compat", "GroqProvider"),
-    "openrouter": ("sandlot.agent.providers.openai_compat", "OpenRouterProvider"),
-    "openai": ("sandlot.agent.providers.openai_compat", "OpenAIProvider"),
-    "anthropic": ("sandlot.agent.providers.anthropic", "AnthropicProvider"),
-    "google": ("sandlot.agent.providers.gemini", "GeminiProvider"),
-    "ollama": ("sandlot.agent.providers.ollama", "OllamaProvider"),
-    "local": ("sandlot.agent.providers.local", "LocalProvider"),
-}
+@dataclass(frozen=True)
+class ProviderSpec:
+    """One provider: where its class is, what it needs, and what it runs by default."""
 
-# Which setting holds each HTTP provider's key and base URL.
-_KEYS = {
-    "groq": ("groq_api_key", "groq_base_url", "GROQ_API_KEY"),
-    "openrouter": ("openrouter_api_key", "openrouter_base_url", "OPENROUTER_API_KEY"),
-    "openai": ("openai_api_key", "openai_base_url", "OPENAI_API_KEY"),
-    "anthropic": ("anthropic_api_key", "anthropic_base_url", "ANTHROPIC_API_KEY"),
-    "google": ("google_api_key", "google_base_url", "GOOGLE_API_KEY"),
+    target: str  # "module:Class", imported on first use
+    recommended_model: str  # seed 002's pick; ``local`` names a shipped GGUF (weights.MODELS)
+    # The AgentSettings fields of its key and base URL (None: it needs no key / no URL).
+    key_setting: str | None = None
+    url_setting: str | None = None
+    # An optional dependency (its import name), and what to install when it is missing.
+    requires: str | None = None
+    install_hint: str = ""
+
+    @property
+    def key_variable(self) -> str:
+        """The environment variable a user sets for the key (the setting's name, capitalized)."""
+        return (self.key_setting or "").upper()
+
+
+_HERE = "sandlot.agent.providers"
+PROVIDERS: dict[str, ProviderSpec] = {
+    "groq": ProviderSpec(
+        target=f"{_HERE}.openai_compat:GroqProvider",
+        recommended_model="llama-3.3-70b-versatile",
+        key_setting="groq_api_key",
+        url_setting="groq_base_url",
+    ),
+    "openrouter": ProviderSpec(
+        target=f"{_HERE}.openai_compat:OpenRouterProvider",
+        recommended_model="qwen/qwen-2.5-coder-32b-instruct:free",
+        key_setting="openrouter_api_key",
+        url_setting="openrouter_base_url",
+    ),
+    "anthropic": ProviderSpec(
+        target=f"{_HERE}.anthropic:AnthropicProvider",
+        recommended_model="claude-3-5-sonnet-20241022",
+        key_setting="anthropic_api_key",
+        url_setting="anthropic_base_url",
+    ),
+    "google": ProviderSpec(
+        target=f"{_HERE}.gemini:GeminiProvider",
+        recommended_model="gemini-1.5-flash",
+        key_setting="google_api_key",
+        url_setting="google_base_url",
+    ),
+    "ollama": ProviderSpec(
+        target=f"{_HERE}.ollama:OllamaProvider",
+        recommended_model="qwen2.5-coder:7b",
+        url_setting="ollama_host",
+    ),
+    "openai": ProviderSpec(
+        target=f"{_HERE}.openai_compat:OpenAIProvider",
+        recommended_model="gpt-4o-mini",
+        key_setting="openai_api_key",
+        url_setting="openai_base_url",
+    ),
+    "local": ProviderSpec(
+        target=f"{_HERE}.local:LocalProvider",
+        recommended_model="qwen2.5-coder-1.5b",
+        requires="llama_cpp",
+        install_hint="pip install 'sandlot[local]' (it builds llama.cpp, about 6 minutes)",
+    ),
 }
 
 
 def provider_class(name: str) -> type[Provider]:
-    if name not in _CLASSES:
-        known = ", ".join(sorted(_CLASSES))
-        raise ConfigError(f"unknown LLM_PROVIDER {name!r}; choose one of: {known}")
-    module, cls = _CLASSES[name]
-    found: type[Provider] = getattr(importlib.import_module(module), cls)
+    """The class of provider ``name``.
+
+    Raises:
+        ConfigError: no provider has that name, or what it needs is not installed (the
+            message says what to install).
+    """
+    try:
+        spec = PROVIDERS[name]
+    except KeyError:
+        known = ", ".join(sorted(PROVIDERS))
+        raise ConfigError(f"unknown LLM_PROVIDER {name!r}; choose one of: {known}") from None
+    # Checked now, not when the model first loads: the run fails before any sandbox starts.
+    if spec.requires is not None and importlib.util.find_spec(spec.requires) is None:
+        raise ConfigError(
+            f"LLM_PROVIDER={name} needs the {spec.requires} module: {spec.install_hint}"
+        )
+    module_name, _, class_name = spec.target.partition(":")
+    found: type[Provider] = getattr(importlib.import_module(module_name), class_name)
     return found
 
 
@@ -72,7 +122,8 @@ def create_provider(
     settings = settings or get_agent_settings()
     name = name or settings.llm_provider
     cls = provider_class(name)
-    default_model = settings.local_model if name == "local" else RECOMMENDED_MODELS[name]
+    spec = PROVIDERS[name]
+    default_model = settings.local_model if name == "local" else spec.recommended_model
     model = model or settings.llm_model or default_model
     common: dict[str, Any] = {
         "max_tokens": settings.llm_max_tokens,
@@ -86,34 +137,31 @@ def create_provider(
             model_path=settings.local_model_path,
             models_dir=settings.models_dir,
         )
-    elif name == "ollama":
+    elif spec.url_setting is not None:
         common.update(
-            base_url=settings.ollama_host,
+            base_url=getattr(settings, spec.url_setting),
             timeout_s=settings.llm_timeout_s,
             retries=settings.llm_retries,
         )
-    else:
-        key_field, url_field, env_name = _KEYS[name]
-        api_key = getattr(settings, key_field)
-        if not api_key and "api_key" not in overrides:
-            raise ConfigError(f"LLM_PROVIDER={name} needs {env_name} (or pick another provider)")
-        common.update(
-            api_key=api_key,
-            base_url=getattr(settings, url_field),
-            timeout_s=settings.llm_timeout_s,
-            retries=settings.llm_retries,
-        )
+        if spec.key_setting is not None:
+            api_key = getattr(settings, spec.key_setting)
+            if not api_key and "api_key" not in overrides:
+                raise ConfigError(
+                    f"LLM_PROVIDER={name} needs {spec.key_variable} (or pick another provider)"
+                )
+            common["api_key"] = api_key
     common.update(overrides)
     return cls(model, **common)
 
 
 __all__ = [
-    "RECOMMENDED_MODELS",
+    "PROVIDERS",
     "Completion",
     "GenerationParams",
     "HttpProvider",
     "Message",
     "Provider",
+    "ProviderSpec",
     "create_provider",
     "extract_json",
     "provider_class",

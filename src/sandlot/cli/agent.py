@@ -1,7 +1,7 @@
-"""The agent layer's commands: ``run``, ``benchmark`` and ``models``.
+"""The agent layer's commands: ``run``, ``benchmark`` and the ``models`` group.
 
-Registered on the main ``sandlot`` app; the agent's modules (LangGraph, llama.cpp)
-are imported only when one of these commands runs.
+The agent's modules (LangGraph, llama.cpp) are imported only when one of these commands runs,
+so ``sandlot --help`` stays fast and works without the ``agent`` extra.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import shlex
 import sys
 import time
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,7 +19,8 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-console = Console(stderr=True)
+from sandlot.cli.common import console, errors_exit_2
+
 out = Console()
 
 ProviderOpt = Annotated[
@@ -39,14 +39,6 @@ AttemptsOpt = Annotated[
 BackendOpt = Annotated[
     str | None, typer.Option("--backend", help="Sandbox backend: bubblewrap | docker")
 ]
-
-
-def _agent_errors() -> AbstractContextManager[None]:
-    """The main CLI's handler: our errors on stderr, exit status 2. Imported when a command
-    runs, because the main CLI imports this module to register the commands."""
-    from sandlot.cli import _errors_exit_2
-
-    return _errors_exit_2()
 
 
 def _settings(provider: str | None, model: str | None, **extra: Any) -> Any:
@@ -124,7 +116,7 @@ def run(
         finally:
             await runtime.aclose()
 
-    with _agent_errors():
+    with errors_exit_2():
         result = asyncio.run(main())
     if as_json:
         out.print_json(result.model_dump_json())
@@ -176,7 +168,7 @@ def benchmark(
     from sandlot.agent.bench.tasks import load_tasks
     from sandlot.agent.providers import create_provider
 
-    with _agent_errors():
+    with errors_exit_2():
         settings = _settings(provider, model, llm_temperature=temperature)
         task_list = load_tasks(tasks, limit)
         local = settings.llm_provider == "local"
@@ -229,7 +221,7 @@ def benchmark(
             for p in providers:
                 await p.aclose()
 
-    with _agent_errors():
+    with errors_exit_2():
         outcomes = asyncio.run(main())
     command = "sandlot benchmark " + shlex.join(sys.argv[2:])
     report = markdown_report(outcomes, config, time.monotonic() - started, command)
@@ -268,6 +260,6 @@ def models_fetch(
     from sandlot.agent.weights import fetch_model
 
     settings = get_agent_settings()
-    with _agent_errors():
+    with errors_exit_2():
         for name in names or [settings.local_model]:
             fetch_model(name, settings.models_dir, progress=console.print)

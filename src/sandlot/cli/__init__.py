@@ -1,0 +1,34 @@
+"""The ``sandlot`` command: one typer app, each group in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from sandlot.cli import agent, image, keys, local, sandbox, serve
+from sandlot.config import get_settings
+from sandlot.log import configure_logging
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Isolated, stateful sandboxes for code that AI agents write.",
+)
+
+
+@app.callback()
+def _main() -> None:
+    settings = get_settings()
+    configure_logging(settings.log_level, settings.log_format)
+
+
+# Typer lists commands in the order they are registered, then the groups in theirs: this
+# order gives doctor, run-code, exec, version, serve, run, benchmark; image, keys, sandbox,
+# models.
+local.register(app)
+serve.register(app)
+image.register(app)
+keys.register(app)
+sandbox.register(app)
+agent.register(app)
+
+__all__ = ["app"]

@@ -1,0 +1,93 @@
+"""What the command groups share: the consoles, the error handler, result printing, the
+options several groups take, and the call to a server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+
+from sandlot.client import RemoteService
+from sandlot.config import get_settings
+from sandlot.errors import SandboxError
+from sandlot.models import ExecResult
+
+console = Console(stderr=True)
+
+MemoryOpt = Annotated[int | None, typer.Option("--memory-mb", help="Memory limit (MiB).")]
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout-s", help="Per-call timeout.")]
+NetworkOpt = Annotated[bool, typer.Option("--network/--no-network", help="Allow network.")]
+BackendOpt = Annotated[
+    str | None, typer.Option("--backend", help="bubblewrap | docker | unsafe-local")
+]
+RuntimeOpt = Annotated[
+    str | None, typer.Option("--runtime", help="docker only: runc | runsc (gVisor)")
+]
+EnvironmentOpt = Annotated[
+    str | None,
+    typer.Option("--environment", "--env-name", help="Registry environment: python3 | node"),
+]
+UrlOpt = Annotated[
+    str | None, typer.Option("--api-url", help="Default: SANDLOT_URL, else localhost.")
+]
+KeyOpt = Annotated[str | None, typer.Option("--api-key", help="Default: SANDLOT_API_KEY.")]
+
+
+@contextlib.contextmanager
+def errors_exit_2() -> Iterator[None]:
+    """Our errors become their code and message on stderr, and exit status 2."""
+    try:
+        yield
+    except SandboxError as exc:
+        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
+        raise typer.Exit(2) from None
+
+
+def print_result(result: ExecResult) -> int:
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    return finish(result)
+
+
+def finish(result: ExecResult) -> int:
+    """Print what the run left besides its output; the exit status the command takes."""
+    if result.text is not None:
+        sys.stdout.write(result.text + "\n")
+    if result.error is not None:
+        sys.stderr.write(result.error.traceback)
+    if result.kill_reason is not None:
+        console.print(f"[red]killed: {result.kill_reason}[/] after {result.duration_ms:.0f} ms")
+    return result.exit_code if result.exit_code is not None else 1
+
+
+def remote(api_url: str | None, api_key: str | None) -> RemoteService:
+    settings = get_settings()
+    url = api_url or settings.api_url or f"http://127.0.0.1:{settings.api_port}"
+    return RemoteService(url, api_key or settings.api_key)
+
+
+def remote_call(api_url: str | None, api_key: str | None, work: Any) -> Any:
+    """Run ``work(service)`` against the server; errors become a message and exit code 2."""
+
+    async def main() -> Any:
+        service = remote(api_url, api_key)
+        try:
+            return await work(service)
+        finally:
+            await service.aclose()
+
+    try:
+        with errors_exit_2():
+            return asyncio.run(main())
+    except httpx.TransportError as exc:
+        console.print(
+            f"[red]cannot reach the server:[/] {exc}; start `sandlot serve` "
+            "or set --api-url / SANDLOT_URL"
+        )
+        raise typer.Exit(2) from None

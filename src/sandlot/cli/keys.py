@@ -1,0 +1,97 @@
+"""``sandlot keys``: API keys, tenant quotas and the audit log, in the server's database."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sandlot.cli.common import console, errors_exit_2
+from sandlot.config import get_settings
+
+if TYPE_CHECKING:
+    from sandlot.server.auth import AuthStore
+
+keys_app = typer.Typer(no_args_is_help=True, help="API keys, tenant quotas and the audit log.")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(keys_app, name="keys")
+
+
+@contextlib.contextmanager
+def _auth_store() -> Iterator[AuthStore]:
+    # Imported here: the server package is heavy, and `sandlot --help` should not wait on it.
+    from sandlot.server.auth import AuthStore
+
+    store = AuthStore(get_settings().data_dir / "sandlot.db")
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Whose sandboxes this key reaches.")],
+    role: Annotated[str, typer.Option(help="admin | user | viewer")] = "user",
+    name: Annotated[str, typer.Option(help="A label for people.")] = "",
+) -> None:
+    """Create a key and print it once (only its hash is stored)."""
+    with errors_exit_2(), _auth_store() as store:
+        key_id, key = store.create_key(tenant, role, name)
+    console.print(f"created {key_id} for tenant {tenant!r} with role {role}; store it now:")
+    typer.echo(key)
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """List keys (never the keys themselves)."""
+    table = Table("key_id", "tenant", "role", "name", "revoked")
+    with _auth_store() as store:
+        for key in store.list_keys():
+            revoked = "yes" if key["revoked_at"] else ""
+            table.add_row(key["key_id"], key["tenant"], key["role"], key["name"], revoked)
+    Console().print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str) -> None:
+    """Revoke a key at once."""
+    with _auth_store() as store:
+        revoked = store.revoke_key(key_id)
+    if not revoked:
+        console.print(f"[red]no active key {key_id!r}[/] (see `sandlot keys list`)")
+        raise typer.Exit(1)
+    console.print(f"revoked {key_id}")
+
+
+@keys_app.command("quota")
+def keys_quota(
+    tenant: str,
+    max_sandboxes: Annotated[int | None, typer.Option(min=0)] = None,
+    max_memory_mb: Annotated[int | None, typer.Option(min=0)] = None,
+) -> None:
+    """Set a tenant's quota (unset values keep TENANT_MAX_* defaults)."""
+    with _auth_store() as store:
+        store.set_quota(tenant, max_sandboxes, max_memory_mb)
+    console.print(f"quota of {tenant!r}: sandboxes={max_sandboxes} memory_mb={max_memory_mb}")
+
+
+@keys_app.command("audit")
+def keys_audit(
+    tenant: Annotated[str | None, typer.Option()] = None,
+    limit: Annotated[int, typer.Option(min=1)] = 50,
+) -> None:
+    """Show the newest audit log entries."""
+    table = Table("seq", "tenant", "key_id", "action", "sandbox", "outcome")
+    with _auth_store() as store:
+        for row in store.audit_log(tenant, limit):
+            sandbox = row["sandbox_id"] or ""
+            action, outcome = row["action"], row["outcome"]
+            table.add_row(str(row["seq"]), row["tenant"], row["key_id"], action, sandbox, outcome)
+    Console().print(table)
