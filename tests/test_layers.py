@@ -37,9 +37,7 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {
-    module_name(path): path
-    for path in ROOT.rglob("*.py")
-    if "__pycache__" not in path.parts
+    module_name(path): path for path in ROOT.rglob("*.py") if "__pycache__" not in path.parts
 }
 
 

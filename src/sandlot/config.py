@@ -337,19 +337,6 @@ def get_settings() -> Settings:
     return Settings()
 
 
-def make_limits(**values: object) -> SandboxLimits:
-    """Build :class:`SandboxLimits`, turning validation errors into a :class:`ConfigError`
-    whose message names the argument and the environment variable behind its default.
-
-    Raises:
-        ConfigError: a value is out of range or of the wrong type.
-    """
-    try:
-        return SandboxLimits.model_validate(values)
-    except ValidationError as exc:
-        raise ConfigError(explain_invalid(exc, "invalid sandbox limits")) from None
-
-
 def explain_invalid(exc: ValidationError, what: str) -> str:
     """One clause per problem, each naming the argument and, where a setting gives its
     default, that setting's environment variable."""

@@ -27,7 +27,7 @@ from sandlot.cli.common import (
     remote_call,
 )
 from sandlot.client import RemoteService
-from sandlot.config import make_limits
+from sandlot.requests import RunCode, RunCommand, SandboxSpec, build
 
 sandbox_app = typer.Typer(
     no_args_is_help=True,
@@ -62,19 +62,17 @@ def sandbox_create(
 ) -> None:
     """Create a sandbox and print its id."""
     with errors_exit_2():
-        limits = make_limits(memory_mb=memory_mb, timeout_s=timeout_s)
-    info = remote_call(
-        api_url,
-        api_key,
-        lambda s: s.create(
+        spec = build(
+            SandboxSpec,
+            memory_mb=memory_mb,
+            timeout_s=timeout_s,
             backend=backend,
             runtime=runtime,
             environment=environment,
-            limits=limits,
             network=network,
             ttl_s=ttl_s,
-        ),
-    )
+        )
+    info = remote_call(api_url, api_key, lambda s: s.create(spec))
     typer.echo(info.id)
 
 
@@ -106,14 +104,14 @@ def sandbox_exec(
     api_key: KeyOpt = None,
 ) -> None:
     """Run a shell command in a sandbox, streaming its output."""
+    with errors_exit_2():
+        request = build(RunCommand, command=command, session=session, timeout_s=timeout_s)
     result = remote_call(
         api_url,
         api_key,
         lambda s: s.run_command(
             sandbox_id,
-            command,
-            session=session,
-            timeout_s=timeout_s,
+            request,
             on_stdout=_echo(sys.stdout),
             on_stderr=_echo(sys.stderr),
         ),
@@ -131,13 +129,14 @@ def sandbox_run_code(
 ) -> None:
     """Run Python in a sandbox's persistent interpreter, streaming its output."""
     source = sys.stdin.read() if code == "-" else code
+    with errors_exit_2():
+        request = build(RunCode, code=source, timeout_s=timeout_s)
     result = remote_call(
         api_url,
         api_key,
         lambda s: s.run_code(
             sandbox_id,
-            source,
-            timeout_s=timeout_s,
+            request,
             on_stdout=_echo(sys.stdout),
             on_stderr=_echo(sys.stderr),
         ),
