@@ -797,7 +797,7 @@ def test_host_processes_are_not_visible(
         # stream, outside the container), and the guest supervisor is still non-dumpable.
         assert "sleep 2147483647" in cmdlines[1], cmdlines[1]
         assert init_environ is not None and b"HOSTILE" not in init_environ
-        guest = [pid for pid, c in cmdlines.items() if "agent.main" in c]
+        guest = [pid for pid, c in cmdlines.items() if "supervisor.main" in c]
         assert guest, cmdlines
         assert jail.run_code(f"import os; os.access('/proc/{guest[0]}/mem', os.R_OK)").text in (
             "False",
@@ -808,7 +808,7 @@ def test_host_processes_are_not_visible(
     # Pid 1 inside is the guest supervisor, and it is non-dumpable: not even the sandbox's
     # own code may read its environment (or its memory, which would let it forge replies).
     assert init_environ is None
-    assert "agent.main" in cmdlines[1], cmdlines[1]
+    assert "supervisor.main" in cmdlines[1], cmdlines[1]
     assert_unaffected(host, bystander)
 
 
