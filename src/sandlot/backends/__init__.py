@@ -80,8 +80,7 @@ def create_backend(name: str, settings: Settings) -> Backend:
         ConfigError: no backend has that name.
         BackendUnavailable: its module or a dependency is missing.
     """
-    backend: Backend = backend_class(name)(settings)  # type: ignore[call-arg]
-    return backend
+    return backend_class(name)(settings)
 
 
 def probe_backend(name: str, settings: Settings, runtime: str | None = None) -> list[Check]:

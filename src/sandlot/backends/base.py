@@ -125,6 +125,10 @@ class Backend(Protocol):
     # OCI runtimes it can be asked for; empty when it has no such choice.
     runtimes: ClassVar[frozenset[str]]
 
+    def __init__(self, settings: Settings) -> None:
+        """Cheap: no host check or set-up happens before the first call that needs it."""
+        ...
+
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
         """Whether this host can run the backend (with ``runtime``, or the default one), as
