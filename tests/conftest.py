@@ -32,10 +32,11 @@ EXTRA_TARGETS = [t for t in os.environ.get("TEST_BACKENDS", "").split(",") if t.
 
 from sandlot import Sandbox, SandboxManager, Settings  # noqa: E402
 from sandlot._portal import get_portal  # noqa: E402
-from sandlot.doctor import run_checks  # noqa: E402
+from sandlot.backends import KNOWN_BACKENDS, probe_backend  # noqa: E402
 
-BACKENDS = ["bubblewrap", "unsafe-local", *EXTRA_TARGETS]
-ISOLATED_BACKENDS = ["bubblewrap", *EXTRA_TARGETS]
+# The registry's embedded backends always, plus what TEST_BACKENDS asks for.
+BACKENDS = [name for name, entry in KNOWN_BACKENDS.items() if entry.embedded] + EXTRA_TARGETS
+ISOLATED_BACKENDS = [t for t in BACKENDS if KNOWN_BACKENDS[t.partition("+")[0]].isolating]
 
 
 def placement(target: str) -> dict[str, str]:
@@ -51,50 +52,23 @@ def runtime_of(sb: Sandbox) -> str:
     return sb.info.runtime or sb.info.backend
 
 
-def _docker_missing(target: str) -> str | None:
-    from sandlot.backends.dockerd import connect
-    from sandlot.environments import get_environment
-    from sandlot.errors import SandboxError
-    from sandlot.images import image_status
-
-    try:
-        client = connect()
-        runtimes = client.info().get("Runtimes") or {}
-        status = image_status(get_environment("python3"))
-    except SandboxError as exc:
-        return exc.message
-    runtime = placement(target)["runtime"]
-    if runtime not in runtimes:
-        return f"dockerd has no {runtime} runtime (make docker-setup)"
-    if not status.current:
-        return f"{status.image} is not built (make image)"
-    return None
-
-
-def _bubblewrap_missing() -> str | None:
-    missing = [c for c in run_checks() if c.required and not c.ok]
-    if missing:
-        return "bubblewrap backend unavailable: " + "; ".join(
-            f"{c.name}: {c.detail}" for c in missing
-        )
-    return None
-
-
 _SKIP_REASON: dict[str, str | None] = {}
 
 
-def skip_reason(backend: str) -> str | None:
-    if backend not in _SKIP_REASON:
-        if backend == "bubblewrap":
-            _SKIP_REASON[backend] = _bubblewrap_missing()
-        elif backend.startswith("docker"):
-            missing = _docker_missing(backend)
-            if missing:
-                pytest.fail(f"TEST_BACKENDS asks for {backend}, which cannot run: {missing}")
-            _SKIP_REASON[backend] = None
-        else:
-            _SKIP_REASON[backend] = None
-    return _SKIP_REASON[backend]
+def skip_reason(target: str) -> str | None:
+    """Why ``target`` ("backend" or "backend+runtime") cannot run here, as its backend's probe
+    says. Only an embedded backend is skipped: an opt-in one runs because TEST_BACKENDS asked
+    for it, so its absence fails the test."""
+    if target not in _SKIP_REASON:
+        backend, _, runtime = target.partition("+")
+        settings = Settings(_env_file=None)  # type: ignore[call-arg]
+        checks = probe_backend(backend, settings, runtime or None)
+        missing = "; ".join(f"{c.name}: {c.detail}" for c in checks if c.required and not c.ok)
+        reason = f"{backend} backend unavailable: {missing}" if missing else None
+        if reason and not KNOWN_BACKENDS[backend].embedded:
+            pytest.fail(f"TEST_BACKENDS asks for {target}, which cannot run: {reason}")
+        _SKIP_REASON[target] = reason
+    return _SKIP_REASON[target]
 
 
 @pytest.fixture(scope="session")

@@ -86,7 +86,7 @@ _DOCKER: list[Any] = []
 
 def _docker() -> Any:
     if not _DOCKER:
-        from sandlot.backends.dockerd import connect
+        from sandlot.backends.docker.dockerd import connect
 
         _DOCKER.append(connect())
     return _DOCKER[0]

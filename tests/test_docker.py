@@ -14,7 +14,7 @@ import pytest
 
 from sandlot import ConfigError, Sandbox, SandboxManager, SandboxStatus
 from sandlot._portal import get_portal
-from sandlot.backends.dockerd import LABEL_INSTANCE, LABEL_SANDBOX, connect
+from sandlot.backends.docker.dockerd import LABEL_INSTANCE, LABEL_SANDBOX, connect
 from sandlot.requests import RunCode, SandboxSpec
 from tests import leaks
 from tests.conftest import EXTRA_TARGETS, LiveServer, make_settings

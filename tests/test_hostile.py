@@ -44,7 +44,7 @@ from sandlot import (
     SandboxManager,
 )
 from sandlot._portal import get_portal
-from sandlot.backends.docker import RUNSC_THREAD_EXHAUSTED
+from sandlot.backends.docker.backend import RUNSC_THREAD_EXHAUSTED
 from tests import leaks
 from tests.conftest import placement
 

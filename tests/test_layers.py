@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "_version", "models", "log", "guest"),  # no sandlot imports but these
     ("config", "requests", "environments", "_portal", "_sync"),
     ("backends",),  # isolation: knows nothing of owners, pools, TTLs
-    ("core", "doctor"),  # the manager and its rooms
+    ("core",),  # the manager and its rooms
     ("service", "client", "sandbox"),  # the SDK, embedded or remote
     ("agent",),  # the LLM layer, built on the SDK only
     ("server",),  # REST/WS over the core (and the agent layer for /execute)

@@ -123,7 +123,7 @@ def _host_address(sb: Sandbox) -> str:
     host's network namespace when asked) or the docker bridge's gateway."""
     if sb.info.backend != "docker":
         return "127.0.0.1"
-    from sandlot.backends.dockerd import connect
+    from sandlot.backends.docker.dockerd import connect
 
     bridge = connect().networks.get("bridge").attrs["IPAM"]["Config"][0]
     return str(bridge["Gateway"])

@@ -116,7 +116,7 @@ async def test_restart_after_kill_9_cleans_every_orphan(
 
     settings = make_settings(data_dir)
     driver = CgroupDriver.detect()
-    from sandlot.backends.bubblewrap import BubblewrapBackend
+    from sandlot.backends.bubblewrap.backend import BubblewrapBackend
 
     instance = BubblewrapBackend(settings).instance
     cgroups_before = driver.children(settings.cgroup_root, instance)
@@ -148,7 +148,7 @@ async def test_warm_pool_never_exceeds_its_size_after_a_crash(
     data_dir.mkdir()
     crash_a_manager(data_dir, count=1, pool_size=2)
     settings = make_settings(data_dir, pool_size=2)
-    from sandlot.backends.bubblewrap import BubblewrapBackend
+    from sandlot.backends.bubblewrap.backend import BubblewrapBackend
 
     instance = BubblewrapBackend(settings).instance
     driver = CgroupDriver.detect()

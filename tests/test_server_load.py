@@ -64,7 +64,7 @@ def load_server(data_root: Path) -> Iterator[LoadServer]:
     admin = store.create_key("ops", "admin", "load test")[1]
     keys = [store.create_key(f"load{i:02d}", "user", "load test")[1] for i in range(CLIENTS)]
     store.close()
-    from sandlot.backends.bubblewrap import BubblewrapBackend
+    from sandlot.backends.bubblewrap.backend import BubblewrapBackend
     from sandlot.config import Settings
 
     settings = Settings(_env_file=None, data_dir=data_dir)  # type: ignore[call-arg]

@@ -1,8 +1,9 @@
 """The backend contract: how to start, talk to, measure and destroy one isolated guest.
 
 A backend knows nothing of TTLs, owners, pools or persistence; that is the manager's job.
-Every backend runs the same guest agent (``sandlot/guest/supervisor.py``) and hands back its
-stdio as a :class:`GuestProcess`.
+Every backend runs the same guest agent (``sandlot/guest/``, started as :mod:`.launch` says)
+and hands back its stdio as a :class:`GuestProcess`; each says through :meth:`Backend.probe`
+whether this host can run it (``sandlot doctor`` and the test suite ask every backend so).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
+from sandlot.config import Settings
 from sandlot.models import ResolvedLimits, ResourceUsage
 
 STDERR_TAIL_BYTES = 8192
@@ -25,6 +27,17 @@ GUEST_PIDS_HEADROOM = 32
 def instance_of(data_dir: Path) -> str:
     """A short name for a data directory: what marks its sandboxes' cgroups and containers."""
     return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding about the host: what was looked at, whether it is there, and why it matters."""
+
+    name: str
+    ok: bool
+    detail: str
+    why: str
+    required: bool = True  # its backend cannot run without it
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,16 @@ class Backend(Protocol):
     any_environment: ClassVar[bool]
     # OCI runtimes it can be asked for; empty when it has no such choice.
     runtimes: ClassVar[frozenset[str]]
+
+    def __init__(self, settings: Settings) -> None:
+        """Cheap: no host check or set-up happens before the first call that needs it."""
+        ...
+
+    @classmethod
+    def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
+        """Whether this host can run the backend (with ``runtime``, or the default one), as
+        checks; starts no sandbox and needs no instance."""
+        ...
 
     async def start(self, spec: GuestSpec) -> Guest:
         """Provision the sandbox if new, end any previous guest of it, start a fresh guest.

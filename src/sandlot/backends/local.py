@@ -1,8 +1,10 @@
 """``unsafe-local``: the guest agent as a plain child process, with NO isolation.
 
 For unit tests of the manager and SDK, and for development on a machine without bubblewrap.
-It runs the very same guest program as every other backend, so everything but the walls
-(limits, namespaces, seccomp) behaves the same. Never point it at untrusted code.
+It runs the very same guest program as every other backend (from the package's own
+``sandlot/guest``, with the host's interpreter, see :mod:`sandlot.backends.launch`), so
+everything but the walls (limits, namespaces, seccomp) behaves the same. Never point it at
+untrusted code.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from typing import ClassVar
 
 import structlog
 
-from sandlot.backends.base import GuestProcess, GuestSpec
+from sandlot.backends.base import Check, GuestProcess, GuestSpec
+from sandlot.backends.launch import GUEST_SOURCE_DIR, guest_argv, guest_env
 from sandlot.config import Settings
-from sandlot.guest import GUEST_SCRIPT, launcher
 from sandlot.models import ResourceUsage
 
 log = structlog.get_logger(__name__)
@@ -36,6 +38,11 @@ class LocalBackend:
         self.root = settings.data_dir.resolve() / "local-sandboxes"
         self._guests: dict[str, GuestProcess] = {}
 
+    @classmethod
+    def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
+        # It needs only the interpreter running this code; allow_unsafe is the manager's call.
+        return []
+
     def _workspace(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id / "workspace"
 
@@ -47,20 +54,14 @@ class LocalBackend:
             log.warning("sandbox without isolation", backend=self.name, sandbox=spec.sandbox_id)
         workspace = self._workspace(spec.sandbox_id)
         workspace.mkdir(parents=True, exist_ok=True)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(workspace),
-            "LANG": "C.UTF-8",
-            "SANDLOT_WORKSPACE": str(workspace),
-            "SANDLOT_SHELL_STATE": str(workspace.parent / "shells"),
-            **spec.env,
-        }
+        env = guest_env(
+            spec.env,
+            workspace=str(workspace),
+            path=os.environ.get("PATH", "/usr/bin:/bin"),
+            shell_state=str(workspace.parent / "shells"),
+        )
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",
-            "-S",
-            "-c",
-            launcher(str(GUEST_SCRIPT.parent)),
+            *guest_argv(sys.executable, str(GUEST_SOURCE_DIR)),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -24,8 +24,8 @@ def register(app: typer.Typer) -> None:
 @image_app.command("ls")
 def image_ls() -> None:
     """List the registry's environments and whether each image is built and current."""
+    from sandlot.backends.docker.images import image_status
     from sandlot.environments import load_registry
-    from sandlot.images import image_status
 
     settings = get_settings()
     table = Table("environment", "image", "packages", "built", "size_mb")
@@ -48,8 +48,8 @@ def image_build(
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if current.")] = False,
 ) -> None:
     """Build environment images offline: debootstrap from Debian's mirror, then docker import."""
+    from sandlot.backends.docker.images import build_image
     from sandlot.environments import get_environment, load_registry
-    from sandlot.images import build_image
 
     settings = get_settings()
     with errors_exit_2():

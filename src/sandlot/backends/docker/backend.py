@@ -1,40 +1,38 @@
 """The docker backend: a container per sandbox, with runc or gVisor's runsc as its runtime.
 
 Each sandbox is a container made from its environment's image (built offline, see
-:mod:`sandlot.images`) with the seeds' hardening: no network, memory with swap equal to
-it, a CPU quota, a pids limit, a read-only root with only /workspace and /tmp writable, uid
-65534, every capability dropped, ``no-new-privileges`` and Docker's default seccomp profile.
+:mod:`sandlot.backends.docker.images`) with the seeds' hardening: no network, memory with
+swap equal to it, a CPU quota, a pids limit, a read-only root with only /workspace and /tmp
+writable, uid 65534, every capability dropped, ``no-new-privileges`` and Docker's default
+seccomp profile.
 /workspace and /tmp live on the same size-capped ext4 image as in the bubblewrap backend.
 
-The container's pid 1 is a tiny shell loop that only reaps orphans; the guest agent is
-started next to it with an exec whose stdio we read through Docker's hijacked HTTP stream.
+The container's pid 1 is a tiny shell loop that only reaps orphans; the guest agent, installed
+as :mod:`sandlot.backends.launch` says and bind-mounted read-only, is started next to it with
+an exec whose stdio we read through Docker's hijacked HTTP stream (:mod:`.stream`).
 Restarting the guest (after a kernel that would not stop, say) kills every process of the
 sandbox uid except pid 1, which costs one exec instead of a container restart.
 
 Killing the Docker *client* does not stop a container: every container carries our labels,
 :meth:`DockerBackend.stop` removes it by force and checks it is gone, and :meth:`sweep`
-removes any container of this data directory the store does not know.
+removes any container of this data directory the store does not know. Whether a host can
+run it (daemon, runtime, images) is :mod:`sandlot.backends.docker.probe`'s to say.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import structlog
 
-from sandlot.backends.base import (
-    GUEST_PIDS_HEADROOM,
-    STDERR_TAIL_BYTES,
-    GuestSpec,
-    instance_of,
-)
+from sandlot.backends.base import GUEST_PIDS_HEADROOM, Check, GuestSpec, instance_of
 from sandlot.backends.cgroups import Cgroup, CgroupDriver
 from sandlot.backends.disk import (
     disk_used_bytes,
@@ -43,19 +41,27 @@ from sandlot.backends.disk import (
     remove_volume,
     volume_paths,
 )
-from sandlot.backends.dockerd import (
+from sandlot.backends.docker.dockerd import (
     LABEL,
     LABEL_ENVIRONMENT,
     LABEL_INSTANCE,
     LABEL_SANDBOX,
+    RUNTIMES,
     connect,
 )
-from sandlot.backends.guestfiles import GUEST_DIR_INSIDE, GUEST_PYTHON, install_guest
+from sandlot.backends.docker.images import ensure_image
+from sandlot.backends.docker.probe import daemon_checks
+from sandlot.backends.docker.stream import ExecGuest, socket_path, start_exec
+from sandlot.backends.launch import (
+    GUEST_DIR_INSIDE,
+    WORKSPACE_INSIDE,
+    guest_argv,
+    guest_env,
+    install_guest,
+)
 from sandlot.config import Settings
 from sandlot.environments import Environment, get_environment
 from sandlot.errors import BackendUnavailable, ConfigError, SandboxError, SandboxStartError
-from sandlot.guest import launcher
-from sandlot.images import ensure_image
 from sandlot.models import ResourceUsage
 
 if TYPE_CHECKING:
@@ -78,79 +84,9 @@ KILL_ALL = ["/bin/sh", "-c", "kill -9 -1; kill -9 -1"]  # all of the uid but pid
 RUNSC_PIDS_HEADROOM = 512
 # How the sentry (a Go program) exits when the host refuses it a thread: see _exit_cause.
 RUNSC_THREAD_EXHAUSTED = 2
-RUNTIMES = frozenset({"runc", "runsc"})
 KILL_TIMEOUT_S = 10.0
 END_WAIT_S = 5.0  # for Docker to notice that a container whose cgroup is gone has ended
 REMOVE_ATTEMPTS = 5
-
-
-def _socket_path() -> str:
-    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-    if not host.startswith("unix://"):
-        raise BackendUnavailable(
-            f"DOCKER_HOST={host}: the docker backend streams the guest's stdio over the "
-            "daemon's unix socket; point DOCKER_HOST at a unix:// socket"
-        )
-    return host.removeprefix("unix://")
-
-
-class _ExecGuest:
-    """The guest's stdio over a hijacked ``POST /exec/{id}/start`` connection.
-
-    Docker multiplexes stdout and stderr on it in frames (an 8-byte header: stream, 0, 0, 0,
-    big-endian length); we demultiplex stdout into :attr:`reader` and keep stderr's tail.
-    """
-
-    def __init__(
-        self,
-        raw: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        exec_id: str,
-        api: Any,
-    ) -> None:
-        self.reader = asyncio.StreamReader(limit=1 << 20)
-        self.writer = writer
-        self.exec_id = exec_id
-        self._api = api
-        self._raw = raw
-        self._stderr_tail = bytearray()
-        self._demux_task = asyncio.create_task(self._demux())
-
-    async def _demux(self) -> None:
-        try:
-            while True:
-                header = await self._raw.readexactly(8)
-                size = int.from_bytes(header[4:8], "big")
-                payload = await self._raw.readexactly(size) if size else b""
-                if header[0] == 2:
-                    self._stderr_tail += payload
-                    del self._stderr_tail[:-STDERR_TAIL_BYTES]
-                else:
-                    self.reader.feed_data(payload)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
-        finally:
-            self.reader.feed_eof()
-
-    @property
-    def ended(self) -> bool:
-        return self._demux_task.done()
-
-    def stderr_tail(self) -> str:
-        return self._stderr_tail.decode("utf-8", "replace").strip()
-
-    def kill(self) -> None:
-        # Closing the stream is all a client can do; the backend kills what runs inside.
-        self.writer.transport.abort()
-
-    async def wait(self) -> int:
-        await self._demux_task
-        try:
-            info = await asyncio.to_thread(self._api.exec_inspect, self.exec_id)
-        except Exception:  # the container may be gone already
-            return -1
-        code = info.get("ExitCode")
-        return code if isinstance(code, int) else -1
 
 
 @dataclass
@@ -162,7 +98,7 @@ class _Box:
     runtime: str
     disk_capped: bool
     cgroup: Cgroup | None = None
-    guest: _ExecGuest | None = None
+    guest: ExecGuest | None = None
     # Limit hits of earlier incarnations of the container (a restart resets its cgroup).
     oom_base: int = 0
     pids_base: int = 0
@@ -199,7 +135,10 @@ class DockerBackend:
         self._images_ok: set[str] = set()
         self._cgroups: CgroupDriver | None = None
         self._loop_ok = False
-        self._api_version = ""
+
+    @classmethod
+    def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
+        return daemon_checks(settings, runtime)
 
     # -- set-up
 
@@ -214,14 +153,13 @@ class DockerBackend:
                 "the docker backend runs as root (it mounts each sandbox's size-capped "
                 "workspace); run as root, or choose another backend with SANDBOX_BACKEND"
             )
-        _socket_path()
+        socket_path()
         client = connect()
         info = client.info()
         self._runtime_args = {
             name: list(spec.get("runtimeArgs") or []) if isinstance(spec, dict) else []
             for name, spec in (info.get("Runtimes") or {}).items()
         }
-        self._api_version = client.api.api_version
         with contextlib.suppress(BackendUnavailable):
             self._cgroups = CgroupDriver.detect()
         self._loop_ok, why = loop_disks_available()
@@ -229,7 +167,7 @@ class DockerBackend:
             log.warning("disk cap not enforced", reason=why)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.sandboxes_dir.chmod(0o711)
-        install_guest(self._guest_dir, GUEST_PYTHON, GUEST_DIR_INSIDE)
+        install_guest(self._guest_dir)
         return client
 
     def _check_runtime(self, runtime: str, network: bool) -> None:
@@ -249,7 +187,7 @@ class DockerBackend:
 
     # -- contract
 
-    async def start(self, spec: GuestSpec) -> _ExecGuest:
+    async def start(self, spec: GuestSpec) -> ExecGuest:
         client = await self._ready()
         box = self._boxes.get(spec.sandbox_id)
         if box is None:
@@ -302,7 +240,7 @@ class DockerBackend:
                 name=f"sandlot-{spec.sandbox_id}",
                 hostname="sandbox",
                 user=SANDBOX_USER,
-                working_dir="/workspace",
+                working_dir=WORKSPACE_INSIDE,
                 environment={"LANG": "C.UTF-8"},
                 network_mode="bridge" if spec.network else "none",
                 read_only=True,
@@ -314,7 +252,7 @@ class DockerBackend:
                 pids_limit=pids,
                 ulimits=ulimits,
                 mounts=[
-                    Mount("/workspace", str(workspace), type="bind"),
+                    Mount(WORKSPACE_INSIDE, str(workspace), type="bind"),
                     Mount("/tmp", str(tmp), type="bind"),
                     Mount(GUEST_DIR_INSIDE, str(self._guest_dir), type="bind", read_only=True),
                 ],
@@ -347,59 +285,15 @@ class DockerBackend:
 
     async def _exec_guest(
         self, client: docker.DockerClient, box: _Box, spec: GuestSpec
-    ) -> _ExecGuest:
-        environment = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": "/workspace",
-            "LANG": "C.UTF-8",
-            **spec.env,
-            "SANDLOT_WORKSPACE": "/workspace",
-        }
-        argv = [GUEST_PYTHON, "-I", "-S", "-c", launcher(GUEST_DIR_INSIDE)]
-        try:
-            created = await asyncio.to_thread(
-                client.api.exec_create,
-                box.container_id,
-                argv,
-                stdin=True,
-                user=SANDBOX_USER,
-                environment=environment,
-                workdir="/workspace",
-            )
-        except Exception as exc:
-            raise SandboxStartError(f"docker could not start the guest: {exc}") from exc
-        exec_id = created["Id"]
-        raw, writer = await self._hijack(exec_id)
-        return _ExecGuest(raw, writer, exec_id, client.api)
-
-    async def _hijack(self, exec_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Start the exec on a connection of our own and keep it as the raw stdio stream.
-
-        Done by hand rather than with the SDK's ``socket=True`` because the SDK reads the
-        HTTP response through a buffer that may swallow the first bytes of the stream.
-        """
-        reader, writer = await asyncio.open_unix_connection(_socket_path(), limit=1 << 20)
-        body = json.dumps({"Detach": False, "Tty": False}).encode()
-        writer.write(
-            (
-                f"POST /v{self._api_version}/exec/{exec_id}/start HTTP/1.1\r\n"
-                "Host: docker\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
-            ).encode()
-            + body
+    ) -> ExecGuest:
+        return await start_exec(
+            client,
+            box.container_id,
+            guest_argv(),
+            user=SANDBOX_USER,
+            environment=guest_env(spec.env),
+            workdir=WORKSPACE_INSIDE,
         )
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30.0)
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-            writer.close()
-            raise SandboxStartError(f"docker did not start the guest: {exc!r}") from exc
-        status = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
-        if status not in (b"101", b"200"):
-            writer.close()
-            raise SandboxStartError(
-                f"docker refused to start the guest: {head.decode(errors='replace').strip()}"
-            )
-        return reader, writer
 
     async def _end_guest(self, box: _Box) -> None:
         """Kill the guest and everything the sandbox started, keeping the container."""
@@ -461,8 +355,6 @@ class DockerBackend:
                     except docker.errors.APIError as exc:  # e.g. removal already in progress
                         log.info("container removal retried", sandbox=sandbox_id, error=str(exc))
             if attempt:
-                import time
-
                 time.sleep(0.2 * attempt)
         if self._containers(client, sandbox_id):
             raise SandboxError(

@@ -5,9 +5,12 @@ Each sandbox gets:
   escape from every namespace lands in an account that owns nothing but its own workspace;
 - user, pid, mount, net, ipc, uts and cgroup namespaces (``--unshare-all``), with user
   namespaces then disabled inside (``--disable-userns``) and the root remounted read-only;
-- a seccomp filter (:mod:`sandlot.backends.seccomp`);
+- a seccomp filter (:mod:`sandlot.backends.bubblewrap.seccomp`);
 - a cgroup with memory (+swap), pids and CPU limits (:mod:`sandlot.backends.cgroups`);
-- a workspace that is an ext4 image of the requested size (:mod:`sandlot.backends.disk`).
+- a workspace that is an ext4 image of the requested size (:mod:`sandlot.backends.disk`);
+- the guest agent, installed and started as :mod:`sandlot.backends.launch` says.
+
+Whether a host can run all this is :mod:`sandlot.backends.bubblewrap.probe`'s to say.
 
 The flag set is the one DESIGN.md lists as having passed every probe here; ``--unshare-all``
 alone, run as root, was escapable.
@@ -28,10 +31,14 @@ import structlog
 
 from sandlot.backends.base import (
     GUEST_PIDS_HEADROOM,
+    Check,
     GuestProcess,
     GuestSpec,
     instance_of,
 )
+from sandlot.backends.bubblewrap.probe import host_checks
+from sandlot.backends.bubblewrap.seccomp import build_filter
+from sandlot.backends.bubblewrap.uids import UidAllocator
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from sandlot.backends.disk import (
     disk_used_bytes,
@@ -40,12 +47,15 @@ from sandlot.backends.disk import (
     remove_volume,
     volume_paths,
 )
-from sandlot.backends.guestfiles import GUEST_DIR_INSIDE, GUEST_PYTHON, install_guest
-from sandlot.backends.seccomp import build_filter
-from sandlot.backends.uids import UidAllocator
+from sandlot.backends.launch import (
+    GUEST_DIR_INSIDE,
+    WORKSPACE_INSIDE,
+    guest_argv,
+    guest_env,
+    install_guest,
+)
 from sandlot.config import Settings
 from sandlot.errors import BackendUnavailable, SandboxStartError
-from sandlot.guest import launcher
 from sandlot.models import ResourceUsage
 
 log = structlog.get_logger(__name__)
@@ -117,8 +127,12 @@ class BubblewrapBackend:
         self._cgroups: CgroupDriver | None = None
         self._uids: UidAllocator | None = None
         self._loop_ok = False
-        self._guest = self.data_dir / "guest" / "supervisor.py"
+        self._guest_dir = self.data_dir / "guest"
         self._etc = self.data_dir / "rootfs" / "etc"
+
+    @classmethod
+    def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
+        return host_checks()
 
     # -- set-up
 
@@ -157,13 +171,13 @@ class BubblewrapBackend:
         self._checked = True
 
     def _install_guest_files(self) -> None:
-        install_guest(self._guest.parent, GUEST_PYTHON, GUEST_DIR_INSIDE)
+        install_guest(self._guest_dir)
         self._etc.mkdir(parents=True, exist_ok=True)
         for d in (self._etc.parent, self._etc):
             d.chmod(0o755)
         files = {
             "passwd": f"root:x:0:0:root:/root:/bin/sh\n"
-            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:/workspace:/bin/bash\n",
+            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORKSPACE_INSIDE}:/bin/bash\n",
             "group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n",
             "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
             "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
@@ -260,31 +274,19 @@ class BubblewrapBackend:
         argv += [
             "--bind",
             str(box.workspace),
-            "/workspace",
+            WORKSPACE_INSIDE,
             "--ro-bind",
-            str(self._guest.parent),
+            str(self._guest_dir),
             GUEST_DIR_INSIDE,
             "--chdir",
-            "/workspace",
+            WORKSPACE_INSIDE,
             "--clearenv",
-            *_setenv(
-                {
-                    "PATH": "/usr/local/bin:/usr/bin:/bin",
-                    "HOME": "/workspace",
-                    "LANG": "C.UTF-8",
-                    **spec.env,
-                    "SANDLOT_WORKSPACE": "/workspace",
-                }
-            ),
+            *_setenv(guest_env(spec.env)),
             "--seccomp",
             str(seccomp_fd),
             "--remount-ro",
             "/",
-            GUEST_PYTHON,
-            "-I",
-            "-S",
-            "-c",
-            launcher(GUEST_DIR_INSIDE),
+            *guest_argv(),
         ]
         return argv
 

@@ -3,7 +3,8 @@
 No image registry is reachable from the machines we target, so ``docker pull`` is not an
 option. An image is rebuilt only when its YAML changes (its spec hash is an image label);
 downloaded .debs are kept under ``<data_dir>/build/debs`` so a rebuild on the same machine
-does not download them again.
+does not download them again. The guest agent is not in the image: the backend bind-mounts
+it (see :mod:`sandlot.backends.launch`), so an image need not be rebuilt when the guest changes.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandlot.backends.dockerd import (
+from sandlot.backends.docker.dockerd import (
     LABEL,
     LABEL_ENVIRONMENT,
     LABEL_SPEC,
     connect,
 )
+from sandlot.backends.launch import GUEST_DIR_INSIDE, WORKSPACE_INSIDE
 from sandlot.environments import Environment
 from sandlot.errors import BackendUnavailable, ImageBuildError
 
@@ -121,8 +123,8 @@ def _build(
             progress,
         )
         # Mount points the container needs on a read-only root, and no package caches.
-        for inside in ("workspace", "opt/sandlot"):
-            (root / inside).mkdir(parents=True, exist_ok=True)
+        for inside in (WORKSPACE_INSIDE, GUEST_DIR_INSIDE):
+            (root / inside.lstrip("/")).mkdir(parents=True, exist_ok=True)
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for item in (root / cache).glob("*"):
                 if item.is_file():
@@ -139,7 +141,7 @@ def _build(
                 f"LABEL {LABEL_ENVIRONMENT}={env.name}",
                 f"LABEL {LABEL_SPEC}={env.spec_hash()}",
                 "ENV LANG=C.UTF-8 PATH=/usr/local/bin:/usr/bin:/bin",
-                "WORKDIR /workspace",
+                f"WORKDIR {WORKSPACE_INSIDE}",
                 "USER 65534:65534",
                 'CMD ["/bin/sh"]',
             ],

@@ -20,6 +20,7 @@ LABEL_INSTANCE = "sandlot.instance"  # which data directory (server) owns the co
 LABEL_SANDBOX = "sandlot.sandbox"
 LABEL_ENVIRONMENT = "sandlot.environment"
 LABEL_SPEC = "sandlot.spec"
+RUNTIMES = frozenset({"runc", "runsc"})  # the OCI runtimes a docker sandbox may ask for
 API_TIMEOUT_S = 60
 DAEMON_HINT = (
     "start the Docker daemon (`dockerd &`, or `make docker-setup`), or set DOCKER_HOST to a "
