@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 for _key in list(os.environ):
-    if _key.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
+    if _key.startswith(("SANDBOX_", "SANDLOT_", "AGENT_SANDBOX_", "LOG_")):
         del os.environ[_key]
 
 # Test targets beyond the embedded ones, e.g. TEST_BACKENDS=docker,docker+runsc (`make

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import sandlot
 from sandlot import errors
 
@@ -114,3 +116,16 @@ def test_mypy_checks_calls_to_the_blocking_sdk(tmp_path: Path) -> None:
     assert 'Argument 1 has incompatible type "int"; expected "str"' in out, out
     assert 'Unexpected keyword argument "memory"' in out, out
     assert 'Unexpected keyword argument "sesion"' in out, out
+
+
+def test_old_variable_names_are_read_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from sandlot.config import Settings, warn_old_names
+
+    monkeypatch.setenv("AGENT_SANDBOX_DATA_DIR", str(tmp_path / "old"))
+    with pytest.warns(FutureWarning, match="AGENT_SANDBOX_DATA_DIR -> SANDLOT_DATA_DIR"):
+        assert warn_old_names() == ["AGENT_SANDBOX_DATA_DIR"]
+    assert Settings(_env_file=None).data_dir == tmp_path / "old"  # type: ignore[call-arg]
+    monkeypatch.setenv("SANDLOT_DATA_DIR", str(tmp_path / "new"))  # the new name wins
+    assert Settings(_env_file=None).data_dir == tmp_path / "new"  # type: ignore[call-arg]

@@ -8,6 +8,8 @@
     files.py       the file verbs, moved through the guest in bounded chunks
     artifacts.py   /workspace/artifacts kept on the host after a sandbox ends
     pools.py       warm pools of pre-started sandboxes
+    placement.py   backend + runtime + environment, checked together (creates and pools)
+    admission.py   quotas: whether an owner may start one more sandbox
     guest_link.py  the framed protocol to the guest (op names from sandlot.guest.ops)
     store.py       the SQLite record of sandboxes and artifacts
 """

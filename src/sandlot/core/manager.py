@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import fcntl
 import os
 import secrets
 import time
@@ -24,15 +23,13 @@ import structlog
 
 from sandlot.backends import KNOWN_BACKENDS, Backend, GuestSpec, create_backend
 from sandlot.config import Settings, get_settings
-from sandlot.core import execution, files
+from sandlot.core import admission, execution, files, placement
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
 from sandlot.core.live import Live, PoolKey
-from sandlot.core.pools import MAX_POOL_SIZE, Pools
-from sandlot.core.store import Store
-from sandlot.environments import get_environment
+from sandlot.core.pools import Pools
+from sandlot.core.store import Store, lock_data_dir
 from sandlot.errors import (
     ConfigError,
-    QuotaExceeded,
     SandboxError,
     SandboxNotFound,
     SandboxNotRunning,
@@ -63,8 +60,6 @@ from sandlot.requests import (
 
 log = structlog.get_logger(__name__)
 
-UNSAFE_BACKENDS = frozenset({"unsafe-local"})
-HOST_ENVIRONMENT = "python3"  # what a backend without images (bubblewrap) offers
 POOL_OWNER = "__pool__"
 
 # Observers of what happens to sandboxes (metrics, audit): called as listener(event, fields).
@@ -123,12 +118,12 @@ class SandboxManager:
             configure_logging(self.settings.log_level, self.settings.log_format)
         data_dir = self.settings.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _lock_data_dir(data_dir)
+        self._lock_fd = lock_data_dir(data_dir)
         self._store = Store(data_dir / "sandlot.db")
         self._artifacts = Artifacts(data_dir, self._store)
         self._started = True
         try:
-            targets = self._pool_targets()
+            targets = placement.pool_targets(self.settings, self._backend)
             pools = Pools(
                 self.settings.resolve_limits(None),
                 self.settings.network,
@@ -187,6 +182,9 @@ class SandboxManager:
             self._lock_fd = None
         self._started = False
 
+    def _live_infos(self) -> builtins.list[SandboxInfo]:
+        return [live.info for live in self._live.values()]
+
     def live_count(self) -> int:
         return len(self._live)
 
@@ -222,7 +220,7 @@ class SandboxManager:
         resolved = self.settings.resolve_limits(spec.limits())
         network = self.settings.network if spec.network is None else spec.network
         if quota is not None:
-            self._check_quota(owner, resolved.memory_mb, quota)
+            admission.check_quota(self._live_infos(), owner, resolved, quota)
         live = self._pools.take(key, resolved, network, spec.env) if self._pools else None
         if live is None:
             # Registered with its owner before the first await, so a concurrent create of
@@ -263,54 +261,7 @@ class SandboxManager:
             ConfigError: an unknown name, a combination the backend cannot run, or an
                 unsafe backend without SANDBOX_ALLOW_UNSAFE.
         """
-        backend = backend or self.settings.backend
-        if backend in UNSAFE_BACKENDS and not self.settings.allow_unsafe:
-            raise ConfigError(
-                f"backend {backend!r} has no isolation and runs code as this process's "
-                "user; it is refused unless SANDBOX_ALLOW_UNSAFE=true (tests, development)"
-            )
-        chosen = self._backend(backend)
-        if runtime is not None and runtime not in chosen.runtimes:
-            choice = ", ".join(sorted(chosen.runtimes)) or "none (only docker has runtimes)"
-            raise ConfigError(
-                f"backend {backend!r} has no runtime {runtime!r}; its runtimes: {choice}"
-            )
-        if runtime is None and chosen.runtimes:
-            runtime = self.settings.docker_runtime
-            if runtime not in chosen.runtimes:
-                raise ConfigError(
-                    f"SANDBOX_DOCKER_RUNTIME={runtime!r} is not one of "
-                    f"{', '.join(sorted(chosen.runtimes))}"
-                )
-        env = get_environment(environment or self.settings.environment, self.settings.registry_dir)
-        if not chosen.any_environment and env.name != HOST_ENVIRONMENT:
-            raise ConfigError(
-                f"environment {env.name!r} needs its own image, which backend {backend!r} "
-                f"cannot use (it runs the host's {HOST_ENVIRONMENT}); use backend='docker'"
-            )
-        return PoolKey(backend, runtime, env.name)
-
-    def _pool_targets(self) -> dict[PoolKey, int]:
-        """Warm pool sizes: SANDBOX_POOL_SIZE for the defaults, SANDBOX_POOLS for the rest.
-
-        Raises:
-            ConfigError: a SANDBOX_POOLS key that names no backend, runtime or environment.
-        """
-        targets: dict[PoolKey, int] = {}
-        if self.settings.pool_size > 0:
-            targets[self.placement(None, None, None)] = self.settings.pool_size
-        for text, size in self.settings.pools.items():
-            head, _, environment = text.partition(":")
-            backend, _, runtime = head.partition("+")
-            if not 0 <= size <= MAX_POOL_SIZE:
-                raise ConfigError(f"SANDBOX_POOLS[{text!r}]={size}: sizes go from 0 to 64")
-            try:
-                key = self.placement(backend, runtime or None, environment or None)
-            except ConfigError as exc:
-                raise ConfigError(f"SANDBOX_POOLS[{text!r}]: {exc.message}") from None
-            if size:
-                targets[key] = size
-        return targets
+        return placement.resolve(self.settings, self._backend, backend, runtime, environment)
 
     def _new_live(
         self,
@@ -365,23 +316,6 @@ class SandboxManager:
             if isinstance(exc, SandboxError | asyncio.CancelledError):
                 raise
             raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
-
-    def _check_quota(self, owner: str, memory_mb: int, quota: Quota) -> None:
-        # No await between this check and registering the sandbox: concurrent creates of one
-        # owner cannot both slip under the quota.
-        mine = [live.info for live in self._live.values() if live.info.owner == owner]
-        if len(mine) >= quota.max_sandboxes:
-            raise QuotaExceeded(
-                f"{owner!r} has {len(mine)} live sandboxes, its quota is {quota.max_sandboxes}; "
-                "destroy one, or raise TENANT_MAX_SANDBOXES"
-            )
-        used_mb = sum(info.limits.memory_mb for info in mine)
-        if used_mb + memory_mb > quota.max_memory_mb:
-            raise QuotaExceeded(
-                f"{owner!r} uses {used_mb} MiB in live sandboxes; {memory_mb} MiB more is over "
-                f"its quota of {quota.max_memory_mb} MiB; use a smaller memory_mb, destroy a "
-                "sandbox, or raise TENANT_MAX_MEMORY_MB"
-            )
 
     # ------------------------------------------------------------------ records and ending
 
@@ -636,24 +570,3 @@ class SandboxManager:
         if live.destroying:
             raise SandboxNotRunning(f"sandbox {sandbox_id} is being destroyed")
         return live
-
-
-def _lock_data_dir(data_dir: Path) -> int:
-    """Take the data directory's lock file; one manager per data directory.
-
-    Raises:
-        ConfigError: another process holds it.
-    """
-    fd = os.open(data_dir / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConfigError(
-            f"data directory {data_dir} is in use by another sandlot process "
-            f"(pid {holder}); set SANDLOT_DATA_DIR to another directory"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import builtins
+import fcntl
+import os
 import sqlite3
 import threading
 from pathlib import Path
 
+from sandlot.errors import ConfigError
 from sandlot.models import ArtifactInfo, SandboxInfo, SandboxStatus
 
 SCHEMA = """
@@ -118,3 +121,24 @@ class Store:
         with self._lock:
             cursor = self._db.execute("DELETE FROM artifacts WHERE sandbox_id=?", (sandbox_id,))
         return cursor.rowcount
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Take the data directory's lock file; one manager per data directory.
+
+    Raises:
+        ConfigError: another process holds it.
+    """
+    fd = os.open(data_dir / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"data directory {data_dir} is in use by another sandlot process "
+            f"(pid {holder}); set SANDLOT_DATA_DIR to another directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
