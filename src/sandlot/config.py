@@ -283,6 +283,64 @@ class Settings(BaseSettings):
         validation_alias=_env("API_MAX_UPLOAD_MB", "max_upload_mb"),
         description="Largest file upload the server accepts.",
     )
+    max_body_mb: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        validation_alias=_env("API_MAX_BODY_MB", "max_body_mb"),
+        description="Largest request body other than an upload (read only after the API key "
+        "was checked).",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        validation_alias=_env("API_HEADER_TIMEOUT_SECONDS", "header_timeout_s"),
+        description="A request's line and headers must arrive within this long.",
+    )
+    body_idle_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        validation_alias=_env("API_BODY_IDLE_TIMEOUT_SECONDS", "body_idle_timeout_s"),
+        description="A request body that sends nothing for this long is dropped.",
+    )
+    keepalive_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        validation_alias=_env("API_KEEPALIVE_TIMEOUT_SECONDS", "keepalive_timeout_s"),
+        description="An idle keep-alive connection is closed after this long.",
+    )
+    max_header_kb: int = Field(
+        default=64,
+        ge=4,
+        validation_alias=_env("API_MAX_HEADER_KB", "max_header_kb"),
+        description="Largest request line plus headers.",
+    )
+    max_connections: int = Field(
+        default=1000,
+        ge=1,
+        validation_alias=_env("API_MAX_CONNECTIONS", "max_connections"),
+        description="Open HTTP connections the server holds at once; more are closed at once.",
+    )
+    max_connections_per_ip: int = Field(
+        default=100,
+        ge=0,
+        validation_alias=_env("API_MAX_CONNECTIONS_PER_IP", "max_connections_per_ip"),
+        description="Open HTTP connections one client address may hold (0: no cap, e.g. "
+        "behind a reverse proxy).",
+    )
+    ws_max_message_kb: int = Field(
+        default=4096,
+        ge=64,
+        validation_alias=_env("API_WS_MAX_MESSAGE_KB", "ws_max_message_kb"),
+        description="Largest WebSocket message a client may send.",
+    )
+    ws_stdin_backlog_kb: int = Field(
+        default=1024,
+        ge=1,
+        validation_alias=_env("API_WS_STDIN_BACKLOG_KB", "ws_stdin_backlog_kb"),
+        description="Stdin sent over a WebSocket and not yet taken by the command; past it "
+        "the run is refused more input.",
+    )
     api_url: str | None = Field(
         default=None,
         validation_alias=_renamed("SANDLOT_URL", "api_url"),

@@ -23,9 +23,7 @@ def serve(
     workers: Annotated[int | None, typer.Option(help="Must be 1 (see API_WORKERS).")] = None,
 ) -> None:
     """Run the REST + WebSocket server."""
-    import uvicorn
-
-    from sandlot.server import create_app
+    from sandlot.server.run import serve as run_server
 
     updates: dict[str, object] = {}
     if host is not None:
@@ -40,11 +38,4 @@ def serve(
             "them; run more servers, each with its own SANDLOT_DATA_DIR, to scale out"
         )
         raise typer.Exit(2)
-    settings = get_settings().model_copy(update=updates)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.api_host,
-        port=settings.api_port,
-        log_level=settings.log_level.lower(),
-        ws="websockets-sansio",
-    )
+    run_server(get_settings().model_copy(update=updates))

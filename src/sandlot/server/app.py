@@ -23,6 +23,7 @@ from sandlot.requests import RunCode, SandboxSpec
 from sandlot.server import agent, compat, routes, stream
 from sandlot.server.auth import AuthStore
 from sandlot.server.deps import ServerState, error_response, state_of, status_of
+from sandlot.server.guard import RequestGuard
 from sandlot.server.metrics import Metrics
 from sandlot.server.schemas import Health
 
@@ -62,6 +63,8 @@ def create_app(settings: Settings | None = None, manager: SandboxManager | None 
         lifespan=lifespan,
     )
     app.state.sandbox = state
+    # Added last, so outermost: rejections by the guard get a request id and are counted.
+    app.add_middleware(RequestGuard, state=state)
     app.add_middleware(RequestContext, state=state)
     app.add_exception_handler(SandboxError, _sandbox_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]

@@ -171,8 +171,11 @@ def state_of(request: Request) -> ServerState:
 
 
 async def caller(request: Request) -> Principal:
-    """FastAPI dependency: authenticate and rate-limit the request."""
-    principal = state_of(request).authenticate(request.headers)
-    request.state.principal = principal
+    """FastAPI dependency: the request's principal, authenticated and rate-limited once (by
+    :class:`~sandlot.server.guard.RequestGuard`, before the body was read)."""
+    principal: Principal | None = getattr(request.state, "principal", None)
+    if principal is None:
+        principal = state_of(request).authenticate(request.headers)
+        request.state.principal = principal
     structlog.contextvars.bind_contextvars(tenant=principal.tenant, key_id=principal.key_id)
     return principal

@@ -1,0 +1,55 @@
+"""Run the server: uvicorn with the connection wall (:mod:`sandlot.server.transport`) and an
+access log that never prints an API key."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from sandlot.config import Settings
+from sandlot.server.transport import ConnectionCount, ConnectionLimits, guarded_protocol
+
+SECRET_QUERY = re.compile(r"((?:api_key|token)=)[^&\s\"]+", re.IGNORECASE)
+
+
+class RedactSecrets(logging.Filter):
+    """Replace ``?api_key=...`` (WebSocket clients may authenticate so) in access-log lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                SECRET_QUERY.sub(r"\1[redacted]", arg) if isinstance(arg, str) else arg
+                for arg in record.args
+            )
+        record.msg = SECRET_QUERY.sub(r"\1[redacted]", str(record.msg))
+        return True
+
+
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections=settings.max_connections,
+        max_connections_per_ip=settings.max_connections_per_ip,
+        header_timeout_s=settings.header_timeout_s,
+        body_idle_timeout_s=settings.body_idle_timeout_s,
+        max_header_bytes=settings.max_header_kb * 1024,
+    )
+
+
+def serve(settings: Settings) -> None:
+    """Serve the API on ``settings.api_host:api_port`` until interrupted."""
+    import uvicorn
+
+    from sandlot.server.app import create_app
+
+    logging.getLogger("uvicorn.access").addFilter(RedactSecrets())
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.api_host,
+        port=settings.api_port,
+        log_level=settings.log_level.lower(),
+        http=guarded_protocol(ConnectionCount(connection_limits(settings))),
+        ws="websockets-sansio",
+        ws_max_size=settings.ws_max_message_kb * 1024,
+        timeout_keep_alive=int(max(1, settings.keepalive_timeout_s)),
+    )
+    uvicorn.Server(config).run()

@@ -1,0 +1,179 @@
+"""The connection wall: what a client may hold before it has said who it is.
+
+uvicorn bounds neither how long a request's headers or body may take to arrive nor how many
+connections one address may hold, so 1,100 half-sent requests with no API key stopped the
+server answering anyone. :func:`guarded_protocol` builds uvicorn's httptools protocol with:
+
+- a cap on open HTTP connections, in all and per client address (over it, the connection is
+  closed before a byte is read);
+- a header deadline: the request line and headers must arrive within ``header_timeout_s`` of
+  the connection (or of the previous response), and be at most ``max_header_bytes``;
+- a body idle timeout: a request body that sends nothing for ``body_idle_timeout_s`` (while
+  the server is reading) is dropped, so a stalled upload holds nothing for long.
+
+Keep-alive idleness is uvicorn's own ``timeout_keep_alive``. A WebSocket leaves this count
+when it is upgraded; its frames are bounded by the WebSocket settings instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class ConnectionLimits:
+    max_connections: int
+    max_connections_per_ip: int  # 0: no per-address cap (e.g. behind a proxy)
+    header_timeout_s: float
+    body_idle_timeout_s: float
+    max_header_bytes: int
+
+
+@dataclass
+class ConnectionCount:
+    """Open HTTP connections, in all and by client address (one per server process)."""
+
+    limits: ConnectionLimits
+    total: int = 0
+    by_ip: Counter[str] = field(default_factory=Counter)
+    refused: int = 0
+
+    def admit(self, ip: str) -> bool:
+        per_ip = self.limits.max_connections_per_ip
+        if self.total >= self.limits.max_connections or (per_ip and self.by_ip[ip] >= per_ip):
+            self.refused += 1
+            return False
+        self.total += 1
+        self.by_ip[ip] += 1
+        return True
+
+    def release(self, ip: str) -> None:
+        self.total -= 1
+        self.by_ip[ip] -= 1
+        if self.by_ip[ip] <= 0:
+            del self.by_ip[ip]
+
+
+def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with the walls above, sharing ``count``."""
+    limits = count.limits
+
+    class GuardedHttp(HttpToolsProtocol):
+        _admitted_ip: str | None = None
+        _deadline: asyncio.TimerHandle | None = None
+        _header_bytes = 0
+        _in_headers = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            ip = self.client[0] if self.client else "?"
+            if not count.admit(ip):
+                log.warning("connection refused: too many open", client=ip, total=count.total)
+                transport.abort()
+                return
+            self._admitted_ip = ip
+            self._expect_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            self._leave_count()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            waiting = self._in_headers
+            super().data_received(data)
+            # Counted only while the headers are still incomplete after this chunk, so a
+            # body that follows its headers in the same chunk is not counted as headers.
+            if waiting and self._in_headers and not self.transport.is_closing():
+                self._header_bytes += len(data)
+                if self._header_bytes > limits.max_header_bytes:
+                    self._refuse(431, "request headers too large")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if not self._in_headers:
+                self._expect_headers()
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            self._arm(limits.body_idle_timeout_s, self._body_stalled)
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            self._arm(limits.body_idle_timeout_s, self._body_stalled)
+            super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # A pipelined request already parsed is being served: no headers to wait for.
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self.transport.is_closing():
+                self._expect_headers()
+
+        def handle_websocket_upgrade(self) -> None:
+            self._disarm()
+            self._leave_count()
+            super().handle_websocket_upgrade()
+
+        # -- helpers
+
+        def _expect_headers(self) -> None:
+            self._in_headers = True
+            self._header_bytes = 0
+            self._arm(limits.header_timeout_s, self._headers_late)
+
+        def _arm(self, delay_s: float, handler: Any) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(delay_s, handler)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _leave_count(self) -> None:
+            if self._admitted_ip is not None:
+                count.release(self._admitted_ip)
+                self._admitted_ip = None
+
+        def _headers_late(self) -> None:
+            # Between requests uvicorn's keep-alive timer closes an idle connection first.
+            if self._in_headers and self._header_bytes:
+                self._refuse(408, "request headers not received in time")
+            elif self._in_headers:
+                self.transport.close()
+
+        def _body_stalled(self) -> None:
+            if self.flow is not None and self.flow.read_paused:
+                # We stopped reading (the app is busy with what came): not the client's fault.
+                self._arm(limits.body_idle_timeout_s, self._body_stalled)
+                return
+            log.warning("request body stalled; connection closed", client=self._admitted_ip)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.close()
+
+        def _refuse(self, status: int, reason: str) -> None:
+            self._disarm()
+            body = reason.encode()
+            head = (
+                f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.write(head.encode() + body)
+            self.transport.close()
+
+    return GuardedHttp
