@@ -1,0 +1,211 @@
+"""Attacks on a real ``sandlot serve`` by clients, most with no API key (issue 11).
+
+Each test starts its own server with short timeouts, so one attack cannot spill into another
+test's server. Every loop is bounded in count and time, and traffic stays on loopback: the
+attackers connect from 127.0.0.2, so the per-address cap can be told apart from the global one
+while a well-behaved client on 127.0.0.1 checks that the server still answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from sandlot.server.auth import AuthStore
+from tests.conftest import skip_reason, start_server, stop_server
+
+pytestmark = pytest.mark.hostile
+
+ATTACKER_IP = "127.0.0.2"
+LIMITS = {
+    "API_HEADER_TIMEOUT_SECONDS": "2",
+    "API_BODY_IDLE_TIMEOUT_SECONDS": "2",
+    "API_MAX_CONNECTIONS": "200",
+    "API_MAX_CONNECTIONS_PER_IP": "50",
+    "API_MAX_BODY_MB": "1",
+    "LOG_LEVEL": "INFO",  # the access log is on, to see what it prints
+}
+
+
+class Server:
+    def __init__(self, url: str, pid: int, key: str, log: Path) -> None:
+        self.url = url
+        self.pid = pid
+        self.key = key
+        self.log = log
+        parsed = urlparse(url)
+        self.address = (parsed.hostname or "127.0.0.1", parsed.port or 80)
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def open_connections(self) -> int:
+        """ESTABLISHED TCP connections to the server's port, as the kernel sees them."""
+        port = f"{self.address[1]:04X}"
+        count = 0
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(":" + port) and fields[3] == "01":
+                count += 1
+        return count
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def connect(self, source_ip: str = ATTACKER_IP) -> socket.socket:
+        sock = socket.socket()
+        sock.settimeout(5)
+        sock.bind((source_ip, 0))
+        sock.connect(self.address)
+        return sock
+
+
+@pytest.fixture
+def server(data_root: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    data_dir = data_root / f"trust-{request.node.name}"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    key = store.create_key("acme", "user")[1]
+    store.close()
+    process, url, log = start_server(data_dir, LIMITS)
+    try:
+        yield Server(url, process.pid, key, log)
+    finally:
+        stop_server(process)
+
+
+def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except (TimeoutError, OSError) as exc:
+        return not isinstance(exc, TimeoutError)
+    return True
+
+
+def test_a_huge_body_without_a_key_is_refused_before_it_is_read(server: Server) -> None:
+    before = server.rss_mb()
+    sock = server.connect()
+    sock.sendall(
+        b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 268435456\r\n\r\n" + b"[" * (4 << 20)
+    )
+    reply = sock.recv(65536)
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+    assert b'"unauthenticated"' in reply
+    assert server.rss_mb() - before < 20
+
+
+def test_a_body_over_the_cap_is_refused_typed_even_with_a_key(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {server.key}", "content-type": "application/json"}
+    declared = httpx.post(
+        server.url + "/v1/sandboxes", content=b"{" + b" " * (2 << 20) + b"}", headers=headers
+    )
+    assert declared.status_code == 413
+    assert declared.json()["error"]["code"] == "too_large"
+    assert "API_MAX_BODY_MB" in declared.json()["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"metadata": {"k": "'
+        for _ in range(40):
+            yield b"x" * 65536
+        yield b'"}}'
+
+    before = server.rss_mb()
+    chunked = httpx.post(server.url + "/v1/sandboxes", content=chunks(), headers=headers)
+    assert chunked.status_code == 413
+    assert chunked.json()["error"]["code"] == "too_large"
+    assert server.rss_mb() - before < 20
+    assert server.healthy()
+
+
+def test_half_sent_requests_cannot_take_the_server_down(server: Server) -> None:
+    attackers: list[socket.socket] = []
+    try:
+        # More half-sent requests than one address may hold: the extra ones are closed at
+        # once, and the server holds no more than the cap.
+        for _ in range(120):
+            with contextlib.suppress(OSError):
+                sock = server.connect()
+                sock.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                attackers.append(sock)
+        time.sleep(0.3)
+        assert server.open_connections() <= 50 + 2
+        # Someone else is still served while the attack holds its 50.
+        assert server.healthy()
+        # And the attack's connections are dropped once their headers are late.
+        deadline = time.monotonic() + 6
+        while server.open_connections() > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.open_connections() == 0
+        assert _closed_by_peer(attackers[0], within_s=1)
+    finally:
+        for sock in attackers:
+            sock.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
+    sock = server.connect()
+    try:
+        assert _closed_by_peer(sock, within_s=5)
+    finally:
+        sock.close()
+
+
+def test_headers_over_the_cap_are_refused(server: Server) -> None:
+    sock = server.connect()
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(80):  # 80 x 1 KiB > API_MAX_HEADER_KB (64)
+            sock.sendall(b"X-Pad: " + b"a" * 1015 + b"\r\n")
+        reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
+    finally:
+        sock.close()
+
+
+def test_a_stalled_upload_is_dropped(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {server.key}"}
+    created = httpx.post(server.url + "/v1/sandboxes", json={}, headers=headers)
+    assert created.status_code == 201, created.text
+    sandbox_id = created.json()["id"]
+    sock = server.connect()
+    try:
+        sock.sendall(
+            f"PUT /v1/sandboxes/{sandbox_id}/files/content?path=big.bin HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {server.key}\r\ncontent-length: 50000000\r\n\r\n".encode()
+            + b"x" * 100_000
+        )
+        started = time.monotonic()
+        assert _closed_by_peer(sock, within_s=8)
+        assert time.monotonic() - started < 8
+    finally:
+        sock.close()
+    assert server.healthy()
+    httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+
+
+def test_api_keys_in_query_strings_stay_out_of_the_log(server: Server) -> None:
+    secret = "sk-" + "q" * 30
+    httpx.get(f"{server.url}/v1/sandboxes?api_key={secret}")
+    httpx.get(f"{server.url}/health?api_key={secret}")
+    time.sleep(0.2)
+    assert secret not in server.log.read_text()
