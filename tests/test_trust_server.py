@@ -9,6 +9,7 @@ while a well-behaved client on 127.0.0.1 checks that the server still answers.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -209,3 +210,60 @@ def test_api_keys_in_query_strings_stay_out_of_the_log(server: Server) -> None:
     httpx.get(f"{server.url}/health?api_key={secret}")
     time.sleep(0.2)
     assert secret not in server.log.read_text()
+
+
+def _ws_url(server: Server, sandbox_id: str) -> str:
+    return server.url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/stream"
+
+
+def _sandbox(server: Server) -> str:
+    headers = {"Authorization": f"Bearer {server.key}"}
+    created = httpx.post(server.url + "/v1/sandboxes", json={}, headers=headers)
+    assert created.status_code == 201, created.text
+    sandbox_id: str = created.json()["id"]
+    return sandbox_id
+
+
+def test_stdin_to_a_command_that_never_reads_is_bounded(server: Server) -> None:
+    from websockets.sync.client import connect
+
+    sandbox_id = _sandbox(server)
+    headers = {"Authorization": f"Bearer {server.key}"}
+    before = server.rss_mb()
+    notices: list[str] = []
+    with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+        ws.send(json.dumps({"type": "command", "command": "sleep 20", "stdin": True}))
+        chunk = "x" * 65536
+        for _ in range(1024):  # 64 MiB offered; the backlog cap is 1 MiB
+            ws.send(json.dumps({"type": "stdin", "data": chunk}))
+        with contextlib.suppress(TimeoutError):
+            while len(notices) < 1:
+                event = json.loads(ws.recv(timeout=5))
+                if event["type"] == "notice":
+                    notices.append(event["code"])
+        grown = server.rss_mb() - before
+    assert notices == ["stdin_backlog_full"]
+    assert grown < 40, f"server grew by {grown:.0f} MiB"
+    httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+
+
+async def test_output_queued_for_a_slow_client_is_bounded_by_bytes_not_chunks() -> None:
+    # A sandbox can stream output one byte per chunk (about 1,000 chunks a second at 0.5 of a
+    # core); each queued chunk costs the server a message object, not one byte. A budget of
+    # characters let 8 Mi one-byte chunks queue (gigabytes); the budget must count each
+    # chunk's real cost.
+    import asyncio
+
+    from sandlot.server import stream
+
+    outbox: asyncio.Queue[dict[str, object] | None] = asyncio.Queue()
+    put = stream._put(outbox, "stdout", stream._Budget())
+    for _ in range(200_000):
+        put("x")
+    queued = outbox.qsize()
+    most = stream.STREAM_QUEUE_MAX_BYTES // (1 + stream.CHUNK_OVERHEAD_BYTES) + 1
+    assert queued <= most + 1, queued  # + the one "output dropped" notice
+    items = [outbox.get_nowait() for _ in range(queued)]
+    notices = [item for item in items if item is not None and item["type"] == "notice"]
+    assert [n["code"] for n in notices] == ["output_dropped"]
+    )

@@ -12,6 +12,7 @@ Server -> client::
 
     {"type": "stdout", "data": "..."}  {"type": "stderr", "data": "..."}   in the order produced
     {"type": "result", "result": {ExecResult}}
+    {"type": "notice", "code": "...", "message": "..."}   output or stdin dropped; the run goes on
     {"type": "error", "error": {"code": "...", "message": "..."}}
 
 A client that disconnects mid-run does not leak it: the run is cancelled inside the sandbox.
@@ -37,6 +38,34 @@ from sandlot.server.deps import ServerState
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["streaming"])
 STREAM_QUEUE_MAX_BYTES = 8 << 20
+# What one queued chunk costs the server beyond its bytes (the message dict, the str object):
+# counted so that a flood of 1-byte chunks is bounded like one big chunk.
+CHUNK_OVERHEAD_BYTES = 256
+
+
+class StdinQueue(asyncio.Queue[bytes | None]):
+    """Input for a running command, counting the bytes not yet taken by the command."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+        self.queued_bytes = 0
+
+    def _put(self, item: bytes | None) -> None:
+        self.queued_bytes += len(item or b"")
+        super()._put(item)
+
+    def _get(self) -> bytes | None:
+        item: bytes | None = super()._get()
+        self.queued_bytes -= len(item or b"")
+        return item
+
+    def offer(self, data: bytes) -> bool:
+        """Queue ``data`` unless that would pass the backlog cap; say whether it was."""
+        if self.queued_bytes + len(data) > self.max_bytes:
+            return False
+        self.put_nowait(data)
+        return True
 
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/stream")
@@ -64,7 +93,7 @@ async def _one_run(
 ) -> None:
     outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     budget = _Budget()
-    stdin: asyncio.Queue[bytes | None] | None = None
+    stdin: StdinQueue | None = None
     try:
         if not isinstance(message, dict):
             raise ConfigError("each message must be a JSON object with a 'type'")
@@ -83,7 +112,8 @@ async def _one_run(
             )
         elif kind == "command":
             command = RunCommand.model_validate(fields)
-            stdin = asyncio.Queue() if message.get("stdin") else None
+            backlog = state.settings.ws_stdin_backlog_kb * 1024
+            stdin = StdinQueue(backlog) if message.get("stdin") else None
             call = state.manager.run_command(
                 sandbox_id,
                 command,
@@ -103,7 +133,7 @@ async def _one_run(
 
     run = asyncio.create_task(call)
     sender = asyncio.create_task(_drain(websocket, outbox, budget))
-    listener = asyncio.create_task(_listen(websocket, stdin))
+    listener = asyncio.create_task(_listen(websocket, stdin, outbox))
     try:
         async with state.audited(websocket, who, f"stream.{kind}", sandbox_id):
             done, _ = await asyncio.wait({run, listener}, return_when=asyncio.FIRST_COMPLETED)
@@ -136,17 +166,19 @@ def _put(outbox: asyncio.Queue[dict[str, Any] | None], stream: str, budget: _Bud
     def put(text: str) -> None:
         # A client that does not read must not make the server hold its output: past the
         # cap, chunks are dropped (the final result still carries head and tail).
-        if budget.queued + len(text) > STREAM_QUEUE_MAX_BYTES:
+        cost = _cost(text)
+        if budget.queued + cost > STREAM_QUEUE_MAX_BYTES:
             if not budget.dropped:
                 budget.dropped = True
                 outbox.put_nowait(
                     {
                         "type": "notice",
+                        "code": "output_dropped",
                         "message": "stream output dropped: the client reads too slowly",
                     }
                 )
             return
-        budget.queued += len(text)
+        budget.queued += cost
         outbox.put_nowait({"type": stream, "data": text})
 
     return put
@@ -158,17 +190,38 @@ async def _drain(
     # One writer keeps chunks in the order they were produced, with the result last.
     while (item := await outbox.get()) is not None:
         await websocket.send_json(item)
-        budget.queued -= len(item.get("data", ""))
+        if "data" in item:
+            budget.queued -= _cost(item["data"])
 
 
-async def _listen(websocket: WebSocket, stdin: asyncio.Queue[bytes | None] | None) -> None:
+def _cost(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass")) + CHUNK_OVERHEAD_BYTES
+
+
+async def _listen(
+    websocket: WebSocket,
+    stdin: StdinQueue | None,
+    outbox: asyncio.Queue[dict[str, Any] | None],
+) -> None:
     """Read the client's messages during a run: stdin, or its disconnect."""
     while True:
         message = await websocket.receive_json()
         if stdin is None or not isinstance(message, dict):
             continue
         if message.get("type") == "stdin":
-            stdin.put_nowait(str(message.get("data", "")).encode())
+            data = str(message.get("data", "")).encode("utf-8", "surrogatepass")
+            if not stdin.offer(data):
+                # The command is not reading: refuse more instead of holding it for it. A
+                # notice, not an error: the run goes on and its result still comes.
+                outbox.put_nowait(
+                    {
+                        "type": "notice",
+                        "code": "stdin_backlog_full",
+                        "message": f"stdin dropped: {stdin.queued_bytes} bytes already wait "
+                        "for the command to read them; raise API_WS_STDIN_BACKLOG_KB to "
+                        "allow more",
+                    }
+                )
         elif message.get("type") == "stdin_eof":
             stdin.put_nowait(None)
 
