@@ -266,4 +266,3 @@ async def test_output_queued_for_a_slow_client_is_bounded_by_bytes_not_chunks() 
     items = [outbox.get_nowait() for _ in range(queued)]
     notices = [item for item in items if item is not None and item["type"] == "notice"]
     assert [n["code"] for n in notices] == ["output_dropped"]
-    )
