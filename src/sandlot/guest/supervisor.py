@@ -27,7 +27,7 @@ from calls import Calls
 from cells import Cells, Kernel
 from files import Files
 from ops import PROTOCOL_VERSION, Event, Op
-from procs import count_tasks, harden, reap_orphans_forever
+from procs import become_subreaper, count_tasks, harden, reap_orphans_forever
 from shells import Shells
 from wire import FrameWriter, GuestFault, read_frame
 from workspace import WORKSPACE, os_error_code
@@ -35,7 +35,18 @@ from workspace import WORKSPACE, os_error_code
 # Started as a module import, not as a script, so a precompiled .pyc is used (a script run
 # as __main__ is compiled afresh every time: ~7 ms for this file).
 LAUNCHER = "import sys; sys.path.insert(0, %r); import supervisor; supervisor.main(sys.argv)"
+# The kernel is started without -I (the user's PYTHONPATH is theirs), so its path begins with
+# the working directory, /workspace: dropped until the guest's own imports are done, or a
+# planted json.py there would run inside every fresh interpreter (kernel.py puts it back).
+KERNEL_LAUNCHER = (
+    "import sys; sys.path[:] = [%r] + [p for p in sys.path if p]; "
+    "import supervisor; supervisor.main(sys.argv)"
+)
 GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
+# Variables every process the guest starts gets, whatever the sandbox was started with: no
+# Python user site directory (HOME is the workspace, so its usercustomize.py, sitecustomize.py
+# and .pth files would be code planted by earlier calls running before every later script).
+FORCED_ENV = {"PYTHONNOUSERSITE": "1"}
 
 
 def base_env():
@@ -52,7 +63,39 @@ def base_env():
     for key, value in os.environ.items():
         if not key.startswith("SANDLOT_"):
             env[key] = value
+    env.update(FORCED_ENV)
+    env["PATH"] = trusted_path(env.get("PATH", ""))
     return env
+
+
+def trusted_path(path):
+    """PATH without entries sandboxed code could plant a ``python3`` or ``bash`` in: relative
+    ones (the working directory) and directories it may write to. Root may write anywhere
+    (unsafe-local as root): nothing to gain by filtering there."""
+    if os.getuid() == 0:
+        return path
+    kept = [entry for entry in path.split(":") if os.path.isabs(entry) and _sealed(entry)]
+    return ":".join(kept) or "/usr/bin:/bin"
+
+
+def _sealed(directory):
+    """The directory exists and neither it nor any parent can be changed by our uid (one we
+    own we could chmod, unless its file system is read-only; one whose parent we may write we
+    could replace)."""
+    path = os.path.realpath(directory)
+    if not os.path.isdir(path):
+        return False
+    while True:
+        try:
+            if os.access(path, os.W_OK):
+                return False
+            if os.stat(path).st_uid == os.getuid() and not (os.statvfs(path).f_flag & os.ST_RDONLY):
+                return False
+        except OSError:
+            return False
+        if path == "/":
+            return True
+        path = os.path.dirname(path)
 
 
 class Supervisor:
@@ -61,7 +104,7 @@ class Supervisor:
     def __init__(self, writer):
         self.writer = writer
         env = base_env()
-        self.kernel = Kernel(env, LAUNCHER % GUEST_DIR)
+        self.kernel = Kernel(env, KERNEL_LAUNCHER % GUEST_DIR)
         self.calls = Calls()
         self.cells = Cells(writer, self.calls, self.kernel)
         self.shells = Shells(writer, self.calls, self.kernel, env)
@@ -119,7 +162,7 @@ def supervisor_main():
     # As pid 1 no signal without a handler reaches us from inside the sandbox; Python's own
     # SIGINT handler would, and would end the supervisor with a KeyboardInterrupt.
     signal.signal(signal.SIGINT, lambda signum, frame: None)
-    if os.getpid() == 1:
+    if become_subreaper():
         threading.Thread(target=reap_orphans_forever, daemon=True).start()
     writer = FrameWriter(1)
     # Nothing may write to fd 1 but the protocol: point the Python-level stdout elsewhere.
