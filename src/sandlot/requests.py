@@ -106,6 +106,12 @@ class RunCommand(Request):
     input: str | None = Field(
         default=None, max_length=MAX_SOURCE_CHARS, description="Written to stdin up front."
     )
+    fresh: bool = Field(
+        default=False,
+        description="Kill every process earlier calls left (the Python kernel is paused, "
+        "not lost) and run in a clean environment and HOME, outside any session: for checks "
+        "that earlier code must not be able to influence except through files.",
+    )
 
 
 PathField = Annotated[

@@ -45,6 +45,8 @@ def command_payload(request: RunCommand, *, streams_stdin: bool) -> tuple[Op, di
         payload["input"] = request.input
     if streams_stdin:
         payload["stdin"] = True
+    if request.fresh:
+        payload["fresh"] = True
     return Op.EXEC_SHELL, payload
 
 

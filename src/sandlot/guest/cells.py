@@ -12,9 +12,9 @@ import sys
 import threading
 import time
 
+from channel import KernelChannel
 from output import Pump, call_sinks, finish_streams
 from procs import forget, kill_group_except, set_oom_preferred, signal_exit_code, spawn
-from wire import encode_frame, read_frame, write_all
 from workspace import WORKSPACE
 
 PYTHON = sys.executable or "/usr/bin/python3"
@@ -43,43 +43,42 @@ class Kernel:
 
     def __init__(self, env, program):
         self.env = env
-        # The ``python -c`` program that starts a kernel: the supervisor's own launcher, which
-        # reads ``--kernel CTL_IN CTL_OUT`` from the arguments after it.
+        # The ``python -c`` program that starts a kernel: a launcher of the supervisor's
+        # modules, which reads ``--kernel CTL_IN CTL_OUT`` from the arguments after it.
         self.program = program
         self.proc = None
-        self.ctl_w = None
-        self.ctl_r = None
+        self.channel = None
         self.lock = threading.Lock()
         self.ever_started = False
         self.loss_reported = False
 
     def ensure(self):
-        if self.proc is not None and self.proc.poll() is None:
+        """Start a kernel unless one is alive; True if one was lost since the last report.
+
+        A stopped kernel is not alive: whoever stopped it may be answering in its place."""
+        if self.alive():
             return False
         self.stop()
-        req_r, req_w = os.pipe()
-        res_r, res_w = os.pipe()
-        self.proc = spawn(
-            [
-                PYTHON,
-                "-u",
-                "-c",
-                self.program,
-                "--kernel",
-                str(req_r),
-                str(res_w),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(req_r, res_w),
-            cwd=WORKSPACE if os.path.isdir(WORKSPACE) else "/",
-            env=self.env,
-            start_new_session=True,
-        )
-        os.close(req_r)
-        os.close(res_w)
-        self.ctl_w, self.ctl_r = req_w, res_r
+        channel = KernelChannel()
+        ctl = channel.peer_fd()
+        try:
+            # -s: no user site directory, whose usercustomize.py or .pth files earlier code
+            # could have planted in HOME=/workspace to run inside every fresh interpreter.
+            self.proc = spawn(
+                [PYTHON, "-s", "-u", "-c", self.program, "--kernel", str(ctl), str(ctl)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(ctl,),
+                cwd=WORKSPACE if os.path.isdir(WORKSPACE) else "/",
+                env=self.env,
+                start_new_session=True,
+            )
+        except BaseException:
+            channel.close()
+            raise
+        channel.started(self.proc.pid)
+        self.channel = channel
         set_oom_preferred(self.proc.pid)
         restarted = self.ever_started and not self.loss_reported
         self.ever_started = True
@@ -95,7 +94,9 @@ class Kernel:
             with open("/proc/%d/status" % self.proc.pid) as f:
                 for line in f:
                     key, _, value = line.partition(":")
-                    if key == "State" and value.split()[0] in ("Z", "X"):
+                    # Stopped (T) or traced (t) counts as dead too: a stopped kernel cannot
+                    # answer, so anything that does is not the kernel.
+                    if key == "State" and value.split()[0] in ("Z", "X", "T", "t"):
                         return False
                     if key in ("SigPnd", "ShdPnd") and int(value, 16) & (1 << (signal.SIGKILL - 1)):
                         return False
@@ -115,13 +116,9 @@ class Kernel:
                 if stream is not None:
                     stream.close()
             self.proc = None
-        for fd in (self.ctl_w, self.ctl_r):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self.ctl_w = self.ctl_r = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
 
 class Cells:
@@ -151,15 +148,13 @@ class Cells:
         sinks = call_sinks(request, self.writer, lambda: reason.append("output_limit"))
         pump = Pump({proc.stdout.fileno(): sinks[0], proc.stderr.fileno(): sinks[1]})
         nonce = os.urandom(16).hex()
-        write_all(
-            kernel.ctl_w,
-            encode_frame(
-                {
-                    "code": request["code"],
-                    "text_limit": request.get("output_limit", 1 << 20),
-                    "nonce": nonce,
-                }
-            ),
+        channel = kernel.channel
+        channel.send(
+            {
+                "code": request["code"],
+                "text_limit": request.get("output_limit", 1 << 20),
+                "nonce": nonce,
+            }
         )
         reply = None
         interrupt_at = None
@@ -179,11 +174,14 @@ class Cells:
                 if interrupt_at is not None and now - interrupt_at > INTERRUPT_GRACE_S:
                     break  # ignored the interrupt (C loop, or a handler of its own)
                 wait_s = 0.05 if interrupt_at is not None else min(0.25, deadline - now)
-                if pump.poll(wait_s, extra=kernel.ctl_r):
+                if pump.poll(wait_s, extra=channel.fileno()):
                     try:
-                        reply = _checked_reply(read_frame(kernel.ctl_r), nonce)
+                        frame = channel.receive()
+                        if frame is None:
+                            continue  # part of a frame, or bytes from another process
+                        reply = _checked_reply(frame, nonce)
                     except (EOFError, ValueError):
-                        reply = None  # dead, or a forged / out-of-step reply: start afresh
+                        reply = None  # dead, or an out-of-step reply: start afresh
                     break
                 if proc.poll() is not None:
                     break

@@ -10,14 +10,20 @@ import stat
 from wire import GuestFault, write_all
 from workspace import (
     WORKSPACE,
+    describe,
     describe_path,
     display,
     makedirs_confined,
     open_confined,
+    open_dir_beneath,
+    os_error_code,
     resolve_path,
 )
 
 FILE_CHUNK_MAX_BYTES = 8 << 20
+# A listing is one frame: ~200 bytes an entry keeps the biggest well under the frame limit.
+MAX_LIST_ENTRIES = 100_000
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Files:
@@ -56,42 +62,118 @@ class Files:
         return {"path": display(path), "size_bytes": size}
 
     def file_list(self, request):
+        """Every entry that can be listed, and one error per entry that cannot (a name that is
+        not UTF-8, a directory we may not read, one that vanished): one odd entry must not
+        lose all the others. Walked through directory descriptors, never through a path a
+        swapped-in symlink could redirect."""
         path = resolve_path(request.get("path") or ".")
         depth = max(1, int(request.get("depth", 1)))
-        if not os.path.isdir(path):
-            raise GuestFault("not_a_directory", "%s is not a directory" % display(path))
+        try:
+            fd = open_dir_beneath(path)
+        except (NotADirectoryError, FileNotFoundError):
+            raise GuestFault("not_a_directory", "%s is not a directory" % display(path)) from None
         entries = []
-        self._walk(path, depth, entries)
-        return {"entries": entries}
+        errors = []
+        try:
+            rel = describe_path(path)["path"]
+            self._walk(fd, rel, depth, entries, errors)
+        finally:
+            os.close(fd)
+        return {"entries": entries, "errors": errors}
 
-    def _walk(self, path, depth, entries):
-        with os.scandir(path) as it:
-            for entry in sorted(it, key=lambda e: e.name):
-                info = describe_path(entry.path)
-                entries.append(info)
-                if depth > 1 and info["type"] == "dir":
-                    self._walk(entry.path, depth - 1, entries)
+    def _walk(self, dir_fd, rel, depth, entries, errors):
+        try:
+            with os.scandir(dir_fd) as it:
+                found = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            errors.append(_error(rel, exc))
+            return
+        for entry in found:
+            entry_rel = entry.name if rel == "." else rel + "/" + entry.name
+            if len(entries) >= MAX_LIST_ENTRIES:
+                errors.append(
+                    {
+                        "path": _printable(rel),
+                        "code": "too_many_entries",
+                        "message": "listing stopped at %d entries" % MAX_LIST_ENTRIES,
+                    }
+                )
+                return
+            try:
+                entry.name.encode("utf-8")
+            except UnicodeEncodeError:
+                errors.append(
+                    {
+                        "path": _printable(entry_rel),
+                        "code": "invalid_name",
+                        "message": "the name is not valid UTF-8",
+                    }
+                )
+                continue
+            try:
+                info = describe(entry.name, entry_rel, entry.stat(follow_symlinks=False))
+            except OSError as exc:
+                errors.append(_error(entry_rel, exc))
+                continue
+            entries.append(info)
+            if depth > 1 and info["type"] == "dir":
+                try:
+                    sub = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
+                except OSError as exc:
+                    errors.append(_error(entry_rel, exc))
+                    continue
+                try:
+                    self._walk(sub, entry_rel, depth - 1, entries, errors)
+                finally:
+                    os.close(sub)
 
     def file_stat(self, request):
         return describe_path(resolve_path(request.get("path")))
 
     def file_remove(self, request):
-        import shutil
-
         path = resolve_path(request.get("path"), follow_final=False)
-        if path == WORKSPACE:
+        if path == os.path.realpath(WORKSPACE):
             raise GuestFault("permission_denied", "refusing to remove /workspace itself")
-        info = os.lstat(path)
-        if stat.S_ISDIR(info.st_mode):
-            if not request.get("recursive"):
-                os.rmdir(path)
+        parent = open_dir_beneath(os.path.dirname(path))
+        name = os.path.basename(path)
+        try:
+            info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode):
+                os.unlink(name, dir_fd=parent)
+            elif not request.get("recursive"):
+                os.rmdir(name, dir_fd=parent)
             else:
-                shutil.rmtree(path)
-        else:
-            os.unlink(path)
+                _remove_tree(parent, name)
+        finally:
+            os.close(parent)
         return {"removed": display(path)}
 
     def file_mkdir(self, request):
         path = resolve_path(request.get("path"))
         makedirs_confined(path)
         return describe_path(path)
+
+
+def _remove_tree(parent_fd, name):
+    """rmtree through directory descriptors: a symlink swapped in is unlinked, never followed."""
+    fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        with os.scandir(fd) as it:
+            children = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for child, is_dir in children:
+            if is_dir:
+                _remove_tree(fd, child)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+
+
+def _printable(rel):
+    return rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _error(rel, exc):
+    code, message = os_error_code(exc)
+    return {"path": _printable(rel), "code": code, "message": message}

@@ -15,7 +15,7 @@ import sys
 import traceback
 
 from procs import harden
-from wire import FrameWriter, read_frame
+from wire import FrameWriter, clip_text, read_frame
 from workspace import WORKSPACE
 
 GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -100,8 +100,9 @@ def kernel_main(ctl_in, ctl_out):
         te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != __file__])
         return {"type": type(exc).__name__, "message": str(exc), "traceback": "".join(te.format())}
 
-    # Children of cells must not inherit the control pipes (a forked child still holds them,
-    # which is why every reply also echoes the request's nonce).
+    # Children of cells must not inherit the control socket. A forked child still holds it,
+    # so the supervisor keeps only bytes the kernel itself sent (their sender's pid, which
+    # the kernel vouches for: SO_PASSCRED), and every reply echoes the request's nonce.
     os.set_inheritable(ctl_in, False)
     os.set_inheritable(ctl_out, False)
     writer = FrameWriter(ctl_out)
@@ -123,9 +124,13 @@ def kernel_main(ctl_in, ctl_out):
                     "text": None,
                     "error": {"type": "KeyboardInterrupt", "message": "", "traceback": ""},
                 }
-        if result["text"] is not None and len(result["text"]) > request.get("text_limit", 1 << 20):
-            limit = request.get("text_limit", 1 << 20)
-            result["text"] = result["text"][: limit // 2] + " ... " + result["text"][-limit // 2 :]
+        # Bounded by their size in the frame, not their length: a repr or a message full of
+        # control characters grows up to six times when escaped.
+        limit = int(request.get("text_limit", 1 << 20))
+        result["text"] = clip_text(result["text"], limit)
+        if result["error"] is not None:
+            for key in ("message", "traceback"):
+                result["error"][key] = clip_text(result["error"][key], limit)
         try:
             sys.stdout.flush()
             sys.stderr.flush()

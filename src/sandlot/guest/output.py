@@ -9,7 +9,7 @@ import selectors
 import time
 
 from ops import Event
-from wire import write_all
+from wire import encoded_size, write_all
 from workspace import WORKSPACE
 
 OUTPUT_DIR = os.path.join(WORKSPACE, ".sandlot", "outputs")
@@ -159,23 +159,36 @@ class OutputSink:
             os.close(self.fd)
             self.fd = None
         if not self.spilled:
-            return {
-                "text": bytes(self.buf).decode("utf-8", "replace"),
-                "truncated": False,
-                "bytes": self.total,
-                "path": None,
-            }
-        omitted = self.total - len(self.head) - min(len(self.tail), self.half)
+            text = bytes(self.buf).decode("utf-8", "replace")
+            if encoded_size(text) <= self.keep:
+                return {"text": text, "truncated": False, "bytes": self.total, "path": None}
+            # Few bytes, but escaping would blow them up (a control byte is 6 bytes in a
+            # frame): keep what fits, as for a long output.
+            head, tail = bytes(self.buf), bytes(self.buf)
+        else:
+            head, tail = self.head, bytes(self.tail[-self.half :])
+        head = _fit_bytes(head, self.half)
+        tail = _fit_bytes(tail, self.half, from_end=True)
+        omitted = self.total - len(head) - len(tail)
         marker = "\n[... %d bytes omitted%s ...]\n" % (
             omitted,
             "; full output in " + self.path if self.path else "",
         )
-        text = (
-            self.head.decode("utf-8", "replace")
-            + marker
-            + bytes(self.tail[-self.half :]).decode("utf-8", "replace")
-        )
+        text = head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace")
         return {"text": text, "truncated": True, "bytes": self.total, "path": self.path}
+
+
+def _fit_bytes(raw, budget_bytes, from_end=False):
+    """The longest head (or tail) of ``raw`` whose decoded text takes at most ``budget_bytes``
+    in a frame: the output kept is bounded by its encoded size, not its byte count."""
+    n = min(len(raw), budget_bytes)
+    while n > 0:
+        part = raw[len(raw) - n :] if from_end else raw[:n]
+        size = encoded_size(part.decode("utf-8", "replace"))
+        if size <= budget_bytes:
+            return part
+        n = min(n - 1, n * budget_bytes // size)
+    return b""
 
 
 def _prune_spills(keep):

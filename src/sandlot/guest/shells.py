@@ -6,13 +6,15 @@ to the next (the wrapper saves both when bash exits).
 """
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 
 from output import Pump, call_sinks, finish_streams
-from procs import forget, killpg, set_oom_preferred, signal_exit_code, spawn
+from procs import forget, freeze_all_but, killpg, set_oom_preferred, signal_exit_code, spawn
 from wire import GuestFault
 from workspace import WORKSPACE
 
@@ -48,8 +50,13 @@ class Shells:
         self.env = env  # a new session's environment
         self.sessions = {}
         self.sessions_lock = threading.Lock()
+        # Held by a fresh command from before it clears the sandbox until it ends; every other
+        # command takes it to start its bash, so none starts beside a fresh one.
+        self.fresh_gate = threading.Lock()
 
     def exec_shell(self, request):
+        if request.get("fresh"):
+            return self._exec_fresh(request)
         call_id = request["id"]
         kernel_alive = self.kernel.alive()
         name = str(request.get("session") or "default")
@@ -69,6 +76,36 @@ class Shells:
             return result
         finally:
             self.calls.end(call_id)
+
+    def _exec_fresh(self, request):
+        """Run a command no process of an earlier call can touch, in a clean environment.
+
+        Every process the guest and earlier calls started is killed first, except the Python
+        kernel, which is stopped (it keeps its state, runs nothing) until the command ends;
+        no cell and no other command runs meanwhile. The command gets the sandbox's own
+        environment and this call's ``env``, not a session's; /workspace as its working
+        directory; and an empty HOME of its own, so no dotfile planted in /workspace is read.
+        """
+        call = self.calls.start(request["id"])
+        try:
+            with self.fresh_gate, self.kernel.lock:
+                kernel = self.kernel.proc
+                keep = kernel.pid if kernel is not None and kernel.poll() is None else None
+                freeze_all_but(keep)
+                home = tempfile.mkdtemp(prefix="sandlot-home-")
+                try:
+                    env = dict(self.env, HOME=home)
+                    session = {"cwd": WORKSPACE, "env": env, "lock": None}
+                    return self._run_shell(request, session, "fresh", call, time.monotonic())
+                finally:
+                    shutil.rmtree(home, ignore_errors=True)
+                    if keep is not None:
+                        try:
+                            os.kill(keep, signal.SIGCONT)
+                        except OSError:
+                            pass
+        finally:
+            self.calls.end(request["id"])
 
     def _run_shell(self, request, session, name, call, started):
         os.makedirs(SHELL_STATE_DIR, exist_ok=True)
@@ -93,8 +130,8 @@ class Shells:
             cwd = WORKSPACE if os.path.isdir(WORKSPACE) else "/"  # the session's dir was removed
         has_input = request.get("input") is not None
         keep_stdin = bool(request.get("stdin"))
-        proc = spawn(
-            ["/bin/bash", "-c", SHELL_WRAPPER, "bash", state_base, request["command"]],
+        argv = ["/bin/bash", "-c", SHELL_WRAPPER, "bash", state_base, request["command"]]
+        options = dict(
             stdin=subprocess.PIPE if (has_input or keep_stdin) else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -102,6 +139,11 @@ class Shells:
             env=env,
             start_new_session=True,
         )
+        if request.get("fresh"):
+            proc = spawn(argv, **options)  # the caller holds the gate
+        else:
+            with self.fresh_gate:
+                proc = spawn(argv, **options)
         set_oom_preferred(proc.pid)
         if proc.stdin is not None:
             call.stdin_fd = os.dup(proc.stdin.fileno())

@@ -27,7 +27,7 @@ from calls import Calls
 from cells import Cells, Kernel
 from files import Files
 from ops import PROTOCOL_VERSION, Event, Op
-from procs import count_tasks, harden, reap_orphans_forever
+from procs import become_subreaper, count_tasks, harden, reap_orphans_forever
 from shells import Shells
 from wire import FrameWriter, GuestFault, read_frame
 from workspace import WORKSPACE, os_error_code
@@ -35,7 +35,18 @@ from workspace import WORKSPACE, os_error_code
 # Started as a module import, not as a script, so a precompiled .pyc is used (a script run
 # as __main__ is compiled afresh every time: ~7 ms for this file).
 LAUNCHER = "import sys; sys.path.insert(0, %r); import supervisor; supervisor.main(sys.argv)"
+# The kernel is started without -I (the user's PYTHONPATH is theirs), so its path begins with
+# the working directory, /workspace: dropped until the guest's own imports are done, or a
+# planted json.py there would run inside every fresh interpreter (kernel.py puts it back).
+KERNEL_LAUNCHER = (
+    "import sys; sys.path[:] = [%r] + [p for p in sys.path if p]; "
+    "import supervisor; supervisor.main(sys.argv)"
+)
 GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
+# Variables every process the guest starts gets, whatever the sandbox was started with: no
+# Python user site directory (HOME is the workspace, so its usercustomize.py, sitecustomize.py
+# and .pth files would be code planted by earlier calls running before every later script).
+FORCED_ENV = {"PYTHONNOUSERSITE": "1"}
 
 
 def base_env():
@@ -52,6 +63,9 @@ def base_env():
     for key, value in os.environ.items():
         if not key.startswith("SANDLOT_"):
             env[key] = value
+    # The PATH the sandbox gets holds only read-only directories (a test checks); one the
+    # caller sets is theirs to choose, writable directories included.
+    env.update(FORCED_ENV)
     return env
 
 
@@ -61,7 +75,7 @@ class Supervisor:
     def __init__(self, writer):
         self.writer = writer
         env = base_env()
-        self.kernel = Kernel(env, LAUNCHER % GUEST_DIR)
+        self.kernel = Kernel(env, KERNEL_LAUNCHER % GUEST_DIR)
         self.calls = Calls()
         self.cells = Cells(writer, self.calls, self.kernel)
         self.shells = Shells(writer, self.calls, self.kernel, env)
@@ -119,7 +133,7 @@ def supervisor_main():
     # As pid 1 no signal without a handler reaches us from inside the sandbox; Python's own
     # SIGINT handler would, and would end the supervisor with a KeyboardInterrupt.
     signal.signal(signal.SIGINT, lambda signum, frame: None)
-    if os.getpid() == 1:
+    if become_subreaper():
         threading.Thread(target=reap_orphans_forever, daemon=True).start()
     writer = FrameWriter(1)
     # Nothing may write to fd 1 but the protocol: point the Python-level stdout elsewhere.

@@ -31,8 +31,43 @@ def read_frame(fd):
 
 
 def encode_frame(obj):
-    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    # A lone surrogate (a file name that is not UTF-8, an exception message) must not make
+    # the frame unsendable: it becomes "?" and the rest of the frame still gets through.
+    data = text.encode("utf-8", "replace")
     return HEADER.pack(len(data)) + data
+
+
+def encoded_size(text):
+    """Bytes ``text`` takes inside a frame (JSON escaping makes a control byte 6 bytes)."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "replace")) - 2
+
+
+def fit_prefix(text, budget_bytes, from_end=False):
+    """The longest prefix (or suffix) of ``text`` whose encoded size is within the budget.
+
+    Shrinks by the measured ratio, so a few C-speed encodes settle even 8 MiB of text.
+    """
+    n = min(len(text), max(0, budget_bytes))
+    while n > 0:
+        part = text[len(text) - n :] if from_end else text[:n]
+        size = encoded_size(part)
+        if size <= budget_bytes:
+            return part
+        n = min(n - 1, n * budget_bytes // size)
+    return ""
+
+
+def clip_text(text, budget_bytes):
+    """``text`` as is if its encoded size fits the budget, else its head and tail around a
+    marker, together within the budget: a result must always fit a frame."""
+    if text is None or encoded_size(text) <= budget_bytes:
+        return text
+    half = max(0, budget_bytes // 2 - 64)
+    head = fit_prefix(text, half)
+    tail = fit_prefix(text, half, from_end=True)
+    omitted = len(text) - len(head) - len(tail)
+    return "%s ... [%d characters omitted] ... %s" % (head, omitted, tail)
 
 
 def write_all(fd, data):

@@ -64,10 +64,109 @@ def _realpath(path, raw):
         ) from exc
 
 
+SYS_OPENAT2 = 437  # the same number on every architecture (Linux >= 5.6)
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+_OPENAT2 = []  # [callable] once looked up; [None] where the kernel or libc lacks it
+
+
+def _relative(path):
+    """``path`` (an absolute path :func:`resolve_path` gave) relative to the workspace."""
+    return os.path.relpath(path, os.path.realpath(WORKSPACE))
+
+
+def _openat2():
+    if not _OPENAT2:
+        try:
+            import ctypes
+
+            class OpenHow(ctypes.Structure):
+                _fields_ = [(n, ctypes.c_uint64) for n in ("flags", "mode", "resolve")]
+
+            syscall = ctypes.CDLL(None, use_errno=True).syscall
+            syscall.restype = ctypes.c_long
+
+            def call(dir_fd, rel, flags, mode):
+                how = OpenHow(flags, mode if flags & os.O_CREAT else 0, 0)
+                how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+                fd = syscall(
+                    ctypes.c_long(SYS_OPENAT2),
+                    ctypes.c_int(dir_fd),
+                    ctypes.c_char_p(os.fsencode(rel)),
+                    ctypes.byref(how),
+                    ctypes.c_size_t(ctypes.sizeof(how)),
+                )
+                if fd < 0:
+                    return -ctypes.get_errno()
+                return fd
+
+            _OPENAT2.append(call)
+        except (OSError, AttributeError):
+            _OPENAT2.append(None)
+    return _OPENAT2[0]
+
+
+def open_beneath(path, flags, mode=0o644):
+    """Open ``path`` from the workspace without passing through any symlink on the way.
+
+    :func:`resolve_path` checked the path, but a directory on it may have been swapped for a
+    symlink since: openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) refuses that in one call;
+    where the kernel lacks openat2 (or a filter hides it), each component is opened with
+    O_NOFOLLOW from its parent's descriptor instead.
+    """
+    import errno
+
+    rel = _relative(path)
+    flags |= os.O_CLOEXEC
+    root_fd = os.open(os.path.realpath(WORKSPACE), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        call = _openat2()
+        fd = call(root_fd, rel, flags, mode) if call is not None else -errno.ENOSYS
+        if fd >= 0:
+            return fd
+        if -fd not in (errno.ENOSYS, errno.EPERM):
+            if -fd in (errno.ELOOP, errno.EXDEV):
+                raise GuestFault(
+                    "path_outside_workspace", "%s goes through a symlink" % display(path)
+                )
+            raise OSError(-fd, os.strerror(-fd), path)
+        return _walk_open(root_fd, rel, flags, mode, path)
+    finally:
+        os.close(root_fd)
+
+
+def _walk_open(root_fd, rel, flags, mode, path):
+    parts = [] if rel == "." else rel.split("/")
+    fd = os.dup(root_fd)
+    try:
+        for part in parts[:-1]:
+            next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = next_fd
+        last = parts[-1] if parts else "."
+        return os.open(last, flags | os.O_NOFOLLOW, mode, dir_fd=fd)
+    except OSError as exc:
+        import errno
+
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise GuestFault(
+                "path_outside_workspace", "%s goes through a symlink" % display(path)
+            ) from exc
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_dir_beneath(path):
+    return open_beneath(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
 def open_confined(path, flags, mode=0o644):
-    """Open a regular file only. O_NOFOLLOW closes the window between the check and the
-    open; O_NONBLOCK keeps a FIFO swapped in by sandboxed code from blocking us forever."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    """Open a regular file only, every component without following a symlink (see
+    :func:`open_beneath`); O_NONBLOCK keeps a FIFO swapped in by sandboxed code from
+    blocking us forever."""
+    fd = open_beneath(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
     mode_now = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode_now):
         os.close(fd)
@@ -81,11 +180,44 @@ def makedirs_confined(path):
     root = os.path.realpath(WORKSPACE)
     if not _inside(_realpath(path, path), root):
         raise GuestFault("path_outside_workspace", "%s is outside /workspace" % path)
-    os.makedirs(path, exist_ok=True)
+    rel = _relative(path)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [] if rel == "." else rel.split("/"):
+            try:
+                os.mkdir(part, 0o777, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                next_fd = os.open(
+                    part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                )
+            except OSError as exc:
+                import errno
+
+                if exc.errno == errno.ELOOP:
+                    raise GuestFault(
+                        "path_outside_workspace", "%s goes through a symlink" % display(path)
+                    ) from exc
+                raise
+            os.close(fd)
+            fd = next_fd
+    finally:
+        os.close(fd)
 
 
-def describe_path(path):
-    info = os.lstat(path)
+def lstat_confined(path):
+    """lstat ``path`` through a descriptor of its parent, opened beneath the workspace."""
+    if path == os.path.realpath(WORKSPACE):
+        return os.stat(path)
+    parent = open_dir_beneath(os.path.dirname(path))
+    try:
+        return os.stat(os.path.basename(path), dir_fd=parent, follow_symlinks=False)
+    finally:
+        os.close(parent)
+
+
+def describe(name, rel, info):
     if stat.S_ISLNK(info.st_mode):
         kind = "symlink"
     elif stat.S_ISDIR(info.st_mode):
@@ -95,13 +227,17 @@ def describe_path(path):
     else:
         kind = "other"
     return {
-        "name": os.path.basename(path) or "workspace",
-        "path": os.path.relpath(path, os.path.realpath(WORKSPACE)),
+        "name": name,
+        "path": rel,
         "type": kind,
         "size_bytes": info.st_size,
         "mtime": info.st_mtime,
         "mode": stat.S_IMODE(info.st_mode),
     }
+
+
+def describe_path(path):
+    return describe(os.path.basename(path) or "workspace", _relative(path), lstat_confined(path))
 
 
 def os_error_code(exc):

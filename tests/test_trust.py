@@ -1,0 +1,348 @@
+"""Trust (issue 11, the guest's side): code run in a sandbox may change files, and through them
+what later code does, but never the guest, never the framing of a result; and a check run as
+a fresh process (or with ``fresh=True``) sees no state planted by earlier code.
+
+Each attack program here broke a result before the fix it names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from sandlot import ExecResult, Sandbox, SandboxError, SandboxManager
+from sandlot._portal import get_portal
+from sandlot.requests import ListFiles, RunCommand, SandboxSpec
+from tests.conftest import placement
+
+MiB = 1 << 20
+
+
+def describe(result: ExecResult) -> str:
+    return (
+        f"exit={result.exit_code} kill={result.kill_reason} lost={result.state_lost} "
+        f"out={result.stdout[-300:]!r} err={result.stderr[-300:]!r} text={result.text!r}"
+    )
+
+
+def run_fresh(manager: SandboxManager, sb: Sandbox, command: str, **fields: object) -> ExecResult:
+    request = RunCommand(command=command, fresh=True, **fields)  # type: ignore[arg-type]
+    return get_portal().call(manager.run_command(sb.id, request))
+
+
+# ------------------------------------------- 1. planted interpreter and shell start-up files
+
+USER_SITE = "$(python3 -s -c 'import site; print(site.getusersitepackages())')"
+PLANTS = {
+    # Each one makes every later interpreter exit 0 whatever its script does.
+    "usercustomize.py": "import os, atexit\natexit.register(lambda: os._exit(0))\n",
+    "sitecustomize.py": "import os, atexit\natexit.register(lambda: os._exit(0))\n",
+    "planted.pth": "import os, atexit; atexit.register(lambda: os._exit(0))\n",
+}
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("name", sorted(PLANTS))
+def test_a_planted_start_up_file_does_not_run_in_a_later_python(
+    sandbox: Sandbox, name: str
+) -> None:
+    # Failed before: HOME=/workspace and the user site was on, so all three made the check
+    # exit 0 (usercustomize.py, sitecustomize.py and .pth files there run at start-up).
+    sandbox.files.write("plant.txt", PLANTS[name])
+    planted = sandbox.commands.run(f'd={USER_SITE}; mkdir -p "$d" && cp plant.txt "$d/{name}"')
+    assert planted.exit_code == 0, describe(planted)
+    sandbox.files.write("check.py", "raise SystemExit(3)\n")
+    check = sandbox.commands.run("python3 check.py")
+    assert check.exit_code == 3, describe(check)
+
+
+PLANTED_STDLIB = """
+import builtins, importlib.util, os, sys, sysconfig
+builtins.PLANTED = True
+spec = importlib.util.spec_from_file_location(
+    "base64", os.path.join(sysconfig.get_paths()["stdlib"], "base64.py"))
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+sys.modules["base64"] = module
+"""
+
+
+@pytest.mark.hostile
+def test_a_fresh_interpreter_runs_nothing_planted(sandbox: Sandbox) -> None:
+    # Failed before: the restarted kernel imported /workspace/base64.py (the working
+    # directory led its path during the guest's own imports) and the user site's
+    # usercustomize.py, so "a fresh interpreter" ran code planted by the one it replaced.
+    sandbox.files.write("base64.py", PLANTED_STDLIB)
+    sandbox.files.write("plant.txt", "import builtins\nbuiltins.PLANTED_SITE = True\n")
+    planted = sandbox.commands.run(
+        f'd={USER_SITE}; mkdir -p "$d" && cp plant.txt "$d/usercustomize.py"'
+    )
+    assert planted.exit_code == 0, describe(planted)
+    died = sandbox.run_code("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert died.state_lost, describe(died)
+    fresh = sandbox.run_code(
+        "import builtins\n(getattr(builtins, 'PLANTED', False), "
+        "getattr(builtins, 'PLANTED_SITE', False))"
+    )
+    assert fresh.text == "(False, False)", describe(fresh)
+    # The user's own modules in the working directory stay importable by name.
+    sandbox.files.write("mine.py", "VALUE = 42\n")
+    assert sandbox.run_code("import mine\nmine.VALUE").text == "42"
+
+
+@pytest.mark.hostile
+def test_nothing_on_path_is_writable(jail: Sandbox) -> None:
+    # A guard, not a regression: no directory on the default PATH can take a planted python3.
+    found = jail.commands.run(
+        'IFS=:; for d in $PATH; do [ -w "$d" ] && echo "$d"; '
+        'case "$d" in /*) ;; *) echo "relative: $d";; esac; done; true'
+    )
+    assert found.stdout == "", describe(found)
+
+
+@pytest.mark.hostile
+def test_a_fresh_command_ignores_planted_session_state_and_dotfiles(
+    manager: SandboxManager, sandbox: Sandbox
+) -> None:
+    # Failed before (the guest ignored ``fresh``): BASH_ENV exported into the session made
+    # the check exit 0, and the session's other exports reached it.
+    sandbox.files.write("hook.sh", "exit 0\n")
+    sandbox.files.write(".gitconfig", "[user]\n\tname = planted\n")
+    sandbox.commands.run("export BASH_ENV=/workspace/hook.sh FOO=planted; cd /tmp")
+    if sandbox.info.backend == "bubblewrap":
+        assert sandbox.commands.run("exit 3").exit_code == 0  # the session's hook, by design
+    check = run_fresh(manager, sandbox, 'echo "${FOO:-clean} $PWD $HOME"; exit 3')
+    assert check.exit_code == 3, describe(check)
+    words = check.stdout.split()
+    home_was = sandbox.commands.run("echo $HOME", session="other").stdout.strip()
+    assert words[0] == "clean" and words[1] == home_was != words[2], describe(check)
+
+
+# ------------------------------------------- 2. a child of an earlier cell answers for later ones
+
+STOP_AND_ANSWER = """
+import json, os, signal, struct, time
+args = [a for a in open('/proc/self/cmdline').read().split('\\0') if a]
+ctl_in, ctl_out = int(args[-2]), int(args[-1])
+kernel = os.getpid()
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(0.5)  # after this cell's own reply
+    os.kill(kernel, signal.SIGSTOP)
+    for _ in range(3):
+        try:
+            size = struct.unpack(">I", os.read(ctl_in, 4))[0]
+            body = b""
+            while len(body) < size:
+                body += os.read(ctl_in, size - len(body))
+            nonce = json.loads(body)["nonce"]
+            reply = json.dumps({"exit_code": 0, "text": "'forged'", "error": None,
+                                "nonce": nonce}).encode()
+            os.write(ctl_out, struct.pack(">I", len(reply)) + reply)
+        except OSError:
+            break
+    os._exit(0)
+'planted'
+"""
+
+
+@pytest.mark.hostile
+def test_a_child_that_stops_the_kernel_cannot_answer_for_it(sandbox: Sandbox) -> None:
+    # Failed before: the child stopped the kernel, read the next request (nonce included)
+    # from the control pipe it inherited, and its reply was taken as the cell's.
+    assert sandbox.run_code(STOP_AND_ANSWER).text == "'planted'"
+    time.sleep(1.0)
+    result = sandbox.run_code("'real'", timeout_s=5)
+    assert result.text == "'real'" and result.state_lost, describe(result)
+    assert sandbox.run_code("6 * 7").text == "42"
+
+
+ANSWER_BESIDE_THE_KERNEL = """
+import json, os, struct, time
+args = [a for a in open('/proc/self/cmdline').read().split('\\0') if a]
+ctl_out = int(args[-1])
+if os.fork() == 0:
+    os.setsid()
+    end = time.time() + 4
+    while time.time() < end:  # a flood of well-formed replies, each to any nonce it may be
+        reply = json.dumps({"exit_code": 0, "text": "'forged'", "error": None}).encode()
+        try:
+            os.write(ctl_out, struct.pack(">I", len(reply)) + reply)
+        except OSError:
+            break
+        time.sleep(0.01)
+    os._exit(0)
+'planted'
+"""
+
+
+@pytest.mark.hostile
+def test_bytes_from_a_child_never_mix_into_the_kernels_reply(sandbox: Sandbox) -> None:
+    assert sandbox.run_code(ANSWER_BESIDE_THE_KERNEL).text == "'planted'"
+    for _ in range(5):
+        result = sandbox.run_code("'real'", timeout_s=5)
+        assert result.text == "'real'" and not result.state_lost, describe(result)
+
+
+# ------------------------------------------- 3. a leftover daemon against a later command
+
+DAEMON = r"""
+import os, time
+me = os.getpid()
+end = time.time() + 20
+while time.time() < end:
+    for name in os.listdir('/proc'):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open('/proc/%s/cmdline' % name, 'rb') as f:
+                if b'THE_CHECK' not in f.read():
+                    continue
+            with open('/proc/%s/mem' % name, 'r+b'):
+                pass  # write access to its memory: it is ours to rewrite
+            with open('/workspace/touched', 'a') as f:
+                f.write(name + '\n')
+            with open('/proc/%s/fd/1' % name, 'w') as out:
+                out.write('forged\n')
+        except OSError:
+            continue
+    time.sleep(0.002)
+"""
+
+
+@pytest.mark.hostile
+def test_a_fresh_command_is_out_of_reach_of_leftover_processes(
+    manager: SandboxManager, sandbox: Sandbox
+) -> None:
+    # Failed before (the guest ignored ``fresh``): the daemon opened the check's memory for
+    # writing and wrote into its stdout.
+    sandbox.run_code("keep = 'state'")
+    sandbox.files.write("daemon.py", DAEMON)
+    started = sandbox.commands.run("(setsid python3 daemon.py >/dev/null 2>&1 &)")
+    assert started.exit_code == 0, describe(started)
+    # The daemon is alive and armed: an ordinary command is within its reach (by design).
+    time.sleep(0.5)
+    exposed = sandbox.commands.run("bash -c 'sleep 0.5; echo THE_CHECK'")
+    if sandbox.info.backend == "bubblewrap":
+        assert "forged" in exposed.stdout, describe(exposed)
+    before = sandbox.commands.run("cat touched 2>/dev/null").stdout
+    check = run_fresh(manager, sandbox, "bash -c 'sleep 1; echo THE_CHECK ok'")
+    assert check.stdout == "THE_CHECK ok\n" and check.exit_code == 0, describe(check)
+    assert sandbox.commands.run("cat touched 2>/dev/null").stdout == before
+    alive = sandbox.commands.run(
+        "for p in /proc/[0-9]*; do grep -qa 'daemon[.]py' $p/cmdline 2>/dev/null && echo $p; done"
+    )
+    assert alive.stdout == "", describe(alive)
+    # The kernel was paused, not lost.
+    kept = sandbox.run_code("keep")
+    assert kept.text == "'state'" and not kept.state_lost, describe(kept)
+
+
+# ------------------------------------------- 4. control bytes must not blow up a frame
+
+
+@pytest.fixture
+def roomy(manager: SandboxManager, backend_name: str) -> Iterator[Sandbox]:
+    spec = SandboxSpec(**placement(backend_name), output_limit_bytes=8 * MiB)
+    info = get_portal().call(manager.create(spec))
+    sb = Sandbox.connect(info.id, manager=manager)
+    yield sb
+    sb.kill()
+
+
+@pytest.mark.hostile
+def test_control_bytes_in_every_part_of_a_result_still_fit_a_frame(roomy: Sandbox) -> None:
+    # Failed before: 8 MiB of control bytes on stdout and stderr became a ~96 MiB frame; an
+    # exception message of them a kernel reply over the limit. Both lost the interpreter.
+    roomy.run_code("keep = 'state'")
+    flood = roomy.run_code(
+        "import sys\nsys.stdout.write('\\x01' * (8 << 20))\nsys.stderr.write('\\x02' * (8 << 20))"
+    )
+    assert flood.exit_code == 0 and not flood.state_lost, describe(flood)
+    assert flood.stdout_truncated and flood.stdout_bytes == 8 * MiB
+    assert len(flood.stdout) <= 8 * MiB
+    raised = roomy.run_code("raise ValueError('\\x03' * (8 << 20))")
+    assert raised.error is not None and raised.error.type == "ValueError", describe(raised)
+    assert not raised.state_lost, describe(raised)
+    shell = roomy.commands.run("head -c 9000000 /dev/zero; head -c 9000000 /dev/zero >&2")
+    assert shell.exit_code == 0 and shell.stdout_truncated, describe(shell)
+    kept = roomy.run_code("keep")
+    assert kept.text == "'state'" and not kept.state_lost, describe(kept)
+
+
+# ------------------------------------------- 5. a directory swapped for a symlink mid-call
+
+SWAPPER = """
+import os, sys, time
+os.chdir('/workspace/swap%s' % sys.argv[1])
+end = time.time() + 8
+while time.time() < end:
+    os.rename('real', 'd')
+    time.sleep(0.0005)
+    os.rename('d', 'real')
+    os.symlink('/etc', 'd')
+    time.sleep(0.0005)
+    os.unlink('d')
+"""
+SWAPPERS = 4
+
+
+@pytest.mark.hostile
+def test_a_symlink_swapped_in_mid_call_never_leads_out(sandbox: Sandbox) -> None:
+    # Failed before: a read resolved swapN/d while it was a directory, then opened
+    # swapN/d/hosts after it had become a link to /etc (O_NOFOLLOW guards only the last
+    # component). Bounded in time: the swappers stop after 8 s, the readers after 6.
+    import threading
+
+    for n in range(SWAPPERS):
+        sandbox.files.write(f"swap{n}/real/hosts", "inside\n")
+    sandbox.files.write("swapper.py", SWAPPER)
+    sandbox.commands.run(
+        " ".join(f"(setsid python3 swapper.py {n} >/dev/null 2>&1 &);" for n in range(SWAPPERS))
+    )
+    seen: set[str] = set()
+    end = time.monotonic() + 6
+
+    def attack(n: int) -> None:
+        calls = (
+            lambda: sandbox.files.read(f"swap{n}/d/hosts"),
+            lambda: str([e.name for e in sandbox.files.list(f"swap{n}/d")]),
+            lambda: sandbox.files.write(f"swap{n}/d/hosts", "inside\n") and "written",
+            lambda: str(sandbox.files.stat(f"swap{n}/d/hosts").size_bytes),
+        )
+        while time.monotonic() < end:
+            for call in calls:
+                try:
+                    seen.add(call())
+                except SandboxError:
+                    seen.add("refused")
+
+    threads = [threading.Thread(target=attack, args=(n,)) for n in range(SWAPPERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen <= {"inside\n", "['hosts']", "written", "7", "refused"}, seen
+
+
+# ------------------------------------------- 6. listing survives odd entries
+
+
+@pytest.mark.hostile
+def test_one_odd_entry_does_not_hide_the_others(manager: SandboxManager, sandbox: Sandbox) -> None:
+    # Failed before: a file name that is not UTF-8 (or a directory we may not read) made the
+    # whole listing fail, so every artifact was lost with it.
+    made = sandbox.commands.run(
+        "mkdir -p artifacts/locked && echo a > artifacts/a.txt && echo z > artifacts/z.txt "
+        "&& echo x > artifacts/locked/x && echo b > artifacts/$'bad\\xff' "
+        "&& chmod 000 artifacts/locked"
+    )
+    assert made.exit_code == 0, describe(made)
+    entries = get_portal().call(
+        manager.list_files(sandbox.id, ListFiles(path="artifacts", depth=32))
+    )
+    names = {e.name for e in entries}
+    assert {"a.txt", "z.txt", "locked"} <= names, names
+    sandbox.commands.run("chmod 755 artifacts/locked")
