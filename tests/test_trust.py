@@ -346,3 +346,48 @@ def test_one_odd_entry_does_not_hide_the_others(manager: SandboxManager, sandbox
     names = {e.name for e in entries}
     assert {"a.txt", "z.txt", "locked"} <= names, names
     sandbox.commands.run("chmod 755 artifacts/locked")
+
+
+# ------------------------------------------- 7. the caller's env never becomes the guest's own
+
+HOSTILE_ENV = {
+    "LD_LIBRARY_PATH": "/workspace/lib",
+    "LD_PRELOAD": "/workspace/lib/evil.so",
+    "PYTHONPATH": "/workspace/evil",
+}
+
+
+def _supervisor_environ(manager: SandboxManager, sandbox_id: str) -> dict[str, str]:
+    """The guest supervisor's own environment, read from the host (as root)."""
+    from pathlib import Path
+
+    from tests.leaks import pids_cgroup_dir
+
+    procs = (pids_cgroup_dir(manager, sandbox_id) / "cgroup.procs").read_text().split()
+    for pid in procs:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        argv = cmdline.split(b"\0")
+        # The python process itself, not bwrap (whose arguments carry the same launcher).
+        is_python = b"python" in argv[0].rsplit(b"/", 1)[-1]
+        if is_python and b"supervisor.main" in cmdline and b"--kernel" not in cmdline:
+            pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+            return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+    raise AssertionError(f"no guest supervisor among {procs}")
+
+
+@pytest.mark.hostile
+def test_the_callers_env_reaches_commands_but_never_the_supervisor(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    # Failed before: the caller's env was the supervisor's own, so LD_LIBRARY_PATH pointed the
+    # next guest start at libraries sandboxed code could plant in /workspace/lib.
+    with Sandbox.create(manager=manager, **placement(isolated_backend), env=HOSTILE_ENV) as sb:
+        seen = sb.commands.run("echo $LD_LIBRARY_PATH $PYTHONPATH")
+        assert seen.stdout == "/workspace/lib /workspace/evil\n", describe(seen)
+        assert sb.run_code("import os; os.environ['LD_LIBRARY_PATH']").text == "'/workspace/lib'"
+        own = _supervisor_environ(manager, sb.id)
+        assert not set(HOSTILE_ENV) & set(own), own

@@ -113,13 +113,16 @@ class AsyncCommands:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         input: str | None = None,
+        fresh: bool = False,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
         """Run ``command`` with bash; ``cd`` and ``export`` persist within ``session``.
 
-        ``input`` is written to the command's stdin. A failing command is a result (check
-        ``exit_code``), not an exception.
+        ``input`` is written to the command's stdin. With ``fresh=True`` every process that
+        earlier calls left is killed first and the command runs outside any session, in a
+        clean environment and HOME: for checks that earlier code may influence only through
+        files. A failing command is a result (check ``exit_code``), not an exception.
         """
         request = build(
             RunCommand,
@@ -129,6 +132,7 @@ class AsyncCommands:
             env=env,
             cwd=cwd,
             input=input,
+            fresh=fresh or None,
         )
         run = self._sb._run
         return await run(

@@ -55,7 +55,12 @@ class SandboxExecutor:
         self.runs += 1
         path = name or f"attempt_{self.runs}.py"
         await sandbox.files.write(path, program)
-        result = await sandbox.commands.run(f"python3 {path}", timeout_s=self.timeout_s)
+        # A fresh process in the strict sense: no process an earlier attempt left alive (it
+        # could rewrite this one's memory), no session state, and with -I no module planted
+        # beside the script, no user site and no PYTHON* variables.
+        result = await sandbox.commands.run(
+            f"python3 -I {path}", timeout_s=self.timeout_s, fresh=True
+        )
         error = None
         if result.error is not None:
             error = f"{result.error.type}: {result.error.message}"

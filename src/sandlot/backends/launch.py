@@ -8,6 +8,7 @@ package's own guest directory with the host's interpreter.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -89,9 +90,15 @@ def guest_env(
     path: str = SANDBOX_PATH,
     shell_state: str | None = None,
 ) -> dict[str, str]:
-    """The guest's environment: defaults, then the caller's, then what the guest must find
-    (where the workspace is, and where shells keep their state when not in /tmp)."""
-    env = {"PATH": path, "HOME": workspace, "LANG": "C.UTF-8", **user_env}
+    """The guest supervisor's own environment.
+
+    The caller's variables travel as one JSON value, ``SANDLOT_USER_ENV``, that the guest
+    applies to the processes it starts, never to itself: as the supervisor's own environment,
+    a caller's ``LD_LIBRARY_PATH=/workspace/lib`` let sandboxed code plant the libraries the
+    next guest start would load, and so forge every later result.
+    """
+    env = {"PATH": path, "HOME": workspace, "LANG": "C.UTF-8"}
+    env["SANDLOT_USER_ENV"] = json.dumps(dict(user_env))
     env["SANDLOT_WORKSPACE"] = workspace
     if shell_state is not None:
         env["SANDLOT_SHELL_STATE"] = shell_state

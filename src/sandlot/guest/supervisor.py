@@ -18,6 +18,7 @@ supervisor enforces each call's timeout and output caps, so a runaway cell never
 protocol down with it.
 """
 
+import json
 import os
 import signal
 import sys
@@ -49,6 +50,17 @@ GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
 FORCED_ENV = {"PYTHONNOUSERSITE": "1"}
 
 
+def user_env():
+    """The caller's variables, as the backend passed them (``SANDLOT_USER_ENV``, JSON)."""
+    try:
+        given = json.loads(os.environ.get("SANDLOT_USER_ENV") or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(given, dict):
+        return {}
+    return {str(k): str(v) for k, v in given.items() if "=" not in str(k) and str(k)}
+
+
 def base_env():
     """The environment of the kernel and of every new shell session."""
     env = {
@@ -59,10 +71,14 @@ def base_env():
         "PYTHONUNBUFFERED": "1",
         "TERM": "dumb",
     }
-    # What the sandbox was started with (the caller's env included) wins over defaults.
+    # What the sandbox was started with wins over defaults, and the caller's env over both.
+    # The caller's env arrives as JSON and reaches only the processes we start: in our own
+    # environment, LD_LIBRARY_PATH or LD_PRELOAD would load code the sandbox planted into
+    # the next supervisor (see backends/launch.py).
     for key, value in os.environ.items():
         if not key.startswith("SANDLOT_"):
             env[key] = value
+    env.update(user_env())
     # The PATH the sandbox gets holds only read-only directories (a test checks); one the
     # caller sets is theirs to choose, writable directories included.
     env.update(FORCED_ENV)
