@@ -277,6 +277,73 @@ class Settings(BaseSettings):
         validation_alias=_env("TENANT_MAX_MEMORY_MB", "tenant_max_memory_mb"),
         description="Default quota: total memory_mb of a tenant's live sandboxes.",
     )
+    tenant_max_pids: int = Field(
+        default=4096,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_PIDS", "tenant_max_pids"),
+        description="Default quota: total pids limit of a tenant's live sandboxes.",
+    )
+    tenant_max_cpu_cores: float = Field(
+        default_factory=lambda: 4.0 * (os.cpu_count() or 1),
+        ge=0,
+        validation_alias=_env("TENANT_MAX_CPU_CORES", "tenant_max_cpu_cores"),
+        description="Default quota: total cpu_cores of a tenant's live sandboxes (default: "
+        "4 times the host's cores; CPU is time-shared, so quotas may add up to more).",
+    )
+    tenant_max_disk_mb: int = Field(
+        default=8192,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_DISK_MB", "tenant_max_disk_mb"),
+        description="Default quota: total disk_mb of a tenant's live sandboxes.",
+    )
+    tenant_max_artifact_mb: int = Field(
+        default=1024,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_ARTIFACT_MB", "tenant_max_artifact_mb"),
+        description="Default quota: kept artifacts of all a tenant's sandboxes.",
+    )
+    host_memory_overcommit: float = Field(
+        default=1.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_HOST_MEMORY_OVERCOMMIT", "host_memory_overcommit"),
+        description="Sandboxes' memory limits together may reach this many times the host's "
+        "RAM (1.0: never more than there is; raise it for many mostly-idle sandboxes).",
+    )
+    host_cpu_overcommit: float = Field(
+        default=16.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_HOST_CPU_OVERCOMMIT", "host_cpu_overcommit"),
+        description="Sandboxes' CPU quotas together may reach this many times the host's cores.",
+    )
+    host_pids_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        validation_alias=_env("SANDBOX_HOST_PIDS_FRACTION", "host_pids_fraction"),
+        description="Sandboxes' pids limits together may reach this share of the kernel's "
+        "process table (the rest stays for the host).",
+    )
+    host_disk_fraction: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        validation_alias=_env("SANDBOX_HOST_DISK_FRACTION", "host_disk_fraction"),
+        description="Sandboxes' disk limits together may reach this share of the space free "
+        "in the data directory when the manager started.",
+    )
+    max_metadata_bytes: int = Field(
+        default=16384,
+        ge=0,
+        validation_alias=_env("SANDBOX_MAX_METADATA_BYTES", "max_metadata_bytes"),
+        description="Largest metadata of one sandbox (keys and values together, UTF-8).",
+    )
+    record_retention_s: float = Field(
+        default=7 * 86_400.0,
+        gt=0,
+        validation_alias=_env("SANDBOX_RECORD_RETENTION_SECONDS", "record_retention_s"),
+        description="How long the record of an ended sandbox is kept (one with kept "
+        "artifacts stays as long as they do).",
+    )
     max_upload_mb: int = Field(
         default=100,
         ge=1,

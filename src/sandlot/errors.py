@@ -20,7 +20,9 @@ file missing inside a sandbox.
     │   └── PidsExhausted                        the sandbox has no free process slot left
     ├── AuthenticationError (PermissionError)    no API key, or an unknown or revoked one
     ├── Forbidden (PermissionError)              the key's role may not do this
-    ├── QuotaExceeded (RuntimeError)             the tenant's live sandboxes or memory are at quota
+    ├── QuotaExceeded (RuntimeError)             the tenant's sandboxes, memory, pids, CPU, disk
+    │                                            or kept artifacts are at quota
+    ├── CapacityExhausted (RuntimeError)         the host has no room for one more sandbox
     ├── RateLimited (RuntimeError)               too many requests for this key; retry later
     ├── RequestTooLarge (ValueError)             an upload over the size cap
     ├── ProviderError (RuntimeError)             an LLM provider failed (HTTP error, timeout)
@@ -100,6 +102,12 @@ class Forbidden(SandboxError, PermissionError):
 
 class QuotaExceeded(SandboxError, RuntimeError):
     code = "quota_exceeded"
+
+
+class CapacityExhausted(SandboxError, RuntimeError):
+    """The host's capacity (memory, CPU, pids, disk) is reserved by live sandboxes."""
+
+    code = "capacity_exhausted"
 
 
 class RateLimited(SandboxError, RuntimeError):
@@ -200,6 +208,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         AuthenticationError,
         Forbidden,
         QuotaExceeded,
+        CapacityExhausted,
         RateLimited,
         RequestTooLarge,
         ProviderError,

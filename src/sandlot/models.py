@@ -105,10 +105,19 @@ class ResolvedLimits(_Model):
 
 
 class Quota(_Model):
-    """What one owner (tenant) may hold at once."""
+    """What one owner (tenant) may hold at once: every resource a sandbox reserves.
+
+    ``None`` leaves that resource unbounded for the tenant (the host's capacity still is).
+    """
 
     max_sandboxes: int = Field(ge=0)
     max_memory_mb: int = Field(ge=0)
+    max_pids: int | None = Field(default=None, ge=0)
+    max_cpu_cores: float | None = Field(default=None, ge=0)
+    max_disk_mb: int | None = Field(default=None, ge=0)
+    max_artifact_mb: int | None = Field(
+        default=None, ge=0, description="Kept artifacts of all the tenant's sandboxes."
+    )
 
 
 class SandboxInfo(_Model):

@@ -75,11 +75,24 @@ def keys_quota(
     tenant: str,
     max_sandboxes: Annotated[int | None, typer.Option(min=0)] = None,
     max_memory_mb: Annotated[int | None, typer.Option(min=0)] = None,
+    max_pids: Annotated[int | None, typer.Option(min=0)] = None,
+    max_cpu_cores: Annotated[float | None, typer.Option(min=0)] = None,
+    max_disk_mb: Annotated[int | None, typer.Option(min=0)] = None,
+    max_artifact_mb: Annotated[int | None, typer.Option(min=0)] = None,
 ) -> None:
-    """Set a tenant's quota (unset values keep TENANT_MAX_* defaults)."""
+    """Set a tenant's quota (values not given keep TENANT_MAX_* defaults)."""
+    given = {
+        "max_sandboxes": max_sandboxes,
+        "max_memory_mb": max_memory_mb,
+        "max_pids": max_pids,
+        "max_cpu_cores": max_cpu_cores,
+        "max_disk_mb": max_disk_mb,
+        "max_artifact_mb": max_artifact_mb,
+    }
     with _auth_store() as store:
-        store.set_quota(tenant, max_sandboxes, max_memory_mb)
-    console.print(f"quota of {tenant!r}: sandboxes={max_sandboxes} memory_mb={max_memory_mb}")
+        store.set_quota(tenant, **{k: v for k, v in given.items() if v is not None})
+    shown = " ".join(f"{k.removeprefix('max_')}={v}" for k, v in given.items() if v is not None)
+    console.print(f"quota of {tenant!r}: {shown or 'defaults'}")
 
 
 @keys_app.command("audit")

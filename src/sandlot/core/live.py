@@ -15,7 +15,7 @@ import structlog
 from sandlot.backends import Backend, GuestSpec
 from sandlot.core.guest_link import GuestConnection
 from sandlot.errors import GuestError, SandboxNotRunning, SandboxStartError
-from sandlot.models import ResourceUsage, SandboxInfo
+from sandlot.models import Quota, ResourceUsage, SandboxInfo
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +47,8 @@ class Live:
     # Kill counters as last read; each call compares against these, so one cheap read per
     # call suffices. (A limit hit between calls is blamed on the next call, if that fails.)
     counters: ResourceUsage = field(default_factory=ResourceUsage)
+    # The owner's quota when it was created (bounds the artifacts it may keep).
+    quota: Quota | None = None
 
     @property
     def id(self) -> str:

@@ -24,6 +24,7 @@ import structlog
 from sandlot.backends import KNOWN_BACKENDS, Backend, GuestSpec, create_backend
 from sandlot.config import Settings, get_settings
 from sandlot.core import admission, execution, files, placement
+from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
 from sandlot.core.live import Live, PoolKey
 from sandlot.core.pools import Pools
@@ -81,6 +82,7 @@ class SandboxManager:
         self._store: Store = None  # type: ignore[assignment]  # set by start()
         self._artifacts: Artifacts = None  # type: ignore[assignment]  # set by start()
         self._pools: Pools | None = None
+        self._capacity: HostCapacity = None  # type: ignore[assignment]  # set by start()
         self._started = False
         self._listeners: list[Listener] = []
 
@@ -134,6 +136,8 @@ class SandboxManager:
             await self.close()
             raise
         await self._recover(extra_backends={key.backend for key in targets})
+        # Measured after the sweep: nothing of ours holds the host's memory or disk now.
+        self._capacity = HostCapacity.measure(self.settings)
         self._reaper = asyncio.create_task(self._reap_forever())
         self._pools = pools
         pools.start(targets)
@@ -211,6 +215,7 @@ class SandboxManager:
         Raises:
             ConfigError: an unknown backend or an out-of-range setting.
             QuotaExceeded: ``owner`` already holds ``quota`` worth of live sandboxes.
+            CapacityExhausted: the host has no room for the sandbox's limits.
             BackendUnavailable: the backend cannot run on this host.
             SandboxStartError: the backend failed to start the guest.
         """
@@ -219,10 +224,13 @@ class SandboxManager:
         key = self.placement(spec.backend, spec.runtime, spec.environment)
         resolved = self.settings.resolve_limits(spec.limits())
         network = self.settings.network if spec.network is None else spec.network
+        self._check_metadata(spec.metadata)
         if quota is not None:
             admission.check_quota(self._live_infos(), owner, resolved, quota)
         live = self._pools.take(key, resolved, network, spec.env) if self._pools else None
         if live is None:
+            # A pooled sandbox was reserved when it was started; a new one reserves now.
+            admission.check_host(self._reserved(), resolved, self._capacity)
             # Registered with its owner before the first await, so a concurrent create of
             # the same owner counts it against the quota.
             live = self._new_live(key, resolved, network, spec.env, owner)
@@ -234,6 +242,7 @@ class SandboxManager:
         info = live.info
         info.owner = owner
         info.metadata = spec.metadata or {}
+        live.quota = quota
         info.created_at = info.last_active_at = now
         info.expires_at = now + (spec.ttl_s or self.settings.ttl_s)
         info.idle_timeout_s = spec.idle_timeout_s or self.settings.idle_timeout_s
@@ -298,7 +307,23 @@ class SandboxManager:
 
     def _new_pooled(self, key: PoolKey) -> Live:
         limits = self.settings.resolve_limits(None)
+        admission.check_host(self._reserved(), limits, self._capacity)
         return self._new_live(key, limits, self.settings.network, None, POOL_OWNER)
+
+    def _reserved(self) -> builtins.list[ResolvedLimits]:
+        """The limits of every sandbox the host holds: live, pooled and starting."""
+        held = [live.info.limits for live in self._live.values()]
+        if self._pools is not None:
+            held += self._pools.reserved()
+        return held
+
+    def _check_metadata(self, metadata: dict[str, str] | None) -> None:
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in (metadata or {}).items())
+        if size > self.settings.max_metadata_bytes:
+            raise ConfigError(
+                f"metadata of {size} bytes is over {self.settings.max_metadata_bytes}; send "
+                "less, or raise SANDBOX_MAX_METADATA_BYTES"
+            )
 
     async def _boot(self, live: Live) -> None:
         """Start the guest of a new sandbox; on failure remove every trace of it."""

@@ -54,6 +54,7 @@ class Pools:
         self._make = make
         self._boot = boot
         self._pools: dict[PoolKey, _Pool] = {}
+        self._booting: list[Live] = []
 
     def start(self, targets: dict[PoolKey, int]) -> None:
         for key, size in targets.items():
@@ -64,6 +65,11 @@ class Pools:
     def count(self) -> int:
         """Started sandboxes waiting in the pools."""
         return sum(len(pool.lives) for pool in self._pools.values())
+
+    def reserved(self) -> list[ResolvedLimits]:
+        """The limits of every pooled sandbox, started or starting (the host holds them)."""
+        held = [live for pool in self._pools.values() for live in pool.lives]
+        return [live.info.limits for live in [*held, *self._booting]]
 
     def ids(self) -> set[str]:
         """The ids of the pooled sandboxes (for introspection and tests)."""
@@ -103,9 +109,13 @@ class Pools:
             await pool.wanted.wait()
             pool.wanted.clear()
             while len(pool.lives) < pool.size:
-                live = self._make(key)
                 try:
-                    await self._boot(live)
+                    live = self._make(key)
+                    self._booting.append(live)
+                    try:
+                        await self._boot(live)
+                    finally:
+                        self._booting.remove(live)
                 except SandboxError as exc:
                     log.warning(
                         "warm pool refill failed; retrying", pool=str(key), error=exc.message

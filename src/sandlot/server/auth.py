@@ -26,6 +26,15 @@ from sandlot.errors import AuthenticationError, ConfigError, Forbidden
 from sandlot.models import Quota
 
 KEY_PREFIX = "asb_"
+# A tenant's own quota, column by column; NULL takes the TENANT_MAX_* default.
+QUOTA_COLUMNS = {
+    "max_sandboxes": "INTEGER",
+    "max_memory_mb": "INTEGER",
+    "max_pids": "INTEGER",
+    "max_cpu_cores": "REAL",
+    "max_disk_mb": "INTEGER",
+    "max_artifact_mb": "INTEGER",
+}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -104,6 +113,11 @@ class AuthStore:
         # loss can take the last few. FULL would fsync on every request.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        # Quotas grew columns: add the ones a database from an older release lacks.
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(tenants)")}
+        for column, kind in QUOTA_COLUMNS.items():
+            if column not in have:
+                self._db.execute(f"ALTER TABLE tenants ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -168,25 +182,40 @@ class AuthStore:
 
     # -- quotas
 
-    def set_quota(self, tenant: str, max_sandboxes: int | None, max_memory_mb: int | None) -> None:
+    def set_quota(self, tenant: str, **limits: float | None) -> None:
+        """Set some of ``tenant``'s quota (names from :class:`Quota`); None clears one back to
+        the default.
+
+        Raises:
+            ConfigError: a name that is no quota.
+        """
+        unknown = set(limits) - set(QUOTA_COLUMNS)
+        if unknown:
+            raise ConfigError(f"no quota named {sorted(unknown)}; known: {sorted(QUOTA_COLUMNS)}")
+        columns = list(limits)
         with self._lock:
-            self._db.execute(
-                "INSERT INTO tenants VALUES (?,?,?) ON CONFLICT(tenant) DO UPDATE SET "
-                "max_sandboxes=excluded.max_sandboxes, max_memory_mb=excluded.max_memory_mb",
-                (tenant, max_sandboxes, max_memory_mb),
-            )
+            self._db.execute("INSERT OR IGNORE INTO tenants (tenant) VALUES (?)", (tenant,))
+            if columns:
+                assignments = ", ".join(f"{column}=?" for column in columns)
+                self._db.execute(
+                    f"UPDATE tenants SET {assignments} WHERE tenant=?",  # noqa: S608 - names from QUOTA_COLUMNS
+                    (*limits.values(), tenant),
+                )
 
     def quota(self, tenant: str, default: Quota) -> Quota:
+        """``tenant``'s quota: its own values where set, ``default``'s elsewhere."""
+        columns = ", ".join(QUOTA_COLUMNS)
         with self._lock:
             row = self._db.execute(
-                "SELECT max_sandboxes, max_memory_mb FROM tenants WHERE tenant=?", (tenant,)
+                f"SELECT {columns} FROM tenants WHERE tenant=?",  # noqa: S608 - fixed names
+                (tenant,),
             ).fetchone()
         if row is None:
             return default
-        return Quota(
-            max_sandboxes=default.max_sandboxes if row[0] is None else row[0],
-            max_memory_mb=default.max_memory_mb if row[1] is None else row[1],
-        )
+        own = {
+            name: value for name, value in zip(QUOTA_COLUMNS, row, strict=True) if value is not None
+        }
+        return default.model_copy(update=own)
 
     # -- audit
 

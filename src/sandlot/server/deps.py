@@ -17,6 +17,7 @@ from sandlot.core import SandboxManager
 from sandlot.errors import (
     AuthenticationError,
     BackendUnavailable,
+    CapacityExhausted,
     ConfigError,
     Forbidden,
     GuestError,
@@ -58,6 +59,7 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     InvalidRequest: 422,
     RequestTooLarge: 413,
     QuotaExceeded: 429,
+    CapacityExhausted: 503,
     RateLimited: 429,
     SandboxNotRunning: 409,
     SandboxIsADirectory: 409,
@@ -105,9 +107,14 @@ class ServerState:
         self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)
 
     def default_quota(self) -> Quota:
+        settings = self.settings
         return Quota(
-            max_sandboxes=self.settings.tenant_max_sandboxes,
-            max_memory_mb=self.settings.tenant_max_memory_mb,
+            max_sandboxes=settings.tenant_max_sandboxes,
+            max_memory_mb=settings.tenant_max_memory_mb,
+            max_pids=settings.tenant_max_pids,
+            max_cpu_cores=settings.tenant_max_cpu_cores,
+            max_disk_mb=settings.tenant_max_disk_mb,
+            max_artifact_mb=settings.tenant_max_artifact_mb,
         )
 
     def quota_for(self, principal: Principal) -> Quota | None:
