@@ -570,6 +570,7 @@ class SandboxManager:
             with contextlib.suppress(SandboxNotFound):
                 await self.destroy(sandbox_id, reason=reason)
         await self._artifacts.delete_older_than(now - self.settings.artifact_retention_s)
+        self._store.forget_ended_before(now - self.settings.record_retention_s)
         return [sid for sid, _ in doomed]
 
     # ------------------------------------------------------------------ helpers

@@ -40,6 +40,7 @@ class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        private(path)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -117,10 +118,43 @@ class Store:
             ).fetchall()
         return [row[0] for row in rows]
 
+    def artifact_bytes(self, owner: str) -> int:
+        """Bytes of artifacts kept for all of ``owner``'s sandboxes."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COALESCE(SUM(a.size_bytes), 0) FROM artifacts a "
+                "JOIN sandboxes s ON s.id = a.sandbox_id WHERE s.owner=?",
+                (owner,),
+            ).fetchone()
+        return int(row[0])
+
+    def forget_ended_before(self, ended_before: float) -> int:
+        """Delete the records of sandboxes that ended before ``ended_before`` (Unix time) and
+        keep no artifacts; return how many went."""
+        with self._lock:
+            cursor = self._db.execute(
+                f"DELETE FROM sandboxes WHERE status NOT IN ({','.join('?' * len(LIVE))}) "  # noqa: S608 - placeholders only
+                "AND json_extract(info, '$.ended_at') < ? "
+                "AND id NOT IN (SELECT sandbox_id FROM artifacts)",
+                (*LIVE, ended_before),
+            )
+        return cursor.rowcount
+
     def delete_artifacts(self, sandbox_id: str) -> int:
         with self._lock:
             cursor = self._db.execute("DELETE FROM artifacts WHERE sandbox_id=?", (sandbox_id,))
         return cursor.rowcount
+
+
+def private(path: Path) -> None:
+    """Make the SQLite file (and its WAL companions) readable by this user alone: it holds
+    API key hashes and the audit log. SQLite gives new companions the file's own mode."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        companion = path.with_name(path.name + suffix)
+        if companion.exists():
+            companion.chmod(0o600)
 
 
 def lock_data_dir(data_dir: Path) -> int:

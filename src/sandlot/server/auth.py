@@ -22,6 +22,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from sandlot.core.store import private
 from sandlot.errors import AuthenticationError, ConfigError, Forbidden
 from sandlot.models import Quota
 
@@ -106,6 +107,7 @@ class AuthStore:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
+        private(path)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA busy_timeout=5000")

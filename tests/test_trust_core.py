@@ -1,0 +1,161 @@
+"""The core's side of trust (issue 11): quotas cover every resource a sandbox reserves and
+the host's capacity bounds the sum; kept artifacts and records are bounded, private, and one
+bad file never loses the others. Admission and bookkeeping are the manager's, whatever
+isolates the sandboxes: most tests run on the in-process backend, the artifact ones on every
+embedded backend."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import pytest
+
+from sandlot import Sandbox, SandboxManager
+from sandlot._portal import get_portal
+from sandlot.errors import CapacityExhausted, ConfigError, QuotaExceeded, SandboxNotFound
+from sandlot.models import Quota
+from sandlot.requests import SandboxSpec, WriteFile
+from tests.conftest import make_settings
+
+QUOTA = Quota(
+    max_sandboxes=10,
+    max_memory_mb=4096,
+    max_pids=1000,
+    max_cpu_cores=1.0,
+    max_disk_mb=200,
+)
+
+
+@pytest.fixture
+def data_dir(data_root: Path, request: pytest.FixtureRequest) -> Path:
+    path = data_root / f"admission-{request.node.name}"
+    path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "setting"),
+    [
+        ({"pids": 600}, {"pids": 600}, "TENANT_MAX_PIDS"),
+        ({"cpu_cores": 0.75}, {"cpu_cores": 0.5}, "TENANT_MAX_CPU_CORES"),
+        ({"disk_mb": 150}, {"disk_mb": 64}, "TENANT_MAX_DISK_MB"),
+    ],
+)
+async def test_a_tenant_quota_bounds_every_reserved_resource(
+    data_dir: Path, first: dict[str, float], second: dict[str, float], setting: str
+) -> None:
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        await mgr.create(SandboxSpec.model_validate(first), owner="acme", quota=QUOTA)
+        with pytest.raises(QuotaExceeded, match=setting):
+            await mgr.create(SandboxSpec.model_validate(second), owner="acme", quota=QUOTA)
+        # Another tenant is not affected by acme's holdings.
+        await mgr.create(SandboxSpec.model_validate(second), owner="globex", quota=QUOTA)
+
+
+@pytest.mark.parametrize(
+    ("override", "spec", "setting"),
+    [
+        ({"host_memory_overcommit": 0.001}, {"memory_mb": 64}, "SANDBOX_HOST_MEMORY_OVERCOMMIT"),
+        ({"host_pids_fraction": 0.000001}, {"pids": 64}, "SANDBOX_HOST_PIDS_FRACTION"),
+        ({"max_disk_mb": 1_048_576}, {"disk_mb": 1_048_576}, "SANDBOX_HOST_DISK_FRACTION"),
+    ],
+)
+async def test_the_host_refuses_what_it_cannot_hold(
+    data_dir: Path, override: dict[str, float], spec: dict[str, int], setting: str
+) -> None:
+    settings = make_settings(data_dir, backend="unsafe-local", **override)
+    async with SandboxManager(settings) as mgr:
+        with pytest.raises(CapacityExhausted, match=setting):
+            await mgr.create(SandboxSpec.model_validate(spec))
+        assert mgr.live_count() == 0
+
+
+async def test_host_capacity_counts_every_tenant_and_frees_on_destroy(data_dir: Path) -> None:
+    # CPU: 0.5 per sandbox; the host may hold as many as its cores times the factor.
+    import os
+
+    cores = os.cpu_count() or 1
+    settings = make_settings(data_dir, backend="unsafe-local", host_cpu_overcommit=1.0 / cores)
+    async with SandboxManager(settings) as mgr:  # capacity: 1 core in all
+        a = await mgr.create(SandboxSpec(cpu_cores=0.5), owner="a")
+        await mgr.create(SandboxSpec(cpu_cores=0.5), owner="b")
+        with pytest.raises(CapacityExhausted, match="SANDBOX_HOST_CPU_OVERCOMMIT"):
+            await mgr.create(SandboxSpec(cpu_cores=0.5), owner="c")
+        await mgr.destroy(a.id)
+        await mgr.create(SandboxSpec(cpu_cores=0.5), owner="c")
+
+
+async def test_metadata_is_bounded(data_dir: Path) -> None:
+    settings = make_settings(data_dir, backend="unsafe-local", max_metadata_bytes=1024)
+    async with SandboxManager(settings) as mgr:
+        with pytest.raises(ConfigError, match="SANDBOX_MAX_METADATA_BYTES"):
+            await mgr.create(SandboxSpec(metadata={"k": "v" * 2000}))
+        await mgr.create(SandboxSpec(metadata={"k": "v" * 500}))
+
+
+async def test_ended_records_are_forgotten_after_their_retention(data_dir: Path) -> None:
+    # Failed before: every ended sandbox's row stayed forever (+160 MiB with none live).
+    settings = make_settings(data_dir, backend="unsafe-local", record_retention_s=0.5)
+    async with SandboxManager(settings) as mgr:
+        ids = [(await mgr.create()).id for _ in range(5)]
+        for sandbox_id in ids:
+            await mgr.destroy(sandbox_id)
+        assert len(await mgr.list(include_ended=True)) == 5
+        await asyncio.sleep(0.8)
+        await mgr.reap()
+        assert await mgr.list(include_ended=True) == []
+        with pytest.raises(SandboxNotFound):
+            await mgr.get(ids[0])
+
+
+def test_kept_state_is_private_to_the_server_user(
+    manager: SandboxManager, sandbox: Sandbox
+) -> None:
+    # Failed before: the store (key hashes, audit log) and kept artifacts were world-readable.
+    sandbox.files.write("artifacts/report.txt", "secret")
+    sandbox.kill()
+    store = manager.settings.data_dir / "sandlot.db"
+    assert stat.S_IMODE(store.stat().st_mode) == 0o600
+    kept = get_portal().call(manager.artifact_path(sandbox.id, "report.txt"))
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert stat.S_IMODE(kept.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(kept.parent.parent.stat().st_mode) == 0o700
+
+
+def test_one_bad_artifact_does_not_lose_the_others(
+    manager: SandboxManager, sandbox: Sandbox
+) -> None:
+    # Failed before: one non-UTF-8 name, or one unreadable file, lost every artifact.
+    sandbox.files.write("artifacts/a.txt", "kept")
+    made = sandbox.commands.run(
+        "cd artifacts && printf x > \"$(printf 'bad\\377name')\" && printf y > locked "
+        "&& chmod 000 locked && mkdir -p sub && printf z > sub/b.txt"
+    )
+    assert made.exit_code == 0, made.stderr
+    sandbox.kill()
+    kept = {a.path for a in get_portal().call(manager.list_artifacts(sandbox.id))}
+    assert {"a.txt", "sub/b.txt"} <= kept
+    root = manager.settings.data_dir / "artifacts" / sandbox.id
+    assert not [p for p in root.rglob("*") if p.name.endswith(".partial")]
+
+
+async def test_artifacts_over_the_tenant_quota_leave_no_partial_copy(data_dir: Path) -> None:
+    # Failed before: a file over the budget left an untracked partial copy on the host, and
+    # a tenant's kept artifacts had no total.
+    quota = Quota(max_sandboxes=5, max_memory_mb=4096, max_artifact_mb=1)
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create(owner="acme", quota=quota)
+        await mgr.write_file(info.id, WriteFile(path="artifacts/big.bin"), b"x" * (3 << 20))
+        await mgr.write_file(info.id, WriteFile(path="artifacts/small.txt"), b"ok")
+        await mgr.destroy(info.id)
+        kept = [a.path for a in await mgr.list_artifacts(info.id)]
+        assert kept == ["small.txt"]
+        root = data_dir / "artifacts" / info.id
+        assert sorted(p.name for p in root.rglob("*")) == ["small.txt"]
+        # The next sandbox of the tenant may keep only what is left of the quota.
+        second = await mgr.create(owner="acme", quota=quota)
+        await mgr.write_file(second.id, WriteFile(path="artifacts/m.bin"), b"y" * (1 << 20))
+        await mgr.destroy(second.id)
+        assert await mgr.list_artifacts(second.id) == []
