@@ -159,3 +159,23 @@ async def test_artifacts_over_the_tenant_quota_leave_no_partial_copy(data_dir: P
         await mgr.write_file(second.id, WriteFile(path="artifacts/m.bin"), b"y" * (1 << 20))
         await mgr.destroy(second.id)
         assert await mgr.list_artifacts(second.id) == []
+
+
+@pytest.mark.hostile
+def test_a_guest_whose_limits_code_lowered_is_restarted(jail: Sandbox) -> None:
+    # Failed before: with the guest's file limit set to 3 from inside, every later call
+    # failed with a 400 (Too many open files) and the guest was never restarted.
+    wedge = (
+        "import os, resource\n"
+        "try:\n"
+        "    resource.prlimit(os.getppid(), resource.RLIMIT_NOFILE, (3, 3))\n"
+        "    'lowered'\n"
+        "except OSError as exc:\n"
+        "    'refused: %s' % exc\n"
+    )
+    jail.run_code(wedge)
+    after = jail.run_code("40 + 2")
+    assert after.text == "42", after
+    assert jail.commands.run("echo hi").stdout == "hi\n"
+    jail.files.write("still.txt", "ok")
+    assert jail.files.read("still.txt") == "ok"

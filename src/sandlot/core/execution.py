@@ -16,7 +16,7 @@ import structlog
 from pydantic import ValidationError
 
 from sandlot.core.guest_link import GuestConnection
-from sandlot.core.live import Live
+from sandlot.core.live import Live, guest_broken
 from sandlot.errors import ConfigError, GuestDied, GuestError, PidsExhausted, SandboxError
 from sandlot.guest.ops import Op
 from sandlot.models import ExecResult, OutputCallback, ResourceUsage
@@ -61,11 +61,43 @@ async def execute(
 ) -> ExecResult:
     """Run one exec call; a crash, timeout or kill of the sandboxed program is a result.
 
+    A guest that answers with an error of its own (it cannot open a pipe: sandboxed code
+    lowered its file limit, say) is broken for every later call too: it is restarted and the
+    call is tried once more on the fresh guest (``state_lost``). An exec request's error frame
+    means the guest failed before running the code, so the retry runs it once, not twice.
+
     Raises:
         ConfigError: ``timeout_s`` is not positive.
-        GuestError: the guest sent a result that is not one.
+        GuestError: the guest sent a result that is not one, or failed again once restarted.
         SandboxNotRunning: the sandbox is being destroyed.
     """
+    try:
+        return await _attempt(live, op, payload, timeout_s, on_stdout, on_stderr, stdin)
+    except SandboxError as exc:
+        if not guest_broken(exc):
+            raise
+        log.warning("the guest fails calls; restarting it", sandbox=live.id, error=exc.message)
+        await live.drop_guest()
+    try:
+        result = await _attempt(live, op, payload, timeout_s, on_stdout, on_stderr, stdin)
+    except SandboxError as exc:
+        if not guest_broken(exc):
+            raise
+        await live.drop_guest()
+        raise GuestError(f"the sandbox's guest fails even when restarted: {exc.message}") from exc
+    result.state_lost = True
+    return result
+
+
+async def _attempt(
+    live: Live,
+    op: Op,
+    payload: dict[str, Any],
+    timeout_s: float | None,
+    on_stdout: OutputCallback | None,
+    on_stderr: OutputCallback | None,
+    stdin: asyncio.Queue[bytes | None] | None = None,
+) -> ExecResult:
     limits = live.info.limits
     timeout = limits.timeout_s if timeout_s is None else timeout_s
     if timeout <= 0:

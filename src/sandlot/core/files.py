@@ -12,7 +12,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from sandlot.core.guest_link import GuestConnection
-from sandlot.core.live import Live
+from sandlot.core.live import Live, guest_broken
 from sandlot.errors import GuestError, PidsExhausted, RequestTooLarge, SandboxError
 from sandlot.guest.ops import Op
 from sandlot.models import FileInfo
@@ -22,13 +22,16 @@ FILE_CHUNK_BYTES = 1 << 20
 
 
 async def file_op(live: Live, op: Op, payload: dict[str, Any]) -> dict[str, Any]:
-    """One file request to the guest, restarting a guest a background fork bomb starves."""
+    """One file request to the guest, restarting a guest that cannot serve any: one a
+    background fork bomb starves, or one whose own limits sandboxed code lowered."""
     live.touch()
     conn, _ = await live.connection()
     try:
         return await conn.request(op, payload)
-    except PidsExhausted:
-        # A fork bomb in the background: a fresh guest (its processes killed) can serve.
+    except SandboxError as exc:
+        if not (isinstance(exc, PidsExhausted) or guest_broken(exc)):
+            raise
+        # A fresh guest (the processes of the old one killed, its limits new) can serve.
         await live.drop_guest()
         conn, _ = await live.connection()
         return await conn.request(op, payload)

@@ -14,7 +14,13 @@ import structlog
 
 from sandlot.backends import Backend, GuestSpec
 from sandlot.core.guest_link import GuestConnection
-from sandlot.errors import GuestError, SandboxNotRunning, SandboxStartError
+from sandlot.errors import (
+    GuestError,
+    SandboxError,
+    SandboxFileError,
+    SandboxNotRunning,
+    SandboxStartError,
+)
 from sandlot.models import Quota, ResourceUsage, SandboxInfo
 
 log = structlog.get_logger(__name__)
@@ -108,3 +114,10 @@ class Live:
         if self.conn is not None:
             await self.conn.close()
             self.conn = None
+
+
+def guest_broken(exc: SandboxError) -> bool:
+    """Whether an error frame is the guest's own failure (an errno no request explains, such
+    as EMFILE after sandboxed code lowered the guest's file limit) rather than a problem with
+    the request, which the caller must see as it is."""
+    return type(exc) in (SandboxError, SandboxFileError)
