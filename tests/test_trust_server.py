@@ -12,6 +12,7 @@ import contextlib
 import json
 import socket
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -283,3 +284,43 @@ def test_one_key_cannot_reserve_more_than_its_tenant_quota(server: Server) -> No
         assert "TENANT_MAX_PIDS" in second.json()["error"]["message"]
     finally:
         httpx.delete(f"{server.url}/v1/sandboxes/{first.json()['id']}", headers=headers)
+
+
+def test_a_hostile_sandbox_id_never_reaches_the_audit_trail(server: Server) -> None:
+    # Failed before: any id was accepted (404) and recorded, escape sequences and Rich markup
+    # included, and `sandlot keys audit` printed it raw to the operator's terminal.
+    headers = {"Authorization": f"Bearer {server.key}"}
+    hostile = "sb-\x1b]0;owned\x07[bold red]x"
+    quoted = urllib.parse.quote(hostile, safe="")
+    response = httpx.delete(f"{server.url}/v1/sandboxes/{quoted}", headers=headers)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == "invalid_request"
+    store = AuthStore(server.log.parent / "sandlot.db")
+    try:
+        assert all("\x1b" not in str(row["sandbox_id"]) for row in store.audit_log())
+    finally:
+        store.close()
+
+
+def test_the_audit_listing_shows_control_characters_escaped(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows written before ids were checked (or by another writer) must still print safely.
+    from sandlot.server.auth import LOCAL_PRINCIPAL
+    from tests.test_cli import _run as run_cli
+
+    data_dir = data_root / "audit-escape"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    store.audit(
+        principal=LOCAL_PRINCIPAL,
+        action="sandbox.delete",
+        outcome="ok",
+        sandbox_id="sb-\x1b[2J\x1b]0;owned\x07[blink]x",
+    )
+    store.close()
+    monkeypatch.setenv("COLUMNS", "300")  # wide enough that Rich does not cut the cell
+    done = run_cli(["keys", "audit"], data_dir)
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "\\x1b[2J" in done.stdout and "[blink]x" in done.stdout

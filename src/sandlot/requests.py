@@ -25,6 +25,9 @@ MAX_ENV_VARS = 256
 MAX_METADATA_KEYS = 64
 MAX_TTL_S = 30 * 86_400
 SESSION_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+# What a sandbox id may look like at the edge (ours are "sb-" + 16 hex digits): anything else
+# is refused before it can reach a log, the audit trail or a terminal.
+SANDBOX_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 
 R = TypeVar("R", bound=BaseModel)
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import unicodedata
 from collections.abc import Iterator
 from typing import Annotated, Any
 
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape as rich_escape
 
 from sandlot.client import RemoteService
 from sandlot.config import get_settings
@@ -91,3 +93,20 @@ def remote_call(api_url: str | None, api_key: str | None, work: Any) -> Any:
             "or set --api-url / SANDLOT_URL"
         )
         raise typer.Exit(2) from None
+
+
+def shown(value: object) -> str:
+    """Text from a store or a server, safe to print in a Rich table: markup is escaped and
+    control characters (escape sequences among them) are shown as ``\\xNN``, so a name or a
+    sandbox id chosen by a client can neither restyle nor rewrite the operator's terminal."""
+    text = "" if value is None else str(value)
+    visible = "".join(
+        ch if ch.isprintable() and not unicodedata.category(ch).startswith("C") else _hex(ch)
+        for ch in text
+    )
+    return rich_escape(visible)
+
+
+def _hex(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sandlot.cli.common import console, errors_exit_2
+from sandlot.cli.common import console, errors_exit_2, shown
 from sandlot.config import get_settings
 
 if TYPE_CHECKING:
@@ -55,7 +55,8 @@ def keys_list() -> None:
     with _auth_store() as store:
         for key in store.list_keys():
             revoked = "yes" if key["revoked_at"] else ""
-            table.add_row(key["key_id"], key["tenant"], key["role"], key["name"], revoked)
+            cells = (key["key_id"], key["tenant"], key["role"], key["name"], revoked)
+            table.add_row(*(shown(cell) for cell in cells))
     Console().print(table)
 
 
@@ -104,7 +105,6 @@ def keys_audit(
     table = Table("seq", "tenant", "key_id", "action", "sandbox", "outcome")
     with _auth_store() as store:
         for row in store.audit_log(tenant, limit):
-            sandbox = row["sandbox_id"] or ""
-            action, outcome = row["action"], row["outcome"]
-            table.add_row(str(row["seq"]), row["tenant"], row["key_id"], action, sandbox, outcome)
+            cells = ("seq", "tenant", "key_id", "action", "sandbox_id", "outcome")
+            table.add_row(*(shown(row[cell]) for cell in cells))
     Console().print(table)

@@ -21,7 +21,7 @@ from sandlot.models import FileInfo, SandboxInfo
 from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteFile, build
 from sandlot.server.agent import AgentTaskRequest, execute_task
 from sandlot.server.auth import Principal
-from sandlot.server.deps import caller, state_of
+from sandlot.server.deps import SandboxId, caller, state_of
 from sandlot.server.routes import ERRORS
 from sandlot.server.schemas import (
     CreateSessionResponse,
@@ -112,13 +112,13 @@ async def api_create_session(
 
 
 @router.get("/api/sessions/{session_id}", response_model=SandboxInfo)
-async def api_get_session(session_id: str, request: Request, who: Caller) -> SandboxInfo:
+async def api_get_session(session_id: SandboxId, request: Request, who: Caller) -> SandboxInfo:
     return await state_of(request).manager.get(session_id, owner=who.owner_filter)
 
 
 @router.delete("/api/sessions/{session_id}", response_model=SandboxInfo)
 async def api_delete_session(
-    session_id: str,
+    session_id: SandboxId,
     request: Request,
     who: Caller,
     sandbox_id: Annotated[str | None, Query(description="Accepted for seed 001; ignored.")] = None,
@@ -152,7 +152,7 @@ async def api_execute(
 
 @router.get("/api/e2b/files/{session_id}", response_model=list[FileInfo])
 async def api_list_files(
-    session_id: str,
+    session_id: SandboxId,
     request: Request,
     who: Caller,
     path: Annotated[str, Query(max_length=4096)] = ".",

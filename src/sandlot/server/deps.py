@@ -6,10 +6,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import structlog
-from fastapi import Request, WebSocket
+from fastapi import Path, Request, WebSocket
 from fastapi.responses import JSONResponse
 
 from sandlot.config import Settings
@@ -42,11 +42,14 @@ from sandlot.errors import (
     SandboxStartError,
 )
 from sandlot.models import Quota
+from sandlot.requests import SANDBOX_ID_PATTERN
 from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore, Principal
 from sandlot.server.limits import RateLimiter
 from sandlot.server.metrics import Metrics
 
 log = structlog.get_logger(__name__)
+
+SandboxId = Annotated[str, Path(pattern=SANDBOX_ID_PATTERN, description="A sandbox's id.")]
 
 HTTP_STATUS: dict[type[SandboxError], int] = {
     AuthenticationError: 401,

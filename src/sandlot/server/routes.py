@@ -24,7 +24,7 @@ from sandlot.requests import (
     WriteFile,
 )
 from sandlot.server.auth import Principal
-from sandlot.server.deps import caller, state_of
+from sandlot.server.deps import SandboxId, caller, state_of
 from sandlot.server.schemas import ErrorBody, WrittenFile
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -55,12 +55,12 @@ async def list_sandboxes(
 
 
 @router.get("/{sandbox_id}", response_model=SandboxInfo)
-async def get_sandbox(sandbox_id: str, request: Request, who: Caller) -> SandboxInfo:
+async def get_sandbox(sandbox_id: SandboxId, request: Request, who: Caller) -> SandboxInfo:
     return await state_of(request).manager.get(sandbox_id, owner=who.owner_filter)
 
 
 @router.delete("/{sandbox_id}", response_model=SandboxInfo)
-async def delete_sandbox(sandbox_id: str, request: Request, who: Caller) -> SandboxInfo:
+async def delete_sandbox(sandbox_id: SandboxId, request: Request, who: Caller) -> SandboxInfo:
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.delete", sandbox_id):
@@ -69,19 +69,19 @@ async def delete_sandbox(sandbox_id: str, request: Request, who: Caller) -> Sand
 
 @router.post("/{sandbox_id}/timeout", response_model=SandboxInfo)
 async def set_timeout(
-    sandbox_id: str, body: SetTimeout, request: Request, who: Caller
+    sandbox_id: SandboxId, body: SetTimeout, request: Request, who: Caller
 ) -> SandboxInfo:
     who.require_write()
     return await state_of(request).manager.extend(sandbox_id, body, owner=who.owner_filter)
 
 
 @router.get("/{sandbox_id}/usage", response_model=ResourceUsage)
-async def usage(sandbox_id: str, request: Request, who: Caller) -> ResourceUsage:
+async def usage(sandbox_id: SandboxId, request: Request, who: Caller) -> ResourceUsage:
     return await state_of(request).manager.usage(sandbox_id, owner=who.owner_filter)
 
 
 @router.post("/{sandbox_id}/code", response_model=ExecResult)
-async def run_code(sandbox_id: str, body: RunCode, request: Request, who: Caller) -> Response:
+async def run_code(sandbox_id: SandboxId, body: RunCode, request: Request, who: Caller) -> Response:
     """Run Python in the sandbox's persistent interpreter. A failing program is a 200."""
     who.require_write()
     state = state_of(request)
@@ -92,7 +92,9 @@ async def run_code(sandbox_id: str, body: RunCode, request: Request, who: Caller
 
 
 @router.post("/{sandbox_id}/commands", response_model=ExecResult)
-async def run_command(sandbox_id: str, body: RunCommand, request: Request, who: Caller) -> Response:
+async def run_command(
+    sandbox_id: SandboxId, body: RunCommand, request: Request, who: Caller
+) -> Response:
     """Run a bash command; ``cd`` and ``export`` persist within ``session``."""
     who.require_write()
     state = state_of(request)
@@ -113,7 +115,7 @@ def _json(model: BaseModel) -> Response:
 
 @router.get("/{sandbox_id}/files", response_model=list[FileInfo])
 async def list_files(
-    sandbox_id: str,
+    sandbox_id: SandboxId,
     request: Request,
     who: Caller,
     query: Annotated[ListFiles, Query()],
@@ -122,7 +124,9 @@ async def list_files(
 
 
 @router.get("/{sandbox_id}/files/stat", response_model=FileInfo)
-async def stat_file(sandbox_id: str, query: PathQuery, request: Request, who: Caller) -> FileInfo:
+async def stat_file(
+    sandbox_id: SandboxId, query: PathQuery, request: Request, who: Caller
+) -> FileInfo:
     return await state_of(request).manager.stat_file(sandbox_id, query, owner=who.owner_filter)
 
 
@@ -132,7 +136,7 @@ async def stat_file(sandbox_id: str, query: PathQuery, request: Request, who: Ca
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 async def download_file(
-    sandbox_id: str, query: PathQuery, request: Request, who: Caller
+    sandbox_id: SandboxId, query: PathQuery, request: Request, who: Caller
 ) -> StreamingResponse:
     """Stream a file out of the sandbox."""
     chunks = state_of(request).manager.read_file_chunks(sandbox_id, query, owner=who.owner_filter)
@@ -164,7 +168,7 @@ def _attachment(name: str) -> str:
 
 @router.put("/{sandbox_id}/files/content", response_model=WrittenFile)
 async def upload_raw(
-    sandbox_id: str, query: Annotated[WriteFile, Query()], request: Request, who: Caller
+    sandbox_id: SandboxId, query: Annotated[WriteFile, Query()], request: Request, who: Caller
 ) -> WrittenFile:
     """Upload the raw request body to ``path``, streamed (never held whole in memory)."""
     who.require_write()
@@ -201,7 +205,7 @@ MULTIPART_BODY = {
     openapi_extra=MULTIPART_BODY,
 )
 async def upload_multipart(
-    sandbox_id: str, query: Annotated[WriteFile, Query()], request: Request, who: Caller
+    sandbox_id: SandboxId, query: Annotated[WriteFile, Query()], request: Request, who: Caller
 ) -> WrittenFile:
     """Upload a multipart form's ``file`` field to ``path``.
 
@@ -244,7 +248,9 @@ def _upload_limit(request: Request, required: bool = False) -> int:
 
 
 @router.post("/{sandbox_id}/directories", response_model=FileInfo, status_code=201)
-async def make_dir(sandbox_id: str, query: PathQuery, request: Request, who: Caller) -> FileInfo:
+async def make_dir(
+    sandbox_id: SandboxId, query: PathQuery, request: Request, who: Caller
+) -> FileInfo:
     """Create a directory (and its parents)."""
     who.require_write()
     state = state_of(request)
@@ -255,7 +261,7 @@ async def make_dir(sandbox_id: str, query: PathQuery, request: Request, who: Cal
 
 @router.delete("/{sandbox_id}/files", status_code=204)
 async def delete_file(
-    sandbox_id: str, query: Annotated[RemoveFile, Query()], request: Request, who: Caller
+    sandbox_id: SandboxId, query: Annotated[RemoveFile, Query()], request: Request, who: Caller
 ) -> Response:
     who.require_write()
     state = state_of(request)
@@ -268,14 +274,16 @@ async def delete_file(
 
 
 @router.get("/{sandbox_id}/artifacts", response_model=list[ArtifactInfo])
-async def list_artifacts(sandbox_id: str, request: Request, who: Caller) -> list[ArtifactInfo]:
+async def list_artifacts(
+    sandbox_id: SandboxId, request: Request, who: Caller
+) -> list[ArtifactInfo]:
     """Files the sandbox left in /workspace/artifacts, kept after it was destroyed."""
     return await state_of(request).manager.list_artifacts(sandbox_id, owner=who.owner_filter)
 
 
 @router.get("/{sandbox_id}/artifacts/{path:path}", response_class=FileResponse)
 async def download_artifact(
-    sandbox_id: str, path: str, request: Request, who: Caller
+    sandbox_id: SandboxId, path: str, request: Request, who: Caller
 ) -> FileResponse:
     host_path = await state_of(request).manager.artifact_path(
         sandbox_id, path, owner=who.owner_filter
@@ -284,7 +292,7 @@ async def download_artifact(
 
 
 @router.delete("/{sandbox_id}/artifacts", status_code=204)
-async def delete_artifacts(sandbox_id: str, request: Request, who: Caller) -> Response:
+async def delete_artifacts(sandbox_id: SandboxId, request: Request, who: Caller) -> Response:
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "artifacts.delete", sandbox_id):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandlot.requests import MAX_SOURCE_CHARS, NoNul
+from sandlot.requests import MAX_SOURCE_CHARS, SANDBOX_ID_PATTERN, NoNul
 
 
 class _Body(BaseModel):
@@ -40,7 +40,7 @@ class Health(_Body):
 
 
 class SessionRef(_Body):
-    session_id: str = Field(max_length=64)
+    session_id: str = Field(pattern=SANDBOX_ID_PATTERN)
 
 
 class CreateSessionResponse(_Body):
@@ -48,7 +48,7 @@ class CreateSessionResponse(_Body):
 
 
 class LegacyExecuteRequest(_Body):
-    session_id: str = Field(max_length=64)
+    session_id: str = Field(pattern=SANDBOX_ID_PATTERN)
     command: NoNul = Field(max_length=MAX_SOURCE_CHARS)
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
 
@@ -77,7 +77,7 @@ class SessionCreateResponse(_Body):
 
 
 class SessionCodeRequest(_Body):
-    session_id: str = Field(max_length=64)
+    session_id: str = Field(pattern=SANDBOX_ID_PATTERN)
     code: str = Field(max_length=MAX_SOURCE_CHARS)
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
 
@@ -91,6 +91,6 @@ class SessionCodeResponse(_Body):
 
 
 class SessionFileWrite(_Body):
-    session_id: str = Field(max_length=64)
+    session_id: str = Field(pattern=SANDBOX_ID_PATTERN)
     path: NoNul = Field(min_length=1, max_length=4096)
     content: str = Field(max_length=MAX_SOURCE_CHARS)

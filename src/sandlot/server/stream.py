@@ -33,7 +33,7 @@ from sandlot.errors import ConfigError, SandboxError
 from sandlot.models import ExecResult
 from sandlot.requests import RunCode, RunCommand
 from sandlot.server.auth import Principal
-from sandlot.server.deps import ServerState
+from sandlot.server.deps import SandboxId, ServerState
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["streaming"])
@@ -69,7 +69,7 @@ class StdinQueue(asyncio.Queue[bytes | None]):
 
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/stream")
-async def stream(websocket: WebSocket, sandbox_id: str) -> None:
+async def stream(websocket: WebSocket, sandbox_id: SandboxId) -> None:
     state: ServerState = websocket.app.state.sandbox
     websocket.state.request_id = websocket.headers.get("x-request-id") or uuid.uuid4().hex
     await websocket.accept()
