@@ -10,7 +10,7 @@ SYSTEM_PACKAGES := bubblewrap util-linux e2fsprogs libseccomp2 procps python3
 
 DOCKER_TARGETS := docker,docker+runsc
 
-.PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench \
+.PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system venv clean docker-setup image models agent-demo bench-agent bench-agent-builtin
 
 run: venv
@@ -79,6 +79,12 @@ bench: venv image
 	$(PY) bench/bench_core.py --rounds 5 --output BENCHMARKS.md
 	$(PY) bench/bench_backends.py --rounds 5 --output BENCHMARKS.md
 	$(PY) bench/bench_server.py --rounds 3 --output BENCHMARKS.md
+
+# 30 minutes (at most 10,000 lifecycles) of 20 clients against one real server, a hostile
+# program in every 10th lifecycle; fails on any 5xx, wrong result, leak or RSS growth over
+# 64 MiB. Not in CI.
+soak: venv
+	$(PY) bench/soak.py --minutes 30 --lifecycles 10000 --clients 20 --output BENCHMARKS.md
 
 doctor: venv
 	$(VENV)/bin/sandlot doctor
