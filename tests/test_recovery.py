@@ -42,6 +42,12 @@ async def main():
         daemon = "setsid sleep 3600 >/dev/null 2>&1 < /dev/null &"
         await mgr.run_command(info.id, RunCommand(command=daemon))
         await mgr.run_code(info.id, RunCode(code="x = 1"))
+        keep = "import os; os.makedirs('artifacts/sub', exist_ok=True); "
+        keep += f"open('artifacts/out.txt', 'w').write('kept {info.id}'); "
+        # Hostile leftovers the host-side copy must not follow or block on.
+        keep += "os.symlink('/etc/shadow', 'artifacts/shadow'); os.mkfifo('artifacts/fifo'); "
+        keep += "os.symlink('/etc', 'artifacts/sub/etc')"
+        await mgr.run_code(info.id, RunCode(code=keep))
         ws = os.path.join(data_dir, "sandboxes", info.id, "workspace")
         uid = os.stat(ws).st_uid if os.path.exists(ws) else None
         out.append({"id": info.id, "uid": uid})
@@ -128,6 +134,11 @@ async def test_restart_after_kill_9_cleans_every_orphan(
             info = await mgr.get(s["id"])
             assert info.status == SandboxStatus.DESTROYED
             assert info.end_reason == "recovered"
+            # Failed before: the restart swept the workspaces without keeping the artifacts.
+            kept = await mgr.list_artifacts(s["id"])
+            assert [a.path for a in kept] == ["out.txt"]
+            path = await mgr.artifact_path(s["id"], "out.txt")
+            assert path.read_text() == f"kept {s['id']}"
         assert await mgr.list() == []
         assert driver.children(settings.cgroup_root, instance) == []
         assert mounted_below(data_dir / "sandboxes") == []

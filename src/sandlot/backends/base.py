@@ -162,6 +162,12 @@ class Backend(Protocol):
         """Remove every sandbox of this backend instance not in ``keep``; return their ids."""
         ...
 
+    def workspace_on_host(self, sandbox_id: str) -> Path | None:
+        """Where the sandbox's /workspace lies on the host while its files are still there
+        (a crashed manager's orphan, before the sweep), or None. The caller reads it as
+        hostile: no symlink followed, regular files only."""
+        ...
+
     async def close(self) -> None:
         """Release what the backend holds itself (not the sandboxes)."""
         ...

@@ -92,6 +92,10 @@ class LocalBackend:
     async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
         return ResourceUsage()
 
+    def workspace_on_host(self, sandbox_id: str) -> Path | None:
+        workspace = self._workspace(sandbox_id)
+        return workspace if workspace.is_dir() else None
+
     async def sweep(self, keep: Collection[str]) -> list[str]:
         removed = []
         with contextlib.suppress(FileNotFoundError):

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import os
 import shutil
+import stat
 import time
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -21,7 +22,7 @@ from sandlot.core.live import Live
 from sandlot.core.store import Store
 from sandlot.errors import SandboxError, SandboxFileNotFound
 from sandlot.guest.ops import Op
-from sandlot.models import ArtifactInfo
+from sandlot.models import ArtifactInfo, SandboxInfo
 
 log = structlog.get_logger(__name__)
 
@@ -115,6 +116,30 @@ class Artifacts:
             raise
         return size, digest.hexdigest()
 
+    async def export_from_host(self, info: SandboxInfo, workspace: Path) -> None:
+        """Keep the artifacts of an orphan (a crashed manager's sandbox, its guest gone) by
+        reading its workspace on the host, as hostile: no symlink is followed at any depth,
+        only regular files are read, within the sandbox's disk size and 100,000 entries."""
+        await asyncio.to_thread(self._copy_from_host, info, workspace)
+
+    def _copy_from_host(self, info: SandboxInfo, workspace: Path) -> None:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            top = os.open(workspace, flags)
+        except OSError:
+            return
+        try:
+            artifacts = os.open(ARTIFACTS_DIR, flags, dir_fd=top)
+        except OSError:
+            return  # no artifacts directory
+        finally:
+            os.close(top)
+        walk = _HostWalk(self, info, self._dir(info.id).resolve())
+        try:
+            walk.directory(artifacts, PurePosixPath(), depth=0)
+        finally:
+            os.close(artifacts)
+
     def list(self, sandbox_id: str) -> list[ArtifactInfo]:
         return self.store.artifacts(sandbox_id)
 
@@ -157,3 +182,100 @@ def _private_dirs(root: Path, leaf: Path) -> None:
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     root.chmod(0o700)
     leaf.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+class _HostWalk:
+    """One orphan's artifact tree, copied from the host side with directory descriptors."""
+
+    MAX_DEPTH = 32
+    MAX_ENTRIES = 100_000
+
+    def __init__(self, artifacts: Artifacts, info: SandboxInfo, dest_root: Path) -> None:
+        self.artifacts = artifacts
+        self.info = info
+        self.dest_root = dest_root
+        self.budget = info.limits.disk_mb * MIB
+        self.entries = 0
+
+    def directory(self, fd: int, rel: PurePosixPath, depth: int) -> None:
+        with os.scandir(fd) as found:
+            names = [entry.name for entry in found]
+        for name in names:
+            self.entries += 1
+            if self.entries > self.MAX_ENTRIES or self.budget <= 0:
+                return
+            if not _utf8(name):
+                log.warning("artifact not kept: its name is not UTF-8", sandbox=self.info.id)
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and depth < self.MAX_DEPTH:
+                    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                    sub = os.open(name, flags, dir_fd=fd)
+                    try:
+                        self.directory(sub, rel / name, depth + 1)
+                    finally:
+                        os.close(sub)
+                elif stat.S_ISREG(st.st_mode):
+                    self.file(fd, name, rel / name)
+            except OSError as exc:
+                log.warning(
+                    "artifact not kept", sandbox=self.info.id, path=str(rel / name), error=repr(exc)
+                )
+
+    def file(self, dir_fd: int, name: str, rel: PurePosixPath) -> None:
+        target = _target(self.dest_root, {"path": str(rel), "type": "file"})
+        if target is None:
+            return
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        src = os.open(name, flags, dir_fd=dir_fd)
+        try:
+            if not stat.S_ISREG(os.fstat(src).st_mode):
+                return
+            _private_dirs(self.artifacts.root, target.parent)
+            partial = target.with_name(f".{target.name}.partial")
+            try:
+                size, digest = _copy_bounded(src, partial, self.budget)
+                partial.replace(target)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
+        finally:
+            os.close(src)
+        self.budget -= size
+        self.artifacts.store.add_artifact(
+            ArtifactInfo(
+                sandbox_id=self.info.id,
+                path=str(rel),
+                size_bytes=size,
+                sha256=digest,
+                created_at=time.time(),
+            )
+        )
+
+
+def _copy_bounded(src: int, dest: Path, budget: int) -> tuple[int, str]:
+    """Copy the open file ``src`` into ``dest`` (created 0600); return its size and sha256.
+
+    Raises:
+        OSError: it is bigger than ``budget``, or could not be read or written.
+    """
+    digest = hashlib.sha256()
+    size = 0
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(out, "wb") as sink:
+        while chunk := os.read(src, 1 << 20):
+            size += len(chunk)
+            if size > budget:
+                raise OSError(f"over the {budget} bytes the sandbox may keep")
+            sink.write(chunk)
+            digest.update(chunk)
+    return size, digest.hexdigest()
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -143,12 +143,15 @@ class SandboxManager:
         pools.start(targets)
 
     async def _recover(self, extra_backends: set[str]) -> None:
-        """Mark sandboxes of a crashed run as ended and remove all they left behind.
+        """Keep the artifacts of sandboxes a crashed run left (a destroy would have), then
+        mark them ended and remove all they left behind.
 
         Every backend this store ever used is swept (pooled sandboxes are never stored, and a
         backend may have been left running with none live), plus those pools will use.
         """
         orphans = self._store.list(live_only=True)
+        for info in orphans:
+            await self._rescue_artifacts(info)
         names = (self._store.backends_used() | extra_backends | {self.settings.backend}) & set(
             KNOWN_BACKENDS
         )
@@ -162,6 +165,16 @@ class SandboxManager:
                 log.warning("removed orphaned sandboxes", backend=name, ids=removed)
         for info in orphans:
             self._end(info, SandboxStatus.DESTROYED, "recovered")
+
+    async def _rescue_artifacts(self, info: SandboxInfo) -> None:
+        if info.backend not in KNOWN_BACKENDS:
+            return
+        try:
+            workspace = self._backend(info.backend).workspace_on_host(info.id)
+            if workspace is not None:
+                await self._artifacts.export_from_host(info, workspace)
+        except (SandboxError, OSError) as exc:
+            log.warning("artifacts of an orphan not kept", sandbox=info.id, error=repr(exc))
 
     async def close(self) -> None:
         """Destroy every live sandbox and release the data directory."""

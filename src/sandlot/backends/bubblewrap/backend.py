@@ -369,6 +369,10 @@ class BubblewrapBackend:
             usage.disk_used_bytes = disk_used_bytes(box.workspace)
         return usage
 
+    def workspace_on_host(self, sandbox_id: str) -> Path | None:
+        workspace, _ = volume_paths(self.sandboxes_dir / sandbox_id)
+        return workspace if workspace.is_dir() else None
+
     async def sweep(self, keep: Collection[str]) -> list[str]:
         self._check()
         keep_ids = set(keep) | set(self._boxes)

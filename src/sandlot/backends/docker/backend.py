@@ -446,6 +446,10 @@ class DockerBackend:
             return False, "pids"
         return False, None
 
+    def workspace_on_host(self, sandbox_id: str) -> Path | None:
+        workspace, _ = volume_paths(self.sandboxes_dir / sandbox_id)
+        return workspace if workspace.is_dir() else None
+
     async def sweep(self, keep: Collection[str]) -> list[str]:
         client = await self._ready()
         keep_ids = set(keep) | set(self._boxes)
