@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
+import tempfile
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -324,3 +326,51 @@ def test_the_audit_listing_shows_control_characters_escaped(
     assert done.returncode == 0, done.stderr
     assert "\x1b" not in done.stdout and "\x07" not in done.stdout
     assert "\\x1b[2J" in done.stdout and "[blink]x" in done.stdout
+
+
+def _spooled_files(pid: int) -> list[str]:
+    """Anonymous temporary files (created and unlinked) the server holds open in the host's
+    temporary directory: what a spooled upload looks like."""
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith(tempfile.gettempdir() + "/") and target.endswith("(deleted)"):
+                found.append(target)
+    return found
+
+
+def test_a_slow_multipart_upload_parks_nothing_on_the_host(server: Server) -> None:
+    # Failed before: the form parser spooled every file part over 1 MiB to the host's /tmp,
+    # so each slow or stalled upload parked up to API_MAX_UPLOAD_MB there.
+    sandbox_id = _sandbox(server)
+    boundary = "soakboundary"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.bin"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    size = 8 << 20
+    with server.connect() as sock:
+        sock.sendall(
+            f"POST /v1/sandboxes/{sandbox_id}/files?path=a.bin HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {server.key}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+            f"Content-Length: {len(head) + size + len(tail)}\r\n\r\n".encode()
+            + head
+            + b"x" * (size // 2)
+        )
+        time.sleep(1.0)  # half sent, still alive: what does the server hold meanwhile?
+        parked = _spooled_files(server.pid)
+        sock.sendall(b"x" * (size // 2) + tail)
+        reply = sock.recv(65536)
+    assert parked == [], parked
+    assert reply.startswith(b"HTTP/1.1 201"), reply[:300]
+    headers = {"Authorization": f"Bearer {server.key}"}
+    stat = httpx.get(
+        f"{server.url}/v1/sandboxes/{sandbox_id}/files/stat",
+        params={"path": "a.bin"},
+        headers=headers,
+    )
+    assert stat.json()["size_bytes"] == size
+    httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)

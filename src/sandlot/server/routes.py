@@ -9,9 +9,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
-from starlette.datastructures import UploadFile as StarletteUploadFile
 
-from sandlot.errors import InvalidRequest, RequestTooLarge
+from sandlot.errors import RequestTooLarge
 from sandlot.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
 from sandlot.requests import (
     FilePath,
@@ -23,6 +22,7 @@ from sandlot.requests import (
     SetTimeout,
     WriteFile,
 )
+from sandlot.server import multipart
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, caller, state_of
 from sandlot.server.schemas import ErrorBody, WrittenFile
@@ -207,31 +207,17 @@ MULTIPART_BODY = {
 async def upload_multipart(
     sandbox_id: SandboxId, query: Annotated[WriteFile, Query()], request: Request, who: Caller
 ) -> WrittenFile:
-    """Upload a multipart form's ``file`` field to ``path``.
-
-    The form is parsed here, after the key and the declared size were checked: declared as a
-    parameter, FastAPI would spool the whole body to disk before authenticating anyone.
-    """
+    """Upload a multipart form's ``file`` field to ``path``, streamed into the sandbox as
+    it arrives (never spooled on the host)."""
     who.require_write()
     state = state_of(request)
     limit = _upload_limit(request, required=True)
-    form = await request.form(max_files=1, max_fields=4)
-    upload = form.get("file")
-    if not isinstance(upload, StarletteUploadFile):
-        raise InvalidRequest("send the file as the multipart field 'file'")
-
-    async def chunks() -> AsyncIterator[bytes]:
-        while chunk := await upload.read(UPLOAD_CHUNK_BYTES):
-            yield chunk
-
-    try:
-        async with state.audited(request, who, "file.write", sandbox_id, path=query.path) as audit:
-            size = await state.manager.write_file_chunks(
-                sandbox_id, query, chunks(), max_bytes=limit, owner=who.owner_filter
-            )
-            audit["size_bytes"] = size
-    finally:
-        await form.close()
+    chunks = multipart.file_stream(request.headers, request.stream())
+    async with state.audited(request, who, "file.write", sandbox_id, path=query.path) as audit:
+        size = await state.manager.write_file_chunks(
+            sandbox_id, query, chunks, max_bytes=limit, owner=who.owner_filter
+        )
+        audit["size_bytes"] = size
     return WrittenFile(path=query.path, size_bytes=size)
 
 
