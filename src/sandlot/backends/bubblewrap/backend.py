@@ -54,6 +54,15 @@ from sandlot.backends.launch import (
     guest_env,
     install_guest,
 )
+from sandlot.backends.procfs import (
+    EMPTY_DIR,
+    EMPTY_FILE,
+    HIDDEN_DIRS,
+    HIDDEN_FILES,
+    SYNTHESIZED,
+    present,
+    write_proc_files,
+)
 from sandlot.config import Settings
 from sandlot.errors import BackendUnavailable, SandboxStartError
 from sandlot.models import ResourceUsage
@@ -129,6 +138,8 @@ class BubblewrapBackend:
         self._loop_ok = False
         self._guest_dir = self.data_dir / "guest"
         self._etc = self.data_dir / "rootfs" / "etc"
+        self._hidden_files = present(HIDDEN_FILES)
+        self._hidden_dirs = present(HIDDEN_DIRS)
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -231,7 +242,10 @@ class BubblewrapBackend:
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         self._boxes[spec.sandbox_id] = box
         try:
-            await make_volume(root, spec.limits.disk_mb, uid, capped=self._loop_ok)
+            await make_volume(
+                root, spec.limits.disk_mb, uid, capped=self._loop_ok, traverse_gid=uid
+            )
+            write_proc_files(root / "proc", limits.memory_bytes)
         except BaseException:
             await self.stop(spec.sandbox_id)
             raise
@@ -263,7 +277,7 @@ class BubblewrapBackend:
                 argv += ["--symlink", str(link.readlink()), str(link)]
             elif link.is_dir():
                 argv += ["--ro-bind", str(link), str(link)]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--proc", "/proc", "--dev", "/dev", *self._proc_masks(box)]
         argv += ["--bind", str(box.workspace.parent / "tmp"), "/tmp"]
         argv += ["--dir", "/etc"]
         for name in ("passwd", "group", "hosts", "nsswitch.conf"):
@@ -288,6 +302,18 @@ class BubblewrapBackend:
             "/",
             *guest_argv(),
         ]
+        return argv
+
+    def _proc_masks(self, box: _Box) -> list[str]:
+        """Binds over the host-wide entries of ``/proc`` (:mod:`sandlot.backends.procfs`)."""
+        proc_files = box.root / "proc"
+        argv: list[str] = []
+        for name in self._hidden_files:
+            argv += ["--ro-bind", str(proc_files / EMPTY_FILE), f"/proc/{name}"]
+        for name in self._hidden_dirs:
+            argv += ["--ro-bind", str(proc_files / EMPTY_DIR), f"/proc/{name}"]
+        for name in SYNTHESIZED:
+            argv += ["--ro-bind", str(proc_files / name), f"/proc/{name}"]
         return argv
 
     async def _spawn(self, box: _Box, spec: GuestSpec) -> GuestProcess:
