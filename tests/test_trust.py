@@ -429,7 +429,8 @@ def test_no_other_host_uid_reads_a_sandboxs_files(manager: SandboxManager, jail:
         " && chmod 644 secret.txt /tmp/secret.txt"
     )
     assert opened.exit_code == 0, describe(opened)
-    root = manager.settings.data_dir / "sandboxes" / jail.id
+    kind = "docker-sandboxes" if jail.info.backend == "docker" else "sandboxes"
+    root = manager.settings.data_dir / kind / jail.id
     volume = root / "volume"
     targets = [volume / "workspace" / "secret.txt", volume / "tmp" / "secret.txt"]
     targets += [p for p in (root / "disk.img",) if p.exists()]  # capped disks only
