@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import stat
 import threading
@@ -142,7 +143,8 @@ def _host_address(sb: Sandbox) -> str:
     from sandlot.backends.docker.dockerd import connect
 
     bridge = connect().networks.get("bridge").attrs["IPAM"]["Config"][0]
-    return str(bridge["Gateway"])
+    # Docker leaves "Gateway" out of the IPAM config when it picked it itself: the subnet's first.
+    return str(bridge.get("Gateway") or next(ipaddress.ip_network(bridge["Subnet"]).hosts()))
 
 
 def test_network_is_off_by_default(jail: Sandbox, host_server: int) -> None:
