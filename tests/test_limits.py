@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import stat
 import threading
@@ -118,15 +119,32 @@ CONNECT = (
 )
 
 
+GATEWAY = """
+import socket, struct
+gateway = None
+for line in open("/proc/net/route").read().splitlines()[1:]:
+    fields = line.split()
+    if fields[1] == "00000000":
+        gateway = socket.inet_ntoa(struct.pack("<L", int(fields[2], 16)))
+gateway
+"""
+
+
 def _host_address(sb: Sandbox) -> str:
-    """Where the host's server is, seen from the sandbox: its loopback (bubblewrap shares the
-    host's network namespace when asked) or the docker bridge's gateway."""
+    """Where the host's server is, seen from the sandbox: the gateway of its own network (a
+    bubblewrap sandbox's veth pair), or the docker bridge's gateway; without a network, the
+    host's loopback address, which is the sandbox's own."""
     if sb.info.backend != "docker":
-        return "127.0.0.1"
+        if not sb.info.network:
+            return "127.0.0.1"
+        gateway = sb.run_code(GATEWAY).text
+        assert gateway is not None and gateway != "None", gateway
+        return gateway.strip("'")
     from sandlot.backends.docker.dockerd import connect
 
     bridge = connect().networks.get("bridge").attrs["IPAM"]["Config"][0]
-    return str(bridge["Gateway"])
+    # Docker leaves "Gateway" out of the IPAM config when it picked it itself: the subnet's first.
+    return str(bridge.get("Gateway") or next(ipaddress.ip_network(bridge["Subnet"]).hosts()))
 
 
 def test_network_is_off_by_default(jail: Sandbox, host_server: int) -> None:
@@ -152,6 +170,10 @@ def test_network_when_asked(
     with Sandbox.create(manager=manager, **placement(isolated_backend), network=True) as sb:
         code = CONNECT.format(host=_host_address(sb), port=host_server)
         assert sb.run_code(code).text == "'pong'"
+        # The sandbox's loopback is its own: the host's (and what listens there) is not reached.
+        own_loopback = sb.run_code(CONNECT.format(host="127.0.0.1", port=host_server))
+        assert own_loopback.error is not None
+        assert own_loopback.error.type == "ConnectionRefusedError", own_loopback.error
 
 
 def test_sandbox_sees_its_own_pid_namespace(jail: Sandbox) -> None:

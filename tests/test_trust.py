@@ -7,8 +7,16 @@ Each attack program here broke a result before the fix it names.
 
 from __future__ import annotations
 
+import ast
+import errno
+import os
+import select
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -391,3 +399,183 @@ def test_the_callers_env_reaches_commands_but_never_the_supervisor(
         assert sb.run_code("import os; os.environ['LD_LIBRARY_PATH']").text == "'/workspace/lib'"
         own = _supervisor_environ(manager, sb.id)
         assert not set(HOSTILE_ENV) & set(own), own
+
+
+# ------------------------------------------- 8. the backends' walls: host files, sockets, /proc
+
+STRANGER = ("/usr/bin/setpriv", "--reuid=65000", "--regid=65000", "--clear-groups")
+
+
+def _as_stranger(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``argv`` run as a host uid that is neither root nor any sandbox's."""
+    return subprocess.run(
+        [*STRANGER, *argv], capture_output=True, text=True, timeout=10, check=False
+    )
+
+
+def _literal(result: ExecResult) -> Any:
+    assert result.text is not None, describe(result)
+    return ast.literal_eval(result.text)
+
+
+@pytest.mark.hostile
+def test_no_other_host_uid_reads_a_sandboxs_files(manager: SandboxManager, jail: Sandbox) -> None:
+    # Failed before: disk.img was 0644 (every byte of the workspace, to any host uid), and the
+    # sandbox's directories were 0711, so a sandbox that opened its own /workspace (chmod 755)
+    # showed its files to every host uid.
+    jail.files.write("secret.txt", "the tenant's secret\n")
+    opened = jail.commands.run(
+        "echo tmp-secret > /tmp/secret.txt && chmod 755 /workspace /tmp"
+        " && chmod 644 secret.txt /tmp/secret.txt"
+    )
+    assert opened.exit_code == 0, describe(opened)
+    kind = "docker-sandboxes" if jail.info.backend == "docker" else "sandboxes"
+    root = manager.settings.data_dir / kind / jail.id
+    volume = root / "volume"
+    targets = [volume / "workspace" / "secret.txt", volume / "tmp" / "secret.txt"]
+    targets += [p for p in (root / "disk.img",) if p.exists()]  # capped disks only
+    assert root.exists() and all(p.exists() for p in targets)
+    for path in targets:
+        read = _as_stranger("/bin/cat", str(path))
+        assert read.returncode != 0 and "secret" not in read.stdout, (path, read)
+    for directory in (root, volume):
+        listed = _as_stranger("/bin/ls", str(directory))
+        assert listed.returncode != 0, (directory, listed)
+
+
+SOCKET_FAMILIES_PROBE = """
+import errno, socket
+def make(call, family):
+    made = getattr(socket, call)(family, socket.SOCK_STREAM)
+    for s in made if isinstance(made, tuple) else (made,):
+        s.close()
+seen = {}
+for family in [*range(1, 64), 64, 100, 1000]:
+    for call in ("socket", "socketpair"):
+        try:
+            make(call, family)
+            seen[(call, family)] = "made"
+        except OSError as exc:
+            seen[(call, family)] = exc.errno
+seen
+"""
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("network", [False, True], ids=["offline", "online"])
+def test_every_call_that_makes_a_socket_refuses_the_blocked_families(
+    manager: SandboxManager, isolated_backend: str, network: bool
+) -> None:
+    # Failed before: socketpair() had no family rule, so AF_INET, AF_NETLINK, AF_TIPC... reached
+    # the families' own code (and loaded their modules) in an offline sandbox.
+    if isolated_backend.startswith("docker"):
+        pytest.skip(
+            "docker's wall is its network namespace; its seccomp profile has no family rule"
+        )
+    allowed = {socket.AF_UNIX}
+    if network:
+        allowed |= {socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK}
+    with Sandbox.create(manager=manager, **placement(isolated_backend), network=network) as sb:
+        seen = _literal(sb.run_code(SOCKET_FAMILIES_PROBE))
+    wrong = {
+        key: outcome
+        for key, outcome in seen.items()
+        if key[1] not in allowed and outcome != errno.EAFNOSUPPORT
+    }
+    assert not wrong, wrong
+    assert seen[("socketpair", socket.AF_UNIX)] == "made"
+
+
+PROC_PROBE = """
+import os
+seen = {}
+for name in ("sys/kernel/random/boot_id", "cmdline", "uptime", "stat", "loadavg", "meminfo",
+             "kallsyms", "config.gz", "interrupts", "locks", "sys/fs/file-nr", "cpuinfo"):
+    try:
+        with open("/proc/" + name, "rb") as f:
+            seen[name] = f.read(1 << 20)
+    except OSError as exc:
+        seen[name] = exc.errno
+seen["nprocs"] = os.cpu_count()
+seen
+"""
+
+
+@pytest.mark.hostile
+def test_proc_names_neither_the_host_nor_its_other_tenants(jail: Sandbox) -> None:
+    # Failed before: /proc showed the host's boot id, kernel command line and symbols, and
+    # its host-wide counters (uptime, CPU times and forks, load, memory, file locks).
+    seen = _literal(jail.run_code(PROC_PROBE))
+    host = {name: Path("/proc", name).read_bytes() for name in ("sys/kernel/random/boot_id",)}
+    boot_id = host["sys/kernel/random/boot_id"].strip()
+    assert all(boot_id not in v for v in seen.values() if isinstance(v, bytes)), seen
+    if jail.info.runtime == "runsc":
+        # gVisor's own kernel makes up its /proc: nothing in it is the host's.
+        return
+    host_cmdline = Path("/proc/cmdline").read_bytes()
+    assert seen["cmdline"] in (b"", errno.EACCES) and seen["cmdline"] != host_cmdline
+    for hidden in ("kallsyms", "config.gz", "interrupts", "locks", "sys/fs/file-nr"):
+        assert seen[hidden] in (b"", errno.ENOENT), (hidden, seen[hidden][:200])
+    meminfo = dict(line.split(":", 1) for line in seen["meminfo"].decode().splitlines())
+    assert int(meminfo["MemTotal"].split()[0]) * 1024 == jail.info.limits.memory_mb * MiB
+    host_btime = [ln for ln in Path("/proc/stat").read_text().splitlines() if "btime" in ln]
+    assert host_btime[0].encode() not in seen["stat"]
+    assert seen["uptime"] == b"0.00 0.00\n"
+    assert seen["cpuinfo"] and seen["nprocs"] == Path("/proc/cpuinfo").read_text().count(
+        "processor\t:"
+    )
+
+
+ABSTRACT_CONNECT = """
+import socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(3)
+try:
+    s.connect({name!r})
+    outcome = s.recv(16)
+except OSError as exc:
+    outcome = exc.errno
+outcome
+"""
+ABSTRACT_SERVE = """
+import socket, threading
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind({name!r})
+server.listen()
+def serve():
+    while True:
+        conn, _ = server.accept()
+        conn.sendall(b"peer")
+        conn.close()
+threading.Thread(target=serve, daemon=True).start()
+"""
+
+
+@pytest.mark.hostile
+def test_a_networked_sandbox_reaches_no_abstract_socket_but_its_own(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    # Failed before (bubblewrap): network=True shared the host's network namespace, which is
+    # what scopes abstract unix sockets, so the sandbox connected to the host's and to every
+    # other networked sandbox's (no seccomp rule can see the address behind the pointer).
+    if isolated_backend == "docker+runsc":
+        pytest.skip("runsc is registered with --network=none: network=True is refused")
+    host_name = f"\0sandlot-trust-{os.getpid()}-{time.monotonic_ns()}"
+    peer_name = "\0sandlot-trust-peer"
+    where = placement(isolated_backend)
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server,
+        Sandbox.create(manager=manager, **where, network=True) as attacker,
+        Sandbox.create(manager=manager, **where, network=True) as peer,
+    ):
+        server.bind(host_name)
+        server.listen(4)
+        served = peer.run_code(ABSTRACT_SERVE.format(name=peer_name))
+        assert served.error is None, describe(served)
+        # The peer's socket works, from inside the peer.
+        assert _literal(peer.run_code(ABSTRACT_CONNECT.format(name=peer_name))) == b"peer"
+        for name in (host_name, peer_name):
+            seen = _literal(attacker.run_code(ABSTRACT_CONNECT.format(name=name)))
+            assert seen == errno.ECONNREFUSED, (name, seen)
+        ready, _, _ = select.select([server], [], [], 0.2)
+        assert not ready, "a sandbox reached the host's abstract socket"

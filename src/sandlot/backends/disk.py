@@ -39,8 +39,12 @@ async def _run(*argv: str) -> None:
 
 
 async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int) -> None:
-    """Make a sparse ext4 image of ``size_mb`` and mount it on ``mountpoint`` (root-owned)."""
-    with open(image, "wb") as f:
+    """Make a sparse ext4 image of ``size_mb`` and mount it on ``mountpoint`` (root-owned).
+
+    The image is root's alone: it holds every byte of the sandbox's files, whatever their modes.
+    """
+    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as f:
         f.truncate(size_mb * 1024 * 1024)
     # No journal and lazy tables: a scratch disk that dies with the sandbox, made in ~20 ms.
     await _run(
@@ -59,7 +63,6 @@ async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int) -> None:
     await _run("mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint))
     with contextlib.suppress(OSError):
         (mountpoint / "lost+found").rmdir()
-    mountpoint.chmod(0o711)
 
 
 def mounted_below(root: Path) -> list[Path]:
@@ -99,19 +102,33 @@ def volume_paths(root: Path) -> tuple[Path, Path]:
     return volume / "workspace", volume / "tmp"
 
 
-async def make_volume(root: Path, size_mb: int, uid: int, *, capped: bool) -> None:
+def _private_dir(path: Path, traverse_gid: int | None) -> None:
+    """Make ``path`` root's, enterable by the group ``traverse_gid`` only (if any)."""
+    os.chown(path, 0, 0 if traverse_gid is None else traverse_gid)
+    path.chmod(0o700 if traverse_gid is None else 0o710)
+
+
+async def make_volume(
+    root: Path, size_mb: int, uid: int, *, capped: bool, traverse_gid: int | None = None
+) -> None:
     """Create ``root`` with one disk for /workspace and /tmp, both owned by ``uid``.
 
     One disk for both: files in /tmp count against the disk cap, not against memory (a tmpfs
     there let a sandbox fill its own memory and stay wedged). Without loop devices
     (``capped=False``) the directories are plain ones on the host's disk.
+
+    No other host uid may enter ``root``: only the group ``traverse_gid`` may, for a backend
+    whose sandbox side bind-mounts the volume itself (bwrap runs as the sandbox's uid); a
+    backend that mounts as root (docker) passes None.
     """
     workspace, tmp = volume_paths(root)
-    root.mkdir(mode=0o711)
+    root.mkdir(mode=0o700)
+    _private_dir(root, traverse_gid)
     if capped:
         await create_loop_disk(root / "disk.img", workspace.parent, size_mb)
     else:
-        workspace.parent.mkdir(mode=0o711)
+        workspace.parent.mkdir(mode=0o700)
+    _private_dir(workspace.parent, traverse_gid)
     for inside in (workspace, tmp):
         inside.mkdir(mode=0o700)
         os.chown(inside, uid, uid)

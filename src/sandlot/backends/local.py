@@ -53,7 +53,10 @@ class LocalBackend:
         else:
             log.warning("sandbox without isolation", backend=self.name, sandbox=spec.sandbox_id)
         workspace = self._workspace(spec.sandbox_id)
-        workspace.mkdir(parents=True, exist_ok=True)
+        # Its code runs as the server's own uid: no other host uid needs to enter (0700).
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for directory in (workspace.parent, workspace):
+            directory.mkdir(mode=0o700, exist_ok=True)
         env = guest_env(
             spec.env,
             workspace=str(workspace),

@@ -5,6 +5,8 @@ Each sandbox gets:
   escape from every namespace lands in an account that owns nothing but its own workspace;
 - user, pid, mount, net, ipc, uts and cgroup namespaces (``--unshare-all``), with user
   namespaces then disabled inside (``--disable-userns``) and the root remounted read-only;
+  with ``network=True``, a network namespace of its own still (:mod:`.netns`), never the host's;
+- a ``/proc`` that hides what is host-wide (:mod:`sandlot.backends.procfs`);
 - a seccomp filter (:mod:`sandlot.backends.bubblewrap.seccomp`);
 - a cgroup with memory (+swap), pids and CPU limits (:mod:`sandlot.backends.cgroups`);
 - a workspace that is an ext4 image of the requested size (:mod:`sandlot.backends.disk`);
@@ -36,6 +38,7 @@ from sandlot.backends.base import (
     GuestSpec,
     instance_of,
 )
+from sandlot.backends.bubblewrap import netns
 from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.seccomp import build_filter
 from sandlot.backends.bubblewrap.uids import UidAllocator
@@ -53,6 +56,15 @@ from sandlot.backends.launch import (
     guest_argv,
     guest_env,
     install_guest,
+)
+from sandlot.backends.procfs import (
+    EMPTY_DIR,
+    EMPTY_FILE,
+    HIDDEN_DIRS,
+    HIDDEN_FILES,
+    SYNTHESIZED,
+    present,
+    write_proc_files,
 )
 from sandlot.config import Settings
 from sandlot.errors import BackendUnavailable, SandboxStartError
@@ -81,6 +93,7 @@ PLACE_IN_CGROUP = (
 )
 BWRAP = "/usr/bin/bwrap"
 SETPRIV = "/usr/bin/setpriv"
+NSENTER = "/usr/bin/nsenter"
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
@@ -101,6 +114,7 @@ class _Box:
     cgroup: Cgroup
     disk_capped: bool
     guest: GuestProcess | None = None
+    net: netns.SandboxNet | None = None
 
 
 def _traversable_by_others(path: Path) -> Path | None:
@@ -129,6 +143,10 @@ class BubblewrapBackend:
         self._loop_ok = False
         self._guest_dir = self.data_dir / "guest"
         self._etc = self.data_dir / "rootfs" / "etc"
+        self._hidden_files = present(HIDDEN_FILES)
+        self._hidden_dirs = present(HIDDEN_DIRS)
+        self._routing_ready = False
+        self._routing_lock = asyncio.Lock()
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -145,7 +163,7 @@ class BubblewrapBackend:
                 "its own unprivileged uid); run as root, or choose another backend with "
                 "SANDBOX_BACKEND"
             )
-        for tool in (BWRAP, SETPRIV):
+        for tool in (BWRAP, SETPRIV, NSENTER):
             if not Path(tool).is_file():
                 raise BackendUnavailable(
                     f"`{tool}` is not installed: apt-get install -y bubblewrap util-linux"
@@ -231,15 +249,30 @@ class BubblewrapBackend:
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         self._boxes[spec.sandbox_id] = box
         try:
-            await make_volume(root, spec.limits.disk_mb, uid, capped=self._loop_ok)
+            await make_volume(
+                root, spec.limits.disk_mb, uid, capped=self._loop_ok, traverse_gid=uid
+            )
+            write_proc_files(root / "proc", limits.memory_bytes)
+            if spec.network:
+                await self._make_network(box)
         except BaseException:
             await self.stop(spec.sandbox_id)
             raise
         return box
 
+    async def _make_network(self, box: _Box) -> None:
+        async with self._routing_lock:
+            if not self._routing_ready:
+                await netns.ensure_routing()
+                self._routing_ready = True
+        box.net = netns.plan(self.instance, box.sandbox_id, box.uid)
+        await netns.create(box.net)
+
     def _bwrap_argv(self, box: _Box, spec: GuestSpec, seccomp_fd: int) -> list[str]:
         argv = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns"]
         if spec.network:
+            # The namespace it is started in: the sandbox's own (netns.py), never the host's.
+            assert box.net is not None
             argv.append("--share-net")
         argv += [
             "--uid",
@@ -263,7 +296,7 @@ class BubblewrapBackend:
                 argv += ["--symlink", str(link.readlink()), str(link)]
             elif link.is_dir():
                 argv += ["--ro-bind", str(link), str(link)]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--proc", "/proc", "--dev", "/dev", *self._proc_masks(box)]
         argv += ["--bind", str(box.workspace.parent / "tmp"), "/tmp"]
         argv += ["--dir", "/etc"]
         for name in ("passwd", "group", "hosts", "nsswitch.conf"):
@@ -290,6 +323,18 @@ class BubblewrapBackend:
         ]
         return argv
 
+    def _proc_masks(self, box: _Box) -> list[str]:
+        """Binds over the host-wide entries of ``/proc`` (:mod:`sandlot.backends.procfs`)."""
+        proc_files = box.root / "proc"
+        argv: list[str] = []
+        for name in self._hidden_files:
+            argv += ["--ro-bind", str(proc_files / EMPTY_FILE), f"/proc/{name}"]
+        for name in self._hidden_dirs:
+            argv += ["--ro-bind", str(proc_files / EMPTY_DIR), f"/proc/{name}"]
+        for name in SYNTHESIZED:
+            argv += ["--ro-bind", str(proc_files / name), f"/proc/{name}"]
+        return argv
+
     async def _spawn(self, box: _Box, spec: GuestSpec) -> GuestProcess:
         read_fd, write_fd = os.pipe()
         try:
@@ -306,6 +351,7 @@ class BubblewrapBackend:
             "sh",
             *(str(p) for p in box.cgroup.procs_files),
             "--",
+            *([NSENTER, f"--net={box.net.path}", "--"] if box.net is not None else []),
             SETPRIV,
             f"--reuid={box.uid}",
             f"--regid={box.uid}",
@@ -343,6 +389,8 @@ class BubblewrapBackend:
             return
         await self._end_guest(box)
         await asyncio.to_thread(box.cgroup.remove)
+        if box.net is not None:
+            await netns.remove(box.net.name, box.net.veth)
         await remove_volume(box.root)
         UidAllocator.release(box.uid_lock_fd)
 
@@ -350,6 +398,7 @@ class BubblewrapBackend:
         cgroup = self.cgroups.path(*self._cgroup_parts(sandbox_id))
         await asyncio.to_thread(cgroup.kill_all)
         await asyncio.to_thread(cgroup.remove)
+        await netns.remove(netns.netns_prefix(self.instance) + sandbox_id)
         root = self.sandboxes_dir / sandbox_id
         if root.exists():
             await remove_volume(root)
@@ -379,6 +428,7 @@ class BubblewrapBackend:
         found = set(self.cgroups.children(self.settings.cgroup_root, self.instance))
         with contextlib.suppress(FileNotFoundError):
             found.update(p.name for p in self.sandboxes_dir.iterdir() if p.is_dir())
+        found.update(netns.leftovers(self.instance))
         removed = sorted(found - keep_ids)
         for sandbox_id in removed:
             await self._remove_leftovers(sandbox_id)

@@ -80,6 +80,11 @@ CLONE_NAMESPACE_FLAGS = (
 )
 
 AF_MAX = 64
+# Every call that makes a socket of a family it is told: socketpair() loads a family's module
+# and reaches its code as surely as socket() does. (accept() only clones a socket that exists;
+# io_uring's IORING_OP_SOCKET is closed with io_uring itself; the 32-bit socketcall() never
+# runs, since a syscall of another architecture kills the process: libseccomp's default.)
+FAMILY_SYSCALLS = ("socket", "socketpair")
 OFFLINE_FAMILIES = frozenset({socket.AF_UNIX})
 ONLINE_FAMILIES = frozenset({socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK})
 
@@ -109,10 +114,11 @@ def build_filter(network: bool) -> bytes:
     # clone3 passes flags in memory a filter cannot read; ENOSYS makes libc fall back to clone.
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     allowed = ONLINE_FAMILIES if network else OFFLINE_FAMILIES
-    for family in range(AF_MAX):
-        if family not in allowed:
-            flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
-    flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.GE, AF_MAX))
+    for call in FAMILY_SYSCALLS:
+        for family in range(AF_MAX):
+            if family not in allowed:
+                flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.EQ, family))
+        flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.GE, AF_MAX))
     # libseccomp writes to a file descriptor, so give it an anonymous in-memory file.
     fd = os.memfd_create("sandlot-seccomp", os.MFD_CLOEXEC)
     with os.fdopen(fd, "w+b") as buffer:

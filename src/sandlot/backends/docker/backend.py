@@ -59,6 +59,7 @@ from sandlot.backends.launch import (
     guest_env,
     install_guest,
 )
+from sandlot.backends.procfs import HIDDEN_DIRS, HIDDEN_FILES, SYNTHESIZED, write_proc_files
 from sandlot.config import Settings
 from sandlot.environments import Environment, get_environment
 from sandlot.errors import BackendUnavailable, ConfigError, SandboxError, SandboxStartError
@@ -76,6 +77,22 @@ SANDBOX_USER = f"{SANDBOX_UID}:{SANDBOX_UID}"
 # child), and being pid 1 it ignores every signal from inside the container.
 REAPER = 'trap "" HUP INT TERM; while :; do sleep 2147483647 & wait; done'
 REAPER_PIDS = 2  # the loop and its sleep: not the user's to spend
+# Docker's own default masks (setting HostConfig.MaskedPaths replaces them), then ours
+# (sandlot.backends.procfs). runc binds /dev/null over a file, a read-only tmpfs over a
+# directory, and skips what this kernel does not have. gVisor makes up its own /proc.
+DOCKER_MASKED_PATHS = (
+    "/proc/asound",
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+)
+MASKED_PATHS = sorted({*DOCKER_MASKED_PATHS, *(f"/proc/{n}" for n in HIDDEN_FILES + HIDDEN_DIRS)})
 KILL_ALL = ["/bin/sh", "-c", "kill -9 -1; kill -9 -1"]  # all of the uid but pid 1 and us
 # gVisor's sentry runs the whole sandbox as host threads of one process, and those count
 # against the container's pids cgroup: a limit near the user's would kill the sandbox at
@@ -210,6 +227,7 @@ class DockerBackend:
         self._boxes[spec.sandbox_id] = box
         try:
             await make_volume(root, spec.limits.disk_mb, SANDBOX_UID, capped=self._loop_ok)
+            write_proc_files(root / "proc", spec.limits.memory_mb * 1024 * 1024)
             box.container_id = await asyncio.to_thread(
                 self._create_container, client, spec, env, box
             )
@@ -233,15 +251,17 @@ class DockerBackend:
             ulimits.append(Ulimit(name="nproc", soft=limits.pids, hard=limits.pids))
             pids += RUNSC_PIDS_HEADROOM
         workspace, tmp = volume_paths(box.root)
+        mounts = [
+            Mount(WORKSPACE_INSIDE, str(workspace), type="bind"),
+            Mount("/tmp", str(tmp), type="bind"),
+            Mount(GUEST_DIR_INSIDE, str(self._guest_dir), type="bind", read_only=True),
+        ]
+        if box.runtime == "runc":
+            for name in SYNTHESIZED:  # runc allows exactly these (lxcfs's) under /proc
+                source = str(box.root / "proc" / name)
+                mounts.append(Mount(f"/proc/{name}", source, type="bind", read_only=True))
         try:
-            container = client.containers.create(
-                env.image,
-                command=["/bin/sh", "-c", REAPER],
-                name=f"sandlot-{spec.sandbox_id}",
-                hostname="sandbox",
-                user=SANDBOX_USER,
-                working_dir=WORKSPACE_INSIDE,
-                environment={"LANG": "C.UTF-8"},
+            host_config = client.api.create_host_config(
                 network_mode="bridge" if spec.network else "none",
                 read_only=True,
                 cap_drop=["ALL"],
@@ -251,26 +271,36 @@ class DockerBackend:
                 nano_cpus=int(limits.cpu_cores * 1e9),
                 pids_limit=pids,
                 ulimits=ulimits,
-                mounts=[
-                    Mount(WORKSPACE_INSIDE, str(workspace), type="bind"),
-                    Mount("/tmp", str(tmp), type="bind"),
-                    Mount(GUEST_DIR_INSIDE, str(self._guest_dir), type="bind", read_only=True),
-                ],
+                mounts=mounts,
+                runtime=box.runtime,
+                log_config=LogConfig(type="none"),
+            )
+            # docker-py has no argument for it; the Engine API takes it as part of HostConfig.
+            if box.runtime == "runc":
+                host_config["MaskedPaths"] = MASKED_PATHS
+            created = client.api.create_container(
+                env.image,
+                command=["/bin/sh", "-c", REAPER],
+                name=f"sandlot-{spec.sandbox_id}",
+                hostname="sandbox",
+                user=SANDBOX_USER,
+                working_dir=WORKSPACE_INSIDE,
+                environment={"LANG": "C.UTF-8"},
                 labels={
                     LABEL: "1",
                     LABEL_INSTANCE: self.instance,
                     LABEL_SANDBOX: spec.sandbox_id,
                     LABEL_ENVIRONMENT: env.name,
                 },
-                runtime=box.runtime,
-                log_config=LogConfig(type="none"),
+                host_config=host_config,
             )
-            container.start()
+            container_id: str = created["Id"]
+            client.api.start(container_id)
         except docker.errors.DockerException as exc:
             raise SandboxStartError(
                 f"docker could not start the sandbox's container: {exc}"
             ) from exc
-        return container.id or ""
+        return container_id
 
     async def _after_start(self, client: docker.DockerClient, box: _Box) -> None:
         """Find the (new) container's cgroup, to read its limit hits and usage."""

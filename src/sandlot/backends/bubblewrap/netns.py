@@ -1,0 +1,167 @@
+"""A network of its own for each sandbox that asks for one: a network namespace made by root
+before the sandbox starts, one veth pair to the host, routed and masqueraded out.
+
+Why not the host's namespace (``bwrap --share-net``, as before): abstract unix sockets are
+scoped by network namespace, not by file permissions, so a sandbox sharing the host's could
+connect to any abstract socket of the host (``@/tmp/.X11-unix``, a D-Bus or container
+runtime's) and of every other networked sandbox; and the host's loopback, with every service
+bound to it (this server's own API included), was the sandbox's loopback. A seccomp rule
+cannot refuse abstract addresses: the address is behind a pointer classic BPF cannot read.
+
+Rejected: slirp4netns and pasta (user-mode networking into a fresh namespace). Neither is
+installed by default, each sandbox would need one more long-lived process that parses the
+sandbox's packets with root's reach into its namespace (libslirp has had several memory-safety
+CVEs), that the manager must supervise and sweep after a crash, and they move every byte
+through user space. A veth pair is kernel-only and costs three short ``ip`` runs per sandbox.
+
+What a networked sandbox reaches: the outside world (NATed through the host), and the host
+itself at its gateway address (like Docker's bridge gateway), not the host's loopback nor
+another sandbox's address. The namespace lives as long as the sandbox (guest restarts keep
+it); ``remove`` and the start-up sweep delete it with the host's end of the veth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from sandlot.errors import SandboxStartError
+
+log = structlog.get_logger(__name__)
+
+# One /30 per sandbox uid (uid modulo the 16,384 it holds): the sandbox at .2, the host at .1.
+SANDBOX_NET = ipaddress.IPv4Network("10.231.0.0/16")
+NETNS_DIR = Path("/run/netns")
+CHAIN = "SANDLOT-FORWARD"
+IP = "/usr/sbin/ip"
+IPTABLES = "/usr/sbin/iptables"
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+
+
+@dataclass(frozen=True)
+class SandboxNet:
+    name: str  # of the namespace, under /run/netns
+    veth: str  # the host's end (an interface name has at most 15 characters)
+    address: ipaddress.IPv4Address
+    gateway: ipaddress.IPv4Address
+
+    @property
+    def path(self) -> Path:
+        return NETNS_DIR / self.name
+
+
+def netns_prefix(instance: str) -> str:
+    return f"sandlot-{instance}-"
+
+
+def plan(instance: str, sandbox_id: str, uid: int) -> SandboxNet:
+    """Names and addresses of a sandbox's network: keyed by its host uid, which no other live
+    sandbox of this host holds (uids are locked host-wide)."""
+    slots = SANDBOX_NET.num_addresses // 4
+    base = SANDBOX_NET.network_address + 4 * (uid % slots)
+    return SandboxNet(f"{netns_prefix(instance)}{sandbox_id}", f"sl{uid}", base + 2, base + 1)
+
+
+async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate(stdin.encode() if stdin is not None else None)
+    if check and proc.returncode != 0:
+        raise SandboxStartError(
+            f"could not set up the sandbox's network ({' '.join(argv[:4])}): "
+            f"{err.decode(errors='replace').strip()}"
+        )
+
+
+async def _iptables_once(table: str, chain: str, *rule: str) -> None:
+    probe = await asyncio.create_subprocess_exec(
+        IPTABLES, "-w", "-t", table, "-C", chain, *rule,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    if await probe.wait() != 0:
+        insert = ("-A", chain) if table == "nat" else ("-I", chain, "1")
+        await _run(IPTABLES, "-w", "-t", table, *insert, *rule)
+
+
+async def ensure_routing() -> None:
+    """The host's side, shared by every networked sandbox (idempotent): forwarding on, the
+    sandboxes' traffic out masqueraded, replies in, and nothing from one sandbox to another
+    nor from the outside in."""
+    for tool in (IP, IPTABLES):
+        if not Path(tool).is_file():
+            raise SandboxStartError(
+                f"network=True needs `{tool}`: apt-get install -y iproute2 iptables"
+            )
+    if IP_FORWARD.read_text().strip() != "1":
+        log.warning("turning on IPv4 forwarding for networked sandboxes")
+        IP_FORWARD.write_text("1\n")
+    net = str(SANDBOX_NET)
+    await _run(IPTABLES, "-w", "-N", CHAIN, check=False)  # fails when it exists already
+    await _run(IPTABLES, "-w", "-F", CHAIN)
+    rules = (
+        ("-s", net, "-d", net, "-j", "DROP"),
+        ("-s", net, "-j", "ACCEPT"),
+        ("-d", net, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"),
+        ("-d", net, "-j", "DROP"),
+    )
+    for rule in rules:
+        await _run(IPTABLES, "-w", "-A", CHAIN, *rule)
+    # First in FORWARD: Docker's FORWARD policy is DROP, and its own rules know no sandbox.
+    await _iptables_once("filter", "FORWARD", "-j", CHAIN)
+    await _iptables_once("nat", "POSTROUTING", "-s", net, "!", "-d", net, "-j", "MASQUERADE")
+
+
+async def create(net: SandboxNet) -> None:
+    """Make the namespace, its veth pair and routes; the sandbox joins it with ``nsenter``."""
+    if Path("/sys/class/net", net.veth).exists():
+        # Left by an earlier holder of this uid that was never removed (a crash).
+        await _run(IP, "link", "del", net.veth, check=False)
+    await _run(IP, "netns", "add", net.name)
+    try:
+        host_side = (
+            f"link add {net.veth} type veth peer name eth0 netns {net.name}\n"
+            f"addr add {net.gateway}/30 dev {net.veth}\n"
+            f"link set {net.veth} up\n"
+        )
+        await _run(IP, "-batch", "-", stdin=host_side)
+        inside = (
+            f"addr add {net.address}/30 dev eth0\n"
+            "link set eth0 up\n"
+            "link set lo up\n"
+            f"route add default via {net.gateway}\n"
+        )
+        await _run(IP, "-n", net.name, "-batch", "-", stdin=inside)
+    except BaseException:
+        await remove(net.name, net.veth)
+        raise
+
+
+async def remove(name: str, veth: str | None = None) -> None:
+    """Delete a namespace (and the host's end of its veth, at once, so that the next holder of
+    the uid can make its own); idempotent."""
+    if veth is not None and Path("/sys/class/net", veth).exists():
+        await _run(IP, "link", "del", veth, check=False)
+    if (NETNS_DIR / name).exists():
+        await _run(IP, "netns", "del", name, check=False)
+
+
+def leftovers(instance: str) -> dict[str, str]:
+    """Sandbox id -> namespace name, for every namespace of this backend instance."""
+    prefix = netns_prefix(instance)
+    with contextlib.suppress(FileNotFoundError):
+        return {
+            p.name.removeprefix(prefix): p.name
+            for p in NETNS_DIR.iterdir()
+            if p.name.startswith(prefix)
+        }
+    return {}
