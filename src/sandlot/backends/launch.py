@@ -89,6 +89,7 @@ def guest_env(
     workspace: str = WORKSPACE_INSIDE,
     path: str = SANDBOX_PATH,
     shell_state: str | None = None,
+    shared_pids: bool = False,
 ) -> dict[str, str]:
     """The guest supervisor's own environment.
 
@@ -102,4 +103,6 @@ def guest_env(
     env["SANDLOT_WORKSPACE"] = workspace
     if shell_state is not None:
         env["SANDLOT_SHELL_STATE"] = shell_state
+    if shared_pids:  # the guest sees the host's processes: its own count means nothing
+        env["SANDLOT_SHARED_PIDS"] = "1"
     return env

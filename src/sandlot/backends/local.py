@@ -62,6 +62,7 @@ class LocalBackend:
             workspace=str(workspace),
             path=os.environ.get("PATH", "/usr/bin:/bin"),
             shell_state=str(workspace.parent / "shells"),
+            shared_pids=True,
         )
         process = await asyncio.create_subprocess_exec(
             *guest_argv(sys.executable, str(GUEST_SOURCE_DIR)),

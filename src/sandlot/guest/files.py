@@ -16,6 +16,7 @@ from workspace import (
     makedirs_confined,
     open_confined,
     open_dir_beneath,
+    open_dir_nofollow,
     os_error_code,
     resolve_path,
 )
@@ -23,7 +24,6 @@ from workspace import (
 FILE_CHUNK_MAX_BYTES = 8 << 20
 # A listing is one frame: ~200 bytes an entry keeps the biggest well under the frame limit.
 MAX_LIST_ENTRIES = 100_000
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Files:
@@ -118,7 +118,7 @@ class Files:
             entries.append(info)
             if depth > 1 and info["type"] == "dir":
                 try:
-                    sub = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
+                    sub = open_dir_nofollow(entry.name, dir_fd)
                 except OSError as exc:
                     errors.append(_error(entry_rel, exc))
                     continue
@@ -156,7 +156,7 @@ class Files:
 
 def _remove_tree(parent_fd, name):
     """rmtree through directory descriptors: a symlink swapped in is unlinked, never followed."""
-    fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    fd = open_dir_nofollow(name, parent_fd)
     try:
         with os.scandir(fd) as it:
             children = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]

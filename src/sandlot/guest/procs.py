@@ -129,11 +129,13 @@ def freeze_all_but(keep_pid):
     another's /proc/<pid>/mem; this returns once they are gone or zombies (at most ~2 s).
     """
     me = os.getpid()
-    if me == 1:
+    if not _shared_pids():
+        # Our own pid namespace (bubblewrap's, as its pid 1; a container's): kill(-1) reaches
+        # every process in it but us and its init, at once.
         _signal(-1, signal.SIGSTOP)
     stopped = set()
     for _ in range(1000):
-        new = descendants(me) - stopped
+        new = _ours(me) - stopped
         if not new:
             break
         for pid in new:
@@ -145,7 +147,7 @@ def freeze_all_but(keep_pid):
     # Outside a pid namespace of our own, a process not yet stopped may have sent SIGCONT to
     # one that was, and that one forked again: end whatever the walk finds until it is quiet.
     for _ in range(1000):
-        late = descendants(me) - doomed - {keep_pid}
+        late = _ours(me) - doomed - {keep_pid}
         if not late:
             break
         for pid in late:
@@ -156,6 +158,19 @@ def freeze_all_but(keep_pid):
         doomed = {pid for pid in doomed if _state(pid) not in (None, "Z", "X")}
         if doomed:
             time.sleep(0.005)
+
+
+def _shared_pids():
+    return os.environ.get("SANDLOT_SHARED_PIDS") == "1"
+
+
+def _ours(me):
+    """The processes the guest answers for: in a pid namespace of our own, every one but its
+    init and us (an orphan a daemon left is adopted by the container's init when we cannot
+    be its subreaper, as under gVisor); sharing the host's, only our descendants."""
+    if _shared_pids():
+        return descendants(me)
+    return {int(name) for name in os.listdir("/proc") if name.isdigit()} - {1, me}
 
 
 def _signal(pid, signum):
@@ -179,8 +194,11 @@ def count_tasks():
     The host reads the same figure from the pids cgroup, except under gVisor: there the
     cgroup holds the sentry, the sandbox's processes live inside it, and a fork bomb held at
     RLIMIT_NPROC shows up in no host counter. Listing /proc forks nothing, so it works at
-    the limit too.
+    the limit too. None where the guest shares the host's pid namespace (unsafe-local): every
+    host process would count.
     """
+    if _shared_pids():
+        return None
     try:
         return sum(1 for name in os.listdir("/proc") if name.isdigit())
     except OSError:

@@ -4,6 +4,7 @@ Standard library only, Python >= 3.9 (shipped into every sandbox). Every path a 
 goes through :func:`resolve_path`; the file handlers open it with :func:`open_confined`.
 """
 
+import errno
 import os
 import stat
 
@@ -136,19 +137,52 @@ def open_beneath(path, flags, mode=0o644):
         os.close(root_fd)
 
 
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dir_nofollow(name, dir_fd):
+    """Open the directory ``name`` in ``dir_fd`` without following a symlink, and prove it.
+
+    O_NOFOLLOW alone is not enough everywhere: gVisor's O_DIRECTORY|O_NOFOLLOW follows a
+    symlink to a directory (and it has no openat2). So the entry is lstat'ed first and the
+    directory opened must be that very entry (same device and inode); a symlink swapped in
+    between the two is caught either way.
+    """
+    import errno
+
+    before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISLNK(before.st_mode):
+        raise OSError(errno.ELOOP, "a symlink", name)
+    if not stat.S_ISDIR(before.st_mode):
+        raise OSError(errno.ENOTDIR, "not a directory", name)
+    fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    after = os.fstat(fd)
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise OSError(errno.ELOOP, "replaced while it was opened", name)
+    return fd
+
+
 def _walk_open(root_fd, rel, flags, mode, path):
     parts = [] if rel == "." else rel.split("/")
     fd = os.dup(root_fd)
     try:
         for part in parts[:-1]:
-            next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            next_fd = open_dir_nofollow(part, fd)
             os.close(fd)
             fd = next_fd
         last = parts[-1] if parts else "."
-        return os.open(last, flags | os.O_NOFOLLOW, mode, dir_fd=fd)
+        if flags & os.O_DIRECTORY:
+            return open_dir_nofollow(last, fd)
+        opened = os.open(last, flags | os.O_NOFOLLOW, mode, dir_fd=fd)
+        # The same proof for the last component: what was opened is what the name is now.
+        now = os.stat(last, dir_fd=fd, follow_symlinks=False)
+        got = os.fstat(opened)
+        if (now.st_dev, now.st_ino) != (got.st_dev, got.st_ino):
+            os.close(opened)
+            raise OSError(errno.ELOOP, "replaced while it was opened", path)
+        return opened
     except OSError as exc:
-        import errno
-
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise GuestFault(
                 "path_outside_workspace", "%s goes through a symlink" % display(path)
@@ -189,9 +223,7 @@ def makedirs_confined(path):
             except FileExistsError:
                 pass
             try:
-                next_fd = os.open(
-                    part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
-                )
+                next_fd = open_dir_nofollow(part, fd)
             except OSError as exc:
                 import errno
 
