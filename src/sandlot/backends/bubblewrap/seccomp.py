@@ -113,6 +113,9 @@ def build_filter(network: bool) -> bytes:
         flt.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     # clone3 passes flags in memory a filter cannot read; ENOSYS makes libc fall back to clone.
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    # A process may set its own limits (pid 0: setrlimit() is prlimit64(0, ...)), never
+    # another's: lowering the guest's file limit to 3 wedged every later call.
+    flt.add_rule(sc.ERRNO(errno.EPERM), "prlimit64", sc.Arg(0, sc.NE, 0))
     allowed = ONLINE_FAMILIES if network else OFFLINE_FAMILIES
     for call in FAMILY_SYSCALLS:
         for family in range(AF_MAX):
