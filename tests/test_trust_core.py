@@ -169,9 +169,10 @@ def test_a_guest_whose_limits_code_lowered_is_restarted(jail: Sandbox) -> None:
         "import os, resource\n"
         "try:\n"
         "    resource.prlimit(os.getppid(), resource.RLIMIT_NOFILE, (3, 3))\n"
-        "    'lowered'\n"
+        "    outcome = 'lowered'\n"
         "except OSError as exc:\n"
-        "    'refused: %s' % exc\n"
+        "    outcome = 'refused: %s' % exc\n"
+        "outcome\n"
     )
     tried = jail.run_code(wedge)
     if jail.info.backend == "bubblewrap":  # its seccomp filter: prlimit64 on pid 0 only
