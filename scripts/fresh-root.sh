@@ -7,13 +7,17 @@
 #
 # The tree sees the host's /dev (loop devices for the sandboxes' disks), /sys (the cgroups they
 # are limited by) and network (apt and PyPI: the host's /etc/resolv.conf is copied in), and
-# nothing else: no pip cache, no pip.conf, no environment but PATH, HOME and LANG.
+# nothing else: no pip cache, no pip.conf, no environment but PATH, HOME and LANG, and
+# PIP_CERT where FRESH_ROOT_CA_BUNDLE is set (below).
 #
 # Settings (environment): FRESH_ROOT (the tree, default /var/tmp/sandlot-fresh-root; rebuilt
 # each time), FRESH_ROOT_SUITE (bookworm), FRESH_ROOT_MIRROR (deb.debian.org), FRESH_ROOT_CACHE
 # (where debootstrap keeps its .debs between runs: /var/cache/apt/archives, apt's own cache),
 # FRESH_ROOT_TARGETS (the make targets to time, "run"; "run test" also times `make test`, which
-# needs a running dockerd the tree cannot start: see README).
+# needs a running dockerd the tree cannot start: see README), FRESH_ROOT_CA_BUNDLE (a CA
+# bundle pip inside should trust; default: the host's PIP_CERT, if any: where egress goes
+# through a TLS-intercepting proxy, its CA is in the host's bundle and in no fresh machine's;
+# on an open network, leave both unset).
 # Output: the log of each target and a summary, in $FRESH_ROOT.log.
 set -eu
 
@@ -24,6 +28,7 @@ CACHE=${FRESH_ROOT_CACHE:-/var/cache/apt/archives}
 TARGETS=${FRESH_ROOT_TARGETS:-run}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=$ROOT.log
+CA_BUNDLE=${FRESH_ROOT_CA_BUNDLE:-${PIP_CERT:-}}
 MARK=.sandlot-fresh-root
 
 [ "$(id -u)" = 0 ] || { echo "fresh-root.sh: run as root (debootstrap and the sandboxes need it)" >&2; exit 1; }
@@ -51,6 +56,12 @@ say "debootstrap: $(($(now) - start)) s"
 
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
 mkdir -p "$ROOT/root/sandlot"
+pip_cert=""
+if [ -n "$CA_BUNDLE" ]; then
+  cp "$CA_BUNDLE" "$ROOT/etc/ssl/fresh-root-ca.crt"
+  pip_cert=PIP_CERT=/etc/ssl/fresh-root-ca.crt
+  say "pip inside trusts $CA_BUNDLE (as $pip_cert)"
+fi
 git -C "$REPO" archive HEAD | tar -x -C "$ROOT/root/sandlot"
 say "copied $(git -C "$REPO" rev-parse --short HEAD) into /root/sandlot"
 
@@ -61,13 +72,15 @@ for target in $TARGETS; do
   start=$(now)
   # --cap-add ALL: root in the tree keeps what root on a real machine has (apt, mounts,
   # cgroups); with no user namespace of its own, that is the host's root, as on a real host.
-  # The status goes through a file: in a pipeline, sh keeps only tee's.
-  { env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
-      LANG=C.UTF-8 \
-      bwrap --bind "$ROOT" / --dev-bind /dev /dev --proc /proc --bind /sys /sys --tmpfs /tmp \
+  # The status goes through a file: in a pipeline, sh keeps only tee's. The tree's own /tmp
+  # (mode 1777) stays: apt hands files to its unprivileged _apt user there.
+  { status=0
+    env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+      LANG=C.UTF-8 $pip_cert \
+      bwrap --bind "$ROOT" / --dev-bind /dev /dev --proc /proc --bind /sys /sys \
       --unshare-pid --unshare-ipc --unshare-uts --die-with-parent --cap-add ALL \
-      --chdir /root/sandlot make "$target" 2>&1
-    echo $? >"$LOG.status"
+      --chdir /root/sandlot make "$target" 2>&1 || status=$?
+    echo "$status" >"$LOG.status"
   } | tee -a "$LOG"
   status=$(cat "$LOG.status")
   rm -f "$LOG.status"
