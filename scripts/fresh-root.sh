@@ -10,8 +10,9 @@
 # nothing else: no pip cache, no pip.conf, no environment but PATH, HOME and LANG, and
 # PIP_CERT where FRESH_ROOT_CA_BUNDLE is set (below).
 #
-# Settings (environment): FRESH_ROOT (the tree, default /var/tmp/sandlot-fresh-root; rebuilt
-# each time), FRESH_ROOT_SUITE (bookworm), FRESH_ROOT_MIRROR (deb.debian.org), FRESH_ROOT_CACHE
+# Settings (environment): FRESH_ROOT (the tree, default /var/tmp/sandlot-fresh-root; copied
+# afresh each time from the debootstrapped $FRESH_ROOT.base, which is kept for the next run
+# unless FRESH_ROOT_REBUILD=1), FRESH_ROOT_SUITE (bookworm), FRESH_ROOT_MIRROR (deb.debian.org), FRESH_ROOT_CACHE
 # (where debootstrap keeps its .debs between runs: /var/cache/apt/archives, apt's own cache),
 # FRESH_ROOT_TARGETS (the make targets to time, "run"; "run test" also times `make test`, which
 # needs a running dockerd the tree cannot start: see README), FRESH_ROOT_CA_BUNDLE (a CA
@@ -45,21 +46,35 @@ now() { date +%s; }
 : >"$LOG"
 say() { echo "$*" | tee -a "$LOG"; }
 
+BASE=$ROOT.base
+if [ -e "$BASE" ] && [ ! -e "$BASE/$MARK" ]; then
+  echo "fresh-root.sh: $BASE exists and was not made by this script" >&2
+  exit 1
+fi
+if [ "${FRESH_ROOT_REBUILD:-0}" = 1 ] || [ ! -e "$BASE/$MARK.done" ]; then
+  rm -rf "$BASE"
+  mkdir -p "$BASE" "$CACHE"
+  touch "$BASE/$MARK"
+  say "debootstrap $SUITE minbase + python3, git, make into $BASE (debs cached in $CACHE)"
+  start=$(now)
+  debootstrap --variant=minbase --include=python3,git,make --cache-dir="$CACHE" \
+    "$SUITE" "$BASE" "$MIRROR" >>"$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
+  touch "$BASE/$MARK.done"
+  say "debootstrap: $(($(now) - start)) s"
+else
+  say "reusing the debootstrapped $BASE (FRESH_ROOT_REBUILD=1 makes it anew)"
+fi
+# Each run starts from an untouched copy: nothing a previous `make` installed is left.
 rm -rf "$ROOT"
-mkdir -p "$ROOT" "$CACHE"
-touch "$ROOT/$MARK"
-say "debootstrap $SUITE minbase + python3, git, make into $ROOT (debs cached in $CACHE)"
-start=$(now)
-debootstrap --variant=minbase --include=python3,git,make --cache-dir="$CACHE" \
-  "$SUITE" "$ROOT" "$MIRROR" >>"$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
-say "debootstrap: $(($(now) - start)) s"
+cp -a "$BASE" "$ROOT"
+rm -f "$ROOT/$MARK.done"
 
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
 mkdir -p "$ROOT/root/sandlot"
 pip_cert=""
 if [ -n "$CA_BUNDLE" ]; then
-  cp "$CA_BUNDLE" "$ROOT/etc/ssl/fresh-root-ca.crt"
-  pip_cert=PIP_CERT=/etc/ssl/fresh-root-ca.crt
+  cp "$CA_BUNDLE" "$ROOT/etc/fresh-root-ca.crt"
+  pip_cert=PIP_CERT=/etc/fresh-root-ca.crt
   say "pip inside trusts $CA_BUNDLE (as $pip_cert)"
 fi
 git -C "$REPO" archive HEAD | tar -x -C "$ROOT/root/sandlot"
