@@ -88,12 +88,14 @@ for target in $TARGETS; do
   # --cap-add ALL: root in the tree keeps what root on a real machine has (apt, mounts,
   # cgroups); with no user namespace of its own, that is the host's root, as on a real host.
   # The status goes through a file: in a pipeline, sh keeps only tee's. The tree's own /tmp
-  # (mode 1777) stays: apt hands files to its unprivileged _apt user there.
+  # (mode 1777) stays: apt hands files to its unprivileged _apt user there. The host's /proc,
+  # not a new one (--proc): bwrap masks parts of a proc it mounts, and the kernel refuses a
+  # sandbox's own proc mount where the only proc in sight is partly covered.
   { status=0
     env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
       LANG=C.UTF-8 $pip_cert \
-      bwrap --bind "$ROOT" / --dev-bind /dev /dev --proc /proc --bind /sys /sys \
-      --unshare-pid --unshare-ipc --unshare-uts --die-with-parent --cap-add ALL \
+      bwrap --bind "$ROOT" / --dev-bind /dev /dev --bind /proc /proc --bind /sys /sys \
+      --unshare-ipc --unshare-uts --die-with-parent --cap-add ALL \
       --chdir /root/sandlot make "$target" 2>&1 || status=$?
     echo "$status" >"$LOG.status"
   } | tee -a "$LOG"
