@@ -1,42 +1,78 @@
 # Two commands do all the set-up on a fresh Debian 12 machine (run as root):
-#   make run   - install, then run a real example in a bubblewrap sandbox
-#   make test  - install (docker.io, runsc and the images too), then lint, type-check and run
-#                the test suite, with the docker and docker+runsc subset (what CI runs)
+#   make run   - install what the quickstart needs (system packages, the package without
+#                extras: no compiler, no llama.cpp, no docker), then run a real example in a
+#                bubblewrap sandbox
+#   make test  - install everything the suites need (a compiler and cmake for llama-cpp-python,
+#                the [dev] extra, docker.io, runsc and the images too), then lint, type-check
+#                and run the test suite, with the docker and docker+runsc subset (what CI runs)
+# Both print what they install. `make fresh-root-run` proves the first on a pristine root.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-SYSTEM_PACKAGES := bubblewrap util-linux e2fsprogs libseccomp2 procps python3
+# What a sandbox needs on the host: bwrap, setpriv and losetup (util-linux), mkfs.ext4.
+RUN_PACKAGES := bubblewrap util-linux mount e2fsprogs libseccomp2 procps python3
+# llama-cpp-python (the [local] extra) builds llama.cpp from source; strace lets the hostile
+# suite try it inside a sandbox instead of skipping that case.
+TEST_PACKAGES := $(RUN_PACKAGES) build-essential cmake strace
 
 DOCKER_TARGETS := docker,docker+runsc
 
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
-	doctor system venv clean docker-setup image models agent-demo bench-agent bench-agent-builtin
+	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
+	bench-agent bench-agent-builtin fresh-root-run
 
-run: venv
+run: venv-run
 	$(PY) examples/quickstart.py
 
 test: venv check pytest pytest-docker
 
-# System packages the sandboxes need; apt only runs when one is missing.
-system:
-	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+# apt only runs when a package is missing; python3-venv only where this python3 lacks
+# ensurepip (Debian splits it out of python3, so `python3 -m venv` fails without it).
+define apt_install
+	@missing=""; for p in $(1); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	$(PYTHON) -c 'import ensurepip' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
-	  echo "installing:$$missing"; \
+	  echo "installing system packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	fi
+	else echo "system packages: all present ($(strip $(1)))"; fi
+endef
+
+system:
+	$(call apt_install,$(RUN_PACKAGES))
+
+system-test:
+	$(call apt_install,$(TEST_PACKAGES))
+
+# pip's own summary line is what it installed; the rest of its output goes to a log.
+define pip_install
+	@echo "installing Python packages: pip install $(1)"
+	@$(2) $(PY) -m pip install --progress-bar off $(1) >$(VENV)/pip.log 2>&1 \
+	  || { cat $(VENV)/pip.log; exit 1; }
+	@grep -E '^Successfully installed' $(VENV)/pip.log || echo "(nothing new to install)"
+endef
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(call pip_install,--upgrade pip)
+
+# The quickstart needs the package alone (examples/quickstart.py imports nothing else).
+$(VENV)/.installed-run: pyproject.toml | $(PY)
+	$(call pip_install,-e .)
+	touch $@
 
 # llama-cpp-python builds llama.cpp from source the first time (about 6 minutes on 2 cores);
 # pip caches the wheel, so later installs on the machine take seconds. GGML_NATIVE=OFF keeps
 # the wheel free of this CPU's exact instruction set (AVX2 is still used where present).
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q -e '.[dev]'
-	touch $@
+# [dev] holds the package too, so `make run` afterwards has nothing left to install.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(call pip_install,-e '.[dev]',CMAKE_ARGS="-DGGML_NATIVE=OFF")
+	touch $@ $(VENV)/.installed-run
 
-venv: system $(VENV)/.installed
+venv-run: system $(VENV)/.installed-run
+
+venv: system-test $(VENV)/.installed
 
 check: lint typecheck
 
@@ -105,6 +141,12 @@ bench-agent: models
 
 bench-agent-builtin: models
 	$(VENV)/bin/sandlot benchmark --tasks builtin --concurrency 2 --out bench/results/agent
+
+# Debootstrap a pristine Debian 12 (minbase + python3, git, make), copy HEAD in, and time
+# `make run` in it under bubblewrap (a chroot cannot make the user namespaces sandboxes need).
+# Takes minutes; not in CI. Needs root, debootstrap and network access to Debian and PyPI.
+fresh-root-run:
+	sh scripts/fresh-root.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,96 @@ def test_doctor_reports_every_feature(cli_data_dir: Path) -> None:
     assert out.returncode == 0, out.stderr
     for feature in ("bubblewrap", "user namespaces", "cgroups", "seccomp", "disk cap"):
         assert feature in out.stdout
+
+
+def _json_of(args: list[str], data_dir: Path) -> object:
+    """The command's stdout, which must be one JSON document and nothing else."""
+    out = _run([*args, "--json"], data_dir)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_doctor_json(cli_data_dir: Path) -> None:
+    report = _json_of(["doctor"], cli_data_dir)
+    assert isinstance(report, dict) and report["ok"] is True
+    names = {check["name"] for check in report["checks"]}
+    assert {"bubblewrap", "cgroups", "seccomp"} <= names
+    for check in report["checks"]:
+        assert check.keys() == {"name", "ok", "detail", "why", "required"}
+
+
+def test_listings_json(cli_data_dir: Path) -> None:
+    images = _json_of(["image", "ls"], cli_data_dir)
+    assert isinstance(images, list) and "python3" in {i["environment"] for i in images}
+    for image in images:
+        # Without dockerd the status is unknown and the error says why; the JSON still parses.
+        assert {"image", "packages", "present", "current", "size_mb", "error"} <= image.keys()
+    models = _json_of(["models", "ls"], cli_data_dir)
+    assert isinstance(models, list) and models
+    assert {"name", "model", "size_bytes", "license", "fetched", "path"} <= models[0].keys()
+
+
+def test_keys_json_keeps_stored_text_exact_and_escaped(cli_data_dir: Path) -> None:
+    from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore
+
+    hostile = "sb-\x1b[2J\x1b]0;owned\x07[blink]x"
+    store = AuthStore(cli_data_dir / "sandlot.db")
+    try:
+        key_id, _ = store.create_key("acme", "viewer", "ci \x1b[31mred")
+        store.audit(
+            principal=LOCAL_PRINCIPAL,
+            action="sandbox.delete",
+            outcome="ok",
+            sandbox_id=hostile,
+            detail={"why": "test"},
+        )
+    finally:
+        store.close()
+    keys = _run(["keys", "list", "--json"], cli_data_dir)
+    audit = _run(["keys", "audit", "--json"], cli_data_dir)
+    for out in (keys, audit):
+        assert out.returncode == 0, out.stderr
+        assert "\x1b" not in out.stdout and "\x07" not in out.stdout
+    (key,) = json.loads(keys.stdout)
+    assert (key["key_id"], key["tenant"], key["role"]) == (key_id, "acme", "viewer")
+    assert key["name"] == "ci \x1b[31mred" and key["revoked_at"] is None
+    (row,) = json.loads(audit.stdout)
+    assert row["sandbox_id"] == hostile and row["detail"] == {"why": "test"}
+    assert {"seq", "at", "tenant", "key_id", "action", "outcome"} <= row.keys()
+
+
+def test_openapi_declares_the_bearer_key_on_authenticated_routes(tmp_path: Path) -> None:
+    from sandlot.config import Settings
+    from sandlot.server.app import create_app
+    from sandlot.server.guard import PUBLIC_PATHS
+
+    settings = Settings(_env_file=None, data_dir=tmp_path / "never-used")  # type: ignore[call-arg]
+    document = create_app(settings).openapi()
+    scheme = document["components"]["securitySchemes"]["bearer"]
+    assert (scheme["type"], scheme["scheme"]) == ("http", "bearer")
+    operations = [
+        (path, operation)
+        for path, methods in document["paths"].items()
+        for operation in methods.values()
+    ]
+    assert any(path.startswith("/v1/") for path, _ in operations)
+    for path, operation in operations:
+        expected = None if path in PUBLIC_PATHS else [{"bearer": []}]
+        assert operation.get("security") == expected, path
+    assert {"/health", "/ready", "/metrics"} <= {path for path, _ in operations}
+
+
+@pytest.mark.parametrize("name", ["sandlot", "agent-sandbox"])
+def test_shell_completion_completes_commands(name: str) -> None:
+    # What the script from `NAME --install-completion` runs on each <TAB> in bash.
+    script = Path(sys.executable).parent / name
+    variable = f"_{name.replace('-', '_').upper()}_COMPLETE"
+    env = {**os.environ, variable: "complete_bash", "COMP_WORDS": f"{name} sa", "COMP_CWORD": "1"}
+    out = subprocess.run(
+        [str(script)], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["sandbox"]
 
 
 def test_run_code_prints_output_and_value(cli_data_dir: Path) -> None:
@@ -95,6 +186,11 @@ def test_sandbox_commands_against_a_server(live_server: object, tmp_path: Path) 
     assert created.returncode == 0, created.stderr
     sandbox_id = created.stdout.strip()
     assert sandbox_id in cli("ls").stdout
+    listed = cli("ls", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (mine,) = [info for info in json.loads(listed.stdout) if info["id"] == sandbox_id]
+    assert mine["status"] == "running" and mine["limits"]["memory_mb"] == 128
+    assert {"backend", "owner", "created_at", "expires_at"} <= mine.keys()
     assert cli("run-code", sandbox_id, "v = 6").returncode == 0
     code = cli("run-code", sandbox_id, "print('x'); v * 7")
     assert (code.returncode, code.stdout) == (0, "x\n42\n")

@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,11 @@ def test_server_setup_commands_run(env: dict[str, str]) -> None:
     )
     assert created.returncode == 0 and created.stdout.startswith("asb_"), created.stderr
     assert "sandlot serve" in TEXT
+
+
+def test_license_is_the_one_pyproject_names() -> None:
+    license_text = (README.parent / "LICENSE").read_text()
+    pyproject = tomllib.loads((README.parent / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == {"text": "MIT"}
+    assert license_text.startswith("MIT License\n")
+    assert "Copyright (c) 2026 the sandlot authors" in license_text

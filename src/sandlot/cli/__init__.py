@@ -8,9 +8,10 @@ from sandlot.cli import agent, image, keys, local, sandbox, serve
 from sandlot.config import get_settings
 from sandlot.log import configure_logging
 
+# Typer's --install-completion / --show-completion: completion is keyed to the name the
+# command was started as, so `sandlot` and `agent-sandbox` each get their own.
 app = typer.Typer(
     no_args_is_help=True,
-    add_completion=False,
     help="Isolated, stateful sandboxes for code that AI agents write.",
 )
 

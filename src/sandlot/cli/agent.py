@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from sandlot.cli.common import console, errors_exit_2
+from sandlot.cli.common import JsonOpt, console, errors_exit_2, print_json
 
 out = Console()
 
@@ -231,22 +231,35 @@ def benchmark(
     console.print("charts: " + ", ".join(str(c) for c in charts))
 
 
-def models_ls() -> None:
+def models_ls(as_json: JsonOpt = False) -> None:
     """The shipped models, whether each is fetched, and where."""
     from sandlot.agent.config import get_agent_settings
     from sandlot.agent.weights import MODELS, is_fetched, model_path
 
     models_dir = get_agent_settings().models_dir
-    table = Table("name", "model", "size_mb", "license", "fetched", "path")
-    for name, m in MODELS.items():
-        table.add_row(
-            name,
-            m.title,
-            str(m.size_bytes // 2**20),
-            m.license,
-            "yes" if is_fetched(name, models_dir) else "no",
-            str(model_path(name, models_dir)),
+    found = [
+        (name, m, is_fetched(name, models_dir), model_path(name, models_dir))
+        for name, m in MODELS.items()
+    ]
+    if as_json:
+        print_json(
+            [
+                {
+                    "name": name,
+                    "model": m.title,
+                    "size_bytes": m.size_bytes,
+                    "license": m.license,
+                    "fetched": fetched,
+                    "path": str(path),
+                }
+                for name, m, fetched, path in found
+            ]
         )
+        return
+    table = Table("name", "model", "size_mb", "license", "fetched", "path")
+    for name, m, fetched, path in found:
+        size_mb = str(m.size_bytes // 2**20)
+        table.add_row(name, m.title, size_mb, m.license, "yes" if fetched else "no", str(path))
     out.print(table)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 import unicodedata
 from collections.abc import Iterator
@@ -39,6 +40,9 @@ UrlOpt = Annotated[
     str | None, typer.Option("--api-url", help="Default: SANDLOT_URL, else localhost.")
 ]
 KeyOpt = Annotated[str | None, typer.Option("--api-key", help="Default: SANDLOT_API_KEY.")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="One JSON document on stdout instead of the table.")
+]
 
 
 @contextlib.contextmanager
@@ -93,6 +97,12 @@ def remote_call(api_url: str | None, api_key: str | None, work: Any) -> Any:
             "or set --api-url / SANDLOT_URL"
         )
         raise typer.Exit(2) from None
+
+
+def print_json(document: object) -> None:
+    """``document`` as the whole of stdout. ASCII-only JSON escapes every control character
+    and every non-ASCII one, so text a client stored reaches the terminal only as escapes."""
+    sys.stdout.write(json.dumps(document, indent=2) + "\n")
 
 
 def shown(value: object) -> str:

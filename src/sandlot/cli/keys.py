@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated
 
@@ -10,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sandlot.cli.common import console, errors_exit_2, shown
+from sandlot.cli.common import JsonOpt, console, errors_exit_2, print_json, shown
 from sandlot.config import get_settings
 
 if TYPE_CHECKING:
@@ -49,14 +50,18 @@ def keys_create(
 
 
 @keys_app.command("list")
-def keys_list() -> None:
+def keys_list(as_json: JsonOpt = False) -> None:
     """List keys (never the keys themselves)."""
-    table = Table("key_id", "tenant", "role", "name", "revoked")
     with _auth_store() as store:
-        for key in store.list_keys():
-            revoked = "yes" if key["revoked_at"] else ""
-            cells = (key["key_id"], key["tenant"], key["role"], key["name"], revoked)
-            table.add_row(*(shown(cell) for cell in cells))
+        keys = store.list_keys()
+    if as_json:
+        print_json(keys)
+        return
+    table = Table("key_id", "tenant", "role", "name", "revoked")
+    for key in keys:
+        revoked = "yes" if key["revoked_at"] else ""
+        cells = (key["key_id"], key["tenant"], key["role"], key["name"], revoked)
+        table.add_row(*(shown(cell) for cell in cells))
     Console().print(table)
 
 
@@ -100,11 +105,17 @@ def keys_quota(
 def keys_audit(
     tenant: Annotated[str | None, typer.Option()] = None,
     limit: Annotated[int, typer.Option(min=1)] = 50,
+    as_json: JsonOpt = False,
 ) -> None:
     """Show the newest audit log entries."""
-    table = Table("seq", "tenant", "key_id", "action", "sandbox", "outcome")
     with _auth_store() as store:
-        for row in store.audit_log(tenant, limit):
-            cells = ("seq", "tenant", "key_id", "action", "sandbox_id", "outcome")
-            table.add_row(*(shown(row[cell]) for cell in cells))
+        rows = store.audit_log(tenant, limit)
+    if as_json:
+        # The store keeps each entry's detail as JSON text: hand it on as the object it is.
+        print_json([{**row, "detail": json.loads(row["detail"] or "{}")} for row in rows])
+        return
+    table = Table("seq", "tenant", "key_id", "action", "sandbox", "outcome")
+    for row in rows:
+        cells = ("seq", "tenant", "key_id", "action", "sandbox_id", "outcome")
+        table.add_row(*(shown(row[cell]) for cell in cells))
     Console().print(table)

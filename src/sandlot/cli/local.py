@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from typing import Annotated
 
 import typer
@@ -12,12 +13,14 @@ from rich.table import Table
 from sandlot.cli.common import (
     BackendOpt,
     EnvironmentOpt,
+    JsonOpt,
     MemoryOpt,
     NetworkOpt,
     RuntimeOpt,
     TimeoutOpt,
     console,
     errors_exit_2,
+    print_json,
     print_result,
 )
 
@@ -29,11 +32,17 @@ def register(app: typer.Typer) -> None:
     app.command()(version)
 
 
-def doctor() -> None:
+def doctor(as_json: JsonOpt = False) -> None:
     """Report which isolation features this host supports, and why each matters."""
     from sandlot.doctor import run_checks
 
     checks = run_checks(optional=True)
+    usable = all(c.ok for c in checks if c.required)
+    if as_json:
+        print_json({"ok": usable, "checks": [asdict(check) for check in checks]})
+        if not usable:
+            raise typer.Exit(1)
+        return
     table = Table(title="sandlot doctor")
     for column in ("check", "status", "detail", "why it matters"):
         table.add_column(column, overflow="fold")
@@ -45,7 +54,7 @@ def doctor() -> None:
         )
         table.add_row(check.name, status, check.detail, check.why)
     Console().print(table)
-    if not all(c.ok for c in checks if c.required):
+    if not usable:
         console.print("[red]The bubblewrap backend cannot run here; fix the MISSING rows.[/]")
         raise typer.Exit(1)
 

@@ -15,6 +15,7 @@ from rich.table import Table
 from sandlot.cli.common import (
     BackendOpt,
     EnvironmentOpt,
+    JsonOpt,
     KeyOpt,
     MemoryOpt,
     NetworkOpt,
@@ -24,7 +25,9 @@ from sandlot.cli.common import (
     console,
     errors_exit_2,
     finish,
+    print_json,
     remote_call,
+    shown,
 )
 from sandlot.client import RemoteService
 from sandlot.requests import RunCode, RunCommand, SandboxSpec, build
@@ -81,16 +84,19 @@ def sandbox_ls(
     all_: Annotated[bool, typer.Option("--all", help="Include ended.")] = False,
     api_url: UrlOpt = None,
     api_key: KeyOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """List your sandboxes."""
     infos = remote_call(api_url, api_key, lambda s: s.list(include_ended=all_))
+    if as_json:
+        print_json([info.model_dump(mode="json") for info in infos])
+        return
     table = Table("id", "status", "backend", "memory_mb", "owner", "expires in")
     now = time.time()
     for info in infos:
         left = f"{max(0, info.expires_at - now):.0f} s" if info.status == "running" else ""
-        table.add_row(
-            info.id, info.status, info.backend, str(info.limits.memory_mb), info.owner, left
-        )
+        cells = (info.id, info.status, info.backend, info.limits.memory_mb, info.owner, left)
+        table.add_row(*(shown(cell) for cell in cells))
     Console().print(table)
 
 

@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request, Response
@@ -23,13 +24,15 @@ from sandlot.requests import RunCode, SandboxSpec
 from sandlot.server import agent, compat, routes, stream
 from sandlot.server.auth import AuthStore
 from sandlot.server.deps import ServerState, error_response, state_of, status_of
-from sandlot.server.guard import RequestGuard
+from sandlot.server.guard import PUBLIC_PATHS, RequestGuard
 from sandlot.server.metrics import Metrics
 from sandlot.server.schemas import Health
 
 log = structlog.get_logger(__name__)
 
 READY_CACHE_S = 30.0
+BEARER_SCHEME = "bearer"
+HTTP_METHODS = frozenset({"get", "put", "post", "delete", "patch", "options", "head", "trace"})
 
 
 def create_app(settings: Settings | None = None, manager: SandboxManager | None = None) -> FastAPI:
@@ -75,7 +78,39 @@ def create_app(settings: Settings | None = None, manager: SandboxManager | None 
     app.include_router(compat.router)
     app.include_router(agent.router)
     _add_operational_routes(app)
+    _document_auth(app)
     return app
+
+
+def _document_auth(app: FastAPI) -> None:
+    """Declare in the OpenAPI document the key that the guard asks for, so that ``/docs``'
+    "Authorize" button and generated clients send it. Documentation only: the guard
+    authenticates (before the body is read, which a FastAPI security dependency could not do),
+    and its ``PUBLIC_PATHS`` are the operations left without the requirement."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()  # also cached on the app: the edits below are made once
+        schema.setdefault("components", {})["securitySchemes"] = {
+            BEARER_SCHEME: {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "An API key from `sandlot keys create` (the server also "
+                "reads it from an `X-API-Key` header).",
+            }
+        }
+        for path, operations in schema.get("paths", {}).items():
+            if path in PUBLIC_PATHS:
+                continue
+            for method, operation in operations.items():
+                if method in HTTP_METHODS:
+                    operation["security"] = [{BEARER_SCHEME: []}]
+        return schema
+
+    # FastAPI's documented way to extend the document: replace the method on the instance.
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_operational_routes(app: FastAPI) -> None:
