@@ -9,7 +9,8 @@
     artifacts.py   /workspace/artifacts kept on the host after a sandbox ends
     pools.py       warm pools of pre-started sandboxes
     placement.py   backend + runtime + environment, checked together (creates and pools)
-    admission.py   quotas: whether an owner may start one more sandbox
+    admission.py   quotas and host capacity: whether a sandbox may start
+    recovery.py    at start: keep a crashed run's artifacts, then sweep its leftovers
     guest_link.py  the framed protocol to the guest (op names from sandlot.guest.ops)
     store.py       the SQLite record of sandboxes and artifacts
 """

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandlot.config import Settings
-from sandlot.errors import CapacityExhausted, QuotaExceeded
+from sandlot.errors import CapacityExhausted, ConfigError, QuotaExceeded
 from sandlot.models import Quota, ResolvedLimits, SandboxInfo
 
 
@@ -101,6 +101,20 @@ def check_quota(
                 f"{owner!r} holds {name}={used:g} in live sandboxes; {wanted:g} more is over "
                 f"its quota of {most:g}; ask for less, destroy a sandbox, or raise {setting}"
             )
+
+
+def check_metadata(metadata: dict[str, str] | None, max_bytes: int) -> None:
+    """Raise if ``metadata`` (keys and values, UTF-8) is over ``max_bytes``.
+
+    Raises:
+        ConfigError: it is (the message names SANDBOX_MAX_METADATA_BYTES).
+    """
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in (metadata or {}).items())
+    if size > max_bytes:
+        raise ConfigError(
+            f"metadata of {size} bytes is over {max_bytes}; send less, or raise "
+            "SANDBOX_MAX_METADATA_BYTES"
+        )
 
 
 def _mem_total_mb() -> float:

@@ -7,6 +7,7 @@ execution and file rooms can ask for "a working connection" without knowing how 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from sandlot.errors import (
     SandboxNotRunning,
     SandboxStartError,
 )
-from sandlot.models import Quota, ResourceUsage, SandboxInfo
+from sandlot.models import Quota, ResolvedLimits, ResourceUsage, SandboxInfo, SandboxStatus
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,45 @@ class Live:
     counters: ResourceUsage = field(default_factory=ResourceUsage)
     # The owner's quota when it was created (bounds the artifacts it may keep).
     quota: Quota | None = None
+
+    @classmethod
+    def new(
+        cls,
+        key: PoolKey,
+        backend: Backend,
+        limits: ResolvedLimits,
+        network: bool,
+        env: dict[str, str] | None,
+        owner: str,
+        *,
+        ttl_s: float,
+        idle_timeout_s: float,
+    ) -> Live:
+        """A sandbox not yet started: a fresh id, its record, and what to ask the backend."""
+        now = time.time()
+        info = SandboxInfo(
+            id="sb-" + secrets.token_hex(8),
+            backend=key.backend,
+            runtime=key.runtime,
+            environment=key.environment,
+            status=SandboxStatus.STARTING,
+            owner=owner,
+            limits=limits,
+            network=network,
+            created_at=now,
+            last_active_at=now,
+            expires_at=now + ttl_s,
+            idle_timeout_s=idle_timeout_s,
+        )
+        spec = GuestSpec(
+            info.id,
+            limits,
+            network,
+            dict(env or {}),
+            environment=key.environment,
+            runtime=key.runtime,
+        )
+        return cls(info=info, spec=spec, backend=backend)
 
     @property
     def id(self) -> str:

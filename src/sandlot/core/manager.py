@@ -13,7 +13,6 @@ import asyncio
 import builtins
 import contextlib
 import os
-import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
@@ -21,9 +20,9 @@ from typing import Any
 
 import structlog
 
-from sandlot.backends import KNOWN_BACKENDS, Backend, GuestSpec, create_backend
+from sandlot.backends import Backend, create_backend
 from sandlot.config import Settings, get_settings
-from sandlot.core import admission, execution, files, placement
+from sandlot.core import admission, execution, files, placement, recovery
 from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
 from sandlot.core.live import Live, PoolKey
@@ -143,38 +142,11 @@ class SandboxManager:
         pools.start(targets)
 
     async def _recover(self, extra_backends: set[str]) -> None:
-        """Keep the artifacts of sandboxes a crashed run left (a destroy would have), then
-        mark them ended and remove all they left behind.
-
-        Every backend this store ever used is swept (pooled sandboxes are never stored, and a
-        backend may have been left running with none live), plus those pools will use.
-        """
-        orphans = self._store.list(live_only=True)
-        for info in orphans:
-            await self._rescue_artifacts(info)
-        names = (self._store.backends_used() | extra_backends | {self.settings.backend}) & set(
-            KNOWN_BACKENDS
+        orphans = await recovery.recover(
+            self._store, self._artifacts, self._backend, self.settings.backend, extra_backends
         )
-        for name in sorted(names):
-            try:
-                removed = await self._backend(name).sweep(keep=())
-            except SandboxError as exc:
-                log.warning("recovery sweep skipped", backend=name, error=str(exc))
-                continue
-            if removed:
-                log.warning("removed orphaned sandboxes", backend=name, ids=removed)
         for info in orphans:
             self._end(info, SandboxStatus.DESTROYED, "recovered")
-
-    async def _rescue_artifacts(self, info: SandboxInfo) -> None:
-        if info.backend not in KNOWN_BACKENDS:
-            return
-        try:
-            workspace = self._backend(info.backend).workspace_on_host(info.id)
-            if workspace is not None:
-                await self._artifacts.export_from_host(info, workspace)
-        except (SandboxError, OSError) as exc:
-            log.warning("artifacts of an orphan not kept", sandbox=info.id, error=repr(exc))
 
     async def close(self) -> None:
         """Destroy every live sandbox and release the data directory."""
@@ -237,7 +209,7 @@ class SandboxManager:
         key = self.placement(spec.backend, spec.runtime, spec.environment)
         resolved = self.settings.resolve_limits(spec.limits())
         network = self.settings.network if spec.network is None else spec.network
-        self._check_metadata(spec.metadata)
+        admission.check_metadata(spec.metadata, self.settings.max_metadata_bytes)
         if quota is not None:
             admission.check_quota(self._live_infos(), owner, resolved, quota)
         live = self._pools.take(key, resolved, network, spec.env) if self._pools else None
@@ -293,30 +265,18 @@ class SandboxManager:
         env: dict[str, str] | None,
         owner: str,
     ) -> Live:
-        now = time.time()
-        info = SandboxInfo(
-            id="sb-" + secrets.token_hex(8),
-            backend=key.backend,
-            runtime=key.runtime,
-            environment=key.environment,
-            status=SandboxStatus.STARTING,
-            owner=owner,
-            limits=limits,
-            network=network,
-            created_at=now,
-            last_active_at=now,
-            expires_at=now + self.settings.ttl_s,
-            idle_timeout_s=self.settings.idle_timeout_s,
-        )
-        spec = GuestSpec(
-            info.id,
+        settings = self.settings
+        backend = self._backend(key.backend)
+        return Live.new(
+            key,
+            backend,
             limits,
             network,
-            dict(env or {}),
-            environment=key.environment,
-            runtime=key.runtime,
+            env,
+            owner,
+            ttl_s=settings.ttl_s,
+            idle_timeout_s=settings.idle_timeout_s,
         )
-        return Live(info=info, spec=spec, backend=self._backend(key.backend))
 
     def _new_pooled(self, key: PoolKey) -> Live:
         limits = self.settings.resolve_limits(None)
@@ -329,14 +289,6 @@ class SandboxManager:
         if self._pools is not None:
             held += self._pools.reserved()
         return held
-
-    def _check_metadata(self, metadata: dict[str, str] | None) -> None:
-        size = sum(len(k.encode()) + len(v.encode()) for k, v in (metadata or {}).items())
-        if size > self.settings.max_metadata_bytes:
-            raise ConfigError(
-                f"metadata of {size} bytes is over {self.settings.max_metadata_bytes}; send "
-                "less, or raise SANDBOX_MAX_METADATA_BYTES"
-            )
 
     async def _boot(self, live: Live) -> None:
         """Start the guest of a new sandbox; on failure remove every trace of it."""
