@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 
 from sandlot.agent.config import AgentSettings
+from sandlot.agent.embedders import Embedder, HashingEmbedder, LlamaEmbedder
 from sandlot.agent.memory import (
     COLLECTION_NAME,
     RECALL_MAX_CHARS,
     SOLVED_BONUS,
     AgentMemory,
-    Embedder,
-    HashingEmbedder,
-    LlamaEmbedder,
     MemoryRecord,
     format_recall,
 )
@@ -97,7 +95,7 @@ def test_hashing_embedder_is_stable_across_processes() -> None:
             sys.executable,
             "-c",
             "import json, sys\n"
-            "from sandlot.agent.memory import HashingEmbedder\n"
+            "from sandlot.agent.embedders import HashingEmbedder\n"
             "print(json.dumps(HashingEmbedder().embed(json.loads(sys.argv[1]))))",
             json.dumps(texts),
         ],
