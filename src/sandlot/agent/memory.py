@@ -16,9 +16,10 @@ Where the vectors live (:meth:`AgentMemory.open`):
 Embedders:
 
 * :class:`~sandlot.agent.embedders.HashingEmbedder`, the default, needs no dependency and no
-  download. It measures *lexical* similarity (shared words, identifier parts, character 3-grams), not meaning:
-  "sum a list of ints" and "add up the numbers" share almost nothing and score low. It is good
-  at the common case of a task asked again in other words around the same nouns.
+  download. It measures *lexical* similarity (shared words, identifier parts, character
+  3-grams), not meaning: "sum a list of ints" and "add up the numbers" share almost nothing
+  and score low. It is good at the common case of a task asked again in other words around
+  the same nouns.
 * :class:`~sandlot.agent.embedders.LlamaEmbedder` embeds with a GGUF model through
   llama-cpp-python (semantic, slower).
 
