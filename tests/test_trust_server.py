@@ -94,6 +94,32 @@ def server(data_root: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
         stop_server(process)
 
 
+def _read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response: the head, then as many body bytes as it declares (TCP may
+    deliver them in separate segments)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
     sock.settimeout(within_s)
     try:
@@ -113,7 +139,7 @@ def test_a_huge_body_without_a_key_is_refused_before_it_is_read(server: Server) 
             b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
             b"content-length: 268435456\r\n\r\n" + b"[" * 65536
         )
-        reply = sock.recv(65536)
+        reply = _read_response(sock)
     assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
     assert b'"unauthenticated"' in reply
     assert server.rss_mb() - before < 20
