@@ -71,6 +71,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         _deadline: asyncio.TimerHandle | None = None
         _header_bytes = 0
         _in_headers = False
+        _message_done = True  # the parser has the whole current request, body included
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -99,6 +100,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._message_done = False
             if not self._in_headers:
                 self._expect_headers()
 
@@ -113,13 +115,19 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def on_message_complete(self) -> None:
             self._disarm()
+            self._message_done = True
             super().on_message_complete()
+            # Answered before its body was all in (a refused upload): the rest has been read
+            # now, and the connection waits for its next request, under the header deadline.
+            if self.cycle is not None and self.cycle.response_complete:
+                self._expect_headers()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            # A pipelined request already parsed is being served: no headers to wait for.
+            # A pipelined request already parsed is being served, or the body of this one is
+            # still arriving (a response sent before it was read): no headers to wait for yet.
             idle = self.cycle is None or self.cycle.response_complete
-            if idle and not self.transport.is_closing():
+            if idle and self._message_done and not self.transport.is_closing():
                 self._expect_headers()
 
         def handle_websocket_upgrade(self) -> None:
