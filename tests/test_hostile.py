@@ -44,7 +44,7 @@ from sandlot import (
     SandboxManager,
 )
 from sandlot._portal import get_portal
-from sandlot.backends.docker.backend import RUNSC_THREAD_EXHAUSTED
+from sandlot.backends.docker.backend import MASKED_PATHS, RUNSC_THREAD_EXHAUSTED
 from tests import leaks
 from tests.conftest import placement
 
@@ -860,6 +860,9 @@ DOCKER_WRITABLE |= {
     f"/proc/{name}"
     for name in ("acpi", "asound", "kcore", "keys", "latency_stats", "scsi", "timer_list")
 } | {"/proc/sched_debug", "/proc/timer_stats", "/sys/firmware"}
+# ... and so, the same way, are the host-wide /proc entries we mask (/dev/null over a file,
+# a read-only tmpfs over a directory: writes there reach nothing).
+DOCKER_WRITABLE |= set(MASKED_PATHS)
 READ_ONLY_PROBE = f"""
 import errno, os
 targets = ("/usr/{PROBE_NAME}", "/etc/{PROBE_NAME}", "/{PROBE_NAME}",
