@@ -19,11 +19,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sandlot._version import __version__
 from sandlot.config import Settings, get_settings
 from sandlot.core import SandboxManager
-from sandlot.errors import RateLimited, SandboxError
+from sandlot.errors import SandboxError
 from sandlot.requests import RunCode, SandboxSpec
 from sandlot.server import agent, compat, routes, stream
 from sandlot.server.auth import AuthStore
-from sandlot.server.deps import ServerState, error_response, state_of, status_of
+from sandlot.server.deps import ServerState, error_response, sandbox_error_response, state_of
 from sandlot.server.guard import PUBLIC_PATHS, RequestGuard
 from sandlot.server.metrics import Metrics
 from sandlot.server.schemas import Health
@@ -201,13 +201,7 @@ def _request_id(request: Request) -> str | None:
 
 
 async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
-    status = status_of(exc)
-    headers = {}
-    if isinstance(exc, RateLimited):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    if status >= 500:
-        log.warning("request failed", code=exc.code, error=exc.message)
-    return error_response(status, exc.code, exc.message, _request_id(request), **headers)
+    return sandbox_error_response(exc, _request_id(request))
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -95,6 +95,17 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def sandbox_error_response(exc: SandboxError, request_id: str | None) -> JSONResponse:
+    """The typed error body of one of our errors, with ``Retry-After`` where it applies."""
+    status = status_of(exc)
+    headers = {}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if status >= 500:
+        log.warning("request failed", code=exc.code, error=exc.message)
+    return error_response(status, exc.code, exc.message, request_id, **headers)
+
+
 @dataclass
 class ServerState:
     settings: Settings

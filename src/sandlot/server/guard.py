@@ -21,7 +21,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandlot.errors import RequestTooLarge, SandboxError
-from sandlot.server.deps import ServerState, error_response, status_of
+from sandlot.server.deps import ServerState, sandbox_error_response
 
 PUBLIC_PATHS = frozenset(
     {"/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
@@ -65,10 +65,7 @@ class RequestGuard:
                 receive = await _buffered(receive, cap, option)
         except SandboxError as exc:
             request_id = scope.get("state", {}).get("request_id")
-            retry = getattr(exc, "retry_after_s", None)
-            extra = {"Retry-After": str(max(1, round(retry)))} if retry is not None else {}
-            response = error_response(status_of(exc), exc.code, exc.message, request_id, **extra)
-            await response(scope, receive, send)
+            await sandbox_error_response(exc, request_id)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
