@@ -29,6 +29,7 @@ from typing import Any
 
 from sandlot import SandboxManager
 from sandlot.backends.base import instance_of
+from sandlot.backends.docker.dockerd import labelled
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("pids", "memory", "cpu", "cpuacct")
@@ -97,7 +98,7 @@ def our_containers(manager: SandboxManager) -> list[str]:
     if not DOCKER_TESTED:
         return []
     label = f"sandlot.instance={instance_of(manager.settings.data_dir)}"
-    found = _docker().containers.list(all=True, filters={"label": label})
+    found = labelled(_docker(), [label])
     return sorted(c.name for c in found)
 
 
@@ -106,7 +107,7 @@ def docker_cgroup(manager: SandboxManager, sandbox_id: str) -> str | None:
     if not DOCKER_TESTED:
         return None
     label = f"sandlot.sandbox={sandbox_id}"
-    found = _docker().containers.list(all=True, filters={"label": label})
+    found = labelled(_docker(), [label])
     if not found:
         return None
     pid = found[0].attrs["State"]["Pid"]
@@ -116,7 +117,7 @@ def docker_cgroup(manager: SandboxManager, sandbox_id: str) -> str | None:
 def docker_container(manager: SandboxManager, sandbox_id: str) -> tuple[str, dict[str, Any]]:
     """The id and Docker's ``State`` of a docker sandbox's container."""
     label = f"sandlot.sandbox={sandbox_id}"
-    found = _docker().containers.list(all=True, filters={"label": label})
+    found = labelled(_docker(), [label])
     assert len(found) == 1, f"{len(found)} containers for {sandbox_id}"
     return found[0].id, dict(found[0].attrs["State"])
 

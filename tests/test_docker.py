@@ -14,7 +14,7 @@ import pytest
 
 from sandlot import ConfigError, Sandbox, SandboxManager, SandboxStatus
 from sandlot._portal import get_portal
-from sandlot.backends.docker.dockerd import LABEL_INSTANCE, LABEL_SANDBOX, connect
+from sandlot.backends.docker.dockerd import LABEL_INSTANCE, LABEL_SANDBOX, connect, labelled
 from sandlot.requests import RunCode, SandboxSpec
 from tests import leaks
 from tests.conftest import EXTRA_TARGETS, LiveServer, make_settings
@@ -34,15 +34,15 @@ def client() -> Any:
 
 
 def _container(client: Any, sandbox_id: str) -> Any:
-    found = client.containers.list(all=True, filters={"label": f"{LABEL_SANDBOX}={sandbox_id}"})
+    found = labelled(client, [f"{LABEL_SANDBOX}={sandbox_id}"])
     assert len(found) == 1, found
     return found[0]
 
 
 def _ours(client: Any, data_dir: Path, *, running_only: bool = False) -> list[Any]:
     label = f"{LABEL_INSTANCE}={leaks.instance_of(data_dir)}"
-    found: list[Any] = client.containers.list(all=not running_only, filters={"label": label})
-    return found
+    found = labelled(client, [label])
+    return [c for c in found if c.status == "running"] if running_only else found
 
 
 @pytest.fixture
@@ -114,17 +114,21 @@ def test_killed_client_leaves_the_container_running_until_destroy(
     """Cutting the guest's stream (what a killed Docker client does) stops nothing inside:
     the container and a daemon in it keep running. Only destroy ends them, for sure."""
     daemon = (
-        "setsid sh -c 'while :; do date +%s%N > beat; sleep 0.1; done' </dev/null >/dev/null 2>&1 &"
+        "setsid sh -c 'while :; do date +%s%N > b.tmp && mv b.tmp beat; sleep 0.1; done' "
+        "</dev/null >/dev/null 2>&1 &"
     )
     assert docker_sb.commands.run(daemon).ok
     container = _container(client, docker_sb.id)
+    beat = leaks.sandbox_root(manager, docker_sb.id) / "workspace" / "beat"
+    deadline = time.monotonic() + 10
+    while not beat.exists() and time.monotonic() < deadline:  # its first beat may come late
+        time.sleep(0.05)
 
     async def cut_the_stream() -> None:  # on the manager's loop: what a dying client does
         box = manager._backends["docker"]._boxes[docker_sb.id]  # type: ignore[attr-defined]
         box.guest.kill()
 
     get_portal().call(cut_the_stream())
-    beat = leaks.sandbox_root(manager, docker_sb.id) / "workspace" / "beat"
     first = beat.read_text()
     time.sleep(0.5)
     container.reload()

@@ -48,6 +48,7 @@ from sandlot.backends.docker.dockerd import (
     LABEL_SANDBOX,
     RUNTIMES,
     connect,
+    labelled,
 )
 from sandlot.backends.docker.images import ensure_image
 from sandlot.backends.docker.probe import daemon_checks
@@ -396,8 +397,7 @@ class DockerBackend:
         labels = [f"{LABEL_INSTANCE}={self.instance}"]
         if sandbox_id is not None:
             labels.append(f"{LABEL_SANDBOX}={sandbox_id}")
-        found: list[Container] = client.containers.list(all=True, filters={"label": labels})
-        return found
+        return labelled(client, labels)
 
     async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
         box = self._boxes.get(sandbox_id)

@@ -14,6 +14,7 @@ from sandlot.errors import BackendUnavailable
 
 if TYPE_CHECKING:
     import docker
+    from docker.models.containers import Container
 
 LABEL = "sandlot"  # every container and image we make carries it
 LABEL_INSTANCE = "sandlot.instance"  # which data directory (server) owns the container
@@ -48,3 +49,23 @@ def connect() -> docker.DockerClient:
             f"the Docker daemon is not reachable ({exc}); {DAEMON_HINT}"
         ) from exc
     return client
+
+
+def labelled(client: docker.DockerClient, labels: list[str]) -> list[Container]:
+    """Every container (running or not) carrying all ``labels``, each inspected.
+
+    docker-py's ``containers.list`` inspects each listed container and raises NotFound when one
+    is removed between the list and its inspect; another sandbox's stop or a crashed server's
+    sweep does exactly that, so a container gone by then is simply not in the answer.
+    """
+    import docker  # optional dependency, imported only when used
+
+    found: list[Container] = []
+    for sparse in client.containers.list(all=True, sparse=True, filters={"label": labels}):
+        if sparse.id is None:
+            continue
+        try:
+            found.append(client.containers.get(sparse.id))
+        except docker.errors.NotFound:
+            continue
+    return found
