@@ -15,8 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from sandlot.errors import BackendUnavailable
 from sandlot.models import ResourceUsage
+
+log = structlog.get_logger(__name__)
 
 CPU_PERIOD_US = 100_000
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
@@ -289,20 +293,10 @@ class CgroupDriver:
     def _enable_v2_controllers(self, parents: tuple[str, ...]) -> None:
         # In v2 a controller reaches a child only if every ancestor lists it in subtree_control.
         current = self.roots["unified"]
-        wanted = " ".join(f"+{c}" for c in REQUIRED)
         for part in ("", *parents):
             current = current / part if part else current
             current.mkdir(exist_ok=True)
-            control = current / "cgroup.subtree_control"
-            enabled = set(control.read_text().split())
-            if not all(c in enabled for c in REQUIRED):
-                try:
-                    control.write_text(wanted)
-                except OSError as exc:
-                    raise BackendUnavailable(
-                        f"cannot enable {wanted} in {control}: {exc}; the cgroup there holds "
-                        "processes. Set SANDBOX_CGROUP_ROOT to a cgroup you delegate to us"
-                    ) from exc
+            _enable_controllers(current)
 
     def children(self, *parts: str) -> list[str]:
         """Names of the cgroups directly below ``parts`` in any hierarchy."""
@@ -312,3 +306,86 @@ class CgroupDriver:
             with contextlib.suppress(OSError):
                 names.update(p.name for p in d.iterdir() if p.is_dir())
         return sorted(names)
+
+    def probe(self, parent: str) -> str:
+        """Create a real cgroup below ``parent`` with every limit applied, then remove it: the
+        only proof that sandboxes can get one here (reading ``cgroup.controllers`` is not: in a
+        container on v2 the controllers are listed, yet cannot be enabled for children).
+
+        Raises:
+            BackendUnavailable: the cgroup cannot be made, limited or removed.
+        """
+        parts = (parent, f"probe-{os.getpid()}-{time.monotonic_ns()}")
+        limits = CgroupLimits(memory_bytes=64 << 20, pids_max=16, cpu_cores=0.5)
+        try:
+            cgroup = self.create(parts, limits)
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"cannot create a cgroup with limits under {parent} ({exc})"
+            ) from exc
+        if not cgroup.remove(timeout_s=1.0):
+            raise BackendUnavailable(f"a probe cgroup under {parent} could not be removed")
+        return f"{self.describe()}: made and removed a limited cgroup under {parent}/"
+
+
+# Where a cgroup's own processes go so that controllers can be enabled for its children.
+# docker-in-docker's entrypoint does the same, under the same name.
+EVACUATION_LEAF = "init"
+EVACUATION_ROUNDS = 5
+
+
+def _enable_controllers(cgroup_dir: Path) -> None:
+    """Enable the required controllers for ``cgroup_dir``'s children.
+
+    cgroup v2's "no internal processes" rule refuses (EBUSY) while the cgroup itself holds
+    processes, unless it is the root of the whole hierarchy. Inside a container with its own
+    cgroup namespace (Docker's and Kubernetes' default on v2) the namespace's root is such a
+    cgroup, holding our own process and the container's others: they are moved into a leaf
+    child first, as docker-in-docker does. A cgroup we made ourselves never holds processes.
+
+    Raises:
+        BackendUnavailable: the controllers cannot be enabled.
+    """
+    control = cgroup_dir / "cgroup.subtree_control"
+    wanted = " ".join(f"+{c}" for c in REQUIRED)
+    for _ in range(EVACUATION_ROUNDS):
+        if all(c in _read(control).split() for c in REQUIRED):
+            return
+        try:
+            control.write_text(wanted)
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise _cannot_enable(control, wanted, exc) from exc
+            last = exc
+        else:
+            return
+        # New processes can be forked into it while we move the others: a few rounds.
+        _evacuate(cgroup_dir)
+    raise _cannot_enable(control, wanted, last) from last
+
+
+def _evacuate(cgroup_dir: Path) -> None:
+    """Move every process of ``cgroup_dir`` into its leaf child :data:`EVACUATION_LEAF`."""
+    leaf = cgroup_dir / EVACUATION_LEAF
+    leaf.mkdir(exist_ok=True)
+    moved = 0
+    for line in _read(cgroup_dir / "cgroup.procs").split():
+        try:
+            (leaf / "cgroup.procs").write_text(line)
+            moved += 1
+        except ProcessLookupError:  # it exited meanwhile
+            continue
+    log.warning(
+        "moved processes out of a cgroup so its children can have limits",
+        cgroup=str(cgroup_dir),
+        to=str(leaf),
+        moved=moved,
+    )
+
+
+def _cannot_enable(control: Path, wanted: str, exc: OSError) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"cannot enable {wanted} in {control}: {exc}. Run sandlot where it may manage a "
+        "cgroup v2 subtree: as root in a container with its own cgroup namespace, or with "
+        "SANDBOX_CGROUP_ROOT naming a cgroup delegated to this user (see `sandlot doctor`)"
+    )

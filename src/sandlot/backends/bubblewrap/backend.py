@@ -150,7 +150,7 @@ class BubblewrapBackend:
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
-        return host_checks()
+        return host_checks(settings.cgroup_root)
 
     # -- set-up
 

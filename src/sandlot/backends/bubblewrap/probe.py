@@ -66,14 +66,14 @@ def _seccomp() -> tuple[bool, str]:
     return True, f"libseccomp filter compiles ({size} bytes of BPF)"
 
 
-def _cgroups() -> tuple[bool, str]:
+def _cgroups(parent: str) -> tuple[bool, str]:
     try:
-        return True, CgroupDriver.detect().describe()
+        return True, CgroupDriver.detect().probe(parent)
     except SandboxError as exc:
         return False, str(exc)
 
 
-def host_checks() -> list[Check]:
+def host_checks(cgroup_root: str) -> list[Check]:
     """Root, bwrap, user namespaces, cgroups, seccomp, the disk cap and setpriv."""
     root = os.geteuid() == 0
     bwrap = _bwrap_version()
@@ -98,7 +98,7 @@ def host_checks() -> list[Check]:
         ),
         Check(
             "cgroups",
-            *_cgroups(),
+            *_cgroups(cgroup_root),
             "memory, pids and CPU limits; without them a memory or fork bomb takes the host down",
         ),
         Check(
