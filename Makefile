@@ -13,8 +13,9 @@ PY := $(VENV)/bin/python
 # What a sandbox needs on the host: bwrap, setpriv and losetup (util-linux), mkfs.ext4.
 RUN_PACKAGES := bubblewrap util-linux mount e2fsprogs libseccomp2 procps python3
 # llama-cpp-python (the [local] extra) builds llama.cpp from source; strace lets the hostile
-# suite try it inside a sandbox instead of skipping that case.
-TEST_PACKAGES := $(RUN_PACKAGES) build-essential cmake strace
+# suite try it inside a sandbox instead of skipping that case; matplotlib and pandas give the
+# rich-output tests a figure and a DataFrame inside a bubblewrap sandbox (it sees host /usr).
+TEST_PACKAGES := $(RUN_PACKAGES) build-essential cmake strace python3-matplotlib python3-pandas
 
 DOCKER_TARGETS := docker,docker+runsc
 

@@ -49,9 +49,10 @@ def test_readme_has_examples() -> None:
 @pytest.mark.parametrize(
     "source", PYTHON_BLOCKS, ids=[f"python-{i}" for i in range(len(PYTHON_BLOCKS))]
 )
-def test_python_example_runs(source: str, env: dict[str, str]) -> None:
+def test_python_example_runs(source: str, env: dict[str, str], tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-c", source],
+        cwd=tmp_path,  # what an example writes (a chart) lands there, not in the checkout
         env=env,
         capture_output=True,
         text=True,

@@ -29,7 +29,15 @@ from tenacity import (
 
 from sandlot._version import __version__
 from sandlot.errors import ConfigError, SandboxError, error_from_code
-from sandlot.models import ExecResult, FileInfo, OutputCallback, ResourceUsage, SandboxInfo
+from sandlot.models import (
+    ExecResult,
+    FileInfo,
+    OutputCallback,
+    ResourceUsage,
+    Result,
+    ResultCallback,
+    SandboxInfo,
+)
 from sandlot.requests import (
     FilePath,
     ListFiles,
@@ -148,9 +156,12 @@ class RemoteService:
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
     ) -> ExecResult:
-        if on_stdout is not None or on_stderr is not None:
-            return await self._stream(sandbox_id, "run_code", request, on_stdout, on_stderr)
+        if on_stdout is not None or on_stderr is not None or on_result is not None:
+            return await self._stream(
+                sandbox_id, "run_code", request, on_stdout, on_stderr, on_result
+            )
         return await self._exec(f"/v1/sandboxes/{sandbox_id}/code", request)
 
     async def run_command(
@@ -177,6 +188,7 @@ class RemoteService:
         request: RunCode | RunCommand,
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
+        on_result: ResultCallback | None = None,
     ) -> ExecResult:
         from websockets.asyncio.client import connect
 
@@ -192,6 +204,8 @@ class RemoteService:
                     on_stdout(event["data"])
                 elif kind == "stderr" and on_stderr is not None:
                     on_stderr(event["data"])
+                elif kind == "display" and on_result is not None:
+                    on_result(Result.model_validate(event["result"]))
                 elif kind == "result":
                     return ExecResult.model_validate(event["result"])
                 elif kind == "error":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +27,81 @@ class ExecError(_Model):
     type: str = Field(description="Exception class name, e.g. 'ZeroDivisionError'.")
     message: str = Field(description="str() of the exception.")
     traceback: str = Field(description="Formatted traceback, cell source lines included.")
+
+
+# The formats a :class:`Result` has a field for: MIME type -> field name (E2B's names).
+RESULT_FORMATS: dict[str, str] = {
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "application/pdf": "pdf",
+    "text/latex": "latex",
+    "application/json": "json",
+    "application/javascript": "javascript",
+}
+
+
+class Result(_Model):
+    """One rich output of a Python cell: an object shown by ``display(obj)``, a matplotlib
+    figure (``plt.show()`` or left open at the end of the cell), or the value of the cell's
+    last expression (``is_main_result``). Each format is one field; images are base64.
+    Matches E2B's ``Result`` (``chart`` and ``data`` are not produced)."""
+
+    is_main_result: bool = Field(
+        default=False, description="The value of the cell's last expression, not a display."
+    )
+    text: str | None = Field(default=None, description="text/plain: the object's repr().")
+    html: str | None = None
+    markdown: str | None = None
+    svg: str | None = None
+    png: str | None = Field(default=None, description="image/png, base64.")
+    jpeg: str | None = Field(default=None, description="image/jpeg, base64.")
+    pdf: str | None = Field(default=None, description="application/pdf, base64.")
+    latex: str | None = None
+    json_data: Any = Field(
+        default=None,
+        alias="json",
+        serialization_alias="json",
+        description="application/json: any JSON value.",
+    )
+    javascript: str | None = None
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Other MIME types the object offered."
+    )
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    def formats(self) -> list[str]:
+        """The formats present, by field name (as E2B's ``Result.formats()``)."""
+        present = [f for f in RESULT_FORMATS.values() if f != "text" and self[f] is not None]
+        return present + sorted(self.extra)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.json_data if name == "json" else getattr(self, name)
+
+    @classmethod
+    def from_bundle(cls, data: object, is_main_result: object = False) -> Result:
+        """The result of a ``{mime: value}`` bundle from the guest. The guest shares a uid
+        with sandboxed code, which can write any bundle: a value of the wrong type is left
+        out, never raised."""
+        fields: dict[str, Any] = {"is_main_result": is_main_result is True, "extra": {}}
+        for mime, value in (data if isinstance(data, dict) else {}).items():
+            name = RESULT_FORMATS.get(str(mime))
+            if name == "json":
+                fields["json"] = value
+            elif name is not None:
+                if isinstance(value, str):
+                    fields[name] = value
+            elif isinstance(mime, str):
+                fields["extra"][mime] = value
+        return cls.model_validate(fields)
+
+
+# Receives each rich output of a running cell as it is shown.
+ResultCallback = Callable[[Result], None]
 
 
 class ExecResult(_Model):
@@ -65,6 +140,15 @@ class ExecResult(_Model):
     state_lost: bool = Field(
         default=False,
         description="The interpreter had to be restarted: variables and imports are gone.",
+    )
+    results: list[Result] = Field(
+        default_factory=list,
+        description="Rich outputs in the order shown (Python only): display() calls, "
+        "figures, and the last expression's value (is_main_result).",
+    )
+    results_truncated: bool = Field(
+        default=False,
+        description="Some rich outputs were left out: together they passed the output cap.",
     )
 
     @property

@@ -12,14 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Self, TypeVar
 
 from sandlot._portal import Portal, get_portal, on_exit
 from sandlot._sync import SyncTwin, blocking, constructor
 from sandlot.config import get_settings
 from sandlot.core import SandboxManager
-from sandlot.models import ExecResult, FileInfo, OutputCallback, ResourceUsage, SandboxInfo
+from sandlot.models import (
+    ExecResult,
+    FileInfo,
+    OutputCallback,
+    ResourceUsage,
+    ResultCallback,
+    SandboxInfo,
+)
 from sandlot.requests import (
     FilePath,
     ListFiles,
@@ -34,6 +41,7 @@ from sandlot.requests import (
 from sandlot.service import SandboxService
 
 T = TypeVar("T")
+E = TypeVar("E")  # what a streaming callback receives: a chunk of text, a Result
 
 _default_lock = threading.Lock()
 _default_manager: SandboxManager | None = None
@@ -81,7 +89,7 @@ class _Runner:
             await self.aclose()
             raise
 
-    def wrap(self, callback: OutputCallback | None) -> OutputCallback | None:
+    def wrap(self, callback: Callable[[E], None] | None) -> Callable[[E], None] | None:
         """Deliver streamed output on the caller's loop when the manager runs on another."""
         if callback is None or self.portal is None:
             return callback
@@ -92,8 +100,8 @@ class _Runner:
         if caller is self.portal.loop:
             return callback
 
-        def forward(text: str) -> None:
-            caller.call_soon_threadsafe(callback, text)
+        def forward(item: E) -> None:
+            caller.call_soon_threadsafe(callback, item)
 
         return forward
 
@@ -301,17 +309,25 @@ class AsyncSandbox:
         timeout_s: float | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
     ) -> ExecResult:
         """Run Python; variables persist, and ``text`` is the last expression's repr.
 
-        A crash, timeout or resource kill of the code is a result (``ok`` is False,
-        ``error`` and ``kill_reason`` say why), not an exception.
+        ``results`` holds the rich outputs: ``display(obj)``, matplotlib figures (PNG) and
+        the last expression's value with its HTML, Markdown, image... forms (a DataFrame's
+        table, say); ``on_result`` receives each as it is shown. A crash, timeout or resource
+        kill of the code is a result (``ok`` is False, ``error`` and ``kill_reason`` say
+        why), not an exception.
         """
         request = build(RunCode, code=code, timeout_s=timeout_s)
         run = self._run
         return await run(
             run.manager.run_code(
-                self.id, request, on_stdout=run.wrap(on_stdout), on_stderr=run.wrap(on_stderr)
+                self.id,
+                request,
+                on_stdout=run.wrap(on_stdout),
+                on_stderr=run.wrap(on_stderr),
+                on_result=run.wrap(on_result),
             )
         )
 

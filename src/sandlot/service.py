@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from sandlot.models import ExecResult, FileInfo, OutputCallback, ResourceUsage, SandboxInfo
+from sandlot.models import (
+    ExecResult,
+    FileInfo,
+    OutputCallback,
+    ResourceUsage,
+    ResultCallback,
+    SandboxInfo,
+)
 from sandlot.requests import (
     FilePath,
     ListFiles,
@@ -40,6 +47,7 @@ class SandboxService(Protocol):
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
     ) -> ExecResult: ...
 
     async def run_command(

@@ -19,7 +19,7 @@ from sandlot.core.guest_link import GuestConnection
 from sandlot.core.live import Live, guest_broken
 from sandlot.errors import ConfigError, GuestDied, GuestError, PidsExhausted, SandboxError
 from sandlot.guest.ops import Op
-from sandlot.models import ExecResult, OutputCallback, ResourceUsage
+from sandlot.models import ExecResult, OutputCallback, ResourceUsage, Result, ResultCallback
 from sandlot.requests import RunCode, RunCommand
 
 log = structlog.get_logger(__name__)
@@ -58,6 +58,7 @@ async def execute(
     on_stdout: OutputCallback | None,
     on_stderr: OutputCallback | None,
     stdin: asyncio.Queue[bytes | None] | None = None,
+    on_result: ResultCallback | None = None,
 ) -> ExecResult:
     """Run one exec call; a crash, timeout or kill of the sandboxed program is a result.
 
@@ -72,14 +73,16 @@ async def execute(
         SandboxNotRunning: the sandbox is being destroyed.
     """
     try:
-        return await _attempt(live, op, payload, timeout_s, on_stdout, on_stderr, stdin)
+        return await _attempt(live, op, payload, timeout_s, on_stdout, on_stderr, stdin, on_result)
     except SandboxError as exc:
         if not guest_broken(exc):
             raise
         log.warning("the guest fails calls; restarting it", sandbox=live.id, error=exc.message)
         await live.drop_guest()
     try:
-        result = await _attempt(live, op, payload, timeout_s, on_stdout, on_stderr, stdin)
+        result = await _attempt(
+            live, op, payload, timeout_s, on_stdout, on_stderr, stdin, on_result
+        )
     except SandboxError as exc:
         if not guest_broken(exc):
             raise
@@ -97,6 +100,7 @@ async def _attempt(
     on_stdout: OutputCallback | None,
     on_stderr: OutputCallback | None,
     stdin: asyncio.Queue[bytes | None] | None = None,
+    on_result: ResultCallback | None = None,
 ) -> ExecResult:
     limits = live.info.limits
     timeout = limits.timeout_s if timeout_s is None else timeout_s
@@ -123,7 +127,12 @@ async def _attempt(
         try:
             raw = await asyncio.wait_for(
                 conn.request(
-                    op, request, on_stdout=on_stdout, on_stderr=on_stderr, call_id=call_id
+                    op,
+                    request,
+                    on_stdout=on_stdout,
+                    on_stderr=on_stderr,
+                    on_result=on_result,
+                    call_id=call_id,
                 ),
                 timeout + BACKSTOP_S,
             )
@@ -146,7 +155,9 @@ async def _attempt(
                 feeder.cancel()
         after = live.counters = await live.backend.usage(live.id, full=False)
         try:
-            result = ExecResult.model_validate({k: v for k, v in raw.items() if k in RESULT_FIELDS})
+            result = ExecResult.model_validate(
+                {k: v for k, v in raw.items() if k in RESULT_FIELDS} | _results(raw)
+            )
         except ValidationError as exc:
             # The guest shares a uid with sandboxed code: a malformed reply is its failure
             # (502), never ours (500).
@@ -162,6 +173,18 @@ async def _attempt(
     finally:
         live.active_calls -= 1
         live.touch()
+
+
+def _results(raw: dict[str, Any]) -> dict[str, Any]:
+    bundles = raw.get("results")
+    if not isinstance(bundles, list):
+        return {}
+    results = [
+        Result.from_bundle(b.get("data"), b.get("is_main_result"))
+        for b in bundles
+        if isinstance(b, dict)
+    ]
+    return {"results": results}
 
 
 async def _classify(

@@ -17,24 +17,26 @@ from typing import Any
 
 from sandlot.errors import GuestDied, GuestError, ProtocolMismatch, SandboxError, error_from_code
 from sandlot.guest.ops import PROTOCOL_VERSION, Event, Op
-from sandlot.models import OutputCallback
+from sandlot.models import OutputCallback, Result, ResultCallback
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
 
 
 class _Pending:
-    __slots__ = ("future", "on_stderr", "on_stdout")
+    __slots__ = ("future", "on_result", "on_stderr", "on_stdout")
 
     def __init__(
         self,
         future: asyncio.Future[dict[str, Any]],
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
+        on_result: ResultCallback | None,
     ) -> None:
         self.future = future
         self.on_stdout = on_stdout
         self.on_stderr = on_stderr
+        self.on_result = on_result
 
 
 class GuestConnection:
@@ -78,6 +80,7 @@ class GuestConnection:
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
         call_id: int | None = None,
     ) -> dict[str, Any]:
         """Send one request and wait for its result frame.
@@ -90,9 +93,9 @@ class GuestConnection:
             raise GuestDied("the sandbox's guest process is not running")
         call_id = call_id if call_id is not None else self.new_id()
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = _Pending(future, on_stdout, on_stderr)
+        self._pending[call_id] = _Pending(future, on_stdout, on_stderr, on_result)
         message = {"id": call_id, "op": op, **(payload or {})}
-        if on_stdout is not None or on_stderr is not None:
+        if on_stdout is not None or on_stderr is not None or on_result is not None:
             message["stream"] = True
         try:
             await self._send(message)
@@ -148,6 +151,8 @@ class GuestConnection:
             pending.on_stdout(frame["data"])
         elif event == Event.STDERR and pending.on_stderr is not None:
             pending.on_stderr(frame["data"])
+        elif event == Event.DISPLAY and pending.on_result is not None:
+            pending.on_result(Result.from_bundle(frame.get("data"), frame.get("is_main_result")))
         elif event == Event.RESULT and not pending.future.done():
             pending.future.set_result(frame["result"])
         elif event == Event.ERROR and not pending.future.done():

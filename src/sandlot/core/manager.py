@@ -44,6 +44,7 @@ from sandlot.models import (
     Quota,
     ResolvedLimits,
     ResourceUsage,
+    ResultCallback,
     SandboxInfo,
     SandboxStatus,
 )
@@ -394,12 +395,16 @@ class SandboxManager:
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
         owner: str | None = None,
     ) -> ExecResult:
-        """Run Python in the sandbox's persistent interpreter (state survives between calls)."""
+        """Run Python in the sandbox's persistent interpreter (state survives between calls);
+        ``on_result`` receives each rich output (a display, a figure) as it is shown."""
         live = self._get_live(sandbox_id, owner)
         op, payload = execution.code_payload(request)
-        result = await execution.execute(live, op, payload, request.timeout_s, on_stdout, on_stderr)
+        result = await execution.execute(
+            live, op, payload, request.timeout_s, on_stdout, on_stderr, on_result=on_result
+        )
         self._emit("exec", info=live.info, op=op.value, result=result)
         return result
 

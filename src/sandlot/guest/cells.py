@@ -5,6 +5,7 @@ holds the interpreter state; this side starts it, sends it cells, enforces each 
 timeout and output caps, and starts a fresh one when it dies.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import threading
 import time
 
 from channel import KernelChannel
+from ops import Event
 from output import Pump, call_sinks, finish_streams
 from procs import forget, kill_group_except, set_oom_preferred, signal_exit_code, spawn
 from workspace import WORKSPACE
@@ -36,6 +38,43 @@ def _checked_reply(reply, nonce):
     ):
         raise ValueError("bad error")
     return reply
+
+
+def _checked_display(frame, nonce):
+    """``(is_display, bundle)`` for a frame: a display bundle of *this* cell as
+    ``{"data": {mime: value}, "is_main_result": bool}``, or None for one that a thread of an
+    earlier cell showed after its cell ended (dropped, like output nobody waits for)."""
+    if not isinstance(frame, dict) or "display" not in frame:
+        return False, None
+    if frame.get("nonce") != nonce:
+        return True, None
+    bundle = frame["display"]
+    if not (
+        isinstance(bundle, dict)
+        and isinstance(bundle.get("data"), dict)
+        and isinstance(bundle.get("is_main_result"), bool)
+        and all(isinstance(mime, str) for mime in bundle["data"])
+    ):
+        raise ValueError("bad display bundle")
+    return True, {"data": bundle["data"], "is_main_result": bundle["is_main_result"]}
+
+
+class _Results:
+    """A cell's display bundles, at most ``limit_bytes`` of them (JSON-encoded) in all."""
+
+    def __init__(self, limit_bytes):
+        self.left = limit_bytes
+        self.kept = []
+        self.dropped = 0
+
+    def add(self, bundle):
+        size = len(json.dumps(bundle))  # ASCII: escaped, so its length is its size
+        if size > self.left:
+            self.dropped += 1
+            return False
+        self.left -= size
+        self.kept.append(bundle)
+        return True
 
 
 class Kernel:
@@ -158,6 +197,9 @@ class Cells:
         )
         reply = None
         interrupt_at = None
+        # The kernel keeps its bundles within the cap, but cell code runs in the kernel's
+        # process and can write to its socket: the cap is kept here too.
+        results = _Results(int(request.get("output_limit", 1 << 20)))
         try:
             while True:
                 now = time.monotonic()
@@ -176,13 +218,12 @@ class Cells:
                 wait_s = 0.05 if interrupt_at is not None else min(0.25, deadline - now)
                 if pump.poll(wait_s, extra=channel.fileno()):
                     try:
-                        frame = channel.receive()
-                        if frame is None:
-                            continue  # part of a frame, or bytes from another process
-                        reply = _checked_reply(frame, nonce)
+                        reply = self._receive(channel, nonce, request, results)
                     except (EOFError, ValueError):
                         reply = None  # dead, or an out-of-step reply: start afresh
-                    break
+                        break
+                    if reply is not None:
+                        break
                 if proc.poll() is not None:
                     break
             pump.drain_now()
@@ -191,7 +232,12 @@ class Cells:
                 kill_group_except(proc.pid, proc.pid)
         finally:
             pump.close()
-        result = {"kill_reason": reason[0] if reason else None, "state_lost": state_lost}
+        result = {
+            "kill_reason": reason[0] if reason else None,
+            "state_lost": state_lost,
+            "results": results.kept,
+            "results_truncated": results.dropped > 0,
+        }
         if reply is None:
             # The kernel died or would not stop: its state is gone, start a fresh one.
             kernel.stop()
@@ -213,6 +259,25 @@ class Cells:
             result.update(exit_code=reply["exit_code"], text=reply["text"], error=reply["error"])
         finish_streams(result, sinks, started)
         return result
+
+    def _receive(self, channel, nonce, request, results):
+        """Take every whole frame waiting: display bundles join ``results`` (and stream when
+        asked); return the cell's reply once it came, else None.
+
+        Raises:
+            EOFError, ValueError: the kernel is gone, or sent what no kernel sends.
+        """
+        while True:
+            frame = channel.receive()
+            if frame is None:
+                return None  # part of a frame, or bytes from another process
+            is_display, bundle = _checked_display(frame, nonce)
+            if not is_display:
+                return _checked_reply(frame, nonce)
+            if bundle is None or not results.add(bundle):
+                continue
+            if request.get("stream"):
+                self.writer.send({"id": request["id"], "event": Event.DISPLAY, **bundle})
 
     def rewarm(self):
         with self.kernel.lock:

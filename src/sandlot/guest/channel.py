@@ -47,6 +47,9 @@ class KernelChannel:
         Raises EOFError when every holder of the other end has closed it, and ValueError for
         a frame over the limit.
         """
+        frame = self._take()  # one read can bring several frames (display bundles, reply)
+        if frame is not None:
+            return frame
         try:
             data, ancillary, _, _ = self.sock.recvmsg(
                 RECV_BYTES, socket.CMSG_SPACE(UCRED.size), socket.MSG_DONTWAIT
@@ -61,6 +64,10 @@ class KernelChannel:
                 sender = UCRED.unpack(payload[: UCRED.size])[0]
         if sender is not None and sender == self.kernel_pid:
             self.buf += data
+        return self._take()
+
+    def _take(self):
+        """The first whole frame in the buffer, removed from it; None if none is whole yet."""
         if len(self.buf) < HEADER.size:
             return None
         (size,) = HEADER.unpack(self.buf[: HEADER.size])

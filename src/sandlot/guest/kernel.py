@@ -14,6 +14,7 @@ import signal
 import sys
 import traceback
 
+from display import Display, PyplotHook
 from procs import harden
 from wire import FrameWriter, clip_text, read_frame
 from workspace import WORKSPACE
@@ -40,7 +41,12 @@ def kernel_main(ctl_in, ctl_out):
     except OSError:
         pass
     namespace = {"__name__": "__main__", "__builtins__": builtins}
-    state = {"in_cell": False, "loop": None, "count": 0}
+    state = {"in_cell": False, "loop": None, "count": 0, "nonce": None}
+    writer = FrameWriter(ctl_out)
+    # Each bundle goes to the supervisor as it is shown, tagged with the running cell's nonce.
+    shown = Display(lambda bundle: writer.send({"display": bundle, "nonce": state["nonce"]}))
+    builtins.display = shown.display  # as in a notebook: no import needed
+    sys.meta_path.insert(0, PyplotHook(shown))  # ahead of the finder that would load pyplot
 
     def on_sigint(signum, frame):
         # Interrupts only land inside a cell; between cells they would corrupt the protocol.
@@ -73,6 +79,7 @@ def kernel_main(ctl_in, ctl_out):
                 if value is not None:
                     namespace["_"] = value
                     result["text"] = repr(value)
+                    shown.show(value, is_main_result=True, plain=result["text"])
         except SystemExit as exc:
             code_value = exc.code
             if code_value is None:
@@ -87,6 +94,10 @@ def kernel_main(ctl_in, ctl_out):
             result["error"] = _describe(exc)
         finally:
             state["in_cell"] = False
+        try:
+            shown.flush_figures()  # after a failed cell too: its figures must not linger
+        except Exception as exc:
+            sys.stderr.write("display: a figure could not be shown: %r\n" % (exc,))
         return result
 
     def _run_async(awaitable):
@@ -105,7 +116,6 @@ def kernel_main(ctl_in, ctl_out):
     # the kernel vouches for: SO_PASSCRED), and every reply echoes the request's nonce.
     os.set_inheritable(ctl_in, False)
     os.set_inheritable(ctl_out, False)
-    writer = FrameWriter(ctl_out)
     while True:
         signal.signal(signal.SIGINT, on_sigint)
         try:
@@ -115,6 +125,9 @@ def kernel_main(ctl_in, ctl_out):
         except KeyboardInterrupt:
             continue
         result = None
+        state["nonce"] = request.get("nonce")
+        # Rich outputs share the cell's output cap: their total wire size stays under it.
+        shown.start_cell(int(request.get("text_limit", 1 << 20)))
         while result is None:
             try:
                 result = run_cell(request["code"])

@@ -9,7 +9,7 @@ sends the same members. Both are ``str`` enums, so a frame carries the plain nam
 from enum import Enum
 
 # Sent in the "ready" event; the host refuses a guest that speaks another version.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: rich outputs (DISPLAY events, "results" in exec_code's result)
 
 
 class Op(str, Enum):
@@ -37,4 +37,5 @@ class Event(str, Enum):
     STDOUT = "stdout"
     STDERR = "stderr"
     RESULT = "result"
+    DISPLAY = "display"  # a rich output of a running cell (a MIME bundle), streamed
     ERROR = "error"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from typing import Any
 
@@ -30,7 +31,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from sandlot.errors import ConfigError, SandboxError
-from sandlot.models import ExecResult
+from sandlot.models import ExecResult, Result
 from sandlot.requests import RunCode, RunCommand
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, ServerState
@@ -109,6 +110,7 @@ async def _one_run(
                 owner=who.owner_filter,
                 on_stdout=_put(outbox, "stdout", budget),
                 on_stderr=_put(outbox, "stderr", budget),
+                on_result=_put_result(outbox, budget),
             )
         elif kind == "command":
             command = RunCommand.model_validate(fields)
@@ -168,20 +170,45 @@ def _put(outbox: asyncio.Queue[dict[str, Any] | None], stream: str, budget: _Bud
         # cap, chunks are dropped (the final result still carries head and tail).
         cost = _cost(text)
         if budget.queued + cost > STREAM_QUEUE_MAX_BYTES:
-            if not budget.dropped:
-                budget.dropped = True
-                outbox.put_nowait(
-                    {
-                        "type": "notice",
-                        "code": "output_dropped",
-                        "message": "stream output dropped: the client reads too slowly",
-                    }
-                )
+            _notice_dropped(outbox, budget)
             return
         budget.queued += cost
         outbox.put_nowait({"type": stream, "data": text})
 
     return put
+
+
+def _put_result(outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget) -> Any:
+    def put(result: Result) -> None:
+        # Bounded per cell by the output cap already; counted against the same queue cap as
+        # text so that a client that does not read holds nothing more.
+        item = {"type": "display", "result": result.model_dump(mode="json")}
+        cost = _item_cost(item)
+        if budget.queued + cost > STREAM_QUEUE_MAX_BYTES:
+            _notice_dropped(outbox, budget)
+            return
+        budget.queued += cost
+        outbox.put_nowait(item)
+
+    return put
+
+
+def _notice_dropped(outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget) -> None:
+    if not budget.dropped:
+        budget.dropped = True
+        outbox.put_nowait(
+            {
+                "type": "notice",
+                "code": "output_dropped",
+                "message": "stream output dropped: the client reads too slowly",
+            }
+        )
+
+
+def _item_cost(item: dict[str, Any]) -> int:
+    if "data" in item:
+        return _cost(item["data"])
+    return len(json.dumps(item["result"])) + CHUNK_OVERHEAD_BYTES
 
 
 async def _drain(
@@ -190,8 +217,8 @@ async def _drain(
     # One writer keeps chunks in the order they were produced, with the result last.
     while (item := await outbox.get()) is not None:
         await websocket.send_json(item)
-        if "data" in item:
-            budget.queued -= _cost(item["data"])
+        if item.get("type") in ("stdout", "stderr", "display"):
+            budget.queued -= _item_cost(item)
 
 
 def _cost(text: str) -> int:

@@ -84,6 +84,10 @@ ETC_BINDS = (
     "/etc/ssl",
     "/etc/ca-certificates",
     "/etc/mime.types",
+    # Debian's matplotlib reads its defaults from /etc and fonts through fontconfig: without
+    # these, `import matplotlib` fails inside the sandbox even where the host has it.
+    "/etc/matplotlibrc",
+    "/etc/fonts",
 )
 ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
 # Written to by root before the switch to the sandbox uid, so the process (and everything it
