@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any
 import pytest
 
 from sandlot import SandboxManager, SandboxStatus
+from sandlot.core.store import Store
+from sandlot.errors import SandboxHeldElsewhere, SandboxNotRunning, error_from_code
 from sandlot.requests import RunCode, RunCommand
 from tests import leaks
 from tests.conftest import make_settings, skip_reason
@@ -265,3 +268,39 @@ async def test_a_crashed_process_is_recovered_by_the_next_one_only(holder: Any) 
     assert await leaks_settle(data_dir, mgr, [dead, *starters_dirs]) == {}
     assert leaks.instance_dirs(data_dir) == [mgr.instance_dir]
     await _still_runs(mgr, held)
+
+
+OLD_SCHEMA = """
+CREATE TABLE sandboxes (id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL,
+    created_at REAL NOT NULL, info TEXT NOT NULL);
+CREATE INDEX sandboxes_owner ON sandboxes (owner, status);
+"""
+
+
+async def test_a_store_from_before_instances_is_migrated_once(data_root: Path) -> None:
+    path = data_root / "old-store" / "sandlot.db"
+    path.parent.mkdir()
+    old = sqlite3.connect(path)
+    old.executescript(OLD_SCHEMA)
+    old.execute("INSERT INTO sandboxes VALUES ('sb-old', 'local', 'running', 1.0, '{}')")
+    old.commit()
+    old.close()
+    # Several processes open an old file at once: one adds the column, none fails.
+    stores = await asyncio.gather(
+        *(asyncio.to_thread(Store, path, f"i{n}") for n in range(WORKERS))
+    )
+    try:
+        assert stores[0].instance_of("sb-old") == ""  # the pre-instance sandlot's record
+        columns = [row[1] for row in sqlite3.connect(path).execute("PRAGMA table_info(sandboxes)")]
+        assert columns.count("instance") == 1
+    finally:
+        for store in stores:
+            store.close()
+
+
+async def test_held_elsewhere_is_a_conflict_over_http() -> None:
+    from sandlot.server.deps import status_of
+
+    error = SandboxHeldElsewhere("sandbox sb-x runs in another process (pid 7)", pid=7)
+    assert isinstance(error, SandboxNotRunning) and status_of(error) == 409
+    assert type(error_from_code(error.code, error.message)) is SandboxHeldElsewhere

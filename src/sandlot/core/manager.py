@@ -28,6 +28,7 @@ from sandlot.core.live import Live, PoolKey
 from sandlot.core.pools import Pools
 from sandlot.core.store import LIVE, Store
 from sandlot.errors import (
+    BackendUnavailable,
     ConfigError,
     SandboxError,
     SandboxNotFound,
@@ -177,15 +178,17 @@ class SandboxManager:
             return_exceptions=True,
         )
         # Whatever a failed destroy left is swept now; if some of it stays, so does the
-        # instance's directory, and the next start recovers it.
+        # instance's directory, and the next start recovers it. A backend this host cannot
+        # run made nothing to sweep.
         swept = True
         for backend in self._backends.values():
             try:
-                await backend.sweep(keep=())
-            except SandboxError as exc:
-                log.warning("instance not swept at close", backend=backend.name, error=str(exc))
+                with contextlib.suppress(BackendUnavailable):
+                    await backend.sweep(keep=())
+                await backend.close()
+            except Exception as exc:
+                log.warning("instance not swept at close", backend=backend.name, error=repr(exc))
                 swept = False
-            await backend.close()
         self._store.close()
         if self._instance is not None:
             self._instance.release(remove=swept)
