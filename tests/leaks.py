@@ -1,12 +1,13 @@
 """Leak accounting for the hostile suite: what sandboxes leave behind on the host.
 
-A snapshot counts, for one manager (one data directory):
+A snapshot counts, for one manager (one instance of a data directory, whose backends keep
+their state in ``<data_dir>/instances/<id>``, ``manager.instance_dir``):
 
 - processes run by a sandbox uid (any of real/effective/saved/fs uid >= ``uid_base``), except
   those provably inside another manager's cgroups (other test runs may share this host);
 - the sandbox cgroups of this manager (``<controller>/<cgroup_root>/<instance>/*``);
-- the sandbox directories under ``<data_dir>/sandboxes``;
-- the mounts below the data directory, and the loop devices backed by a file in it.
+- the sandbox directories under ``<instance dir>/sandboxes``;
+- the mounts below the instance directory, and the loop devices backed by a file in it.
 
 After the sandboxes of a test are destroyed every count must return to its baseline. The kernel
 (and the host's init, which inherits each sandbox's pid 1 when it dies) may need a moment to
@@ -43,9 +44,22 @@ def boot_time_s() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+def instance_dirs(data_dir: Path) -> list[Path]:
+    """The instances (managers, live or dead and not yet recovered) of a data directory."""
+    root = data_dir / "instances"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def cgroup_instance_dirs(manager: SandboxManager) -> list[Path]:
     """``<hierarchy>/<cgroup_root>/<instance>`` in every hierarchy (v1 controllers or v2)."""
-    parts = (manager.settings.cgroup_root, instance_of(manager.settings.data_dir))
+    return cgroup_dirs_of(manager.settings.cgroup_root, manager.instance_dir)
+
+
+def cgroup_dirs_of(cgroup_root: str, instance_dir: Path) -> list[Path]:
+    """The cgroup directories of the backends whose data dir is ``instance_dir``."""
+    parts = (cgroup_root, instance_of(instance_dir))
     v1 = [CGROUP_FS / c for c in V1_CONTROLLERS if (CGROUP_FS / c).is_dir()]
     roots = v1 or [CGROUP_FS]
     return [root.joinpath(*parts) for root in roots]
@@ -65,7 +79,7 @@ def pids_cgroup_dir(manager: SandboxManager, sandbox_id: str) -> Path:
         for d in cgroup_dirs(cgroup):
             if (d / "pids.max").exists():
                 return d
-    instance = instance_of(manager.settings.data_dir)
+    instance = instance_of(manager.instance_dir)
     for base in (CGROUP_FS / "pids", CGROUP_FS):
         candidate = base / manager.settings.cgroup_root / instance / sandbox_id
         if (candidate / "pids.max").exists():
@@ -74,7 +88,7 @@ def pids_cgroup_dir(manager: SandboxManager, sandbox_id: str) -> Path:
 
 
 def sandbox_root(manager: SandboxManager, sandbox_id: str) -> Path:
-    base = manager.settings.data_dir.resolve()
+    base = manager.instance_dir.resolve()
     docker_root = base / "docker-sandboxes" / sandbox_id
     return docker_root if docker_root.exists() else base / "sandboxes" / sandbox_id
 
@@ -97,7 +111,7 @@ def our_containers(manager: SandboxManager) -> list[str]:
     """Names of the containers (running or not) of this manager's data directory."""
     if not DOCKER_TESTED:
         return []
-    label = f"sandlot.instance={instance_of(manager.settings.data_dir)}"
+    label = f"sandlot.instance={instance_of(manager.instance_dir)}"
     found = labelled(_docker(), [label])
     return sorted(c.name for c in found)
 
@@ -264,7 +278,7 @@ def sandbox_procs(manager: SandboxManager, *, orphans: OrphanFilter | None = Non
     """
     base = manager.settings.uid_base
     prefix = "/" + manager.settings.cgroup_root.strip("/") + "/"
-    ours = prefix + instance_of(manager.settings.data_dir) + "/"
+    ours = prefix + instance_of(manager.instance_dir) + "/"
     found = []
     for proc in all_procs():
         if not any(u >= base for u in proc.uids):
@@ -315,7 +329,7 @@ class Snapshot:
         }
 
 
-def _mounts_below(root: Path) -> list[str]:
+def mounts_below(root: Path) -> list[str]:
     prefix = str(root.resolve())
     found = []
     with open("/proc/self/mounts") as f:
@@ -326,7 +340,7 @@ def _mounts_below(root: Path) -> list[str]:
     return found
 
 
-def _loop_devices_below(root: Path) -> list[str]:
+def loop_devices_below(root: Path) -> list[str]:
     prefix = str(root.resolve()) + "/"
     found = []
     for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
@@ -340,7 +354,7 @@ def _loop_devices_below(root: Path) -> list[str]:
 
 
 def snapshot(manager: SandboxManager, *, orphans: OrphanFilter | None = None) -> Snapshot:
-    data_dir = manager.settings.data_dir.resolve()
+    data_dir = manager.instance_dir.resolve()
     cgroups = []
     for d in cgroup_instance_dirs(manager):
         if d.is_dir():
@@ -352,8 +366,8 @@ def snapshot(manager: SandboxManager, *, orphans: OrphanFilter | None = None) ->
         procs=sandbox_procs(manager, orphans=orphans),
         cgroups=sorted(cgroups),
         sandbox_dirs=dirs,
-        mounts=_mounts_below(data_dir),
-        loop_devices=_loop_devices_below(data_dir),
+        mounts=mounts_below(data_dir),
+        loop_devices=loop_devices_below(data_dir),
         containers=our_containers(manager),
     )
 

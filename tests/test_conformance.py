@@ -317,8 +317,8 @@ def test_ttl_reaps_and_removes_everything(manager: SandboxManager, backend_name:
     while sb.refresh().status != "destroyed" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sb.info.end_reason == "ttl"
-    data_dir = manager.settings.data_dir
-    assert not (data_dir / "sandboxes" / sb.id).exists()
-    assert not (data_dir / "local-sandboxes" / sb.id).exists()
+    instance_dir = manager.instance_dir
+    assert not (instance_dir / "sandboxes" / sb.id).exists()
+    assert not (instance_dir / "local-sandboxes" / sb.id).exists()
     kept = get_portal().call(manager.list_artifacts(sb.id))
     assert [a.path for a in kept] == ["kept.txt"]

@@ -39,9 +39,16 @@ def _container(client: Any, sandbox_id: str) -> Any:
     return found[0]
 
 
+# Every instance ever seen in a data dir: a recovered one's directory is gone, and a
+# container of it that survived must still count.
+_INSTANCES: dict[Path, set[str]] = {}
+
+
 def _ours(client: Any, data_dir: Path, *, running_only: bool = False) -> list[Any]:
-    label = f"{LABEL_INSTANCE}={leaks.instance_of(data_dir)}"
-    found = labelled(client, [label])
+    """The containers of every instance (manager) of ``data_dir``."""
+    seen = _INSTANCES.setdefault(data_dir, set())
+    seen.update(leaks.instance_of(d) for d in leaks.instance_dirs(data_dir))
+    found = [c for name in sorted(seen) for c in labelled(client, [f"{LABEL_INSTANCE}={name}"])]
     return [c for c in found if c.status == "running"] if running_only else found
 
 
@@ -147,6 +154,8 @@ def test_kill_9_of_the_server_with_10_docker_sandboxes(data_root: Path, client: 
     data_dir.mkdir()
     sandboxes = crash_a_manager(data_dir, count=10, target="docker")
     ids = {s["id"] for s in sandboxes}
+    (crashed,) = leaks.instance_dirs(data_dir)
+    assert {p.name for p in (crashed / "docker-sandboxes").iterdir()} == ids
     # The manager is dead; its containers are not (nobody told Docker).
     running = _ours(client, data_dir, running_only=True)
     assert {c.labels[LABEL_SANDBOX] for c in running} == ids
@@ -157,7 +166,7 @@ def test_kill_9_of_the_server_with_10_docker_sandboxes(data_root: Path, client: 
                 info = await mgr.get(sandbox_id)
                 assert (info.status, info.end_reason) == (SandboxStatus.DESTROYED, "recovered")
             assert _ours(client, data_dir) == []  # zero containers the store does not know
-            assert not any((data_dir / "docker-sandboxes").iterdir())
+            assert leaks.instance_dirs(data_dir) == [mgr.instance_dir]  # the dead one went
             fresh = await mgr.create(SandboxSpec(backend="docker"))
             assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
 

@@ -247,7 +247,7 @@ def assert_contained(manager: SandboxManager, sb: Sandbox) -> None:
         return
     pids_dir = leaks.pids_cgroup_dir(manager, sb.id)
     if sb.info.backend != "docker":
-        suffix = f"/{leaks.instance_of(manager.settings.data_dir)}/{sb.id}"
+        suffix = f"/{leaks.instance_of(manager.instance_dir)}/{sb.id}"
         for proc in leaks.procs_of_uid(uid):
             if not proc.exiting and not proc.cgroup.endswith(suffix):
                 again = leaks.read_proc(proc.pid)  # it may have started exiting since
@@ -827,7 +827,7 @@ def test_other_sandbox_workspace_is_not_reachable(
         other / "precious.txt",
         other,
         data_dir,
-        data_dir / "sandboxes",
+        manager.instance_dir / "sandboxes",
         Path("/proc/1/root") / other.relative_to("/") / "precious.txt",
         Path("/proc/self/root") / other.relative_to("/") / "precious.txt",
         Path("/workspace/..") / other.relative_to("/") / "precious.txt",
@@ -916,7 +916,7 @@ def test_system_directories_are_read_only(
     denied = "Permission denied" if gvisor else "Read-only file system"
     assert shell.stderr.count(denied) == 3, describe(shell)
     assert jail.files.read(PROBE_NAME) == "ok"
-    assert not (manager.settings.data_dir / "guest" / PROBE_NAME).exists()
+    assert not (manager.instance_dir / "guest" / PROBE_NAME).exists()
     assert_unaffected(host, bystander)
 
 

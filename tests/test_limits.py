@@ -18,7 +18,7 @@ from tests.conftest import placement
 
 
 def _host_workspace(manager: SandboxManager, sb: Sandbox) -> Path:
-    return manager.settings.data_dir / "sandboxes" / sb.id / "workspace"
+    return manager.instance_dir / "sandboxes" / sb.id / "workspace"
 
 
 def test_each_sandbox_has_its_own_unprivileged_host_uid(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import sqlite3
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from sandlot import (
     SandboxNotRunning,
     SandboxStatus,
 )
+from sandlot.errors import SandboxHeldElsewhere
 from sandlot.requests import RunCode, RunCommand, SandboxSpec, SetTimeout, WriteFile, build
 from tests.conftest import make_settings
 
@@ -91,11 +94,49 @@ async def test_unknown_sandbox_and_bad_arguments(data_dir: Path) -> None:
         SandboxLimits(memory_mb=1)
 
 
-async def test_one_manager_per_data_dir(data_dir: Path) -> None:
-    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")):
-        second = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
-        with pytest.raises(ConfigError, match="SANDLOT_DATA_DIR"):
-            await second.start()
+async def test_two_managers_share_a_data_dir_and_run_only_their_own(data_dir: Path) -> None:
+    settings = make_settings(data_dir, backend="unsafe-local")
+    async with SandboxManager(settings) as first, SandboxManager(settings) as second:
+        assert first.instance_dir != second.instance_dir
+        mine = await first.create()
+        assert (await second.create()).id != mine.id
+        # The store is the data dir's: the other's record is visible, its sandbox is not.
+        assert mine.id in [s.id for s in await second.list(include_ended=True)]
+        assert mine.id not in [s.id for s in await second.list()]
+        for call in (
+            second.run_code(mine.id, RunCode(code="1")),
+            second.destroy(mine.id),
+            second.extend(mine.id, SetTimeout(ttl_s=30)),
+        ):
+            with pytest.raises(SandboxHeldElsewhere, match=f"pid {os.getpid()}") as caught:
+                await call
+            assert caught.value.pid == os.getpid()
+        # Another tenant asking about it still learns nothing.
+        with pytest.raises(SandboxNotFound):
+            await second.run_code(mine.id, RunCode(code="1"), owner="mallory")
+        assert (await first.run_code(mine.id, RunCode(code="6 * 7"))).text == "42"
+        first_dir = first.instance_dir
+    assert not first_dir.exists()
+    assert [p.name for p in (data_dir / "instances").iterdir()] == [".recovery"]
+
+
+async def test_a_pre_instance_sandlot_on_the_data_dir_is_refused(data_dir: Path) -> None:
+    # What an older sandlot holds while it runs: the data dir's lock, exclusively.
+    fd = os.open(data_dir / "manager.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, b"4242")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(ConfigError, match="older sandlot process \\(pid 4242\\)"):
+            await SandboxManager(make_settings(data_dir, backend="unsafe-local")).start()
+    finally:
+        os.close(fd)
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        # And while we run, an older sandlot cannot take it.
+        fd = os.open(data_dir / "manager.lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+        await mgr.create()
 
 
 async def test_store_is_a_real_sqlite_file_that_survives_restart(data_dir: Path) -> None:
@@ -118,10 +159,12 @@ async def test_close_destroys_live_sandboxes(data_dir: Path) -> None:
     mgr = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
     await mgr.start()
     info = await mgr.create()
+    instance_dir = mgr.instance_dir
+    assert (instance_dir / "local-sandboxes" / info.id).is_dir()
     await mgr.close()
+    assert not instance_dir.exists()
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as again:
         assert (await again.get(info.id)).end_reason == "shutdown"
-    assert not (data_dir / "local-sandboxes" / info.id).exists()
 
 
 async def test_guest_killed_between_calls_reports_lost_state(data_dir: Path) -> None:
@@ -190,9 +233,11 @@ async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> N
         assert mgr.pooled_count() == 2  # refilled, never more
         assert [s.id for s in await mgr.list()] == [first.id, custom.id]  # pool is not listed
         pool_dirs = mgr._pools.ids()
+        local = mgr.instance_dir / "local-sandboxes"
+        assert all((local / sandbox_id).is_dir() for sandbox_id in pool_dirs)
     # Closing removes pooled sandboxes too.
     for sandbox_id in pool_dirs:
-        assert not (data_dir / "local-sandboxes" / sandbox_id).exists()
+        assert not (local / sandbox_id).exists()
 
 
 async def _until(predicate: object, timeout_s: float = 10.0) -> None:

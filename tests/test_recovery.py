@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from sandlot import SandboxManager, SandboxStatus
+from sandlot import ConfigError, SandboxManager, SandboxStatus
 from sandlot.backends.cgroups import CgroupDriver
 from sandlot.backends.disk import mounted_below
 from sandlot.requests import RunCode, SandboxSpec
+from tests import leaks
 from tests.conftest import make_settings, placement
 
 CRASHER = """
@@ -48,7 +49,7 @@ async def main():
         keep += "os.symlink('/etc/shadow', 'artifacts/shadow'); os.mkfifo('artifacts/fifo'); "
         keep += "os.symlink('/etc', 'artifacts/sub/etc')"
         await mgr.run_code(info.id, RunCode(code=keep))
-        ws = os.path.join(data_dir, "sandboxes", info.id, "workspace")
+        ws = os.path.join(mgr.instance_dir, "sandboxes", info.id, "workspace")
         uid = os.stat(ws).st_uid if os.path.exists(ws) else None
         out.append({"id": info.id, "uid": uid})
     print(json.dumps(out), flush=True)
@@ -72,7 +73,7 @@ def crash_a_manager(
         [sys.executable, "-c", CRASHER, *argv],
         stdout=subprocess.PIPE,
         cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo)},
+        env={**os.environ, "PYTHONPATH": f"{repo / 'src'}:{repo}"},
         text=True,
     )
     try:
@@ -122,12 +123,11 @@ async def test_restart_after_kill_9_cleans_every_orphan(
 
     settings = make_settings(data_dir)
     driver = CgroupDriver.detect()
-    from sandlot.backends.bubblewrap.backend import BubblewrapBackend
-
-    instance = BubblewrapBackend(settings).instance
+    (crashed,) = leaks.instance_dirs(data_dir)
+    instance = leaks.instance_of(crashed)
     cgroups_before = driver.children(settings.cgroup_root, instance)
     assert sorted(cgroups_before) == sorted(s["id"] for s in sandboxes)
-    assert mounted_below(data_dir / "sandboxes")  # loop disks still mounted: orphans
+    assert mounted_below(crashed / "sandboxes")  # loop disks still mounted: orphans
 
     async with SandboxManager(settings) as mgr:
         for s in sandboxes:
@@ -141,8 +141,8 @@ async def test_restart_after_kill_9_cleans_every_orphan(
             assert path.read_text() == f"kept {s['id']}"
         assert await mgr.list() == []
         assert driver.children(settings.cgroup_root, instance) == []
-        assert mounted_below(data_dir / "sandboxes") == []
-        assert list((data_dir / "sandboxes").iterdir()) == []
+        assert mounted_below(data_dir) == []
+        assert leaks.instance_dirs(data_dir) == [mgr.instance_dir]  # the dead one is gone
         assert _wait_until(lambda: _processes_of(uids) == []), _processes_of(uids)
         # And the restarted manager works.
         fresh = await mgr.create(SandboxSpec(**placement(isolated_backend)))
@@ -159,21 +159,107 @@ async def test_warm_pool_never_exceeds_its_size_after_a_crash(
     data_dir.mkdir()
     crash_a_manager(data_dir, count=1, pool_size=2)
     settings = make_settings(data_dir, pool_size=2)
-    from sandlot.backends.bubblewrap.backend import BubblewrapBackend
-
-    instance = BubblewrapBackend(settings).instance
+    (crashed,) = leaks.instance_dirs(data_dir)
+    dead = leaks.instance_of(crashed)
     driver = CgroupDriver.detect()
-    assert len(driver.children(settings.cgroup_root, instance)) == 3  # 1 taken + 2 pooled
+    assert len(driver.children(settings.cgroup_root, dead)) == 3  # 1 taken + 2 pooled
 
     async with SandboxManager(settings) as mgr:
+        instance = leaks.instance_of(mgr.instance_dir)
         deadline = time.monotonic() + 20
         while mgr.pooled_count() < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
         assert mgr.pooled_count() == 2
+        assert driver.children(settings.cgroup_root, dead) == []
         assert len(driver.children(settings.cgroup_root, instance)) == 2
-        assert len(list((data_dir / "sandboxes").iterdir())) == 2
+        sandboxes = mgr.instance_dir / "sandboxes"
+        assert len(list(sandboxes.iterdir())) == 2
         taken = await mgr.create()
-        assert taken.id in {p.name for p in (data_dir / "sandboxes").iterdir()}
+        assert taken.id in {p.name for p in sandboxes.iterdir()}
         assert (await mgr.run_code(taken.id, RunCode(code="1 + 1"))).text == "2"
     assert driver.children(settings.cgroup_root, instance) == []
+    assert leaks.instance_dirs(data_dir) == []
+
+
+# A sandlot from before instances: one manager per data dir, holding manager.lock
+# exclusively, its backends' state at the top of the data dir, records with no instance.
+LEGACY_CRASHER = """
+import asyncio, fcntl, json, os, sys, time
+from pathlib import Path
+from sandlot.backends.base import GuestSpec
+from sandlot.backends.bubblewrap.backend import BubblewrapBackend
+from sandlot.core.store import Store
+from sandlot.models import SandboxInfo
+from tests.conftest import make_settings
+
+async def main():
+    data_dir = Path(sys.argv[1])
+    settings = make_settings(data_dir)
+    lock = os.open(data_dir / "manager.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.write(lock, str(os.getpid()).encode())
+    store, backend = Store(data_dir / "sandlot.db"), BubblewrapBackend(settings)
+    ids = []
+    for n in range(2):
+        limits = settings.resolve_limits(None)
+        now = time.time()
+        info = SandboxInfo(
+            id=f"sb-legacy{n}{os.getpid()}", backend="bubblewrap", status="running",
+            owner="local", limits=limits, network=False, created_at=now,
+            last_active_at=now, expires_at=now + 600, idle_timeout_s=600,
+        )
+        store.save(info)
+        guest = await backend.start(GuestSpec(sandbox_id=info.id, limits=limits))
+        ids.append(info.id)
+    print(json.dumps(ids), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.asyncio
+async def test_a_pre_instance_data_dir_is_recovered_once(
+    data_root: Path, isolated_backend: str
+) -> None:
+    if isolated_backend != "bubblewrap":
+        pytest.skip("the layout of bubblewrap's state")
+    data_dir = data_root / "legacy"
+    data_dir.mkdir()
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LEGACY_CRASHER, str(data_dir)],
+        stdout=subprocess.PIPE,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": f"{repo / 'src'}:{repo}"},
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ids = json.loads(proc.stdout.readline())
+        # While the older sandlot lives, we do not start beside it.
+        with pytest.raises(ConfigError, match=f"older sandlot process \\(pid {proc.pid}\\)"):
+            await SandboxManager(make_settings(data_dir)).start()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    settings = make_settings(data_dir)
+    legacy = leaks.instance_of(data_dir)
+    driver = CgroupDriver.detect()
+    assert sorted(driver.children(settings.cgroup_root, legacy)) == sorted(ids)
+    assert mounted_below(data_dir / "sandboxes")
+    async with SandboxManager(settings) as mgr:
+        for sandbox_id in ids:
+            info = await mgr.get(sandbox_id)
+            assert (info.status, info.end_reason) == (SandboxStatus.DESTROYED, "recovered")
+        assert driver.children(settings.cgroup_root, legacy) == []
+        assert mounted_below(data_dir) == []
+        assert not (data_dir / "sandboxes").exists() and not (data_dir / "guest").exists()
+        fresh = await mgr.create(SandboxSpec(**placement(isolated_backend)))
+        assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
+    # Once: the next start finds nothing of it to recover.
+    async with SandboxManager(settings) as mgr:
+        assert not (data_dir / "sandboxes").exists()

@@ -48,6 +48,7 @@ class LoadServer:
     cgroup_dirs: list[Path] = field(default_factory=list)  # <hierarchy>/<root>/<instance>
     cgroup_prefix: str = ""  # "/<root>/": every manager's sandboxes live below it
     instance: str = ""
+    instance_dir: Path = Path()  # the server's instance of the data dir: its backends' state
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +68,12 @@ def load_server(data_root: Path) -> Iterator[LoadServer]:
     from sandlot.backends.bubblewrap.backend import BubblewrapBackend
     from sandlot.config import Settings
 
-    settings = Settings(_env_file=None, data_dir=data_dir)  # type: ignore[call-arg]
-    instance = BubblewrapBackend(settings).instance
     v1 = [CGROUP_FS / c for c in V1_CONTROLLERS if (CGROUP_FS / c).is_dir()]
     process, url, log = start_server(data_dir)
     try:
+        (instance_dir,) = [p for p in (data_dir / "instances").iterdir() if p.name[0] != "."]
+        settings = Settings(_env_file=None, data_dir=instance_dir)  # type: ignore[call-arg]
+        instance = BubblewrapBackend(settings).instance
         yield LoadServer(
             url=url,
             data_dir=data_dir,
@@ -81,6 +83,7 @@ def load_server(data_root: Path) -> Iterator[LoadServer]:
             cgroup_dirs=[root / settings.cgroup_root / instance for root in v1 or [CGROUP_FS]],
             cgroup_prefix=f"/{settings.cgroup_root.strip('/')}/",
             instance=instance,
+            instance_dir=instance_dir,
         )
     finally:
         stop_server(process)
@@ -144,7 +147,7 @@ async def _client(server: LoadServer, index: int, start: asyncio.Event) -> Clien
             sid = report.sandbox_id = info["id"]
             _expect(report, "limits", info["limits"]["memory_mb"] == 64, response)
             # The host uid the sandbox runs as: the owner of its workspace.
-            report.uid = (server.data_dir / "sandboxes" / sid / "workspace").stat().st_uid
+            report.uid = (server.instance_dir / "sandboxes" / sid / "workspace").stat().st_uid
             report.seen_alive = _alive_evidence(server, sid)
             try:
                 total = 0
@@ -163,7 +166,7 @@ def _alive_evidence(server: LoadServer, sid: str) -> set[str]:
     """Which of the things the leak checks look for a live sandbox shows (all of them, or the
     checks look in the wrong place)."""
     seen = set()
-    if (server.data_dir / "sandboxes" / sid).is_dir():
+    if (server.instance_dir / "sandboxes" / sid).is_dir():
         seen.add("sandbox dir")
     cgroups = [d / sid for d in server.cgroup_dirs if (d / sid).is_dir()]
     if cgroups:
@@ -175,7 +178,7 @@ def _alive_evidence(server: LoadServer, sid: str) -> set[str]:
 
 def _leftovers(server: LoadServer, uids: set[int]) -> dict[str, list[str]]:
     root = server.data_dir.resolve()
-    sandboxes = root / "sandboxes"
+    sandboxes = server.instance_dir / "sandboxes"
     ours = f"{server.cgroup_prefix}{server.instance}/"
     found: dict[str, list[str]] = {
         "sandbox dirs": sorted(p.name for p in sandboxes.iterdir()) if sandboxes.is_dir() else [],

@@ -441,7 +441,7 @@ def test_no_other_host_uid_reads_a_sandboxs_files(manager: SandboxManager, jail:
     )
     assert opened.exit_code == 0, describe(opened)
     kind = "docker-sandboxes" if jail.info.backend == "docker" else "sandboxes"
-    root = manager.settings.data_dir / kind / jail.id
+    root = manager.instance_dir / kind / jail.id
     volume = root / "volume"
     targets = [volume / "workspace" / "secret.txt", volume / "tmp" / "secret.txt"]
     targets += [p for p in (root / "disk.img",) if p.exists()]  # capped disks only

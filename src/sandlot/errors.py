@@ -12,6 +12,7 @@ file missing inside a sandbox.
     ├── BackendUnavailable (RuntimeError)        this host cannot run the chosen backend
     ├── SandboxNotFound (LookupError)            no such sandbox (or not yours)
     ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
+    │   └── SandboxHeldElsewhere                 another live process on the data dir runs it
     ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
     ├── ImageBuildError (RuntimeError)           building an environment's image failed
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
@@ -78,6 +79,16 @@ class SandboxNotFound(SandboxError, LookupError):
 
 class SandboxNotRunning(SandboxError, RuntimeError):
     code = "sandbox_not_running"
+
+
+class SandboxHeldElsewhere(SandboxNotRunning):
+    """Another live process on the same data directory runs the sandbox: only it can."""
+
+    code = "sandbox_held_elsewhere"
+
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
 
 
 class SandboxStartError(SandboxError, RuntimeError):
@@ -199,6 +210,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         BackendUnavailable,
         SandboxNotFound,
         SandboxNotRunning,
+        SandboxHeldElsewhere,
         SandboxStartError,
         ImageBuildError,
         GuestError,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
@@ -22,13 +21,14 @@ import structlog
 
 from sandlot.backends import Backend, create_backend
 from sandlot.config import Settings, get_settings
-from sandlot.core import admission, execution, files, placement, recovery
+from sandlot.core import admission, execution, files, instances, placement, recovery
 from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
 from sandlot.core.live import Live, PoolKey
 from sandlot.core.pools import Pools
-from sandlot.core.store import Store, lock_data_dir
+from sandlot.core.store import LIVE, Store
 from sandlot.errors import (
+    BackendUnavailable,
     ConfigError,
     SandboxError,
     SandboxNotFound,
@@ -68,8 +68,11 @@ Listener = Callable[[str, dict[str, Any]], None]
 
 
 class SandboxManager:
-    """Creates, runs, reaps and destroys sandboxes; one per data directory.
+    """Creates, runs, reaps and destroys sandboxes.
 
+    Several managers (in one process or many) may share a data directory: each is its own
+    instance there (:mod:`sandlot.core.instances`) and runs only the sandboxes it made; the
+    store, artifacts, quotas and the host's capacity are the data directory's.
     Use as an async context manager, or call :meth:`start` and :meth:`close`.
     """
 
@@ -78,7 +81,7 @@ class SandboxManager:
         self._backends: dict[str, Backend] = {}
         self._live: dict[str, Live] = {}
         self._reaper: asyncio.Task[None] | None = None
-        self._lock_fd: int | None = None
+        self._instance: instances.Instance | None = None
         self._store: Store = None  # type: ignore[assignment]  # set by start()
         self._artifacts: Artifacts = None  # type: ignore[assignment]  # set by start()
         self._pools: Pools | None = None
@@ -107,10 +110,12 @@ class SandboxManager:
         await self.close()
 
     async def start(self) -> None:
-        """Lock the data dir, clean up after a previous crash, start the reaper and pools.
+        """Claim an instance of the data dir, recover the instances of processes that died,
+        start the reaper and pools.
 
         Raises:
-            ConfigError: another process uses this data directory, or a pool setting is bad.
+            ConfigError: a sandlot from before instances uses this data directory, or a pool
+                setting is bad.
         """
         if self._started:
             return
@@ -120,8 +125,12 @@ class SandboxManager:
             configure_logging(self.settings.log_level, self.settings.log_format)
         data_dir = self.settings.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = lock_data_dir(data_dir)
-        self._store = Store(data_dir / "sandlot.db")
+        self._instance = instances.claim(data_dir)
+        try:
+            self._store = Store(data_dir / "sandlot.db", self._instance.id)
+        except BaseException:
+            self._instance.release(remove=True)
+            raise
         self._artifacts = Artifacts(data_dir, self._store)
         self._started = True
         try:
@@ -143,14 +152,19 @@ class SandboxManager:
         pools.start(targets)
 
     async def _recover(self, extra_backends: set[str]) -> None:
+        assert self._instance is not None
         orphans = await recovery.recover(
-            self._store, self._artifacts, self._backend, self.settings.backend, extra_backends
+            self._store,
+            self._artifacts,
+            self.settings,
+            self._instance.id,
+            extra_backends | {self.settings.backend},
         )
         for info in orphans:
             self._end(info, SandboxStatus.DESTROYED, "recovered")
 
     async def close(self) -> None:
-        """Destroy every live sandbox and release the data directory."""
+        """Destroy every live sandbox, remove this instance from the data directory."""
         if not self._started:
             return
         if self._reaper is not None:
@@ -164,16 +178,34 @@ class SandboxManager:
             *(self.destroy(sid, reason="shutdown") for sid in list(self._live)),
             return_exceptions=True,
         )
+        # Whatever a failed destroy left is swept now; if some of it stays, so does the
+        # instance's directory, and the next start recovers it. A backend this host cannot
+        # run made nothing to sweep.
+        swept = True
         for backend in self._backends.values():
-            await backend.close()
+            try:
+                with contextlib.suppress(BackendUnavailable):
+                    await backend.sweep(keep=())
+                await backend.close()
+            except Exception as exc:
+                log.warning("instance not swept at close", backend=backend.name, error=repr(exc))
+                swept = False
         self._store.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._instance is not None:
+            self._instance.release(remove=swept)
         self._started = False
 
     def _live_infos(self) -> builtins.list[SandboxInfo]:
-        return [live.info for live in self._live.values()]
+        # Other processes' live sandboxes count too: quotas and capacity are the data dir's.
+        mine = [live.info for live in self._live.values()]
+        return mine + instances.live_elsewhere(self._store, self.settings.data_dir)
+
+    @property
+    def instance_dir(self) -> Path:
+        """This manager's directory in the data directory: its backends' state."""
+        if self._instance is None:
+            raise SandboxNotRunning("the SandboxManager is not started")
+        return self._instance.dir
 
     def live_count(self) -> int:
         return len(self._live)
@@ -184,7 +216,10 @@ class SandboxManager:
 
     def _backend(self, name: str) -> Backend:
         if name not in self._backends:
-            self._backends[name] = create_backend(name, self.settings)
+            assert self._instance is not None
+            # Noted before it makes anything: what a recovery of this instance sweeps.
+            self._instance.note_backend(name)
+            self._backends[name] = create_backend(name, self._instance.settings(self.settings))
         return self._backends[name]
 
     # ------------------------------------------------------------------ creating
@@ -286,7 +321,7 @@ class SandboxManager:
 
     def _reserved(self) -> builtins.list[ResolvedLimits]:
         """The limits of every sandbox the host holds: live, pooled and starting."""
-        held = [live.info.limits for live in self._live.values()]
+        held = [info.limits for info in self._live_infos()]
         if self._pools is not None:
             held += self._pools.reserved()
         return held
@@ -343,7 +378,10 @@ class SandboxManager:
         """
         live = self._live.get(sandbox_id)
         if live is None:
-            return await self.get(sandbox_id, owner=owner)
+            info = await self.get(sandbox_id, owner=owner)
+            if info.status.value in LIVE:
+                raise instances.not_here(self._store, self.settings.data_dir, sandbox_id)
+            return info
         if owner is not None and live.info.owner != owner:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         if live.destroying:
@@ -558,6 +596,8 @@ class SandboxManager:
             info = self._store.get(sandbox_id)
             if info is None or (owner is not None and info.owner != owner):
                 raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+            if info.status.value in LIVE:
+                raise instances.not_here(self._store, self.settings.data_dir, sandbox_id)
             raise SandboxNotRunning(
                 f"sandbox {sandbox_id} is {info.status.value} ({info.end_reason}); create a new one"
             )

@@ -1,17 +1,24 @@
-"""Recovery: what a manager does at start for the sandboxes a crashed run left behind.
+"""Recovery: what a manager does at start for the instances whose process died.
 
-Their artifacts are kept first, as a destroy would have kept them (read from the host side:
-their guests are gone), then every backend this store ever used is swept, so no process,
-cgroup, mount, loop device or directory of theirs survives.
+Every other instance of the data directory whose lock can be taken has lost its process
+(:mod:`sandlot.core.instances`). For each, one at a time across processes: the artifacts of
+its live sandboxes are kept first, as a destroy would have kept them (read from the host side:
+their guests are gone), then every backend it used is swept, so no process, cgroup, mount,
+loop device or directory of theirs survives; then its directory goes. A live instance is never
+touched. A data directory laid out by a sandlot from before instances (backend state at the
+top) is recovered the same way, once, as one more dead instance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import os
 
 import structlog
 
-from sandlot.backends import KNOWN_BACKENDS, Backend
+from sandlot.backends import KNOWN_BACKENDS, Backend, create_backend
+from sandlot.config import Settings
+from sandlot.core import instances
 from sandlot.core.artifacts import Artifacts
 from sandlot.core.store import Store
 from sandlot.errors import SandboxError
@@ -21,40 +28,82 @@ log = structlog.get_logger(__name__)
 
 
 async def recover(
-    store: Store,
-    artifacts: Artifacts,
-    backend_of: Callable[[str], Backend],
-    default_backend: str,
-    extra_backends: set[str],
+    store: Store, artifacts: Artifacts, settings: Settings, mine: str, legacy_backends: set[str]
 ) -> list[SandboxInfo]:
-    """Keep the orphans' artifacts, then sweep; return the orphans' records (to be ended).
+    """Recover every dead instance but ``mine``; return the orphans' records (to be ended).
 
-    Every backend this store ever used is swept (pooled sandboxes are never stored, and a
-    backend may have been left running with none live), plus ``extra_backends`` (those the
-    pools will use) and the default one.
+    ``legacy_backends`` (the default one and those the pools use) are swept in a
+    pre-instance layout besides those its records name (its pooled sandboxes were never
+    stored).
     """
-    orphans = store.list(live_only=True)
-    for info in orphans:
-        await _rescue_artifacts(info, artifacts, backend_of)
-    names = (store.backends_used() | extra_backends | {default_backend}) & set(KNOWN_BACKENDS)
-    for name in sorted(names):
+    data_dir = settings.data_dir
+    fd = await asyncio.to_thread(instances.lock_recovery, data_dir)
+    try:
+        orphans: list[SandboxInfo] = []
+        for dead in instances.dead(data_dir, mine):
+            names = dead.backends() | store.backends_used(dead.holder.instance)
+            records = store.list(live_only=True, instance=dead.holder.instance)
+            log.warning(
+                "recovering the instance of a process that ended",
+                instance=dead.holder.instance,
+                pid=dead.holder.pid,
+                sandboxes=len(records),
+            )
+            swept = False
+            try:
+                swept = await _recover_one(records, names, dead.settings(settings), artifacts)
+            finally:
+                dead.remove(sweep_ok=swept)
+            orphans += records
+        legacy = store.list(live_only=True, instance="")
+        if legacy or instances.legacy_leftovers(data_dir):
+            names = store.backends_used("") | legacy_backends
+            if await _recover_one(legacy, names, settings, artifacts):
+                instances.remove_legacy(data_dir)
+            orphans += legacy
+        return orphans
+    finally:
+        os.close(fd)
+
+
+async def _recover_one(
+    records: list[SandboxInfo], names: set[str], settings: Settings, artifacts: Artifacts
+) -> bool:
+    """Keep the records' artifacts, sweep the named backends of one dead instance (its
+    ``settings.data_dir``); return whether every sweep succeeded."""
+    backends: dict[str, Backend] = {}
+    swept = True
+    for name in sorted(names & set(KNOWN_BACKENDS)):
         try:
-            removed = await backend_of(name).sweep(keep=())
+            backends[name] = create_backend(name, settings)
         except SandboxError as exc:
             log.warning("recovery sweep skipped", backend=name, error=str(exc))
-            continue
-        if removed:
-            log.warning("removed orphaned sandboxes", backend=name, ids=removed)
-    return orphans
+            swept = False
+    try:
+        for info in records:
+            await _rescue_artifacts(info, artifacts, backends.get(info.backend))
+        for name, backend in backends.items():
+            try:
+                removed = await backend.sweep(keep=())
+            except SandboxError as exc:
+                log.warning("recovery sweep skipped", backend=name, error=str(exc))
+                swept = False
+                continue
+            if removed:
+                log.warning("removed orphaned sandboxes", backend=name, ids=removed)
+    finally:
+        for backend in backends.values():
+            await backend.close()
+    return swept
 
 
 async def _rescue_artifacts(
-    info: SandboxInfo, artifacts: Artifacts, backend_of: Callable[[str], Backend]
+    info: SandboxInfo, artifacts: Artifacts, backend: Backend | None
 ) -> None:
-    if info.backend not in KNOWN_BACKENDS:
+    if backend is None:
         return
     try:
-        workspace = backend_of(info.backend).workspace_on_host(info.id)
+        workspace = backend.workspace_on_host(info.id)
         if workspace is not None:
             await artifacts.export_from_host(info, workspace)
     except (SandboxError, OSError) as exc:

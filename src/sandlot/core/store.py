@@ -3,48 +3,77 @@
 from __future__ import annotations
 
 import builtins
-import fcntl
 import os
 import sqlite3
 import threading
 from pathlib import Path
 
-from sandlot.errors import ConfigError
 from sandlot.models import ArtifactInfo, SandboxInfo, SandboxStatus
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sandboxes (
-    id TEXT PRIMARY KEY,
-    owner TEXT NOT NULL,
-    status TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    info TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS sandboxes_owner ON sandboxes (owner, status);
-CREATE TABLE IF NOT EXISTS artifacts (
-    sandbox_id TEXT NOT NULL,
-    path TEXT NOT NULL,
-    size_bytes INTEGER NOT NULL,
-    sha256 TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    PRIMARY KEY (sandbox_id, path)
-);
-"""
+# ``instance``: the manager instance (core/instances.py) that runs the sandbox; "" for a
+# record of a sandlot from before instances.
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS sandboxes (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        status TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        info TEXT NOT NULL,
+        instance TEXT NOT NULL DEFAULT ''
+    )""",
+    "CREATE INDEX IF NOT EXISTS sandboxes_owner ON sandboxes (owner, status)",
+    """CREATE TABLE IF NOT EXISTS artifacts (
+        sandbox_id TEXT NOT NULL,
+        path TEXT NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        sha256 TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (sandbox_id, path)
+    )""",
+)
+MIGRATIONS = {"instance": "ALTER TABLE sandboxes ADD COLUMN instance TEXT NOT NULL DEFAULT ''"}
+INDEXES = ("CREATE INDEX IF NOT EXISTS sandboxes_instance ON sandboxes (instance, status)",)
 
 LIVE = (SandboxStatus.STARTING.value, SandboxStatus.RUNNING.value)
+# Several processes share the file (one per manager instance): a writer waits this long for
+# another's transaction, each of which is one short statement.
+BUSY_TIMEOUT_S = 30.0
 
 
 class Store:
-    """Thread-safe; every call is one short transaction."""
+    """Thread-safe, and shared by processes; every call is one short transaction.
 
-    def __init__(self, path: Path) -> None:
+    ``instance`` is the manager instance whose records :meth:`save` inserts.
+    """
+
+    def __init__(self, path: Path, instance: str = "") -> None:
         self.path = path
+        self.instance = instance
         self._lock = threading.Lock()
         private(path)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(
+            path, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
+        )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        # IMMEDIATE: two processes opening an old file at once must not both add the column.
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in SCHEMA:
+                self._db.execute(statement)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
+            for column, statement in MIGRATIONS.items():
+                if column not in columns:
+                    self._db.execute(statement)
+            for statement in INDEXES:
+                self._db.execute(statement)
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         with self._lock:
@@ -53,9 +82,18 @@ class Store:
     def save(self, info: SandboxInfo) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO sandboxes (id, owner, status, created_at, info) VALUES (?,?,?,?,?) "
+                "INSERT INTO sandboxes (id, owner, status, created_at, info, instance) "
+                "VALUES (?,?,?,?,?,?) "
+                # The instance stays the one that made it: recovery saves others' records.
                 "ON CONFLICT(id) DO UPDATE SET status=excluded.status, info=excluded.info",
-                (info.id, info.owner, info.status.value, info.created_at, info.model_dump_json()),
+                (
+                    info.id,
+                    info.owner,
+                    info.status.value,
+                    info.created_at,
+                    info.model_dump_json(),
+                    self.instance,
+                ),
             )
 
     def get(self, sandbox_id: str) -> SandboxInfo | None:
@@ -65,12 +103,25 @@ class Store:
             ).fetchone()
         return SandboxInfo.model_validate_json(row[0]) if row else None
 
-    def list(self, owner: str | None = None, live_only: bool = False) -> builtins.list[SandboxInfo]:
+    def instance_of(self, sandbox_id: str) -> str | None:
+        """The instance that runs (or ran) the sandbox; None if there is no record."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT instance FROM sandboxes WHERE id=?", (sandbox_id,)
+            ).fetchone()
+        return str(row[0]) if row else None
+
+    def list(
+        self, owner: str | None = None, live_only: bool = False, instance: str | None = None
+    ) -> builtins.list[SandboxInfo]:
         query = "SELECT info FROM sandboxes WHERE 1=1"
         args: list[str] = []
         if owner is not None:
             query += " AND owner=?"
             args.append(owner)
+        if instance is not None:
+            query += " AND instance=?"
+            args.append(instance)
         if live_only:
             query += f" AND status IN ({','.join('?' * len(LIVE))})"
             args.extend(LIVE)
@@ -78,11 +129,25 @@ class Store:
             rows = self._db.execute(query + " ORDER BY created_at", args).fetchall()
         return [SandboxInfo.model_validate_json(r[0]) for r in rows]
 
-    def backends_used(self) -> set[str]:
-        """Every backend a sandbox of this store ever ran on (whose leftovers a sweep seeks)."""
+    def live_elsewhere(self) -> dict[str, builtins.list[SandboxInfo]]:
+        """Live records of instances other than this store's, by instance."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT DISTINCT json_extract(info, '$.backend') FROM sandboxes"
+                f"SELECT instance, info FROM sandboxes WHERE instance != ? "  # noqa: S608 - placeholders only
+                f"AND status IN ({','.join('?' * len(LIVE))})",
+                (self.instance, *LIVE),
+            ).fetchall()
+        found: dict[str, builtins.list[SandboxInfo]] = {}
+        for instance, info in rows:
+            found.setdefault(instance, []).append(SandboxInfo.model_validate_json(info))
+        return found
+
+    def backends_used(self, instance: str) -> set[str]:
+        """Every backend a sandbox of ``instance`` ran on (whose leftovers a sweep seeks)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT DISTINCT json_extract(info, '$.backend') FROM sandboxes WHERE instance=?",
+                (instance,),
             ).fetchall()
         return {r[0] for r in rows if isinstance(r[0], str)}
 
@@ -155,24 +220,3 @@ def private(path: Path) -> None:
         companion = path.with_name(path.name + suffix)
         if companion.exists():
             companion.chmod(0o600)
-
-
-def lock_data_dir(data_dir: Path) -> int:
-    """Take the data directory's lock file; one manager per data directory.
-
-    Raises:
-        ConfigError: another process holds it.
-    """
-    fd = os.open(data_dir / "manager.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConfigError(
-            f"data directory {data_dir} is in use by another sandlot process "
-            f"(pid {holder}); set SANDLOT_DATA_DIR to another directory"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
