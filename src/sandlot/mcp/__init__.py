@@ -9,12 +9,10 @@ needs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sandlot.errors import ConfigError
-from sandlot.service import SandboxService
+from sandlot.mcp.sessions import Binding, Resolver
 
 if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer
@@ -22,19 +20,6 @@ if TYPE_CHECKING:
     from sandlot.mcp.sessions import DefaultSandboxes
 
 INSTALL_HINT = "pip install 'sandlot[mcp]'"
-
-
-@dataclass(frozen=True)
-class Binding:
-    """Who a tool call acts as: the service it runs on (already scoped to the caller) and
-    the key its default sandboxes are filed under (an API key's id; one key for stdio)."""
-
-    service: SandboxService
-    caller: str
-
-
-# Gets the HTTP request a tool call came in (None on stdio) and says whom it acts as.
-Resolver = Callable[[Any], Binding]
 
 
 def build_server(resolve: Resolver) -> tuple[MCPServer[Any], DefaultSandboxes]:

@@ -4,7 +4,9 @@ destroyed when the session ends, so a client can just call ``run_code``."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -13,6 +15,20 @@ from sandlot.requests import SandboxSpec
 from sandlot.service import SandboxService
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Who a tool call acts as: the service it runs on (already scoped to the caller) and
+    the key its default sandboxes are filed under (an API key's id; one key for stdio)."""
+
+    service: SandboxService
+    caller: str
+
+
+# Gets the HTTP request a tool call came in (None on stdio) and says whom it acts as.
+Resolver = Callable[[Any], Binding]
+
 
 # (the caller: an API key's id or "local", the MCP session id or "" where there is none)
 SessionKey = tuple[str, str]

@@ -14,8 +14,7 @@ from mcp.types import ContentBlock, ImageContent, TextContent, ToolAnnotations
 
 from sandlot._version import __version__
 from sandlot.errors import InvalidRequest, SandboxError, SandboxNotFound
-from sandlot.mcp import Binding, Resolver
-from sandlot.mcp.sessions import DefaultSandboxes, SessionKey
+from sandlot.mcp.sessions import Binding, DefaultSandboxes, Resolver, SessionKey
 from sandlot.models import ExecResult, Result
 from sandlot.requests import (
     SANDBOX_ID_PATTERN,
