@@ -3,11 +3,13 @@ real subprocess with real bubblewrap sandboxes) and ``/mcp`` on a live ``sandlot
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,11 +21,12 @@ from tests.conftest import LiveServer, skip_reason
 
 pytest.importorskip("mcp")
 
-from mcp.client.session import ClientSession  # noqa: E402
-from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
-from mcp.client.streamable_http import streamable_http_client  # noqa: E402
-from mcp.shared._httpx_utils import create_mcp_http_client  # noqa: E402
-from mcp.types import CallToolResult, ImageContent, TextContent  # noqa: E402
+from mcp import Client
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.types import CallToolResult, ImageContent, TextContent
 
 TOOLS = {
     "create_sandbox",
@@ -48,7 +51,8 @@ def images(result: CallToolResult) -> list[ImageContent]:
 
 
 def has_matplotlib() -> bool:
-    probe = subprocess.run(["/usr/bin/python3", "-c", "import matplotlib"], capture_output=True)
+    argv = ["/usr/bin/python3", "-c", "import matplotlib"]
+    probe = subprocess.run(argv, check=False, capture_output=True)
     return probe.returncode == 0
 
 
@@ -58,9 +62,8 @@ def live_rows(data_dir: Path) -> list[tuple[str, str]]:
     return [(str(i), str(s)) for i, s in rows]
 
 
-@asynccontextmanager
-async def stdio_session(data_dir: Path) -> AsyncIterator[ClientSession]:
-    env = {
+def server_env(data_dir: Path) -> dict[str, str]:
+    return {
         **os.environ,
         "SANDLOT_DATA_DIR": str(data_dir),
         "SANDBOX_TIMEOUT_SECONDS": "30",
@@ -68,12 +71,19 @@ async def stdio_session(data_dir: Path) -> AsyncIterator[ClientSession]:
         "LOG_LEVEL": "WARNING",
         "PYTHONPATH": os.pathsep.join(sys.path),
     }
+
+
+@asynccontextmanager
+async def stdio_session(data_dir: Path) -> AsyncIterator[ClientSession]:
+    env = server_env(data_dir)
     params = StdioServerParameters(command=sys.executable, args=["-m", "sandlot", "mcp"], env=env)
     with open(data_dir / "mcp-stderr.log", "w") as errlog:
-        async with stdio_client(params, errlog=errlog) as (read, write):
-            async with ClientSession(read, write) as session:
-                await session.initialize()
-                yield session
+        async with (
+            stdio_client(params, errlog=errlog) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            yield session
 
 
 @pytest.fixture
@@ -97,9 +107,7 @@ async def test_stdio_session_keeps_state_and_cleans_up(stdio_data_dir: Path) -> 
         assert not second.is_error
         assert "42" in texts(second)  # the session's default sandbox kept x
 
-        wrote = await session.call_tool(
-            "write_file", {"path": "notes/a.txt", "content": "héllo\n"}
-        )
+        wrote = await session.call_tool("write_file", {"path": "notes/a.txt", "content": "héllo\n"})
         assert not wrote.is_error, texts(wrote)
         read = await session.call_tool("read_file", {"path": "notes/a.txt"})
         assert texts(read) == ["héllo\n"]
@@ -132,9 +140,13 @@ async def test_stdio_session_keeps_state_and_cleans_up(stdio_data_dir: Path) -> 
 
 
 async def test_stdio_plot_is_an_image(stdio_data_dir: Path) -> None:
+    """With the SDK's high-level Client, which opens the 2026 (sessionless) era on stdio."""
     if not has_matplotlib():
         pytest.skip("matplotlib is missing for /usr/bin/python3")
-    async with stdio_session(stdio_data_dir) as session:
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "sandlot", "mcp"], env=server_env(stdio_data_dir)
+    )
+    async with Client(params) as session:
         result = await session.call_tool(
             "run_code",
             {"code": "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()"},
@@ -147,21 +159,32 @@ async def test_stdio_plot_is_an_image(stdio_data_dir: Path) -> None:
         # A named sandbox works beside the default one, and is destroyed on request.
         made = await session.call_tool("create_sandbox", {"memory_mb": 128})
         sandbox_id = texts(made)[0]
-        own = await session.call_tool("run_code", {"code": "'x' in dir()", "sandbox_id": sandbox_id})
+        own = await session.call_tool(
+            "run_code", {"code": "'x' in dir()", "sandbox_id": sandbox_id}
+        )
         assert "False" in texts(own)
         gone = await session.call_tool("destroy_sandbox", {"sandbox_id": sandbox_id})
         assert texts(gone) == [f"destroyed {sandbox_id}"]
         after = await session.call_tool("run_code", {"code": "1", "sandbox_id": sandbox_id})
         assert after.is_error
+        assert session.protocol_version == "2026-07-28"
+        # Sessionless calls of one stdio process still share its one default sandbox.
+        await session.call_tool("run_code", {"code": "y = 1"})
+        kept = await session.call_tool("run_code", {"code": "y + 1"})
+        assert "2" in texts(kept)
+    rows = live_rows(stdio_data_dir)
+    assert rows and all(status != "running" for _, status in rows), rows
 
 
 @asynccontextmanager
 async def http_session(url: str, headers: dict[str, str]) -> AsyncIterator[ClientSession]:
-    async with create_mcp_http_client(headers=headers) as http:
-        async with streamable_http_client(url, http_client=http) as (read, write):
-            async with ClientSession(read, write) as session:
-                await session.initialize()
-                yield session
+    async with (
+        create_mcp_http_client(headers=headers) as http,
+        streamable_http_client(url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session
 
 
 async def test_http_runs_code_as_the_keys_tenant(live_server: LiveServer) -> None:
@@ -184,9 +207,16 @@ async def test_http_runs_code_as_the_keys_tenant(live_server: LiveServer) -> Non
             for sandbox_id in ids:
                 probe = await other.call_tool("run_code", {"code": "x", "sandbox_id": sandbox_id})
                 assert probe.is_error and "sandbox_not_found" in texts(probe)[0]
-    # The session ended (the client's DELETE): its default sandbox is gone.
-    after = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("alice"))
-    assert not ids & {s["id"] for s in after.json()}
+    # The session ended (the client's DELETE): its default sandbox goes, as the session's
+    # server task winds down, just after the DELETE is answered.
+    deadline = time.monotonic() + 10
+    while True:
+        after = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("alice"))
+        left = ids & {s["id"] for s in after.json()}
+        if not left or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert not left
 
 
 async def test_http_viewer_cannot_run(live_server: LiveServer) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -38,7 +38,7 @@ INSTRUCTIONS = (
     "files persist between run_code calls, and it is destroyed when the session ends. "
     "Files live under /workspace; paths are relative to it."
 )
-SANDBOX_ID_HELP = "A sandbox from create_sandbox; omitted: this session's own sandbox."
+T = TypeVar("T")
 
 
 @contextmanager
@@ -84,6 +84,20 @@ class Call:
 
     def gone(self, sandbox_id: str) -> None:
         self.defaults.forget(self.key, sandbox_id)
+
+    async def on(self, sandbox_id: str | None, action: Callable[[str], Awaitable[T]]) -> T:
+        """``action`` on the sandbox meant; a default sandbox found gone (its TTL, an
+        operator) is forgotten, so the session's next call makes a new one."""
+        target = await self.sandbox(sandbox_id)
+        try:
+            return await action(target)
+        except SandboxNotFound as exc:
+            if sandbox_id is None:
+                self.gone(target)
+                raise SandboxNotFound(
+                    f"{exc.message}; this session's sandbox is gone: the next call makes a new one"
+                ) from exc
+            raise
 
 
 def make_server(resolve: Resolver) -> tuple[MCPServer[Any], DefaultSandboxes]:
@@ -155,12 +169,7 @@ def _run_tools(server: MCPServer[Any], call: CallMaker) -> None:
         this = call(ctx)
         with tool_errors():
             request = build(RunCode, code=code, timeout_s=timeout_s)
-            target = await this.sandbox(sandbox_id)
-            try:
-                result = await this.service.run_code(target, request)
-            except SandboxNotFound:
-                this.gone(target)
-                raise
+            result = await this.on(sandbox_id, lambda t: this.service.run_code(t, request))
         return exec_content(result)
 
     @server.tool(structured_output=False)
@@ -172,8 +181,7 @@ def _run_tools(server: MCPServer[Any], call: CallMaker) -> None:
         this = call(ctx)
         with tool_errors():
             request = build(RunCommand, command=command, timeout_s=timeout_s)
-            target = await this.sandbox(sandbox_id)
-            result = await this.service.run_command(target, request)
+            result = await this.on(sandbox_id, lambda t: this.service.run_command(t, request))
         return exec_content(result)
 
 
@@ -184,14 +192,13 @@ def _file_tools(server: MCPServer[Any], call: CallMaker) -> None:
         this = call(ctx)
         with tool_errors():
             request = build(FilePath, path=path)
-            target = await this.sandbox(sandbox_id)
-            info = await this.service.stat_file(target, request)
+            info = await this.on(sandbox_id, lambda t: this.service.stat_file(t, request))
             if info.size_bytes > MAX_READ_BYTES:
                 raise InvalidRequest(
                     f"{path} is {info.size_bytes} bytes; read_file returns at most "
                     f"{MAX_READ_BYTES}: read a part with run_command (head, tail, grep)"
                 )
-            data = await this.service.read_file(target, request)
+            data = await this.on(sandbox_id, lambda t: this.service.read_file(t, request))
         return file_content(path, data)
 
     @server.tool(structured_output=False)
@@ -202,8 +209,8 @@ def _file_tools(server: MCPServer[Any], call: CallMaker) -> None:
         this = call(ctx)
         with tool_errors():
             request = build(WriteFile, path=path)
-            target = await this.sandbox(sandbox_id)
-            size = await this.service.write_file(target, request, content.encode())
+            data = content.encode()
+            size = await this.on(sandbox_id, lambda t: this.service.write_file(t, request, data))
         return f"wrote {size} bytes to {path}"
 
     @server.tool(structured_output=False, annotations=READ_ONLY)
@@ -214,8 +221,7 @@ def _file_tools(server: MCPServer[Any], call: CallMaker) -> None:
         this = call(ctx)
         with tool_errors():
             request = build(ListFiles, path=path, depth=depth)
-            target = await this.sandbox(sandbox_id)
-            entries = await this.service.list_files(target, request)
+            entries = await this.on(sandbox_id, lambda t: this.service.list_files(t, request))
         lines = [f"{e.type}\t{e.size_bytes}\t{e.path}" for e in entries]
         return "\n".join(lines) if lines else f"{path} is empty"
 
