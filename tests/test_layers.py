@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("core",),  # the manager and its rooms
     ("service", "client", "sandbox"),  # the SDK, embedded or remote
     ("agent",),  # the LLM layer, built on the SDK only
+    ("mcp",),  # the MCP tools, built on the SDK's service only
     ("server",),  # REST/WS over the core (and the agent layer for /execute)
     ("cli", "__main__", "doctor"),  # the top: every surface (and doctor reports on all)
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from sandlot.cli import agent, image, keys, local, sandbox, serve
+from sandlot.cli import agent, image, keys, local, mcp, sandbox, serve
 from sandlot.config import get_settings
 from sandlot.log import configure_logging
 
@@ -27,6 +27,7 @@ def _main() -> None:
 # models.
 local.register(app)
 serve.register(app)
+mcp.register(app)
 image.register(app)
 keys.register(app)
 sandbox.register(app)

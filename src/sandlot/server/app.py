@@ -21,7 +21,7 @@ from sandlot.config import Settings, get_settings
 from sandlot.core import SandboxManager
 from sandlot.errors import SandboxError
 from sandlot.requests import RunCode, SandboxSpec
-from sandlot.server import agent, compat, routes, stream
+from sandlot.server import agent, compat, mcp, routes, stream
 from sandlot.server.auth import AuthStore
 from sandlot.server.deps import ServerState, error_response, sandbox_error_response, state_of
 from sandlot.server.guard import PUBLIC_PATHS, RequestGuard
@@ -52,7 +52,11 @@ def create_app(settings: Settings | None = None, manager: SandboxManager | None 
                 port=settings.api_port,
             )
         try:
-            yield
+            if mcp_running is None:
+                yield
+            else:
+                async with mcp_running:
+                    yield
         finally:
             if state.agent_runtime is not None:
                 await state.agent_runtime.aclose()
@@ -77,6 +81,7 @@ def create_app(settings: Settings | None = None, manager: SandboxManager | None 
     app.include_router(stream.router)
     app.include_router(compat.router)
     app.include_router(agent.router)
+    mcp_running = mcp.mount(app, state)
     _add_operational_routes(app)
     _document_auth(app)
     return app

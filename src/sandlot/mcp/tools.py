@@ -1,0 +1,289 @@
+"""The MCP tools over a :class:`~sandlot.service.SandboxService` (imports the MCP SDK)."""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ContentBlock, ImageContent, TextContent, ToolAnnotations
+
+from sandlot._version import __version__
+from sandlot.errors import InvalidRequest, SandboxError, SandboxNotFound
+from sandlot.mcp.sessions import Binding, DefaultSandboxes, Resolver, SessionKey
+from sandlot.models import ExecResult, Result
+from sandlot.requests import (
+    SANDBOX_ID_PATTERN,
+    FilePath,
+    ListFiles,
+    RunCode,
+    RunCommand,
+    SandboxSpec,
+    WriteFile,
+    build,
+)
+from sandlot.service import SandboxService
+
+# A file read whole into one MCP message: past this, the client gets an error naming the size.
+MAX_READ_BYTES = 8 * 1024 * 1024
+IMAGE_MAGIC = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg"}
+
+INSTRUCTIONS = (
+    "Run Python and shell commands in an isolated sandbox (no network unless asked). "
+    "Calls that name no sandbox_id share this session's own sandbox: variables, imports and "
+    "files persist between run_code calls, and it is destroyed when the session ends. "
+    "Files live under /workspace; paths are relative to it."
+)
+T = TypeVar("T")
+
+
+@contextmanager
+def tool_errors() -> Iterator[None]:
+    """sandlot's errors become the tool's error result (isError, with the message), not a
+    crash of the server nor the SDK's "unexpected exception" log with a traceback."""
+    try:
+        yield
+    except SandboxError as exc:
+        raise ToolError(f"{exc.code}: {exc.message}") from exc
+
+
+class Call:
+    """One tool call: whom it acts as and which sandbox it means."""
+
+    def __init__(self, ctx: Context, resolve: Resolver, defaults: DefaultSandboxes) -> None:
+        request = ctx.request_context.request
+        self.binding: Binding = resolve(request)
+        self.defaults = defaults
+        # The SDK keeps per-connection teardown on the Connection, which its tool Context
+        # does not expose yet; the session reaches it (None keeps this best-effort).
+        self.connection: Any = getattr(ctx.request_context.session, "_connection", None)
+        session_id = getattr(self.connection, "session_id", None)
+        self.key: SessionKey = (self.binding.caller, session_id or "")
+
+    @property
+    def service(self) -> SandboxService:
+        return self.binding.service
+
+    async def sandbox(self, sandbox_id: str | None) -> str:
+        if sandbox_id is not None:
+            if not re.fullmatch(SANDBOX_ID_PATTERN, sandbox_id):
+                raise InvalidRequest(f"not a sandbox id: {sandbox_id[:80]!r}")
+            return sandbox_id
+        found, made = await self.defaults.get(self.key, self.service)
+        if made and self.key[1] and self.connection is not None:
+            # A session of streamable HTTP: its sandbox goes when the session does (the
+            # client's DELETE, the idle timeout). Stdio and sessionless HTTP have no such
+            # end: the process's exit, or the server's, closes them (DefaultSandboxes.close).
+            key = self.key
+            self.connection.exit_stack.push_async_callback(self.defaults.end, key)
+        return found
+
+    def gone(self, sandbox_id: str) -> None:
+        self.defaults.forget(self.key, sandbox_id)
+
+    async def on(self, sandbox_id: str | None, action: Callable[[str], Awaitable[T]]) -> T:
+        """``action`` on the sandbox meant; a default sandbox found gone (its TTL, an
+        operator) is forgotten, so the session's next call makes a new one."""
+        target = await self.sandbox(sandbox_id)
+        try:
+            return await action(target)
+        except SandboxNotFound as exc:
+            if sandbox_id is None:
+                self.gone(target)
+                raise SandboxNotFound(
+                    f"{exc.message}; this session's sandbox is gone: the next call makes a new one"
+                ) from exc
+            raise
+
+
+def make_server(resolve: Resolver) -> tuple[MCPServer[Any], DefaultSandboxes]:
+    server: MCPServer[Any] = MCPServer(
+        "sandlot", version=__version__, instructions=INSTRUCTIONS, log_level="WARNING"
+    )
+    defaults = DefaultSandboxes()
+
+    def call(ctx: Context) -> Call:
+        return Call(ctx, resolve, defaults)
+
+    _run_tools(server, call)
+    _file_tools(server, call)
+    _lifecycle_tools(server, call, defaults)
+    return server, defaults
+
+
+CallMaker = Callable[[Context], Call]
+READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=False)
+
+
+def _lifecycle_tools(server: MCPServer[Any], call: CallMaker, defaults: DefaultSandboxes) -> None:
+    @server.tool(structured_output=False)
+    async def create_sandbox(
+        ctx: Context,
+        environment: str | None = None,
+        memory_mb: int | None = None,
+        timeout_s: float | None = None,
+        network: bool | None = None,
+    ) -> str:
+        """Start a new sandbox and return its id. It lives until destroy_sandbox or its TTL.
+        environment: a registry name (python3 by default); memory_mb: its memory cap;
+        timeout_s: each run's default time limit; network: give it a network (default off)."""
+        with tool_errors():
+            spec = build(
+                SandboxSpec,
+                environment=environment,
+                memory_mb=memory_mb,
+                timeout_s=timeout_s,
+                network=network,
+            )
+            info = await call(ctx).service.create(spec)
+        return info.id
+
+    @server.tool(structured_output=False, annotations=ToolAnnotations(destructive_hint=True))
+    async def destroy_sandbox(ctx: Context, sandbox_id: str | None = None) -> str:
+        """Destroy a sandbox (omitted: this session's own; the next call makes a new one)."""
+        this = call(ctx)
+        with tool_errors():
+            if sandbox_id is None:
+                sandbox_id = defaults.known(this.key)
+                if sandbox_id is None:
+                    return "this session has no sandbox"
+            target = await this.sandbox(sandbox_id)
+            this.gone(target)
+            info = await this.service.destroy(target)
+        return f"destroyed {info.id}"
+
+
+def _run_tools(server: MCPServer[Any], call: CallMaker) -> None:
+    @server.tool(structured_output=False)
+    async def run_code(
+        ctx: Context, code: str, sandbox_id: str | None = None, timeout_s: float | None = None
+    ) -> list[ContentBlock]:
+        """Run Python in the sandbox's persistent interpreter (state is kept between calls).
+        Returns stdout, stderr, the last expression's value, the error if one was raised,
+        and rich outputs: matplotlib figures and images as images, HTML and Markdown as
+        text."""
+        this = call(ctx)
+        with tool_errors():
+            request = build(RunCode, code=code, timeout_s=timeout_s)
+            result = await this.on(sandbox_id, lambda t: this.service.run_code(t, request))
+        return exec_content(result)
+
+    @server.tool(structured_output=False)
+    async def run_command(
+        ctx: Context, command: str, sandbox_id: str | None = None, timeout_s: float | None = None
+    ) -> list[ContentBlock]:
+        """Run a bash command in the sandbox (cd and export persist between calls).
+        Returns its exit code, stdout and stderr."""
+        this = call(ctx)
+        with tool_errors():
+            request = build(RunCommand, command=command, timeout_s=timeout_s)
+            result = await this.on(sandbox_id, lambda t: this.service.run_command(t, request))
+        return exec_content(result)
+
+
+def _file_tools(server: MCPServer[Any], call: CallMaker) -> None:
+    @server.tool(structured_output=False, annotations=READ_ONLY)
+    async def read_file(ctx: Context, path: str, sandbox_id: str | None = None) -> ContentBlock:
+        """Read a file under /workspace: text as text, PNG and JPEG as images."""
+        this = call(ctx)
+        with tool_errors():
+            request = build(FilePath, path=path)
+            info = await this.on(sandbox_id, lambda t: this.service.stat_file(t, request))
+            if info.size_bytes > MAX_READ_BYTES:
+                raise InvalidRequest(
+                    f"{path} is {info.size_bytes} bytes; read_file returns at most "
+                    f"{MAX_READ_BYTES}: read a part with run_command (head, tail, grep)"
+                )
+            data = await this.on(sandbox_id, lambda t: this.service.read_file(t, request))
+        return file_content(path, data)
+
+    @server.tool(structured_output=False)
+    async def write_file(
+        ctx: Context, path: str, content: str, sandbox_id: str | None = None
+    ) -> str:
+        """Write text to a file under /workspace (replaced if it exists)."""
+        this = call(ctx)
+        with tool_errors():
+            request = build(WriteFile, path=path)
+            data = content.encode()
+            size = await this.on(sandbox_id, lambda t: this.service.write_file(t, request, data))
+        return f"wrote {size} bytes to {path}"
+
+    @server.tool(structured_output=False, annotations=READ_ONLY)
+    async def list_files(
+        ctx: Context, path: str = ".", depth: int = 1, sandbox_id: str | None = None
+    ) -> str:
+        """List a directory under /workspace: one line per entry, type, size, path."""
+        this = call(ctx)
+        with tool_errors():
+            request = build(ListFiles, path=path, depth=depth)
+            entries = await this.on(sandbox_id, lambda t: this.service.list_files(t, request))
+        lines = [f"{e.type}\t{e.size_bytes}\t{e.path}" for e in entries]
+        return "\n".join(lines) if lines else f"{path} is empty"
+
+
+def exec_content(result: ExecResult) -> list[ContentBlock]:
+    """An execution as MCP content: the text parts first, each rich output in order."""
+    blocks: list[ContentBlock] = []
+
+    def text(value: str) -> None:
+        blocks.append(TextContent(type="text", text=value))
+
+    if result.stdout:
+        cut = "\n[stdout truncated]" if result.stdout_truncated else ""
+        text("stdout:\n" + result.stdout + cut)
+    if result.stderr:
+        cut = "\n[stderr truncated]" if result.stderr_truncated else ""
+        text("stderr:\n" + result.stderr + cut)
+    for item in result.results:
+        blocks.extend(result_content(item))
+    if result.text is not None and not any(r.is_main_result for r in result.results):
+        text(result.text)
+    if result.results_truncated:
+        text("[some rich outputs were left out: together they passed the output cap]")
+    if result.error is not None:
+        text(f"error: {result.error.type}: {result.error.message}\n{result.error.traceback}")
+    if result.kill_reason is not None:
+        text(f"killed: {result.kill_reason}")
+    if result.state_lost:
+        text("[the interpreter was restarted: variables and imports are gone]")
+    if result.exit_code not in (0, None) and result.error is None:
+        text(f"exit code: {result.exit_code}")
+    if not blocks:
+        text("(no output)")
+    return blocks
+
+
+def result_content(item: Result) -> list[ContentBlock]:
+    """One rich output: its images as images, HTML and Markdown as text, and its plain text
+    where nothing richer says more (a figure's "<Figure ...>" repr says nothing)."""
+    blocks: list[ContentBlock] = []
+    for data, mime in ((item.png, "image/png"), (item.jpeg, "image/jpeg")):
+        if data is not None:
+            blocks.append(ImageContent(type="image", data=data, mime_type=mime))
+    for value in (item.markdown, item.html):
+        if value is not None:
+            blocks.append(TextContent(type="text", text=value))
+    if item.text is not None and not blocks:
+        blocks.append(TextContent(type="text", text=item.text))
+    elif item.text is not None and item.html is not None and not item.png:
+        # A table's text form is what a model reads best; its HTML is there for display.
+        blocks.insert(0, TextContent(type="text", text=item.text))
+    return blocks
+
+
+def file_content(path: str, data: bytes) -> ContentBlock:
+    for magic, mime in IMAGE_MAGIC.items():
+        if data.startswith(magic):
+            return ImageContent(type="image", data=base64.b64encode(data).decode(), mime_type=mime)
+    try:
+        return TextContent(type="text", text=data.decode())
+    except UnicodeDecodeError:
+        raise ToolError(
+            f"{path} is binary ({len(data)} bytes) and not an image: inspect it with "
+            "run_command (file, xxd, python)"
+        ) from None

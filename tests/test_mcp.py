@@ -1,0 +1,235 @@
+"""The MCP server, driven by the official MCP SDK's own client: ``sandlot mcp`` on stdio (a
+real subprocess with real bubblewrap sandboxes) and ``/mcp`` on a live ``sandlot serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import LiveServer, skip_reason
+
+pytest.importorskip("mcp")
+
+from mcp import Client
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.types import CallToolResult, ImageContent, TextContent
+
+TOOLS = {
+    "create_sandbox",
+    "run_code",
+    "run_command",
+    "read_file",
+    "write_file",
+    "list_files",
+    "destroy_sandbox",
+}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+pytestmark = pytest.mark.slow
+
+
+def texts(result: CallToolResult) -> list[str]:
+    return [block.text for block in result.content if isinstance(block, TextContent)]
+
+
+def images(result: CallToolResult) -> list[ImageContent]:
+    return [block for block in result.content if isinstance(block, ImageContent)]
+
+
+def has_matplotlib() -> bool:
+    argv = ["/usr/bin/python3", "-c", "import matplotlib"]
+    probe = subprocess.run(argv, check=False, capture_output=True)
+    return probe.returncode == 0
+
+
+def live_rows(data_dir: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(data_dir / "sandlot.db") as db:
+        rows = db.execute("SELECT id, status FROM sandboxes").fetchall()
+    return [(str(i), str(s)) for i, s in rows]
+
+
+def server_env(data_dir: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "SANDLOT_DATA_DIR": str(data_dir),
+        "SANDBOX_TIMEOUT_SECONDS": "30",
+        "SANDBOX_DISK_LIMIT_MB": "64",
+        "LOG_LEVEL": "WARNING",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+
+
+@asynccontextmanager
+async def stdio_session(data_dir: Path) -> AsyncIterator[ClientSession]:
+    env = server_env(data_dir)
+    params = StdioServerParameters(command=sys.executable, args=["-m", "sandlot", "mcp"], env=env)
+    with open(data_dir / "mcp-stderr.log", "w") as errlog:
+        async with (
+            stdio_client(params, errlog=errlog) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            yield session
+
+
+@pytest.fixture
+def stdio_data_dir(data_root: Path, request: pytest.FixtureRequest) -> Path:
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    path = data_root / f"mcp-{request.node.name}"
+    path.mkdir()
+    return path
+
+
+async def test_stdio_session_keeps_state_and_cleans_up(stdio_data_dir: Path) -> None:
+    async with stdio_session(stdio_data_dir) as session:
+        listed = await session.list_tools()
+        assert {tool.name for tool in listed.tools} == TOOLS
+
+        first = await session.call_tool("run_code", {"code": "x = 41\nprint('set')"})
+        assert not first.is_error, texts(first)
+        second = await session.call_tool("run_code", {"code": "x + 1"})
+        assert not second.is_error
+        assert "42" in texts(second)  # the session's default sandbox kept x
+
+        wrote = await session.call_tool("write_file", {"path": "notes/a.txt", "content": "héllo\n"})
+        assert not wrote.is_error, texts(wrote)
+        read = await session.call_tool("read_file", {"path": "notes/a.txt"})
+        assert texts(read) == ["héllo\n"]
+        listing = await session.call_tool("list_files", {"path": "notes"})
+        assert "notes/a.txt" in texts(listing)[0]
+
+        missing = await session.call_tool("read_file", {"path": "nope.txt"})
+        assert missing.is_error
+        assert "file_not_found" in texts(missing)[0]
+        outside = await session.call_tool("read_file", {"path": "../../etc/shadow"})
+        assert outside.is_error
+        # The session goes on, on the same sandbox.
+        again = await session.call_tool("run_code", {"code": "x * 2"})
+        assert "82" in texts(again)
+
+        shell = await session.call_tool("run_command", {"command": "cat notes/a.txt; exit 3"})
+        joined = "\n".join(texts(shell))
+        assert "héllo" in joined and "exit code: 3" in joined
+
+        raised = await session.call_tool("run_code", {"code": "1 / 0"})
+        assert not raised.is_error  # the code failed, not the tool
+        assert any("ZeroDivisionError" in t for t in texts(raised))
+
+        running = [row for row in live_rows(stdio_data_dir) if row[1] == "running"]
+        assert len(running) == 1  # one default sandbox for the whole session
+    # The client exited: the server's stdin closed, it destroyed its sandbox and stopped.
+    rows = live_rows(stdio_data_dir)
+    assert rows and all(status != "running" for _, status in rows), rows
+    assert not any((stdio_data_dir / "sandboxes").glob("*"))
+
+
+async def test_stdio_plot_is_an_image(stdio_data_dir: Path) -> None:
+    """With the SDK's high-level Client, which opens the 2026 (sessionless) era on stdio."""
+    if not has_matplotlib():
+        pytest.skip("matplotlib is missing for /usr/bin/python3")
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "sandlot", "mcp"], env=server_env(stdio_data_dir)
+    )
+    async with Client(params) as session:
+        result = await session.call_tool(
+            "run_code",
+            {"code": "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()"},
+        )
+        assert not result.is_error, texts(result)
+        found = images(result)
+        assert len(found) == 1, result.content
+        assert found[0].mime_type == "image/png"
+        assert base64.b64decode(found[0].data).startswith(PNG_MAGIC)
+        # A named sandbox works beside the default one, and is destroyed on request.
+        made = await session.call_tool("create_sandbox", {"memory_mb": 128})
+        sandbox_id = texts(made)[0]
+        own = await session.call_tool(
+            "run_code", {"code": "'x' in dir()", "sandbox_id": sandbox_id}
+        )
+        assert "False" in texts(own)
+        gone = await session.call_tool("destroy_sandbox", {"sandbox_id": sandbox_id})
+        assert texts(gone) == [f"destroyed {sandbox_id}"]
+        after = await session.call_tool("run_code", {"code": "1", "sandbox_id": sandbox_id})
+        assert after.is_error
+        assert session.protocol_version == "2026-07-28"
+        # Sessionless calls of one stdio process still share its one default sandbox.
+        await session.call_tool("run_code", {"code": "y = 1"})
+        kept = await session.call_tool("run_code", {"code": "y + 1"})
+        assert "2" in texts(kept)
+    rows = live_rows(stdio_data_dir)
+    assert rows and all(status != "running" for _, status in rows), rows
+
+
+@asynccontextmanager
+async def http_session(url: str, headers: dict[str, str]) -> AsyncIterator[ClientSession]:
+    async with (
+        create_mcp_http_client(headers=headers) as http,
+        streamable_http_client(url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
+async def test_http_runs_code_as_the_keys_tenant(live_server: LiveServer) -> None:
+    import httpx
+
+    url = live_server.url + "/mcp"
+    async with http_session(url, live_server.headers("alice")) as session:
+        listed = await session.list_tools()
+        assert {tool.name for tool in listed.tools} == TOOLS
+        await session.call_tool("run_code", {"code": "x = 41"})
+        result = await session.call_tool("run_code", {"code": "x + 1"})
+        assert "42" in texts(result), result.content
+        mine = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("alice"))
+        ids = {s["id"] for s in mine.json()}
+        assert len(ids) >= 1
+        theirs = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("bob"))
+        assert not ids & {s["id"] for s in theirs.json()}
+        # Another tenant's sandbox is not found by id through MCP either.
+        async with http_session(url, live_server.headers("bob")) as other:
+            for sandbox_id in ids:
+                probe = await other.call_tool("run_code", {"code": "x", "sandbox_id": sandbox_id})
+                assert probe.is_error and "sandbox_not_found" in texts(probe)[0]
+    # The session ended (the client's DELETE): its default sandbox goes, as the session's
+    # server task winds down, just after the DELETE is answered.
+    deadline = time.monotonic() + 10
+    while True:
+        after = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("alice"))
+        left = ids & {s["id"] for s in after.json()}
+        if not left or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert not left
+
+
+async def test_http_viewer_cannot_run(live_server: LiveServer) -> None:
+    async with http_session(live_server.url + "/mcp", live_server.headers("viewer")) as session:
+        result = await session.call_tool("run_code", {"code": "1"})
+        assert result.is_error and "forbidden" in texts(result)[0]
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer not-a-key"}])
+def test_http_without_a_key_is_refused(live_server: LiveServer, headers: dict[str, Any]) -> None:
+    import httpx
+
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}
+    answer = httpx.post(live_server.url + "/mcp", json=body, headers=headers)
+    assert answer.status_code == 401
+    assert answer.json()["error"]["code"] == "unauthenticated"
