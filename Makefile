@@ -21,7 +21,7 @@ DOCKER_TARGETS := docker,docker+runsc
 
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
-	bench-agent bench-agent-builtin fresh-root-run
+	bench-agent bench-agent-builtin fresh-root-run test-scale
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -122,6 +122,12 @@ bench: venv image
 # 64 MiB. Not in CI.
 soak: venv
 	$(PY) bench/soak.py --minutes 30 --lifecycles 10000 --clients 20 --output BENCHMARKS.md
+
+# A thousand live sandboxes in one process launched under `ulimit -n 1024` (the manager raises
+# its soft limit to the hard one): wall time, fds and host memory per sandbox, then no leak.
+# Minutes and a thousand loop devices; not in `make test`.
+test-scale: venv
+	$(PY) bench/scale.py --count 1000 --soft-nofile 1024
 
 doctor: venv
 	$(VENV)/bin/sandlot doctor

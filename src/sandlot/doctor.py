@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from sandlot.backends import KNOWN_BACKENDS, Check, probe_backend
 from sandlot.config import get_settings
+from sandlot.core import admission
 from sandlot.errors import SandboxError
 
 
@@ -24,9 +25,35 @@ def run_checks(*, optional: bool = False) -> list[Check]:
             checks += probe_backend(name, settings)
         elif optional:
             checks += [replace(c, required=False) for c in probe_backend(name, settings)]
+    checks.append(open_files_check())
     if optional:
         checks += _agent_checks()
     return checks
+
+
+# Sandboxes one process should be able to hold before its open-file limit is what stops it.
+WANTED_SANDBOXES = 1000
+
+
+def open_files_check() -> Check:
+    """How many sandboxes this process's open-file limit allows, once the manager has raised
+    its soft limit to the hard one (what it does at start)."""
+    soft, hard = admission.nofile_limits()
+    used = admission.open_fds()
+    allowed = admission.sandboxes_allowed(hard, used)
+    per_backend = ", ".join(f"{name} {n}" for name, n in admission.FDS_PER_SANDBOX.items())
+    detail = (
+        f"soft {soft}, hard {hard}: about {allowed} sandboxes in one process, at up to "
+        f"{max(admission.FDS_PER_SANDBOX.values())} file descriptors each ({per_backend}); "
+        f"the manager raises the soft limit to the hard one at start"
+    )
+    if allowed < WANTED_SANDBOXES:
+        detail += (
+            f"; for {WANTED_SANDBOXES}, raise the hard limit (LimitNOFILE= in a systemd "
+            "unit, nofile in /etc/security/limits.conf, docker run --ulimit nofile=N:N)"
+        )
+    why = "each live sandbox holds a few of the manager's file descriptors (RLIMIT_NOFILE)"
+    return Check("open files", allowed >= WANTED_SANDBOXES, detail, why, required=False)
 
 
 def _agent_checks() -> list[Check]:

@@ -24,6 +24,7 @@ file missing inside a sandbox.
     ├── QuotaExceeded (RuntimeError)             the tenant's sandboxes, memory, pids, CPU, disk
     │                                            or kept artifacts are at quota
     ├── CapacityExhausted (RuntimeError)         the host has no room for one more sandbox
+    │   └── FileDescriptorsExhausted             this process's open-file limit is reached
     ├── RateLimited (RuntimeError)               too many requests for this key; retry later
     ├── RequestTooLarge (ValueError)             an upload over the size cap
     ├── ProviderError (RuntimeError)             an LLM provider failed (HTTP error, timeout)
@@ -119,6 +120,12 @@ class CapacityExhausted(SandboxError, RuntimeError):
     """The host's capacity (memory, CPU, pids, disk) is reserved by live sandboxes."""
 
     code = "capacity_exhausted"
+
+
+class FileDescriptorsExhausted(CapacityExhausted):
+    """The process has too few file descriptors left (``RLIMIT_NOFILE``) for one more sandbox."""
+
+    code = "fds_exhausted"
 
 
 class RateLimited(SandboxError, RuntimeError):
@@ -221,6 +228,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         Forbidden,
         QuotaExceeded,
         CapacityExhausted,
+        FileDescriptorsExhausted,
         RateLimited,
         RequestTooLarge,
         ProviderError,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
+import signal
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,13 +74,21 @@ class Guest(Protocol):
 
 
 class GuestProcess:
-    """A running guest reached through a local subprocess's stdio (bwrap, docker exec, ...)."""
+    """A running guest reached through a local subprocess's stdio (bwrap, docker exec, ...).
+
+    asyncio's child watcher must be the only one to collect its exit status: ``Popen.kill()``
+    polls (``waitpid``) first, and a status collected there is lost to asyncio, which then
+    logs "Unknown child process" or "exit status already read" and reports 255. So it is
+    signalled through a pidfd opened at spawn, which never reaps and, unlike a pid, cannot
+    name another process once the guest is gone.
+    """
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         assert process.stdin is not None and process.stdout is not None
         self.process = process
         self.reader: asyncio.StreamReader = process.stdout
         self.writer: asyncio.StreamWriter = process.stdin
+        self._pidfd = _open_pidfd(process.pid)
         self._stderr_tail = bytearray()
         self._stderr_task = (
             asyncio.create_task(self._collect_stderr(process.stderr))
@@ -100,18 +110,46 @@ class GuestProcess:
         return self.process.pid
 
     def kill(self) -> None:
-        # Signalling a process asyncio has already reaped would make it reap again and log
-        # "unknown child process"; and its pid may belong to someone else by now.
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
+        if self._pidfd is None:
+            return
+        # A process that has exited, collected or not, cannot be signalled: nothing to do.
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        # SIGKILL cannot be caught, so one is enough: the fd is not needed any more.
+        self._close_pidfd()
 
     async def wait(self) -> int:
         code = await self.process.wait()
+        self._close_pidfd()
         if self._stderr_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._stderr_task, 1.0)
         return code
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd for our child ``pid``, or None if it has already been collected.
+
+    The child may have exited, and asyncio's watcher may have collected it, before this runs
+    (bwrap failing at once, say); its pid may then be someone else's already. ``waitid`` on
+    the pidfd with WNOWAIT (which collects nothing) answers only for a child of ours that is
+    not yet collected, so the pidfd is kept only if it names the guest.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    try:
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        os.close(pidfd)
+        return None
+    return pidfd
 
 
 @runtime_checkable

@@ -8,7 +8,10 @@ any of them may grow to its limit at any moment:
 - the host's capacity, measured when the manager starts: memory (RAM times an overcommit
   factor), CPU (cores times a factor), pids (a share of the kernel's process table) and disk
   (a share of the space free in the data directory). A sandbox the host cannot hold is
-  refused with :class:`CapacityExhausted`, never started into a host crash.
+  refused with :class:`CapacityExhausted`, never started into a host crash;
+- this process's file descriptors (``RLIMIT_NOFILE``): the manager holds a few per sandbox,
+  so a create that would leave too few is refused with :class:`FileDescriptorsExhausted`
+  before anything starts (the manager raises the soft limit to the hard one at start).
 
 Checked with no await between the check and the sandbox's registration, so concurrent creates
 cannot both slip under a bound.
@@ -16,14 +19,30 @@ cannot both slip under a bound.
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from sandlot.config import Settings
-from sandlot.errors import CapacityExhausted, ConfigError, QuotaExceeded
+from sandlot.errors import CapacityExhausted, ConfigError, FileDescriptorsExhausted, QuotaExceeded
 from sandlot.models import Quota, ResolvedLimits, SandboxInfo
+
+log = structlog.get_logger(__name__)
+
+# File descriptors the manager holds for each live sandbox, counted in /proc/self/fd before
+# and after 20 creates: bubblewrap 5 (the guest's stdin, stdout and stderr pipes, its pidfd,
+# its uid lock), unsafe-local 4, docker 2.5 (exec sockets; docker-py pools its connections).
+FDS_PER_SANDBOX = {"bubblewrap": 5, "unsafe-local": 4, "docker": 3}
+# Held at once while one sandbox starts (the pipes of mkfs, mount and the spawn itself).
+FDS_TO_START = 16
+# Left for the process's own work whatever the sandboxes hold: the store, server
+# connections, uploads, artifact copies, and a few sandboxes starting at once.
+FDS_RESERVE = 64
 
 
 @dataclass(frozen=True)
@@ -34,6 +53,8 @@ class HostCapacity:
     cpu_cores: float
     pids: int
     disk_mb: float
+    # File descriptors the process held before any sandbox (None: not checked).
+    fds_at_start: int | None = None
 
     @classmethod
     def measure(cls, settings: Settings) -> HostCapacity:
@@ -43,6 +64,7 @@ class HostCapacity:
             cpu_cores=(os.cpu_count() or 1) * settings.host_cpu_overcommit,
             pids=int(_kernel_tasks_max() * settings.host_pids_fraction),
             disk_mb=stat.f_bavail * stat.f_frsize / (1 << 20) * settings.host_disk_fraction,
+            fds_at_start=open_fds(),
         )
 
 
@@ -54,6 +76,8 @@ def check_host(reserved: Iterable[ResolvedLimits], new: ResolvedLimits, host: Ho
             the setting that changes it).
     """
     held = list(reserved)
+    if host.fds_at_start is not None:
+        check_fds(len(held), host.fds_at_start)
     bounds = (
         ("memory_mb", host.memory_mb, "SANDBOX_HOST_MEMORY_OVERCOMMIT"),
         ("cpu_cores", host.cpu_cores, "SANDBOX_HOST_CPU_OVERCOMMIT"),
@@ -68,6 +92,116 @@ def check_host(reserved: Iterable[ResolvedLimits], new: ResolvedLimits, host: Ho
                 f"reserve {total - getattr(new, name):g} of {capacity:g}; retry when some "
                 f"end, ask for less, or raise {setting}"
             )
+
+
+# ---------------------------------------------------------------------- file descriptors
+
+
+def open_fds() -> int:
+    """File descriptors this process has open now."""
+    # The listing holds one of its own while it reads.
+    return sum(1 for _ in Path("/proc/self/fd").iterdir()) - 1
+
+
+def nofile_limits() -> tuple[int, int]:
+    """RLIMIT_NOFILE's soft and hard limits, an unlimited one as the kernel's own bound."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    most = _nr_open()
+    return (
+        most if soft == resource.RLIM_INFINITY else soft,
+        most if hard == resource.RLIM_INFINITY else hard,
+    )
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft open-file limit to the hard one; return the soft limit now in force.
+
+    A login shell's or a service's soft limit (often 1024) allowed ~200 sandboxes, while the
+    hard one, which any process may raise its soft limit to, is usually far higher. Children
+    inherit it; sandboxed code could raise its own soft limit to the hard one anyway.
+    """
+    soft, hard = nofile_limits()
+    if soft >= hard:
+        return soft
+    try:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit", soft=soft, hard=hard, error=str(exc))
+        return soft
+    log.info("open-file limit raised", soft_before=soft, soft=hard, hard=hard)
+    return hard
+
+
+def sandboxes_allowed(limit: int, fds_at_start: int) -> int:
+    """How many sandboxes ``limit`` file descriptors hold beside the process's own."""
+    per_sandbox = max(FDS_PER_SANDBOX.values())
+    return max(0, (limit - fds_at_start - FDS_RESERVE) // per_sandbox)
+
+
+def check_fds(held: int, fds_at_start: int) -> None:
+    """Raise unless one more sandbox beside ``held`` fits in the open-file limit.
+
+    Two bounds: by count (what ``held`` sandboxes will hold once started, so sandboxes
+    starting at once cannot all slip under it) and by what is open now (fds the process holds
+    for anything else, connections say).
+
+    Raises:
+        FileDescriptorsExhausted: it would not (the message names the limit and how to raise it).
+    """
+    soft, hard = nofile_limits()
+    used = open_fds()
+    allowed = sandboxes_allowed(soft, fds_at_start)
+    if held + 1 > allowed or soft - used < FDS_TO_START + FDS_RESERVE:
+        raise FileDescriptorsExhausted(
+            f"no file descriptors for one more sandbox: this process has {used} of its "
+            f"{soft} open (RLIMIT_NOFILE, hard limit {hard}), room for {allowed} sandboxes "
+            f"of about {max(FDS_PER_SANDBOX.values())} each and {held} are held; destroy "
+            f"some, or raise the limit ({_how_to_raise(soft, hard)})"
+        )
+
+
+def fds_exhausted_error(exc: BaseException) -> FileDescriptorsExhausted | None:
+    """The typed error for a start that failed for want of file descriptors, else None."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE):
+            soft, hard = nofile_limits()
+            if cause.errno == errno.ENFILE:
+                return FileDescriptorsExhausted(
+                    "the host's file table is full (ENFILE): raise fs.file-max (sysctl) or "
+                    "end what holds open files"
+                )
+            return FileDescriptorsExhausted(
+                f"the sandbox ran out of file descriptors while starting: this process may "
+                f"open {soft} (RLIMIT_NOFILE, hard limit {hard}); destroy sandboxes, or raise "
+                f"the limit ({_how_to_raise(soft, hard)})"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _how_to_raise(soft: int, hard: int) -> str:
+    if soft < hard:
+        return f"the soft limit can go up to {hard}: ulimit -n {hard}"
+    return (
+        "the hard limit: `ulimit -Hn N` as root before starting, LimitNOFILE=N in a systemd "
+        "unit, or `docker run --ulimit nofile=N:N`"
+    )
+
+
+def _nr_open() -> int:
+    """The kernel's bound on any process's open-file limit."""
+    try:
+        return int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+# ---------------------------------------------------------------------- quotas
 
 
 def check_quota(

@@ -145,6 +145,8 @@ class SandboxManager:
             await self.close()
             raise
         await self._recover(extra_backends={key.backend for key in targets})
+        # Before measuring: the soft limit (often 1024) would cap us at ~200 sandboxes.
+        admission.raise_nofile_limit()
         # Measured after the sweep: nothing of ours holds the host's memory or disk now.
         self._capacity = HostCapacity.measure(self.settings)
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -237,6 +239,8 @@ class SandboxManager:
             ConfigError: an unknown backend or an out-of-range setting.
             QuotaExceeded: ``owner`` already holds ``quota`` worth of live sandboxes.
             CapacityExhausted: the host has no room for the sandbox's limits.
+            FileDescriptorsExhausted: this process has too few file descriptors left
+                (a CapacityExhausted).
             BackendUnavailable: the backend cannot run on this host.
             SandboxStartError: the backend failed to start the guest.
         """
@@ -339,6 +343,11 @@ class SandboxManager:
             self._emit(
                 "backend_error", backend=live.info.backend, code=getattr(exc, "code", "error")
             )
+            # EMFILE (raw, or under a backend's error) is the process's limit, not the
+            # sandbox's fault: say which limit.
+            out_of_fds = admission.fds_exhausted_error(exc)
+            if out_of_fds is not None and not isinstance(exc, asyncio.CancelledError):
+                raise out_of_fds from exc
             if isinstance(exc, SandboxError | asyncio.CancelledError):
                 raise
             raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
