@@ -15,8 +15,13 @@ before the guest starts:
   and uid (ucounts), so set inside the sandbox's namespace it caps that sandbox's processes
   and threads alone; on older kernels it would count every process of the user, so it is not
   set there and the pids wall is missing.
-- ``RLIMIT_AS`` = the memory limit, per process: a sandbox's processes together may use pids
-  times as much, and nothing is accounted (no ``kill_reason`` for memory).
+- ``RLIMIT_DATA`` = the memory limit, per process: a sandbox's processes together may use
+  pids times as much, and nothing is accounted (no ``kill_reason`` for memory). Not
+  ``RLIMIT_AS``: it counts address space merely reserved (V8's code range, Go's arenas,
+  glibc's 64 MiB per-thread malloc arenas), and ``node`` died at start under 256 MiB of it;
+  ``RLIMIT_DATA`` counts private writable mappings only. Reservations that are writable still
+  count: numpy's OpenBLAS needed 384 MiB for a 1000x1000 matmul on 2 threads here (under
+  256 MiB it spins until the call times out; ``OPENBLAS_NUM_THREADS=1`` fits).
 - ``RLIMIT_FSIZE`` = the disk limit, per file: the workspace is a plain directory, so many files
   (or /tmp) can still fill the user's disk.
 - ``RLIMIT_NOFILE``: bounds the kernel memory held by open files, per process.
@@ -59,7 +64,7 @@ def rlimit_argv(limits: ResolvedLimits, *, degraded: bool, nproc: bool) -> list[
     cannot raise them (raising a hard limit needs CAP_SYS_RESOURCE on the host)."""
     values = {"fsize": limits.disk_mb * MIB}  # no loop disk in any rootless mode
     if degraded:
-        values |= {"as": limits.memory_mb * MIB, "nofile": SANDBOX_NOFILE}
+        values |= {"data": limits.memory_mb * MIB, "nofile": SANDBOX_NOFILE}
         if nproc:
             values["nproc"] = limits.pids
     return [PRLIMIT, *(f"--{name}={v}:{v}" for name, v in values.items()), "--"]
@@ -68,7 +73,7 @@ def rlimit_argv(limits: ResolvedLimits, *, degraded: bool, nproc: bool) -> list[
 def missing_walls(*, nproc: bool) -> list[str]:
     """What the degraded mode cannot do, as the warning and doctor say it."""
     walls = [
-        "memory accounting (RLIMIT_AS caps each process, not the sandbox; no OOM kill_reason)",
+        "memory accounting (RLIMIT_DATA caps each process, not the sandbox; no OOM kill_reason)",
         "CPU quota (none)",
         "disk cap (RLIMIT_FSIZE bounds one file, not the workspace)",
     ]
