@@ -228,6 +228,12 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_CGROUP_ROOT", "cgroup_root"),
         description="Cgroup (relative to each hierarchy's root) under which sandboxes live.",
     )
+    require_limits: bool = Field(
+        default=False,
+        validation_alias=_env("SANDBOX_REQUIRE_LIMITS", "require_limits"),
+        description="Refuse to start sandboxes without a cgroup (rootless with no delegated "
+        "cgroup v2 subtree) instead of falling back to per-process rlimits.",
+    )
     api_host: str = Field(
         default="127.0.0.1",
         validation_alias=_env("API_HOST", "api_host"),

@@ -103,7 +103,11 @@ def volume_paths(root: Path) -> tuple[Path, Path]:
 
 
 def _private_dir(path: Path, traverse_gid: int | None) -> None:
-    """Make ``path`` root's, enterable by the group ``traverse_gid`` only (if any)."""
+    """Make ``path`` root's, enterable by the group ``traverse_gid`` only (if any); not root
+    (rootless), it stays the user's own, mode 0700: the sandbox runs as that same user."""
+    if os.geteuid() != 0:
+        path.chmod(0o700)
+        return
     os.chown(path, 0, 0 if traverse_gid is None else traverse_gid)
     path.chmod(0o700 if traverse_gid is None else 0o710)
 
@@ -131,17 +135,49 @@ async def make_volume(
     _private_dir(workspace.parent, traverse_gid)
     for inside in (workspace, tmp):
         inside.mkdir(mode=0o700)
-        os.chown(inside, uid, uid)
+        if uid != os.geteuid():  # rootless, the sandbox's uid is ours: nothing to give away
+            os.chown(inside, uid, uid)
     # For people looking on the host: <sandbox dir>/workspace.
     (root / "workspace").symlink_to("volume/workspace")
+
+
+def _open_up(root: Path) -> None:
+    """Give the owner back write and search on every directory below ``root``.
+
+    Rootless, the sandbox's files are the user's own, and sandboxed code may leave a directory
+    mode 0 or 0500, which the owner (unlike root) cannot empty. No symlink is followed: each
+    directory is opened ``O_PATH | O_NOFOLLOW`` and changed through its descriptor.
+    """
+    stack = [root]
+    while stack:
+        directory = stack.pop()
+        try:
+            fd = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # a symlink, or gone
+        try:
+            Path(f"/proc/self/fd/{fd}").chmod(0o700)  # fchmod cannot take an O_PATH fd
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError), os.scandir(directory) as entries:
+            stack.extend(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
+
+
+def _remove_tree(root: Path) -> None:
+    # rmtree is fd-based on Linux: a symlink planted by sandbox code cannot redirect it.
+    shutil.rmtree(root, ignore_errors=True)
+    if root.exists() and os.geteuid() != 0:
+        _open_up(root)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def remove_volume(root: Path) -> None:
     """Unmount everything below ``root`` and delete it (idempotent)."""
     for mountpoint in mounted_below(root):
         await unmount(mountpoint)
-    # rmtree is fd-based on Linux: a symlink planted by sandbox code cannot redirect it.
-    await asyncio.to_thread(shutil.rmtree, root, True)
+    await asyncio.to_thread(_remove_tree, root)
 
 
 def disk_used_bytes(workspace: Path) -> int | None:

@@ -14,6 +14,10 @@ Each sandbox gets:
 
 Whether a host can run all this is :mod:`sandlot.backends.bubblewrap.probe`'s to say.
 
+Run by an ordinary user (no root), it is *rootless* (:mod:`.rootless`): one host uid for all
+the user's sandboxes, limits from a delegated cgroup v2 subtree or else rlimits, a workspace
+that is a plain directory, and no ``network=True``.
+
 The flag set is the one DESIGN.md lists as having passed every probe here; ``--unshare-all``
 alone, run as root, was escapable.
 """
@@ -40,9 +44,19 @@ from sandlot.backends.base import (
 )
 from sandlot.backends.bubblewrap import netns
 from sandlot.backends.bubblewrap.probe import host_checks
+from sandlot.backends.bubblewrap.rootless import (
+    PRLIMIT,
+    NoCgroup,
+    NoCgroupDriver,
+    network_refused,
+    nproc_per_namespace,
+    rlimit_argv,
+    warn_degraded_once,
+)
 from sandlot.backends.bubblewrap.seccomp import build_filter
 from sandlot.backends.bubblewrap.uids import UidAllocator
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
+from sandlot.backends.delegation import find_delegated, prepare
 from sandlot.backends.disk import (
     disk_used_bytes,
     loop_disks_available,
@@ -114,8 +128,8 @@ class _Box:
     root: Path
     workspace: Path
     uid: int
-    uid_lock_fd: int
-    cgroup: Cgroup
+    uid_lock_fd: int | None  # None rootless: every sandbox has the user's uid
+    cgroup: Cgroup | NoCgroup
     disk_capped: bool
     guest: GuestProcess | None = None
     net: netns.SandboxNet | None = None
@@ -142,7 +156,11 @@ class BubblewrapBackend:
         self.sandboxes_dir = self.data_dir / "sandboxes"
         self._boxes: dict[str, _Box] = {}
         self._checked = False
-        self._cgroups: CgroupDriver | None = None
+        self.rootless = os.geteuid() != 0
+        self._cgroups: CgroupDriver | NoCgroupDriver | None = None
+        # Below each hierarchy's root (root), or below the delegated subtree (rootless).
+        self._cgroup_prefix: tuple[str, ...] = (settings.cgroup_root,)
+        self._nproc = nproc_per_namespace(os.uname().release)
         self._uids: UidAllocator | None = None
         self._loop_ok = False
         self._guest_dir = self.data_dir / "guest"
@@ -154,19 +172,16 @@ class BubblewrapBackend:
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
-        return host_checks(settings.cgroup_root)
+        return host_checks(settings)
 
     # -- set-up
 
     def _check(self) -> None:
         if self._checked:
             return
-        if os.geteuid() != 0:
-            raise BackendUnavailable(
-                "the bubblewrap backend runs as root (it makes cgroups and gives every sandbox "
-                "its own unprivileged uid); run as root, or choose another backend with "
-                "SANDBOX_BACKEND"
-            )
+        if self.rootless:
+            self._check_rootless()
+            return
         for tool in (BWRAP, SETPRIV, NSENTER):
             if not Path(tool).is_file():
                 raise BackendUnavailable(
@@ -192,6 +207,31 @@ class BubblewrapBackend:
         self._uids = UidAllocator(lock_dir, self.settings.uid_base, self.settings.uid_count)
         self._checked = True
 
+    def _check_rootless(self) -> None:
+        if not Path(BWRAP).is_file():
+            raise BackendUnavailable(f"`{BWRAP}` is not installed: apt-get install -y bubblewrap")
+        build_filter(False)
+        delegated, why = find_delegated(os.getuid(), configured=self.settings.cgroup_root)
+        if delegated is not None:
+            self._cgroups = prepare(delegated)
+            self._cgroup_prefix = () if delegated.configured else (self.settings.cgroup_root,)
+            log.info("rootless: limits in a delegated cgroup", cgroup=why)
+        elif self.settings.require_limits:
+            raise BackendUnavailable(
+                f"rootless with no delegated cgroup v2 subtree ({why}), and "
+                "SANDBOX_REQUIRE_LIMITS=true refuses rlimits alone; see `sandlot doctor`"
+            )
+        else:
+            if not Path(PRLIMIT).is_file():
+                raise BackendUnavailable(f"`{PRLIMIT}` is missing: apt-get install -y util-linux")
+            self._cgroups = NoCgroupDriver(why)
+        # bwrap runs as this very user: nobody else needs to enter the data directory.
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.data_dir, self.sandboxes_dir):
+            d.chmod(0o700)
+        self._install_guest_files()
+        self._checked = True
+
     def _install_guest_files(self) -> None:
         install_guest(self._guest_dir)
         self._etc.mkdir(parents=True, exist_ok=True)
@@ -210,13 +250,18 @@ class BubblewrapBackend:
             path.chmod(0o644)
 
     @property
-    def cgroups(self) -> CgroupDriver:
+    def cgroups(self) -> CgroupDriver | NoCgroupDriver:
         self._check()
         assert self._cgroups is not None
         return self._cgroups
 
+    @property
+    def degraded(self) -> bool:
+        """Rootless with no cgroup: rlimits only."""
+        return isinstance(self.cgroups, NoCgroupDriver)
+
     def _cgroup_parts(self, sandbox_id: str) -> tuple[str, ...]:
-        return (self.settings.cgroup_root, self.instance, sandbox_id)
+        return (*self._cgroup_prefix, self.instance, sandbox_id)
 
     # -- contract
 
@@ -234,8 +279,18 @@ class BubblewrapBackend:
         return box.guest
 
     async def _provision(self, spec: GuestSpec) -> _Box:
-        assert self._uids is not None
-        uid, lock_fd = self._uids.acquire()
+        uid: int
+        lock_fd: int | None
+        if self.rootless:
+            if spec.network:
+                raise network_refused()
+            cgroups = self.cgroups
+            if isinstance(cgroups, NoCgroupDriver):
+                warn_degraded_once(cgroups.reason, nproc=self._nproc)
+            uid, lock_fd = os.getuid(), None
+        else:
+            assert self._uids is not None
+            uid, lock_fd = self._uids.acquire()
         root = self.sandboxes_dir / spec.sandbox_id
         workspace, _ = volume_paths(root)
         limits = CgroupLimits(
@@ -243,12 +298,17 @@ class BubblewrapBackend:
             pids_max=spec.limits.pids,
             cpu_cores=spec.limits.cpu_cores,
         )
+        driver = self.cgroups
+        parts = self._cgroup_parts(spec.sandbox_id)
         try:
-            cgroup = await asyncio.to_thread(
-                self.cgroups.create, self._cgroup_parts(spec.sandbox_id), limits
-            )
+            cgroup: Cgroup | NoCgroup
+            if isinstance(driver, NoCgroupDriver):
+                cgroup = driver.create(parts, limits)
+            else:
+                cgroup = await asyncio.to_thread(driver.create, parts, limits)
         except OSError as exc:
-            UidAllocator.release(lock_fd)
+            if lock_fd is not None:
+                UidAllocator.release(lock_fd)
             raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         self._boxes[spec.sandbox_id] = box
@@ -323,9 +383,11 @@ class BubblewrapBackend:
             str(seccomp_fd),
             "--remount-ro",
             "/",
-            *guest_argv(),
         ]
-        return argv
+        if self.rootless:
+            # Set inside the sandbox's user namespace: there RLIMIT_NPROC counts this sandbox.
+            argv += rlimit_argv(spec.limits, degraded=self.degraded, nproc=self._nproc)
+        return argv + guest_argv()
 
     def _proc_masks(self, box: _Box) -> list[str]:
         """Binds over the host-wide entries of ``/proc`` (:mod:`sandlot.backends.procfs`)."""
@@ -348,22 +410,23 @@ class BubblewrapBackend:
         # The host-side chain (sh as root, setpriv, bwrap) runs with a fixed environment and
         # absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a root process would
         # run code of their choosing as root. Their env is set inside the sandbox only.
-        argv = [
-            "/bin/sh",
-            "-c",
-            PLACE_IN_CGROUP,
-            "sh",
-            *(str(p) for p in box.cgroup.procs_files),
-            "--",
-            *([NSENTER, f"--net={box.net.path}", "--"] if box.net is not None else []),
-            SETPRIV,
-            f"--reuid={box.uid}",
-            f"--regid={box.uid}",
-            "--clear-groups",
-            "--pdeathsig=SIGKILL",
-            "--",
-            *self._bwrap_argv(box, spec, read_fd),
-        ]
+        procs_files = [str(p) for p in box.cgroup.procs_files]
+        place = ["/bin/sh", "-c", PLACE_IN_CGROUP, "sh", *procs_files, "--"]
+        if self.rootless:
+            # bwrap runs as this user, unprivileged; into the delegated cgroup if there is one.
+            argv = [*(place if procs_files else []), *self._bwrap_argv(box, spec, read_fd)]
+        else:
+            argv = [
+                *place,
+                *([NSENTER, f"--net={box.net.path}", "--"] if box.net is not None else []),
+                SETPRIV,
+                f"--reuid={box.uid}",
+                f"--regid={box.uid}",
+                "--clear-groups",
+                "--pdeathsig=SIGKILL",
+                "--",
+                *self._bwrap_argv(box, spec, read_fd),
+            ]
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -396,7 +459,8 @@ class BubblewrapBackend:
         if box.net is not None:
             await netns.remove(box.net.name, box.net.veth)
         await remove_volume(box.root)
-        UidAllocator.release(box.uid_lock_fd)
+        if box.uid_lock_fd is not None:
+            UidAllocator.release(box.uid_lock_fd)
 
     async def _remove_leftovers(self, sandbox_id: str) -> None:
         cgroup = self.cgroups.path(*self._cgroup_parts(sandbox_id))
@@ -429,7 +493,7 @@ class BubblewrapBackend:
     async def sweep(self, keep: Collection[str]) -> list[str]:
         self._check()
         keep_ids = set(keep) | set(self._boxes)
-        found = set(self.cgroups.children(self.settings.cgroup_root, self.instance))
+        found = set(self.cgroups.children(*self._cgroup_prefix, self.instance))
         with contextlib.suppress(FileNotFoundError):
             found.update(p.name for p in self.sandboxes_dir.iterdir() if p.is_dir())
         found.update(netns.leftovers(self.instance))
@@ -440,10 +504,10 @@ class BubblewrapBackend:
 
     async def close(self) -> None:
         for box in list(self._boxes.values()):
-            UidAllocator.release(box.uid_lock_fd)
+            if box.uid_lock_fd is not None:
+                UidAllocator.release(box.uid_lock_fd)
         self._boxes.clear()
         if self._checked:
             # Our instance's parent cgroup; rmdir fails harmlessly while sandboxes remain.
-            await asyncio.to_thread(
-                self.cgroups.path(self.settings.cgroup_root, self.instance).remove, 0
-            )
+            parent = self.cgroups.path(*self._cgroup_prefix, self.instance)
+            await asyncio.to_thread(parent.remove, 0)

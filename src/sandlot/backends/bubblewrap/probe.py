@@ -1,5 +1,8 @@
 """Whether this host can run the bubblewrap backend: the kernel and tool features it stands on,
 each with why it matters (``sandlot doctor`` prints them; the test suite skips without them).
+
+As root every wall is required; as an ordinary user (rootless, :mod:`.rootless`) the checks
+say which walls hold in that mode and which are missing, and why.
 """
 
 from __future__ import annotations
@@ -9,9 +12,13 @@ import shutil
 import subprocess
 
 from sandlot.backends.base import Check
+from sandlot.backends.bubblewrap.rootless import PRLIMIT, missing_walls, nproc_per_namespace
 from sandlot.backends.bubblewrap.seccomp import build_filter
+from sandlot.backends.bubblewrap.userns import userns_hint
 from sandlot.backends.cgroups import CgroupDriver
+from sandlot.backends.delegation import find_delegated
 from sandlot.backends.disk import loop_disks_available
+from sandlot.config import Settings
 from sandlot.errors import SandboxError
 
 USERNS_PROBE_TIMEOUT_S = 20
@@ -27,7 +34,8 @@ def _bwrap_version() -> str | None:
 
 def _userns_probe() -> tuple[bool, str]:
     """Start a real, minimal unprivileged bwrap: the only proof that user namespaces work."""
-    if shutil.which("bwrap") is None or shutil.which("setpriv") is None:
+    root = os.geteuid() == 0
+    if shutil.which("bwrap") is None or (root and shutil.which("setpriv") is None):
         return False, "bwrap or setpriv missing"
     argv = [
         "bwrap",
@@ -48,14 +56,16 @@ def _userns_probe() -> tuple[bool, str]:
         "/lib64",
         "/bin/true",
     ]
-    if os.geteuid() == 0:
+    if root:
         argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", *argv]
     run = subprocess.run(
         argv, capture_output=True, text=True, check=False, timeout=USERNS_PROBE_TIMEOUT_S
     )
     if run.returncode == 0:
         return True, "unprivileged user + pid + net + mount namespaces start"
-    return False, run.stderr.strip() or f"exit {run.returncode}"
+    failed = run.stderr.strip() or f"exit {run.returncode}"
+    hint = userns_hint()
+    return False, f"{failed}; {hint}" if hint else failed
 
 
 def _seccomp() -> tuple[bool, str]:
@@ -73,18 +83,9 @@ def _cgroups(parent: str) -> tuple[bool, str]:
         return False, str(exc)
 
 
-def host_checks(cgroup_root: str) -> list[Check]:
-    """Root, bwrap, user namespaces, cgroups, seccomp, the disk cap and setpriv."""
-    root = os.geteuid() == 0
+def _common_checks() -> list[Check]:
     bwrap = _bwrap_version()
-    setpriv = shutil.which("setpriv")
     return [
-        Check(
-            "root",
-            root,
-            "running as root" if root else f"running as uid {os.geteuid()}",
-            "the bubblewrap backend creates cgroups and gives each sandbox its own host uid",
-        ),
         Check(
             "bubblewrap",
             bwrap is not None,
@@ -97,14 +98,31 @@ def host_checks(cgroup_root: str) -> list[Check]:
             "sandboxes run under an unprivileged uid; without user namespaces bwrap cannot start",
         ),
         Check(
-            "cgroups",
-            *_cgroups(cgroup_root),
-            "memory, pids and CPU limits; without them a memory or fork bomb takes the host down",
-        ),
-        Check(
             "seccomp",
             *_seccomp(),
             "blocks ptrace, mount, unshare, bpf, keyctl, io_uring and non-unix sockets",
+        ),
+    ]
+
+
+def host_checks(settings: Settings) -> list[Check]:
+    """Root mode: root, bwrap, user namespaces, seccomp, cgroups, the disk cap and setpriv;
+    rootless: what holds and what is missing in that mode."""
+    if os.geteuid() != 0:
+        return rootless_checks(settings)
+    setpriv = shutil.which("setpriv")
+    return [
+        Check(
+            "root",
+            True,
+            "running as root",
+            "the bubblewrap backend creates cgroups and gives each sandbox its own host uid",
+        ),
+        *_common_checks(),
+        Check(
+            "cgroups",
+            *_cgroups(settings.cgroup_root),
+            "memory, pids and CPU limits; without them a memory or fork bomb takes the host down",
         ),
         Check(
             "disk cap",
@@ -117,5 +135,84 @@ def host_checks(cgroup_root: str) -> list[Check]:
             setpriv is not None,
             setpriv or "missing",
             "drops from root to the sandbox's uid before bwrap starts",
+        ),
+    ]
+
+
+def rootless_checks(settings: Settings) -> list[Check]:
+    """Run by an ordinary user: one uid for all sandboxes, limits from a delegated cgroup or
+    rlimits, no disk cap, no network."""
+    uid = os.getuid()
+    delegated, why = find_delegated(uid, configured=settings.cgroup_root)
+    nproc = nproc_per_namespace(os.uname().release)
+    checks = [
+        Check(
+            "rootless",
+            True,
+            f"running as uid {uid}: bwrap runs unprivileged, and every sandbox of this user "
+            "shares this one host uid (65534 inside)",
+            "sandboxes are kept from each other and from your files by their pid and mount "
+            "namespaces, not by uids; a kernel escape from them lands in this account",
+            required=False,
+        ),
+        *_common_checks(),
+    ]
+    if delegated is not None:
+        checks.append(
+            Check(
+                "cgroups",
+                True,
+                f"delegated cgroup v2 subtree, {why}",
+                "memory, pids and CPU limits per sandbox, and the kill_reason of a limit hit",
+            )
+        )
+        return [*checks, *_rootless_gaps()]
+    missing = "; ".join(missing_walls(nproc=nproc))
+    checks += [
+        Check(
+            "cgroups",
+            False,
+            f"none delegated ({why}); rlimits instead, missing: {missing}",
+            "without a cgroup, memory is capped per process and CPU not at all "
+            "(SANDBOX_REQUIRE_LIMITS=true makes this an error)",
+            required=settings.require_limits,
+        ),
+        Check(
+            "pids cap",
+            nproc,
+            f"RLIMIT_NPROC set inside each sandbox's user namespace counts that sandbox alone "
+            f"(Linux {os.uname().release})"
+            if nproc
+            else "this kernel (before 5.14) counts RLIMIT_NPROC for all your processes: no cap",
+            "a fork bomb stops at the sandbox's pids limit",
+            required=False,
+        ),
+        Check(
+            "prlimit",
+            shutil.which(PRLIMIT) is not None,
+            PRLIMIT if shutil.which(PRLIMIT) else "missing (apt-get install util-linux)",
+            "sets the rlimits inside each sandbox before the guest starts",
+        ),
+    ]
+    return [*checks, *_rootless_gaps()]
+
+
+def _rootless_gaps() -> list[Check]:
+    return [
+        Check(
+            "disk cap",
+            False,
+            "needs root (a loop-mounted image): the workspace is a plain directory, and "
+            "RLIMIT_FSIZE bounds each file to the disk limit, not the workspace",
+            "caps /workspace; without it a sandbox can fill your disk",
+            required=False,
+        ),
+        Check(
+            "network",
+            False,
+            "network=True needs root (a veth pair into the sandbox's own network namespace); "
+            "rootless it is refused, never the host's namespace",
+            "sandboxes that ask for a network",
+            required=False,
         ),
     ]
