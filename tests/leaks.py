@@ -44,6 +44,15 @@ def boot_time_s() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+@dataclass
+class Outside:
+    """A manager of another process (gone, or never in this one), seen from outside: what the
+    snapshot helpers read of a manager, for the instance directory that process used."""
+
+    settings: Any
+    instance_dir: Path
+
+
 def instance_dirs(data_dir: Path) -> list[Path]:
     """The instances (managers, live or dead and not yet recovered) of a data directory."""
     root = data_dir / "instances"

@@ -47,9 +47,9 @@ sb = Sandbox.create()
 assert sb.run_code("print(6 * 7)").stdout == "42\\n"
 while default_manager().pooled_count() < {pool_size}:
     time.sleep(0.05)
-boxes = default_manager().settings.data_dir / "sandboxes"
-uids = [(d / "workspace").stat().st_uid for d in boxes.iterdir()]
-print(json.dumps({{"id": sb.id, "uids": uids}}), flush=True)
+instance = default_manager().instance_dir
+uids = [(d / "workspace").stat().st_uid for d in (instance / "sandboxes").iterdir()]
+print(json.dumps({{"id": sb.id, "uids": uids, "instance": str(instance)}}), flush=True)
 if sys.argv[1] == "wait":
     time.sleep(3600)
 """
@@ -79,6 +79,7 @@ class Script:
     proc: subprocess.Popen[str]
     sandbox_id: str
     uids: list[int]
+    instance_dir: Path
 
 
 @pytest.fixture
@@ -105,7 +106,7 @@ def run_script(data_root: Path) -> Iterator[Callable[[str, str, str], Script]]:
             pytest.fail(f"the script did not start its sandbox: {err[-3000:]}")
         said = json.loads(line)
         assert len(said["uids"]) == 1 + POOL_SIZE
-        return Script(proc, said["id"], said["uids"])
+        return Script(proc, said["id"], said["uids"], Path(said["instance"]))
 
     yield start
     for data_dir in data_dirs:
@@ -119,11 +120,12 @@ async def _sweep(data_dir: Path) -> None:
 
 
 def _assert_all_released(data_dir: Path, script: Script) -> None:
-    observer = SandboxManager(make_settings(data_dir, uid_base=UID_BASE))  # never started
+    observer = leaks.Outside(make_settings(data_dir, uid_base=UID_BASE), script.instance_dir)
     # The script is gone, so its sandboxes must be too: every process of a sandbox uid in
-    # our cgroups, every cgroup, mount, loop device and sandbox directory.
-    left = leaks.wait_for_baseline(observer, leaks.Snapshot(), orphans=leaks.no_orphans)
+    # our cgroups, every cgroup, mount, loop device and sandbox directory, and its instance.
+    left = leaks.wait_for_baseline(observer, leaks.Snapshot(), orphans=leaks.no_orphans)  # type: ignore[arg-type]
     assert not left, f"left behind after the script ended: {left}"
+    assert not script.instance_dir.exists(), "the instance was not released"
     held = [uid for uid in script.uids if _locked(UID_LOCK_DIR / f"{uid}.lock")]
     assert not held, f"uid locks still held (by a process that outlived the script?): {held}"
     store = Store(data_dir / "sandlot.db")

@@ -63,6 +63,7 @@ async def main():
         report["created"] = len(ids)
         report["fds_open"] = admission.open_fds()
         report["live"] = manager.live_count()
+        report["instance"] = str(manager.instance_dir)
         if mode == "bypass":
             resource.setrlimit(resource.RLIMIT_NOFILE, (report["soft_at_start"], hard))
         for sandbox_id in ids:
@@ -96,13 +97,12 @@ def _create_under(data_dir: Path, nofile: str, count: int, mode: str = "") -> di
     return report
 
 
-def _observer(data_dir: Path) -> SandboxManager:
-    return SandboxManager(make_settings(data_dir, uid_base=UID_BASE))  # never started
-
-
-def _assert_nothing_left(data_dir: Path) -> None:
-    left = leaks.wait_for_baseline(_observer(data_dir), leaks.Snapshot(), orphans=leaks.no_orphans)
+def _assert_nothing_left(data_dir: Path, instance_dir: Path) -> None:
+    """The process that used ``instance_dir`` is gone: so must be all it made."""
+    observer = leaks.Outside(make_settings(data_dir, uid_base=UID_BASE), instance_dir)
+    left = leaks.wait_for_baseline(observer, leaks.Snapshot(), orphans=leaks.no_orphans)  # type: ignore[arg-type]
     assert not left, f"left behind: {left}"
+    assert not instance_dir.exists(), "the instance was not released"
 
 
 async def _sweep(data_dir: Path) -> None:
@@ -128,7 +128,7 @@ def test_the_soft_limit_is_raised_to_the_hard_one(data_dir: Path) -> None:
     assert report["error"] is None, report
     # Past what the soft limit it was started with could hold.
     assert report["created"] == count
-    _assert_nothing_left(data_dir)
+    _assert_nothing_left(data_dir, Path(report["instance"]))
 
 
 def test_a_create_past_the_limit_is_refused_before_it_starts(data_dir: Path) -> None:
@@ -149,7 +149,7 @@ def test_a_create_past_the_limit_is_refused_before_it_starts(data_dir: Path) -> 
     finally:
         store.close()
     assert len(records) == report["created"]  # the refused one never got a record
-    _assert_nothing_left(data_dir)
+    _assert_nothing_left(data_dir, Path(report["instance"]))
 
 
 def test_running_out_while_starting_is_typed_and_leaves_nothing(data_dir: Path) -> None:
@@ -161,7 +161,7 @@ def test_running_out_while_starting_is_typed_and_leaves_nothing(data_dir: Path) 
     assert error["type"] == "FileDescriptorsExhausted", report
     assert "RLIMIT_NOFILE" in error["message"]
     assert report["live"] == report["created"] == 0
-    _assert_nothing_left(data_dir)
+    _assert_nothing_left(data_dir, Path(report["instance"]))
 
 
 def test_emfile_under_a_backend_error_is_named(data_root: Path) -> None:
@@ -186,6 +186,7 @@ def test_the_server_answers_503_with_the_typed_error(data_root: Path) -> None:
     data_dir.mkdir()
     env = {"SANDBOX_UID_BASE": str(UID_BASE), "SANDBOX_MEMORY_LIMIT_MB": "64"}
     process, url, _ = start_server(data_dir, env, "--no-auth")
+    (instance_dir,) = leaks.instance_dirs(data_dir)
     try:
         # Lowered under the running server (for good: raising a hard limit needs
         # CAP_SYS_RESOURCE): the next creates must see it.
@@ -205,7 +206,7 @@ def test_the_server_answers_503_with_the_typed_error(data_root: Path) -> None:
     finally:
         stop_server(process)
     try:
-        _assert_nothing_left(data_dir)
+        _assert_nothing_left(data_dir, instance_dir)
     finally:
         asyncio.run(_sweep(data_dir))
 

@@ -47,6 +47,7 @@ from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.rootless import DegradedIsolationWarning
 from sandlot.config import Settings
 from sandlot.errors import BackendUnavailable, ConfigError
+from sandlot.sandbox import default_manager
 
 TOKEN = sys.argv[1]
 out = {"uid": os.getuid()}
@@ -88,7 +89,13 @@ out["checks"] = {
 canary = home / "canary.txt"
 canary.write_text("HOME-SECRET-" + TOKEN)
 host_tag = "host-marker-" + TOKEN
-host_marker = subprocess.Popen(["bash", "-c", f"exec -a {host_tag} sleep 300"])
+# Its own stdio: a marker holding our pipes would keep the test waiting if we failed early.
+host_marker = subprocess.Popen(
+    ["bash", "-c", f"exec -a {host_tag} sleep 300"],
+    stdin=subprocess.DEVNULL,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+)
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -109,7 +116,8 @@ b_tag = "b-marker-" + TOKEN
 b.files.write("secret.txt", "B-SECRET-" + TOKEN)
 b.commands.run(f"(exec -a {b_tag} sleep 300) >/dev/null 2>&1 &")
 out["b_marker_on_host"] = bool(host_pids(b_tag))
-b_workspace = data_dir / "sandboxes" / b.id / "workspace"
+boxes = default_manager().instance_dir / "sandboxes"  # this process's instance
+b_workspace = boxes / b.id / "workspace"
 out["b_secret_on_host"] = (b_workspace / "secret.txt").read_text()
 
 probe = '''
@@ -152,7 +160,7 @@ print(json.dumps(res))
 args = [TOKEN, str(canary), str(b_workspace), str(data_dir), str(home)]
 run = a.run_code(f"ARGS = {args!r}\n" + probe)
 out["a_probe"] = json.loads(run.stdout) if run.ok else run.model_dump()
-os.symlink(canary, data_dir / "sandboxes" / a.id / "workspace" / "leak")
+os.symlink(canary, boxes / a.id / "workspace" / "leak")
 try:
     out["a_leak_read"] = a.files.read("leak")
 except Exception as exc:
@@ -219,13 +227,13 @@ a.commands.run(
     fresh=True,
 )
 out["a_marker_before"] = len(host_pids(a_tag))
-a_dir = data_dir / "sandboxes" / a.id
+a_dir = boxes / a.id
 for sb in (a, b, c, d):
     sb.kill()
 out["a_marker_after"] = not gone(a_tag)
 out["b_marker_after"] = not gone(b_tag)
 out["a_dir_left"] = a_dir.exists()
-out["sandbox_dirs_left"] = sorted(p.name for p in (data_dir / "sandboxes").iterdir())
+out["sandbox_dirs_left"] = sorted(p.name for p in boxes.iterdir())
 out["canary_intact"] = canary.read_text() == "HOME-SECRET-" + TOKEN
 out["home_entries"] = sorted(p.name for p in home.iterdir())
 host_marker.kill()
