@@ -42,6 +42,17 @@ def blocking(
     return call
 
 
+def blocking_classmethod(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, R]:
+    """The blocking twin of an async classmethod whose result is not a new async object
+    (``AsyncSandbox.list``): the same parameters, the same result."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        return get_portal().call(method(*args, **kwargs))
+
+    return staticmethod(call)
+
+
 class constructor(Generic[P, A]):
     """The blocking twin of an async classmethod that returns a new async object.
 

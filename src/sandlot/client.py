@@ -17,6 +17,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
@@ -30,6 +31,7 @@ from tenacity import (
 from sandlot._version import __version__
 from sandlot.errors import ConfigError, SandboxError, error_from_code
 from sandlot.models import (
+    ArtifactInfo,
     ExecResult,
     FileInfo,
     OutputCallback,
@@ -69,12 +71,23 @@ class RemoteService:
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
         self._headers = headers
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=DEFAULT_TIMEOUT_S
+        self._client = self._new_client()
+
+    def _new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.base_url, headers=self._headers, timeout=DEFAULT_TIMEOUT_S
         )
 
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        # A sandbox object closes its client when the sandbox is killed, yet may still be
+        # asked for what outlives it (its artifacts): a closed client is opened again.
+        if self._client.is_closed:
+            self._client = self._new_client()
+        return self._client
+
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._client.aclose()
 
     async def _call(
         self, method: str, url: str, *, idempotent: bool, **kwargs: Any
@@ -272,6 +285,14 @@ class RemoteService:
                     if on_progress is not None:
                         on_progress(len(chunk))
         return size
+
+    async def list_artifacts(self, sandbox_id: str) -> builtins.list[ArtifactInfo]:
+        data = await self._json("GET", f"/v1/sandboxes/{sandbox_id}/artifacts", idempotent=True)
+        return [ArtifactInfo.model_validate(item) for item in data]
+
+    async def read_artifact(self, sandbox_id: str, path: str) -> bytes:
+        url = f"/v1/sandboxes/{sandbox_id}/artifacts/{quote(path)}"
+        return (await self._call("GET", url, idempotent=True)).content
 
     async def read_file(self, sandbox_id: str, request: FilePath) -> bytes:
         url = self._files_url(sandbox_id, "/content")

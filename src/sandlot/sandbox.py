@@ -10,16 +10,18 @@ keyword arguments; a bad value is a :class:`~sandlot.errors.ConfigError` naming 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Self, TypeVar
 
 from sandlot._portal import Portal, get_portal, on_exit
-from sandlot._sync import SyncTwin, blocking, constructor
+from sandlot._sync import SyncTwin, blocking, blocking_classmethod, constructor
 from sandlot.config import get_settings
 from sandlot.core import SandboxManager
 from sandlot.models import (
+    ArtifactInfo,
     ExecResult,
     FileInfo,
     OutputCallback,
@@ -209,6 +211,7 @@ class AsyncSandbox:
     def __init__(self, info: SandboxInfo, runner: _Runner) -> None:
         self.info = info
         self._run = runner
+        self._killed = False
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
 
@@ -287,6 +290,47 @@ class AsyncSandbox:
             info = await runner(runner.manager.get(sandbox_id))
         return cls(info, runner)
 
+    @classmethod
+    async def list(
+        cls,
+        *,
+        metadata: dict[str, str] | None = None,
+        include_ended: bool = False,
+        manager: SandboxManager | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """The running sandboxes (with ``include_ended``, every recorded one) whose metadata
+        holds every ``metadata`` item; on a server, those the API key may see."""
+        runner = await cls._runner(manager, api_url, api_key)
+        try:
+            infos = await runner(runner.manager.list(include_ended=include_ended))
+        finally:
+            await runner.aclose()
+        wanted = (metadata or {}).items()
+        return [info for info in infos if wanted <= info.metadata.items()]
+
+    async def artifacts(self) -> builtins.list[ArtifactInfo]:
+        """What the sandbox left in ``/workspace/artifacts``: kept after it is destroyed (a
+        destroyed sandbox's object still answers)."""
+        try:
+            return await self._run(self._run.manager.list_artifacts(self.id))
+        finally:
+            await self._close_if_killed()
+
+    async def read_artifact(self, path: str) -> bytes:
+        """The content of a kept artifact, by its path below ``artifacts/``."""
+        try:
+            return await self._run(self._run.manager.read_artifact(self.id, path))
+        finally:
+            await self._close_if_killed()
+
+    async def _close_if_killed(self) -> None:
+        # After kill() only what outlives the sandbox is asked for: a remote client opened
+        # again for it is closed again, so nothing is left open.
+        if self._killed:
+            await self._run.aclose()
+
     @staticmethod
     async def _runner(
         manager: SandboxManager | None, api_url: str | None, api_key: str | None
@@ -350,6 +394,7 @@ class AsyncSandbox:
         try:
             self.info = await self._run(self._run.manager.destroy(self.id))
         finally:
+            self._killed = True
             await self._run.aclose()
 
     close = kill
@@ -394,6 +439,9 @@ class Sandbox(SyncTwin[AsyncSandbox]):
 
     create = constructor(AsyncSandbox.create)
     connect = constructor(AsyncSandbox.connect)
+    list = blocking_classmethod(AsyncSandbox.list)
+    artifacts = blocking(AsyncSandbox.artifacts)
+    read_artifact = blocking(AsyncSandbox.read_artifact)
     run_code = blocking(AsyncSandbox.run_code)
     refresh = blocking(AsyncSandbox.refresh)
     usage = blocking(AsyncSandbox.usage)

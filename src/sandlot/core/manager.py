@@ -555,6 +555,16 @@ class SandboxManager:
         await self.get(sandbox_id, owner=owner)
         return self._artifacts.path(sandbox_id, path)
 
+    async def read_artifact(self, sandbox_id: str, path: str, *, owner: str | None = None) -> bytes:
+        """The content of a kept artifact (bounded by the tenant's artifact quota).
+
+        Raises:
+            SandboxNotFound: no such sandbox.
+            SandboxFileNotFound: it kept no such artifact.
+        """
+        host_path = await self.artifact_path(sandbox_id, path, owner=owner)
+        return await asyncio.to_thread(host_path.read_bytes)
+
     async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
         await self.get(sandbox_id, owner=owner)
         return await self._artifacts.delete(sandbox_id)

@@ -8,6 +8,7 @@ role (a viewer only reads), its audit log.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -18,7 +19,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from sandlot.errors import AuthenticationError, ConfigError
-from sandlot.models import ExecResult, FileInfo, ResourceUsage, SandboxInfo
+from sandlot.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
 from sandlot.requests import (
     FilePath,
     ListFiles,
@@ -57,6 +58,9 @@ class TenantService:
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return await self.manager.get(sandbox_id, owner=self.owner)
+
+    async def list(self, *, include_ended: bool = False) -> builtins.list[SandboxInfo]:
+        return await self.manager.list(owner=self.owner, include_ended=include_ended)
 
     async def destroy(self, sandbox_id: str) -> SandboxInfo:
         self.who.require_write()
@@ -97,7 +101,7 @@ class TenantService:
     async def read_file(self, sandbox_id: str, request: FilePath) -> bytes:
         return await self.manager.read_file(sandbox_id, request, owner=self.owner)
 
-    async def list_files(self, sandbox_id: str, request: ListFiles) -> list[FileInfo]:
+    async def list_files(self, sandbox_id: str, request: ListFiles) -> builtins.list[FileInfo]:
         return await self.manager.list_files(sandbox_id, request, owner=self.owner)
 
     async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo:
@@ -110,6 +114,12 @@ class TenantService:
     async def make_dir(self, sandbox_id: str, request: FilePath) -> None:
         self.who.require_write()
         await self.manager.make_dir(sandbox_id, request, owner=self.owner)
+
+    async def list_artifacts(self, sandbox_id: str) -> builtins.list[ArtifactInfo]:
+        return await self.manager.list_artifacts(sandbox_id, owner=self.owner)
+
+    async def read_artifact(self, sandbox_id: str, path: str) -> bytes:
+        return await self.manager.read_artifact(sandbox_id, path, owner=self.owner)
 
 
 def mount(app: FastAPI, state: ServerState) -> AbstractAsyncContextManager[None] | None:
