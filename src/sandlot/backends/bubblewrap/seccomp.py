@@ -85,7 +85,11 @@ AF_MAX = 64
 # io_uring's IORING_OP_SOCKET is closed with io_uring itself; the 32-bit socketcall() never
 # runs, since a syscall of another architecture kills the process: libseccomp's default.)
 FAMILY_SYSCALLS = ("socket", "socketpair")
-OFFLINE_FAMILIES = frozenset({socket.AF_UNIX})
+# Offline, IP sockets still work on the sandbox's own loopback (a server a program starts is
+# reachable from that sandbox): its network namespace holds nothing but `lo`, so there is no
+# route out, and the host's and other sandboxes' loopbacks are other namespaces'. Netlink (the
+# interfaces and routes), packet and every other family stay refused.
+OFFLINE_FAMILIES = frozenset({socket.AF_UNIX, socket.AF_INET, socket.AF_INET6})
 ONLINE_FAMILIES = frozenset({socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK})
 
 
