@@ -191,6 +191,13 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_MAX_OUTPUT_FILE_LIMIT_MB", "max_output_file_limit_mb"),
         description="Largest output_file_limit_mb a caller may ask for.",
     )
+    max_background_commands: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        validation_alias=_env("SANDBOX_MAX_BACKGROUND_COMMANDS", "max_background_commands"),
+        description="Background commands one sandbox may run at once.",
+    )
     pool_size: int = Field(
         default=0,
         ge=0,

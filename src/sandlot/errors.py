@@ -116,6 +116,25 @@ class QuotaExceeded(SandboxError, RuntimeError):
     code = "quota_exceeded"
 
 
+class BackgroundLimitReached(QuotaExceeded):
+    """The sandbox already runs its most background commands
+    (``SANDBOX_MAX_BACKGROUND_COMMANDS``); wait for or kill one first."""
+
+    code = "background_limit"
+
+
+class CommandNotFound(SandboxNotFound):
+    """No background command with that pid in the sandbox (never started, or forgotten)."""
+
+    code = "command_not_found"
+
+
+class CommandStillRunning(SandboxError, TimeoutError):
+    """A background command's ``wait(timeout_s=)`` ran out before it ended (it runs on)."""
+
+    code = "command_running"
+
+
 class CapacityExhausted(SandboxError, RuntimeError):
     """The host's capacity (memory, CPU, pids, disk) is reserved by live sandboxes."""
 
@@ -227,6 +246,9 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         AuthenticationError,
         Forbidden,
         QuotaExceeded,
+        BackgroundLimitReached,
+        CommandNotFound,
+        CommandStillRunning,
         CapacityExhausted,
         FileDescriptorsExhausted,
         RateLimited,

@@ -115,6 +115,18 @@ class RunCommand(Request):
         "not lost) and run in a clean environment and HOME, outside any session: for checks "
         "that earlier code must not be able to influence except through files.",
     )
+    background: bool = Field(
+        default=False,
+        description="Start it and return its pid at once (REST: 202); it runs until it ends, "
+        "is killed or the sandbox is destroyed, outside its session's lock.",
+    )
+
+
+class CommandInput(Request):
+    """Bytes for a background command's stdin (UTF-8 text here), or its end."""
+
+    data: str = Field(default="", max_length=MAX_SOURCE_CHARS)
+    eof: bool = Field(default=False, description="Close its stdin after ``data``.")
 
 
 PathField = Annotated[

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -27,6 +28,9 @@ log = structlog.get_logger(__name__)
 SATURATED = 0.9  # a limit this full after a call means something left behind holds it
 BACKSTOP_S = 5.0  # the guest enforces timeouts; the host steps in only if the guest hangs
 RESULT_FIELDS = frozenset(ExecResult.model_fields)
+# Told the connection and call id an exec call was sent with (a background command's handle
+# cancels and feeds that call).
+CallObserver = Callable[[GuestConnection, int], None]
 
 
 def code_payload(request: RunCode) -> tuple[Op, dict[str, Any]]:
@@ -59,6 +63,7 @@ async def execute(
     on_stderr: OutputCallback | None,
     stdin: asyncio.Queue[bytes | None] | None = None,
     on_result: ResultCallback | None = None,
+    on_call: CallObserver | None = None,
 ) -> ExecResult:
     """Run one exec call; a crash, timeout or kill of the sandboxed program is a result.
 
@@ -73,7 +78,9 @@ async def execute(
         SandboxNotRunning: the sandbox is being destroyed.
     """
     try:
-        return await _attempt(live, op, payload, timeout_s, on_stdout, on_stderr, stdin, on_result)
+        return await _attempt(
+            live, op, payload, timeout_s, on_stdout, on_stderr, stdin, on_result, on_call
+        )
     except SandboxError as exc:
         if not guest_broken(exc):
             raise
@@ -81,7 +88,7 @@ async def execute(
         await live.drop_guest()
     try:
         result = await _attempt(
-            live, op, payload, timeout_s, on_stdout, on_stderr, stdin, on_result
+            live, op, payload, timeout_s, on_stdout, on_stderr, stdin, on_result, on_call
         )
     except SandboxError as exc:
         if not guest_broken(exc):
@@ -101,6 +108,7 @@ async def _attempt(
     on_stderr: OutputCallback | None,
     stdin: asyncio.Queue[bytes | None] | None = None,
     on_result: ResultCallback | None = None,
+    on_call: CallObserver | None = None,
 ) -> ExecResult:
     limits = live.info.limits
     timeout = limits.timeout_s if timeout_s is None else timeout_s
@@ -112,15 +120,8 @@ async def _attempt(
     try:
         conn, restarted = await live.connection()
         before = live.counters
-        call_id = conn.new_id()
-        request = {
-            **payload,
-            "timeout_s": timeout,
-            "output_limit": limits.output_limit_bytes,
-            "output_file_limit": limits.output_file_limit_mb * 1024 * 1024,
-            # Full outputs are spilled to the sandbox's own disk: a quarter of it at most.
-            "output_spill_limit": live.disk_bytes // 4,
-        }
+        call_id = _new_call(conn, on_call)
+        request = _call_request(live, payload, timeout)
         feeder = (
             asyncio.create_task(_feed_stdin(conn, call_id, stdin)) if stdin is not None else None
         )
@@ -173,6 +174,26 @@ async def _attempt(
     finally:
         live.active_calls -= 1
         live.touch()
+
+
+def _new_call(conn: GuestConnection, on_call: CallObserver | None) -> int:
+    call_id = conn.new_id()
+    if on_call is not None:
+        on_call(conn, call_id)
+    return call_id
+
+
+def _call_request(live: Live, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    limits = live.info.limits
+    return {
+        "output_limit": limits.output_limit_bytes,
+        "output_file_limit": limits.output_file_limit_mb * 1024 * 1024,
+        # Full outputs are spilled to the sandbox's own disk: a quarter of it at most
+        # (a payload may ask for less: background commands share that quarter).
+        "output_spill_limit": live.disk_bytes // 4,
+        **payload,
+        "timeout_s": timeout_s,
+    }
 
 
 def _results(raw: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from sandlot.config import Settings, get_settings
 from sandlot.core import admission, execution, files, instances, placement, recovery
 from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
+from sandlot.core.background import BackgroundCommands, CommandInfo
 from sandlot.core.live import Live, PoolKey
 from sandlot.core.pools import Pools
 from sandlot.core.store import LIVE, Store
@@ -88,6 +89,7 @@ class SandboxManager:
         self._capacity: HostCapacity = None  # type: ignore[assignment]  # set by start()
         self._started = False
         self._listeners: list[Listener] = []
+        self._background: dict[str, BackgroundCommands] = {}
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, fields)`` on "created", "destroyed", "exec", "backend_error"."""
@@ -399,6 +401,9 @@ class SandboxManager:
         # Still in _live (so still counted against its owner's quota) until really gone.
         live.destroying = True
         try:
+            background = self._background.pop(sandbox_id, None)
+            if background is not None:
+                await background.close()
             async with live.lock:
                 try:
                     await asyncio.wait_for(self._artifacts.export(live), EXPORT_TIMEOUT_S)
@@ -477,6 +482,58 @@ class SandboxManager:
         )
         self._emit("exec", info=live.info, op=op.value, result=result)
         return result
+
+    # ------------------------------------------------------------------ background
+
+    def _commands(self, sandbox_id: str, owner: str | None) -> tuple[Live, BackgroundCommands]:
+        live = self._get_live(sandbox_id, owner)
+        commands = self._background.get(sandbox_id)
+        if commands is None:
+            commands = BackgroundCommands(self.settings.max_background_commands)
+            self._background[sandbox_id] = commands
+        return live, commands
+
+    async def start_command(
+        self,
+        sandbox_id: str,
+        request: RunCommand,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        owner: str | None = None,
+    ) -> CommandInfo:
+        """Start a command in the background (see :mod:`sandlot.core.background`)."""
+        live, commands = self._commands(sandbox_id, owner)
+        return await commands.start(live, request, on_stdout, on_stderr)
+
+    async def list_commands(
+        self, sandbox_id: str, *, owner: str | None = None
+    ) -> builtins.list[CommandInfo]:
+        return self._commands(sandbox_id, owner)[1].list()
+
+    async def connect_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        owner: str | None = None,
+    ) -> CommandInfo:
+        return self._commands(sandbox_id, owner)[1].listen(pid, on_stdout, on_stderr)
+
+    async def wait_command(
+        self, sandbox_id: str, pid: int, timeout_s: float | None = None, *, owner: str | None = None
+    ) -> ExecResult:
+        return await self._commands(sandbox_id, owner)[1].wait(pid, timeout_s)
+
+    async def send_command_stdin(
+        self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False, owner: str | None = None
+    ) -> None:
+        await self._commands(sandbox_id, owner)[1].send_stdin(pid, data, eof=eof)
+
+    async def kill_command(self, sandbox_id: str, pid: int, *, owner: str | None = None) -> bool:
+        return await self._commands(sandbox_id, owner)[1].kill(pid)
 
     # ------------------------------------------------------------------ files
 

@@ -13,6 +13,7 @@ import time
 from wire import GuestFault, write_all
 
 STDIN_WAIT_S = 5.0  # how long input may arrive before the command it is for has started
+ENDED_PIDS_KEPT = 64  # a quick background command may end before its pid is asked for
 
 
 class Call:
@@ -24,6 +25,7 @@ class Call:
         self.stdin_ready = threading.Event()
         self.stdin_lock = threading.Lock()
         self.finished = False
+        self.pid = None
 
     def write_stdin(self, data, eof):
         with self.stdin_lock:
@@ -58,6 +60,8 @@ class Calls:
 
     def __init__(self):
         self.running = {}
+        self.ended_pids = {}
+        self.ended_lock = threading.Lock()
 
     def start(self, call_id):
         call = Call()
@@ -65,7 +69,26 @@ class Calls:
         return call
 
     def end(self, call_id):
-        self.running.pop(call_id, None)
+        call = self.running.pop(call_id, None)
+        if call is not None and call.pid is not None:
+            with self.ended_lock:
+                self.ended_pids[call_id] = call.pid
+                while len(self.ended_pids) > ENDED_PIDS_KEPT:
+                    self.ended_pids.pop(next(iter(self.ended_pids)))
+
+    def pid(self, request):
+        """The pid of call ``target``'s process (its bash), once it has started."""
+        target = request.get("target")
+        deadline = time.monotonic() + STDIN_WAIT_S
+        while True:
+            call = self.running.get(target)
+            if call is not None and call.pid is not None:
+                return {"pid": call.pid}
+            if target in self.ended_pids:
+                return {"pid": self.ended_pids[target]}
+            if time.monotonic() >= deadline:
+                raise GuestFault("invalid_request", "no call %r has started" % (target,))
+            time.sleep(0.005)
 
     def cancel(self, request):
         call = self.running.get(request.get("target"))

@@ -18,6 +18,7 @@ class Op(str, Enum):
     PING = "ping"
     CANCEL = "cancel"  # stop the call ``target``
     STDIN = "stdin"  # bytes (base64) for the running command ``target``
+    PID = "pid"  # the process id of the running (or just ended) command ``target``
     EXEC_CODE = "exec_code"
     EXEC_SHELL = "exec_shell"
     CLOSE_SESSION = "close_session"

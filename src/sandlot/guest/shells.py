@@ -65,6 +65,14 @@ class Shells:
                 name, {"cwd": WORKSPACE, "env": dict(self.env), "lock": threading.Lock()}
             )
         call = self.calls.start(call_id)
+        if request.get("background"):
+            # A background command (a server, say) may run for hours: it starts from the
+            # session's cwd and env but neither holds the session nor changes it.
+            snapshot = {"cwd": session["cwd"], "env": dict(session["env"]), "lock": None}
+            try:
+                return self._run_shell(request, snapshot, name, call, time.monotonic())
+            finally:
+                self.calls.end(call_id)
         try:
             with session["lock"]:
                 # The timeout counts from when the command can run, not while it queues.
@@ -145,6 +153,7 @@ class Shells:
             with self.fresh_gate:
                 proc = spawn(argv, **options)
         set_oom_preferred(proc.pid)
+        call.pid = proc.pid
         if proc.stdin is not None:
             call.stdin_fd = os.dup(proc.stdin.fileno())
             proc.stdin.close()
@@ -187,7 +196,7 @@ class Shells:
             call.close_stdin_when_idle()
         returncode = proc.wait()
         forget(proc)
-        self._update_session(session, state_base, call_env)
+        self._update_session(session, state_base, call_env, keep=session["lock"] is not None)
         result = {
             "exit_code": signal_exit_code(returncode),
             "text": None,
@@ -200,8 +209,10 @@ class Shells:
         finish_streams(result, sinks, started)
         return result
 
-    def _update_session(self, session, state_base, call_env):
+    def _update_session(self, session, state_base, call_env, keep=True):
         try:
+            if not keep:
+                return  # a background command's state is its own
             with open(state_base + ".cwd") as f:
                 cwd = f.read().strip()
             if os.path.isdir(cwd):

@@ -101,6 +101,7 @@ class Supervisor:
             Op.PING: self.ping,
             Op.CANCEL: self.calls.cancel,
             Op.STDIN: self.calls.stdin,
+            Op.PID: self.calls.pid,
             Op.EXEC_CODE: self.cells.exec_code,
             Op.EXEC_SHELL: self.shells.exec_shell,
             Op.CLOSE_SESSION: self.shells.close_session,

@@ -1,0 +1,260 @@
+"""Background commands: exec calls that are started and not awaited by their caller.
+
+A background command is an ordinary ``exec_shell`` call (same timeout, output caps, kill
+reasons and result) run as a host task; the caller gets its pid back at once, and later
+waits for, feeds, or kills it by that pid. The guest runs it outside its session's lock, so
+a long server never blocks the session's next command. Each sandbox holds at most
+``SANDBOX_MAX_BACKGROUND_COMMANDS`` running at once; destroy kills every one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from sandlot.core import execution
+from sandlot.core.guest_link import GuestConnection
+from sandlot.core.live import Live
+from sandlot.errors import (
+    BackgroundLimitReached,
+    CommandNotFound,
+    CommandStillRunning,
+    ConfigError,
+    GuestError,
+    InvalidRequest,
+    SandboxError,
+)
+from sandlot.guest.ops import Op
+from sandlot.models import ExecResult, OutputCallback
+from sandlot.requests import MAX_TTL_S, RunCommand
+
+STDIN_QUEUE_ITEMS = 64  # input not yet taken by the command: send_stdin waits past this
+KILL_WAIT_S = 5.0
+
+
+class CommandInfo(BaseModel):
+    """A background command: what ``commands.list()`` and a start return."""
+
+    pid: int = Field(description="Its bash's process id inside the sandbox.")
+    command: str
+    started_at: float = Field(description="Unix time it was started.")
+    running: bool = True
+    exit_code: int | None = None
+
+
+@dataclass
+class _Job:
+    info: CommandInfo
+    stdin: asyncio.Queue[bytes | None]
+    task: asyncio.Task[ExecResult] | None = None
+    call: tuple[GuestConnection, int] | None = None
+    listeners: list[tuple[OutputCallback | None, OutputCallback | None]] = field(
+        default_factory=list
+    )
+
+    def emit(self, index: int, text: str) -> None:
+        for pair in self.listeners:
+            callback = pair[index]
+            if callback is not None:
+                callback(text)
+
+
+class BackgroundCommands:
+    """One sandbox's background commands, by pid."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._jobs: dict[int, _Job] = {}
+        self._starting = 0
+        self._closed = False
+
+    def _running(self) -> int:
+        return sum(1 for job in self._jobs.values() if job.info.running)
+
+    async def start(
+        self,
+        live: Live,
+        request: RunCommand,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandInfo:
+        """Start ``request`` and return once its process exists.
+
+        Raises:
+            BackgroundLimitReached: ``limit`` commands already run in this sandbox.
+            ConfigError: ``fresh`` was asked for (it would kill the other commands).
+        """
+        if request.fresh:
+            raise ConfigError("a background command cannot be fresh (it would kill the others)")
+        if self._closed:
+            raise InvalidRequest("the sandbox is being destroyed")
+        if self._running() + self._starting >= self.limit:
+            raise BackgroundLimitReached(
+                f"{self.limit} background commands already run in this sandbox "
+                "(SANDBOX_MAX_BACKGROUND_COMMANDS); wait for or kill one"
+            )
+        self._starting += 1
+        try:
+            return await self._start(live, request, on_stdout, on_stderr)
+        finally:
+            self._starting -= 1
+
+    async def _start(
+        self,
+        live: Live,
+        request: RunCommand,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+    ) -> CommandInfo:
+        info = CommandInfo(pid=0, command=request.command, started_at=time.time())
+        job = _Job(info, asyncio.Queue(STDIN_QUEUE_ITEMS), listeners=[(on_stdout, on_stderr)])
+        called: asyncio.Future[tuple[GuestConnection, int]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+        def on_call(conn: GuestConnection, call_id: int) -> None:
+            job.call = (conn, call_id)  # a guest restarted under it: the retry's call
+            if not called.done():
+                called.set_result(job.call)
+
+        op, payload = execution.command_payload(request, streams_stdin=True)
+        # Every background command may spill its output: together they keep to the quarter
+        # of the disk one call may fill.
+        payload.update(background=True, output_spill_limit=live.disk_bytes // 4 // self.limit)
+        timeout_s = request.timeout_s or float(MAX_TTL_S)  # destroy or expiry ends it anyway
+        job.task = asyncio.create_task(
+            execution.execute(
+                live,
+                op,
+                payload,
+                timeout_s,
+                lambda text: job.emit(0, text),
+                lambda text: job.emit(1, text),
+                stdin=job.stdin,
+                on_call=on_call,
+            )
+        )
+        job.task.add_done_callback(lambda task: self._ended(job, task))
+        try:
+            info.pid = await self._pid_of(job, called)
+        except BaseException:
+            job.task.cancel()  # nobody holds a handle to it: it must not run on
+            raise
+        self._remember(job)
+        return info.model_copy()
+
+    @staticmethod
+    async def _pid_of(job: _Job, called: asyncio.Future[tuple[GuestConnection, int]]) -> int:
+        assert job.task is not None
+        waiting: set[asyncio.Future[Any]] = {called, job.task}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not called.done():
+            await job.task  # it failed before reaching the guest: raise why
+            raise GuestError("the background command ended before it was sent")
+        conn, call_id = called.result()
+        answer = await conn.request(Op.PID, {"target": call_id})
+        pid = answer.get("pid")
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise GuestError(f"the sandbox's guest sent an invalid pid: {pid!r}")
+        return pid
+
+    def _ended(self, job: _Job, task: asyncio.Task[ExecResult]) -> None:
+        job.info.running = False
+        if not task.cancelled() and task.exception() is None:
+            job.info.exit_code = task.result().exit_code
+
+    def _remember(self, job: _Job) -> None:
+        old = self._jobs.get(job.info.pid)
+        if old is not None and old.task is not None:
+            old.task.cancel()  # a pid reused after a guest restart: the old one is gone
+        self._jobs[job.info.pid] = job
+        # Ended ones stay for wait(); only the newest `limit` of them are kept.
+        ended = [pid for pid, j in self._jobs.items() if not j.info.running]
+        for pid in ended[: max(0, len(ended) - self.limit)]:
+            del self._jobs[pid]
+
+    def _job(self, pid: int) -> _Job:
+        job = self._jobs.get(pid)
+        if job is None:
+            raise CommandNotFound(f"no background command with pid {pid} in this sandbox")
+        return job
+
+    def list(self) -> list[CommandInfo]:
+        """The background commands still running."""
+        return [job.info.model_copy() for job in self._jobs.values() if job.info.running]
+
+    def info(self, pid: int) -> CommandInfo:
+        return self._job(pid).info.model_copy()
+
+    def listen(
+        self, pid: int, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+    ) -> CommandInfo:
+        """Stream a running command's further output to these callbacks too."""
+        job = self._job(pid)
+        job.listeners.append((on_stdout, on_stderr))
+        return job.info.model_copy()
+
+    async def wait(self, pid: int, timeout_s: float | None = None) -> ExecResult:
+        """Its result once it ends.
+
+        Raises:
+            CommandNotFound: no such command.
+            CommandStillRunning: it did not end within ``timeout_s`` (it runs on).
+        """
+        job = self._job(pid)
+        assert job.task is not None  # remembered only once started
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.task), timeout_s)
+        except TimeoutError:
+            raise CommandStillRunning(
+                f"background command {pid} still runs after {timeout_s} s"
+            ) from None
+
+    async def send_stdin(self, pid: int, data: bytes, *, eof: bool = False) -> None:
+        """Queue ``data`` for its stdin (waits while the command does not read); ``eof``
+        closes its stdin after.
+
+        Raises:
+            InvalidRequest: the command has ended.
+        """
+        job = self._job(pid)
+        if not job.info.running:
+            raise InvalidRequest(f"background command {pid} has ended")
+        if data:
+            await job.stdin.put(data)
+        if eof:
+            await job.stdin.put(None)
+
+    async def kill(self, pid: int) -> bool:
+        """Kill it (and the processes it started); whether it was still running."""
+        job = self._job(pid)
+        if not job.info.running:
+            return False
+        await self._cancel(job)
+        assert job.task is not None
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError, SandboxError):
+            await asyncio.wait_for(asyncio.shield(job.task), KILL_WAIT_S)
+        return True
+
+    @staticmethod
+    async def _cancel(job: _Job) -> None:
+        if job.call is not None:
+            conn, call_id = job.call
+            await conn.notify(Op.CANCEL, {"target": call_id})
+
+    async def close(self) -> None:
+        """The sandbox is being destroyed: cancel every command; the backend's stop ends
+        their processes, whatever they forked."""
+        self._closed = True
+        tasks = [job.task for job in self._jobs.values() if job.task is not None]
+        for job in self._jobs.values():
+            if job.info.running:
+                await self._cancel(job)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
