@@ -14,12 +14,14 @@ import builtins
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, overload
 
 from sandlot._portal import Portal, get_portal, on_exit
 from sandlot._sync import SyncTwin, blocking, blocking_classmethod, constructor
 from sandlot.config import get_settings
 from sandlot.core import SandboxManager
+from sandlot.core.background import CommandInfo
+from sandlot.errors import ConfigError
 from sandlot.models import (
     ArtifactInfo,
     ExecResult,
@@ -40,7 +42,7 @@ from sandlot.requests import (
     WriteFile,
     build,
 )
-from sandlot.service import SandboxService
+from sandlot.service import BackgroundService, SandboxService
 
 T = TypeVar("T")
 E = TypeVar("E")  # what a streaming callback receives: a chunk of text, a Result
@@ -77,6 +79,12 @@ class _Runner:
             return await coro
         return await self.portal.run(coro)
 
+    @property
+    def background(self) -> BackgroundService:
+        if not isinstance(self.manager, BackgroundService):
+            raise ConfigError(f"{type(self.manager).__name__} runs no background commands")
+        return self.manager
+
     async def aclose(self) -> None:
         """Close a remote client this runner owns (the embedded manager outlives sandboxes)."""
         aclose = getattr(self.manager, "aclose", None)
@@ -108,16 +116,55 @@ class _Runner:
         return forward
 
 
+class AsyncCommandHandle:
+    """A command running in the background (``commands.run(..., background=True)``)."""
+
+    def __init__(self, sandbox: AsyncSandbox, info: CommandInfo) -> None:
+        self._sb = sandbox
+        self.info = info
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    async def wait(self, timeout_s: float | None = None) -> ExecResult:
+        """Its result once it ends (same fields as a foreground run's).
+
+        Raises:
+            CommandStillRunning: it did not end within ``timeout_s`` (it runs on).
+        """
+        run = self._sb._run
+        return await run(run.background.wait_command(self._sb.id, self.pid, timeout_s))
+
+    async def kill(self) -> bool:
+        """Kill it and what it started; whether it was still running."""
+        run = self._sb._run
+        return await run(run.background.kill_command(self._sb.id, self.pid))
+
+    async def send_stdin(self, data: str | bytes) -> None:
+        """Write to its stdin (waits while the command does not read)."""
+        raw = data.encode() if isinstance(data, str) else data
+        run = self._sb._run
+        await run(run.background.send_command_stdin(self._sb.id, self.pid, raw))
+
+    async def close_stdin(self) -> None:
+        """Close its stdin: the command reads end of file."""
+        run = self._sb._run
+        await run(run.background.send_command_stdin(self._sb.id, self.pid, b"", eof=True))
+
+
 class AsyncCommands:
     """Shell commands in a sandbox (``sandbox.commands``)."""
 
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
+    @overload
     async def run(
         self,
         command: str,
         *,
+        background: Literal[False] = False,
         session: str = "default",
         timeout_s: float | None = None,
         env: dict[str, str] | None = None,
@@ -126,13 +173,47 @@ class AsyncCommands:
         fresh: bool = False,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
-    ) -> ExecResult:
+    ) -> ExecResult: ...
+    @overload
+    async def run(
+        self,
+        command: str,
+        *,
+        background: Literal[True],
+        session: str = "default",
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        input: str | None = None,
+        fresh: bool = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> AsyncCommandHandle: ...
+    async def run(
+        self,
+        command: str,
+        *,
+        background: bool = False,
+        session: str = "default",
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        input: str | None = None,
+        fresh: bool = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> ExecResult | AsyncCommandHandle:
         """Run ``command`` with bash; ``cd`` and ``export`` persist within ``session``.
 
         ``input`` is written to the command's stdin. With ``fresh=True`` every process that
         earlier calls left is killed first and the command runs outside any session, in a
         clean environment and HOME: for checks that earlier code may influence only through
         files. A failing command is a result (check ``exit_code``), not an exception.
+
+        With ``background=True`` it returns a handle at once (``pid``, ``wait()``,
+        ``kill()``, ``send_stdin()``, ``close_stdin()``); it starts from the session's cwd
+        and env without changing them, its output streams to ``on_stdout``/``on_stderr``,
+        and it runs until it ends, its ``timeout_s`` passes, or the sandbox is destroyed.
         """
         request = build(
             RunCommand,
@@ -143,13 +224,45 @@ class AsyncCommands:
             cwd=cwd,
             input=input,
             fresh=fresh or None,
+            background=background or None,
         )
         run = self._sb._run
+        out, err = run.wrap(on_stdout), run.wrap(on_stderr)
+        if background:
+            info = await run(
+                run.background.start_command(self._sb.id, request, on_stdout=out, on_stderr=err)
+            )
+            return AsyncCommandHandle(self._sb, info)
         return await run(
-            run.manager.run_command(
-                self._sb.id, request, on_stdout=run.wrap(on_stdout), on_stderr=run.wrap(on_stderr)
+            run.manager.run_command(self._sb.id, request, on_stdout=out, on_stderr=err)
+        )
+
+    async def list(self) -> builtins.list[CommandInfo]:
+        """The background commands still running (pid, command, started_at)."""
+        run = self._sb._run
+        return await run(run.background.list_commands(self._sb.id))
+
+    async def connect(
+        self,
+        pid: int,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> AsyncCommandHandle:
+        """A handle to the background command ``pid``; its further output streams to these
+        callbacks too (embedded only)."""
+        run = self._sb._run
+        info = await run(
+            run.background.connect_command(
+                self._sb.id, pid, on_stdout=run.wrap(on_stdout), on_stderr=run.wrap(on_stderr)
             )
         )
+        return AsyncCommandHandle(self._sb, info)
+
+    async def kill(self, pid: int) -> bool:
+        """Kill the background command ``pid``; whether it was still running."""
+        run = self._sb._run
+        return await run(run.background.kill_command(self._sb.id, pid))
 
 
 class AsyncFiles:
@@ -410,10 +523,57 @@ class AsyncSandbox:
 # One line per method: each is generated from its async twin (signature, docstring, types).
 
 
+class CommandHandle(SyncTwin[AsyncCommandHandle]):
+    """Blocking twin of :class:`AsyncCommandHandle`."""
+
+    wait = blocking(AsyncCommandHandle.wait)
+    kill = blocking(AsyncCommandHandle.kill)
+    send_stdin = blocking(AsyncCommandHandle.send_stdin)
+    close_stdin = blocking(AsyncCommandHandle.close_stdin)
+
+    @property
+    def pid(self) -> int:
+        return self._inner.pid
+
+    @property
+    def info(self) -> CommandInfo:
+        return self._inner.info
+
+
 class Commands(SyncTwin[AsyncCommands]):
     """Blocking twin of :class:`AsyncCommands`."""
 
-    run = blocking(AsyncCommands.run)
+    @overload
+    def run(
+        self, command: str, *, background: Literal[False] = False, **options: Any
+    ) -> ExecResult: ...
+    @overload
+    def run(self, command: str, *, background: Literal[True], **options: Any) -> CommandHandle: ...
+    def run(self, command: str, *, background: bool = False, **options: Any) -> Any:
+        result = self._portal.call(
+            self._inner.run(command, background=background, **options)  # type: ignore[call-overload]
+        )
+        if isinstance(result, AsyncCommandHandle):
+            return CommandHandle(result, self._portal)
+        return result
+
+    run.__doc__ = AsyncCommands.run.__doc__
+    list = blocking(AsyncCommands.list)
+    kill = blocking(AsyncCommands.kill)
+
+    def connect(
+        self,
+        pid: int,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandHandle:
+        handle = self._portal.call(
+            self._inner.connect(pid, on_stdout=on_stdout, on_stderr=on_stderr)
+        )
+        return CommandHandle(handle, self._portal)
+
+    connect.__doc__ = AsyncCommands.connect.__doc__
 
 
 class Files(SyncTwin[AsyncFiles]):

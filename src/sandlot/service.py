@@ -8,8 +8,9 @@ Every verb takes the sandbox id and one typed request from :mod:`sandlot.request
 from __future__ import annotations
 
 import builtins
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from sandlot.core.background import CommandInfo
 from sandlot.models import (
     ArtifactInfo,
     ExecResult,
@@ -78,3 +79,38 @@ class SandboxService(Protocol):
     async def list_artifacts(self, sandbox_id: str) -> builtins.list[ArtifactInfo]: ...
 
     async def read_artifact(self, sandbox_id: str, path: str) -> bytes: ...
+
+
+@runtime_checkable
+class BackgroundService(Protocol):
+    """Background commands: the embedded manager and the remote client run them."""
+
+    async def start_command(
+        self,
+        sandbox_id: str,
+        request: RunCommand,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandInfo: ...
+
+    async def list_commands(self, sandbox_id: str) -> builtins.list[CommandInfo]: ...
+
+    async def connect_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandInfo: ...
+
+    async def wait_command(
+        self, sandbox_id: str, pid: int, timeout_s: float | None = None
+    ) -> ExecResult: ...
+
+    async def send_command_stdin(
+        self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False
+    ) -> None: ...
+
+    async def kill_command(self, sandbox_id: str, pid: int) -> bool: ...
