@@ -29,7 +29,8 @@ from tenacity import (
 )
 
 from sandlot._version import __version__
-from sandlot.errors import ConfigError, SandboxError, error_from_code
+from sandlot.core.background import CommandInfo
+from sandlot.errors import CommandStillRunning, ConfigError, SandboxError, error_from_code
 from sandlot.models import (
     ArtifactInfo,
     ExecResult,
@@ -41,6 +42,7 @@ from sandlot.models import (
     SandboxInfo,
 )
 from sandlot.requests import (
+    CommandInput,
     FilePath,
     ListFiles,
     RemoveFile,
@@ -54,6 +56,7 @@ from sandlot.requests import (
 DEFAULT_TIMEOUT_S = 30.0
 EXEC_MARGIN_S = 30.0  # on top of the run's own timeout: the server answers after it
 RETRY_ATTEMPTS = 3
+WAIT_SLICE_S = 60.0  # a wait with no timeout asks the server again after each slice
 STREAM_CHUNK_BYTES = 1 << 20
 
 
@@ -225,6 +228,81 @@ class RemoteService:
                     raise error_from_code(event["error"]["code"], event["error"]["message"])
         raise SandboxError("the server closed the stream before sending a result")
 
+    # -- background commands
+
+    def _commands_url(self, sandbox_id: str, pid: int | None = None) -> str:
+        tail = "" if pid is None else f"/{pid}"
+        return f"/v1/sandboxes/{sandbox_id}/commands{tail}"
+
+    async def start_command(
+        self,
+        sandbox_id: str,
+        request: RunCommand,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandInfo:
+        _no_callbacks(on_stdout, on_stderr)
+        background = request.model_copy(update={"background": True})
+        response = await self._send(
+            "POST", self._commands_url(sandbox_id), background, idempotent=False
+        )
+        return CommandInfo.model_validate(response.json())
+
+    async def list_commands(self, sandbox_id: str) -> builtins.list[CommandInfo]:
+        data = await self._json("GET", self._commands_url(sandbox_id), idempotent=True)
+        return [CommandInfo.model_validate(item) for item in data]
+
+    async def connect_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandInfo:
+        _no_callbacks(on_stdout, on_stderr)
+        data = await self._json("GET", self._commands_url(sandbox_id, pid), idempotent=True)
+        return CommandInfo.model_validate(data)
+
+    async def wait_command(
+        self, sandbox_id: str, pid: int, timeout_s: float | None = None
+    ) -> ExecResult:
+        url = self._commands_url(sandbox_id, pid) + "/wait"
+        left_s = timeout_s
+        while True:
+            slice_s = WAIT_SLICE_S if left_s is None else min(left_s, WAIT_SLICE_S)
+            response = await self._call(
+                "GET",
+                url,
+                idempotent=True,
+                params={"timeout_s": slice_s},
+                timeout=slice_s + EXEC_MARGIN_S,
+            )
+            if response.status_code == 200:
+                return ExecResult.model_validate(response.json())
+            if left_s is not None:
+                left_s -= slice_s
+                if left_s <= 0:
+                    raise CommandStillRunning(
+                        f"background command {pid} still runs after {timeout_s} s"
+                    )
+
+    async def send_command_stdin(
+        self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False
+    ) -> None:
+        # Not idempotent: input sent twice would reach the command twice.
+        try:
+            body = CommandInput(data=data.decode(), eof=eof)
+        except UnicodeDecodeError as exc:
+            raise ConfigError("a remote command's stdin takes UTF-8 text") from exc
+        url = self._commands_url(sandbox_id, pid) + "/stdin"
+        await self._send("POST", url, body, idempotent=False)
+
+    async def kill_command(self, sandbox_id: str, pid: int) -> bool:
+        data = await self._json("DELETE", self._commands_url(sandbox_id, pid), idempotent=True)
+        return bool(data["killed"])
+
     # -- files
 
     def _files_url(self, sandbox_id: str, tail: str = "") -> str:
@@ -316,6 +394,14 @@ class RemoteService:
     async def make_dir(self, sandbox_id: str, request: FilePath) -> None:
         url = f"/v1/sandboxes/{sandbox_id}/directories"
         await self._send("POST", url, request, idempotent=True, in_query=True)
+
+
+def _no_callbacks(on_stdout: OutputCallback | None, on_stderr: OutputCallback | None) -> None:
+    if on_stdout is not None or on_stderr is not None:
+        raise ConfigError(
+            "a remote background command's output is not streamed: read it from wait(), "
+            "or run it in the foreground with callbacks (WebSocket)"
+        )
 
 
 def _query_value(value: Any) -> Any:

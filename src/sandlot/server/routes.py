@@ -7,12 +7,15 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import Path as FastPath
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
 
-from sandlot.errors import RequestTooLarge
+from sandlot.core.background import CommandInfo
+from sandlot.errors import CommandStillRunning, RequestTooLarge
 from sandlot.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
 from sandlot.requests import (
+    CommandInput,
     FilePath,
     ListFiles,
     RemoveFile,
@@ -91,14 +94,23 @@ async def run_code(sandbox_id: SandboxId, body: RunCode, request: Request, who: 
     return _json(result)
 
 
-@router.post("/{sandbox_id}/commands", response_model=ExecResult)
+@router.post(
+    "/{sandbox_id}/commands",
+    response_model=ExecResult,
+    responses={202: {"model": CommandInfo, "description": "Started in the background."}},
+)
 async def run_command(
     sandbox_id: SandboxId, body: RunCommand, request: Request, who: Caller
 ) -> Response:
-    """Run a bash command; ``cd`` and ``export`` persist within ``session``."""
+    """Run a bash command; ``cd`` and ``export`` persist within ``session``. With
+    ``"background": true``, answer 202 with its pid at once (see ``/commands/{pid}``)."""
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.command", sandbox_id) as audit:
+        if body.background:
+            info = await state.manager.start_command(sandbox_id, body, owner=who.owner_filter)
+            audit["pid"] = info.pid
+            return Response(info.model_dump_json(), 202, media_type="application/json")
         result = await state.manager.run_command(sandbox_id, body, owner=who.owner_filter)
         audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
     return _json(result)
@@ -108,6 +120,77 @@ def _json(model: BaseModel) -> Response:
     """Our own model, already valid: serialize once instead of FastAPI validating it again
     (``response_model`` still documents it in the OpenAPI document)."""
     return Response(model.model_dump_json(), media_type="application/json")
+
+
+# ---------------------------------------------------------------- background commands
+
+Pid = Annotated[int, FastPath(gt=0, description="A background command's pid.")]
+MAX_WAIT_S = 3600.0  # one HTTP request waits at most this long; the client asks again
+
+
+class KilledCommand(BaseModel):
+    pid: int
+    killed: bool
+
+
+@router.get("/{sandbox_id}/commands", response_model=list[CommandInfo])
+async def list_commands(sandbox_id: SandboxId, request: Request, who: Caller) -> list[CommandInfo]:
+    """The background commands still running."""
+    return await state_of(request).manager.list_commands(sandbox_id, owner=who.owner_filter)
+
+
+@router.get("/{sandbox_id}/commands/{pid}", response_model=CommandInfo)
+async def get_command(
+    sandbox_id: SandboxId, pid: Pid, request: Request, who: Caller
+) -> CommandInfo:
+    manager = state_of(request).manager
+    return await manager.connect_command(sandbox_id, pid, owner=who.owner_filter)
+
+
+@router.get(
+    "/{sandbox_id}/commands/{pid}/wait",
+    response_model=ExecResult,
+    responses={202: {"model": CommandInfo, "description": "Still running after timeout_s."}},
+)
+async def wait_command(
+    sandbox_id: SandboxId,
+    pid: Pid,
+    request: Request,
+    who: Caller,
+    timeout_s: Annotated[float, Query(gt=0, le=MAX_WAIT_S)] = 30.0,
+) -> Response:
+    """Its result once it ends; 202 with its info if it still runs after ``timeout_s``."""
+    manager = state_of(request).manager
+    try:
+        result = await manager.wait_command(sandbox_id, pid, timeout_s, owner=who.owner_filter)
+    except CommandStillRunning:
+        info = await manager.connect_command(sandbox_id, pid, owner=who.owner_filter)
+        return Response(info.model_dump_json(), 202, media_type="application/json")
+    return _json(result)
+
+
+@router.post("/{sandbox_id}/commands/{pid}/stdin", status_code=204)
+async def command_stdin(
+    sandbox_id: SandboxId, pid: Pid, body: CommandInput, request: Request, who: Caller
+) -> Response:
+    """Write ``data`` to its stdin; ``eof`` closes it after."""
+    who.require_write()
+    await state_of(request).manager.send_command_stdin(
+        sandbox_id, pid, body.data.encode(), eof=body.eof, owner=who.owner_filter
+    )
+    return Response(status_code=204)
+
+
+@router.delete("/{sandbox_id}/commands/{pid}", response_model=KilledCommand)
+async def kill_command(
+    sandbox_id: SandboxId, pid: Pid, request: Request, who: Caller
+) -> KilledCommand:
+    """Kill it and what it started; ``killed`` is false if it had already ended."""
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.command_kill", sandbox_id, pid=pid):
+        killed = await state.manager.kill_command(sandbox_id, pid, owner=who.owner_filter)
+    return KilledCommand(pid=pid, killed=killed)
 
 
 # ---------------------------------------------------------------- files
