@@ -1,0 +1,249 @@
+"""Background commands: ``commands.run(..., background=True)`` and its handle, embedded, REST
+and remote; the cap, destroy, and what a background command must not be able to do."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from sandlot import Sandbox, SandboxManager
+from sandlot.errors import (
+    BackgroundLimitReached,
+    CommandNotFound,
+    CommandStillRunning,
+    ConfigError,
+    InvalidRequest,
+    SandboxNotFound,
+    SandboxNotRunning,
+)
+from tests import leaks
+from tests.conftest import LiveServer, placement
+
+# Asks the server at 127.0.0.1:$1 until it answers (it may still be binding its port).
+FETCH = (
+    "/usr/bin/python3 - \"$PORT\" <<'EOF'\n"
+    "import sys, time, urllib.request\n"
+    "for _ in range(100):\n"
+    "    try:\n"
+    "        body = urllib.request.urlopen('http://127.0.0.1:%s/hello.txt' % sys.argv[1]).read()\n"
+    "        print(body.decode(), end='')\n"
+    "        break\n"
+    "    except OSError:\n"
+    "        time.sleep(0.1)\n"
+    "EOF"
+)
+
+
+def _running_pids(sb: Sandbox) -> set[int]:
+    return {info.pid for info in sb.commands.list()}
+
+
+def test_server_in_background_is_reached_from_the_same_sandbox(jail: Sandbox) -> None:
+    jail.files.write("hello.txt", "from the background server\n")
+    server = jail.commands.run(
+        "exec /usr/bin/python3 -m http.server 8765 --bind 127.0.0.1", background=True
+    )
+    assert server.pid > 0
+    assert server.pid in _running_pids(jail)
+    fetched = jail.commands.run(FETCH, env={"PORT": "8765"}, timeout_s=20)
+    assert fetched.stdout == "from the background server\n", fetched
+    assert server.kill() is True
+    result = server.wait(timeout_s=10)
+    assert result.kill_reason == "killed"
+    assert "GET /hello.txt" in result.stderr  # the server's own log, kept as any call's
+    assert server.pid not in _running_pids(jail)
+    assert server.kill() is False  # already ended
+
+
+def test_stdin_reaches_a_background_cat(sandbox: Sandbox) -> None:
+    cat = sandbox.commands.run("cat", background=True)
+    cat.send_stdin("hello ")
+    cat.send_stdin(b"world\n")
+    with pytest.raises(CommandStillRunning):
+        cat.wait(timeout_s=0.3)  # cat reads on until its stdin closes
+    cat.close_stdin()
+    result = cat.wait(timeout_s=10)
+    assert (result.exit_code, result.stdout) == (0, "hello world\n")
+    with pytest.raises(InvalidRequest):
+        cat.send_stdin("too late")
+
+
+def test_output_streams_while_it_runs(sandbox: Sandbox) -> None:
+    seen: list[str] = []
+    errors: list[str] = []
+    job = sandbox.commands.run(
+        'echo first; echo oops >&2; read line; echo "got $line"',
+        background=True,
+        on_stdout=seen.append,
+        on_stderr=errors.append,
+    )
+    deadline = time.monotonic() + 10
+    while "first" not in "".join(seen) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "".join(seen) == "first\n"  # streamed before the command ended
+    assert job.pid in _running_pids(sandbox)
+    job.send_stdin("more\n")
+    result = job.wait(timeout_s=10)
+    assert result.stdout == "first\ngot more\n"
+    assert "".join(errors) == result.stderr == "oops\n"
+    assert "".join(seen) == result.stdout
+
+
+def test_background_leaves_its_session_free_and_unchanged(sandbox: Sandbox) -> None:
+    before = sandbox.commands.run("pwd").stdout
+    sleeper = sandbox.commands.run("cd / && export MARK=bg && sleep 60", background=True)
+    started = time.monotonic()
+    here = sandbox.commands.run('pwd; echo "mark=$MARK"')
+    assert time.monotonic() - started < 5  # not queued behind the sleeper's session
+    assert here.stdout == before + "mark=\n"
+    assert sleeper.kill()
+
+
+def test_more_than_the_cap_is_refused(manager: SandboxManager, backend_name: str) -> None:
+    cap = manager.settings.max_background_commands
+    with Sandbox.create(manager=manager, **placement(backend_name), pids=256) as sb:
+        jobs = [sb.commands.run("sleep 60", background=True) for _ in range(cap)]
+        assert _running_pids(sb) == {job.pid for job in jobs}
+        with pytest.raises(BackgroundLimitReached):
+            sb.commands.run("sleep 60", background=True)
+        assert jobs[0].kill()
+        again = sb.commands.run("echo again", background=True)  # a slot is free again
+        assert again.wait(timeout_s=10).stdout == "again\n"
+        assert sb.commands.run("echo foreground").stdout == "foreground\n"
+
+
+def test_unknown_pid_and_fresh_are_typed_errors(sandbox: Sandbox) -> None:
+    with pytest.raises(CommandNotFound):
+        sandbox.commands.connect(999_999)
+    with pytest.raises(CommandNotFound):
+        sandbox.commands.kill(999_999)
+    with pytest.raises(ConfigError):
+        sandbox.commands.run("true", background=True, fresh=True)
+    assert isinstance(CommandNotFound("x"), SandboxNotFound)
+
+
+def test_connect_streams_further_output(sandbox: Sandbox) -> None:
+    job = sandbox.commands.run('read a; echo "after $a"; read b', background=True)
+    seen: list[str] = []
+    again = sandbox.commands.connect(job.pid, on_stdout=seen.append)
+    assert again.pid == job.pid
+    again.send_stdin("one\n")
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "".join(seen) == "after one\n"
+    again.close_stdin()
+    assert job.wait(timeout_s=10).exit_code == 1  # `read b` met end of file
+
+
+def test_destroy_kills_every_background_command(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    baseline = leaks.snapshot(manager, orphans=leaks.no_orphans)
+    sb = Sandbox.create(manager=manager, **placement(isolated_backend))
+    # A plain sleeper, one that left its group and session, and one ignoring SIGTERM/HUP.
+    sb.commands.run("sleep 1000", background=True)
+    sb.commands.run("setsid sleep 1000 & disown; sleep 1000", background=True)
+    waiter = sb.commands.run("trap '' TERM HUP; while :; do sleep 1; done", background=True)
+    assert len(sb.commands.list()) == 3
+    sb.kill()
+    assert leaks.wait_for_baseline(manager, baseline, orphans=leaks.no_orphans) == {}
+    with pytest.raises((SandboxNotRunning, SandboxNotFound)):
+        waiter.wait(timeout_s=1)
+
+
+def test_a_background_command_cannot_forge_a_reply(jail: Sandbox) -> None:
+    # It writes a well-formed guest frame (a result for call ids 1..64) everywhere it can
+    # reach. Processes of one sandbox share a uid, so it can write into another command's
+    # pipes (as any process left behind could): that is data in that command's output. What
+    # it must not reach is the guest's channel to the host (the supervisor is not dumpable):
+    # no call's result, exit code or end may be forged.
+    forger = jail.commands.run(
+        'frame=\'{"id":%d,"event":"result","result":{"exit_code":0,'
+        '"stdout":"FORGED"}}\'\n'
+        "for i in $(seq 1 64); do\n"
+        '  body=$(printf "$frame" $i)\n'
+        "  for fd in /proc/[0-9]*/fd/1 /proc/[0-9]*/fd/[0-9]*; do\n"
+        '    printf "$body" > "$fd" 2>/dev/null\n'
+        "  done\n"
+        "done\n"
+        "sleep 1; echo forger done",
+        background=True,
+    )
+    for _ in range(5):
+        mine = jail.commands.run("echo mine; exit 3")
+        assert mine.exit_code == 3 and "mine\n" in mine.stdout  # its own end, not a forged one
+        code = jail.run_code("21 * 2")
+        assert code.text == "42"
+    result = forger.wait(timeout_s=30)
+    assert result.stdout.endswith("forger done\n")
+    assert jail.commands.run("echo check").stdout == "check\n"
+
+
+def test_spill_files_of_background_commands_share_a_quarter_of_the_disk(jail: Sandbox) -> None:
+    # Each background command may spill at most disk/4/cap: several flooding ones together
+    # stay far below the disk cap, and the sandbox keeps working.
+    floods = [
+        jail.commands.run("head -c 50000000 /dev/zero | tr '\\0' x", background=True)
+        for _ in range(3)
+    ]
+    results = [flood.wait(timeout_s=60) for flood in floods]
+    disk_bytes = jail.info.limits.disk_mb * 1024 * 1024
+    spilled = jail.commands.run("du -sb .sandlot/outputs | cut -f1")
+    assert int(spilled.stdout.strip() or 0) <= disk_bytes // 4
+    assert all(r.stdout_truncated for r in results)
+    assert jail.commands.run("echo ok").stdout == "ok\n"
+
+
+# ---------------------------------------------------------------- REST and the remote SDK
+
+
+def test_rest_background_round_trip(live_server: LiveServer) -> None:
+    headers = live_server.headers("alice")
+    with httpx.Client(base_url=live_server.url, headers=headers, timeout=60) as http:
+        created = http.post("/v1/sandboxes", json={"backend": "bubblewrap"})
+        assert created.status_code == 201, created.text
+        base = f"/v1/sandboxes/{created.json()['id']}"
+        try:
+            started = http.post(f"{base}/commands", json={"command": "cat", "background": True})
+            assert started.status_code == 202, started.text
+            pid = started.json()["pid"]
+            assert [c["pid"] for c in http.get(f"{base}/commands").json()] == [pid]
+            still = http.get(f"{base}/commands/{pid}/wait", params={"timeout_s": 0.2})
+            assert still.status_code == 202 and still.json()["running"] is True
+            sent = http.post(f"{base}/commands/{pid}/stdin", json={"data": "hi\n", "eof": True})
+            assert sent.status_code == 204, sent.text
+            done = http.get(f"{base}/commands/{pid}/wait", params={"timeout_s": 10})
+            assert done.status_code == 200 and done.json()["stdout"] == "hi\n"
+            missing = http.delete(f"{base}/commands/424242")
+            assert missing.status_code == 404
+            assert missing.json()["error"]["code"] == "command_not_found"
+            # Another tenant cannot see or kill it.
+            other = http.get(f"{base}/commands", headers=live_server.headers("bob"))
+            assert other.status_code == 404
+        finally:
+            http.delete(base)
+
+
+def test_remote_sdk_background_round_trip(live_server: LiveServer) -> None:
+    with Sandbox.create(api_url=live_server.url, api_key=live_server.keys["alice"]) as sb:
+        sb.files.write("hello.txt", "remote hello\n")
+        server = sb.commands.run(
+            "exec /usr/bin/python3 -m http.server 8766 --bind 127.0.0.1", background=True
+        )
+        assert [c.pid for c in sb.commands.list()] == [server.pid]
+        fetched = sb.commands.run(FETCH, env={"PORT": "8766"}, timeout_s=20)
+        assert fetched.stdout == "remote hello\n"
+        cat = sb.commands.run("cat", background=True)
+        cat.send_stdin("over http\n")
+        cat.close_stdin()
+        assert cat.wait(timeout_s=10).stdout == "over http\n"
+        assert sb.commands.kill(server.pid) is True
+        assert server.wait(timeout_s=10).kill_reason == "killed"
+        assert sb.commands.connect(server.pid).info.running is False
+        with pytest.raises(ConfigError):
+            sb.commands.run("true", background=True, on_stdout=print)
+        with pytest.raises(CommandNotFound):
+            sb.commands.kill(424242)
