@@ -79,11 +79,15 @@ def test_blocking_methods_keep_signature_and_docstring() -> None:
     pairs = [
         (sandlot.Sandbox.run_code, sandlot.AsyncSandbox.run_code),
         (sandlot.Sandbox.set_timeout, sandlot.AsyncSandbox.set_timeout),
-        (Commands.run, AsyncCommands.run),
     ]
     for blocking, original in pairs:
         assert inspect.signature(blocking) == inspect.signature(original)
         assert blocking.__doc__ == original.__doc__
+    # run(background=True) returns a handle, the blocking one its own: the same parameters.
+    run, original_run = inspect.signature(Commands.run), inspect.signature(AsyncCommands.run)
+    assert run.parameters == original_run.parameters
+    assert run.return_annotation == "ExecResult | CommandHandle"
+    assert Commands.run.__doc__ == AsyncCommands.run.__doc__
     create = inspect.signature(sandlot.Sandbox.create)
     original = inspect.signature(sandlot.AsyncSandbox.create)
     assert list(create.parameters) == list(original.parameters)

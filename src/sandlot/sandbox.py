@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import inspect
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Literal, Self, TypeVar, overload
@@ -545,10 +546,34 @@ class Commands(SyncTwin[AsyncCommands]):
 
     @overload
     def run(
-        self, command: str, *, background: Literal[False] = False, **options: Any
+        self,
+        command: str,
+        *,
+        background: Literal[False] = False,
+        session: str = "default",
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        input: str | None = None,
+        fresh: bool = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
     ) -> ExecResult: ...
     @overload
-    def run(self, command: str, *, background: Literal[True], **options: Any) -> CommandHandle: ...
+    def run(
+        self,
+        command: str,
+        *,
+        background: Literal[True],
+        session: str = "default",
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        input: str | None = None,
+        fresh: bool = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandHandle: ...
     def run(self, command: str, *, background: bool = False, **options: Any) -> Any:
         result = self._portal.call(
             self._inner.run(command, background=background, **options)  # type: ignore[call-overload]
@@ -558,6 +583,9 @@ class Commands(SyncTwin[AsyncCommands]):
         return result
 
     run.__doc__ = AsyncCommands.run.__doc__
+    run.__signature__ = inspect.signature(AsyncCommands.run).replace(  # type: ignore[attr-defined]
+        return_annotation="ExecResult | CommandHandle"
+    )
     list = blocking(AsyncCommands.list)
     kill = blocking(AsyncCommands.kill)
 
