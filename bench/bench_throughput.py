@@ -98,8 +98,8 @@ def _cgroup_usage_s(managers: Sequence[SandboxManager]) -> float:
     total_ns = 0
     for manager in managers:
         with contextlib.suppress(Exception):
-            backend = manager._backend("bubblewrap")  # noqa: SLF001 - a bench may look inside
-            parts = (*backend._cgroup_prefix, backend.instance)  # type: ignore[attr-defined]  # noqa: SLF001
+            backend = manager._backend("bubblewrap")
+            parts = (*backend._cgroup_prefix, backend.instance)  # type: ignore[attr-defined]
             cgroup = backend.cgroups.path(*parts)  # type: ignore[attr-defined]
             total_ns += int((cgroup.dirs["cpuacct"] / "cpuacct.usage").read_text())
     return total_ns / 1e9
