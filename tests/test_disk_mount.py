@@ -62,3 +62,23 @@ async def test_racing_creates_get_their_own_devices_nosuid_nodev_and_none_is_lef
             break
         await asyncio.sleep(0.02)
     assert _devices_backed_by(tmp_path) == []
+
+
+async def test_a_busy_mount_is_detached_lazily_and_its_device_freed_when_let_go(
+    tmp_path: Path,
+) -> None:
+    point = tmp_path / "m"
+    await create_loop_disk(tmp_path / "d.img", point, 8)
+    held = os.open(point / "held", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        await unmount(point)  # the open file makes the plain unmount fail with EBUSY
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+        assert all(line.split()[1] != str(point) for line in mounts)
+        assert len(_devices_backed_by(tmp_path)) == 1  # still held by the open file
+    finally:
+        os.close(held)
+    for _ in range(100):
+        if not _devices_backed_by(tmp_path):
+            break
+        await asyncio.sleep(0.02)
+    assert _devices_backed_by(tmp_path) == []

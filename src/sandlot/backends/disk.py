@@ -145,21 +145,19 @@ def mounted_below(root: Path) -> list[Path]:
 
 async def unmount(mountpoint: Path) -> None:
     """Unmount (lazily if something still holds it); the loop device is freed with it."""
-    proc = await asyncio.create_subprocess_exec(
-        "umount",
-        str(mountpoint),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    if await proc.wait() != 0:
-        lazy = await asyncio.create_subprocess_exec(
-            "umount",
-            "-l",
-            str(mountpoint),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        await lazy.wait()
+    # umount2(2) directly: umount(8) is a process (~2 ms of CPU) for the same system call.
+    if not await asyncio.to_thread(_umount2, mountpoint, _UMOUNT_NOFOLLOW):
+        await asyncio.to_thread(_umount2, mountpoint, _UMOUNT_NOFOLLOW | _MNT_DETACH)
+
+
+_MNT_DETACH = 2
+_UMOUNT_NOFOLLOW = 8
+
+
+def _umount2(mountpoint: Path, flags: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    result: int = libc.umount2(str(mountpoint).encode(), flags)
+    return result == 0
 
 
 def volume_paths(root: Path) -> tuple[Path, Path]:
