@@ -21,7 +21,7 @@ DOCKER_TARGETS := docker,docker+runsc
 
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
-	bench-agent bench-agent-builtin fresh-root-run test-scale
+	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -116,6 +116,11 @@ bench: venv image
 	$(PY) bench/bench_core.py --rounds 5 --output BENCHMARKS.md
 	$(PY) bench/bench_backends.py --rounds 5 --output BENCHMARKS.md
 	$(PY) bench/bench_server.py --rounds 3 --output BENCHMARKS.md
+
+# HumanEval's 164 canonical solutions, each in a fresh sandbox (cold, and with a warm pool of
+# 2) against a bare python3 per task, interleaved rounds; appends a table to BENCHMARKS.md.
+bench-throughput: venv
+	$(PY) bench/bench_throughput.py --rounds 3 --workers 1 --output BENCHMARKS.md
 
 # 30 minutes (at most 10,000 lifecycles) of 20 clients against one real server, a hostile
 # program in every 10th lifecycle; fails on any 5xx, wrong result, leak or RSS growth over

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
+import fcntl
 import os
 import shutil
+import struct
 from pathlib import Path
 
 from sandlot.errors import SandboxStartError
@@ -60,9 +64,71 @@ async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int) -> None:
         str(image),
     )
     mountpoint.mkdir(parents=True, exist_ok=True)
-    await _run("mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint))
+    try:
+        await asyncio.to_thread(_loop_mount, image, mountpoint)
+    except _NoLoopConfigure:
+        await _run("mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint))
     with contextlib.suppress(OSError):
         (mountpoint / "lost+found").rmdir()
+
+
+# mount(8) took ~27 ms of wall time and ~12 ms of CPU per sandbox here (a process, libmount
+# reading the mount table, its own loop set-up); the same loop set-up and mount(2) done
+# directly take ~5 ms. Same result: an autoclear loop device (freed by the unmount), mounted
+# ext4 with nosuid,nodev.
+_LOOP_CTL_GET_FREE = 0x4C82
+_LOOP_CONFIGURE = 0x4C0A  # Linux >= 5.8; mount(8) does the same where it is missing
+_LO_FLAGS_AUTOCLEAR = 4
+_LOOP_INFO64_BYTES = 232
+_LO_FLAGS_OFFSET = 52  # of lo_flags in struct loop_info64
+_MS_NOSUID, _MS_NODEV = 2, 4
+_LOOP_BUSY_RETRIES = 64
+
+
+class _NoLoopConfigure(Exception):
+    """This kernel has no LOOP_CONFIGURE: fall back to mount(8)."""
+
+
+def _loop_config(image_fd: int) -> bytes:
+    """struct loop_config: the backing fd, block size 0 (default), loop_info64, reserved."""
+    info = bytearray(_LOOP_INFO64_BYTES)
+    struct.pack_into("I", info, _LO_FLAGS_OFFSET, _LO_FLAGS_AUTOCLEAR)
+    return struct.pack("II", image_fd, 0) + bytes(info) + bytes(8 * 8)
+
+
+def _loop_mount(image: Path, mountpoint: Path) -> None:
+    """Attach ``image`` to a free loop device and mount it on ``mountpoint`` (blocking)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    image_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for _ in range(_LOOP_BUSY_RETRIES):
+            device = f"/dev/loop{fcntl.ioctl(ctl, _LOOP_CTL_GET_FREE)}"
+            try:
+                device_fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:  # no device node (a /dev without devtmpfs): mount(8)
+                raise _NoLoopConfigure from exc
+            try:
+                try:
+                    fcntl.ioctl(device_fd, _LOOP_CONFIGURE, _loop_config(image_fd))
+                except OSError as exc:
+                    if exc.errno == errno.EBUSY:  # another create took it first: next one
+                        continue
+                    if exc.errno in (errno.EINVAL, errno.ENOTTY):
+                        raise _NoLoopConfigure from exc
+                    raise SandboxStartError(f"could not attach a loop device: {exc}") from exc
+                flags = _MS_NOSUID | _MS_NODEV
+                if libc.mount(device.encode(), str(mountpoint).encode(), b"ext4", flags, None):
+                    code = ctypes.get_errno()
+                    # Autoclear frees the device once the last fd closes, as it is unmounted.
+                    raise SandboxStartError(f"could not mount {device}: {os.strerror(code)}")
+                return
+            finally:
+                os.close(device_fd)
+        raise SandboxStartError("no free loop device (every one taken while trying)")
+    finally:
+        os.close(ctl)
+        os.close(image_fd)
 
 
 def mounted_below(root: Path) -> list[Path]:
@@ -79,21 +145,19 @@ def mounted_below(root: Path) -> list[Path]:
 
 async def unmount(mountpoint: Path) -> None:
     """Unmount (lazily if something still holds it); the loop device is freed with it."""
-    proc = await asyncio.create_subprocess_exec(
-        "umount",
-        str(mountpoint),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    if await proc.wait() != 0:
-        lazy = await asyncio.create_subprocess_exec(
-            "umount",
-            "-l",
-            str(mountpoint),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        await lazy.wait()
+    # umount2(2) directly: umount(8) is a process (~2 ms of CPU) for the same system call.
+    if not await asyncio.to_thread(_umount2, mountpoint, _UMOUNT_NOFOLLOW):
+        await asyncio.to_thread(_umount2, mountpoint, _UMOUNT_NOFOLLOW | _MNT_DETACH)
+
+
+_MNT_DETACH = 2
+_UMOUNT_NOFOLLOW = 8
+
+
+def _umount2(mountpoint: Path, flags: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    result: int = libc.umount2(str(mountpoint).encode(), flags)
+    return result == 0
 
 
 def volume_paths(root: Path) -> tuple[Path, Path]:

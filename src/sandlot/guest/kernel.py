@@ -1,12 +1,12 @@
 """The Python kernel: a child process that runs cells in one persistent namespace.
 
 Standard library only, Python >= 3.9 (shipped into every sandbox). The supervisor starts it
-as ``supervisor.py --kernel CTL_IN CTL_OUT`` (see ``cells.py``) and sends each cell as a frame
+with ``kernel.main(["-c", "--kernel", CTL_IN, CTL_OUT])`` (``KERNEL_LAUNCHER`` in
+``supervisor.py``, started by ``cells.py``) and sends each cell as a frame
 on CTL_IN; the kernel answers on CTL_OUT. Its stdout and stderr are the cell's.
 """
 
 import ast
-import asyncio
 import builtins
 import linecache
 import os
@@ -102,6 +102,11 @@ def kernel_main(ctl_in, ctl_out):
 
     def _run_async(awaitable):
         if state["loop"] is None:
+            # Imported on the first top-level await only: asyncio (with ssl and
+            # concurrent.futures) is ~25 ms of CPU that every kernel start paid, for cells
+            # that seldom await.
+            import asyncio
+
             state["loop"] = asyncio.new_event_loop()
         return state["loop"].run_until_complete(awaitable)
 
@@ -151,3 +156,8 @@ def kernel_main(ctl_in, ctl_out):
             pass
         result["nonce"] = request.get("nonce")
         writer.send(result)
+
+
+def main(argv):
+    """Entry point of the kernel process: ``argv`` is ``[..., "--kernel", CTL_IN, CTL_OUT]``."""
+    kernel_main(int(argv[-2]), int(argv[-1]))

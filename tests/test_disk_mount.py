@@ -1,0 +1,84 @@
+"""The workspace image's loop mount, done with LOOP_CONFIGURE + mount(2) (backends/disk.py).
+
+Real loop devices and mounts, as root: the options the walls rely on (nosuid, nodev, ext4 of
+the requested size), distinct devices for creates racing for the same free one, and no loop
+device left behind once unmounted (autoclear).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from sandlot.backends.disk import create_loop_disk, loop_disks_available, unmount
+
+pytestmark = pytest.mark.skipif(not loop_disks_available()[0], reason="needs loop devices")
+
+
+def _mount_of(point: Path) -> tuple[str, str, set[str]]:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        device, where, fstype, options, *_ = line.split()
+        if where == str(point):
+            return device, fstype, set(options.split(","))
+    raise AssertionError(f"{point} is not mounted")
+
+
+def _devices_backed_by(root: Path) -> list[str]:
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            if backing.read_text().strip().startswith(str(root)):
+                found.append(backing.parent.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+async def test_racing_creates_get_their_own_devices_nosuid_nodev_and_none_is_left(
+    tmp_path: Path,
+) -> None:
+    count = 6
+    points = [tmp_path / f"m{i}" for i in range(count)]
+    await asyncio.gather(
+        *(create_loop_disk(tmp_path / f"d{i}.img", point, 8) for i, point in enumerate(points))
+    )
+    try:
+        mounts = [_mount_of(point) for point in points]
+        assert len({device for device, _, _ in mounts}) == count, mounts
+        for device, fstype, options in mounts:
+            assert device.startswith("/dev/loop") and fstype == "ext4"
+            assert {"nosuid", "nodev", "rw"} <= options, options
+        stats = os.statvfs(points[0])
+        assert 6 * 1024 * 1024 < stats.f_blocks * stats.f_frsize <= 8 * 1024 * 1024
+        assert len(_devices_backed_by(tmp_path)) == count
+    finally:
+        for point in points:
+            await unmount(point)
+    for _ in range(100):  # the autoclear detach runs as the last reference goes
+        if not _devices_backed_by(tmp_path):
+            break
+        await asyncio.sleep(0.02)
+    assert _devices_backed_by(tmp_path) == []
+
+
+async def test_a_busy_mount_is_detached_lazily_and_its_device_freed_when_let_go(
+    tmp_path: Path,
+) -> None:
+    point = tmp_path / "m"
+    await create_loop_disk(tmp_path / "d.img", point, 8)
+    held = os.open(point / "held", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        await unmount(point)  # the open file makes the plain unmount fail with EBUSY
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+        assert all(line.split()[1] != str(point) for line in mounts)
+        assert len(_devices_backed_by(tmp_path)) == 1  # still held by the open file
+    finally:
+        os.close(held)
+    for _ in range(100):
+        if not _devices_backed_by(tmp_path):
+            break
+        await asyncio.sleep(0.02)
+    assert _devices_backed_by(tmp_path) == []
