@@ -259,15 +259,16 @@ def _ensure_user() -> pwd.struct_passwd:
     return pwd.getpwnam(USER)
 
 
-def _python_for(prefix: list[str], env: dict[str, str], src: Path) -> tuple[str, str]:
+def _python_for(
+    prefix: list[str], env: dict[str, str], src: Path, site: list[str]
+) -> tuple[str, str]:
     """An interpreter the user can run that imports sandlot (from ``src``) and its
     dependencies, and the PYTHONPATH it needs: this venv's python if the user can reach it,
-    else the system's with this venv's site-packages (same minor version)."""
-    site = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    else the system's with this venv's site-packages (``site``: same minor version)."""
     tried = []
     for python, path in (
         (sys.executable, str(src)),
-        ("/usr/bin/python3", ":".join([str(src), *dict.fromkeys(site)])),
+        ("/usr/bin/python3", ":".join([str(src), *site])),
     ):
         check = subprocess.run(
             [*prefix, python, "-c", "import sandlot, pydantic, structlog, pyseccomp"],
@@ -280,6 +281,26 @@ def _python_for(prefix: list[str], env: dict[str, str], src: Path) -> tuple[str,
             return python, path
         tried.append(f"{python}: {check.stderr.strip()[-300:]}")
     pytest.fail("no python the test user can run imports sandlot: " + " | ".join(tried))
+
+
+def _readable_site(prefix: list[str], scratch: Path, mounts: list[Path]) -> list[str]:
+    """This venv's site-packages, as paths the user can reach. A checkout under a 0700
+    directory (a clone in /root) keeps them out of reach: they are then bound read-only into
+    ``scratch`` (appended to ``mounts``, for the caller to unmount), not copied."""
+    paths = []
+    for index, site in enumerate(
+        dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    ):
+        probe = subprocess.run([*prefix, "test", "-r", str(Path(site) / "pydantic")], check=False)
+        if probe.returncode == 0:
+            paths.append(site)
+            continue
+        target = scratch / f"site-{index}"
+        target.mkdir(mode=0o755)
+        subprocess.run(["mount", "--bind", "-o", "ro", site, str(target)], check=True)
+        mounts.append(target)
+        paths.append(str(target))
+    return paths
 
 
 def _readable_src(prefix: list[str], scratch: Path) -> Path:
@@ -320,13 +341,17 @@ def child() -> Iterator[tuple[list[str], dict[str, str], str, Path]]:
     if userns.returncode != 0:
         shutil.rmtree(scratch, ignore_errors=True)
         pytest.skip(f"unprivileged user namespaces fail: {userns.stderr.strip()} {userns_hint()}")
+    mounts: list[Path] = []
     try:
-        python, pythonpath = _python_for(prefix, env, _readable_src(prefix, scratch))
+        site = _readable_site(prefix, scratch, mounts)
+        python, pythonpath = _python_for(prefix, env, _readable_src(prefix, scratch), site)
         program = scratch / "child.py"
         program.write_text(CHILD)
         program.chmod(0o644)
         yield [*prefix, python], env | {"PYTHONPATH": pythonpath}, str(program), home
     finally:
+        for target in mounts:
+            subprocess.run(["umount", str(target)], check=False)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
