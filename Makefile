@@ -14,8 +14,11 @@ PY := $(VENV)/bin/python
 RUN_PACKAGES := bubblewrap util-linux mount e2fsprogs libseccomp2 procps python3
 # llama-cpp-python (the [local] extra) builds llama.cpp from source; strace lets the hostile
 # suite try it inside a sandbox instead of skipping that case; matplotlib and pandas give the
-# rich-output tests a figure and a DataFrame inside a bubblewrap sandbox (it sees host /usr).
-TEST_PACKAGES := $(RUN_PACKAGES) build-essential cmake strace python3-matplotlib python3-pandas
+# rich-output tests a figure and a DataFrame inside a bubblewrap sandbox (it sees host /usr);
+# curl is what the README's examples call; iproute2 and iptables make network=True's veth pair
+# and NAT. (A run in a pristine root found the last three missing: this host had them.)
+TEST_PACKAGES := $(RUN_PACKAGES) build-essential cmake strace python3-matplotlib python3-pandas \
+	curl iproute2 iptables
 
 DOCKER_TARGETS := docker,docker+runsc
 
