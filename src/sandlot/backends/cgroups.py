@@ -360,27 +360,36 @@ def _enable_controllers(cgroup_dir: Path) -> None:
         else:
             return
         # New processes can be forked into it while we move the others: a few rounds.
-        _evacuate(cgroup_dir)
+        moved = evacuate(cgroup_dir, EVACUATION_LEAF)
+        log.warning(
+            "moved processes out of a cgroup so its children can have limits",
+            cgroup=str(cgroup_dir),
+            to=EVACUATION_LEAF,
+            moved=moved,
+        )
     raise _cannot_enable(control, wanted, last) from last
 
 
-def _evacuate(cgroup_dir: Path) -> None:
-    """Move every process of ``cgroup_dir`` into its leaf child :data:`EVACUATION_LEAF`."""
-    leaf = cgroup_dir / EVACUATION_LEAF
+def evacuate(cgroup_dir: Path, leaf_name: str) -> int:
+    """Move every process of ``cgroup_dir`` into its leaf child ``leaf_name`` (made if there is
+    any); return how many moved.
+
+    Raises:
+        OSError: the leaf cannot be made, or a process cannot be moved there.
+    """
+    pids = _read(cgroup_dir / "cgroup.procs").split()
+    if not pids:
+        return 0
+    leaf = cgroup_dir / leaf_name
     leaf.mkdir(exist_ok=True)
     moved = 0
-    for line in _read(cgroup_dir / "cgroup.procs").split():
+    for pid in pids:
         try:
-            (leaf / "cgroup.procs").write_text(line)
+            (leaf / "cgroup.procs").write_text(pid)
             moved += 1
         except ProcessLookupError:  # it exited meanwhile
             continue
-    log.warning(
-        "moved processes out of a cgroup so its children can have limits",
-        cgroup=str(cgroup_dir),
-        to=str(leaf),
-        moved=moved,
-    )
+    return moved
 
 
 def _cannot_enable(control: Path, wanted: str, exc: OSError) -> BackendUnavailable:

@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandlot.backends.cgroups import REQUIRED, CgroupDriver
+from sandlot.backends.cgroups import REQUIRED, CgroupDriver, evacuate
 from sandlot.errors import BackendUnavailable
 
 MANAGER_LEAF = "sandlot-manager"
@@ -168,16 +168,8 @@ def prepare(delegation: Delegation) -> CgroupDriver:
     """
     root = delegation.root
     leaf = root / MANAGER_LEAF
-    procs = root / "cgroup.procs"
     try:
-        pids = procs.read_text().split()
-        if pids:
-            leaf.mkdir(exist_ok=True)
-        for pid in pids:
-            try:
-                (leaf / "cgroup.procs").write_text(pid)
-            except ProcessLookupError:
-                continue  # it exited meanwhile
+        evacuate(root, MANAGER_LEAF)
     except OSError as exc:
         raise BackendUnavailable(
             f"cannot move the processes of the delegated cgroup {root} into {leaf}: {exc}; "

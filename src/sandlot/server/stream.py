@@ -166,14 +166,7 @@ class _Budget:
 
 def _put(outbox: asyncio.Queue[dict[str, Any] | None], stream: str, budget: _Budget) -> Any:
     def put(text: str) -> None:
-        # A client that does not read must not make the server hold its output: past the
-        # cap, chunks are dropped (the final result still carries head and tail).
-        cost = _cost(text)
-        if budget.queued + cost > STREAM_QUEUE_MAX_BYTES:
-            _notice_dropped(outbox, budget)
-            return
-        budget.queued += cost
-        outbox.put_nowait({"type": stream, "data": text})
+        _offer(outbox, budget, {"type": stream, "data": text}, _cost(text))
 
     return put
 
@@ -183,18 +176,21 @@ def _put_result(outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget) -
         # Bounded per cell by the output cap already; counted against the same queue cap as
         # text so that a client that does not read holds nothing more.
         item = {"type": "display", "result": result.model_dump(mode="json")}
-        cost = _item_cost(item)
-        if budget.queued + cost > STREAM_QUEUE_MAX_BYTES:
-            _notice_dropped(outbox, budget)
-            return
-        budget.queued += cost
-        outbox.put_nowait(item)
+        _offer(outbox, budget, item, _item_cost(item))
 
     return put
 
 
-def _notice_dropped(outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget) -> None:
-    if not budget.dropped:
+def _offer(
+    outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget, item: dict[str, Any], cost: int
+) -> None:
+    """Queue a streamed item unless that would pass the cap. A client that does not read must
+    not make the server hold its output: past the cap, items are dropped (the final result
+    still carries the output's head and tail, and every rich result), with one notice."""
+    if budget.queued + cost <= STREAM_QUEUE_MAX_BYTES:
+        budget.queued += cost
+        outbox.put_nowait(item)
+    elif not budget.dropped:
         budget.dropped = True
         outbox.put_nowait(
             {
