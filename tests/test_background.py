@@ -70,6 +70,56 @@ def test_stdin_reaches_a_background_cat(sandbox: Sandbox) -> None:
         cat.send_stdin("too late")
 
 
+def test_input_for_a_command_that_never_reads_is_refused_once_it_ends(
+    manager: SandboxManager, backend_name: str
+) -> None:
+    """Failed before: input queued past the queue's room for a command that does not read
+    waited for room that nothing would ever make once the command ended: the request hung
+    for good (an API client could pile such requests up). Input after EOF was queued too."""
+    from sandlot._portal import get_portal
+    from sandlot.core import background
+
+    with Sandbox.create(manager=manager, **placement(backend_name)) as sb:
+        sleeper = sb.commands.run("exec sleep 2", background=True)
+        chunks = background.STDIN_QUEUE_ITEMS + 8
+        started = time.monotonic()
+        with pytest.raises(InvalidRequest, match="has ended"):
+            # More than its pipe and the queue hold: the guest's write blocks, the queue
+            # fills, the last sends wait, then the command ends under them.
+            for _ in range(chunks):
+                sleeper.send_stdin("x" * (64 << 10))
+        assert time.monotonic() - started < 30
+        cat = sb.commands.run("cat", background=True)
+        cat.close_stdin()
+        with pytest.raises(InvalidRequest):
+            cat.send_stdin("after the end of its input")
+        assert cat.wait(timeout_s=10).exit_code == 0
+
+        # Polling a command adds no listener to the list every output chunk walks.
+        job = sb.commands.run("exec sleep 30", background=True)
+        for _ in range(50):
+            get_portal().call(manager.command_info(sb.id, job.pid))
+            get_portal().call(manager.connect_command(sb.id, job.pid))
+        listeners = manager._background[sb.id]._job(job.pid).listeners  # type: ignore[attr-defined]
+        assert len(listeners) == 1
+        job.kill()
+
+
+def test_a_surface_without_a_background_mode_refuses_the_flag(
+    manager: SandboxManager, backend_name: str
+) -> None:
+    """Failed before: ``background`` sent where a call runs in the foreground (the WebSocket,
+    MCP) ran the command in the foreground, holding its session, as if the flag were not
+    there."""
+    from sandlot._portal import get_portal
+    from sandlot.requests import RunCommand
+
+    with Sandbox.create(manager=manager, **placement(backend_name)) as sb:
+        request = RunCommand(command="sleep 30", background=True)
+        with pytest.raises(ConfigError, match="background"):
+            get_portal().call(manager.run_command(sb.id, request))
+
+
 def test_output_streams_while_it_runs(sandbox: Sandbox) -> None:
     seen: list[str] = []
     errors: list[str] = []
@@ -220,9 +270,27 @@ def test_rest_background_round_trip(live_server: LiveServer) -> None:
             missing = http.delete(f"{base}/commands/424242")
             assert missing.status_code == 404
             assert missing.json()["error"]["code"] == "command_not_found"
-            # Another tenant cannot see or kill it.
-            other = http.get(f"{base}/commands", headers=live_server.headers("bob"))
-            assert other.status_code == 404
+            # Another tenant cannot see, wait for, feed or kill it; a viewer may only look.
+            bob = live_server.headers("bob")
+            viewer = live_server.headers("viewer")
+            for verb, path, kwargs in (
+                ("GET", f"{base}/commands", {}),
+                ("GET", f"{base}/commands/{pid}", {}),
+                ("GET", f"{base}/commands/{pid}/wait", {"params": {"timeout_s": 0.1}}),
+                ("POST", f"{base}/commands/{pid}/stdin", {"json": {"data": "x"}}),
+                ("DELETE", f"{base}/commands/{pid}", {}),
+            ):
+                other = http.request(verb, path, headers=bob, **kwargs)
+                assert other.status_code == 404, (verb, path, other.text)
+                bare = httpx.request(verb, live_server.url + path, **kwargs)
+                assert bare.status_code == 401, (verb, path, bare.text)
+            for verb, path, kwargs in (
+                ("POST", f"{base}/commands", {"json": {"command": "true", "background": True}}),
+                ("POST", f"{base}/commands/{pid}/stdin", {"json": {"data": "x"}}),
+                ("DELETE", f"{base}/commands/{pid}", {}),
+            ):
+                looked = http.request(verb, path, headers=viewer, **kwargs)
+                assert looked.status_code == 403, (verb, path, looked.text)
         finally:
             http.delete(base)
 

@@ -233,3 +233,36 @@ def test_http_without_a_key_is_refused(live_server: LiveServer, headers: dict[st
     answer = httpx.post(live_server.url + "/mcp", json=body, headers=headers)
     assert answer.status_code == 401
     assert answer.json()["error"]["code"] == "unauthenticated"
+
+
+def test_http_session_is_served_only_to_the_key_that_opened_it(live_server: LiveServer) -> None:
+    """A leaked ``mcp-session-id`` is worth nothing with another key: the session answers as
+    if it did not exist, and cannot be ended (which would end its owner's default sandbox).
+    Failed before: any authenticated key could post into, or DELETE, any session."""
+    import httpx
+
+    url = live_server.url + "/mcp"
+    accept = {"Accept": "application/json, text/event-stream"}
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "probe", "version": "1"},
+        },
+    }
+    opened = httpx.post(url, json=body, headers=live_server.headers("alice") | accept)
+    assert opened.status_code == 200, opened.text
+    session = {"mcp-session-id": opened.headers["mcp-session-id"]}
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    for verb, kwargs in (("POST", {"json": ping}), ("DELETE", {})):
+        foreign = httpx.request(
+            verb, url, headers=live_server.headers("bob") | accept | session, **kwargs
+        )
+        assert foreign.status_code == 404, (verb, foreign.status_code, foreign.text)
+    own = httpx.post(url, json=ping, headers=live_server.headers("alice") | accept | session)
+    assert own.status_code == 200, own.text
+    ended = httpx.delete(url, headers=live_server.headers("alice") | accept | session)
+    assert ended.status_code == 200, ended.text

@@ -36,6 +36,7 @@ from sandlot.errors import (
 )
 from sandlot.models import (
     ArtifactInfo,
+    CommandInfo,
     ExecError,
     ExecResult,
     FileInfo,
@@ -65,6 +66,7 @@ __all__ = [
     "AsyncSandbox",
     "AuthenticationError",
     "BackendUnavailable",
+    "CommandInfo",
     "ConfigError",
     "ExecError",
     "ExecResult",

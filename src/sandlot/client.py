@@ -29,10 +29,10 @@ from tenacity import (
 )
 
 from sandlot._version import __version__
-from sandlot.core.background import CommandInfo
 from sandlot.errors import CommandStillRunning, ConfigError, SandboxError, error_from_code
 from sandlot.models import (
     ArtifactInfo,
+    CommandInfo,
     ExecResult,
     FileInfo,
     OutputCallback,

@@ -156,6 +156,16 @@ class ExecResult(_Model):
         return self.exit_code == 0 and self.error is None and self.kill_reason is None
 
 
+class CommandInfo(_Model):
+    """A background command: what ``commands.list()`` and a start return."""
+
+    pid: int = Field(description="Its bash's process id inside the sandbox.")
+    command: str
+    started_at: float = Field(description="Unix time it was started.")
+    running: bool = True
+    exit_code: int | None = None
+
+
 class SandboxStatus(StrEnum):
     STARTING = "starting"
     RUNNING = "running"

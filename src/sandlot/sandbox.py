@@ -21,10 +21,10 @@ from sandlot._portal import Portal, get_portal, on_exit
 from sandlot._sync import SyncTwin, blocking, blocking_classmethod, constructor
 from sandlot.config import get_settings
 from sandlot.core import SandboxManager
-from sandlot.core.background import CommandInfo
 from sandlot.errors import ConfigError
 from sandlot.models import (
     ArtifactInfo,
+    CommandInfo,
     ExecResult,
     FileInfo,
     OutputCallback,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import builtins
 from typing import Protocol, runtime_checkable
 
-from sandlot.core.background import CommandInfo
 from sandlot.models import (
     ArtifactInfo,
+    CommandInfo,
     ExecResult,
     FileInfo,
     OutputCallback,

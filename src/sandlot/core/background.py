@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, Field
-
 from sandlot.core import execution
 from sandlot.core.guest_link import GuestConnection
 from sandlot.core.live import Live
@@ -30,21 +28,11 @@ from sandlot.errors import (
     SandboxError,
 )
 from sandlot.guest.ops import Op
-from sandlot.models import ExecResult, OutputCallback
+from sandlot.models import CommandInfo, ExecResult, OutputCallback
 from sandlot.requests import MAX_TTL_S, RunCommand
 
 STDIN_QUEUE_ITEMS = 64  # input not yet taken by the command: send_stdin waits past this
 KILL_WAIT_S = 5.0
-
-
-class CommandInfo(BaseModel):
-    """A background command: what ``commands.list()`` and a start return."""
-
-    pid: int = Field(description="Its bash's process id inside the sandbox.")
-    command: str
-    started_at: float = Field(description="Unix time it was started.")
-    running: bool = True
-    exit_code: int | None = None
 
 
 @dataclass
@@ -53,6 +41,7 @@ class _Job:
     stdin: asyncio.Queue[bytes | None]
     task: asyncio.Task[ExecResult] | None = None
     call: tuple[GuestConnection, int] | None = None
+    stdin_closed: bool = False
     listeners: list[tuple[OutputCallback | None, OutputCallback | None]] = field(
         default_factory=list
     )
@@ -194,9 +183,12 @@ class BackgroundCommands:
     def listen(
         self, pid: int, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
     ) -> CommandInfo:
-        """Stream a running command's further output to these callbacks too."""
+        """Stream a running command's further output to these callbacks too; with none, only
+        its info (a poll adds nothing: a caller polling forever must not grow the list that
+        every output chunk walks)."""
         job = self._job(pid)
-        job.listeners.append((on_stdout, on_stderr))
+        if on_stdout is not None or on_stderr is not None:
+            job.listeners.append((on_stdout, on_stderr))
         return job.info.model_copy()
 
     async def wait(self, pid: int, timeout_s: float | None = None) -> ExecResult:
@@ -220,15 +212,31 @@ class BackgroundCommands:
         closes its stdin after.
 
         Raises:
-            InvalidRequest: the command has ended.
+            InvalidRequest: the command has ended (before or while this waited), or its stdin
+                was closed.
         """
         job = self._job(pid)
         if not job.info.running:
             raise InvalidRequest(f"background command {pid} has ended")
-        if data:
-            await job.stdin.put(data)
-        if eof:
-            await job.stdin.put(None)
+        if job.stdin_closed:
+            raise InvalidRequest(f"the stdin of background command {pid} is closed")
+        job.stdin_closed = eof  # input sent after this would never be read
+        for item in ([data] if data else []) + ([None] if eof else []):
+            await self._put_stdin(job, item)
+
+    @staticmethod
+    async def _put_stdin(job: _Job, item: bytes | None) -> None:
+        """Queue ``item``, waiting for room while the command runs, no longer: once it ends,
+        nothing takes from the queue, and a waiting request would hang for good."""
+        assert job.task is not None
+        put = asyncio.ensure_future(job.stdin.put(item))
+        try:
+            await asyncio.wait({put, job.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not put.done():
+                put.cancel()
+        if put.cancelled():
+            raise InvalidRequest(f"background command {job.info.pid} has ended")
 
     async def kill(self, pid: int) -> bool:
         """Kill it (and the processes it started); whether it was still running."""

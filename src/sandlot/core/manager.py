@@ -24,7 +24,7 @@ from sandlot.config import Settings, get_settings
 from sandlot.core import admission, execution, files, instances, placement, recovery
 from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
-from sandlot.core.background import BackgroundCommands, CommandInfo
+from sandlot.core.background import BackgroundCommands
 from sandlot.core.live import Live, PoolKey
 from sandlot.core.pools import Pools
 from sandlot.core.store import LIVE, Store
@@ -39,6 +39,7 @@ from sandlot.errors import (
 from sandlot.log import configure_logging
 from sandlot.models import (
     ArtifactInfo,
+    CommandInfo,
     ExecResult,
     FileInfo,
     OutputCallback,
@@ -252,12 +253,15 @@ class SandboxManager:
         resolved = self.settings.resolve_limits(spec.limits())
         network = self.settings.network if spec.network is None else spec.network
         admission.check_metadata(spec.metadata, self.settings.max_metadata_bytes)
+        infos = self._live_infos()  # this process's and the other instances', read once
         if quota is not None:
-            admission.check_quota(self._live_infos(), owner, resolved, quota)
+            admission.check_quota(infos, owner, resolved, quota)
         live = self._pools.take(key, resolved, network, spec.env) if self._pools else None
         if live is None:
             # A pooled sandbox was reserved when it was started; a new one reserves now.
-            admission.check_host(self._reserved(), resolved, self._capacity)
+            admission.check_host(
+                self._reserved(infos), resolved, self._capacity, held_here=self._held_here()
+            )
             # Registered with its owner before the first await, so a concurrent create of
             # the same owner counts it against the quota.
             live = self._new_live(key, resolved, network, spec.env, owner)
@@ -322,15 +326,25 @@ class SandboxManager:
 
     def _new_pooled(self, key: PoolKey) -> Live:
         limits = self.settings.resolve_limits(None)
-        admission.check_host(self._reserved(), limits, self._capacity)
+        admission.check_host(
+            self._reserved(self._live_infos()),
+            limits,
+            self._capacity,
+            held_here=self._held_here(),
+        )
         return self._new_live(key, limits, self.settings.network, None, POOL_OWNER)
 
-    def _reserved(self) -> builtins.list[ResolvedLimits]:
-        """The limits of every sandbox the host holds: live, pooled and starting."""
-        held = [info.limits for info in self._live_infos()]
+    def _reserved(self, infos: builtins.list[SandboxInfo]) -> builtins.list[ResolvedLimits]:
+        """The limits of every sandbox the host holds: ``infos`` (the live ones, this
+        process's and the other instances'), and the pooled and starting ones."""
+        held = [info.limits for info in infos]
         if self._pools is not None:
             held += self._pools.reserved()
         return held
+
+    def _held_here(self) -> int:
+        """Sandboxes this process holds file descriptors for: live, starting and pooled."""
+        return len(self._live) + (len(self._pools.reserved()) if self._pools else 0)
 
     async def _boot(self, live: Live) -> None:
         """Start the guest of a new sandbox; on failure remove every trace of it."""
@@ -474,7 +488,17 @@ class SandboxManager:
 
         ``request.input`` is written to the command's stdin up front; with ``stdin``, each
         item put on the queue is sent while it runs, and ``None`` closes its stdin.
+
+        Raises:
+            ConfigError: ``request.background`` is set: that is :meth:`start_command`'s (a
+                surface that has no background mode must not run it in the foreground).
         """
+        if request.background:
+            raise ConfigError(
+                "background=True starts a command with start_command (REST: POST "
+                ".../commands; SDK: commands.run(background=True)); this call runs it in "
+                "the foreground: leave background out"
+            )
         live = self._get_live(sandbox_id, owner)
         op, payload = execution.command_payload(request, streams_stdin=stdin is not None)
         result = await execution.execute(
@@ -510,6 +534,11 @@ class SandboxManager:
         self, sandbox_id: str, *, owner: str | None = None
     ) -> builtins.list[CommandInfo]:
         return self._commands(sandbox_id, owner)[1].list()
+
+    async def command_info(
+        self, sandbox_id: str, pid: int, *, owner: str | None = None
+    ) -> CommandInfo:
+        return self._commands(sandbox_id, owner)[1].info(pid)
 
     async def connect_command(
         self,

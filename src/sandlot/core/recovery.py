@@ -40,7 +40,8 @@ async def recover(
     fd = await asyncio.to_thread(instances.lock_recovery, data_dir)
     try:
         orphans: list[SandboxInfo] = []
-        for dead in instances.dead(data_dir, mine):
+        # Off the loop: telling a live peer from a dead one waits a little on each lock.
+        for dead in await asyncio.to_thread(instances.dead, data_dir, mine):
             names = dead.backends() | store.backends_used(dead.holder.instance)
             records = store.list(live_only=True, instance=dead.holder.instance)
             log.warning(

@@ -79,16 +79,18 @@ class Calls:
     def pid(self, request):
         """The pid of call ``target``'s process (its bash), once it has started."""
         target = request.get("target")
-        deadline = time.monotonic() + STDIN_WAIT_S
-        while True:
+
+        def started():
             call = self.running.get(target)
             if call is not None and call.pid is not None:
-                return {"pid": call.pid}
-            if target in self.ended_pids:
-                return {"pid": self.ended_pids[target]}
-            if time.monotonic() >= deadline:
-                raise GuestFault("invalid_request", "no call %r has started" % (target,))
-            time.sleep(0.005)
+                return call.pid
+            with self.ended_lock:  # end() of another call may be evicting entries
+                return self.ended_pids.get(target)
+
+        pid = _poll(started)
+        if pid is None:
+            raise GuestFault("invalid_request", "no call %r has started" % (target,))
+        return {"pid": pid}
 
     def cancel(self, request):
         call = self.running.get(request.get("target"))
@@ -97,13 +99,25 @@ class Calls:
         return {"cancelled": call is not None}
 
     def stdin(self, request):
-        # Input may race ahead of the process it is for: wait briefly for its pipe.
-        deadline = time.monotonic() + STDIN_WAIT_S
-        call = self.running.get(request.get("target"))
-        while time.monotonic() < deadline and (call is None or not call.stdin_ready.is_set()):
-            time.sleep(0.005)
-            call = self.running.get(request.get("target"))
+        target = request.get("target")
+
+        def ready():
+            call = self.running.get(target)
+            return call if call is not None and call.stdin_ready.is_set() else None
+
+        call = _poll(ready) or self.running.get(target)
         data = base64.b64decode(request.get("data", ""))
         if call is None or not call.write_stdin(data, bool(request.get("eof"))):
             raise GuestFault("invalid_request", "no running call with open stdin")
         return {"written": len(data)}
+
+
+def _poll(found):
+    """``found()`` until it is not None, for at most :data:`STDIN_WAIT_S`: a request (input,
+    a pid) may race ahead of the call it names. None if it never was."""
+    deadline = time.monotonic() + STDIN_WAIT_S
+    while True:
+        value = found()
+        if value is not None or time.monotonic() >= deadline:
+            return value
+        time.sleep(0.005)

@@ -51,7 +51,10 @@ class TenantService:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         self.who.require_write()
         quota = self.state.quota_for(self.who)
-        async with self.state.audited(self.request, self.who, "sandbox.create", via="mcp") as a:
+        audit = self.state.audited(
+            self.request, self.who, "sandbox.create", backend=spec.backend, via="mcp"
+        )
+        async with audit as a:
             info = await self.manager.create(spec, owner=self.who.tenant, quota=quota)
             a["sandbox_id"] = info.id
         return info
@@ -96,7 +99,13 @@ class TenantService:
 
     async def write_file(self, sandbox_id: str, request: WriteFile, data: bytes) -> int:
         self.who.require_write()
-        return await self.manager.write_file(sandbox_id, request, data, owner=self.owner)
+        audit = self.state.audited(
+            self.request, self.who, "file.write", sandbox_id, path=request.path, via="mcp"
+        )
+        async with audit as a:
+            size = await self.manager.write_file(sandbox_id, request, data, owner=self.owner)
+            a["size_bytes"] = size
+        return size
 
     async def read_file(self, sandbox_id: str, request: FilePath) -> bytes:
         return await self.manager.read_file(sandbox_id, request, owner=self.owner)
@@ -109,17 +118,47 @@ class TenantService:
 
     async def remove_file(self, sandbox_id: str, request: RemoveFile) -> None:
         self.who.require_write()
-        await self.manager.remove_file(sandbox_id, request, owner=self.owner)
+        audit = self.state.audited(
+            self.request, self.who, "file.delete", sandbox_id, path=request.path, via="mcp"
+        )
+        async with audit:
+            await self.manager.remove_file(sandbox_id, request, owner=self.owner)
 
     async def make_dir(self, sandbox_id: str, request: FilePath) -> None:
         self.who.require_write()
-        await self.manager.make_dir(sandbox_id, request, owner=self.owner)
+        audit = self.state.audited(
+            self.request, self.who, "file.mkdir", sandbox_id, path=request.path, via="mcp"
+        )
+        async with audit:
+            await self.manager.make_dir(sandbox_id, request, owner=self.owner)
 
     async def list_artifacts(self, sandbox_id: str) -> builtins.list[ArtifactInfo]:
         return await self.manager.list_artifacts(sandbox_id, owner=self.owner)
 
     async def read_artifact(self, sandbox_id: str, path: str) -> bytes:
         return await self.manager.read_artifact(sandbox_id, path, owner=self.owner)
+
+
+class _AsTheKey:
+    """Hands the SDK the API key that the guard authenticated, as its ``scope["user"]``.
+
+    The SDK serves a session only to the credential that opened it, but it knows a
+    credential only from ``scope["user"]``; without one, any key holding a leaked
+    ``mcp-session-id`` could post into another tenant's session, or end it (and with it that
+    tenant's default sandbox)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+        from mcp.server.auth.provider import AccessToken
+
+        principal = scope.get("state", {}).get("principal")
+        if isinstance(principal, Principal):
+            token = AccessToken(token="", client_id=principal.key_id, scopes=[])
+            scope["user"] = AuthenticatedUser(token)
+        await self.app(scope, receive, send)
 
 
 def mount(app: FastAPI, state: ServerState) -> AbstractAsyncContextManager[None] | None:
@@ -164,7 +203,7 @@ def mount(app: FastAPI, state: ServerState) -> AbstractAsyncContextManager[None]
     )
     sessions = server.session_manager
     # A plain route, not a Mount: a Mount answers /mcp with a redirect to /mcp/.
-    app.router.routes.append(Route(MCP_PATH, endpoint=StreamableHTTPASGIApp(sessions)))
+    app.router.routes.append(Route(MCP_PATH, endpoint=_AsTheKey(StreamableHTTPASGIApp(sessions))))
 
     @asynccontextmanager
     async def running() -> AsyncIterator[None]:

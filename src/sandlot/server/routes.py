@@ -11,9 +11,15 @@ from fastapi import Path as FastPath
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
 
-from sandlot.core.background import CommandInfo
 from sandlot.errors import CommandStillRunning, RequestTooLarge
-from sandlot.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
+from sandlot.models import (
+    ArtifactInfo,
+    CommandInfo,
+    ExecResult,
+    FileInfo,
+    ResourceUsage,
+    SandboxInfo,
+)
 from sandlot.requests import (
     CommandInput,
     FilePath,
@@ -144,7 +150,7 @@ async def get_command(
     sandbox_id: SandboxId, pid: Pid, request: Request, who: Caller
 ) -> CommandInfo:
     manager = state_of(request).manager
-    return await manager.connect_command(sandbox_id, pid, owner=who.owner_filter)
+    return await manager.command_info(sandbox_id, pid, owner=who.owner_filter)
 
 
 @router.get(
@@ -164,7 +170,7 @@ async def wait_command(
     try:
         result = await manager.wait_command(sandbox_id, pid, timeout_s, owner=who.owner_filter)
     except CommandStillRunning:
-        info = await manager.connect_command(sandbox_id, pid, owner=who.owner_filter)
+        info = await manager.command_info(sandbox_id, pid, owner=who.owner_filter)
         return Response(info.model_dump_json(), 202, media_type="application/json")
     return _json(result)
 
