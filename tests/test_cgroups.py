@@ -179,3 +179,21 @@ def test_probe_makes_and_removes_a_real_cgroup() -> None:
     assert "made and removed a limited cgroup" in detail
     assert driver.children("sandlot-test-probe") == []
     driver.path("sandlot-test-probe").remove(0)
+
+
+def test_v2_a_busy_cgroup_below_the_root_is_refused_not_emptied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the root as we see it (a container's namespace root) is ours to empty: a busy
+    cgroup named below it (a systemd unit as SANDBOX_CGROUP_ROOT) keeps its processes, and
+    the create fails with what to do."""
+    root = _fake_v2(tmp_path / "cg")
+    (root / "cgroup.procs").touch()
+    _NoInternalProcesses(tmp_path, monkeypatch)
+    _mkcg(root / "unit")
+    (root / "unit" / "cgroup.procs").write_text("7\n")
+    driver = CgroupDriver(2, {"unified": root})
+    with pytest.raises(BackendUnavailable, match="cannot enable"):
+        driver.create(("unit", "sb-1"), LIMITS)
+    assert _procs(root / "unit") == ["7"]
+    assert not (root / "unit" / cgroups.EVACUATION_LEAF).exists()

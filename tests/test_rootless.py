@@ -630,3 +630,35 @@ def test_prepare_moves_the_roots_processes_to_a_leaf(cgroupfs: FakeCgroupfs) -> 
     driver = prepare(found)
     assert (d / MANAGER_LEAF / "cgroup.procs").read_text() == "4242"
     assert driver.version == 2 and driver.roots == {"unified": d}
+
+
+def test_opening_up_a_tree_follows_no_parent_swapped_for_a_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removing a rootless sandbox's tree gives the owner back its locked directories. Code
+    still dying in the sandbox may swap a directory already listed for a symlink into the
+    user's home: the walk goes by descriptors, so what it changes next is the real child,
+    never the symlink's target. (A walk by path strings re-resolved ``t/a/b`` through it.)"""
+    from sandlot.backends import disk
+
+    outside = tmp_path / "home-dir"
+    (outside / "b").mkdir(parents=True)
+    (outside / "b").chmod(0o500)
+    tree = tmp_path / "t"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b").chmod(0o500)
+    real = disk._chmod_and_list
+    calls = []
+
+    def swap_after_listing_a(path_fd: int) -> Any:
+        level = real(path_fd)
+        calls.append(1)
+        if len(calls) == 2:  # `a` was just listed: replace it under the walk
+            (tree / "a").rename(tree / "a.moved")
+            (tree / "a").symlink_to(outside)
+        return level
+
+    monkeypatch.setattr(disk, "_chmod_and_list", swap_after_listing_a)
+    disk._open_up(tree)
+    assert (outside / "b").stat().st_mode & 0o777 == 0o500
+    assert (tree / "a.moved" / "b").stat().st_mode & 0o777 == 0o700

@@ -48,10 +48,7 @@ def open_files_check() -> Check:
         f"the manager raises the soft limit to the hard one at start"
     )
     if allowed < WANTED_SANDBOXES:
-        detail += (
-            f"; for {WANTED_SANDBOXES}, raise the hard limit (LimitNOFILE= in a systemd "
-            "unit, nofile in /etc/security/limits.conf, docker run --ulimit nofile=N:N)"
-        )
+        detail += f"; for {WANTED_SANDBOXES}, raise {admission.how_to_raise(hard, hard)}"
     why = "each live sandbox holds a few of the manager's file descriptors (RLIMIT_NOFILE)"
     return Check("open files", allowed >= WANTED_SANDBOXES, detail, why, required=False)
 

@@ -296,7 +296,10 @@ class CgroupDriver:
         for part in ("", *parents):
             current = current / part if part else current
             current.mkdir(exist_ok=True)
-            _enable_controllers(current)
+            # Only the hierarchy's root as we see it (a container's cgroup namespace root, a
+            # delegated subtree) is ours to empty; a busy cgroup named below it is someone
+            # else's (a systemd unit): refused, never emptied behind its manager's back.
+            _enable_controllers(current, may_evacuate=not part)
 
     def children(self, *parts: str) -> list[str]:
         """Names of the cgroups directly below ``parts`` in any hierarchy."""
@@ -334,7 +337,7 @@ EVACUATION_LEAF = "init"
 EVACUATION_ROUNDS = 5
 
 
-def _enable_controllers(cgroup_dir: Path) -> None:
+def _enable_controllers(cgroup_dir: Path, *, may_evacuate: bool) -> None:
     """Enable the required controllers for ``cgroup_dir``'s children.
 
     cgroup v2's "no internal processes" rule refuses (EBUSY) while the cgroup itself holds
@@ -354,7 +357,7 @@ def _enable_controllers(cgroup_dir: Path) -> None:
         try:
             control.write_text(wanted)
         except OSError as exc:
-            if exc.errno != errno.EBUSY:
+            if exc.errno != errno.EBUSY or not may_evacuate:
                 raise _cannot_enable(control, wanted, exc) from exc
             last = exc
         else:

@@ -12,9 +12,11 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from sandlot.errors import SandboxStartError
@@ -96,9 +98,15 @@ def _loop_config(image_fd: int) -> bytes:
     return struct.pack("II", image_fd, 0) + bytes(info) + bytes(8 * 8)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, for mount(2) and umount2(2): loaded once, on first use."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _loop_mount(image: Path, mountpoint: Path) -> None:
     """Attach ``image`` to a free loop device and mount it on ``mountpoint`` (blocking)."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     image_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
     ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     try:
@@ -155,8 +163,7 @@ _UMOUNT_NOFOLLOW = 8
 
 
 def _umount2(mountpoint: Path, flags: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    result: int = libc.umount2(str(mountpoint).encode(), flags)
+    result: int = _libc().umount2(str(mountpoint).encode(), flags)
     return result == 0
 
 
@@ -205,28 +212,74 @@ async def make_volume(
     (root / "workspace").symlink_to("volume/workspace")
 
 
+_PATH_DIR = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+
+
 def _open_up(root: Path) -> None:
     """Give the owner back write and search on every directory below ``root``.
 
     Rootless, the sandbox's files are the user's own, and sandboxed code may leave a directory
-    mode 0 or 0500, which the owner (unlike root) cannot empty. No symlink is followed: each
-    directory is opened ``O_PATH | O_NOFOLLOW`` and changed through its descriptor.
+    mode 0 or 0500, which the owner (unlike root) cannot empty. The walk goes by descriptors
+    only, one name at a time relative to its parent's: a path string re-resolved later could
+    meet a parent that sandboxed code (still dying) swapped for a symlink into the user's
+    home, whose directories would then be changed. ``O_NOFOLLOW | O_DIRECTORY`` refuses a
+    symlink at every step.
     """
-    stack = [root]
-    while stack:
-        directory = stack.pop()
-        try:
-            fd = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            continue  # a symlink, or gone
-        try:
-            Path(f"/proc/self/fd/{fd}").chmod(0o700)  # fchmod cannot take an O_PATH fd
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-        with contextlib.suppress(OSError), os.scandir(directory) as entries:
-            stack.extend(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
+    with contextlib.suppress(OSError):
+        _open_up_from(os.open(root, _PATH_DIR))
+
+
+def _open_up_from(top: int) -> None:
+    # Depth first, one open listing per level: descriptors grow with depth, not width.
+    levels: list[tuple[int, Iterator[os.DirEntry[str]]]] = []
+    pending: int | None = top
+    try:
+        while True:
+            if pending is not None:
+                level = _chmod_and_list(pending)
+                if level is not None:
+                    levels.append(level)
+                pending = None
+            if not levels:
+                return
+            listing_fd, entries = levels[-1]
+            entry = next(entries, None)
+            if entry is None:
+                _close_level(levels.pop())
+            elif entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):  # gone, or no longer a directory
+                    pending = os.open(entry.name, _PATH_DIR, dir_fd=listing_fd)
+    finally:
+        for level in levels:
+            _close_level(level)
+
+
+def _chmod_and_list(path_fd: int) -> tuple[int, Iterator[os.DirEntry[str]]] | None:
+    """Make the directory of ``path_fd`` (an O_PATH fd, closed here) the owner's to change
+    and list, and return a listing of it; None if it cannot be."""
+    # fchmod cannot take an O_PATH fd; /proc/self/fd/N names that very directory, and
+    # reopening it there reaches the same one, whatever its path has become.
+    proc_path = f"/proc/self/fd/{path_fd}"
+    try:
+        Path(proc_path).chmod(0o700)
+        listing_fd = os.open(proc_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    finally:
+        os.close(path_fd)
+    try:
+        return listing_fd, os.scandir(listing_fd)
+    except OSError:
+        os.close(listing_fd)
+        return None
+
+
+def _close_level(level: tuple[int, Iterator[os.DirEntry[str]]]) -> None:
+    listing_fd, entries = level
+    close = getattr(entries, "close", None)
+    if close is not None:
+        close()
+    os.close(listing_fd)
 
 
 def _remove_tree(root: Path) -> None:

@@ -166,7 +166,7 @@ def check_fds(held: int, fds_at_start: int) -> None:
             f"no file descriptors for one more sandbox: this process has {used} of its "
             f"{soft} open (RLIMIT_NOFILE, hard limit {hard}), room for {allowed} sandboxes "
             f"of about {max(FDS_PER_SANDBOX.values())} each and {held} are held; destroy "
-            f"some, or raise the limit ({_how_to_raise(soft, hard)})"
+            f"some, or raise the limit ({how_to_raise(soft, hard)})"
         )
 
 
@@ -186,13 +186,14 @@ def fds_exhausted_error(exc: BaseException) -> FileDescriptorsExhausted | None:
             return FileDescriptorsExhausted(
                 f"the sandbox ran out of file descriptors while starting: this process may "
                 f"open {soft} (RLIMIT_NOFILE, hard limit {hard}); destroy sandboxes, or raise "
-                f"the limit ({_how_to_raise(soft, hard)})"
+                f"the limit ({how_to_raise(soft, hard)})"
             )
         cause = cause.__cause__ or cause.__context__
     return None
 
 
-def _how_to_raise(soft: int, hard: int) -> str:
+def how_to_raise(soft: int, hard: int) -> str:
+    """What raises the open-file limit, for a message."""
     if soft < hard:
         return f"the soft limit can go up to {hard}: ulimit -n {hard}"
     return (

@@ -46,6 +46,7 @@ from sandlot.backends.bubblewrap import netns
 from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.rootless import (
     PRLIMIT,
+    SETPRIV,
     NoCgroup,
     NoCgroupDriver,
     network_refused,
@@ -110,7 +111,6 @@ PLACE_IN_CGROUP = (
     'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 )
 BWRAP = "/usr/bin/bwrap"
-SETPRIV = "/usr/bin/setpriv"
 NSENTER = "/usr/bin/nsenter"
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
@@ -179,38 +179,40 @@ class BubblewrapBackend:
     def _check(self) -> None:
         if self._checked:
             return
-        if self.rootless:
-            self._check_rootless()
-            return
-        for tool in (BWRAP, SETPRIV, NSENTER):
+        # Rootless, prlimit sets the rlimits (RLIMIT_FSIZE in every mode) and setpriv ties
+        # bwrap to us; as root, setpriv drops to the sandbox uid and nsenter enters its net.
+        tools = (BWRAP, SETPRIV, PRLIMIT) if self.rootless else (BWRAP, SETPRIV, NSENTER)
+        for tool in tools:
             if not Path(tool).is_file():
                 raise BackendUnavailable(
                     f"`{tool}` is not installed: apt-get install -y bubblewrap util-linux"
                 )
-        self._cgroups = CgroupDriver.detect()
         build_filter(False)  # fail now, with a clear message, if libseccomp is missing
-        self._loop_ok, why = loop_disks_available()
-        if not self._loop_ok:
-            log.warning("disk cap not enforced", reason=why)
+        if self.rootless:
+            self._choose_rootless_cgroups()
+        else:
+            self._cgroups = CgroupDriver.detect()
+            self._loop_ok, why = loop_disks_available()
+            if not self._loop_ok:
+                log.warning("disk cap not enforced", reason=why)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        # Rootless, bwrap runs as this very user: nobody else needs to enter the data dir.
         for d in (self.data_dir, self.sandboxes_dir):
-            d.chmod(0o711)
-        blocked = _traversable_by_others(self.sandboxes_dir)
-        if blocked is not None:
-            raise BackendUnavailable(
-                f"{blocked} is not searchable by other users, so sandbox uids cannot reach "
-                f"their workspace under {self.sandboxes_dir}; set SANDLOT_DATA_DIR to a "
-                "directory whose parents are mode o+x (such as /var/lib/sandlot)"
-            )
+            d.chmod(0o700 if self.rootless else 0o711)
+        if not self.rootless:
+            blocked = _traversable_by_others(self.sandboxes_dir)
+            if blocked is not None:
+                raise BackendUnavailable(
+                    f"{blocked} is not searchable by other users, so sandbox uids cannot "
+                    f"reach their workspace under {self.sandboxes_dir}; set SANDLOT_DATA_DIR "
+                    "to a directory whose parents are mode o+x (such as /var/lib/sandlot)"
+                )
+            lock_dir = UID_LOCK_DIR if Path("/run").is_dir() else self.data_dir / "uids"
+            self._uids = UidAllocator(lock_dir, self.settings.uid_base, self.settings.uid_count)
         self._install_guest_files()
-        lock_dir = UID_LOCK_DIR if Path("/run").is_dir() else self.data_dir / "uids"
-        self._uids = UidAllocator(lock_dir, self.settings.uid_base, self.settings.uid_count)
         self._checked = True
 
-    def _check_rootless(self) -> None:
-        if not Path(BWRAP).is_file():
-            raise BackendUnavailable(f"`{BWRAP}` is not installed: apt-get install -y bubblewrap")
-        build_filter(False)
+    def _choose_rootless_cgroups(self) -> None:
         delegated, why = find_delegated(os.getuid(), configured=self.settings.cgroup_root)
         if delegated is not None:
             self._cgroups = prepare(delegated)
@@ -222,15 +224,7 @@ class BubblewrapBackend:
                 "SANDBOX_REQUIRE_LIMITS=true refuses rlimits alone; see `sandlot doctor`"
             )
         else:
-            if not Path(PRLIMIT).is_file():
-                raise BackendUnavailable(f"`{PRLIMIT}` is missing: apt-get install -y util-linux")
             self._cgroups = NoCgroupDriver(why)
-        # bwrap runs as this very user: nobody else needs to enter the data directory.
-        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
-        for d in (self.data_dir, self.sandboxes_dir):
-            d.chmod(0o700)
-        self._install_guest_files()
-        self._checked = True
 
     def _install_guest_files(self) -> None:
         install_guest(self._guest_dir)
@@ -414,7 +408,15 @@ class BubblewrapBackend:
         place = ["/bin/sh", "-c", PLACE_IN_CGROUP, "sh", *procs_files, "--"]
         if self.rootless:
             # bwrap runs as this user, unprivileged; into the delegated cgroup if there is one.
-            argv = [*(place if procs_files else []), *self._bwrap_argv(box, spec, read_fd)]
+            # Tied to us by a death signal, as the root path is: without it a killed manager
+            # left its sandboxes running, and with no cgroup no sweep could find them.
+            argv = [
+                *(place if procs_files else []),
+                SETPRIV,
+                "--pdeathsig=SIGKILL",
+                "--",
+                *self._bwrap_argv(box, spec, read_fd),
+            ]
         else:
             argv = [
                 *place,

@@ -12,7 +12,12 @@ import shutil
 import subprocess
 
 from sandlot.backends.base import Check
-from sandlot.backends.bubblewrap.rootless import PRLIMIT, missing_walls, nproc_per_namespace
+from sandlot.backends.bubblewrap.rootless import (
+    PRLIMIT,
+    SETPRIV,
+    missing_walls,
+    nproc_per_namespace,
+)
 from sandlot.backends.bubblewrap.seccomp import build_filter
 from sandlot.backends.bubblewrap.userns import userns_hint
 from sandlot.backends.cgroups import CgroupDriver
@@ -156,6 +161,20 @@ def rootless_checks(settings: Settings) -> list[Check]:
             required=False,
         ),
         *_common_checks(),
+        # In every rootless mode: prlimit sets RLIMIT_FSIZE (and, with no cgroup, the rest);
+        # setpriv ties bwrap to the manager with a death signal.
+        *(
+            Check(
+                name,
+                shutil.which(path) is not None,
+                path if shutil.which(path) else "missing (apt-get install util-linux)",
+                why,
+            )
+            for name, path, why in (
+                ("prlimit", PRLIMIT, "sets the rlimits inside each sandbox before the guest"),
+                ("setpriv", SETPRIV, "kills a sandbox's bwrap when the manager dies"),
+            )
+        ),
     ]
     if delegated is not None:
         checks.append(
@@ -186,12 +205,6 @@ def rootless_checks(settings: Settings) -> list[Check]:
             else "this kernel (before 5.14) counts RLIMIT_NPROC for all your processes: no cap",
             "a fork bomb stops at the sandbox's pids limit",
             required=False,
-        ),
-        Check(
-            "prlimit",
-            shutil.which(PRLIMIT) is not None,
-            PRLIMIT if shutil.which(PRLIMIT) else "missing (apt-get install util-linux)",
-            "sets the rlimits inside each sandbox before the guest starts",
         ),
     ]
     return [*checks, *_rootless_gaps()]

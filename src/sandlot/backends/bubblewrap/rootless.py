@@ -44,6 +44,7 @@ from sandlot.errors import ConfigError
 from sandlot.models import ResolvedLimits, ResourceUsage
 
 PRLIMIT = "/usr/bin/prlimit"
+SETPRIV = "/usr/bin/setpriv"  # util-linux too: drops to a uid (root), sets a death signal
 SANDBOX_NOFILE = 1024
 NPROC_PER_NAMESPACE_SINCE = (5, 14)
 MIB = 1024 * 1024
