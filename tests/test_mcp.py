@@ -266,3 +266,69 @@ def test_http_session_is_served_only_to_the_key_that_opened_it(live_server: Live
     assert own.status_code == 200, own.text
     ended = httpx.delete(url, headers=live_server.headers("alice") | accept | session)
     assert ended.status_code == 200, ended.text
+
+
+def test_http_sessions_are_capped_per_key(data_root: Path) -> None:
+    """One key cannot hold every MCP session slot: past SANDBOX_MCP_SESSIONS_PER_KEY its
+    openings get a typed 429 while another key still opens; concurrent openings cannot all
+    slip past the check; ending a session frees its slot. Failed before: the SDK's only cap
+    was 10,000 sessions in all, for every key together."""
+    import httpx
+
+    from sandlot.server.auth import AuthStore
+    from tests.conftest import start_server, stop_server
+
+    data_dir = data_root / "mcp-cap"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    alice = store.create_key("acme", "user")[1]
+    bob = store.create_key("globex", "user")[1]
+    store.close()
+    process, url, log_path = start_server(data_dir, {"SANDBOX_MCP_SESSIONS_PER_KEY": "2"})
+    accept = {"Accept": "application/json, text/event-stream"}
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "probe", "version": "1"},
+        },
+    }
+
+    def auth(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} | accept
+
+    async def open_many(key: str, count: int) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return list(
+                await asyncio.gather(
+                    *(client.post(url + "/mcp", json=body, headers=auth(key)) for _ in range(count))
+                )
+            )
+
+    try:
+        answers = asyncio.run(open_many(alice, 6))
+        opened = [a for a in answers if a.status_code == 200]
+        refused = [a for a in answers if a.status_code != 200]
+        assert len(opened) <= 2 and opened, [a.status_code for a in answers]
+        for answer in refused:
+            assert answer.status_code == 429, answer.text
+            assert answer.json()["error"]["code"] == "mcp_session_limit"
+        # Fill alice's slots, then she is refused and bob is not.
+        while len(opened) < 2:
+            more = httpx.post(url + "/mcp", json=body, headers=auth(alice))
+            assert more.status_code == 200, more.text
+            opened.append(more)
+        over = httpx.post(url + "/mcp", json=body, headers=auth(alice))
+        assert over.status_code == 429, log_path.read_text()[-3000:]
+        assert over.json()["error"]["code"] == "mcp_session_limit"
+        assert httpx.post(url + "/mcp", json=body, headers=auth(bob)).status_code == 200
+        # Ending one of hers frees its slot.
+        session = {"mcp-session-id": opened[0].headers["mcp-session-id"]}
+        assert httpx.delete(url + "/mcp", headers=auth(alice) | session).status_code == 200
+        again = httpx.post(url + "/mcp", json=body, headers=auth(alice))
+        assert again.status_code == 200, again.text
+    finally:
+        stop_server(process)

@@ -198,6 +198,13 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_MAX_BACKGROUND_COMMANDS", "max_background_commands"),
         description="Background commands one sandbox may run at once.",
     )
+    mcp_sessions_per_key: int = Field(
+        default=32,
+        ge=1,
+        le=10_000,
+        validation_alias=_env("SANDBOX_MCP_SESSIONS_PER_KEY", "mcp_sessions_per_key"),
+        description="MCP sessions one API key may hold open at once on /mcp.",
+    )
     pool_size: int = Field(
         default=0,
         ge=0,

@@ -123,6 +123,13 @@ class BackgroundLimitReached(QuotaExceeded):
     code = "background_limit"
 
 
+class McpSessionLimit(QuotaExceeded):
+    """The API key already holds its most open MCP sessions (``SANDBOX_MCP_SESSIONS_PER_KEY``);
+    end one (the client's DELETE) or wait for an idle one to time out."""
+
+    code = "mcp_session_limit"
+
+
 class CommandNotFound(SandboxNotFound):
     """No background command with that pid in the sandbox (never started, or forgotten)."""
 

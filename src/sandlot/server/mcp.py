@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.routing import Route
 
-from sandlot.errors import AuthenticationError, ConfigError
+from sandlot.errors import AuthenticationError, ConfigError, McpSessionLimit
 from sandlot.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
 from sandlot.requests import (
     FilePath,
@@ -31,7 +31,7 @@ from sandlot.requests import (
     WriteFile,
 )
 from sandlot.server.auth import Principal
-from sandlot.server.deps import ServerState
+from sandlot.server.deps import ServerState, sandbox_error_response
 
 log = structlog.get_logger(__name__)
 
@@ -140,25 +140,66 @@ class TenantService:
 
 
 class _AsTheKey:
-    """Hands the SDK the API key that the guard authenticated, as its ``scope["user"]``.
+    """Hands the SDK the API key that the guard authenticated, as its ``scope["user"]``, and
+    caps the sessions one key may hold open.
 
     The SDK serves a session only to the credential that opened it, but it knows a
     credential only from ``scope["user"]``; without one, any key holding a leaked
     ``mcp-session-id`` could post into another tenant's session, or end it (and with it that
-    tenant's default sandbox)."""
+    tenant's default sandbox). The SDK caps sessions only in all (10,000 by default): without
+    a cap per key, one key could open every slot and shut every other tenant out of /mcp."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, sessions: Any, per_key: int) -> None:
         self.app = app
+        self.sessions = sessions
+        self.per_key = per_key
+        # Opening requests in flight, per key: counted with the open sessions, so that
+        # concurrent openings cannot all pass the check before any of them is registered.
+        self._opening: dict[str, int] = {}
+
+    def _open_sessions(self, key_id: str) -> int:
+        # The SDK keeps each session's owner (the AuthorizationContext made from our
+        # AccessToken) in this private map; tests/test_mcp.py fails if it goes away.
+        owners = getattr(self.sessions, "_session_owners", None)
+        if owners is None:
+            raise RuntimeError("the MCP SDK no longer exposes its session owners")
+        return sum(1 for owner in owners.values() if owner["client_id"] == key_id)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
         from mcp.server.auth.provider import AccessToken
 
         principal = scope.get("state", {}).get("principal")
-        if isinstance(principal, Principal):
-            token = AccessToken(token="", client_id=principal.key_id, scopes=[])
-            scope["user"] = AuthenticatedUser(token)
-        await self.app(scope, receive, send)
+        if not isinstance(principal, Principal):
+            await self.app(scope, receive, send)
+            return
+        token = AccessToken(token="", client_id=principal.key_id, scopes=[])
+        scope["user"] = AuthenticatedUser(token)
+        headers = dict(scope.get("headers") or ())
+        opening = scope.get("method") == "POST" and b"mcp-session-id" not in headers
+        if not opening:
+            await self.app(scope, receive, send)
+            return
+        key_id = principal.key_id
+        in_flight = self._opening.get(key_id, 0)
+        if self._open_sessions(key_id) + in_flight >= self.per_key:
+            exc = McpSessionLimit(
+                f"this API key holds {self.per_key} open MCP sessions, its most "
+                "(SANDBOX_MCP_SESSIONS_PER_KEY): end one (DELETE with its mcp-session-id) "
+                "or wait for an idle one to time out"
+            )
+            request_id = scope.get("state", {}).get("request_id")
+            await sandbox_error_response(exc, request_id)(scope, receive, send)
+            return
+        self._opening[key_id] = in_flight + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            left = self._opening[key_id] - 1
+            if left:
+                self._opening[key_id] = left
+            else:
+                del self._opening[key_id]
 
 
 def mount(app: FastAPI, state: ServerState) -> AbstractAsyncContextManager[None] | None:
@@ -203,7 +244,8 @@ def mount(app: FastAPI, state: ServerState) -> AbstractAsyncContextManager[None]
     )
     sessions = server.session_manager
     # A plain route, not a Mount: a Mount answers /mcp with a redirect to /mcp/.
-    app.router.routes.append(Route(MCP_PATH, endpoint=_AsTheKey(StreamableHTTPASGIApp(sessions))))
+    endpoint = _AsTheKey(StreamableHTTPASGIApp(sessions), sessions, settings.mcp_sessions_per_key)
+    app.router.routes.append(Route(MCP_PATH, endpoint=endpoint))
 
     @asynccontextmanager
     async def running() -> AsyncIterator[None]:
