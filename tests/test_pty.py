@@ -52,12 +52,12 @@ def test_shell_in_a_pty_is_interactive_and_sees_a_terminal(sandbox: Sandbox) -> 
 def test_resize_reaches_the_program_as_sigwinch(sandbox: Sandbox) -> None:
     screen = Screen()
     script = (
-        "/usr/bin/python3 -c \"import signal, os, sys, time\n"
+        '/usr/bin/python3 -c "import signal, os, sys, time\n'
         "def on(*a):\n"
         "    print('WINCH', *os.get_terminal_size(0), flush=True)\n"
         "signal.signal(signal.SIGWINCH, on)\n"
         "print('READY', flush=True)\n"
-        "time.sleep(30)\""
+        'time.sleep(30)"'
     )
     term = sandbox.pty.create(cols=80, rows=24, cmd=script, on_data=screen)
     screen.wait_for(b"READY")
@@ -90,7 +90,9 @@ def test_output_is_raw_bytes_and_read_polls_it(sandbox: Sandbox) -> None:
 def test_cwd_env_and_size_limits(sandbox: Sandbox) -> None:
     sandbox.files.make_dir("sub")
     screen = Screen()
-    term = sandbox.pty.create(cmd="pwd; echo $WHO $TERM", cwd="sub", env={"WHO": "me"}, on_data=screen)
+    term = sandbox.pty.create(
+        cmd="pwd; echo $WHO $TERM", cwd="sub", env={"WHO": "me"}, on_data=screen
+    )
     term.wait(timeout_s=20)
     text = screen.wait_for(b"me xterm")
     assert b"/workspace/sub\r\n" in text

@@ -92,9 +92,7 @@ class AsyncPty:
             OpenPty, cols=cols, rows=rows, command=cmd, cwd=cwd, env=env, timeout_s=timeout_s
         )
         run = self._sb._run
-        info = await run(
-            run.background.start_pty(self._sb.id, request, on_data=run.wrap(on_data))
-        )
+        info = await run(run.background.start_pty(self._sb.id, request, on_data=run.wrap(on_data)))
         return AsyncPtyHandle(self._sb, info)
 
     async def send_input(self, pid: int, data: str | bytes) -> None:
