@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 import time
+from typing import Any
 
+import httpx
 import pytest
+from websockets.sync.client import connect as ws_connect
 
-from sandlot import Sandbox
+from sandlot import Sandbox, SandboxManager
 from sandlot.errors import BackgroundLimitReached, CommandStillRunning, InvalidRequest
+from tests.conftest import LiveServer
 
 
 class Screen:
@@ -100,7 +106,9 @@ def test_cwd_env_and_size_limits(sandbox: Sandbox) -> None:
         sandbox.pty.create(cols=0)
 
 
-def test_terminals_count_against_the_background_cap(sandbox: Sandbox, manager) -> None:
+def test_terminals_count_against_the_background_cap(
+    sandbox: Sandbox, manager: SandboxManager
+) -> None:
     limit = manager.settings.max_background_commands
     terms = [sandbox.pty.create(cmd="sleep 60") for _ in range(limit)]
     with pytest.raises(BackgroundLimitReached):
@@ -121,3 +129,159 @@ def test_a_command_is_not_a_terminal(sandbox: Sandbox) -> None:
     cmd.kill()
     with pytest.raises(CommandStillRunning):
         sandbox.pty.create(cmd="sleep 30").wait(timeout_s=0.2)
+
+
+# ---------------------------------------------------------------------- REST and WebSocket
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _poll_output(http: httpx.Client, base: str, pid: int, needle: bytes) -> bytes:
+    seen = b""
+    offset = 0
+    deadline = time.monotonic() + 20
+    while needle not in seen and time.monotonic() < deadline:
+        window = http.get(f"{base}/pty/{pid}/output", params={"offset": offset})
+        assert window.status_code == 200, window.text
+        seen += base64.b64decode(window.json()["data_b64"])
+        offset = window.json()["next_offset"]
+        time.sleep(0.05)
+    assert needle in seen, seen
+    return seen
+
+
+def test_rest_pty_round_trip(live_server: LiveServer) -> None:
+    headers = live_server.headers("alice")
+    with httpx.Client(base_url=live_server.url, headers=headers, timeout=60) as http:
+        created = http.post("/v1/sandboxes", json={"backend": "bubblewrap"})
+        assert created.status_code == 201, created.text
+        base = f"/v1/sandboxes/{created.json()['id']}"
+        try:
+            opened = http.post(f"{base}/pty", json={"cols": 90, "rows": 20})
+            assert opened.status_code == 201, opened.text
+            pid = opened.json()["pid"]
+            assert opened.json()["pty"] is True
+            typed = http.post(f"{base}/pty/{pid}/input", json={"data_b64": _b64(b"stty size\r")})
+            assert typed.status_code == 204, typed.text
+            _poll_output(http, base, pid, b"20 90")
+            resized = http.post(f"{base}/pty/{pid}/resize", json={"cols": 70, "rows": 11})
+            assert resized.status_code == 204, resized.text
+            http.post(f"{base}/pty/{pid}/input", json={"data_b64": _b64(b"stty size\r")})
+            _poll_output(http, base, pid, b"11 70")
+            bad = http.post(f"{base}/pty/{pid}/input", json={"data_b64": "%%%"})
+            assert bad.status_code == 422, bad.text
+            command = http.post(f"{base}/commands", json={"command": "cat", "background": True})
+            not_a_pty = http.post(
+                f"{base}/pty/{command.json()['pid']}/resize", json={"cols": 1, "rows": 1}
+            )
+            assert not_a_pty.status_code == 422, not_a_pty.text
+            # Another tenant cannot see or type into it; a viewer may read, not type.
+            bob, viewer = live_server.headers("bob"), live_server.headers("viewer")
+            for path, body in (
+                (f"{base}/pty/{pid}/input", {"data_b64": _b64(b"id\r")}),
+                (f"{base}/pty/{pid}/resize", {"cols": 5, "rows": 5}),
+            ):
+                assert http.post(path, json=body, headers=bob).status_code == 404
+                assert http.post(path, json=body, headers=viewer).status_code == 403
+            assert http.get(f"{base}/pty/{pid}/output", headers=bob).status_code == 404
+            assert http.post(f"{base}/pty", json={}, headers=viewer).status_code == 403
+            killed = http.delete(f"{base}/commands/{pid}")
+            assert killed.json() == {"pid": pid, "killed": True}
+            done = http.get(f"{base}/commands/{pid}/wait", params={"timeout_s": 10})
+            assert done.status_code == 200 and done.json()["kill_reason"] == "killed"
+            spec = http.get("/openapi.json").json()
+            assert "/v1/sandboxes/{sandbox_id}/pty/{pid}/resize" in spec["paths"]
+        finally:
+            http.delete(base)
+
+
+def _ws(live_server: LiveServer, sandbox_id: str, who: str = "alice") -> Any:
+    url = live_server.url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/stream"
+    return ws_connect(url, additional_headers=live_server.headers(who), open_timeout=10)
+
+
+def _until(ws: Any, kind: str, needle: bytes = b"") -> tuple[dict[str, Any], bytes]:
+    seen = b""
+    while True:
+        event = json.loads(ws.recv(timeout=20))
+        if event["type"] == "output":
+            seen += base64.b64decode(event["data_b64"])
+        if event["type"] == kind and needle in seen:
+            return event, seen
+        assert event["type"] != "error", event
+
+
+def test_websocket_pty_mode(live_server: LiveServer) -> None:
+    headers = live_server.headers("alice")
+    with httpx.Client(base_url=live_server.url, headers=headers, timeout=60) as http:
+        sandbox_id = http.post("/v1/sandboxes", json={"backend": "bubblewrap"}).json()["id"]
+        try:
+            with _ws(live_server, sandbox_id) as ws:
+                ws.send(json.dumps({"type": "pty", "cols": 50, "rows": 10}))
+                started = json.loads(ws.recv(timeout=20))
+                assert started["type"] == "started" and started["info"]["pty"] is True
+                pid = started["info"]["pid"]
+                ws.send(json.dumps({"type": "input", "data_b64": _b64(b"stty size\r")}))
+                _until(ws, "output", b"10 50")
+                ws.send(json.dumps({"type": "resize", "cols": 61, "rows": 17}))
+                ws.send(json.dumps({"type": "input", "data_b64": _b64(b"stty size\r")}))
+                _until(ws, "output", b"17 61")
+            # Detached, not ended: a new socket attaches and gets what it wrote before.
+            with _ws(live_server, sandbox_id) as ws:
+                ws.send(json.dumps({"type": "pty", "pid": pid}))
+                assert json.loads(ws.recv(timeout=20))["type"] == "started"
+                _until(ws, "output", b"17 61")
+                ws.send(json.dumps({"type": "input", "data_b64": _b64(b"exit 3\r")}))
+                result, _ = _until(ws, "result")
+                assert result["result"]["exit_code"] == 3
+            with _ws(live_server, sandbox_id, "bob") as ws:
+                assert json.loads(ws.recv(timeout=20))["type"] == "error"
+        finally:
+            http.delete(f"/v1/sandboxes/{sandbox_id}")
+
+
+def test_websocket_streams_a_background_command(live_server: LiveServer) -> None:
+    headers = live_server.headers("alice")
+    with httpx.Client(base_url=live_server.url, headers=headers, timeout=60) as http:
+        sandbox_id = http.post("/v1/sandboxes", json={"backend": "bubblewrap"}).json()["id"]
+        try:
+            with _ws(live_server, sandbox_id) as ws:
+                message = {"type": "command", "command": "cat; echo bye >&2", "background": True}
+                ws.send(json.dumps(message))
+                started = json.loads(ws.recv(timeout=20))
+                assert started["type"] == "started" and started["info"]["pty"] is False
+                ws.send(json.dumps({"type": "stdin", "data": "ping\n"}))
+                assert json.loads(ws.recv(timeout=20)) == {"type": "stdout", "data": "ping\n"}
+                ws.send(json.dumps({"type": "stdin_eof"}))
+                assert json.loads(ws.recv(timeout=20)) == {"type": "stderr", "data": "bye\n"}
+                result = json.loads(ws.recv(timeout=20))
+                assert result["type"] == "result" and result["result"]["exit_code"] == 0
+        finally:
+            http.delete(f"/v1/sandboxes/{sandbox_id}")
+
+
+def test_remote_sdk_streams_pty_and_background_output(live_server: LiveServer) -> None:
+    with Sandbox.create(api_url=live_server.url, api_key=live_server.keys["alice"]) as sb:
+        screen = Screen()
+        term = sb.pty.create(cols=40, rows=12, on_data=screen)
+        term.send_input(b"stty size; printf '\\377\\n'\r")
+        screen.wait_for(b"12 40")
+        screen.wait_for(b"\xff\r\n")
+        term.resize(cols=41, rows=13)
+        term.send_input("stty size\r")
+        screen.wait_for(b"13 41")
+        assert b"13 41" in term.read()  # the server's window holds it too
+        assert term.kill() is True
+        lines: list[str] = []
+        cmd = sb.commands.run(
+            "for i in 1 2 3; do echo line$i; sleep 0.1; done",
+            background=True,
+            on_stdout=lines.append,
+        )
+        assert cmd.wait(timeout_s=20).exit_code == 0
+        deadline = time.monotonic() + 10
+        while "".join(lines) != "line1\nline2\nline3\n" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "".join(lines) == "line1\nline2\nline3\n"

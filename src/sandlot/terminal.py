@@ -99,7 +99,7 @@ class AsyncPty:
         """Type ``data`` into terminal ``pid`` (waits while its program does not read)."""
         raw = data.encode() if isinstance(data, str) else data
         run = self._sb._run
-        await run(run.background.send_command_stdin(self._sb.id, pid, raw))
+        await run(run.background.send_pty_input(self._sb.id, pid, raw))
 
     async def resize(self, pid: int, cols: int, rows: int) -> None:
         size = build(PtySize, cols=cols, rows=rows)

@@ -243,6 +243,15 @@ class BackgroundCommands:
             job.listeners.append((on_stdout, on_stderr))
         return job.info.model_copy()
 
+    def unlisten(
+        self, pid: int, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+    ) -> None:
+        """Stop streaming to callbacks :meth:`listen` or :meth:`start` added (a WebSocket
+        client went away)."""
+        job = self._jobs.get(pid)
+        if job is not None and (on_stdout, on_stderr) in job.listeners:
+            job.listeners.remove((on_stdout, on_stderr))
+
     def listen_pty(self, pid: int, on_data: DataCallback) -> CommandInfo:
         """Pass a terminal's further output to ``on_data`` too."""
         job = self._pty(pid)
@@ -257,6 +266,11 @@ class BackgroundCommands:
     def pty_output(self, pid: int, offset: int = 0) -> PtyOutput:
         """A terminal's output from ``offset`` on, as far as the window still holds it."""
         return self._pty(pid).output(offset)
+
+    async def send_pty_input(self, pid: int, data: bytes) -> None:
+        """Type ``data`` into a terminal (waits while its program does not read)."""
+        self._pty(pid)
+        await self.send_stdin(pid, data)
 
     async def resize_pty(self, pid: int, size: PtySize) -> None:
         """Resize a running terminal (its foreground programs get SIGWINCH).

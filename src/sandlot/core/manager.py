@@ -585,6 +585,11 @@ class SandboxManager:
     ) -> None:
         await self._commands(sandbox_id, owner)[1].resize_pty(pid, size)
 
+    async def send_pty_input(
+        self, sandbox_id: str, pid: int, data: bytes, *, owner: str | None = None
+    ) -> None:
+        await self._commands(sandbox_id, owner)[1].send_pty_input(pid, data)
+
     async def pty_output(
         self, sandbox_id: str, pid: int, offset: int = 0, *, owner: str | None = None
     ) -> PtyOutput:
@@ -594,6 +599,18 @@ class SandboxManager:
         self, sandbox_id: str, pid: int, on_data: DataCallback, *, owner: str | None = None
     ) -> CommandInfo:
         return self._commands(sandbox_id, owner)[1].listen_pty(pid, on_data)
+
+    def disconnect_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+    ) -> None:
+        """Stop streaming a background command's output to these callbacks."""
+        commands = self._background.get(sandbox_id)
+        if commands is not None:
+            commands.unlisten(pid, on_stdout, on_stderr)
 
     def disconnect_pty(self, sandbox_id: str, pid: int, on_data: DataCallback) -> None:
         commands = self._background.get(sandbox_id)
