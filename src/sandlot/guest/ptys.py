@@ -26,7 +26,11 @@ from workspace import WORKSPACE
 
 READ_CHUNK_BYTES = 16384  # one frame: ~22 KiB of base64, small enough to interleave fairly
 DRAIN_QUIET_S = 0.05
-DRAIN_MAX_S = 0.5
+# After the process ends, what it left in the terminal is still read, for at most this long
+# (a left-over process may hold the terminal and write forever). gVisor's terminal takes
+# megabytes a writer does not wait for: reading them out takes seconds.
+DRAIN_MAX_S = 10.0
+KILLED_DRAIN_S = 0.5  # a killed terminal's last output is not worth waiting for
 MAX_SIZE = 10000  # columns or rows: a winsize field is 16 bits
 
 
@@ -51,6 +55,9 @@ def _take_terminal():
     import termios
 
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # Linux makes our group the terminal's foreground group on TIOCSCTTY; gVisor does not,
+    # and a terminal without one sends nobody SIGINT on ^C nor SIGWINCH on a resize.
+    os.tcsetpgrp(0, os.getpgrp())
 
 
 class Ptys:
@@ -168,8 +175,9 @@ class Ptys:
                 kill_session(proc.pid)
             if ended_at is None and proc.poll() is not None:
                 ended_at = now
-            if ended_at is not None and (not master_open or now - ended_at > DRAIN_MAX_S):
-                return reason, total  # past DRAIN_MAX_S: a left-over process keeps talking
+            drain_s = DRAIN_MAX_S if reason is None else KILLED_DRAIN_S
+            if ended_at is not None and (not master_open or now - ended_at > drain_s):
+                return reason, total  # past drain_s: a left-over process keeps talking
             if not master_open:
                 # Every holder of the slave closed it but the process runs on: wait for it.
                 try:
