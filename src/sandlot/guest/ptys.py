@@ -55,9 +55,6 @@ def _take_terminal():
     import termios
 
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-    # Linux makes our group the terminal's foreground group on TIOCSCTTY; gVisor does not,
-    # and a terminal without one sends nobody SIGINT on ^C nor SIGWINCH on a resize.
-    os.tcsetpgrp(0, os.getpgrp())
 
 
 def _read_ready(master, poller):
