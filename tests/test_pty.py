@@ -132,6 +132,12 @@ def test_terminals_count_against_the_background_cap(
         term.kill()
 
 
+def test_a_terminal_past_its_timeout_is_killed(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(cmd="sleep 100", timeout_s=1)
+    result = term.wait(timeout_s=30)
+    assert result.kill_reason == "timeout", result
+
+
 def test_a_command_is_not_a_terminal(sandbox: Sandbox) -> None:
     cmd = sandbox.commands.run("sleep 30", background=True)
     with pytest.raises(InvalidRequest):
@@ -295,3 +301,14 @@ def test_remote_sdk_streams_pty_and_background_output(live_server: LiveServer) -
         while "".join(lines) != "line1\nline2\nline3\n" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "".join(lines) == "line1\nline2\nline3\n"
+        # Attaching to a running command streams what it writes from then on.
+        later: list[str] = []
+        slow = sb.commands.run("read go; echo after-attach", background=True)
+        attached = sb.commands.connect(slow.pid, on_stdout=later.append)
+        assert attached.pid == slow.pid
+        slow.send_stdin("go\n")
+        assert slow.wait(timeout_s=20).stdout == "after-attach\n"
+        deadline = time.monotonic() + 10
+        while later != ["after-attach\n"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert later == ["after-attach\n"]
