@@ -1,6 +1,17 @@
 """The quick-start example `make run` executes: a real sandbox on the bubblewrap backend."""
 
+import base64
+import tempfile
+from pathlib import Path
+
 from sandlot import Sandbox
+
+CHART = """
+import matplotlib.pyplot as plt
+plt.plot([1, 2, 3, 4], [1, 4, 9, 16], marker="o")
+plt.title("drawn inside the sandbox")
+plt.show()
+"""
 
 with Sandbox.create(memory_mb=256, timeout_s=5) as sb:
     # A stateful Python interpreter: variables persist between calls, like notebook cells.
@@ -14,6 +25,18 @@ with Sandbox.create(memory_mb=256, timeout_s=5) as sb:
     # Files confined to /workspace.
     sb.files.write("data/a.txt", "hello")
     print("file:", sb.files.read("data/a.txt"))
+
+    # A chart drawn in the sandbox comes back as a PNG result. On bubblewrap the sandbox's
+    # Python is the host's: matplotlib is python3-matplotlib (~60 MB with numpy and fonts),
+    # which `make run` leaves out and `make test` installs.
+    r = sb.run_code(CHART, timeout_s=60)
+    pngs = [result.png for result in r.results if result.png]
+    if pngs:
+        chart = Path(tempfile.gettempdir()) / "sandlot-quickstart-chart.png"
+        chart.write_bytes(base64.b64decode(pngs[0]))
+        print("chart:", chart)
+    else:
+        print("chart: skipped, the sandbox has no matplotlib (apt-get install python3-matplotlib)")
 
     # Failures are results, not exceptions: an infinite loop is stopped at the timeout...
     r = sb.run_code("while True: pass", timeout_s=1)

@@ -311,7 +311,7 @@ def test_remote_sdk_background_round_trip(live_server: LiveServer) -> None:
         assert sb.commands.kill(server.pid) is True
         assert server.wait(timeout_s=10).kill_reason == "killed"
         assert sb.commands.connect(server.pid).info.running is False
-        with pytest.raises(ConfigError):
-            sb.commands.run("true", background=True, on_stdout=print)
+        streamed: list[str] = []  # remote callbacks stream over the WebSocket (test_pty.py)
+        sb.commands.run("echo streamed", background=True, on_stdout=streamed.append).wait(10)
         with pytest.raises(CommandNotFound):
             sb.commands.kill(424242)

@@ -12,6 +12,7 @@ when the connection was refused, i.e. before anything reached the server.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import json
 from collections.abc import AsyncIterator, Callable
@@ -28,14 +29,17 @@ from tenacity import (
     wait_exponential,
 )
 
+from sandlot._remote_jobs import JobStreams
 from sandlot._version import __version__
 from sandlot.errors import CommandStillRunning, ConfigError, SandboxError, error_from_code
 from sandlot.models import (
     ArtifactInfo,
     CommandInfo,
+    DataCallback,
     ExecResult,
     FileInfo,
     OutputCallback,
+    PtyOutput,
     ResourceUsage,
     Result,
     ResultCallback,
@@ -45,6 +49,9 @@ from sandlot.requests import (
     CommandInput,
     FilePath,
     ListFiles,
+    OpenPty,
+    PtyInput,
+    PtySize,
     RemoveFile,
     RunCode,
     RunCommand,
@@ -75,6 +82,7 @@ class RemoteService:
             headers["Authorization"] = f"Bearer {api_key}"
         self._headers = headers
         self._client = self._new_client()
+        self._jobs = JobStreams(self.base_url, headers)
 
     def _new_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -90,6 +98,7 @@ class RemoteService:
         return self._client
 
     async def aclose(self) -> None:
+        await self._jobs.aclose()
         await self._client.aclose()
 
     async def _call(
@@ -242,7 +251,16 @@ class RemoteService:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> CommandInfo:
-        _no_callbacks(on_stdout, on_stderr)
+        if on_stdout is not None or on_stderr is not None:
+            # Streamed: started over the WebSocket, which holds the callbacks from the start.
+            message = {
+                "type": "command",
+                **request.model_dump(mode="json", exclude_none=True),
+                "background": True,
+            }
+            return await self._jobs.start(
+                sandbox_id, message, on_stdout=on_stdout, on_stderr=on_stderr
+            )
         background = request.model_copy(update={"background": True})
         response = await self._send(
             "POST", self._commands_url(sandbox_id), background, idempotent=False
@@ -261,7 +279,11 @@ class RemoteService:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> CommandInfo:
-        _no_callbacks(on_stdout, on_stderr)
+        if on_stdout is not None or on_stderr is not None:
+            message = {"type": "attach", "pid": pid}
+            return await self._jobs.start(
+                sandbox_id, message, on_stdout=on_stdout, on_stderr=on_stderr
+            )
         data = await self._json("GET", self._commands_url(sandbox_id, pid), idempotent=True)
         return CommandInfo.model_validate(data)
 
@@ -302,6 +324,35 @@ class RemoteService:
     async def kill_command(self, sandbox_id: str, pid: int) -> bool:
         data = await self._json("DELETE", self._commands_url(sandbox_id, pid), idempotent=True)
         return bool(data["killed"])
+
+    # -- terminals
+
+    async def start_pty(
+        self, sandbox_id: str, request: OpenPty, *, on_data: DataCallback | None = None
+    ) -> CommandInfo:
+        if on_data is not None:
+            message = {"type": "pty", **request.model_dump(mode="json", exclude_none=True)}
+            return await self._jobs.start(sandbox_id, message, on_data=on_data)
+        response = await self._send(
+            "POST", f"/v1/sandboxes/{sandbox_id}/pty", request, idempotent=False
+        )
+        return CommandInfo.model_validate(response.json())
+
+    async def resize_pty(self, sandbox_id: str, pid: int, size: PtySize) -> None:
+        url = f"/v1/sandboxes/{sandbox_id}/pty/{pid}/resize"
+        await self._send("POST", url, size, idempotent=True)
+
+    async def pty_output(self, sandbox_id: str, pid: int, offset: int = 0) -> PtyOutput:
+        url = f"/v1/sandboxes/{sandbox_id}/pty/{pid}/output"
+        data = await self._json("GET", url, idempotent=True, params={"offset": offset})
+        return PtyOutput.model_validate(data)
+
+    async def send_pty_input(self, sandbox_id: str, pid: int, data: bytes) -> None:
+        body = PtyInput(data_b64=base64.b64encode(data).decode("ascii"))
+        # Not idempotent: keystrokes sent twice would be typed twice.
+        await self._send(
+            "POST", f"/v1/sandboxes/{sandbox_id}/pty/{pid}/input", body, idempotent=False
+        )
 
     # -- files
 
@@ -394,14 +445,6 @@ class RemoteService:
     async def make_dir(self, sandbox_id: str, request: FilePath) -> None:
         url = f"/v1/sandboxes/{sandbox_id}/directories"
         await self._send("POST", url, request, idempotent=True, in_query=True)
-
-
-def _no_callbacks(on_stdout: OutputCallback | None, on_stderr: OutputCallback | None) -> None:
-    if on_stdout is not None or on_stderr is not None:
-        raise ConfigError(
-            "a remote background command's output is not streamed: read it from wait(), "
-            "or run it in the foreground with callbacks (WebSocket)"
-        )
 
 
 def _query_value(value: Any) -> Any:

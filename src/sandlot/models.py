@@ -15,6 +15,8 @@ KillReason = Literal["timeout", "memory", "pids", "output_limit", "cpu", "killed
 
 # Receives each piece of a run's stdout or stderr as it is produced (decoded UTF-8).
 OutputCallback = Callable[[str], None]
+# A terminal's output: raw bytes, as the program wrote them (escape sequences included).
+DataCallback = Callable[[bytes], None]
 
 
 class _Model(BaseModel):
@@ -164,6 +166,18 @@ class CommandInfo(_Model):
     started_at: float = Field(description="Unix time it was started.")
     running: bool = True
     exit_code: int | None = None
+    pty: bool = Field(default=False, description="A terminal (``pty.create``), not a command.")
+
+
+class PtyOutput(_Model):
+    """A window of a terminal's recent output (REST polls it by offset)."""
+
+    data_b64: str = Field(description="Raw bytes, base64.")
+    offset: int = Field(description="Position of the first byte in the terminal's output.")
+    next_offset: int = Field(description="Pass it back to read on from here.")
+    dropped_bytes: int = Field(
+        default=0, description="Output between the asked offset and ``offset`` no longer kept."
+    )
 
 
 class SandboxStatus(StrEnum):

@@ -11,12 +11,13 @@ to do with it.
 
 from __future__ import annotations
 
+import base64
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from sandlot.config import explain_invalid
-from sandlot.errors import ConfigError
+from sandlot.errors import ConfigError, InvalidRequest
 from sandlot.models import SandboxLimits
 
 MAX_SOURCE_CHARS = 1 << 20
@@ -127,6 +128,42 @@ class CommandInput(Request):
 
     data: str = Field(default="", max_length=MAX_SOURCE_CHARS)
     eof: bool = Field(default=False, description="Close its stdin after ``data``.")
+
+
+MAX_PTY_SIZE = 1000  # columns or rows
+
+
+class OpenPty(Request):
+    """Open a terminal: ``command`` (default an interactive bash, sh where bash is absent)
+    under a pseudo-terminal of ``cols`` x ``rows``."""
+
+    cols: int = Field(default=80, ge=1, le=MAX_PTY_SIZE)
+    rows: int = Field(default=24, ge=1, le=MAX_PTY_SIZE)
+    command: NoNul | None = Field(default=None, max_length=MAX_SOURCE_CHARS)
+    env: Env = Field(default=None, max_length=MAX_ENV_VARS)
+    cwd: NoNul | None = Field(default=None, max_length=MAX_PATH_CHARS)
+    timeout_s: float | None = Field(
+        default=None, gt=0, le=86_400, description="Killed after this; default: never."
+    )
+
+
+class PtySize(Request):
+    """A terminal's new size; its programs get SIGWINCH."""
+
+    cols: int = Field(ge=1, le=MAX_PTY_SIZE)
+    rows: int = Field(ge=1, le=MAX_PTY_SIZE)
+
+
+class PtyInput(Request):
+    """Keystrokes for a terminal: raw bytes, base64."""
+
+    data_b64: str = Field(max_length=MAX_SOURCE_CHARS)
+
+    def data(self) -> bytes:
+        try:
+            return base64.b64decode(self.data_b64, validate=True)
+        except ValueError as exc:
+            raise InvalidRequest(f"data_b64 is not base64: {exc}") from exc
 
 
 PathField = Annotated[

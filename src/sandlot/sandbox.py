@@ -44,6 +44,7 @@ from sandlot.requests import (
     build,
 )
 from sandlot.service import BackgroundService, SandboxService
+from sandlot.terminal import AsyncPty, Pty
 
 T = TypeVar("T")
 E = TypeVar("E")  # what a streaming callback receives: a chunk of text, a Result
@@ -328,6 +329,7 @@ class AsyncSandbox:
         self._killed = False
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
+        self.pty = AsyncPty(self)
 
     @property
     def id(self) -> str:
@@ -624,6 +626,7 @@ class Sandbox(SyncTwin[AsyncSandbox]):
         super().__init__(inner, portal)
         self.commands = Commands(inner.commands, portal)
         self.files = Files(inner.files, portal)
+        self.pty = Pty(inner.pty, portal)
 
     create = constructor(AsyncSandbox.create)
     connect = constructor(AsyncSandbox.connect)

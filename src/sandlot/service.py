@@ -13,9 +13,11 @@ from typing import Protocol, runtime_checkable
 from sandlot.models import (
     ArtifactInfo,
     CommandInfo,
+    DataCallback,
     ExecResult,
     FileInfo,
     OutputCallback,
+    PtyOutput,
     ResourceUsage,
     ResultCallback,
     SandboxInfo,
@@ -23,6 +25,8 @@ from sandlot.models import (
 from sandlot.requests import (
     FilePath,
     ListFiles,
+    OpenPty,
+    PtySize,
     RemoveFile,
     RunCode,
     RunCommand,
@@ -114,3 +118,13 @@ class BackgroundService(Protocol):
     ) -> None: ...
 
     async def kill_command(self, sandbox_id: str, pid: int) -> bool: ...
+
+    async def start_pty(
+        self, sandbox_id: str, request: OpenPty, *, on_data: DataCallback | None = None
+    ) -> CommandInfo: ...
+
+    async def resize_pty(self, sandbox_id: str, pid: int, size: PtySize) -> None: ...
+
+    async def send_pty_input(self, sandbox_id: str, pid: int, data: bytes) -> None: ...
+
+    async def pty_output(self, sandbox_id: str, pid: int, offset: int = 0) -> PtyOutput: ...

@@ -5,11 +5,17 @@ reasons and result) run as a host task; the caller gets its pid back at once, an
 waits for, feeds, or kills it by that pid. The guest runs it outside its session's lock, so
 a long server never blocks the session's next command. Each sandbox holds at most
 ``SANDBOX_MAX_BACKGROUND_COMMANDS`` running at once; destroy kills every one.
+
+A terminal (``pty.create``) is one more kind of background command, counted against the same
+cap: a ``pty_open`` call whose output is raw bytes. The host keeps its newest
+:data:`SCROLLBACK_BYTES` (what REST polls by offset); a listener is called per chunk, so a
+flood costs the host that window and nothing more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -28,11 +34,12 @@ from sandlot.errors import (
     SandboxError,
 )
 from sandlot.guest.ops import Op
-from sandlot.models import CommandInfo, ExecResult, OutputCallback
-from sandlot.requests import MAX_TTL_S, RunCommand
+from sandlot.models import CommandInfo, DataCallback, ExecResult, OutputCallback, PtyOutput
+from sandlot.requests import MAX_TTL_S, OpenPty, PtySize, RunCommand
 
 STDIN_QUEUE_ITEMS = 64  # input not yet taken by the command: send_stdin waits past this
 KILL_WAIT_S = 5.0
+SCROLLBACK_BYTES = 256 << 10  # a terminal's output kept on the host, newest first
 
 
 @dataclass
@@ -45,12 +52,39 @@ class _Job:
     listeners: list[tuple[OutputCallback | None, OutputCallback | None]] = field(
         default_factory=list
     )
+    data_listeners: list[DataCallback] = field(default_factory=list)
+    scrollback: bytearray = field(default_factory=bytearray)
+    written_bytes: int = 0  # a terminal's output so far; the scrollback is its tail
 
     def emit(self, index: int, text: str) -> None:
         for pair in self.listeners:
             callback = pair[index]
             if callback is not None:
                 callback(text)
+
+    def emit_data(self, encoded: str) -> None:
+        """A terminal's chunk (base64 from the guest): kept in the window, passed on."""
+        try:
+            data = base64.b64decode(encoded, validate=True)
+        except ValueError:
+            return  # the guest shares a uid with sandboxed code: garbage is dropped
+        self.written_bytes += len(data)
+        self.scrollback += data
+        if len(self.scrollback) > SCROLLBACK_BYTES:
+            del self.scrollback[: len(self.scrollback) - SCROLLBACK_BYTES]
+        for callback in self.data_listeners:
+            callback(data)
+
+    def output(self, offset: int) -> PtyOutput:
+        first = self.written_bytes - len(self.scrollback)
+        start = min(max(offset, first), self.written_bytes)
+        data = bytes(self.scrollback[start - first :])
+        return PtyOutput(
+            data_b64=base64.b64encode(data).decode("ascii"),
+            offset=start,
+            next_offset=self.written_bytes,
+            dropped_bytes=max(0, start - max(offset, 0)),
+        )
 
 
 class BackgroundCommands:
@@ -80,28 +114,50 @@ class BackgroundCommands:
         """
         if request.fresh:
             raise ConfigError("a background command cannot be fresh (it would kill the others)")
+        info = CommandInfo(pid=0, command=request.command, started_at=time.time())
+        job = _Job(info, asyncio.Queue(STDIN_QUEUE_ITEMS), listeners=[(on_stdout, on_stderr)])
+        op, payload = execution.command_payload(request, streams_stdin=True)
+        # Every background command may spill its output: together they keep to the quarter
+        # of the disk one call may fill.
+        payload.update(background=True, output_spill_limit=live.disk_bytes // 4 // self.limit)
+        timeout_s = request.timeout_s or float(MAX_TTL_S)  # destroy or expiry ends it anyway
+        return await self._admit(live, job, op, payload, timeout_s)
+
+    async def start_pty(
+        self, live: Live, request: OpenPty, on_data: DataCallback | None = None
+    ) -> CommandInfo:
+        """Open a terminal and return once its process exists (same cap and errors as
+        :meth:`start`)."""
+        command = request.command or "(interactive shell)"
+        info = CommandInfo(pid=0, command=command, started_at=time.time(), pty=True)
+        job = _Job(info, asyncio.Queue(STDIN_QUEUE_ITEMS))
+        if on_data is not None:
+            job.data_listeners.append(on_data)
+        payload: dict[str, Any] = {"cols": request.cols, "rows": request.rows}
+        payload.update(env=request.env or {}, command=request.command, cwd=request.cwd)
+        timeout_s = request.timeout_s or float(MAX_TTL_S)
+        return await self._admit(live, job, Op.PTY_OPEN, payload, timeout_s)
+
+    async def _admit(
+        self, live: Live, job: _Job, op: Op, payload: dict[str, Any], timeout_s: float
+    ) -> CommandInfo:
         if self._closed:
             raise InvalidRequest("the sandbox is being destroyed")
         if self._running() + self._starting >= self.limit:
             raise BackgroundLimitReached(
-                f"{self.limit} background commands already run in this sandbox "
-                "(SANDBOX_MAX_BACKGROUND_COMMANDS); wait for or kill one"
+                f"{self.limit} background commands and terminals already run in this "
+                "sandbox (SANDBOX_MAX_BACKGROUND_COMMANDS); wait for or kill one"
             )
         self._starting += 1
         try:
-            return await self._start(live, request, on_stdout, on_stderr)
+            return await self._start(live, job, op, payload, timeout_s)
         finally:
             self._starting -= 1
 
     async def _start(
-        self,
-        live: Live,
-        request: RunCommand,
-        on_stdout: OutputCallback | None,
-        on_stderr: OutputCallback | None,
+        self, live: Live, job: _Job, op: Op, payload: dict[str, Any], timeout_s: float
     ) -> CommandInfo:
-        info = CommandInfo(pid=0, command=request.command, started_at=time.time())
-        job = _Job(info, asyncio.Queue(STDIN_QUEUE_ITEMS), listeners=[(on_stdout, on_stderr)])
+        info = job.info
         called: asyncio.Future[tuple[GuestConnection, int]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -111,18 +167,14 @@ class BackgroundCommands:
             if not called.done():
                 called.set_result(job.call)
 
-        op, payload = execution.command_payload(request, streams_stdin=True)
-        # Every background command may spill its output: together they keep to the quarter
-        # of the disk one call may fill.
-        payload.update(background=True, output_spill_limit=live.disk_bytes // 4 // self.limit)
-        timeout_s = request.timeout_s or float(MAX_TTL_S)  # destroy or expiry ends it anyway
+        on_stdout: OutputCallback = job.emit_data if info.pty else lambda text: job.emit(0, text)
         job.task = asyncio.create_task(
             execution.execute(
                 live,
                 op,
                 payload,
                 timeout_s,
-                lambda text: job.emit(0, text),
+                on_stdout,
                 lambda text: job.emit(1, text),
                 stdin=job.stdin,
                 on_call=on_call,
@@ -190,6 +242,53 @@ class BackgroundCommands:
         if on_stdout is not None or on_stderr is not None:
             job.listeners.append((on_stdout, on_stderr))
         return job.info.model_copy()
+
+    def unlisten(
+        self, pid: int, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+    ) -> None:
+        """Stop streaming to callbacks :meth:`listen` or :meth:`start` added (a WebSocket
+        client went away)."""
+        job = self._jobs.get(pid)
+        if job is not None and (on_stdout, on_stderr) in job.listeners:
+            job.listeners.remove((on_stdout, on_stderr))
+
+    def listen_pty(self, pid: int, on_data: DataCallback) -> CommandInfo:
+        """Pass a terminal's further output to ``on_data`` too."""
+        job = self._pty(pid)
+        job.data_listeners.append(on_data)
+        return job.info.model_copy()
+
+    def unlisten_pty(self, pid: int, on_data: DataCallback) -> None:
+        job = self._jobs.get(pid)
+        if job is not None and on_data in job.data_listeners:
+            job.data_listeners.remove(on_data)
+
+    def pty_output(self, pid: int, offset: int = 0) -> PtyOutput:
+        """A terminal's output from ``offset`` on, as far as the window still holds it."""
+        return self._pty(pid).output(offset)
+
+    async def send_pty_input(self, pid: int, data: bytes) -> None:
+        """Type ``data`` into a terminal (waits while its program does not read)."""
+        self._pty(pid)
+        await self.send_stdin(pid, data)
+
+    async def resize_pty(self, pid: int, size: PtySize) -> None:
+        """Resize a running terminal (its foreground programs get SIGWINCH).
+
+        Raises:
+            InvalidRequest: it has ended.
+        """
+        job = self._pty(pid)
+        if not job.info.running or job.call is None:
+            raise InvalidRequest(f"terminal {pid} has ended")
+        conn, call_id = job.call
+        await conn.request(Op.PTY_RESIZE, {"target": call_id, "cols": size.cols, "rows": size.rows})
+
+    def _pty(self, pid: int) -> _Job:
+        job = self._job(pid)
+        if not job.info.pty:
+            raise InvalidRequest(f"background command {pid} is not a terminal")
+        return job
 
     async def wait(self, pid: int, timeout_s: float | None = None) -> ExecResult:
         """Its result once it ends.

@@ -40,9 +40,11 @@ from sandlot.log import configure_logging
 from sandlot.models import (
     ArtifactInfo,
     CommandInfo,
+    DataCallback,
     ExecResult,
     FileInfo,
     OutputCallback,
+    PtyOutput,
     Quota,
     ResolvedLimits,
     ResourceUsage,
@@ -53,6 +55,8 @@ from sandlot.models import (
 from sandlot.requests import (
     FilePath,
     ListFiles,
+    OpenPty,
+    PtySize,
     RemoveFile,
     RunCode,
     RunCommand,
@@ -563,6 +567,55 @@ class SandboxManager:
 
     async def kill_command(self, sandbox_id: str, pid: int, *, owner: str | None = None) -> bool:
         return await self._commands(sandbox_id, owner)[1].kill(pid)
+
+    async def start_pty(
+        self,
+        sandbox_id: str,
+        request: OpenPty,
+        *,
+        on_data: DataCallback | None = None,
+        owner: str | None = None,
+    ) -> CommandInfo:
+        """Open a terminal; its pid takes the background verbs (wait, kill, stdin)."""
+        live, commands = self._commands(sandbox_id, owner)
+        return await commands.start_pty(live, request, on_data)
+
+    async def resize_pty(
+        self, sandbox_id: str, pid: int, size: PtySize, *, owner: str | None = None
+    ) -> None:
+        await self._commands(sandbox_id, owner)[1].resize_pty(pid, size)
+
+    async def send_pty_input(
+        self, sandbox_id: str, pid: int, data: bytes, *, owner: str | None = None
+    ) -> None:
+        await self._commands(sandbox_id, owner)[1].send_pty_input(pid, data)
+
+    async def pty_output(
+        self, sandbox_id: str, pid: int, offset: int = 0, *, owner: str | None = None
+    ) -> PtyOutput:
+        return self._commands(sandbox_id, owner)[1].pty_output(pid, offset)
+
+    async def connect_pty(
+        self, sandbox_id: str, pid: int, on_data: DataCallback, *, owner: str | None = None
+    ) -> CommandInfo:
+        return self._commands(sandbox_id, owner)[1].listen_pty(pid, on_data)
+
+    def disconnect_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+    ) -> None:
+        """Stop streaming a background command's output to these callbacks."""
+        commands = self._background.get(sandbox_id)
+        if commands is not None:
+            commands.unlisten(pid, on_stdout, on_stderr)
+
+    def disconnect_pty(self, sandbox_id: str, pid: int, on_data: DataCallback) -> None:
+        commands = self._background.get(sandbox_id)
+        if commands is not None:
+            commands.unlisten_pty(pid, on_data)
 
     # ------------------------------------------------------------------ files
 

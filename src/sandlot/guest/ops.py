@@ -9,7 +9,8 @@ sends the same members. Both are ``str`` enums, so a frame carries the plain nam
 from enum import Enum
 
 # Sent in the "ready" event; the host refuses a guest that speaks another version.
-PROTOCOL_VERSION = 2  # 2: rich outputs (DISPLAY events, "results" in exec_code's result)
+# 2: rich outputs (DISPLAY events, "results" in exec_code's result); 3: PTY_OPEN, PTY_RESIZE
+PROTOCOL_VERSION = 3
 
 
 class Op(str, Enum):
@@ -22,6 +23,10 @@ class Op(str, Enum):
     EXEC_CODE = "exec_code"
     EXEC_SHELL = "exec_shell"
     CLOSE_SESSION = "close_session"
+    # A terminal: a call that runs until its process ends, like a background exec_shell (the
+    # same CANCEL, STDIN and PID apply); its STDOUT events carry the raw bytes, base64.
+    PTY_OPEN = "pty_open"
+    PTY_RESIZE = "pty_resize"  # new size (cols, rows) of the terminal of call ``target``
     FILE_READ = "file_read"
     FILE_WRITE = "file_write"
     FILE_LIST = "file_list"

@@ -40,6 +40,22 @@ def kill_group_except(pgid, keep_pid):
             continue
 
 
+def kill_session(sid):
+    """SIGKILL every process of session ``sid`` (a terminal's: its jobs have process groups
+    of their own, so killing the leader's group would leave them running)."""
+    killpg(sid)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:
+                os.kill(int(name), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            continue
+
+
 def signal_exit_code(returncode):
     return 128 - returncode if returncode < 0 else returncode
 

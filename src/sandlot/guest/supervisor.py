@@ -29,6 +29,7 @@ from cells import Cells, Kernel
 from files import Files
 from ops import PROTOCOL_VERSION, Event, Op
 from procs import become_subreaper, count_tasks, harden, reap_orphans_forever
+from ptys import Ptys
 from shells import Shells
 from wire import FrameWriter, GuestFault, read_frame
 from workspace import WORKSPACE, os_error_code
@@ -99,6 +100,7 @@ class Supervisor:
         self.cells = Cells(writer, self.calls, self.kernel)
         self.shells = Shells(writer, self.calls, self.kernel, env)
         self.files = Files()
+        self.ptys = Ptys(writer, self.calls, env)
         # Every op but SHUTDOWN, which the read loop handles by ending.
         self.handlers = {
             Op.PING: self.ping,
@@ -108,6 +110,8 @@ class Supervisor:
             Op.EXEC_CODE: self.cells.exec_code,
             Op.EXEC_SHELL: self.shells.exec_shell,
             Op.CLOSE_SESSION: self.shells.close_session,
+            Op.PTY_OPEN: self.ptys.pty_open,
+            Op.PTY_RESIZE: self.ptys.pty_resize,
             Op.FILE_READ: self.files.file_read,
             Op.FILE_WRITE: self.files.file_write,
             Op.FILE_LIST: self.files.file_list,

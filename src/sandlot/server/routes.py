@@ -17,6 +17,7 @@ from sandlot.models import (
     CommandInfo,
     ExecResult,
     FileInfo,
+    PtyOutput,
     ResourceUsage,
     SandboxInfo,
 )
@@ -24,6 +25,9 @@ from sandlot.requests import (
     CommandInput,
     FilePath,
     ListFiles,
+    OpenPty,
+    PtyInput,
+    PtySize,
     RemoveFile,
     RunCode,
     RunCommand,
@@ -197,6 +201,57 @@ async def kill_command(
     async with state.audited(request, who, "sandbox.command_kill", sandbox_id, pid=pid):
         killed = await state.manager.kill_command(sandbox_id, pid, owner=who.owner_filter)
     return KilledCommand(pid=pid, killed=killed)
+
+
+# ---------------------------------------------------------------- terminals
+# A terminal's pid takes the background verbs too: GET .../commands/{pid}/wait for its
+# result, DELETE .../commands/{pid} to end it. Its output streams over the WebSocket.
+
+
+@router.post("/{sandbox_id}/pty", response_model=CommandInfo, status_code=201)
+async def open_pty(sandbox_id: SandboxId, body: OpenPty, request: Request, who: Caller) -> Response:
+    """Open a terminal (an interactive shell unless ``command`` says otherwise); counts
+    against the sandbox's background commands (429 ``background_limit`` past the cap)."""
+    who.require_write()
+    state = state_of(request)
+    async with state.audited(request, who, "sandbox.pty", sandbox_id) as audit:
+        info = await state.manager.start_pty(sandbox_id, body, owner=who.owner_filter)
+        audit["pid"] = info.pid
+    return Response(info.model_dump_json(), 201, media_type="application/json")
+
+
+@router.post("/{sandbox_id}/pty/{pid}/input", status_code=204)
+async def pty_input(
+    sandbox_id: SandboxId, pid: Pid, body: PtyInput, request: Request, who: Caller
+) -> Response:
+    """Type raw bytes (base64) into it."""
+    who.require_write()
+    manager = state_of(request).manager
+    await manager.send_pty_input(sandbox_id, pid, body.data(), owner=who.owner_filter)
+    return Response(status_code=204)
+
+
+@router.post("/{sandbox_id}/pty/{pid}/resize", status_code=204)
+async def pty_resize(
+    sandbox_id: SandboxId, pid: Pid, body: PtySize, request: Request, who: Caller
+) -> Response:
+    """Give it a new size; its foreground programs get SIGWINCH."""
+    who.require_write()
+    await state_of(request).manager.resize_pty(sandbox_id, pid, body, owner=who.owner_filter)
+    return Response(status_code=204)
+
+
+@router.get("/{sandbox_id}/pty/{pid}/output", response_model=PtyOutput)
+async def pty_output(
+    sandbox_id: SandboxId,
+    pid: Pid,
+    request: Request,
+    who: Caller,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> Response:
+    """Its output from ``offset`` on, as far as the server still keeps it (256 KiB)."""
+    manager = state_of(request).manager
+    return _json(await manager.pty_output(sandbox_id, pid, offset, owner=who.owner_filter))
 
 
 # ---------------------------------------------------------------- files

@@ -16,6 +16,9 @@ Server -> client::
     {"type": "error", "error": {"code": "...", "message": "..."}}
 
 A client that disconnects mid-run does not leak it: the run is cancelled inside the sandbox.
+
+Terminals (``{"type": "pty"}``) and background commands (``"background": true``, or
+``{"type": "attach", "pid": N}``) stream until they end; see ``stream_jobs.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pydantic import ValidationError
 from sandlot.errors import ConfigError, SandboxError
 from sandlot.models import ExecResult, Result
 from sandlot.requests import RunCode, RunCommand
+from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, ServerState
 
@@ -103,6 +107,10 @@ async def _one_run(
         who.require_write()
         kind = message.get("type")
         fields = {k: v for k, v in message.items() if k not in ("type", "stdin")}
+        if stream_jobs.is_job(message):
+            # A terminal or a background command: its own loop (stream_jobs.py).
+            await stream_jobs.run_job(websocket, state, who, sandbox_id, message)
+            return
         if kind == "run_code":
             call = state.manager.run_code(
                 sandbox_id,
@@ -125,7 +133,9 @@ async def _one_run(
                 on_stderr=_put(outbox, "stderr", budget),
             )
         else:
-            raise ConfigError(f"unknown message type {kind!r}; send run_code or command")
+            raise ConfigError(
+                f"unknown message type {kind!r}; send run_code, command, pty or attach"
+            )
     except ValidationError as exc:
         await _send_error(websocket, ConfigError(f"invalid message: {exc.errors()[0]['msg']}"))
         return
@@ -202,6 +212,8 @@ def _offer(
 
 
 def _item_cost(item: dict[str, Any]) -> int:
+    if "data_b64" in item:  # a terminal's output
+        return len(item["data_b64"]) + CHUNK_OVERHEAD_BYTES
     if "data" in item:
         return _cost(item["data"])
     return len(json.dumps(item["result"])) + CHUNK_OVERHEAD_BYTES
@@ -213,7 +225,7 @@ async def _drain(
     # One writer keeps chunks in the order they were produced, with the result last.
     while (item := await outbox.get()) is not None:
         await websocket.send_json(item)
-        if item.get("type") in ("stdout", "stderr", "display"):
+        if item.get("type") in ("stdout", "stderr", "display", "output"):
             budget.queued -= _item_cost(item)
 
 

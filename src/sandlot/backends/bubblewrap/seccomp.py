@@ -80,6 +80,12 @@ CLONE_NAMESPACE_FLAGS = (
 )
 
 AF_MAX = 64
+# Terminal ioctls that type into a terminal or reach the console: a sandbox may own terminals
+# (pty.create) but never inject keystrokes, not even into its own. The kernel reads the
+# request as 32 bits: only those are compared, so high bits set cannot slip past.
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+DENIED_IOCTLS = (TIOCSTI, TIOCLINUX)
 # Every call that makes a socket of a family it is told: socketpair() loads a family's module
 # and reaches its code as surely as socket() does. (accept() only clones a socket that exists;
 # io_uring's IORING_OP_SOCKET is closed with io_uring itself; the 32-bit socketcall() never
@@ -120,6 +126,8 @@ def build_filter(network: bool) -> bytes:
     # A process may set its own limits (pid 0: setrlimit() is prlimit64(0, ...)), never
     # another's: lowering the guest's file limit to 3 wedged every later call.
     flt.add_rule(sc.ERRNO(errno.EPERM), "prlimit64", sc.Arg(0, sc.NE, 0))
+    for request in DENIED_IOCTLS:
+        flt.add_rule(sc.ERRNO(errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
     allowed = ONLINE_FAMILIES if network else OFFLINE_FAMILIES
     for call in FAMILY_SYSCALLS:
         for family in range(AF_MAX):

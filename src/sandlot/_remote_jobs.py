@@ -1,0 +1,93 @@
+"""The remote client's streamed background runs: a terminal's output, a background command's
+stdout and stderr, over the server's WebSocket (``server/stream_jobs.py``).
+
+One WebSocket per watched run. It is opened by the start itself (the server adds the
+callbacks before the process exists, so no early output is missed) and read by a task on the
+client's loop until the run ends or the client is closed; the callbacks run on that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from typing import Any
+
+from sandlot.errors import error_from_code
+from sandlot.models import CommandInfo, DataCallback, OutputCallback
+
+MAX_MESSAGE_BYTES = 16 << 20
+
+
+class JobStreams:
+    """The WebSockets of one client's watched runs."""
+
+    def __init__(self, base_url: str, headers: dict[str, str]) -> None:
+        self._ws_base = base_url.replace("http", "ws", 1)
+        self._headers = {k: v for k, v in headers.items() if k == "Authorization"}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(
+        self,
+        sandbox_id: str,
+        message: dict[str, Any],
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_data: DataCallback | None = None,
+    ) -> CommandInfo:
+        """Send ``message`` (a "pty", "command" with background, or "attach"); return the
+        run's info once the server says it started, and stream on in a task.
+
+        Raises:
+            SandboxError: the server refused it (its typed error: the cap, no such pid).
+        """
+        from websockets.asyncio.client import connect
+
+        url = f"{self._ws_base}/v1/sandboxes/{sandbox_id}/stream"
+        ws = await connect(url, additional_headers=self._headers, max_size=MAX_MESSAGE_BYTES)
+        try:
+            await ws.send(json.dumps(message))
+            first = json.loads(await ws.recv())
+        except BaseException:
+            await ws.close()
+            raise
+        if first.get("type") != "started":
+            await ws.close()
+            error = first.get("error") or {}
+            raise error_from_code(str(error.get("code")), str(error.get("message", first)))
+        task = asyncio.create_task(self._read(ws, on_stdout, on_stderr, on_data))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return CommandInfo.model_validate(first["info"])
+
+    @staticmethod
+    async def _read(
+        ws: Any,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        on_data: DataCallback | None,
+    ) -> None:
+        try:
+            async for raw in ws:
+                event = json.loads(raw)
+                kind = event.get("type")
+                if kind == "output" and on_data is not None:
+                    on_data(base64.b64decode(event["data_b64"]))
+                elif kind == "stdout" and on_stdout is not None:
+                    on_stdout(event["data"])
+                elif kind == "stderr" and on_stderr is not None:
+                    on_stderr(event["data"])
+                elif kind in ("result", "error"):
+                    return  # wait() fetches the result over REST
+        except Exception:  # closed, reset, garbage: wait() says what became of the run
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                await ws.close()
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

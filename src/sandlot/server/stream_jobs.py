@@ -1,0 +1,198 @@
+"""The WebSocket's long-lived runs: terminals and background commands (see ``stream.py``).
+
+Client -> server, the first message of such a run::
+
+    {"type": "pty", "cols": 80, "rows": 24, "command": null, "cwd": null, "env": {}}
+    {"type": "pty", "pid": N}                       attach to a terminal opened before
+    {"type": "command", "command": "...", "background": true, ...}
+    {"type": "attach", "pid": N}                    a background command started before
+
+then, while it runs::
+
+    {"type": "input", "data_b64": "..."}            a terminal's keystrokes, raw bytes
+    {"type": "resize", "cols": 120, "rows": 40}
+    {"type": "stdin", "data": "text"}  {"type": "stdin_eof"}    a background command's
+
+Server -> client::
+
+    {"type": "started", "info": {CommandInfo}}      first: its pid
+    {"type": "output", "data_b64": "..."}           a terminal's output, raw bytes
+    {"type": "stdout"|"stderr", "data": "..."}      a background command's
+    {"type": "notice", ...}  then  {"type": "result", "result": {ExecResult}} once it ends
+
+A client that goes away only detaches: the terminal or command runs on (its pid takes the
+REST verbs; it counts against the sandbox's cap and ends with the sandbox). Output queued for
+a slow client is capped as any run's is (:data:`stream.STREAM_QUEUE_MAX_BYTES`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from typing import Any
+
+from fastapi import WebSocket, WebSocketDisconnect
+
+from sandlot.errors import ConfigError, InvalidRequest, SandboxError
+from sandlot.models import CommandInfo, DataCallback, OutputCallback
+from sandlot.requests import OpenPty, PtyInput, PtySize, RunCommand
+from sandlot.server import stream
+from sandlot.server.auth import Principal
+from sandlot.server.deps import ServerState
+
+INPUT_WAIT_S = 5.0  # input for a program that does not read is refused after this
+
+
+def is_job(message: dict[str, Any]) -> bool:
+    kind = message.get("type")
+    return kind in ("pty", "attach") or (kind == "command" and bool(message.get("background")))
+
+
+async def run_job(
+    websocket: WebSocket,
+    state: ServerState,
+    who: Principal,
+    sandbox_id: str,
+    message: dict[str, Any],
+) -> None:
+    """Start or attach to a terminal or background command and stream it until it ends."""
+    outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    budget = stream._Budget()
+    manager = state.manager
+    owner = who.owner_filter
+    kind = message["type"]
+    on_stdout = stream._put(outbox, "stdout", budget)
+    on_stderr = stream._put(outbox, "stderr", budget)
+
+    def on_data(data: bytes) -> None:
+        item = {"type": "output", "data_b64": base64.b64encode(data).decode("ascii")}
+        stream._offer(outbox, budget, item, stream._item_cost(item))
+
+    info = await _start(state, who, sandbox_id, message, (on_stdout, on_stderr), on_data, outbox)
+    pid = info.pid
+    run = asyncio.create_task(manager.wait_command(sandbox_id, pid, owner=owner))
+    sender = asyncio.create_task(stream._drain(websocket, outbox, budget))
+    listener = asyncio.create_task(_listen(websocket, state, who, sandbox_id, info, outbox))
+    try:
+        async with state.audited(websocket, who, f"stream.{kind}", sandbox_id, pid=pid):
+            done, _ = await asyncio.wait({run, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if run not in done:
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError, SandboxError):
+                    await run
+                raise WebSocketDisconnect(code=1001)  # detached: it runs on
+            result = run.result()
+        outbox.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
+    except SandboxError as exc:
+        outbox.put_nowait(stream._error_message(exc))
+    finally:
+        if info.pty:
+            manager.disconnect_pty(sandbox_id, pid, on_data)
+        manager.disconnect_command(sandbox_id, pid, on_stdout, on_stderr)
+        listener.cancel()
+        outbox.put_nowait(None)
+        with contextlib.suppress(Exception):
+            await sender
+
+
+async def _start(
+    state: ServerState,
+    who: Principal,
+    sandbox_id: str,
+    message: dict[str, Any],
+    callbacks: tuple[OutputCallback, OutputCallback],
+    on_data: DataCallback,
+    outbox: asyncio.Queue[dict[str, Any] | None],
+) -> CommandInfo:
+    """Open, start or attach to what ``message`` names; its "started" message goes first, in
+    a slot queued before anything could produce output."""
+    started: dict[str, Any] = {}
+    outbox.put_nowait(started)
+    manager = state.manager
+    owner = who.owner_filter
+    kind = message["type"]
+    fields = {k: v for k, v in message.items() if k not in ("type", "pid")}
+    pid = message.get("pid")
+    if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool)):
+        raise ConfigError("pid must be an integer")
+    before = b""
+    if kind == "pty" and pid is not None:
+        # What it wrote before, then what comes: nothing runs between the two (no await
+        # yields to the loop that delivers output), so no chunk is lost or sent twice.
+        window = await manager.pty_output(sandbox_id, pid, 0, owner=owner)
+        info = await manager.connect_pty(sandbox_id, pid, on_data, owner=owner)
+        before = base64.b64decode(window.data_b64)
+    elif kind == "pty":
+        request = OpenPty.model_validate(fields)
+        info = await manager.start_pty(sandbox_id, request, on_data=on_data, owner=owner)
+    elif kind == "attach":
+        if pid is None:
+            raise ConfigError("attach needs the pid of a background command")
+        info = await manager.connect_command(
+            sandbox_id, pid, on_stdout=callbacks[0], on_stderr=callbacks[1], owner=owner
+        )
+    else:
+        command = RunCommand.model_validate(fields)
+        info = await manager.start_command(
+            sandbox_id, command, on_stdout=callbacks[0], on_stderr=callbacks[1], owner=owner
+        )
+    started.update(type="started", info=info.model_dump(mode="json"))
+    if before:
+        on_data(before)
+    return info
+
+
+async def _listen(
+    websocket: WebSocket,
+    state: ServerState,
+    who: Principal,
+    sandbox_id: str,
+    info: CommandInfo,
+    outbox: asyncio.Queue[dict[str, Any] | None],
+) -> None:
+    """The client's messages while it runs: input, resize; returns when it disconnects."""
+    manager = state.manager
+    while True:
+        try:
+            message = await websocket.receive_json()
+        except (WebSocketDisconnect, RuntimeError):
+            return
+        if not isinstance(message, dict):
+            continue
+        kind = message.get("type")
+        try:
+            if kind == "resize" and info.pty:
+                size = PtySize.model_validate({k: message.get(k) for k in ("cols", "rows")})
+                await manager.resize_pty(sandbox_id, info.pid, size, owner=who.owner_filter)
+            elif kind in ("input", "stdin", "stdin_eof"):
+                await asyncio.wait_for(_input(state, who, sandbox_id, info, message), INPUT_WAIT_S)
+        except TimeoutError:
+            outbox.put_nowait(
+                {
+                    "type": "notice",
+                    "code": "stdin_backlog_full",
+                    "message": "input dropped: the program has not read what came before",
+                }
+            )
+        except (SandboxError, ValueError) as exc:
+            error = exc if isinstance(exc, SandboxError) else InvalidRequest(str(exc))
+            outbox.put_nowait({"type": "notice", "code": error.code, "message": error.message})
+
+
+async def _input(
+    state: ServerState, who: Principal, sandbox_id: str, info: CommandInfo, message: Any
+) -> None:
+    kind = message.get("type")
+    if kind == "input":
+        # send_pty_input refuses a command that is not a terminal.
+        data = PtyInput.model_validate({"data_b64": message.get("data_b64", "")}).data()
+        await state.manager.send_pty_input(sandbox_id, info.pid, data, owner=who.owner_filter)
+        return
+    if info.pty:
+        raise InvalidRequest("a terminal takes input (data_b64), not stdin")
+    data = str(message.get("data", "")).encode("utf-8", "surrogatepass")
+    eof = kind == "stdin_eof"
+    await state.manager.send_command_stdin(
+        sandbox_id, info.pid, data, eof=eof, owner=who.owner_filter
+    )
