@@ -5,10 +5,8 @@ holds the interpreter state; this side starts it, sends it cells, enforces each 
 timeout and output caps, and starts a fresh one when it dies.
 """
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +15,7 @@ from channel import KernelChannel
 from ops import Event
 from output import Pump, call_sinks, finish_streams
 from procs import forget, kill_group_except, set_oom_preferred, signal_exit_code, spawn
+from wire import dumps
 from workspace import WORKSPACE
 
 PYTHON = sys.executable or "/usr/bin/python3"
@@ -68,7 +67,7 @@ class _Results:
         self.dropped = 0
 
     def add(self, bundle):
-        size = len(json.dumps(bundle))  # ASCII: escaped, so its length is its size
+        size = len(dumps(bundle))  # ASCII: escaped, so its length is its size
         if size > self.left:
             self.dropped += 1
             return False
@@ -98,6 +97,8 @@ class Kernel:
         if self.alive():
             return False
         self.stop()
+        import subprocess  # a restart's cost, not the supervisor start's
+
         channel = KernelChannel()
         ctl = channel.peer_fd()
         try:

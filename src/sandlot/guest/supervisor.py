@@ -18,7 +18,6 @@ supervisor enforces each call's timeout and output caps, so a runaway cell never
 protocol down with it.
 """
 
-import json
 import os
 import signal
 import sys
@@ -26,11 +25,9 @@ import threading
 
 from calls import Calls
 from cells import Cells, Kernel
-from files import Files
 from ops import PROTOCOL_VERSION, Event, Op
 from procs import become_subreaper, count_tasks, harden, reap_orphans_forever
-from shells import Shells
-from wire import FrameWriter, GuestFault, read_frame
+from wire import FrameWriter, GuestFault, loads, read_frame
 from workspace import WORKSPACE, os_error_code
 
 # Started as a module import, not as a script, so a precompiled .pyc is used (a script run
@@ -53,10 +50,46 @@ GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
 FORCED_ENV = {"PYTHONNOUSERSITE": "1"}
 
 
+class Later:
+    """A handler object built on its first use: shells (``subprocess``, ``tempfile``,
+    ``shutil``) and files cost each supervisor's start ~10 ms of CPU under the sandbox's
+    quota, and a program run in a fresh sandbox may never ask for either."""
+
+    def __init__(self, build):
+        self.build = build
+        self.built = None
+        self.lock = threading.Lock()
+
+    def get(self):
+        with self.lock:
+            if self.built is None:
+                self.built = self.build()
+            return self.built
+
+    def __getattr__(self, name):
+        # The dispatch table names its handlers at start: each is looked up when called.
+        def handler(request):
+            return getattr(self.get(), name)(request)
+
+        return handler
+
+
+def _shells(writer, calls, kernel, env):
+    from shells import Shells
+
+    return Shells(writer, calls, kernel, env)
+
+
+def _files():
+    from files import Files
+
+    return Files()
+
+
 def user_env():
     """The caller's variables, as the backend passed them (``SANDLOT_USER_ENV``, JSON)."""
     try:
-        given = json.loads(os.environ.get("SANDLOT_USER_ENV") or "{}")
+        given = loads(os.environ.get("SANDLOT_USER_ENV") or "{}")
     except ValueError:
         return {}
     if not isinstance(given, dict):
@@ -97,8 +130,8 @@ class Supervisor:
         self.kernel = Kernel(env, KERNEL_LAUNCHER % GUEST_DIR)
         self.calls = Calls()
         self.cells = Cells(writer, self.calls, self.kernel)
-        self.shells = Shells(writer, self.calls, self.kernel, env)
-        self.files = Files()
+        self.shells = Later(lambda: _shells(writer, self.calls, self.kernel, env))
+        self.files = Later(_files)
         # Every op but SHUTDOWN, which the read loop handles by ending.
         self.handlers = {
             Op.PING: self.ping,
