@@ -158,6 +158,68 @@ def kernel_main(ctl_in, ctl_out):
         writer.send(result)
 
 
+def _close_fds_above(keep_fd):
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        os.closerange(keep_fd + 1, 65536)
+        return
+    for name in names:
+        if int(name) > keep_fd:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass  # the listing's own descriptor, closed already
+
+
+def _stdio(fd, mode, errors, name):
+    """A standard stream as ``python3 -u`` makes it: unbuffered bytes, text written through."""
+    import io
+
+    raw = io.FileIO(fd, mode, closefd=False)
+    raw.name = name
+    if mode == "r":
+        stream = io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8", errors=errors)
+    else:
+        stream = io.TextIOWrapper(raw, encoding="utf-8", errors=errors, write_through=True)
+    stream.mode = mode
+    return stream
+
+
+def forked_main(ctl, stdout_fd, stderr_fd, env, cwd):
+    """The kernel in a child forked from the single-threaded supervisor: turn the process
+    into what ``python3 -s -u -c KERNEL_LAUNCHER`` gives (``Kernel.ensure`` in ``cells.py``),
+    then run cells. ``cells.forkable`` has checked that ``env`` asks a fresh interpreter for
+    nothing this does not reproduce. The caller has made it a session leader already."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the host's protocol pipes end here: 0 and 1 are the cell's now
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    os.dup2(ctl, 3)
+    # Every other descriptor is the supervisor's: its ends of the pipes and the socket.
+    _close_fds_above(3)
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv[:] = ["-c", "--kernel", "3", "3"]
+    sys.stdin = sys.__stdin__ = _stdio(0, "r", "strict", "<stdin>")
+    sys.stdout = sys.__stdout__ = _stdio(1, "w", "strict", "<stdout>")
+    sys.stderr = sys.__stderr__ = _stdio(2, "w", "backslashreplace", "<stderr>")
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    # The supervisor runs with -I -S: the path a fresh interpreter would have is its own
+    # plus PYTHONPATH ahead of the standard library, and the site directories after it
+    # (site.main() adds no user site directory here: -I implies -s).
+    user_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [GUEST_DIR] + user_path + [p for p in sys.path if p and p != GUEST_DIR]
+    import site
+
+    site.main()
+    kernel_main(3, 3)
+
+
 def main(argv):
     """Entry point of the kernel process: ``argv`` is ``[..., "--kernel", CTL_IN, CTL_OUT]``."""
     kernel_main(int(argv[-2]), int(argv[-1]))

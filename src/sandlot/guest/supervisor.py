@@ -186,8 +186,6 @@ def supervisor_main():
     # As pid 1 no signal without a handler reaches us from inside the sandbox; Python's own
     # SIGINT handler would, and would end the supervisor with a KeyboardInterrupt.
     signal.signal(signal.SIGINT, lambda signum, frame: None)
-    if become_subreaper():
-        threading.Thread(target=reap_orphans_forever, daemon=True).start()
     writer = FrameWriter(1)
     # Nothing may write to fd 1 but the protocol: point the Python-level stdout elsewhere.
     sys.stdout = sys.stderr
@@ -196,6 +194,14 @@ def supervisor_main():
         os.makedirs(WORKSPACE, exist_ok=True)
     except OSError:
         pass
+    # Before any thread starts: a fork copies only the thread that calls it, so a lock
+    # another thread held would stay locked in the kernel for good.
+    try:
+        supervisor.kernel.fork_first()
+    except OSError:
+        pass  # the rewarm below starts a fresh interpreter instead
+    if become_subreaper():
+        threading.Thread(target=reap_orphans_forever, daemon=True).start()
     threading.Thread(target=supervisor.cells.rewarm, daemon=True).start()
     writer.send(
         {
