@@ -5,7 +5,6 @@ registry and the :class:`Call` they name, never a process: the cell or shell loo
 the call sees ``cancelled`` and kills its own process.
 """
 
-import base64
 import os
 import threading
 import time
@@ -106,6 +105,8 @@ class Calls:
             return call if call is not None and call.stdin_ready.is_set() else None
 
         call = _poll(ready) or self.running.get(target)
+        import base64  # stdin is rare: not a cost of every supervisor's start
+
         data = base64.b64decode(request.get("data", ""))
         if call is None or not call.write_stdin(data, bool(request.get("eof"))):
             raise GuestFault("invalid_request", "no running call with open stdin")

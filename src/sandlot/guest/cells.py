@@ -5,10 +5,8 @@ holds the interpreter state; this side starts it, sends it cells, enforces each 
 timeout and output caps, and starts a fresh one when it dies.
 """
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -16,11 +14,69 @@ import time
 from channel import KernelChannel
 from ops import Event
 from output import Pump, call_sinks, finish_streams
-from procs import forget, kill_group_except, set_oom_preferred, signal_exit_code, spawn
+from procs import (
+    CHILDREN,
+    CHILDREN_LOCK,
+    forget,
+    kill_group_except,
+    set_oom_preferred,
+    signal_exit_code,
+    spawn,
+)
+from wire import dumps
 from workspace import WORKSPACE
 
 PYTHON = sys.executable or "/usr/bin/python3"
 INTERRUPT_GRACE_S = 0.5
+# Variables a fresh interpreter reads at its start that a forked kernel reproduces
+# (``kernel.forked_main``), or that change nothing there (-u and -s are given anyway).
+FORK_SAFE_VARS = {"PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTHONNOUSERSITE"}
+# Prefixes of the variables that could: PYTHONHASHSEED, PYTHONWARNINGS, LD_PRELOAD, a locale.
+STARTUP_VAR_PREFIXES = ("PYTHON", "LD_", "GLIBC_", "MALLOC_")
+
+
+def _ctype_locale(env):
+    for key in ("LC_ALL", "LC_CTYPE", "LANG"):
+        if env.get(key):
+            return env[key]
+    return ""
+
+
+def forkable(env):
+    """Whether a kernel forked from this supervisor sees what a fresh interpreter with ``env``
+    would: no variable asks its start for something else, and the same text encoding."""
+    for key in env:
+        if key.startswith(STARTUP_VAR_PREFIXES) and key not in FORK_SAFE_VARS:
+            return False
+    return _ctype_locale(env) == _ctype_locale(os.environ)
+
+
+class Forked:
+    """What the cells use of a ``Popen``, for a kernel forked from the supervisor."""
+
+    def __init__(self, pid, stdout_fd, stderr_fd):
+        self.pid = pid
+        self.returncode = None
+        self.stdout = open(stdout_fd, "rb", buffering=0)
+        self.stderr = open(stderr_fd, "rb", buffering=0)
+        self.lock = threading.Lock()
+
+    def _wait(self, flags):
+        with self.lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, flags)
+                except ChildProcessError:
+                    pid, status = self.pid, 0  # reaped elsewhere: as Popen, count it ended
+                if pid == self.pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def poll(self):
+        return self._wait(os.WNOHANG)
+
+    def wait(self):
+        return self._wait(0)
 
 
 def _checked_reply(reply, nonce):
@@ -68,7 +124,7 @@ class _Results:
         self.dropped = 0
 
     def add(self, bundle):
-        size = len(json.dumps(bundle))  # ASCII: escaped, so its length is its size
+        size = len(dumps(bundle))  # ASCII: escaped, so its length is its size
         if size > self.left:
             self.dropped += 1
             return False
@@ -91,6 +147,53 @@ class Kernel:
         self.ever_started = False
         self.loss_reported = False
 
+    def fork_first(self):
+        """Start the first kernel by forking this supervisor, which must still be
+        single-threaded: it then costs a fork and kernel.py's imports, not an interpreter's
+        start (~20-40 ms of CPU under the sandbox's quota). Later kernels, after a crash or
+        a memory kill, are fresh interpreters (``ensure``). False where the fork could not
+        reproduce what a fresh interpreter would see (``forkable``)."""
+        if self.proc is not None or not forkable(self.env):
+            return False
+        channel = KernelChannel()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        cwd = WORKSPACE if os.path.isdir(WORKSPACE) else "/"
+        with CHILDREN_LOCK:  # the reaper must never take the kernel's exit status
+            pid = os.fork()
+            if pid == 0:
+                status = 1
+                try:
+                    os.setsid()  # first: until then, killing its group would miss it
+                    # Detached: the sockets' objects, if ever freed here, must not close
+                    # descriptors whose numbers the kernel's own files have taken since.
+                    ctl = channel.peer.detach()
+                    channel.sock.detach()
+                    import kernel
+
+                    kernel.forked_main(ctl, out_w, err_w, self.env, cwd)
+                    status = 0
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    try:
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                    finally:
+                        os._exit(status)
+            CHILDREN.add(pid)
+        os.close(out_w)
+        os.close(err_w)
+        channel.started(pid)
+        self.channel = channel
+        self.proc = Forked(pid, out_r, err_r)
+        set_oom_preferred(pid)
+        self.ever_started = True
+        self.loss_reported = False
+        return True
+
     def ensure(self):
         """Start a kernel unless one is alive; True if one was lost since the last report.
 
@@ -98,6 +201,8 @@ class Kernel:
         if self.alive():
             return False
         self.stop()
+        import subprocess  # a restart's cost (or a start that could not fork)
+
         channel = KernelChannel()
         ctl = channel.peer_fd()
         try:
@@ -148,7 +253,11 @@ class Kernel:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
-                pass
+                # A kernel forked a moment ago may not lead its group yet: end it by pid.
+                try:
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
             self.proc.wait()
             forget(self.proc)
             for stream in (self.proc.stdout, self.proc.stderr):

@@ -6,13 +6,14 @@ with ``kernel.main(["-c", "--kernel", CTL_IN, CTL_OUT])`` (``KERNEL_LAUNCHER`` i
 on CTL_IN; the kernel answers on CTL_OUT. Its stdout and stderr are the cell's.
 """
 
-import ast
+# The C core of ``ast``: parsing to a tree and the node classes are all a cell needs, and
+# the ``ast`` module's Python half (its unparser, its visitors) is ~5 ms of CPU per kernel.
+import _ast as ast
 import builtins
 import linecache
 import os
 import signal
 import sys
-import traceback
 
 from display import Display, PyplotHook
 from procs import harden
@@ -60,7 +61,7 @@ def kernel_main(ctl_in, ctl_out):
         result = {"exit_code": 0, "text": None, "error": None}
         try:
             state["in_cell"] = True
-            tree = ast.parse(code, filename, "exec")
+            tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST)  # as ast.parse does
             last = None
             if tree.body and isinstance(tree.body[-1], ast.Expr):
                 last = ast.Expression(tree.body.pop().value)
@@ -111,6 +112,8 @@ def kernel_main(ctl_in, ctl_out):
         return state["loop"].run_until_complete(awaitable)
 
     def _describe(exc):
+        import traceback  # a failed cell's cost, not every kernel's
+
         # Hide the kernel's own frames: the traceback should show only the user's code.
         te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
         te.stack = traceback.StackSummary.from_list([f for f in te.stack if f.filename != __file__])
@@ -156,6 +159,68 @@ def kernel_main(ctl_in, ctl_out):
             pass
         result["nonce"] = request.get("nonce")
         writer.send(result)
+
+
+def _close_fds_above(keep_fd):
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        os.closerange(keep_fd + 1, 65536)
+        return
+    for name in names:
+        if int(name) > keep_fd:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass  # the listing's own descriptor, closed already
+
+
+def _stdio(fd, mode, errors, name):
+    """A standard stream as ``python3 -u`` makes it: unbuffered bytes, text written through."""
+    import io
+
+    raw = io.FileIO(fd, mode, closefd=False)
+    raw.name = name
+    if mode == "r":
+        stream = io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8", errors=errors)
+    else:
+        stream = io.TextIOWrapper(raw, encoding="utf-8", errors=errors, write_through=True)
+    stream.mode = mode
+    return stream
+
+
+def forked_main(ctl, stdout_fd, stderr_fd, env, cwd):
+    """The kernel in a child forked from the single-threaded supervisor: turn the process
+    into what ``python3 -s -u -c KERNEL_LAUNCHER`` gives (``Kernel.ensure`` in ``cells.py``),
+    then run cells. ``cells.forkable`` has checked that ``env`` asks a fresh interpreter for
+    nothing this does not reproduce. The caller has made it a session leader already."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the host's protocol pipes end here: 0 and 1 are the cell's now
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    os.dup2(ctl, 3)
+    # Every other descriptor is the supervisor's: its ends of the pipes and the socket.
+    _close_fds_above(3)
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv[:] = ["-c", "--kernel", "3", "3"]
+    sys.stdin = sys.__stdin__ = _stdio(0, "r", "strict", "<stdin>")
+    sys.stdout = sys.__stdout__ = _stdio(1, "w", "strict", "<stdout>")
+    sys.stderr = sys.__stderr__ = _stdio(2, "w", "backslashreplace", "<stderr>")
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    # The supervisor runs with -I -S: the path a fresh interpreter would have is its own
+    # plus PYTHONPATH ahead of the standard library, and the site directories after it
+    # (site.main() adds no user site directory here: -I implies -s).
+    user_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [GUEST_DIR] + user_path + [p for p in sys.path if p and p != GUEST_DIR]
+    import site
+
+    site.main()
+    kernel_main(3, 3)
 
 
 def main(argv):

@@ -18,7 +18,6 @@ supervisor enforces each call's timeout and output caps, so a runaway cell never
 protocol down with it.
 """
 
-import json
 import os
 import signal
 import sys
@@ -26,12 +25,9 @@ import threading
 
 from calls import Calls
 from cells import Cells, Kernel
-from files import Files
 from ops import PROTOCOL_VERSION, Event, Op
 from procs import become_subreaper, count_tasks, harden, reap_orphans_forever
-from ptys import Ptys
-from shells import Shells
-from wire import FrameWriter, GuestFault, read_frame
+from wire import FrameWriter, GuestFault, loads, read_frame
 from workspace import WORKSPACE, os_error_code
 
 # Started as a module import, not as a script, so a precompiled .pyc is used (a script run
@@ -54,10 +50,52 @@ GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
 FORCED_ENV = {"PYTHONNOUSERSITE": "1"}
 
 
+class Later:
+    """A handler object built on its first use: shells (``subprocess``, ``tempfile``,
+    ``shutil``) and files cost each supervisor's start ~10 ms of CPU under the sandbox's
+    quota, and a program run in a fresh sandbox may never ask for either."""
+
+    def __init__(self, build):
+        self.build = build
+        self.built = None
+        self.lock = threading.Lock()
+
+    def get(self):
+        with self.lock:
+            if self.built is None:
+                self.built = self.build()
+            return self.built
+
+    def __getattr__(self, name):
+        # The dispatch table names its handlers at start: each is looked up when called.
+        def handler(request):
+            return getattr(self.get(), name)(request)
+
+        return handler
+
+
+def _shells(writer, calls, kernel, env):
+    from shells import Shells
+
+    return Shells(writer, calls, kernel, env)
+
+
+def _ptys(writer, calls, env):
+    from ptys import Ptys
+
+    return Ptys(writer, calls, env)
+
+
+def _files():
+    from files import Files
+
+    return Files()
+
+
 def user_env():
     """The caller's variables, as the backend passed them (``SANDLOT_USER_ENV``, JSON)."""
     try:
-        given = json.loads(os.environ.get("SANDLOT_USER_ENV") or "{}")
+        given = loads(os.environ.get("SANDLOT_USER_ENV") or "{}")
     except ValueError:
         return {}
     if not isinstance(given, dict):
@@ -98,9 +136,9 @@ class Supervisor:
         self.kernel = Kernel(env, KERNEL_LAUNCHER % GUEST_DIR)
         self.calls = Calls()
         self.cells = Cells(writer, self.calls, self.kernel)
-        self.shells = Shells(writer, self.calls, self.kernel, env)
-        self.files = Files()
-        self.ptys = Ptys(writer, self.calls, env)
+        self.shells = Later(lambda: _shells(writer, self.calls, self.kernel, env))
+        self.files = Later(_files)
+        self.ptys = Later(lambda: _ptys(writer, self.calls, env))
         # Every op but SHUTDOWN, which the read loop handles by ending.
         self.handlers = {
             Op.PING: self.ping,
@@ -157,8 +195,6 @@ def supervisor_main():
     # As pid 1 no signal without a handler reaches us from inside the sandbox; Python's own
     # SIGINT handler would, and would end the supervisor with a KeyboardInterrupt.
     signal.signal(signal.SIGINT, lambda signum, frame: None)
-    if become_subreaper():
-        threading.Thread(target=reap_orphans_forever, daemon=True).start()
     writer = FrameWriter(1)
     # Nothing may write to fd 1 but the protocol: point the Python-level stdout elsewhere.
     sys.stdout = sys.stderr
@@ -167,6 +203,14 @@ def supervisor_main():
         os.makedirs(WORKSPACE, exist_ok=True)
     except OSError:
         pass
+    # Before any thread starts: a fork copies only the thread that calls it, so a lock
+    # another thread held would stay locked in the kernel for good.
+    try:
+        supervisor.kernel.fork_first()
+    except OSError:
+        pass  # the rewarm below starts a fresh interpreter instead
+    if become_subreaper():
+        threading.Thread(target=reap_orphans_forever, daemon=True).start()
     threading.Thread(target=supervisor.cells.rewarm, daemon=True).start()
     writer.send(
         {

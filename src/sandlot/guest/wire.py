@@ -4,13 +4,84 @@ Standard library only, Python >= 3.9 (shipped into every sandbox). The superviso
 to the host on stdin/stdout, and to its Python kernel over a pair of pipes.
 """
 
-import json
 import os
 import struct
 import threading
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
+
+
+def _lean_codec():
+    """``(loads, dumps)`` on the ``json`` module's C core, without ``json`` itself.
+
+    ``import json`` costs every sandbox's supervisor ~6 ms of CPU under its quota, most of it
+    ``re`` (json.decoder compiles patterns at import) for the pure-Python fallbacks the C
+    scanner and encoder never call. Same C code, same results; on an interpreter whose
+    ``_json`` lacks these or answers differently, the ``json`` module is used instead.
+    """
+    import _json
+
+    nan = float("nan")
+    constants = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": nan}
+
+    class Context:
+        strict = True
+        object_hook = None
+        object_pairs_hook = None
+        parse_float = float
+        parse_int = int
+        parse_constant = constants.__getitem__
+
+    scan = _json.make_scanner(Context())
+    whitespace = " \t\n\r"
+
+    def loads(text):
+        if isinstance(text, (bytes, bytearray)):
+            text = text.decode("utf-8")
+        start = len(text) - len(text.lstrip(whitespace))
+        try:
+            value, end = scan(text, start)
+        except StopIteration as exc:
+            raise ValueError("Expecting value: char %d" % exc.value) from None
+        if text[end:].strip(whitespace):
+            raise ValueError("Extra data: char %d" % end)
+        return value
+
+    def not_serializable(value):
+        raise TypeError("Object of type %s is not JSON serializable" % type(value).__name__)
+
+    def dumps(value, ensure_ascii=True):
+        escape = _json.encode_basestring_ascii if ensure_ascii else _json.encode_basestring
+        if isinstance(value, str):
+            return escape(value)
+        # One encoder per call: its table of containers being encoded (the circular check)
+        # must not be shared by two threads encoding at once.
+        encode = _json.make_encoder(
+            {}, not_serializable, escape, None, ":", ",", False, False, True
+        )
+        return "".join(encode(value, 0))
+
+    sample = {"a": [1, 2.5, None, True, "\u00e9\n\ud800", {"b": -3}], "": 1e300}
+    compact = '{"a":[1,2.5,null,true,"\\u00e9\\n\\ud800",{"b":-3}],"":1e+300}'
+    if dumps(sample) != compact or loads(compact) != sample or loads(" [] ") != []:
+        raise ImportError("_json answers differently here")
+    return loads, dumps
+
+
+def _module_codec():
+    import json
+
+    def dumps(value, ensure_ascii=True):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=ensure_ascii)
+
+    return json.loads, dumps
+
+
+try:
+    loads, dumps = _lean_codec()
+except (ImportError, AttributeError, TypeError, ValueError):
+    loads, dumps = _module_codec()
 
 
 def read_exact(fd, n):
@@ -27,11 +98,11 @@ def read_frame(fd):
     (size,) = HEADER.unpack(read_exact(fd, HEADER.size))
     if size > MAX_FRAME_BYTES:
         raise ValueError("frame of %d bytes is over the limit" % size)
-    return json.loads(read_exact(fd, size).decode("utf-8"))
+    return loads(read_exact(fd, size).decode("utf-8"))
 
 
 def encode_frame(obj):
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    text = dumps(obj, ensure_ascii=False)
     # A lone surrogate (a file name that is not UTF-8, an exception message) must not make
     # the frame unsendable: it becomes "?" and the rest of the frame still gets through.
     data = text.encode("utf-8", "replace")
@@ -40,7 +111,7 @@ def encode_frame(obj):
 
 def encoded_size(text):
     """Bytes ``text`` takes inside a frame (JSON escaping makes a control byte 6 bytes)."""
-    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "replace")) - 2
+    return len(dumps(text, ensure_ascii=False).encode("utf-8", "replace")) - 2
 
 
 def fit_prefix(text, budget_bytes, from_end=False):

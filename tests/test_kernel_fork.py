@@ -1,0 +1,143 @@
+"""The first kernel forked from the supervisor (issue 13): the same process a fresh
+interpreter was, holding nothing of the supervisor's; a fresh interpreter wherever the
+environment asks a start for more, and after a crash; and the guest's lean JSON codec, which
+must answer as the ``json`` module does."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sandlot import Sandbox, SandboxManager
+from sandlot.guest import wire  # stdlib only, no guest imports: loads as a package module
+
+from .conftest import placement
+
+PROBE = """
+import os, sys
+fds = {}
+for name in os.listdir('/proc/self/fd'):
+    try:
+        fds[int(name)] = os.readlink('/proc/self/fd/' + name).split(':')[0]
+    except FileNotFoundError:
+        pass  # the descriptor listdir itself held
+({'fds': fds, 'isolated': sys.flags.isolated, 'pid': os.getpid(), 'sid': os.getsid(0),
+  'argv': sys.argv, 'stdin': sys.stdin.read(), 'path0': sys.path[0]})
+"""
+
+
+def _literal(sb: Sandbox, code: str) -> Any:
+    result = sb.run_code(code)
+    assert result.error is None and result.text is not None, result
+    return ast.literal_eval(result.text)
+
+
+@pytest.fixture
+def make_jail(manager: SandboxManager, isolated_backend: str) -> Iterator[Any]:
+    made: list[Sandbox] = []
+
+    def make(**kwargs: Any) -> Sandbox:
+        sb = Sandbox.create(manager=manager, **placement(isolated_backend), timeout_s=10, **kwargs)
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.kill()
+
+
+def test_the_forked_kernel_holds_none_of_the_supervisors_descriptors(make_jail: Any) -> None:
+    sb = make_jail()
+    seen = _literal(sb, PROBE)
+    assert seen["isolated"] == 1, "the first kernel was not forked: this test shows nothing"
+    # /dev/null in, the cell's two pipes out, its control socket: not the host's protocol
+    # pipes, not the supervisor's ends of the kernel's pipes and socket.
+    assert seen["fds"] == {0: "/dev/null", 1: "pipe", 2: "pipe", 3: "socket"}, seen
+    assert seen["sid"] == seen["pid"] and seen["stdin"] == "" and seen["path0"] == ""
+    assert seen["argv"] == ["-c", "--kernel", "3", "3"]
+    supervisor_pid = sb.run_code("import os; os.getppid()").text
+    # The supervisor stays non-dumpable: the kernel, same uid, cannot read its memory.
+    denied = _literal(
+        sb,
+        f"try:\n    open('/proc/{supervisor_pid}/mem', 'rb').read(1)\n    r = 'read'\n"
+        "except OSError as e:\n    r = type(e).__name__\nr",
+    )
+    assert denied == "PermissionError"
+
+
+def test_pythonpath_and_locale_reach_the_forked_kernel(make_jail: Any) -> None:
+    sb = make_jail(env={"PYTHONPATH": "/workspace/lib"})
+    sb.files.write("lib/planted_mod.py", "VALUE = 'from PYTHONPATH'\n")
+    seen = _literal(
+        sb,
+        "import sys, planted_mod, locale\n"
+        "(sys.flags.isolated, planted_mod.VALUE, locale.getpreferredencoding(False),"
+        " sys.stdout.encoding, 'exit' in dir(__builtins__) or hasattr(__builtins__, 'exit'))",
+    )
+    assert seen == (1, "from PYTHONPATH", "UTF-8", "utf-8", True)
+
+
+def test_an_env_a_start_reads_gets_a_fresh_interpreter(make_jail: Any) -> None:
+    sb = make_jail(env={"PYTHONHASHSEED": "7"})
+    isolated, hashed = _literal(sb, "import sys; (sys.flags.isolated, hash('sandlot'))")
+    local = subprocess.run(
+        ["/usr/bin/python3", "-c", "print(hash('sandlot'))"],
+        env={"PYTHONHASHSEED": "7"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert isolated == 0 and hashed == int(local.stdout)
+
+
+def test_a_crashed_forked_kernel_comes_back_as_a_fresh_interpreter(make_jail: Any) -> None:
+    sb = make_jail()
+    sb.run_code("kept = 1")
+    crashed = sb.run_code("import os; os._exit(3)")
+    assert crashed.state_lost and crashed.error is not None
+    after = _literal(sb, "import sys; (sys.flags.isolated, 'kept' in globals())")
+    assert after == (0, False)
+
+
+CASES: list[Any] = [
+    {"id": 1, "op": "exec_code", "code": "print('é')\n", "stream": True},
+    {"nested": [1, 2.5, -0.0, 1e300, None, True, False, {"": []}], "big": 10**40},
+    "a\x00\x1f\u2028\ud800\U0001f600",
+    [float("inf"), float("-inf")],
+    [],
+    {},
+    0,
+]
+
+
+@pytest.mark.parametrize("value", CASES)
+def test_the_lean_codec_writes_what_json_writes(value: Any) -> None:
+    for ascii_only in (True, False):
+        expected = json.dumps(value, separators=(",", ":"), ensure_ascii=ascii_only)
+        assert wire.dumps(value, ensure_ascii=ascii_only) == expected
+    text = json.dumps(value)
+    assert repr(wire.loads(text)) == repr(json.loads(text))
+    assert repr(wire.loads(text.encode())) == repr(json.loads(text))
+
+
+def test_the_lean_codec_refuses_what_json_refuses() -> None:
+    assert wire.loads.__qualname__.startswith("_lean_codec"), "the fallback is in use here"
+    assert math.isnan(wire.loads("NaN"))
+    for bad in ["", " ", "{", "[1]x", "nul", '{"a":}', '"\\x"', "[1,]", "\x00"]:
+        with pytest.raises(ValueError):
+            json.loads(bad)
+        with pytest.raises(ValueError):
+            wire.loads(bad)
+    circular: list[Any] = []
+    circular.append(circular)
+    with pytest.raises(ValueError):
+        wire.dumps(circular)
+    for unencodable in ([object()], {1j: 1}, {(1, 2): 1}):
+        with pytest.raises(TypeError):
+            wire.dumps(unencodable)
