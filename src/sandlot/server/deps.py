@@ -35,6 +35,7 @@ from sandlot.errors import (
     SandboxFileExists,
     SandboxFileNotFound,
     SandboxIsADirectory,
+    SandboxLost,
     SandboxNotADirectory,
     SandboxNotFound,
     SandboxNotRunning,
@@ -65,6 +66,8 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     CapacityExhausted: 503,
     RateLimited: 429,
     SandboxNotRunning: 409,
+    # Gone for good with its node: a client must create a new sandbox, not retry this one.
+    SandboxLost: 410,
     SandboxIsADirectory: 409,
     SandboxNotADirectory: 409,
     SandboxFileExists: 409,
