@@ -122,6 +122,9 @@ def overrides(root: Path) -> dict[str, Any]:
         "disk_mb": 64,
         "log_level": "WARNING",
         "reaper_interval_s": 0.5,
+        # The host's INPUT chain is every engineer's here: the wall is tested in its own
+        # network namespace (test_ray_cluster.py).
+        "ray_wall_node": False,
     }
 
 
@@ -172,7 +175,9 @@ async def test_output_streams_and_a_cancel_stops_the_run(cluster: ClusterManager
         with pytest.raises(asyncio.CancelledError):
             await run
         await asyncio.sleep(2.5)
-        check = await cluster.run_code(info.id, RunCode(code="import os; os.path.exists('late.txt')"))
+        check = await cluster.run_code(
+            info.id, RunCode(code="import os; os.path.exists('late.txt')")
+        )
         assert check.text == "False"
     finally:
         await cluster.destroy(info.id)

@@ -449,6 +449,12 @@ class Settings(BaseSettings):
         validation_alias=_renamed("SANDLOT_RAY_NODE_MAX_SANDBOXES", "ray_node_max_sandboxes"),
         description="Live sandboxes one Ray node agent may hold; placement skips a full node.",
     )
+    ray_wall_node: bool = Field(
+        default=True,
+        validation_alias=_renamed("SANDLOT_RAY_WALL_NODE", "ray_wall_node"),
+        description="A Ray node agent refuses new connections from networked sandboxes to the "
+        "node itself (Ray's ports among them). Off only for tests that share a host.",
+    )
     ray_call_timeout_s: float = Field(
         default=30.0,
         gt=0,

@@ -20,6 +20,8 @@ from sandlot.ray.ledger import LEDGER_NAME, QuotaLedger
 from sandlot.ray.node import NODE_RESOURCE, NodeAgent, agent_name
 
 NAME_RESOURCE_PREFIX = NODE_RESOURCE + "_"
+# Ray gives the head node this resource (its own state actors use it the same way).
+HEAD_RESOURCE = "node:__internal_head__"
 # An agent's own start (manager start-up, recovery sweep) may take this long.
 AGENT_START_TIMEOUT_S = 120.0
 
@@ -40,8 +42,8 @@ def _nodes() -> list[dict[str, Any]]:
 
 
 def ensure_ledger(namespace: str) -> Any:
-    """The cluster's quota ledger, started on this process's node if there is none."""
-    here = ray.get_runtime_context().get_node_id()
+    """The cluster's quota ledger, started on the head node if there is none: it lives as
+    long as the GCS does (a worker node's loss must not take every tenant's count with it)."""
     return (
         ray.remote(QuotaLedger)
         .options(
@@ -50,7 +52,7 @@ def ensure_ledger(namespace: str) -> Any:
             lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            resources={HEAD_RESOURCE: 0.001},
         )
         .remote()
     )

@@ -41,6 +41,7 @@ from sandlot.models import (
     ResourceUsage,
     ResultCallback,
     SandboxInfo,
+    SandboxLimits,
 )
 from sandlot.ray import agents
 from sandlot.ray.node import NODE_RESOURCE
@@ -111,6 +112,8 @@ class ClusterManager(ForwardedVerbs):
         """
         if self._started:
             return
+        # The server keeps its API keys and audit log there, as without Ray.
+        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         if not ray.is_initialized():
             if not self.settings.ray_address:
                 raise ConfigError("no Ray cluster: set SANDLOT_RAY_ADDRESS or pass --ray")
@@ -143,10 +146,16 @@ class ClusterManager(ForwardedVerbs):
     async def refresh(self) -> None:
         """Start agents on new nodes, forget dead ones, and read every node's load."""
         ns = self.settings.ray_namespace
+        try:
+            self._known = await self._ledger.known_nodes.remote()
+        except _NODE_GONE:
+            # The head restarted (GCS fault tolerance) without the ledger: a new, empty one
+            # counts from here on (the README says what a head's loss costs).
+            log.warning("quota ledger lost; starting a new one")
+            self._ledger = await asyncio.to_thread(agents.ensure_ledger, ns)
         self._agents, dead = await asyncio.to_thread(
             agents.ensure_agents, ns, self.agent_overrides, self._ledger
         )
-        self._known = await self._ledger.known_nodes.remote()
         for node in dead:
             if self._loads.pop(node, None) is not None:
                 released = await self._ledger.release_node.remote(node)
@@ -296,7 +305,7 @@ class ClusterManager(ForwardedVerbs):
 
     async def _place(self, spec: SandboxSpec, owner: str, memory_mb: float) -> SandboxInfo:
         default_shape = not (spec.backend or spec.runtime or spec.environment or spec.env)
-        default_shape = default_shape and spec.limits() is None and spec.network is None
+        default_shape = default_shape and spec.limits() == SandboxLimits() and spec.network is None
         warm_key = f"{self.settings.backend}/{self.settings.environment}"
         load = choose(list(self._loads.values()), memory_mb, warm_key if default_shape else None)
         agent = self._agents[load.node]

@@ -23,6 +23,7 @@ from sandlot.core import SandboxManager, admission
 from sandlot.core.live import set_node_name
 from sandlot.errors import ConfigError, SandboxError
 from sandlot.models import ExecResult, Result
+from sandlot.ray import wall
 from sandlot.requests import RunCode, RunCommand
 
 log = structlog.get_logger(__name__)
@@ -93,6 +94,9 @@ class NodeAgent:
         async with self._started:
             self._ledger = ledger
             try:
+                if self.settings.ray_wall_node:
+                    walled = await asyncio.to_thread(wall.wall_off_node)
+                    log.info("node walled off from its sandboxes", node=self.node, walled=walled)
                 await self.manager.start()
             except SandboxError as exc:
                 return ("err", exc.code, exc.message)
