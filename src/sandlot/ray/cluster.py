@@ -88,6 +88,7 @@ class ClusterManager(ForwardedVerbs):
         self.agent_overrides = agent_overrides or {}
         self._agents: dict[str, Any] = {}
         self._known: set[str] = set()  # every node that ever ran an agent
+        self._dead: set[str] = set()  # sandlot nodes Ray reports dead (and not back)
         self._loads: dict[str, NodeLoad] = {}
         self._ledger: Any = None
         self._refresher: asyncio.Task[None] | None = None
@@ -156,10 +157,11 @@ class ClusterManager(ForwardedVerbs):
         self._agents, dead = await asyncio.to_thread(
             agents.ensure_agents, ns, self.agent_overrides, self._ledger
         )
-        for node in dead:
-            if self._loads.pop(node, None) is not None:
-                released = await self._ledger.release_node.remote(node)
-                log.warning("node lost", node=node, quota_released=released)
+        for node in set(dead) - self._dead:
+            # Once per death: every sandbox the node held is gone, and so is their quota.
+            released = await self._ledger.release_node.remote(node)
+            log.warning("node lost", node=node, quota_released=released)
+        self._dead = set(dead)
         results = await asyncio.gather(
             *(self._load_of(node, agent) for node, agent in self._agents.items()),
             return_exceptions=True,
@@ -201,14 +203,14 @@ class ClusterManager(ForwardedVerbs):
 
     # ------------------------------------------------------------------ routing
 
-    def _agent_for(self, sandbox_id: str) -> tuple[str, Any]:
+    async def _agent_for(self, sandbox_id: str) -> tuple[str, Any]:
         node = node_of(sandbox_id)
         if node is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} (a cluster id names its node)")
         agent = self._agents.get(node)
         if agent is None:
             if node in self._known:
-                raise self._lost_error(node, sandbox_id)
+                raise await self._lost(node, sandbox_id, None)
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return node, agent
 
@@ -219,7 +221,7 @@ class ClusterManager(ForwardedVerbs):
             node=node,
         )
 
-    async def _lost(self, node: str, sandbox_id: str, exc: BaseException) -> SandboxLost:
+    async def _lost(self, node: str, sandbox_id: str, exc: BaseException | None) -> SandboxLost:
         log.warning("sandbox lost", node=node, sandbox=sandbox_id, error=repr(exc))
         self._agents.pop(node, None)
         self._loads.pop(node, None)
@@ -230,7 +232,7 @@ class ClusterManager(ForwardedVerbs):
     async def _call(
         self, sandbox_id: str, verb: str, *args: Any, bound_s: float | None = None, **kwargs: Any
     ) -> Any:
-        node, agent = self._agent_for(sandbox_id)
+        node, agent = await self._agent_for(sandbox_id)
         bound_s = bound_s or self.settings.ray_call_timeout_s
         try:
             envelope = await asyncio.wait_for(
@@ -250,7 +252,7 @@ class ClusterManager(ForwardedVerbs):
         on_stderr: OutputCallback | None,
         on_result: ResultCallback | None = None,
     ) -> ExecResult:
-        node, agent = self._agent_for(sandbox_id)
+        node, agent = await self._agent_for(sandbox_id)
         stream = agent.run.remote(verb, sandbox_id, request, owner)
         handlers: dict[str, Callable[[Any], None] | None] = {
             "stdout": on_stdout,
@@ -299,7 +301,8 @@ class ClusterManager(ForwardedVerbs):
             self._ledger.release.remote(ticket)
             raise
         if quota is not None:
-            self._ledger.bind.remote(ticket, info.id)
+            # Awaited: a release of the id (its node ending it early) must come after this.
+            await self._ledger.bind.remote(ticket, info.id)
         self._emit("created", info=info)
         return info
 

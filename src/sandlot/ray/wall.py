@@ -21,9 +21,7 @@ CHAIN = "SANDLOT-RAY-INPUT"
 
 
 def _iptables(*rule: str, check: bool = True) -> bool:
-    done = subprocess.run(
-        [IPTABLES, "-w", *rule], capture_output=True, text=True, check=False
-    )
+    done = subprocess.run([IPTABLES, "-w", *rule], capture_output=True, text=True, check=False)
     if check and done.returncode != 0:
         raise ConfigError(f"iptables {' '.join(rule)} failed: {done.stderr.strip()}")
     return done.returncode == 0
