@@ -120,7 +120,14 @@ async def bench(
     rates: dict[int, list[float]] = {}
     try:
         ray.init(address=head.address, namespace=NAMESPACE, log_to_driver=False)
-        overrides = {"data_dir": root / "cluster", "log_level": "WARNING", "disk_mb": 64}
+        # ray_wall_node off: this host's INPUT chain is shared (the wall is tested in
+        # tests/test_ray_cluster.py, in a network namespace of its own).
+        overrides = {
+            "data_dir": root / "cluster",
+            "log_level": "WARNING",
+            "disk_mb": 64,
+            "ray_wall_node": False,
+        }
         head.add_node(num_cpus=1, resources={"sandlot_node": 1, "sandlot_node_b1": 1})
         async with SandboxManager(settings(root / "embedded")) as embedded:
             cfg = settings(root / "server", ray_namespace=NAMESPACE)

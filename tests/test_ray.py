@@ -90,6 +90,15 @@ def test_ledger_holds_a_quota_across_servers_and_releases_a_lost_node() -> None:
     assert ledger.reserve("t5", "acme", limits, quota)[0] == "ok"
 
 
+def test_a_lost_sandbox_is_gone_over_http_and_maps_back() -> None:
+    from sandlot.errors import error_from_code
+    from sandlot.server.deps import status_of
+
+    lost = SandboxLost("sandbox sb-n1-00 was on node n1, which is lost", node="n1")
+    assert status_of(lost) == 410
+    assert type(error_from_code(lost.code, lost.message)) is SandboxLost
+
+
 # ---------------------------------------------------------------------- one real Ray node
 
 

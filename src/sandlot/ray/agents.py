@@ -26,8 +26,14 @@ HEAD_RESOURCE = "node:__internal_head__"
 AGENT_START_TIMEOUT_S = 120.0
 
 
+# Ray lists a dead node without its resources: its name as last seen alive, by Ray node id.
+_names_by_id: dict[str, str] = {}
+
+
 def node_name(entry: dict[str, Any]) -> str:
     """The sandlot name of a ``ray.nodes()`` entry."""
+    if not entry.get("Alive") and entry["NodeID"] in _names_by_id:
+        return _names_by_id[entry["NodeID"]]
     for resource in entry.get("Resources", {}):
         if resource.startswith(NAME_RESOURCE_PREFIX):
             name: str = resource.removeprefix(NAME_RESOURCE_PREFIX)
@@ -68,11 +74,13 @@ def ensure_agents(
     starting: list[tuple[str, Any, Any]] = []
     for entry in _nodes():
         if not entry.get("Alive"):
-            dead.append(node_name(entry))
+            if entry["NodeID"] in _names_by_id:  # a sandlot node we saw alive
+                dead.append(node_name(entry))
             continue
         if NODE_RESOURCE not in entry.get("Resources", {}):
             continue
         name = node_name(entry)
+        _names_by_id[entry["NodeID"]] = name
         try:
             found[name] = ray.get_actor(agent_name(name), namespace=namespace)
             continue
