@@ -11,6 +11,7 @@ bubblewrap needs). Outside such a namespace every test here is skipped.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -27,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 IP = os.environ.get("RAY_TEST_IP", "")
 if IP:
@@ -172,6 +174,18 @@ async def test_two_api_servers_serve_the_same_sandboxes(cluster_root: Path) -> N
             ).is_success
             seen = (await http.post(f"{b}/v1/sandboxes/{sid}/code", json={"code": "x * 6"})).json()
             assert seen["text"] == "42"
+            # Streaming through the other server: output events in order, then the result.
+            ws_url = b.replace("http", "ws", 1) + f"/v1/sandboxes/{sid}/stream"
+            code = "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.2)"
+            with connect(ws_url, additional_headers=headers, open_timeout=30) as ws:
+                ws.send(json.dumps({"type": "run_code", "code": code}))
+                events = []
+                while not events or events[-1]["type"] not in ("result", "error"):
+                    events.append(json.loads(ws.recv(timeout=60)))
+            chunks = [e["data"] for e in events if e["type"] == "stdout"]
+            assert "".join(chunks) == "0\n1\n2\n"
+            assert len(chunks) >= 3  # streamed as printed, not one block at the end
+            assert events[-1]["type"] == "result", events[-1]
             second = (await http.post(f"{b}/v1/sandboxes", json={})).json()
             # The tenant's quota of 2 holds across both servers.
             refused = await http.post(f"{a}/v1/sandboxes", json={})

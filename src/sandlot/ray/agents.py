@@ -13,11 +13,15 @@ import re
 from typing import Any
 
 import ray
+import structlog
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sandlot.core.live import NODE_NAME_PATTERN
 from sandlot.ray.ledger import LEDGER_NAME, QuotaLedger
 from sandlot.ray.node import NODE_RESOURCE, NodeAgent, agent_name
+
+log = structlog.get_logger(__name__)
 
 NAME_RESOURCE_PREFIX = NODE_RESOURCE + "_"
 # Ray gives the head node this resource (its own state actors use it the same way).
@@ -103,9 +107,16 @@ def ensure_agents(
         starting.append((name, agent, agent.start.remote(ledger)))
         ray.get(ledger.add_node.remote(name))
     for name, agent, started in starting:
-        envelope = ray.get(started, timeout=AGENT_START_TIMEOUT_S)
+        try:
+            envelope = ray.get(started, timeout=AGENT_START_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError) as exc:
+            # A node listed alive that is dying: the next refresh sees it dead, or tries again.
+            log.warning("node agent did not start", node=name, error=repr(exc))
+            continue
         if envelope[0] == "ok":
             found[name] = agent
+        else:
+            log.warning("node agent refused to start", node=name, error=envelope[2])
     # A name that is alive again (a node that came back) is not dead.
     return found, [name for name in dead if name not in found]
 
