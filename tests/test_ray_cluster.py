@@ -38,6 +38,7 @@ if IP:
 
 ray = pytest.importorskip("ray")
 
+from sandlot.core import SandboxManager  # noqa: E402
 from sandlot.errors import QuotaExceeded, SandboxLost  # noqa: E402
 from sandlot.models import Quota  # noqa: E402
 from sandlot.ray import ClusterManager, shutdown_agents  # noqa: E402
@@ -115,7 +116,17 @@ def cluster_root() -> Iterator[Path]:
         subprocess.run(
             [RAY, "stop", "--force"], check=False, env=env, capture_output=True, timeout=120
         )
+        sweep_nodes(root)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def sweep_nodes(root: Path) -> None:
+    """What a node's return does, for nodes a failed test left dead: a manager started on the
+    node's data directory recovers (sweeps) its dead instances, then closes."""
+    for node_dir in (root / "nodes").glob("*"):
+        manager = SandboxManager(make_settings(node_dir, allow_unsafe=False))
+        asyncio.run(manager.start())
+        asyncio.run(manager.close())
 
 
 def settings_for(root: Path) -> Any:
