@@ -5,9 +5,11 @@ and the quota ledger as plain objects. The 3-node suite is tests/test_ray_cluste
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -202,6 +204,34 @@ async def test_quota_holds_through_the_ledger(cluster: ClusterManager) -> None:
         await cluster.destroy(first.id)
     second = await cluster.create(SandboxSpec(), owner="acme", quota=quota)
     await cluster.destroy(second.id)
+
+
+async def test_a_hung_node_is_lost_within_the_runs_timeout_and_the_bound(ray_node: Path) -> None:
+    settings = make_settings(
+        ray_node / "server", ray_namespace=NAMESPACE, allow_unsafe=False, ray_call_timeout_s=2.0
+    )
+    async with ClusterManager(settings, overrides(ray_node)) as cluster:
+        info = await cluster.create(SandboxSpec())
+        agent = ray.get_actor(agent_name("alpha"), namespace=NAMESPACE)
+        pid = await agent.__ray_call__.remote(lambda _: os.getpid())
+        os.kill(pid, signal.SIGSTOP)  # alive to Ray, answering nobody
+        try:
+            started = time.monotonic()
+            with pytest.raises(SandboxLost, match="node alpha"):
+                await cluster.run_code(info.id, RunCode(code="1", timeout_s=1))
+            assert time.monotonic() - started < 1 + 2.0 + 1.5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Answering again, the node destroys what was declared lost: lost means gone.
+        deadline = time.monotonic() + 20
+        while True:
+            await cluster.refresh()  # the agent answers again: back in the cluster
+            with contextlib.suppress(SandboxLost):
+                if (await cluster.get(info.id)).status.value == "destroyed":
+                    break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        assert (await cluster.get(info.id)).end_reason == "lost"
 
 
 async def test_a_dead_agent_is_a_lost_sandbox_not_a_hang(ray_node: Path) -> None:

@@ -11,6 +11,7 @@ bubblewrap needs). Outside such a namespace every test here is skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -90,6 +91,20 @@ def raylet_of(node: str) -> int:
         if "/raylet" in cmdline.split("\0")[0] and f"sandlot_node_{node}" in cmdline:
             return int(pid)
     raise AssertionError(f"no raylet of {node}")
+
+
+def node_pids(node: str) -> list[int]:
+    """The raylet of ``node`` first, then every process below it."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found = [raylet_of(node)]
+    for pid in found:
+        found += [child for child, parent in parents.items() if parent == pid]
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +240,12 @@ async def test_a_killed_node_loses_its_sandboxes_and_only_those(
     doomed = by_node[victim][0]
     run = asyncio.create_task(cluster.run_code(doomed, RunCode(code="import time; time.sleep(60)")))
     await asyncio.sleep(1)
-    os.kill(raylet_of(victim), signal.SIGKILL)
+    # The node dies whole (a machine lost): its raylet and every worker it started, the node
+    # agent among them. (A raylet killed alone leaves its workers to notice by themselves:
+    # one run here once finished by its own timeout on an agent that outlived its raylet.)
+    for pid in node_pids(victim):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(SandboxLost, match=f"node {victim}"):
         await run

@@ -221,8 +221,14 @@ class ClusterManager(ForwardedVerbs):
             node=node,
         )
 
-    async def _lost(self, node: str, sandbox_id: str, exc: BaseException | None) -> SandboxLost:
+    async def _lost(
+        self, node: str, sandbox_id: str, exc: BaseException | None, agent: Any = None
+    ) -> SandboxLost:
         log.warning("sandbox lost", node=node, sandbox=sandbox_id, error=repr(exc))
+        if agent is not None:
+            # A hung node may answer again: lost means gone, so it destroys the sandbox then
+            # (never awaited; on a dead node the call fails with it).
+            agent.call.remote("destroy", (sandbox_id,), {"reason": "lost"})
         self._agents.pop(node, None)
         self._loads.pop(node, None)
         with contextlib.suppress(*_NODE_GONE):
@@ -239,7 +245,7 @@ class ClusterManager(ForwardedVerbs):
                 _awaited(agent.call.remote(verb, (sandbox_id, *args), kwargs)), bound_s
             )
         except _NODE_GONE as exc:
-            raise await self._lost(node, sandbox_id, exc) from exc
+            raise await self._lost(node, sandbox_id, exc, agent) from exc
         return _unwrap(envelope)
 
     async def _run(
@@ -259,24 +265,43 @@ class ClusterManager(ForwardedVerbs):
             "stderr": on_stderr,
             "result": on_result,
         }
+        # A run ends by its own timeout inside the sandbox; a node that has not answered a
+        # while after it is lost, even if Ray still counts it alive (hung, not dead). Without a
+        # timeout in the request the sandbox's own applies, unknown here: Ray's detection bounds it.
+        bound_s = (
+            request.timeout_s + self.settings.ray_call_timeout_s if request.timeout_s else None
+        )
         try:
-            async for ref in stream:
-                event = await ref
-                if event[0] in handlers:
-                    handler = handlers[event[0]]
-                    if handler is not None:
-                        handler(event[1])
-                    continue
-                result: ExecResult = _unwrap(event)
-                self._emit("exec", sandbox_id=sandbox_id, op=verb, result=result)
-                return result
+            async with asyncio.timeout(bound_s):
+                return await self._events(verb, sandbox_id, stream, handlers)
         except _NODE_GONE as exc:
-            raise await self._lost(node, sandbox_id, exc) from exc
+            ray.cancel(stream)
+            raise await self._lost(node, sandbox_id, exc, agent) from exc
         except asyncio.CancelledError:
             # The caller gave up (a cancelled task, a closed WebSocket): end the run there too.
             ray.cancel(stream)
             raise
-        raise SandboxLost(f"node {node} ended the run of {sandbox_id} without a result", node)
+
+    async def _events(
+        self,
+        verb: str,
+        sandbox_id: str,
+        stream: Any,
+        handlers: dict[str, Callable[[Any], None] | None],
+    ) -> ExecResult:
+        async for ref in stream:
+            event = await ref
+            if event[0] in handlers:
+                handler = handlers[event[0]]
+                if handler is not None:
+                    handler(event[1])
+                continue
+            result: ExecResult = _unwrap(event)
+            self._emit("exec", sandbox_id=sandbox_id, op=verb, result=result)
+            return result
+        raise SandboxLost(
+            f"the node of {sandbox_id} ended its run without a result", node_of(sandbox_id)
+        )
 
     # ------------------------------------------------------------------ creating
 
