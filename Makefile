@@ -165,3 +165,15 @@ fresh-root-run:
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info
+
+# sandlot on a 3-node Ray cluster on this host, in a network namespace of its own (Ray binds
+# the host's address whatever it is told; `unshare`, unlike `ip netns exec`, keeps the cgroup
+# mounts bubblewrap needs). Root only; minutes.
+RAY_TEST_IP ?= 10.77.0.1
+test-ray: venv
+	unshare --net sh -c 'ip link set lo up && ip addr add $(RAY_TEST_IP)/32 dev lo && \
+	  RAY_TEST_IP=$(RAY_TEST_IP) $(VENV)/bin/pytest -q -m ray_cluster tests/test_ray_cluster.py'
+
+# Exec round trip and create through a Ray cluster against the embedded manager, same run.
+bench-ray: venv
+	$(PY) bench/bench_ray.py --rounds 3 --output BENCHMARKS.md

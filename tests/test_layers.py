@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("service", "client", "sandbox"),  # the SDK, embedded or remote
     ("agent",),  # the LLM layer, built on the SDK only
     ("mcp",),  # the MCP tools, built on the SDK's service only
+    ("ray",),  # node agents on a Ray cluster and the manager the server uses in front of them
     ("server",),  # REST/WS over the core (and the agent layer for /execute)
     ("cli", "__main__", "doctor"),  # the top: every surface (and doctor reports on all)
 ]

@@ -438,6 +438,37 @@ class Settings(BaseSettings):
         validation_alias=_renamed("SANDLOT_API_KEY", "api_key"),
         description="SDK and CLI: the API key sent to the server.",
     )
+    ray_address: str | None = Field(
+        default=None,
+        validation_alias=_renamed("SANDLOT_RAY_ADDRESS", "ray_address"),
+        description="Serve a Ray cluster's node agents (e.g. 10.0.0.1:6379, or auto) instead "
+        "of sandboxes in this process (`sandlot serve --ray`).",
+    )
+    ray_namespace: str = Field(
+        default="sandlot",
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        validation_alias=_renamed("SANDLOT_RAY_NAMESPACE", "ray_namespace"),
+        description="The Ray namespace of sandlot's named actors (node agents, quota ledger).",
+    )
+    ray_node_max_sandboxes: int = Field(
+        default=1000,
+        ge=1,
+        validation_alias=_renamed("SANDLOT_RAY_NODE_MAX_SANDBOXES", "ray_node_max_sandboxes"),
+        description="Live sandboxes one Ray node agent may hold; placement skips a full node.",
+    )
+    ray_wall_node: bool = Field(
+        default=True,
+        validation_alias=_renamed("SANDLOT_RAY_WALL_NODE", "ray_wall_node"),
+        description="A Ray node agent refuses new connections from networked sandboxes to the "
+        "node itself (Ray's ports among them). Off only for tests that share a host.",
+    )
+    ray_call_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        validation_alias=_renamed("SANDLOT_RAY_CALL_TIMEOUT_SECONDS", "ray_call_timeout_s"),
+        description="How long a short call (not a run) to a node agent may take before its "
+        "node counts as lost.",
+    )
     log_level: str = Field(default="INFO", validation_alias=_env("LOG_LEVEL", "log_level"))
     log_format: Literal["console", "json"] = Field(
         default="console", validation_alias=_env("LOG_FORMAT", "log_format")

@@ -13,6 +13,7 @@ file missing inside a sandbox.
     ├── SandboxNotFound (LookupError)            no such sandbox (or not yours)
     ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
     │   └── SandboxHeldElsewhere                 another live process on the data dir runs it
+    ├── SandboxLost (RuntimeError)               its Ray node died or cannot be reached
     ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
     ├── ImageBuildError (RuntimeError)           building an environment's image failed
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
@@ -90,6 +91,17 @@ class SandboxHeldElsewhere(SandboxNotRunning):
     def __init__(self, message: str, pid: int | None = None) -> None:
         super().__init__(message)
         self.pid = pid
+
+
+class SandboxLost(SandboxError, RuntimeError):
+    """The cluster node that ran the sandbox died or stopped answering: the sandbox and its
+    state are gone (nothing retries it elsewhere); create a new one."""
+
+    code = "sandbox_lost"
+
+    def __init__(self, message: str, node: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node
 
 
 class SandboxStartError(SandboxError, RuntimeError):
@@ -244,6 +256,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxNotFound,
         SandboxNotRunning,
         SandboxHeldElsewhere,
+        SandboxLost,
         SandboxStartError,
         ImageBuildError,
         GuestError,

@@ -21,6 +21,15 @@ def serve(
         bool, typer.Option("--no-auth", help="No API keys: local single-user use only.")
     ] = False,
     workers: Annotated[int | None, typer.Option(help="Must be 1 (see API_WORKERS).")] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Place sandboxes on this Ray cluster's nodes (e.g. auto, 10.0.0.1:6379; "
+            "default: SANDLOT_RAY_ADDRESS). Needs the [ray] extra.",
+        ),
+    ] = None,
 ) -> None:
     """Run the REST + WebSocket server."""
     from sandlot.server.run import serve as run_server
@@ -32,10 +41,12 @@ def serve(
         updates["api_port"] = port
     if no_auth:
         updates["auth_enabled"] = False
+    if ray is not None:
+        updates["ray_address"] = ray
     if workers is not None and workers != 1:
         console.print(
             "[red]--workers must be 1:[/] sandboxes live in the server process that created "
-            "them; run more servers, each with its own SANDLOT_DATA_DIR, to scale out"
+            "them; to scale out, serve a Ray cluster (--ray) from as many servers as you like"
         )
         raise typer.Exit(2)
     run_server(get_settings().model_copy(update=updates))

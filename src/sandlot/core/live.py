@@ -7,6 +7,7 @@ execution and file rooms can ask for "a working connection" without knowing how 
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import structlog
 from sandlot.backends import Backend, GuestSpec
 from sandlot.core.guest_link import GuestConnection
 from sandlot.errors import (
+    ConfigError,
     GuestError,
     SandboxError,
     SandboxFileError,
@@ -27,6 +29,30 @@ from sandlot.models import Quota, ResolvedLimits, ResourceUsage, SandboxInfo, Sa
 log = structlog.get_logger(__name__)
 
 READY_TIMEOUT_S = 15.0
+
+# A Ray node agent names its node in every id it makes ("sb-<node>-<hex>"), so that any API
+# server routes a call by the id alone; one agent (one manager) runs per worker process.
+NODE_NAME_PATTERN = r"^[A-Za-z0-9_]{1,24}$"
+_id_prefix = "sb-"
+
+
+def set_node_name(node: str | None) -> None:
+    """Make this process's sandbox ids name ``node`` (None: plain "sb-<hex>" ids).
+
+    Raises:
+        ConfigError: ``node`` is not 1-24 letters, digits or underscores (a dash would make
+            the id ambiguous).
+    """
+    global _id_prefix
+    if node is not None and not re.fullmatch(NODE_NAME_PATTERN, node):
+        raise ConfigError(f"node name {node!r} must match {NODE_NAME_PATTERN}")
+    _id_prefix = "sb-" if node is None else f"sb-{node}-"
+
+
+def node_of(sandbox_id: str) -> str | None:
+    """The node an id names, or None for a plain id."""
+    parts = sandbox_id.split("-")
+    return parts[1] if len(parts) == 3 and parts[0] == "sb" else None
 
 
 @dataclass(frozen=True)
@@ -73,7 +99,7 @@ class Live:
         """A sandbox not yet started: a fresh id, its record, and what to ask the backend."""
         now = time.time()
         info = SandboxInfo(
-            id="sb-" + secrets.token_hex(8),
+            id=_id_prefix + secrets.token_hex(8),
             backend=key.backend,
             runtime=key.runtime,
             environment=key.environment,

@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from fastapi import FastAPI, Request, Response
@@ -28,6 +28,9 @@ from sandlot.server.guard import PUBLIC_PATHS, RequestGuard
 from sandlot.server.metrics import Metrics
 from sandlot.server.schemas import Health
 
+if TYPE_CHECKING:
+    from sandlot.ray.cluster import ClusterManager
+
 log = structlog.get_logger(__name__)
 
 READY_CACHE_S = 30.0
@@ -35,16 +38,20 @@ BEARER_SCHEME = "bearer"
 HTTP_METHODS = frozenset({"get", "put", "post", "delete", "patch", "options", "head", "trace"})
 
 
-def create_app(settings: Settings | None = None, manager: SandboxManager | None = None) -> FastAPI:
-    """The API, serving ``manager`` (by default a new one for ``settings``)."""
+def create_app(
+    settings: Settings | None = None, manager: SandboxManager | ClusterManager | None = None
+) -> FastAPI:
+    """The API, serving ``manager`` (by default a new one for ``settings``: a routing manager
+    over a Ray cluster when ``settings.ray_address`` is set)."""
     settings = settings or get_settings()
-    state = ServerState(settings=settings, manager=manager or SandboxManager(settings))
+    state = ServerState(settings=settings, manager=manager or _default_manager(settings))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.manager.start()
         state.auth = AuthStore(settings.data_dir / "sandlot.db")
-        state.metrics = Metrics(state.manager)
+        # Metrics reads live_count() and add_listener(), which a Ray routing manager has too.
+        state.metrics = Metrics(state.manager)  # type: ignore[arg-type]
         if not settings.auth_enabled:
             log.warning(
                 "AUTH IS OFF: every request acts as the local admin; never expose this server",
@@ -85,6 +92,14 @@ def create_app(settings: Settings | None = None, manager: SandboxManager | None 
     _add_operational_routes(app)
     _document_auth(app)
     return app
+
+
+def _default_manager(settings: Settings) -> SandboxManager | ClusterManager:
+    if settings.ray_address is None:
+        return SandboxManager(settings)
+    from sandlot.ray.cluster import ClusterManager as RayManager  # needs the [ray] extra
+
+    return RayManager(settings)
 
 
 def _document_auth(app: FastAPI) -> None:

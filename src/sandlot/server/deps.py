@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import structlog
 from fastapi import Path, Request, WebSocket
@@ -35,6 +35,7 @@ from sandlot.errors import (
     SandboxFileExists,
     SandboxFileNotFound,
     SandboxIsADirectory,
+    SandboxLost,
     SandboxNotADirectory,
     SandboxNotFound,
     SandboxNotRunning,
@@ -46,6 +47,10 @@ from sandlot.requests import SANDBOX_ID_PATTERN
 from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore, Principal
 from sandlot.server.limits import RateLimiter
 from sandlot.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    # Only for the annotation: a server without the [ray] extra never imports Ray.
+    from sandlot.ray.cluster import ClusterManager
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +70,8 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     CapacityExhausted: 503,
     RateLimited: 429,
     SandboxNotRunning: 409,
+    # Gone for good with its node: a client must create a new sandbox, not retry this one.
+    SandboxLost: 410,
     SandboxIsADirectory: 409,
     SandboxNotADirectory: 409,
     SandboxFileExists: 409,
@@ -109,7 +116,8 @@ def sandbox_error_response(exc: SandboxError, request_id: str | None) -> JSONRes
 @dataclass
 class ServerState:
     settings: Settings
-    manager: SandboxManager
+    # Sandboxes in this process, or (``serve --ray``) routed to a Ray cluster's node agents.
+    manager: SandboxManager | ClusterManager
     auth: AuthStore | None = None
     metrics: Metrics | None = None
     limiter: RateLimiter = field(init=False)

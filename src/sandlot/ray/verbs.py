@@ -1,0 +1,178 @@
+"""The verbs a routing manager forwards to the owning node agent unchanged: files, background
+commands and artifacts (one call each; ``_call`` routes and maps a lost node)."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterable, AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from sandlot.config import Settings
+from sandlot.errors import InvalidRequest, RequestTooLarge
+from sandlot.models import ArtifactInfo, CommandInfo, ExecResult, FileInfo, OutputCallback
+from sandlot.requests import FilePath, ListFiles, RemoveFile, RunCommand, WriteFile
+
+_CALLBACKS_REFUSED = (
+    "output callbacks of background commands are not routed through a Ray cluster yet: "
+    "read the output with wait_command"
+)
+
+
+class ForwardedVerbs:
+    settings: Settings
+
+    async def _call(
+        self, sandbox_id: str, verb: str, *args: Any, bound_s: float | None = None, **kwargs: Any
+    ) -> Any:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ files
+
+    async def write_file(
+        self, sandbox_id: str, request: WriteFile, data: bytes, *, owner: str | None = None
+    ) -> int:
+        size: int = await self._call(sandbox_id, "write_file", request, data, owner=owner)
+        return size
+
+    async def write_file_chunks(
+        self,
+        sandbox_id: str,
+        request: WriteFile,
+        chunks: AsyncIterable[bytes],
+        *,
+        max_bytes: int | None = None,
+        owner: str | None = None,
+    ) -> int:
+        """Gathered here, then sent in one call (Ray moves objects whole)."""
+        parts: builtins.list[bytes] = []
+        size = 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise RequestTooLarge(f"the upload is over {max_bytes} bytes")
+            parts.append(chunk)
+        return await self.write_file(sandbox_id, request, b"".join(parts), owner=owner)
+
+    async def read_file(
+        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
+    ) -> bytes:
+        data: bytes = await self._call(sandbox_id, "read_file", request, owner=owner)
+        return data
+
+    async def read_file_chunks(
+        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
+    ) -> AsyncIterator[bytes]:
+        yield await self.read_file(sandbox_id, request, owner=owner)
+
+    async def list_files(
+        self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
+    ) -> builtins.list[FileInfo]:
+        found: builtins.list[FileInfo] = await self._call(
+            sandbox_id, "list_files", request, owner=owner
+        )
+        return found
+
+    async def stat_file(
+        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
+    ) -> FileInfo:
+        info: FileInfo = await self._call(sandbox_id, "stat_file", request, owner=owner)
+        return info
+
+    async def remove_file(
+        self, sandbox_id: str, request: RemoveFile, *, owner: str | None = None
+    ) -> None:
+        await self._call(sandbox_id, "remove_file", request, owner=owner)
+
+    async def make_dir(
+        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
+    ) -> None:
+        await self._call(sandbox_id, "make_dir", request, owner=owner)
+
+    # ------------------------------------------------------------------ background
+
+    async def start_command(
+        self,
+        sandbox_id: str,
+        request: RunCommand,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        owner: str | None = None,
+    ) -> CommandInfo:
+        if on_stdout is not None or on_stderr is not None:
+            raise InvalidRequest(_CALLBACKS_REFUSED)
+        info: CommandInfo = await self._call(sandbox_id, "start_command", request, owner=owner)
+        return info
+
+    async def list_commands(
+        self, sandbox_id: str, *, owner: str | None = None
+    ) -> builtins.list[CommandInfo]:
+        found: builtins.list[CommandInfo] = await self._call(
+            sandbox_id, "list_commands", owner=owner
+        )
+        return found
+
+    async def command_info(
+        self, sandbox_id: str, pid: int, *, owner: str | None = None
+    ) -> CommandInfo:
+        info: CommandInfo = await self._call(sandbox_id, "command_info", pid, owner=owner)
+        return info
+
+    async def connect_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        owner: str | None = None,
+    ) -> CommandInfo:
+        if on_stdout is not None or on_stderr is not None:
+            raise InvalidRequest(_CALLBACKS_REFUSED)
+        return await self.command_info(sandbox_id, pid, owner=owner)
+
+    async def wait_command(
+        self, sandbox_id: str, pid: int, timeout_s: float | None = None, *, owner: str | None = None
+    ) -> ExecResult:
+        bound_s = (timeout_s or 0) + self.settings.ray_call_timeout_s
+        result: ExecResult = await self._call(
+            sandbox_id, "wait_command", pid, timeout_s, bound_s=bound_s, owner=owner
+        )
+        return result
+
+    async def send_command_stdin(
+        self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False, owner: str | None = None
+    ) -> None:
+        await self._call(sandbox_id, "send_command_stdin", pid, data, eof=eof, owner=owner)
+
+    async def kill_command(self, sandbox_id: str, pid: int, *, owner: str | None = None) -> bool:
+        killed: bool = await self._call(sandbox_id, "kill_command", pid, owner=owner)
+        return killed
+
+    # ------------------------------------------------------------------ artifacts
+
+    async def list_artifacts(
+        self, sandbox_id: str, *, owner: str | None = None
+    ) -> builtins.list[ArtifactInfo]:
+        found: builtins.list[ArtifactInfo] = await self._call(
+            sandbox_id, "list_artifacts", owner=owner
+        )
+        return found
+
+    async def read_artifact(self, sandbox_id: str, path: str, *, owner: str | None = None) -> bytes:
+        data: bytes = await self._call(sandbox_id, "read_artifact", path, owner=owner)
+        return data
+
+    async def artifact_path(self, sandbox_id: str, path: str, *, owner: str | None = None) -> Path:
+        """A copy of the artifact on this host (the server streams a file from a path); the
+        copy is replaced by the next download of the same artifact."""
+        data = await self.read_artifact(sandbox_id, path, owner=owner)
+        copy = self.settings.data_dir / "ray-artifacts" / sandbox_id / path.replace("/", "_")
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(data)
+        return copy
+
+    async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
+        count: int = await self._call(sandbox_id, "delete_artifacts", owner=owner)
+        return count

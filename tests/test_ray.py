@@ -1,0 +1,257 @@
+"""sandlot on Ray, the fast part CI runs: one real Ray node (in this process's ray.init) with a
+node agent running real bubblewrap sandboxes, reached through the routing manager; placement
+and the quota ledger as plain objects. The 3-node suite is tests/test_ray_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from sandlot.core.live import node_of, set_node_name  # noqa: E402
+from sandlot.errors import (  # noqa: E402
+    CapacityExhausted,
+    ConfigError,
+    QuotaExceeded,
+    SandboxLost,
+    SandboxNotFound,
+)
+from sandlot.models import Quota  # noqa: E402
+from sandlot.ray import ClusterManager, shutdown_agents  # noqa: E402
+from sandlot.ray.ledger import QuotaLedger  # noqa: E402
+from sandlot.ray.node import agent_name  # noqa: E402
+from sandlot.ray.routing import NodeLoad, choose  # noqa: E402
+from sandlot.requests import FilePath, RunCode, RunCommand, SandboxSpec, WriteFile  # noqa: E402
+from tests.conftest import make_settings, skip_reason  # noqa: E402
+
+NAMESPACE = "sandlot-test-" + str(os.getpid())
+
+# ---------------------------------------------------------------------- placement, no Ray
+
+
+def load(node: str, live: int, free_mb: float = 10_000, warm: int = 0) -> NodeLoad:
+    return NodeLoad(node, live, 100, free_mb, {"bubblewrap/python3": warm} if warm else {})
+
+
+def test_placement_prefers_a_warm_node_for_a_default_request() -> None:
+    loads = [load("a", 1), load("b", 50, warm=1), load("c", 2)]
+    assert choose(loads, 256, "bubblewrap/python3").node == "b"
+    # A request a pool cannot serve ignores the warm one's pool.
+    picks = {choose(loads, 256, None, random.Random(seed)).node for seed in range(50)}
+    assert picks <= {"a", "b", "c"}
+
+
+def test_power_of_two_choices_never_picks_the_most_loaded_of_the_pair() -> None:
+    loads = [load("idle", 0), load("half", 50), load("full-ish", 99)]
+    rng = random.Random(7)
+    picks = [choose(loads, 256, None, rng).node for _ in range(300)]
+    # Of any two distinct nodes the less loaded wins, so the most loaded node never does.
+    assert "full-ish" not in picks
+    assert picks.count("idle") > picks.count("half")
+
+
+def test_placement_respects_count_and_memory() -> None:
+    loads = [load("full", 100), load("small", 0, free_mb=100), load("ok", 10)]
+    assert {choose(loads, 256, None, random.Random(s)).node for s in range(20)} == {"ok"}
+    with pytest.raises(CapacityExhausted, match="no cluster node has room"):
+        choose([load("full", 100), load("small", 0, free_mb=100)], 256, None)
+
+
+def test_node_names_in_ids() -> None:
+    assert node_of("sb-alpha-0123456789abcdef") == "alpha"
+    assert node_of("sb-0123456789abcdef") is None
+    with pytest.raises(ConfigError):
+        set_node_name("has-dash")
+
+
+def test_ledger_holds_a_quota_across_servers_and_releases_a_lost_node() -> None:
+    ledger = QuotaLedger()
+    settings = make_settings(Path("/nonexistent"))
+    limits = settings.resolve_limits(None)
+    quota = Quota(max_sandboxes=2, max_memory_mb=100_000)
+    assert ledger.reserve("t1", "acme", limits, quota)[0] == "ok"
+    ledger.bind("t1", "sb-a-1")
+    assert ledger.reserve("t2", "acme", limits, quota)[0] == "ok"
+    ledger.bind("t2", "sb-b-1")
+    refused = ledger.reserve("t3", "acme", limits, quota)
+    assert refused[:2] == ("err", QuotaExceeded.code)
+    assert ledger.reserve("t4", "other", limits, quota)[0] == "ok"
+    assert ledger.release_node("a") == 1
+    assert ledger.reserve("t5", "acme", limits, quota)[0] == "ok"
+
+
+def test_a_lost_sandbox_is_gone_over_http_and_maps_back() -> None:
+    from sandlot.errors import error_from_code
+    from sandlot.server.deps import status_of
+
+    lost = SandboxLost("sandbox sb-n1-00 was on node n1, which is lost", node="n1")
+    assert status_of(lost) == 410
+    assert type(error_from_code(lost.code, lost.message)) is SandboxLost
+
+
+# ---------------------------------------------------------------------- one real Ray node
+
+
+@pytest.fixture(scope="module")
+def ray_node() -> Iterator[Path]:
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="sandlot-ray-", dir="/tmp"))
+    root.chmod(0o711)
+    ray.init(
+        num_cpus=1,
+        resources={"sandlot_node": 1, "sandlot_node_alpha": 1},
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        yield root
+    finally:
+        shutdown_agents(NAMESPACE)
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def overrides(root: Path) -> dict[str, Any]:
+    return {
+        "data_dir": root,
+        "timeout_s": 10.0,
+        "disk_mb": 64,
+        "log_level": "WARNING",
+        "reaper_interval_s": 0.5,
+        # The host's INPUT chain is every engineer's here: the wall is tested in its own
+        # network namespace (test_ray_cluster.py).
+        "ray_wall_node": False,
+    }
+
+
+@pytest.fixture
+async def cluster(ray_node: Path) -> AsyncIterator[ClusterManager]:
+    settings = make_settings(ray_node / "server", ray_namespace=NAMESPACE, allow_unsafe=False)
+    async with ClusterManager(settings, overrides(ray_node)) as manager:
+        yield manager
+
+
+async def test_a_sandbox_through_the_node_agent(cluster: ClusterManager) -> None:
+    info = await cluster.create(SandboxSpec())
+    assert info.id.startswith("sb-alpha-")
+    try:
+        assert (await cluster.run_code(info.id, RunCode(code="x = 40"))).exit_code == 0
+        result = await cluster.run_code(info.id, RunCode(code="x + 2"))
+        assert result.text == "42"  # state kept between calls: the same sandbox
+        await cluster.write_file(info.id, WriteFile(path="a.txt"), b"hello")
+        assert await cluster.read_file(info.id, FilePath(path="a.txt")) == b"hello"
+        ran = await cluster.run_command(info.id, RunCommand(command="cat a.txt; echo oops >&2"))
+        assert (ran.stdout, ran.stderr.strip()) == ("hello", "oops")
+        assert [i.id for i in await cluster.list()] == [info.id]
+    finally:
+        await cluster.destroy(info.id)
+    assert (await cluster.get(info.id)).status.value == "destroyed"
+    with pytest.raises(SandboxNotFound):
+        await cluster.get("sb-nosuchnode-0123456789abcdef")
+
+
+async def test_output_streams_and_a_cancel_stops_the_run(cluster: ClusterManager) -> None:
+    info = await cluster.create(SandboxSpec())
+    try:
+        seen: list[tuple[float, str]] = []
+        started = time.monotonic()
+        code = "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.3)"
+        result = await cluster.run_code(
+            info.id,
+            RunCode(code=code),
+            on_stdout=lambda text: seen.append((time.monotonic() - started, text)),
+        )
+        assert "".join(t for _, t in seen) == result.stdout == "0\n1\n2\n"
+        assert seen[0][0] < seen[-1][0] - 0.3  # arrived while it ran, not at the end
+        # A cancelled caller ends the run inside the sandbox: the file is never written.
+        slow = "import time\ntime.sleep(2)\nopen('late.txt', 'w').write('x')"
+        run = asyncio.create_task(cluster.run_code(info.id, RunCode(code=slow)))
+        await asyncio.sleep(0.5)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        await asyncio.sleep(2.5)
+        check = await cluster.run_code(
+            info.id, RunCode(code="import os; os.path.exists('late.txt')")
+        )
+        assert check.text == "False"
+    finally:
+        await cluster.destroy(info.id)
+
+
+async def test_quota_holds_through_the_ledger(cluster: ClusterManager) -> None:
+    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    first = await cluster.create(SandboxSpec(), owner="acme", quota=quota)
+    try:
+        with pytest.raises(QuotaExceeded):
+            await cluster.create(SandboxSpec(), owner="acme", quota=quota)
+    finally:
+        await cluster.destroy(first.id)
+    second = await cluster.create(SandboxSpec(), owner="acme", quota=quota)
+    await cluster.destroy(second.id)
+
+
+async def test_a_hung_node_is_lost_within_the_runs_timeout_and_the_bound(ray_node: Path) -> None:
+    settings = make_settings(
+        ray_node / "server", ray_namespace=NAMESPACE, allow_unsafe=False, ray_call_timeout_s=2.0
+    )
+    async with ClusterManager(settings, overrides(ray_node)) as cluster:
+        info = await cluster.create(SandboxSpec())
+        agent = ray.get_actor(agent_name("alpha"), namespace=NAMESPACE)
+        pid = await agent.__ray_call__.remote(lambda _: os.getpid())
+        os.kill(pid, signal.SIGSTOP)  # alive to Ray, answering nobody
+        try:
+            started = time.monotonic()
+            with pytest.raises(SandboxLost, match="node alpha"):
+                await cluster.run_code(info.id, RunCode(code="1", timeout_s=1))
+            assert time.monotonic() - started < 1 + 2.0 + 1.5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Answering again, the node destroys what was declared lost: lost means gone.
+        deadline = time.monotonic() + 20
+        while True:
+            await cluster.refresh()  # the agent answers again: back in the cluster
+            with contextlib.suppress(SandboxLost):
+                if (await cluster.get(info.id)).status.value == "destroyed":
+                    break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        assert (await cluster.get(info.id)).end_reason == "lost"
+
+
+async def test_a_dead_agent_is_a_lost_sandbox_not_a_hang(ray_node: Path) -> None:
+    settings = make_settings(ray_node / "server", ray_namespace=NAMESPACE, allow_unsafe=False)
+    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    async with ClusterManager(settings, overrides(ray_node)) as cluster:
+        info = await cluster.create(SandboxSpec(), owner="acme", quota=quota)
+        ray.kill(ray.get_actor(agent_name("alpha"), namespace=NAMESPACE))
+        started = time.monotonic()
+        with pytest.raises(SandboxLost, match="node alpha") as lost:
+            await cluster.run_code(info.id, RunCode(code="1"))
+        assert lost.value.node == "alpha"
+        assert time.monotonic() - started < 15
+        # No silent retry: the next call is lost too, and the quota was given back.
+        with pytest.raises(SandboxLost):
+            await cluster.get(info.id)
+        # The next refresh starts a new agent on the node; its start-up sweep ended the
+        # dead agent's sandbox, and the tenant may create again.
+        await cluster.refresh()
+        again = await cluster.create(SandboxSpec(), owner="acme", quota=quota)
+        gone = await cluster.get(info.id)
+        assert (gone.status.value, gone.end_reason) == ("destroyed", "recovered")
+        await cluster.destroy(again.id)
