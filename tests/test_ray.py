@@ -24,6 +24,7 @@ from sandlot.core.live import node_of, set_node_name  # noqa: E402
 from sandlot.errors import (  # noqa: E402
     CapacityExhausted,
     ConfigError,
+    InvalidRequest,
     QuotaExceeded,
     SandboxLost,
     SandboxNotFound,
@@ -33,7 +34,15 @@ from sandlot.ray import ClusterManager, shutdown_agents  # noqa: E402
 from sandlot.ray.ledger import QuotaLedger  # noqa: E402
 from sandlot.ray.node import agent_name  # noqa: E402
 from sandlot.ray.routing import NodeLoad, choose  # noqa: E402
-from sandlot.requests import FilePath, RunCode, RunCommand, SandboxSpec, WriteFile  # noqa: E402
+from sandlot.requests import (  # noqa: E402
+    FilePath,
+    OpenPty,
+    PtySize,
+    RunCode,
+    RunCommand,
+    SandboxSpec,
+    WriteFile,
+)
 from tests.conftest import make_settings, skip_reason  # noqa: E402
 
 NAMESPACE = "sandlot-test-" + str(os.getpid())
@@ -163,6 +172,30 @@ async def test_a_sandbox_through_the_node_agent(cluster: ClusterManager) -> None
     assert (await cluster.get(info.id)).status.value == "destroyed"
     with pytest.raises(SandboxNotFound):
         await cluster.get("sb-nosuchnode-0123456789abcdef")
+
+
+async def test_a_terminal_through_the_node_agent(cluster: ClusterManager) -> None:
+    """A terminal is forwarded like a background command: open, type, resize, read its output
+    window, kill; a callback (which Ray does not carry yet) is refused, not dropped."""
+    import base64
+
+    info = await cluster.create(SandboxSpec())
+    try:
+        with pytest.raises(InvalidRequest):
+            await cluster.start_pty(info.id, OpenPty(command="sh"), on_data=lambda data: None)
+        term = await cluster.start_pty(info.id, OpenPty(command="sh", cols=80, rows=24))
+        await cluster.resize_pty(info.id, term.pid, PtySize(cols=100, rows=30))
+        await cluster.send_pty_input(info.id, term.pid, b"stty size; echo done-$((40+2))\n")
+        seen = b""
+        deadline = time.monotonic() + 30
+        while b"done-42" not in seen and time.monotonic() < deadline:
+            window = await cluster.pty_output(info.id, term.pid)
+            seen = base64.b64decode(window.data_b64)
+            await asyncio.sleep(0.1)
+        assert b"30 100" in seen and b"done-42" in seen, seen
+        assert await cluster.kill_command(info.id, term.pid)
+    finally:
+        await cluster.destroy(info.id)
 
 
 async def test_output_streams_and_a_cancel_stops_the_run(cluster: ClusterManager) -> None:

@@ -59,6 +59,10 @@ VERBS = frozenset(
         "wait_command",
         "send_command_stdin",
         "kill_command",
+        "start_pty",
+        "resize_pty",
+        "send_pty_input",
+        "pty_output",
     }
 )
 

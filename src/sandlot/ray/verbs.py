@@ -10,12 +10,28 @@ from typing import Any
 
 from sandlot.config import Settings
 from sandlot.errors import InvalidRequest, RequestTooLarge
-from sandlot.models import ArtifactInfo, CommandInfo, ExecResult, FileInfo, OutputCallback
-from sandlot.requests import FilePath, ListFiles, RemoveFile, RunCommand, WriteFile
+from sandlot.models import (
+    ArtifactInfo,
+    CommandInfo,
+    DataCallback,
+    ExecResult,
+    FileInfo,
+    OutputCallback,
+    PtyOutput,
+)
+from sandlot.requests import (
+    FilePath,
+    ListFiles,
+    OpenPty,
+    PtySize,
+    RemoveFile,
+    RunCommand,
+    WriteFile,
+)
 
 _CALLBACKS_REFUSED = (
-    "output callbacks of background commands are not routed through a Ray cluster yet: "
-    "read the output with wait_command"
+    "output callbacks of background commands and terminals are not routed through a Ray "
+    "cluster yet: read the output with wait_command (a terminal's with pty_output)"
 )
 
 
@@ -149,6 +165,54 @@ class ForwardedVerbs:
     async def kill_command(self, sandbox_id: str, pid: int, *, owner: str | None = None) -> bool:
         killed: bool = await self._call(sandbox_id, "kill_command", pid, owner=owner)
         return killed
+
+    def disconnect_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+    ) -> None:
+        """Nothing to do: no callback is ever connected through the cluster."""
+
+    # ------------------------------------------------------------------ terminals
+
+    async def start_pty(
+        self,
+        sandbox_id: str,
+        request: OpenPty,
+        *,
+        on_data: DataCallback | None = None,
+        owner: str | None = None,
+    ) -> CommandInfo:
+        if on_data is not None:
+            raise InvalidRequest(_CALLBACKS_REFUSED)
+        info: CommandInfo = await self._call(sandbox_id, "start_pty", request, owner=owner)
+        return info
+
+    async def resize_pty(
+        self, sandbox_id: str, pid: int, size: PtySize, *, owner: str | None = None
+    ) -> None:
+        await self._call(sandbox_id, "resize_pty", pid, size, owner=owner)
+
+    async def send_pty_input(
+        self, sandbox_id: str, pid: int, data: bytes, *, owner: str | None = None
+    ) -> None:
+        await self._call(sandbox_id, "send_pty_input", pid, data, owner=owner)
+
+    async def pty_output(
+        self, sandbox_id: str, pid: int, offset: int = 0, *, owner: str | None = None
+    ) -> PtyOutput:
+        output: PtyOutput = await self._call(sandbox_id, "pty_output", pid, offset, owner=owner)
+        return output
+
+    async def connect_pty(
+        self, sandbox_id: str, pid: int, on_data: DataCallback, *, owner: str | None = None
+    ) -> CommandInfo:
+        raise InvalidRequest(_CALLBACKS_REFUSED)
+
+    def disconnect_pty(self, sandbox_id: str, pid: int, on_data: DataCallback) -> None:
+        """Nothing to do: no callback is ever connected through the cluster."""
 
     # ------------------------------------------------------------------ artifacts
 
