@@ -304,3 +304,61 @@ async def test_held_elsewhere_is_a_conflict_over_http() -> None:
     error = SandboxHeldElsewhere("sandbox sb-x runs in another process (pid 7)", pid=7)
     assert isinstance(error, SandboxNotRunning) and status_of(error) == 409
     assert type(error_from_code(error.code, error.message)) is SandboxHeldElsewhere
+
+
+async def test_two_processes_cannot_both_take_a_tenants_last_slot(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The quota check and the new record are one write transaction of the shared store: two
+    managers on one data directory (each its own store connection, thread and event loop, as
+    two processes have) creating for a tenant with one slot left give it one sandbox, not two.
+    The check is slowed so that both are inside it at once. Failed before: each read the
+    other's records, checked, then saved in a separate statement, and both were admitted."""
+    import threading
+    import time as time_mod
+
+    from sandlot.core import admission
+    from sandlot.errors import QuotaExceeded
+    from sandlot.models import Quota
+    from sandlot.requests import SandboxSpec
+
+    data_dir = data_root / "quota-race"
+    data_dir.mkdir()
+    checked = admission.check_quota
+
+    def slow_check(*args: Any, **kwargs: Any) -> None:
+        checked(*args, **kwargs)
+        time_mod.sleep(0.5)  # both managers are between their check and their save
+
+    monkeypatch.setattr(admission, "check_quota", slow_check)
+    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    outcomes: list[str] = []
+    both_started = threading.Barrier(2)
+
+    def one_manager() -> None:
+        async def run() -> None:
+            settings = make_settings(data_dir, backend="unsafe-local")
+            async with SandboxManager(settings) as mgr:
+                both_started.wait(30)
+                try:
+                    info = await mgr.create(SandboxSpec(), owner="acme", quota=quota)
+                except QuotaExceeded:
+                    outcomes.append("refused")
+                    both_started.wait(30)
+                else:
+                    outcomes.append("admitted")
+                    # Held until the other has decided, then given back.
+                    both_started.wait(30)
+                    await mgr.destroy(info.id)
+
+        asyncio.run(run())
+
+    def both() -> None:
+        threads = [threading.Thread(target=one_manager) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+
+    await asyncio.to_thread(both)
+    assert sorted(outcomes) == ["admitted", "refused"], outcomes

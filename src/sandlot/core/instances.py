@@ -33,7 +33,7 @@ from pathlib import Path
 
 from sandlot.backends.disk import mounted_below
 from sandlot.config import Settings
-from sandlot.core.store import Store
+from sandlot.core.store import Elsewhere, Store
 from sandlot.errors import ConfigError, SandboxHeldElsewhere, SandboxNotRunning
 from sandlot.models import SandboxInfo
 
@@ -152,11 +152,18 @@ def holder(data_dir: Path, instance_id: str) -> Holder:
 def live_elsewhere(store: Store, data_dir: Path) -> list[SandboxInfo]:
     """The live sandboxes of the other live instances of the data directory (their warm pools
     are never stored, so they are not among them)."""
-    found = []
-    for instance, infos in store.live_elsewhere().items():
-        if instance and holder(data_dir, instance).alive:
-            found += infos
-    return found
+    return alive(store.live_elsewhere(), data_dir)
+
+
+def alive(found: Elsewhere, data_dir: Path) -> list[SandboxInfo]:
+    """Of other instances' live records, those whose process still runs (a dead one's are
+    ended by the next recovery)."""
+    return [
+        info
+        for instance, infos in found.items()
+        if instance and holder(data_dir, instance).alive
+        for info in infos
+    ]
 
 
 def not_here(store: Store, data_dir: Path, sandbox_id: str) -> SandboxNotRunning:

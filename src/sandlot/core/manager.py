@@ -26,8 +26,8 @@ from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
 from sandlot.core.background import BackgroundCommands
 from sandlot.core.live import Live, PoolKey
-from sandlot.core.pools import Pools
-from sandlot.core.store import LIVE, Store
+from sandlot.core.pools import Pools, discard
+from sandlot.core.store import LIVE, Elsewhere, Store
 from sandlot.errors import (
     BackendUnavailable,
     ConfigError,
@@ -257,33 +257,50 @@ class SandboxManager:
         resolved = self.settings.resolve_limits(spec.limits())
         network = self.settings.network if spec.network is None else spec.network
         admission.check_metadata(spec.metadata, self.settings.max_metadata_bytes)
-        infos = self._live_infos()  # this process's and the other instances', read once
-        if quota is not None:
-            admission.check_quota(infos, owner, resolved, quota)
-        live = self._pools.take(key, resolved, network, spec.env) if self._pools else None
-        if live is None:
+        fresh = False
+        chosen: Live | None = None
+
+        def decide(elsewhere: Elsewhere) -> SandboxInfo:
+            # Run inside the store's write transaction (no await): the other processes'
+            # live records and this one's sandboxes are counted, and the new record saved,
+            # before any other process on the data directory can admit one.
+            nonlocal fresh, chosen
+            infos = [live.info for live in self._live.values()]
+            infos += instances.alive(elsewhere, self.settings.data_dir)
+            if quota is not None:
+                admission.check_quota(infos, owner, resolved, quota)
+            taken = self._pools.take(key, resolved, network, spec.env) if self._pools else None
+            if taken is not None:
+                # Ownership and clocks start now for a sandbox that waited in the pool.
+                self._claim(taken, spec, owner, quota)
+                self._live[taken.id] = chosen = taken
+                return taken.info
             # A pooled sandbox was reserved when it was started; a new one reserves now.
             admission.check_host(
                 self._reserved(infos), resolved, self._capacity, held_here=self._held_here()
             )
             # Registered with its owner before the first await, so a concurrent create of
-            # the same owner counts it against the quota.
-            live = self._new_live(key, resolved, network, spec.env, owner)
-            self._live[live.id] = live
-            self._store.save(live.info)
+            # the same owner in this process counts it against the quota.
+            made = self._new_live(key, resolved, network, spec.env, owner)
+            self._live[made.id] = chosen = made
+            fresh = True
+            return made.info
+
+        try:
+            info = self._store.admit(decide)
+        except BaseException:
+            if chosen is not None:
+                # Refused or not saved (the store failed): a new one was never started; a
+                # pooled one is already the caller's in memory, so it goes.
+                self._live.pop(chosen.id, None)
+                if not fresh:
+                    await discard(chosen)
+            raise
+        live = self._live[info.id]
+        if fresh:
             await self._boot(live)
-        # Ownership and clocks start now, also for a sandbox that waited in the pool.
-        now = time.time()
-        info = live.info
-        info.owner = owner
-        info.metadata = spec.metadata or {}
-        live.quota = quota
-        info.created_at = info.last_active_at = now
-        info.expires_at = now + (spec.ttl_s or self.settings.ttl_s)
-        info.idle_timeout_s = spec.idle_timeout_s or self.settings.idle_timeout_s
-        info.status = SandboxStatus.RUNNING
-        self._live[info.id] = live
-        self._store.save(info)
+            self._claim(live, spec, owner, quota)
+            self._store.save(info)
         self._emit("created", info=info)
         log.info(
             "sandbox created",
@@ -295,6 +312,19 @@ class SandboxManager:
             network=network,
         )
         return info.model_copy()
+
+    def _claim(self, live: Live, spec: SandboxSpec, owner: str, quota: Quota | None) -> None:
+        """The sandbox is the caller's: its owner, metadata and clocks start now (also for
+        one that waited in a pool)."""
+        now = time.time()
+        info = live.info
+        info.owner = owner
+        info.metadata = spec.metadata or {}
+        live.quota = quota
+        info.created_at = info.last_active_at = now
+        info.expires_at = now + (spec.ttl_s or self.settings.ttl_s)
+        info.idle_timeout_s = spec.idle_timeout_s or self.settings.idle_timeout_s
+        info.status = SandboxStatus.RUNNING
 
     def placement(
         self, backend: str | None, runtime: str | None, environment: str | None

@@ -6,6 +6,7 @@ import builtins
 import os
 import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from sandlot.models import ArtifactInfo, SandboxInfo, SandboxStatus
@@ -44,6 +45,9 @@ _LIVE_SLOTS = ",".join("?" * len(LIVE))
 # Several processes share the file (one per manager instance): a writer waits this long for
 # another's transaction, each of which is one short statement.
 BUSY_TIMEOUT_S = 30.0
+
+# Other instances' live records, by instance.
+Elsewhere = dict[str, list[SandboxInfo]]
 
 
 class Store:
@@ -87,20 +91,41 @@ class Store:
 
     def save(self, info: SandboxInfo) -> None:
         with self._lock:
-            self._db.execute(
-                "INSERT INTO sandboxes (id, owner, status, created_at, info, instance) "
-                "VALUES (?,?,?,?,?,?) "
-                # The instance stays the one that made it: recovery saves others' records.
-                "ON CONFLICT(id) DO UPDATE SET status=excluded.status, info=excluded.info",
-                (
-                    info.id,
-                    info.owner,
-                    info.status.value,
-                    info.created_at,
-                    info.model_dump_json(),
-                    self.instance,
-                ),
-            )
+            self._save(info)
+
+    def _save(self, info: SandboxInfo) -> None:
+        self._db.execute(
+            "INSERT INTO sandboxes (id, owner, status, created_at, info, instance) "
+            "VALUES (?,?,?,?,?,?) "
+            # The instance stays the one that made it: recovery saves others' records.
+            "ON CONFLICT(id) DO UPDATE SET status=excluded.status, info=excluded.info",
+            (
+                info.id,
+                info.owner,
+                info.status.value,
+                info.created_at,
+                info.model_dump_json(),
+                self.instance,
+            ),
+        )
+
+    def admit(self, decide: Callable[[Elsewhere], SandboxInfo]) -> SandboxInfo:
+        """Save the record ``decide`` returns, given the other instances' live records read
+        in the same write transaction (``decide`` raises to refuse: nothing is saved).
+
+        Processes admitting at once are serialized by SQLite's write lock, so the second
+        one's check sees the first one's new sandbox: with a read, then a separate save, two
+        processes on one data directory could each admit a tenant's last allowed sandbox."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                info = decide(self._live_elsewhere())
+                self._save(info)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return info
 
     def get(self, sandbox_id: str) -> SandboxInfo | None:
         with self._lock:
@@ -135,15 +160,18 @@ class Store:
             rows = self._db.execute(query + " ORDER BY created_at", args).fetchall()
         return [SandboxInfo.model_validate_json(r[0]) for r in rows]
 
-    def live_elsewhere(self) -> dict[str, builtins.list[SandboxInfo]]:
+    def live_elsewhere(self) -> Elsewhere:
         """Live records of instances other than this store's, by instance."""
         with self._lock:
-            rows = self._db.execute(
-                f"SELECT instance, info FROM sandboxes WHERE status IN ({_LIVE_SLOTS}) "  # noqa: S608 - placeholders only
-                "AND instance != ?",
-                (*LIVE, self.instance),
-            ).fetchall()
-        found: dict[str, builtins.list[SandboxInfo]] = {}
+            return self._live_elsewhere()
+
+    def _live_elsewhere(self) -> Elsewhere:
+        rows = self._db.execute(
+            f"SELECT instance, info FROM sandboxes WHERE status IN ({_LIVE_SLOTS}) "  # noqa: S608 - placeholders only
+            "AND instance != ?",
+            (*LIVE, self.instance),
+        ).fetchall()
+        found: Elsewhere = {}
         for instance, info in rows:
             found.setdefault(instance, []).append(SandboxInfo.model_validate_json(info))
         return found
