@@ -46,9 +46,20 @@ from sandlot import (
 from sandlot._portal import get_portal
 from sandlot.backends.docker.backend import MASKED_PATHS, RUNSC_THREAD_EXHAUSTED
 from tests import leaks
-from tests.conftest import placement
+from tests.conftest import placement as backend_placement
 
 pytestmark = pytest.mark.hostile
+
+# The environment every attacking and bystanding sandbox runs, e.g. python-data: with a built
+# tree (`sandlot image build`), bubblewrap binds it as / instead of the host's /usr (rootfs
+# mode). Unset: the default environment, in whichever mode its tree (or none) gives it.
+ENVIRONMENT = os.environ.get("TEST_HOSTILE_ENVIRONMENT")
+
+
+def placement(target: str) -> dict[str, str]:
+    extra = {"environment": ENVIRONMENT} if ENVIRONMENT else {}
+    return backend_placement(target) | extra
+
 
 MiB = 1 << 20
 PRECIOUS = "the bystander's data, which no attack may touch\n" * 64
@@ -124,6 +135,14 @@ def no_leaks(manager: SandboxManager, no_leaks_in_module: None) -> Iterator[None
     yield
     excess = leaks.wait_for_baseline(manager, baseline, orphans=leaks.no_orphans)
     assert not excess, f"left behind after the test's sandboxes were destroyed: {excess}"
+
+
+@pytest.fixture
+def jail(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
+    """conftest's jail, in ``TEST_HOSTILE_ENVIRONMENT`` when it is set."""
+    sb = Sandbox.create(manager=manager, **placement(isolated_backend), timeout_s=10)
+    yield sb
+    sb.kill()
 
 
 @pytest.fixture

@@ -85,11 +85,13 @@ class Settings(BaseSettings):
         description="A directory whose environments/*.yaml add to the shipped registry.",
     )
     rootfs_dir: Path = Field(
-        default=Path("/var/lib/sandlot/rootfs"),
+        # Not <data dir>/rootfs: that name is a pre-instance layout's bubblewrap state, which
+        # recovery removes from a data dir (core/instances.py LEGACY_STATE).
+        default=Path("/var/lib/sandlot/rootfs-store"),
         validation_alias=_env("SANDBOX_ROOTFS_DIR", "rootfs_dir"),
         description=(
             "Built root file system trees, one per environment and spec (`sandlot image "
-            "build`): machine-wide and kept across runs, never under a data dir."
+            "build`): machine-wide and kept across runs, never inside a data dir's state."
         ),
     )
     allow_unsafe: bool = Field(
