@@ -799,9 +799,12 @@ def test_host_secrets_are_not_visible(jail: Sandbox, bystander: Sandbox, host: H
     host_shadow = Path("/etc/shadow").read_text().splitlines()[0]
     assert host_shadow not in shadow.stdout
     exists, devices = literal(jail.run_code(SECRETS_PROBE))
-    if jail.info.backend == "docker":
-        # A container has a root file system of its own (the image's /etc, /root, /var):
-        # they exist, but they are not the host's, and its own secrets stay unreadable.
+    # bubblewrap in rootfs mode has its environment's tree as / (backends/rootfs.py).
+    own_tree = jail.run_code("import os; os.path.exists('/.sandlot-tree.json')").text == "True"
+    if jail.info.backend == "docker" or own_tree:
+        # A container has a root file system of its own (the image's /etc, /root, /var), as
+        # a bubblewrap sandbox in rootfs mode has its tree: they exist, but they are not the
+        # host's, and its own secrets stay unreadable.
         image = jail.commands.run("cat /etc/shadow /proc/1/root/etc/shadow; ls -A /root")
         assert "root:" not in image.stdout and image.exit_code != 0, describe(image)
         # `ls` alone proves nothing under gVisor, where it fails on every path (README,

@@ -22,11 +22,13 @@ from sandlot._portal import get_portal
 from sandlot.backends.rootfs import (
     BUILDING_PREFIX,
     MARKER,
+    OLD_PREFIX,
     bubblewrap_mode,
     build_tree,
     find_tree,
     tree_path,
     tree_status,
+    trees_in_use,
 )
 from sandlot.environments import Environment, get_environment, load_registry
 from sandlot.errors import ImageBuildError
@@ -178,6 +180,27 @@ def test_bubblewrap_runs_the_environment_tree(
     with Sandbox.create(manager=rootfs_manager, backend="bubblewrap") as sb:
         missing = sb.run_code("import six")
         assert missing.error is not None and missing.error.type == "ModuleNotFoundError"
+
+
+def test_a_rebuild_never_pulls_a_tree_from_under_a_live_sandbox(
+    rootfs_manager: SandboxManager, pip_tree: Path, registry_dir: Path
+) -> None:
+    env = get_environment("sandlot-test-pip", registry_dir)
+    with Sandbox.create(
+        manager=rootfs_manager, backend="bubblewrap", environment="sandlot-test-pip"
+    ) as sb:
+        assert pip_tree.name in trees_in_use()
+        before = sb.commands.run("cat /.sandlot-tree.json").stdout
+        rebuilt = build_tree(env, ROOTFS_DIR, DEBS, force=True, progress=lambda _: None)
+        assert rebuilt.path == pip_tree and rebuilt.build_id not in before
+        kept = list(ROOTFS_DIR.glob(OLD_PREFIX + pip_tree.name + "-*"))
+        assert len(kept) == 1, kept
+        # The sandbox still runs on its own (now replaced) tree, whole.
+        assert sb.commands.run("cat /.sandlot-tree.json < /dev/null").stdout == before
+        assert sb.run_code("import six; six.__version__").text == "'1.16.0'"
+    # Unused now: the next build removes it.
+    build_tree(env, ROOTFS_DIR, DEBS, force=True, progress=lambda _: None)
+    assert not kept[0].exists()
 
 
 def test_a_missing_tree_fails_the_create_and_names_the_command(

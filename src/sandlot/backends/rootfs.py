@@ -37,6 +37,7 @@ Progress = Callable[[str], None]
 
 MARKER = ".sandlot-tree.json"  # at the tree's root, written last: the tree is complete
 BUILDING_PREFIX = ".build-"
+OLD_PREFIX = ".old-"  # a replaced tree a live sandbox may still run on
 # Mount points bubblewrap binds files onto: on a read-only root they must already exist.
 ETC_MOUNT_POINTS = ("hosts", "nsswitch.conf", "passwd", "group", "resolv.conf", "gai.conf")
 _TREE_NAME = re.compile(r"^(?P<env>.+)-(?P<spec>[0-9a-f]{16})$")
@@ -74,7 +75,7 @@ def find_tree(env: Environment, rootfs_dir: Path) -> Path | None:
 def tree_status(env: Environment, rootfs_dir: Path) -> TreeStatus:
     path = tree_path(env, rootfs_dir)
     stale: list[Path] = []
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
         for other in sorted(rootfs_dir.iterdir()):
             match = _TREE_NAME.match(other.name)
             if other != path and match and match["env"] == env.name:
@@ -161,16 +162,17 @@ def build_tree(
         for leftover in rootfs_dir.glob(BUILDING_PREFIX + "*"):
             progress(f"removing {leftover.name}, left by a build that did not finish")
             shutil.rmtree(leftover, ignore_errors=True)
+        for old in rootfs_dir.glob(OLD_PREFIX + "*"):
+            _remove_unless_in_use(old, progress)
         started = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f"{BUILDING_PREFIX}{env.name}-", dir=rootfs_dir))
         try:
             _fill(env, tmp, rootfs_dir, debs_dir, progress)
-            _publish(tmp, tree_path(env, rootfs_dir))
+            _publish(tmp, tree_path(env, rootfs_dir), progress)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        for old in tree_status(env, rootfs_dir).stale:
-            progress(f"removing {old.name}, the tree of an older spec")
-            shutil.rmtree(old, ignore_errors=True)
+        for stale in tree_status(env, rootfs_dir).stale:
+            _remove_unless_in_use(stale, progress)
     status = tree_status(env, rootfs_dir)
     progress(f"built {status.path} ({status.size_mb} MB) in {time.monotonic() - started:.0f} s")
     return status
@@ -228,7 +230,7 @@ def _fill(env: Environment, tmp: Path, rootfs_dir: Path, debs: Path, progress: P
 
 
 def _same_base(env: Environment, rootfs_dir: Path) -> Path | None:
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
         for other in sorted(rootfs_dir.iterdir()):
             marker = read_marker(other) if _TREE_NAME.match(other.name) else None
             if marker is not None and marker.get("debootstrap") == env.debootstrap_spec():
@@ -236,15 +238,40 @@ def _same_base(env: Environment, rootfs_dir: Path) -> Path | None:
     return None
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def _publish(tmp: Path, final: Path, progress: Progress) -> None:
     """Rename the finished tree into place; a forced rebuild swaps the old one out first."""
     if final.exists():
-        old = final.with_name(f"{BUILDING_PREFIX}old-{final.name}")
+        old = final.with_name(f"{OLD_PREFIX}{final.name}-{secrets.token_hex(4)}")
         final.rename(old)
         tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_unless_in_use(old, progress)
     else:
         tmp.rename(final)
+
+
+def trees_in_use() -> set[str]:
+    """The names of store trees some live sandbox has bound as its root, from every
+    process's mountinfo (a bind's root field is the tree's path, renames included)."""
+    names: set[str] = set()
+    for mountinfo in Path("/proc").glob("[0-9]*/mountinfo"):
+        with contextlib.suppress(OSError):
+            for line in mountinfo.read_text().splitlines():
+                fields = line.split(" ", 5)
+                if len(fields) > 4:
+                    names.add(fields[3].rstrip("/").rpartition("/")[2])
+    return names
+
+
+def _remove_unless_in_use(tree: Path, progress: Progress) -> None:
+    """Remove a replaced tree, unless a live sandbox still runs on it: its files would go
+    from under that sandbox. A later build removes it once unused."""
+    if tree.name in trees_in_use():
+        if not tree.name.startswith(OLD_PREFIX):
+            tree = tree.rename(tree.with_name(f"{OLD_PREFIX}{tree.name}"))
+        progress(f"keeping {tree.name} while a live sandbox runs on it")
+        return
+    progress(f"removing {tree.name}, a replaced tree")
+    shutil.rmtree(tree, ignore_errors=True)
 
 
 def python_version(tree: Path) -> str:
