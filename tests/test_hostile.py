@@ -45,6 +45,8 @@ from sandlot import (
 )
 from sandlot._portal import get_portal
 from sandlot.backends.docker.backend import MASKED_PATHS, RUNSC_THREAD_EXHAUSTED
+from sandlot.backends.rootfs import find_tree
+from sandlot.environments import get_environment
 from tests import leaks
 from tests.conftest import placement as backend_placement
 
@@ -1293,15 +1295,26 @@ IMAGE_SETUID = sorted(
 )
 
 
-def _host_setuid_binaries() -> list[str]:
+def _host_setuid_binaries(root: str = "") -> list[str]:
+    """Setuid files under ``root``/usr, as the sandbox names them."""
     found = subprocess.run(
-        ["find", "/usr", "-xdev", "-type", "f", "-perm", "-4000"],
+        ["find", f"{root}/usr", "-xdev", "-type", "f", "-perm", "-4000"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    return sorted(found.stdout.split())
+    return sorted(path.removeprefix(root) for path in found.stdout.split())
+
+
+def _tree_of(manager: SandboxManager, sb: Sandbox) -> str:
+    """The tree a bubblewrap sandbox runs on in rootfs mode, as a host path; "" otherwise."""
+    if sb.info.backend != "bubblewrap":
+        return ""
+    settings = manager.settings
+    env = get_environment(sb.info.environment, settings.registry_dir)
+    tree = find_tree(env, settings.rootfs_dir)
+    return "" if tree is None else str(tree)
 
 
 def _exe(pid: int) -> str | None:
@@ -1315,7 +1328,8 @@ def test_setuid_binaries_do_not_grant_root(
     manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
 ) -> None:
     docker = jail.info.backend == "docker"
-    binaries = IMAGE_SETUID if docker else _host_setuid_binaries()
+    tree = _tree_of(manager, jail)  # rootfs mode: the tree's setuid files, not the host's
+    binaries = IMAGE_SETUID if docker else _host_setuid_binaries(tree)
     if not binaries:
         pytest.skip("this host has no setuid binaries under /usr")
     visible, started, inside = literal(jail.run_code(SETUID_PROBE.format(paths=binaries)))
@@ -1332,6 +1346,8 @@ def test_setuid_binaries_do_not_grant_root(
         execs = {_exe(p.pid) for p in running}
         if docker:  # the host reads a container process's exe path in the host's view
             execs = {e.rsplit("/merged", 1)[-1] for e in execs if e}
+        elif tree:  # ... and a tree's file as its path in the store
+            execs = {e.removeprefix(tree) for e in execs if e}
         assert execs & set(binaries), f"no setuid binary still running to inspect: {execs}"
     assert_contained(manager, jail)  # every process of the jail runs as its uid, never root
     # Under gVisor the host sees runsc's processes only, and one is root: the gofer, which
