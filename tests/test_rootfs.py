@@ -165,6 +165,63 @@ def test_a_failed_build_leaves_nothing_and_a_new_spec_replaces_the_old(
     assert not status.path.exists()
 
 
+def _make_wheel(directory: Path, version: str) -> None:
+    """A pure-Python wheel built here, by hand (a wheel is a zip with three metadata files)."""
+    import base64
+    import zipfile
+
+    name = f"sandlot_probe_pkg-{version}"
+    files = {
+        "sandlot_probe_pkg.py": f"VERSION = {version!r}\n",
+        f"{name}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: sandlot-probe-pkg\nVersion: {version}\n"
+        ),
+        f"{name}.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{name}.dist-info/RECORD,,")
+    files[f"{name}.dist-info/RECORD"] = "\n".join(record) + "\n"
+    with zipfile.ZipFile(directory / f"{name}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+def test_a_wheel_cache_alone_builds_the_tree(
+    rootfs_manager: SandboxManager, python3_tree: Path, data_root: Path
+) -> None:
+    """find_links + pip_no_index: a locally built wheel, no package index."""
+    wheels = data_root / "wheels"
+    wheels.mkdir(exist_ok=True)
+    _make_wheel(wheels, "0.3.1")
+    registry = data_root / "registry-wheel"
+    (registry / "environments").mkdir(parents=True, exist_ok=True)
+    (registry / "environments" / "wheel.yaml").write_text(
+        "name: sandlot-test-wheel\nimage: sandlot/sandlot-test-wheel:bookworm\n"
+        f"packages: [python3]\npip: [sandlot-probe-pkg==0.3.1]\nfind_links: [{wheels}]\n"
+        "pip_no_index: true\n"
+    )
+    env = get_environment("sandlot-test-wheel", registry)
+    status = build_tree(env, ROOTFS_DIR, DEBS, progress=lambda _: None)
+    assert status.present
+    module = status.path / "usr/local/lib/python3.11/dist-packages/sandlot_probe_pkg.py"
+    assert module.read_text() == "VERSION = '0.3.1'\n"
+    settings = rootfs_manager.settings.model_copy(update={"registry_dir": registry})
+    manager = SandboxManager(settings.model_copy(update={"data_dir": data_root / "wheel-mgr"}))
+    get_portal().call(manager.start())
+    try:
+        with Sandbox.create(
+            manager=manager, backend="bubblewrap", environment="sandlot-test-wheel"
+        ) as sb:
+            assert sb.run_code("import sandlot_probe_pkg as p; p.VERSION").text == "'0.3.1'"
+    finally:
+        get_portal().call(manager.close())
+
+
 # ---------------------------------------------------------------------- bubblewrap mode
 
 
