@@ -29,7 +29,7 @@ DOCKER_TARGETS := docker,docker+runsc
 run: venv-run
 	$(PY) examples/quickstart.py
 
-test: venv check pytest pytest-docker
+test: venv check image pytest pytest-docker
 
 # apt only runs when a package is missing; python3-venv only where this python3 lacks
 # ensurepip (Debian splits it out of python3, so `python3 -m venv` fails without it).
@@ -95,7 +95,9 @@ pytest: venv
 docker-setup:
 	sh scripts/docker-setup.sh
 
-# Build every environment's image offline (skipped when the image matches its YAML).
+# Build every environment's root file system tree offline (debootstrap, pip) into
+# SANDBOX_ROOTFS_DIR, and import each same tree into docker. Skipped when current (about a
+# second); first time here: python3 76 s, python-data 149 s (.debs cached), node ~60 s.
 image: venv docker-setup
 	$(VENV)/bin/sandlot image build
 

@@ -45,10 +45,23 @@ from sandlot import (
 )
 from sandlot._portal import get_portal
 from sandlot.backends.docker.backend import MASKED_PATHS, RUNSC_THREAD_EXHAUSTED
+from sandlot.backends.rootfs import find_tree
+from sandlot.environments import get_environment
 from tests import leaks
-from tests.conftest import placement
+from tests.conftest import placement as backend_placement
 
 pytestmark = pytest.mark.hostile
+
+# The environment every attacking and bystanding sandbox runs, e.g. python-data: with a built
+# tree (`sandlot image build`), bubblewrap binds it as / instead of the host's /usr (rootfs
+# mode). Unset: the default environment, in whichever mode its tree (or none) gives it.
+ENVIRONMENT = os.environ.get("TEST_HOSTILE_ENVIRONMENT")
+
+
+def placement(target: str) -> dict[str, str]:
+    extra = {"environment": ENVIRONMENT} if ENVIRONMENT else {}
+    return backend_placement(target) | extra
+
 
 MiB = 1 << 20
 PRECIOUS = "the bystander's data, which no attack may touch\n" * 64
@@ -124,6 +137,14 @@ def no_leaks(manager: SandboxManager, no_leaks_in_module: None) -> Iterator[None
     yield
     excess = leaks.wait_for_baseline(manager, baseline, orphans=leaks.no_orphans)
     assert not excess, f"left behind after the test's sandboxes were destroyed: {excess}"
+
+
+@pytest.fixture
+def jail(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
+    """conftest's jail, in ``TEST_HOSTILE_ENVIRONMENT`` when it is set."""
+    sb = Sandbox.create(manager=manager, **placement(isolated_backend), timeout_s=10)
+    yield sb
+    sb.kill()
 
 
 @pytest.fixture
@@ -780,9 +801,12 @@ def test_host_secrets_are_not_visible(jail: Sandbox, bystander: Sandbox, host: H
     host_shadow = Path("/etc/shadow").read_text().splitlines()[0]
     assert host_shadow not in shadow.stdout
     exists, devices = literal(jail.run_code(SECRETS_PROBE))
-    if jail.info.backend == "docker":
-        # A container has a root file system of its own (the image's /etc, /root, /var):
-        # they exist, but they are not the host's, and its own secrets stay unreadable.
+    # bubblewrap in rootfs mode has its environment's tree as / (backends/rootfs.py).
+    own_tree = jail.run_code("import os; os.path.exists('/.sandlot-tree.json')").text == "True"
+    if jail.info.backend == "docker" or own_tree:
+        # A container has a root file system of its own (the image's /etc, /root, /var), as
+        # a bubblewrap sandbox in rootfs mode has its tree: they exist, but they are not the
+        # host's, and its own secrets stay unreadable.
         image = jail.commands.run("cat /etc/shadow /proc/1/root/etc/shadow; ls -A /root")
         assert "root:" not in image.stdout and image.exit_code != 0, describe(image)
         # `ls` alone proves nothing under gVisor, where it fails on every path (README,
@@ -1271,15 +1295,26 @@ IMAGE_SETUID = sorted(
 )
 
 
-def _host_setuid_binaries() -> list[str]:
+def _host_setuid_binaries(root: str = "") -> list[str]:
+    """Setuid files under ``root``/usr, as the sandbox names them."""
     found = subprocess.run(
-        ["find", "/usr", "-xdev", "-type", "f", "-perm", "-4000"],
+        ["find", f"{root}/usr", "-xdev", "-type", "f", "-perm", "-4000"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    return sorted(found.stdout.split())
+    return sorted(path.removeprefix(root) for path in found.stdout.split())
+
+
+def _tree_of(manager: SandboxManager, sb: Sandbox) -> str:
+    """The tree a bubblewrap sandbox runs on in rootfs mode, as a host path; "" otherwise."""
+    if sb.info.backend != "bubblewrap":
+        return ""
+    settings = manager.settings
+    env = get_environment(sb.info.environment, settings.registry_dir)
+    tree = find_tree(env, settings.rootfs_dir)
+    return "" if tree is None else str(tree)
 
 
 def _exe(pid: int) -> str | None:
@@ -1293,7 +1328,8 @@ def test_setuid_binaries_do_not_grant_root(
     manager: SandboxManager, jail: Sandbox, bystander: Sandbox, host: Host
 ) -> None:
     docker = jail.info.backend == "docker"
-    binaries = IMAGE_SETUID if docker else _host_setuid_binaries()
+    tree = _tree_of(manager, jail)  # rootfs mode: the tree's setuid files, not the host's
+    binaries = IMAGE_SETUID if docker else _host_setuid_binaries(tree)
     if not binaries:
         pytest.skip("this host has no setuid binaries under /usr")
     visible, started, inside = literal(jail.run_code(SETUID_PROBE.format(paths=binaries)))
@@ -1310,6 +1346,8 @@ def test_setuid_binaries_do_not_grant_root(
         execs = {_exe(p.pid) for p in running}
         if docker:  # the host reads a container process's exe path in the host's view
             execs = {e.rsplit("/merged", 1)[-1] for e in execs if e}
+        elif tree:  # ... and a tree's file as its path in the store
+            execs = {e.removeprefix(tree) for e in execs if e}
         assert execs & set(binaries), f"no setuid binary still running to inspect: {execs}"
     assert_contained(manager, jail)  # every process of the jail runs as its uid, never root
     # Under gVisor the host sees runsc's processes only, and one is root: the gofer, which

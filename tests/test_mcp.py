@@ -7,7 +7,6 @@ import asyncio
 import base64
 import os
 import sqlite3
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -50,10 +49,14 @@ def images(result: CallToolResult) -> list[ImageContent]:
     return [block for block in result.content if isinstance(block, ImageContent)]
 
 
-def has_matplotlib() -> bool:
-    argv = ["/usr/bin/python3", "-c", "import matplotlib"]
-    probe = subprocess.run(argv, check=False, capture_output=True)
-    return probe.returncode == 0
+def has_data_tree() -> bool:
+    """python-data's tree is built (`make image`): matplotlib in a bubblewrap sandbox."""
+    from sandlot import Settings
+    from sandlot.backends.rootfs import find_tree
+    from sandlot.environments import get_environment
+
+    rootfs_dir = Settings(_env_file=None).rootfs_dir  # type: ignore[call-arg]
+    return find_tree(get_environment("python-data"), rootfs_dir) is not None
 
 
 def live_rows(data_dir: Path) -> list[tuple[str, str]]:
@@ -141,11 +144,10 @@ async def test_stdio_session_keeps_state_and_cleans_up(stdio_data_dir: Path) -> 
 
 async def test_stdio_plot_is_an_image(stdio_data_dir: Path) -> None:
     """With the SDK's high-level Client, which opens the 2026 (sessionless) era on stdio."""
-    if not has_matplotlib():
-        pytest.skip("matplotlib is missing for /usr/bin/python3")
-    params = StdioServerParameters(
-        command=sys.executable, args=["-m", "sandlot", "mcp"], env=server_env(stdio_data_dir)
-    )
+    if not has_data_tree():
+        pytest.skip("python-data is not built: make image")
+    env = server_env(stdio_data_dir) | {"SANDBOX_ENVIRONMENT": "python-data"}
+    params = StdioServerParameters(command=sys.executable, args=["-m", "sandlot", "mcp"], env=env)
     async with Client(params) as session:
         result = await session.call_tool(
             "run_code",

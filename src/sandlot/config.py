@@ -84,6 +84,16 @@ class Settings(BaseSettings):
         validation_alias=_renamed("SANDLOT_REGISTRY_DIR", "registry_dir"),
         description="A directory whose environments/*.yaml add to the shipped registry.",
     )
+    rootfs_dir: Path = Field(
+        # Not <data dir>/rootfs: that name is a pre-instance layout's bubblewrap state, which
+        # recovery removes from a data dir (core/instances.py LEGACY_STATE).
+        default=Path("/var/lib/sandlot/rootfs-store"),
+        validation_alias=_env("SANDBOX_ROOTFS_DIR", "rootfs_dir"),
+        description=(
+            "Built root file system trees, one per environment and spec (`sandlot image "
+            "build`): machine-wide and kept across runs, never inside a data dir's state."
+        ),
+    )
     allow_unsafe: bool = Field(
         default=False,
         validation_alias=_env("SANDBOX_ALLOW_UNSAFE", "allow_unsafe"),

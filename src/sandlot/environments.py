@@ -19,6 +19,8 @@ from sandlot.errors import ConfigError
 PACKAGED_REGISTRY = Path(__file__).with_name("registry")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+# The environment a bubblewrap sandbox can run without a built tree: the host's own /usr.
+HOST_ENVIRONMENT = "python3"
 
 
 class Environment(BaseModel):
@@ -35,10 +37,25 @@ class Environment(BaseModel):
     mirror: str = DEFAULT_MIRROR
     # The guest agent is Python, so every environment includes python3.
     packages: tuple[str, ...] = Field(min_length=1)
+    # Python requirements installed into the tree at build time (never at create time), as
+    # binary wheels for the tree's own python: from the package index, or only from
+    # ``find_links`` (directories or URLs of wheels) with ``pip_no_index``.
+    pip: tuple[str, ...] = ()
+    find_links: tuple[str, ...] = ()
+    pip_no_index: bool = False
+
+    def debootstrap_spec(self) -> str:
+        """What debootstrap alone makes: two environments that share it share a base tree."""
+        return f"{self.suite}|{self.variant}|{self.mirror}|{','.join(sorted(self.packages))}"
 
     def spec_hash(self) -> str:
-        """What the image is built from; a changed YAML means a rebuild."""
-        spec = f"{self.suite}|{self.variant}|{self.mirror}|{','.join(sorted(self.packages))}"
+        """What the tree and image are built from; a changed YAML means a rebuild."""
+        spec = self.debootstrap_spec()
+        if self.pip:
+            # Only when there is pip: environments without it keep the hash (and the images)
+            # they had before pip requirements existed.
+            spec += f"|pip={','.join(self.pip)}|links={','.join(self.find_links)}"
+            spec += f"|no-index={self.pip_no_index}"
         return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
 

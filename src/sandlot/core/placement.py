@@ -12,10 +12,8 @@ from sandlot.backends import KNOWN_BACKENDS, Backend
 from sandlot.config import Settings
 from sandlot.core.live import PoolKey
 from sandlot.core.pools import MAX_POOL_SIZE
-from sandlot.environments import get_environment
+from sandlot.environments import HOST_ENVIRONMENT, get_environment
 from sandlot.errors import ConfigError
-
-HOST_ENVIRONMENT = "python3"  # what a backend without images (bubblewrap) offers
 
 
 def resolve(
@@ -52,8 +50,9 @@ def resolve(
     env = get_environment(environment or settings.environment, settings.registry_dir)
     if not chosen.any_environment and env.name != HOST_ENVIRONMENT:
         raise ConfigError(
-            f"environment {env.name!r} needs its own image, which backend {backend!r} "
-            f"cannot use (it runs the host's {HOST_ENVIRONMENT}); use backend='docker'"
+            f"environment {env.name!r} needs its own root file system, which backend "
+            f"{backend!r} cannot use (it runs the host's {HOST_ENVIRONMENT}); use "
+            "backend='bubblewrap' or 'docker'"
         )
     return PoolKey(backend, runtime, env.name)
 

@@ -81,7 +81,9 @@ from sandlot.backends.procfs import (
     present,
     write_proc_files,
 )
+from sandlot.backends.rootfs import bubblewrap_mode, missing_tree_error
 from sandlot.config import Settings
+from sandlot.environments import get_environment
 from sandlot.errors import BackendUnavailable, SandboxStartError
 from sandlot.models import ResourceUsage
 
@@ -133,6 +135,7 @@ class _Box:
     disk_capped: bool
     guest: GuestProcess | None = None
     net: netns.SandboxNet | None = None
+    system: Path | None = None  # the environment's tree bound as /; None: the host's /usr
 
 
 def _traversable_by_others(path: Path) -> Path | None:
@@ -146,7 +149,7 @@ def _traversable_by_others(path: Path) -> Path | None:
 
 class BubblewrapBackend:
     name: ClassVar[str] = "bubblewrap"
-    any_environment: ClassVar[bool] = False
+    any_environment: ClassVar[bool] = True
     runtimes: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, settings: Settings) -> None:
@@ -272,7 +275,24 @@ class BubblewrapBackend:
         box.guest = await self._spawn(box, spec)
         return box.guest
 
+    def _system_root(self, environment: str) -> Path | None:
+        """The tree bound as the sandbox's ``/``, or None for the host's /usr (the default
+        environment while it has no tree: a fresh machine runs without building one).
+
+        Raises:
+            BackendUnavailable: the environment's tree is not built, or (rootless) not
+                readable by this user.
+        """
+        env = get_environment(environment, self.settings.registry_dir)
+        mode, tree = bubblewrap_mode(env, self.settings.rootfs_dir)
+        if mode == "missing":
+            raise missing_tree_error(env)
+        if tree is not None and self.rootless and not os.access(tree, os.R_OK | os.X_OK):
+            raise BackendUnavailable(f"the tree {tree} is not readable by this user")
+        return tree
+
     async def _provision(self, spec: GuestSpec) -> _Box:
+        system = self._system_root(spec.environment)
         uid: int
         lock_fd: int | None
         if self.rootless:
@@ -305,6 +325,7 @@ class BubblewrapBackend:
                 UidAllocator.release(lock_fd)
             raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
+        box.system = system
         self._boxes[spec.sandbox_id] = box
         try:
             await make_volume(
@@ -345,21 +366,23 @@ class BubblewrapBackend:
             # the pipes to the host and be dumpable, so sandboxed code could write to its
             # memory and forge results. The guest makes itself non-dumpable instead.
             "--as-pid-1",
-            "--ro-bind",
-            "/usr",
-            "/usr",
+            *self._system_binds(box),
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            *self._proc_masks(box),
+            "--bind",
+            str(box.workspace.parent / "tmp"),
+            "/tmp",
         ]
-        for link in map(Path, HOST_LINKS):
-            if link.is_symlink():
-                argv += ["--symlink", str(link.readlink()), str(link)]
-            elif link.is_dir():
-                argv += ["--ro-bind", str(link), str(link)]
-        argv += ["--proc", "/proc", "--dev", "/dev", *self._proc_masks(box)]
-        argv += ["--bind", str(box.workspace.parent / "tmp"), "/tmp"]
-        argv += ["--dir", "/etc"]
+        # The generated identity files over the tree's own (its mount points exist: rootfs.py).
+        argv += [] if box.system is not None else ["--dir", "/etc"]
         for name in ("passwd", "group", "hosts", "nsswitch.conf"):
             argv += ["--ro-bind", str(self._etc / name), f"/etc/{name}"]
-        for path in ETC_BINDS + (ETC_NETWORK_BINDS if spec.network else ()):
+        # A tree has its own /etc; the host's resolver files only for network=True.
+        etc_binds = () if box.system is not None else ETC_BINDS
+        for path in etc_binds + (ETC_NETWORK_BINDS if spec.network else ()):
             if Path(path).exists():
                 argv += ["--ro-bind", path, path]
         argv += [
@@ -382,6 +405,19 @@ class BubblewrapBackend:
             # Set inside the sandbox's user namespace: there RLIMIT_NPROC counts this sandbox.
             argv += rlimit_argv(spec.limits, degraded=self.degraded, nproc=self._nproc)
         return argv + guest_argv()
+
+    def _system_binds(self, box: _Box) -> list[str]:
+        """The sandbox's system: its environment's whole tree as ``/``, or the host's /usr
+        and the links into it (host mode, :meth:`_system_root`)."""
+        if box.system is not None:
+            return ["--ro-bind", str(box.system), "/"]
+        argv = ["--ro-bind", "/usr", "/usr"]
+        for link in map(Path, HOST_LINKS):
+            if link.is_symlink():
+                argv += ["--symlink", str(link.readlink()), str(link)]
+            elif link.is_dir():
+                argv += ["--ro-bind", str(link), str(link)]
+        return argv
 
     def _proc_masks(self, box: _Box) -> list[str]:
         """Binds over the host-wide entries of ``/proc`` (:mod:`sandlot.backends.procfs`)."""

@@ -23,7 +23,9 @@ from sandlot.backends.bubblewrap.userns import userns_hint
 from sandlot.backends.cgroups import CgroupDriver
 from sandlot.backends.delegation import find_delegated
 from sandlot.backends.disk import loop_disks_available
+from sandlot.backends.rootfs import bubblewrap_mode
 from sandlot.config import Settings
+from sandlot.environments import load_registry
 from sandlot.errors import SandboxError
 
 USERNS_PROBE_TIMEOUT_S = 20
@@ -114,7 +116,7 @@ def host_checks(settings: Settings) -> list[Check]:
     """Root mode: root, bwrap, user namespaces, seccomp, cgroups, the disk cap and setpriv;
     rootless: what holds and what is missing in that mode."""
     if os.geteuid() != 0:
-        return rootless_checks(settings)
+        return rootless_checks(settings) + environment_checks(settings)
     setpriv = shutil.which("setpriv")
     return [
         Check(
@@ -141,7 +143,37 @@ def host_checks(settings: Settings) -> list[Check]:
             setpriv or "missing",
             "drops from root to the sandbox's uid before bwrap starts",
         ),
+        *environment_checks(settings),
     ]
+
+
+ROOTFS_WHY = (
+    "the environment's own tree, bound read-only as /; without one only the default "
+    "environment runs, on the host's /usr"
+)
+
+
+def environment_checks(settings: Settings) -> list[Check]:
+    """Which system each environment's bubblewrap sandboxes get: its built tree, the host's
+    /usr (the default environment, no tree yet) or none (a create fails until it is built)."""
+    try:
+        registry = load_registry(settings.registry_dir)
+    except SandboxError as exc:
+        return [Check("environments", False, exc.message, ROOTFS_WHY, required=False)]
+    checks = []
+    for env in registry.values():
+        mode, tree = bubblewrap_mode(env, settings.rootfs_dir)
+        build = f"sandlot image build {env.name}"
+        if tree is not None and os.geteuid() != 0 and not os.access(tree, os.R_OK | os.X_OK):
+            ok, detail = False, f"{tree} is not readable by this user"
+        elif mode == "tree":
+            ok, detail = True, f"rootfs mode: {tree}"
+        elif mode == "host":
+            ok, detail = True, f"host mode: the host's /usr (no tree yet; `{build}`)"
+        else:
+            ok, detail = False, f"no tree for spec {env.spec_hash()}: `{build}` (as root)"
+        checks.append(Check(f"env {env.name}", ok, detail, ROOTFS_WHY, required=False))
+    return checks
 
 
 def rootless_checks(settings: Settings) -> list[Check]:

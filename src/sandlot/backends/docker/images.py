@@ -1,9 +1,10 @@
-"""Build an environment's Docker image offline: debootstrap from Debian's mirror, docker import.
+"""An environment's Docker image: its root file system tree (:mod:`sandlot.backends.rootfs`,
+debootstrapped offline from Debian's mirror), imported as it is.
 
 No image registry is reachable from the machines we target, so ``docker pull`` is not an
-option. An image is rebuilt only when its YAML changes (its spec hash is an image label);
-downloaded .debs are kept under ``<data_dir>/build/debs`` so a rebuild on the same machine
-does not download them again. The guest agent is not in the image: the backend bind-mounts
+option. The image carries the tree's spec hash and build id as labels: it is re-imported only
+when the tree changed, and bubblewrap and docker sandboxes of one environment run the same
+bits. The guest agent is not in the image: the backend bind-mounts
 it (see :mod:`sandlot.backends.launch`), so an image need not be rebuilt when the guest changes.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -26,7 +26,8 @@ from sandlot.backends.docker.dockerd import (
     LABEL_SPEC,
     connect,
 )
-from sandlot.backends.launch import GUEST_DIR_INSIDE, WORKSPACE_INSIDE
+from sandlot.backends.launch import WORKSPACE_INSIDE
+from sandlot.backends.rootfs import TreeStatus, build_tree
 from sandlot.environments import Environment
 from sandlot.errors import BackendUnavailable, ImageBuildError
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     import docker
 
 Progress = Callable[[str], None]
+LABEL_TREE = "sandlot.tree"  # the root file system build (backends/rootfs.py) it came from
 
 
 @dataclass(frozen=True)
@@ -42,16 +44,20 @@ class ImageStatus:
     image: str
     present: bool
     current: bool  # built from the YAML as it is now
+    tree_build: str | None = None  # the root file system build it was imported from
     size_mb: float | None = None
 
 
-def image_status(env: Environment, client: docker.DockerClient | None = None) -> ImageStatus:
-    """Whether ``env``'s image exists in the daemon, and whether it matches its YAML."""
+def image_status(
+    env: Environment, client: docker.DockerClient | None = None, tree_build: str | None = None
+) -> ImageStatus:
+    """Whether ``env``'s image exists in the daemon, and whether it matches its YAML (and,
+    given ``tree_build``, was imported from that build of its root file system tree)."""
     import docker  # optional dependency
 
     if client is None:
         with contextlib.closing(connect()) as own:
-            return image_status(env, own)
+            return image_status(env, own, tree_build)
     try:
         image = client.images.get(env.image)
     except docker.errors.ImageNotFound:
@@ -62,76 +68,58 @@ def image_status(env: Environment, client: docker.DockerClient | None = None) ->
         env.name,
         env.image,
         present=True,
-        current=labels.get(LABEL_SPEC) == env.spec_hash(),
+        current=labels.get(LABEL_SPEC) == env.spec_hash()
+        and (tree_build is None or labels.get(LABEL_TREE) == tree_build),
+        tree_build=labels.get(LABEL_TREE),
         size_mb=round(size / 1e6, 1) if isinstance(size, int) else None,
     )
 
 
-def _run(argv: list[str], progress: Progress) -> None:
-    progress("$ " + " ".join(argv))
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip()[-2000:]
-        raise ImageBuildError(f"{argv[0]} failed with exit code {done.returncode}: {tail}")
-
-
 def build_image(
-    env: Environment, data_dir: Path, *, force: bool = False, progress: Progress = print
+    env: Environment,
+    data_dir: Path,
+    rootfs_dir: Path,
+    *,
+    force: bool = False,
+    progress: Progress = print,
 ) -> ImageStatus:
-    """Build and tag ``env.image`` unless an image of the same spec is already there.
+    """Import ``env``'s root file system tree (built first if needed) as ``env.image``,
+    unless the image already holds that very build of the tree.
 
     Raises:
         BackendUnavailable: not root, debootstrap missing, or no Docker daemon.
         ImageBuildError: a step of the build failed (its output is in the message).
     """
+    tree = build_tree(env, rootfs_dir, data_dir / "build" / "debs", force=force, progress=progress)
     with contextlib.closing(connect()) as client:
-        return _build(env, data_dir, client, force=force, progress=progress)
+        return import_tree(env, tree, data_dir, client, progress=progress)
 
 
-def _build(
+def import_tree(
     env: Environment,
+    tree: TreeStatus,
     data_dir: Path,
     client: docker.DockerClient,
     *,
-    force: bool,
-    progress: Progress,
+    progress: Progress = print,
 ) -> ImageStatus:
-    status = image_status(env, client)
-    if status.current and not force:
-        progress(f"{env.image} is up to date (spec {env.spec_hash()}); --force rebuilds it")
+    status = image_status(env, client, tree.build_id)
+    if status.current:
+        progress(f"{env.image} holds tree build {tree.build_id}: up to date")
         return status
-    if os.geteuid() != 0:
-        raise BackendUnavailable("building an image runs debootstrap, which needs root")
-    if shutil.which("debootstrap") is None:
-        raise BackendUnavailable("debootstrap is missing: apt-get install -y debootstrap")
     build_dir = data_dir / "build"
-    debs = build_dir / "debs"
-    debs.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix=f"{env.name}-", dir=build_dir))
-    tarball = root.with_suffix(".tar")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f"{env.name}-", suffix=".tar", dir=build_dir)
+    os.close(fd)
+    tarball = Path(name)
     try:
-        _run(
-            [
-                "debootstrap",
-                f"--variant={env.variant}",
-                f"--include={','.join(env.packages)}",
-                f"--cache-dir={debs}",
-                env.suite,
-                str(root),
-                env.mirror,
-            ],
-            progress,
-        )
-        # Mount points the container needs on a read-only root, and no package caches.
-        for inside in (WORKSPACE_INSIDE, GUEST_DIR_INSIDE):
-            (root / inside.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            for item in (root / cache).glob("*"):
-                if item.is_file():
-                    item.unlink()
-        _run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(tarball), "."], progress)
+        argv = ["tar", "-C", str(tree.path), "--numeric-owner", "-cf", str(tarball), "."]
+        progress("$ " + " ".join(argv))
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise ImageBuildError(f"tar failed: {done.stderr.strip()[-2000:]}")
         repository, _, tag = env.image.rpartition(":")
-        progress(f"importing into Docker as {env.image}")
+        progress(f"importing {tree.path} into Docker as {env.image}")
         client.api.import_image_from_file(
             str(tarball),
             repository=repository or env.image,
@@ -140,6 +128,7 @@ def _build(
                 f"LABEL {LABEL}=1",
                 f"LABEL {LABEL_ENVIRONMENT}={env.name}",
                 f"LABEL {LABEL_SPEC}={env.spec_hash()}",
+                f"LABEL {LABEL_TREE}={tree.build_id}",
                 "ENV LANG=C.UTF-8 PATH=/usr/local/bin:/usr/bin:/bin",
                 f"WORKDIR {WORKSPACE_INSIDE}",
                 "USER 65534:65534",
@@ -147,13 +136,11 @@ def _build(
             ],
         )
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tarball.unlink()
-        shutil.rmtree(root, ignore_errors=True)
-    status = image_status(env, client)
+        tarball.unlink(missing_ok=True)
+    status = image_status(env, client, tree.build_id)
     if not status.current:
-        raise ImageBuildError(f"{env.image} was imported but does not carry the expected label")
-    progress(f"built {env.image} ({status.size_mb} MB)")
+        raise ImageBuildError(f"{env.image} was imported but does not carry the expected labels")
+    progress(f"imported {env.image} ({status.size_mb} MB)")
     return status
 
 
