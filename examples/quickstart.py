@@ -4,7 +4,7 @@ import base64
 import tempfile
 from pathlib import Path
 
-from sandlot import Sandbox
+from sandlot import Sandbox, SandboxError
 
 CHART = """
 import matplotlib.pyplot as plt
@@ -12,6 +12,28 @@ plt.plot([1, 2, 3, 4], [1, 4, 9, 16], marker="o")
 plt.title("drawn inside the sandbox")
 plt.show()
 """
+
+
+def save_chart(sb: Sandbox) -> None:
+    """Draw a chart with matplotlib in ``sb``, or else in a python-data sandbox: the default
+    environment runs the host's python3 until its tree is built (`make run` installs
+    python3-matplotlib for it), and its built tree holds CPython alone."""
+    r = sb.run_code(CHART, timeout_s=60)
+    if r.error and r.error.type == "ModuleNotFoundError":
+        try:
+            with Sandbox.create(environment="python-data", timeout_s=60) as data:
+                r = data.run_code(CHART, timeout_s=60)
+        except SandboxError as exc:
+            print(f"chart: skipped, no matplotlib here ({exc.message})")
+            return
+    pngs = [result.png for result in r.results if result.png]
+    if not pngs:
+        print("chart: none came back:", r.error.message if r.error else r.stderr)
+        return
+    chart = Path(tempfile.gettempdir()) / "sandlot-quickstart-chart.png"
+    chart.write_bytes(base64.b64decode(pngs[0]))
+    print("chart:", chart)
+
 
 with Sandbox.create(memory_mb=256, timeout_s=5) as sb:
     # A stateful Python interpreter: variables persist between calls, like notebook cells.
@@ -26,17 +48,8 @@ with Sandbox.create(memory_mb=256, timeout_s=5) as sb:
     sb.files.write("data/a.txt", "hello")
     print("file:", sb.files.read("data/a.txt"))
 
-    # A chart drawn in the sandbox comes back as a PNG result. On bubblewrap the sandbox's
-    # Python is the host's: matplotlib is python3-matplotlib (~60 MB with numpy and fonts),
-    # which `make run` leaves out and `make test` installs.
-    r = sb.run_code(CHART, timeout_s=60)
-    pngs = [result.png for result in r.results if result.png]
-    if pngs:
-        chart = Path(tempfile.gettempdir()) / "sandlot-quickstart-chart.png"
-        chart.write_bytes(base64.b64decode(pngs[0]))
-        print("chart:", chart)
-    else:
-        print("chart: skipped, the sandbox has no matplotlib (apt-get install python3-matplotlib)")
+    # A chart drawn in the sandbox comes back as a PNG result (see save_chart below).
+    save_chart(sb)
 
     # Failures are results, not exceptions: an infinite loop is stopped at the timeout...
     r = sb.run_code("while True: pass", timeout_s=1)

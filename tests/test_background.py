@@ -87,7 +87,7 @@ def test_input_for_a_command_that_never_reads_is_refused_once_it_ends(
             # More than its pipe and the queue hold: the guest's write blocks, the queue
             # fills, the last sends wait, then the command ends under them.
             for _ in range(chunks):
-                sleeper.send_stdin("x" * (64 << 10))
+                sleeper.send_stdin("x" * (16 << 10))  # items fill before the byte cap
         assert time.monotonic() - started < 30
         cat = sb.commands.run("cat", background=True)
         cat.close_stdin()

@@ -33,10 +33,6 @@ class Rich:
 """
 
 
-def _has(sandbox: Sandbox, module: str) -> bool:
-    return sandbox.run_code(f"import {module}").ok
-
-
 def test_display_and_repr_methods_give_every_format(sandbox: Sandbox) -> None:
     result = sandbox.run_code(RICH_CLASS + "display(Rich())\nRich()")
     assert result.ok, result
@@ -149,9 +145,17 @@ def test_forged_display_frames_cannot_pass_the_cap_or_break_the_result(capped: S
     assert sb.run_code("shown is not None").text == "True"
 
 
-def test_matplotlib_figures_come_back_as_png(sandbox: Sandbox) -> None:
-    if not _has(sandbox, "matplotlib"):
-        pytest.skip("no matplotlib for this backend's python (bubblewrap: apt python3-matplotlib)")
+@pytest.fixture
+def data_box(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
+    """A sandbox of the python-data environment (its tree or image comes from `make image`:
+    missing, the create fails and says how to build it)."""
+    sb = Sandbox.create(manager=manager, **placement(isolated_backend), environment="python-data")
+    yield sb
+    sb.kill()
+
+
+def test_matplotlib_figures_come_back_as_png(data_box: Sandbox) -> None:
+    sandbox = data_box
     code = (
         "import matplotlib.pyplot as plt\n"
         "plt.plot([1, 2, 3], [1, 4, 9])\n"
@@ -173,10 +177,8 @@ def test_matplotlib_figures_come_back_as_png(sandbox: Sandbox) -> None:
     assert sandbox.run_code("plt.plot([1]); None").results[0].png is not None
 
 
-def test_a_dataframe_is_html_and_text(sandbox: Sandbox) -> None:
-    if not _has(sandbox, "pandas"):
-        pytest.skip("no pandas for this backend's python (bubblewrap: apt python3-pandas)")
-    result = sandbox.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})")
+def test_a_dataframe_is_html_and_text(data_box: Sandbox) -> None:
+    result = data_box.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})")
     (table,) = result.results
     assert table.is_main_result
     assert table.html is not None and "<table" in table.html

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
 
 from sandlot.server.auth import AuthStore
 from tests.conftest import skip_reason, start_server, stop_server
@@ -275,6 +276,76 @@ def test_stdin_to_a_command_that_never_reads_is_bounded(server: Server) -> None:
     assert notices == ["stdin_backlog_full"]
     assert grown < 40, f"server grew by {grown:.0f} MiB"
     httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+
+
+@pytest.mark.parametrize("kind", ["background", "pty"])
+def test_input_to_a_background_job_that_never_reads_is_bounded(server: Server, kind: str) -> None:
+    """The same backlog as a foreground run's, for a background command's stdin and a
+    terminal's input over the WebSocket. Failed before: their queue capped items (64), not
+    bytes, so 64 messages of up to 4 MiB each waited in the server per command."""
+    import base64
+
+    from websockets.sync.client import connect
+
+    sandbox_id = _sandbox(server)
+    headers = {"Authorization": f"Bearer {server.key}"}
+    codes: list[str] = []
+    if kind == "pty":
+        start = {"type": "pty", "command": "sleep 60"}
+        # stty -icanon would not help: sleep never reads. ~750 KB raw per message.
+        message = {"type": "input", "data_b64": base64.b64encode(b"x" * 750_000).decode()}
+    else:
+        start = {"type": "command", "command": "sleep 60", "background": True}
+        message = {"type": "stdin", "data": "x" * 1_000_000}
+    with connect(_ws_url(server, sandbox_id), additional_headers=headers, max_size=None) as ws:
+        ws.send(json.dumps(start))
+        while json.loads(ws.recv(timeout=30))["type"] != "started":
+            pass
+        for _ in range(80):  # 60-80 MB offered; the backlog is 4 MiB
+            ws.send(json.dumps(message))
+        with contextlib.suppress(TimeoutError):
+            while len(codes) < 80:
+                event = json.loads(ws.recv(timeout=10))
+                if event["type"] == "notice":
+                    codes.append(event["code"])
+    # At most 4 MiB wait on the host (a terminal's guest takes some more into its own
+    # memory, which the sandbox's cgroup bounds): the rest is refused at once (before, 64
+    # messages queued and each later one waited 5 s for room). The server's RSS is no
+    # measure here: reading 80 big messages leaves glibc's heap grown whatever is kept.
+    assert set(codes) == {"stdin_backlog_full"} and len(codes) >= 60, len(codes)
+    httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+
+
+def test_a_revoked_key_stops_typing_into_its_terminal(server: Server) -> None:
+    """A terminal can outlive its key: input after the revocation closes the socket.
+    Failed before: the key was checked when the terminal opened, and never again."""
+    import base64
+
+    from websockets.sync.client import connect
+
+    sandbox_id = _sandbox(server)
+    headers = {"Authorization": f"Bearer {server.key}"}
+    with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+        ws.send(json.dumps({"type": "pty", "command": "cat"}))
+        while json.loads(ws.recv(timeout=30))["type"] != "started":
+            pass
+        store = AuthStore(server.log.parent / "sandlot.db")
+        try:
+            (key,) = [k for k in store.list_keys() if k["tenant"] == "acme"]
+            assert store.revoke_key(key["key_id"])
+        finally:
+            store.close()
+        time.sleep(1.2)  # past the recheck interval
+        typed = {"type": "input", "data_b64": base64.b64encode(b"after\n").decode()}
+        ws.send(json.dumps(typed))
+        events = []
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                events.append(json.loads(ws.recv(timeout=10)))
+    assert events and events[-1]["type"] == "error", events
+    assert events[-1]["error"]["code"] == "unauthenticated"
+    echoed = b"".join(base64.b64decode(e["data_b64"]) for e in events if e["type"] == "output")
+    assert b"after" not in echoed
 
 
 async def test_output_queued_for_a_slow_client_is_bounded_by_bytes_not_chunks() -> None:

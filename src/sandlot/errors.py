@@ -142,6 +142,13 @@ class McpSessionLimit(QuotaExceeded):
     code = "mcp_session_limit"
 
 
+class StdinBacklogFull(QuotaExceeded):
+    """A command has not read this much of the input sent to it; more is refused until it
+    does (the bytes waiting for a command are bounded)."""
+
+    code = "stdin_backlog_full"
+
+
 class CommandNotFound(SandboxNotFound):
     """No background command with that pid in the sandbox (never started, or forgotten)."""
 

@@ -32,20 +32,58 @@ from sandlot.errors import (
     GuestError,
     InvalidRequest,
     SandboxError,
+    StdinBacklogFull,
 )
 from sandlot.guest.ops import Op
 from sandlot.models import CommandInfo, DataCallback, ExecResult, OutputCallback, PtyOutput
 from sandlot.requests import MAX_TTL_S, OpenPty, PtySize, RunCommand
 
 STDIN_QUEUE_ITEMS = 64  # input not yet taken by the command: send_stdin waits past this
+# ...and refuses past this many bytes of it: items alone let a client park 64 x its largest
+# message (4 MiB on the WebSocket) per command that never reads. One largest input (1 Mi
+# characters, up to 4 bytes each in UTF-8) still fits.
+STDIN_BACKLOG_BYTES = 4 << 20
 KILL_WAIT_S = 5.0
 SCROLLBACK_BYTES = 256 << 10  # a terminal's output kept on the host, newest first
+
+
+class StdinQueue(asyncio.Queue[bytes | None]):
+    """Input for a running command, counting the bytes not yet taken by the command (the
+    foreground WebSocket run and background commands share it)."""
+
+    def __init__(self, max_bytes: int, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        self.max_bytes = max_bytes
+        self.queued_bytes = 0
+
+    def _put(self, item: bytes | None) -> None:
+        self.queued_bytes += len(item or b"")
+        super()._put(item)
+
+    def _get(self) -> bytes | None:
+        item: bytes | None = super()._get()
+        self.queued_bytes -= len(item or b"")
+        return item
+
+    def has_room(self, size: int) -> bool:
+        return self.queued_bytes + size <= self.max_bytes
+
+    def offer(self, data: bytes) -> bool:
+        """Queue ``data`` unless that would pass the backlog cap; say whether it was."""
+        if not self.has_room(len(data)):
+            return False
+        self.put_nowait(data)
+        return True
+
+
+def _stdin() -> StdinQueue:
+    return StdinQueue(STDIN_BACKLOG_BYTES, STDIN_QUEUE_ITEMS)
 
 
 @dataclass
 class _Job:
     info: CommandInfo
-    stdin: asyncio.Queue[bytes | None]
+    stdin: StdinQueue
     task: asyncio.Task[ExecResult] | None = None
     call: tuple[GuestConnection, int] | None = None
     stdin_closed: bool = False
@@ -115,7 +153,7 @@ class BackgroundCommands:
         if request.fresh:
             raise ConfigError("a background command cannot be fresh (it would kill the others)")
         info = CommandInfo(pid=0, command=request.command, started_at=time.time())
-        job = _Job(info, asyncio.Queue(STDIN_QUEUE_ITEMS), listeners=[(on_stdout, on_stderr)])
+        job = _Job(info, _stdin(), listeners=[(on_stdout, on_stderr)])
         op, payload = execution.command_payload(request, streams_stdin=True)
         # Every background command may spill its output: together they keep to the quarter
         # of the disk one call may fill.
@@ -130,7 +168,7 @@ class BackgroundCommands:
         :meth:`start`)."""
         command = request.command or "(interactive shell)"
         info = CommandInfo(pid=0, command=command, started_at=time.time(), pty=True)
-        job = _Job(info, asyncio.Queue(STDIN_QUEUE_ITEMS))
+        job = _Job(info, _stdin())
         if on_data is not None:
             job.data_listeners.append(on_data)
         payload: dict[str, Any] = {"cols": request.cols, "rows": request.rows}
@@ -313,12 +351,19 @@ class BackgroundCommands:
         Raises:
             InvalidRequest: the command has ended (before or while this waited), or its stdin
                 was closed.
+            StdinBacklogFull: the command has not read :data:`STDIN_BACKLOG_BYTES` of what
+                came before.
         """
         job = self._job(pid)
         if not job.info.running:
             raise InvalidRequest(f"background command {pid} has ended")
         if job.stdin_closed:
             raise InvalidRequest(f"the stdin of background command {pid} is closed")
+        if not job.stdin.has_room(len(data)):
+            raise StdinBacklogFull(
+                f"background command {pid} has not read {job.stdin.queued_bytes} bytes of "
+                f"its input; at most {job.stdin.max_bytes} wait for it"
+            )
         job.stdin_closed = eof  # input sent after this would never be read
         for item in ([data] if data else []) + ([None] if eof else []):
             await self._put_stdin(job, item)

@@ -153,6 +153,13 @@ class ServerState:
         self.limiter.check(principal.key_id)
         return principal
 
+    def recheck(self, headers: Any, query_key: str | None = None) -> None:
+        """Raise if the key is no longer valid (revoked): for the messages of a long stream,
+        which are not requests of their own and so are not rate-limited."""
+        if self.settings.auth_enabled:
+            assert self.auth is not None
+            self.auth.authenticate(_key_from(headers) or query_key)
+
     @asynccontextmanager
     async def audited(
         self,

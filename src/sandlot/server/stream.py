@@ -33,6 +33,7 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from sandlot.core.background import StdinQueue
 from sandlot.errors import ConfigError, SandboxError
 from sandlot.models import ExecResult, Result
 from sandlot.requests import RunCode, RunCommand
@@ -46,31 +47,6 @@ STREAM_QUEUE_MAX_BYTES = 8 << 20
 # What one queued chunk costs the server beyond its bytes (the message dict, the str object):
 # counted so that a flood of 1-byte chunks is bounded like one big chunk.
 CHUNK_OVERHEAD_BYTES = 256
-
-
-class StdinQueue(asyncio.Queue[bytes | None]):
-    """Input for a running command, counting the bytes not yet taken by the command."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__()
-        self.max_bytes = max_bytes
-        self.queued_bytes = 0
-
-    def _put(self, item: bytes | None) -> None:
-        self.queued_bytes += len(item or b"")
-        super()._put(item)
-
-    def _get(self) -> bytes | None:
-        item: bytes | None = super()._get()
-        self.queued_bytes -= len(item or b"")
-        return item
-
-    def offer(self, data: bytes) -> bool:
-        """Queue ``data`` unless that would pass the backlog cap; say whether it was."""
-        if self.queued_bytes + len(data) > self.max_bytes:
-            return False
-        self.put_nowait(data)
-        return True
 
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/stream")

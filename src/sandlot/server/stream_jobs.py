@@ -30,18 +30,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import time
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
-from sandlot.errors import ConfigError, InvalidRequest, SandboxError
+from sandlot.errors import AuthenticationError, ConfigError, InvalidRequest, SandboxError
 from sandlot.models import CommandInfo, DataCallback, OutputCallback
-from sandlot.requests import OpenPty, PtyInput, PtySize, RunCommand
+from sandlot.requests import CommandInput, OpenPty, PtyInput, PtySize, RunCommand
 from sandlot.server import stream
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState
 
 INPUT_WAIT_S = 5.0  # input for a program that does not read is refused after this
+KEY_RECHECK_S = 1.0  # how often a long stream's input checks that its key is still valid
 
 
 def is_job(message: dict[str, Any]) -> bool:
@@ -71,6 +73,7 @@ async def run_job(
 
     info = await _start(state, who, sandbox_id, message, (on_stdout, on_stderr), on_data, outbox)
     pid = info.pid
+    cut = False
     run = asyncio.create_task(manager.wait_command(sandbox_id, pid, owner=owner))
     sender = asyncio.create_task(stream._drain(websocket, outbox, budget))
     listener = asyncio.create_task(_listen(websocket, state, who, sandbox_id, info, outbox))
@@ -81,11 +84,16 @@ async def run_job(
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError, SandboxError):
                     await run
+                revoked = listener.exception()
+                if isinstance(revoked, AuthenticationError):
+                    raise revoked
                 raise WebSocketDisconnect(code=1001)  # detached: it runs on
             result = run.result()
         outbox.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
         outbox.put_nowait(stream._error_message(exc))
+        if isinstance(exc, AuthenticationError):
+            cut = True
     finally:
         if info.pty:
             manager.disconnect_pty(sandbox_id, pid, on_data)
@@ -94,6 +102,11 @@ async def run_job(
         outbox.put_nowait(None)
         with contextlib.suppress(Exception):
             await sender
+    if cut:
+        # The key was revoked during the stream: the job runs on, this socket does not.
+        with contextlib.suppress(RuntimeError):
+            await websocket.close(code=1008)
+        raise WebSocketDisconnect(code=1008)
 
 
 async def _start(
@@ -153,6 +166,7 @@ async def _listen(
 ) -> None:
     """The client's messages while it runs: input, resize; returns when it disconnects."""
     manager = state.manager
+    checked_at = time.monotonic()
     while True:
         try:
             message = await websocket.receive_json()
@@ -161,6 +175,11 @@ async def _listen(
         if not isinstance(message, dict):
             continue
         kind = message.get("type")
+        if time.monotonic() - checked_at >= KEY_RECHECK_S:
+            # A terminal can last a day: a key revoked meanwhile stops typing into it.
+            # Raises AuthenticationError: run_job says so and closes the socket.
+            state.recheck(websocket.headers, websocket.query_params.get("api_key"))
+            checked_at = time.monotonic()
         try:
             if kind == "resize" and info.pty:
                 size = PtySize.model_validate({k: message.get(k) for k in ("cols", "rows")})
@@ -191,7 +210,9 @@ async def _input(
         return
     if info.pty:
         raise InvalidRequest("a terminal takes input (data_b64), not stdin")
-    data = str(message.get("data", "")).encode("utf-8", "surrogatepass")
+    # The same checks as REST's stdin body (size, type).
+    chunk = CommandInput.model_validate({"data": message.get("data", "")})
+    data = chunk.data.encode("utf-8", "surrogatepass")
     eof = kind == "stdin_eof"
     await state.manager.send_command_stdin(
         sandbox_id, info.pid, data, eof=eof, owner=who.owner_filter
