@@ -152,18 +152,20 @@ def holder(data_dir: Path, instance_id: str) -> Holder:
 def live_elsewhere(store: Store, data_dir: Path) -> list[SandboxInfo]:
     """The live sandboxes of the other live instances of the data directory (their warm pools
     are never stored, so they are not among them)."""
-    return alive(store.live_elsewhere(), data_dir)
+    found = store.live_elsewhere()
+    return alive(found, gone_of(found, data_dir))
 
 
-def alive(found: Elsewhere, data_dir: Path) -> list[SandboxInfo]:
-    """Of other instances' live records, those whose process still runs (a dead one's are
-    ended by the next recovery)."""
-    return [
-        info
-        for instance, infos in found.items()
-        if instance and holder(data_dir, instance).alive
-        for info in infos
-    ]
+def gone_of(found: Elsewhere, data_dir: Path) -> set[str]:
+    """Of the instances with live records, those whose process is gone (the next recovery
+    ends their records). A lock probe each: done outside any transaction of the store."""
+    return {instance for instance in found if not instance or not holder(data_dir, instance).alive}
+
+
+def alive(found: Elsewhere, gone: set[str]) -> list[SandboxInfo]:
+    """Other instances' live records but the ``gone`` ones'; an instance not probed (new
+    since) counts as alive."""
+    return [info for instance, infos in found.items() if instance not in gone for info in infos]
 
 
 def not_here(store: Store, data_dir: Path, sandbox_id: str) -> SandboxNotRunning:

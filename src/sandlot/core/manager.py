@@ -204,10 +204,14 @@ class SandboxManager:
             self._instance.release(remove=swept)
         self._started = False
 
-    def _live_infos(self) -> builtins.list[SandboxInfo]:
+    def _live_infos(
+        self, elsewhere: builtins.list[SandboxInfo] | None = None
+    ) -> builtins.list[SandboxInfo]:
         # Other processes' live sandboxes count too: quotas and capacity are the data dir's.
         mine = [live.info for live in self._live.values()]
-        return mine + instances.live_elsewhere(self._store, self.settings.data_dir)
+        if elsewhere is None:
+            elsewhere = instances.live_elsewhere(self._store, self.settings.data_dir)
+        return mine + elsewhere
 
     @property
     def instance_dir(self) -> Path:
@@ -259,14 +263,15 @@ class SandboxManager:
         admission.check_metadata(spec.metadata, self.settings.max_metadata_bytes)
         fresh = False
         chosen: Live | None = None
+        # Probed before the store's write lock is taken: only a filter runs under it.
+        gone = instances.gone_of(self._store.live_elsewhere(), self.settings.data_dir)
 
         def decide(elsewhere: Elsewhere) -> SandboxInfo:
             # Run inside the store's write transaction (no await): the other processes'
             # live records and this one's sandboxes are counted, and the new record saved,
             # before any other process on the data directory can admit one.
             nonlocal fresh, chosen
-            infos = [live.info for live in self._live.values()]
-            infos += instances.alive(elsewhere, self.settings.data_dir)
+            infos = self._live_infos(instances.alive(elsewhere, gone))
             if quota is not None:
                 admission.check_quota(infos, owner, resolved, quota)
             taken = self._pools.take(key, resolved, network, spec.env) if self._pools else None
