@@ -11,7 +11,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # What a sandbox needs on the host: bwrap, setpriv and losetup (util-linux), mkfs.ext4.
-RUN_PACKAGES := bubblewrap util-linux mount e2fsprogs libseccomp2 procps python3
+# python3-matplotlib: the quickstart draws a chart in a sandbox, which on a fresh machine runs
+# the host's python3 (host mode: no environment tree is built yet).
+RUN_PACKAGES := bubblewrap util-linux mount e2fsprogs libseccomp2 procps python3 python3-matplotlib
 # llama-cpp-python (the [local] extra) builds llama.cpp from source; strace lets the hostile
 # suite try it inside a sandbox instead of skipping that case; matplotlib and pandas give the
 # rich-output tests a figure and a DataFrame inside a bubblewrap sandbox (it sees host /usr);
