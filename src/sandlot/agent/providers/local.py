@@ -99,6 +99,7 @@ class LocalProvider(Provider):
         self.timeout_s = timeout_s
         self.seed = seed
         self.instance = instance
+        self._draws = 0
         self.path = model_path or _resolve(model, models_dir)
 
     def _llm(self) -> tuple[Any, threading.Lock]:
@@ -109,13 +110,17 @@ class LocalProvider(Provider):
     ) -> Iterator[str]:
         """Decode in this (worker) thread, token by token, within the time budget."""
         llm, lock = self._llm()
+        self._draws += 1
         kwargs: dict[str, Any] = {
             "messages": [m.model_dump() for m in messages],
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
             "stop": list(params.stop) or None,
             "stream": True,
-            "seed": self.seed,
+            # Each call its own seed (reproducible in call order): with one seed, samples of
+            # the same prompt at the same temperature were the same text, and
+            # sample-and-select ran one candidate N times.
+            "seed": self.seed + self._draws - 1,
         }
         if params.json_mode:
             # llama.cpp constrains sampling with a grammar made from the schema: the reply
