@@ -25,7 +25,7 @@ HARNESS = """
 
 # --- sandlot: the task's visible checks, each run on its own
 def __sandlot_checks(cases, harness_line):
-    import json, signal, sys
+    import json, linecache, signal, sys
 
     def alarm(*_):
         raise TimeoutError("the check ran over {timeout_s} s")
@@ -54,9 +54,17 @@ def __sandlot_checks(cases, harness_line):
             if code.co_filename != __file__ or code.co_firstlineno >= harness_line:
                 return None
             if event in ("line", "return"):
-                names = {{k: short(v) for k, v in frame.f_locals.items() if not k.startswith("__")}}
-                where = "returns " + short(arg) if event == "return" else "line"
-                lines.append("%s %d %s: %s" % (code.co_name, frame.f_lineno, where, names))
+                # The line's own text: its number in this file need not match the code the
+                # critic is shown (a prompt's imports or signature may come first).
+                text = linecache.getline(__file__, frame.f_lineno).strip()
+                names = ", ".join(
+                    "%s=%s" % (k, short(v)) for k, v in frame.f_locals.items()
+                    if not k.startswith("__")
+                )
+                if event == "return":
+                    lines.append("%s returns %s (%s)" % (code.co_name, short(arg), names))
+                else:
+                    lines.append("%s: `%s` with %s" % (code.co_name, text, names or "no locals"))
                 del lines[: -{trace_lines}]
             return tracer
 
@@ -97,7 +105,8 @@ def __sandlot_checks(cases, harness_line):
             )
             steps = trace(call)
             if steps:
-                report += "\\n  last lines run, with their variables:\\n    "
+                report += "\\n  last lines run (each before it ran), with the variables then:"
+                report += "\\n    "
                 report += "\\n    ".join(steps)
     print("{mark}" + json.dumps(verdicts))
     if report is not None:
@@ -212,11 +221,12 @@ def tests_prompt(spec: TaskSpec, count: int) -> str:
 
 @dataclass
 class Agreement:
-    """Which generated checks survive and how each candidate scores on the survivors."""
+    """The candidate chosen, each candidate's score, and the written checks that survive."""
 
+    best: int = 0  # index of the chosen candidate
+    scores: list[tuple[int, int, int]] = field(default_factory=list)  # per candidate
     kept: list[int] = field(default_factory=list)  # indices into the checks
     dropped: list[int] = field(default_factory=list)
-    scores: list[tuple[int, int, int]] = field(default_factory=list)  # per candidate
 
 
 def dual_agreement(
@@ -228,22 +238,49 @@ def dual_agreement(
     """CodeT's dual agreement, with the prompt's examples trusted.
 
     ``passes[c][t]``: candidate c passed check t; ``weights[c]``: how many samples wrote
-    candidate c. A generated check that most samples fail is taken for the model's wrong
-    expectation and dropped (with at least two samples to judge by). Each candidate scores
-    (examples passed, kept checks passed, samples that returned the same values on every
-    check): the first two are what it passes, the third is consensus on behaviour.
+    candidate c (candidates come in sample order). Each candidate scores, in this order:
+    the examples it passes; CodeT's consensus, the samples that pass exactly the same
+    written tests times how many those are (so a test only wrong code passes earns little);
+    and the samples that returned the same values on every check (agreement on behaviour,
+    whatever the expectations). The best score wins, the earliest sample among equals.
+
+    A written test that most samples fail while most samples return one and the same value
+    for its input is taken for the model's wrong expectation, and dropped unless the chosen
+    candidate passes it: the samples agree on an answer the test does not. (Samples that all
+    fail in different ways say nothing against the test; with one sample nothing is
+    dropped.)
     """
-    samples = sum(weights)
+    generated = [t for t, c in enumerate(checks) if c.origin == "generated"]
+    signature = [tuple(row[t] for t in generated) for row in passes]
     result = Agreement()
+    for c, row in enumerate(passes):
+        examples = sum(1 for t, check in enumerate(checks) if check.origin == "example" and row[t])
+        consensus = sum(w for w, sig in zip(weights, signature, strict=True) if sig == signature[c])
+        written = sum(signature[c])
+        behaviour = behaviours[c]
+        same = sum(w for w, b in zip(weights, behaviours, strict=True) if b and b == behaviour)
+        result.scores.append((examples, consensus * written, same))
+    result.best = max(range(len(passes)), key=lambda c: (result.scores[c], -c)) if passes else 0
     for t, check in enumerate(checks):
-        failing = sum(w for w, row in zip(weights, passes, strict=True) if not row[t])
-        if check.origin == "generated" and samples >= 2 and failing * 2 > samples:
+        suspect = check.origin == "generated" and _contradicted(t, passes, weights, behaviours)
+        if suspect and not passes[result.best][t]:
             result.dropped.append(t)
         else:
             result.kept.append(t)
-    for row, behaviour in zip(passes, behaviours, strict=True):
-        examples = sum(1 for t in result.kept if checks[t].origin == "example" and row[t])
-        generated = sum(1 for t in result.kept if checks[t].origin == "generated" and row[t])
-        same = sum(w for w, b in zip(weights, behaviours, strict=True) if b and b == behaviour)
-        result.scores.append((examples, generated, same))
     return result
+
+
+def _contradicted(
+    t: int, passes: list[list[bool]], weights: list[int], behaviours: list[tuple[str, ...]]
+) -> bool:
+    samples = sum(weights)
+    if samples < 2:
+        return False
+    failing = sum(w for w, row in zip(weights, passes, strict=True) if not row[t])
+    votes: dict[str, int] = {}
+    for w, behaviour in zip(weights, behaviours, strict=True):
+        # A crash is no answer to agree on.
+        if len(behaviour) > t and not behaviour[t].startswith("raised "):
+            votes[behaviour[t]] = votes.get(behaviour[t], 0) + w
+    agreed = max(votes.values(), default=0)
+    return failing * 2 > samples and agreed * 2 > samples

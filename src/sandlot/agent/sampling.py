@@ -5,10 +5,12 @@ For a function task, one call writes tests from the prompt alone while ``samples
 write candidates (the first at the provider's temperature, the rest sampled). Each distinct
 candidate runs in a sandbox of its own, concurrently, against the prompt's examples plus the
 written tests, each check on its own (:mod:`sandlot.agent.checks`). Then CodeT's dual
-agreement: a written test that most samples fail is taken for the model's mistake and
-dropped; the candidate kept is the one passing most examples, then most kept tests, then the
-one whose returned values the most samples share. A task that is not a function has no
-tests to write: its candidates are only run, and the first that runs cleanly is kept.
+agreement: a written test that most samples fail while agreeing on another answer is taken
+for the model's mistake and dropped (unless the chosen candidate passes it); the candidate
+kept is the one passing most examples, then with the largest consensus (samples passing the
+same written tests, times their number), then whose returned values the most samples
+share. A task that is not a function has no tests to write: its candidates are only run,
+and the first that runs cleanly is kept.
 """
 
 from __future__ import annotations
@@ -139,30 +141,26 @@ class SampleSelect:
         passes = [_passes(e, checks) for e in executions]
         behaviours = [actual_values(e.stdout) if checks else () for e in executions]
         agreement = dual_agreement(checks, passes, [len(g) for g in groups], behaviours)
-        # Highest score wins, then a clean run (a task with no checks has only that); among
-        # equals, the earliest sample (the one at the provider's own temperature).
-        order = sorted(
-            range(len(groups)),
-            key=lambda g: (agreement.scores[g], executions[g].ok, -groups[g][0]),
-            reverse=True,
-        )
-        best = order[0]
-        kept = [checks[t] for t in agreement.kept]
+        best = agreement.best
+        if not checks:
+            # Nothing to check (a program, not a function): the first that runs cleanly.
+            best = next((g for g, e in enumerate(executions) if e.ok), 0)
         records = [
             CandidateRecord(
                 sample=group[0],
                 copies=len(group),
                 examples_passed=agreement.scores[g][0],
-                generated_passed=agreement.scores[g][1],
+                generated_passed=sum(
+                    passes[g][t] for t in agreement.kept if checks[t].origin == "generated"
+                ),
                 agreement=agreement.scores[g][2],
                 sandbox_s=executions[g].duration_s,
                 selected=g == best,
             )
             for g, group in enumerate(groups)
         ]
-        passed_all = all(passes[best][t] for t in agreement.kept) and (
-            bool(checks) or executions[best].ok
-        )
+        kept = [checks[t] for t in agreement.kept]
+        passed_all = all(passes[best][t] for t in agreement.kept) if checks else executions[best].ok
         return Selection(
             attempts=list(attempts),
             best=groups[best][0],
