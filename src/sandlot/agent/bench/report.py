@@ -22,7 +22,8 @@ def _per_solved(values: Sequence[float], solved: int) -> str:
 
 def _label(outcomes: Sequence[TaskOutcome]) -> str:
     strategy = outcomes[0].strategy if outcomes else "reflexion"
-    return "loop" if strategy == "reflexion" else strategy
+    # The single-shot columns are always there: a strategy's own need other names.
+    return {"reflexion": "loop", "single": "single run"}.get(strategy, strategy)
 
 
 def summary_rows(outcomes: Sequence[TaskOutcome]) -> list[dict[str, str]]:
@@ -75,12 +76,18 @@ def markdown_report(
 ) -> str:
     errors = sum(1 for o in outcomes if o.error)
     compared = [o.single_same_as_first for o in outcomes if o.single_same_as_first is not None]
+    first = (
+        " Single shot is scored on the strategy's first generation (its first sample, at "
+        "the run's temperature)."
+    )
     same = (
         f" Single shot ran on its own (--separate): its code equalled the loop's first "
         f"attempt in {sum(compared)} of {len(compared)} tasks."
         if compared
         else " Single shot is scored on the loop's first attempt (greedy decoding makes it the "
         "same generation; `--separate` runs it on its own and checks)."
+        if config.strategy == "reflexion"
+        else first
     )
     fixed = sum(1 for o in outcomes if o.loop_pass and not o.single_pass)
     broken = sum(1 for o in outcomes if o.single_pass and not o.loop_pass)
