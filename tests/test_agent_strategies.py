@@ -270,3 +270,28 @@ def test_benchmark_runs_a_strategy_on_a_task_file(tmp_path: Path, data_root: Pat
     report = markdown_report(outcomes, config, 1.0, "sandlot benchmark --strategy sample_select")
     assert "sample_select pass@1" in report and "sandbox s / candidate" in report
     assert "The sample_select fixed 1 task(s)" in report
+
+
+@pytest.mark.asyncio
+async def test_a_lost_sample_leaves_the_others(manager: SandboxManager) -> None:
+    from sandlot.errors import ProviderError
+
+    lost = [True]
+
+    def reply(messages: list[Message]) -> str:
+        if "Do not write the function" in messages[-1].content:
+            return TESTS
+        if lost:
+            lost.pop()
+            raise ProviderError("the model timed out")
+        return fenced(RIGHT)
+
+    provider = ScriptedProvider([reply, reply, reply])
+    spec = function_task(WORDS_ONLY, "add_one")
+    result = await runtime(manager, provider, agent_samples=2).execute(spec, mode="sample_select")
+    assert result.success and result.code == RIGHT
+    assert [(c.sample, c.copies) for c in result.candidates] == [(1, 1)]
+    # Every sample lost: the agent's failure, not the code's.
+    provider = ScriptedProvider([ProviderError("down"), ProviderError("down"), TESTS])
+    result = await runtime(manager, provider, agent_samples=2).execute(spec, mode="sample_select")
+    assert result.status == "error" and result.error == "down" and not result.success

@@ -41,6 +41,7 @@ from sandlot.agent.models import (
 )
 from sandlot.agent.prompts import GENERATOR_SYSTEM, generate_prompt
 from sandlot.agent.providers.base import Completion, Provider
+from sandlot.errors import ProviderError
 
 SAMPLE_TEMPERATURE = 0.8
 TESTS_MAX_TOKENS = 384  # a handful of one-line asserts
@@ -89,11 +90,16 @@ class SampleSelect:
         self.emit = on_event or _no_events
         self._runs = asyncio.Semaphore(parallel_runs or os.cpu_count() or 1)
 
-    async def _sample(self, spec: TaskSpec, recalled: str, index: int) -> Attempt:
+    async def _sample(self, spec: TaskSpec, recalled: str, index: int) -> Attempt | ProviderError:
         temperature = None if index == 0 else self.sample_temperature
-        completion = await self.provider.generate(
-            generate_prompt(spec, recalled), system=GENERATOR_SYSTEM, temperature=temperature
-        )
+        try:
+            completion = await self.provider.generate(
+                generate_prompt(spec, recalled), system=GENERATOR_SYSTEM, temperature=temperature
+            )
+        except ProviderError as exc:
+            # One sample lost (a timeout, a dropped link) leaves the others to choose from.
+            await self.emit(AgentEvent(event="error", attempt=index + 1, data={"error": str(exc)}))
+            return exc
         attempt = Attempt(number=index + 1, code=extract_code(completion.text))
         attempt.charge(completion)
         await self.emit(AgentEvent(event="code", attempt=index + 1, data={"code": attempt.code}))
@@ -102,11 +108,16 @@ class SampleSelect:
     async def _write_tests(self, spec: TaskSpec) -> tuple[list[Check], Completion | None]:
         if not spec.is_function or spec.entry_point is None or self.generated_tests == 0:
             return [], None
-        completion = await self.provider.generate(
-            tests_prompt(spec, self.generated_tests),
-            system=GENERATOR_SYSTEM,
-            max_tokens=TESTS_MAX_TOKENS,
-        )
+        try:
+            completion = await self.provider.generate(
+                tests_prompt(spec, self.generated_tests),
+                system=GENERATOR_SYSTEM,
+                max_tokens=TESTS_MAX_TOKENS,
+            )
+        except ProviderError as exc:
+            # No written tests: the examples and agreement still judge.
+            await self.emit(AgentEvent(event="error", data={"error": f"tests: {exc}"}))
+            return [], None
         known = {c.source for c in spec.checks}
         written = parse_generated(
             extract_code(completion.text), spec.entry_point, self.generated_tests
@@ -121,7 +132,10 @@ class SampleSelect:
 
     async def select(self, spec: TaskSpec, *, recalled: str = "") -> Selection:
         sampled = asyncio.gather(*(self._sample(spec, recalled, i) for i in range(self.samples)))
-        attempts, (written, tests_usage) = await asyncio.gather(sampled, self._write_tests(spec))
+        drawn, (written, tests_usage) = await asyncio.gather(sampled, self._write_tests(spec))
+        attempts = [a for a in drawn if isinstance(a, Attempt)]
+        if not attempts:
+            raise next(e for e in drawn if isinstance(e, ProviderError))
         checks = [*spec.checks, *written]
         judged = spec.model_copy(update={"checks": checks})
         # Identical code runs once; how many samples wrote it is its weight in the vote.
@@ -152,7 +166,7 @@ class SampleSelect:
             best = next((g for g, e in enumerate(executions) if e.ok), 0)
         records = [
             CandidateRecord(
-                sample=group[0],
+                sample=attempts[group[0]].number - 1,
                 copies=len(group),
                 examples_passed=agreement.scores[g][0],
                 generated_passed=sum(

@@ -128,8 +128,10 @@ class LocalProvider(Provider):
             kwargs["response_format"] = {"type": "json_object"}
             if params.json_schema is not None:
                 kwargs["response_format"]["schema"] = dict(params.json_schema)
-        deadline = time.monotonic() + self.timeout_s
         with lock:
+            # The budget starts with this call's own decoding: sample-and-select queues its
+            # samples on one context, and time spent waiting for the others is not this one's.
+            deadline = time.monotonic() + self.timeout_s
             # No reset: llama.cpp keeps the longest common prefix of the last prompt in its
             # KV cache, and the loop's prompts share theirs (system prompt, task, code).
             output_tokens = 0
