@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import zipfile
 from pathlib import Path
 
@@ -210,3 +211,18 @@ def test_sample_select_end_to_end_on_the_small_model(small_model: Path, data_roo
     assert len(result.attempts) >= 3 and result.sandbox_s >= sum(
         c.sandbox_s for c in result.candidates
     )
+
+
+def test_queued_calls_are_charged_their_own_decoding(provider: LocalProvider) -> None:
+    # Calls on one context take turns; each is charged its decoding, not its wait, so the
+    # model time of calls made at once adds up to no more than the wall time they took.
+    async def three() -> tuple[float, list[float]]:
+        started = time.monotonic()
+        done = await asyncio.gather(
+            *(provider.generate(f"Count to {n}.", max_tokens=12) for n in (3, 4, 5))
+        )
+        return time.monotonic() - started, [c.duration_s for c in done]
+
+    wall_s, durations = asyncio.run(three())
+    assert all(d > 0 for d in durations)
+    assert sum(durations) <= wall_s

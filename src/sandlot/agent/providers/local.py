@@ -131,7 +131,8 @@ class LocalProvider(Provider):
         with lock:
             # The budget starts with this call's own decoding: sample-and-select queues its
             # samples on one context, and time spent waiting for the others is not this one's.
-            deadline = time.monotonic() + self.timeout_s
+            started = time.monotonic()
+            deadline = started + self.timeout_s
             # No reset: llama.cpp keeps the longest common prefix of the last prompt in its
             # KV cache, and the loop's prompts share theirs (system prompt, task, code).
             output_tokens = 0
@@ -150,6 +151,8 @@ class LocalProvider(Provider):
                         "LLM_MAX_TOKENS)"
                     )
             stats["output_tokens"] = output_tokens
+            # Model time is decoding time: a call queued behind others is not charged theirs.
+            stats["duration_s"] = time.monotonic() - started
             # The context now holds the prompt and the reply: the rest is the prompt.
             stats["input_tokens"] = max(int(llm.n_tokens) - output_tokens, 0)
 
@@ -163,7 +166,7 @@ class LocalProvider(Provider):
             model=self.model,
             input_tokens=stats.get("input_tokens", 0),
             output_tokens=stats.get("output_tokens", 0),
-            duration_s=time.monotonic() - started,
+            duration_s=stats.get("duration_s", time.monotonic() - started),
             finish_reason=stats.get("finish_reason"),
         )
 
