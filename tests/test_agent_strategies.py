@@ -150,6 +150,11 @@ async def test_the_critic_reads_values_and_a_trace(manager: SandboxManager) -> N
     assert "last lines run (each before it ran), with the variables then" in critic
     assert "total: `acc += x` with xs=[1, 2, 3], acc=2, x=3" in critic
     assert "total returns 5" in critic
+    # The first attempt's cost is split: its generation (a single shot's cost) and its review.
+    first = result.attempts[0]
+    generation = sum(len(m.content.split()) for m in provider.calls[0]) + len(buggy.split()) + 2
+    assert first.generation_tokens == generation
+    assert first.critique_tokens == first.total_tokens - generation > 0
 
 
 @pytest.mark.asyncio

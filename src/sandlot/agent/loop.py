@@ -200,6 +200,8 @@ class ReflexionLoop:
             )
             text = f"{critique.diagnosis} Fix: {critique.fix}"
             attempt.charge(completion)
+            attempt.critique_tokens += completion.input_tokens + completion.output_tokens
+            attempt.critique_llm_s += completion.duration_s
         except ModelOutputError as exc:
             # The critic's reply did not parse: the error itself is the best review we have.
             errors.append(f"critic: {exc}")

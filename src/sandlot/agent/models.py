@@ -142,6 +142,19 @@ class Attempt(BaseModel, Usage):
     input_tokens: int = 0
     output_tokens: int = 0
     llm_s: float = 0.0
+    critique_tokens: int = Field(
+        default=0, description="Of the tokens, those of the critique of this attempt."
+    )
+    critique_llm_s: float = Field(default=0.0, description="Of llm_s, the critique's.")
+
+    @property
+    def generation_tokens(self) -> int:
+        """What writing the code cost: a single shot's cost, without the review."""
+        return self.total_tokens - self.critique_tokens
+
+    @property
+    def generation_llm_s(self) -> float:
+        return self.llm_s - self.critique_llm_s
 
 
 class CandidateRecord(BaseModel):

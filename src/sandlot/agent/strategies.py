@@ -143,6 +143,8 @@ async def _sample_select(
             # The critique of the seed was charged to the loop's copy of it.
             reviewed.critique = result.attempts[0].critique
             reviewed.add([result.attempts[0]])
+            reviewed.critique_tokens += result.attempts[0].critique_tokens
+            reviewed.critique_llm_s += result.attempts[0].critique_llm_s
         attempts = [*attempts]
         attempts[selection.best] = reviewed
         attempts += rewrites
