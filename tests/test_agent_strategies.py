@@ -272,8 +272,10 @@ def test_benchmark_runs_a_strategy_on_a_task_file(tmp_path: Path, data_root: Pat
     assert outcome.strategy == "sample_select" and outcome.candidates == 3
     assert not outcome.single_pass and outcome.loop_pass  # the first sample was wrong
     assert outcome.candidate_sandbox_s > 0 and outcome.loop_tokens > outcome.single_tokens
+    assert outcome.written_checks == 3 and outcome.dropped_checks == 0
     report = markdown_report(outcomes, config, 1.0, "sandlot benchmark --strategy sample_select")
     assert "sample_select pass@1" in report and "sandbox s / candidate" in report
+    assert "| 3 / 0 |" in report  # written tests kept / dropped
     assert "The sample_select fixed 1 task(s)" in report
 
 

@@ -56,7 +56,9 @@ def summary_rows(outcomes: Sequence[TaskOutcome]) -> list[dict[str, str]]:
             row["sandbox s / candidate"] = (
                 f"{statistics.mean(o.candidate_sandbox_s for o in runs):.3f}" if runs else "-"
             )
-            row["written tests dropped"] = str(sum(o.dropped_checks for o in group))
+            row["written tests kept / dropped"] = (
+                f"{sum(o.written_checks for o in group)} / {sum(o.dropped_checks for o in group)}"
+            )
         rows.append(row)
     return rows
 

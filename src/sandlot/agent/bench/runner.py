@@ -60,6 +60,7 @@ class TaskOutcome(BaseModel):
     candidates: int = 0  # distinct candidates sample-and-select ran, each in its own sandbox
     candidate_sandbox_s: float = 0.0  # their mean seconds of run in the sandbox
     dropped_checks: int = 0  # written tests the vote threw out
+    written_checks: int = 0  # written tests kept (the model's asserts that parsed, less those)
 
 
 class BenchConfig(BaseModel):
@@ -134,6 +135,7 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
         candidates=len(runs),
         candidate_sandbox_s=sum(c.sandbox_s for c in runs) / len(runs) if runs else 0.0,
         dropped_checks=len(result.dropped_checks),
+        written_checks=sum(1 for c in result.checks if c.origin == "generated"),
     )
 
 
