@@ -154,8 +154,10 @@ class SampleSelect:
         for group, execution in zip(groups, executions, strict=True):
             for i in group:
                 attempts[i].execution = execution
-            number = attempts[group[0]].number
-            await self.emit(AgentEvent(event="execute", attempt=number, data=execution.model_dump()))
+            event = AgentEvent(
+                event="execute", attempt=attempts[group[0]].number, data=execution.model_dump()
+            )
+            await self.emit(event)
         passes = [_passes(e, checks) for e in executions]
         behaviours = [actual_values(e.stdout) if checks else () for e in executions]
         agreement = dual_agreement(checks, passes, [len(g) for g in groups], behaviours)
