@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import zipfile
 from pathlib import Path
 
@@ -157,3 +158,71 @@ def test_fetch_refuses_a_file_with_another_hash(
     # Nothing half-made is left where the provider would look.
     assert not (tmp_path / "models" / "fake.gguf").exists()
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_samples_of_one_prompt_differ(provider: LocalProvider) -> None:
+    # Each call draws with its own seed: sample-and-select needs distinct candidates, and one
+    # fixed seed made every sample of a prompt at one temperature the same text.
+    async def two() -> list[str]:
+        return [
+            (await provider.generate("Write a line about the sea.", temperature=1.0)).text
+            for _ in range(2)
+        ]
+
+    first, second = asyncio.run(two())
+    assert first.strip() and first != second
+
+
+@pytest.mark.slow
+def test_sample_select_end_to_end_on_the_small_model(small_model: Path, data_root: Path) -> None:
+    """The whole strategy on the real model: samples, written tests, a sandbox per candidate,
+    selection, and the loop after it; the plumbing and its accounting, not the model's skill."""
+    from sandlot import SandboxManager
+    from sandlot.agent.bench.tasks import BUILTIN_TASKS
+    from sandlot.agent.runtime import AgentRuntime
+    from sandlot.sandbox import get_portal
+
+    from .conftest import make_settings, skip_reason
+
+    if skip_reason("bubblewrap"):
+        pytest.skip("needs bubblewrap")
+    model = LocalProvider(
+        SMALL, model_path=small_model, max_tokens=200, temperature=0.0, context_tokens=2048
+    )
+    manager = SandboxManager(make_settings(data_root / "local-e2e"))
+    settings = AgentSettings(agent_samples=3, agent_generated_tests=4, max_reflexion_attempts=2)
+    portal = get_portal()
+    portal.call(manager.start())
+    try:
+        agent = AgentRuntime(model, settings=settings, sandbox_options={"manager": manager})
+        spec = BUILTIN_TASKS[3].spec  # count_vowels
+        result = portal.call(agent.execute(spec, mode="sample_select+reflexion"))
+        assert portal.call(manager.list()) == []
+    finally:
+        portal.call(manager.close())
+    assert result.mode == "sample_select+reflexion" and result.status in ("solved", "failed")
+    assert result.error is None and result.code.strip()
+    assert sum(c.copies for c in result.candidates) == 3
+    assert [c.selected for c in result.candidates].count(True) == 1
+    assert all(c.sandbox_s > 0 for c in result.candidates)
+    # The prompt's example is always among the checks judged by.
+    assert "assert count_vowels('Hello World') == 3" in [c.source for c in result.checks]
+    assert result.input_tokens > 0 and result.output_tokens > 0 and result.llm_s > 0
+    assert len(result.attempts) >= 3 and result.sandbox_s >= sum(
+        c.sandbox_s for c in result.candidates
+    )
+
+
+def test_queued_calls_are_charged_their_own_decoding(provider: LocalProvider) -> None:
+    # Calls on one context take turns; each is charged its decoding, not its wait, so the
+    # model time of calls made at once adds up to no more than the wall time they took.
+    async def three() -> tuple[float, list[float]]:
+        started = time.monotonic()
+        done = await asyncio.gather(
+            *(provider.generate(f"Count to {n}.", max_tokens=12) for n in (3, 4, 5))
+        )
+        return time.monotonic() - started, [c.duration_s for c in done]
+
+    wall_s, durations = asyncio.run(three())
+    assert all(d > 0 for d in durations)
+    assert sum(durations) <= wall_s

@@ -234,3 +234,49 @@ def test_cli_run_json_and_failure_exit_code(
 
     done = run_cli(server, data_root / "cli-run-json", "print 6", "--mode", "nonsense")
     assert done.returncode == 2 and "--mode" in done.stderr
+
+
+def test_cli_benchmark_runs_a_strategy_on_a_task_file(
+    data_root: Path, model: tuple[WireServer, Script], tmp_path: Path
+) -> None:
+    server, script = model
+    right = "```python\ndef add_one(n):\n    return n + 1\n```"
+    # Two samples and the test writer ask at once: every reply is the same right code (the
+    # writer's then holds no assert, so only running decides).
+    script.load(right, right, right)
+    tasks = tmp_path / "mine.jsonl"
+    prompt = 'def add_one(n: int) -> int:\n    """Return n plus one."""\n'
+    test = "def check(candidate):\n    assert candidate(41) == 42\n"
+    tasks.write_text(json.dumps({"prompt": prompt, "entry_point": "add_one", "test": test}))
+    out = tmp_path / "results"
+    env = {
+        **os.environ,
+        **model_env(server),
+        "SANDLOT_DATA_DIR": str(data_root / "cli-bench"),
+        "LOG_LEVEL": "WARNING",
+        "COLUMNS": "200",
+    }
+    args = ["--tasks", str(tasks), "--strategy", "sample_select", "--samples", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "sandlot.cli", "benchmark", *args, "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = (out / "mine-sample_select.jsonl").read_text().splitlines()
+    [row] = [json.loads(line) for line in lines]
+    assert row["task_id"] == "mine/1" and row["strategy"] == "sample_select"
+    assert row["loop_pass"] and row["single_pass"] and row["candidates"] == 1  # one code, twice
+    assert "sample_select pass@1" in (out / "mine-sample_select.md").read_text()
+    bad = subprocess.run(
+        [sys.executable, "-m", "sandlot.cli", "benchmark", "--strategy", "best", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2 and "unknown strategy" in bad.stderr

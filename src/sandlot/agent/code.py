@@ -6,7 +6,8 @@ import ast
 import doctest
 import re
 
-from sandlot.agent.models import TaskSpec
+from sandlot.agent.checks import harness_program
+from sandlot.agent.models import Check, TaskSpec
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _OPEN_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*)$", re.DOTALL | re.IGNORECASE)
@@ -59,8 +60,11 @@ def candidate_program(spec: TaskSpec, code: str) -> str:
 
 
 def program_to_run(spec: TaskSpec, code: str) -> str:
-    """What the sandbox runs for an attempt: the candidate plus the visible tests."""
+    """What the sandbox runs for an attempt: the candidate plus the visible tests (the
+    checks' harness when the task has checks, else ``visible_tests``)."""
     program = candidate_program(spec, code)
+    if spec.checks and spec.is_function:
+        return harness_program(program, spec.checks)
     if spec.visible_tests:
         program += "\n\n" + spec.visible_tests
     return program + "\n"
@@ -141,6 +145,13 @@ def _clean_want(want: str) -> str:
     return {"true": "True", "false": "False", "none": "None"}.get(want, want)
 
 
+def example_checks(prompt: str, entry_point: str) -> list[Check]:
+    return [
+        Check(source=f"assert {call} == {want}", call=call, expected=want, origin="example")
+        for call, want in visible_examples(prompt, entry_point)
+    ]
+
+
 def visible_tests_from_examples(prompt: str, entry_point: str) -> str:
     pairs = visible_examples(prompt, entry_point)
     return EXAMPLES_RUNNER.format(pairs=pairs) if pairs else ""
@@ -155,4 +166,5 @@ def function_task(prompt: str, entry_point: str, *, task_id: str | None = None) 
         entry_point=entry_point,
         task_id=task_id,
         visible_tests=visible_tests_from_examples(prompt, entry_point),
+        checks=example_checks(prompt, entry_point),
     )

@@ -16,6 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sandlot.errors import ConfigError
 
+Strategy = Literal["single", "reflexion", "sample_select", "sample_select+reflexion"]
+STRATEGIES: tuple[str, ...] = ("single", "reflexion", "sample_select", "sample_select+reflexion")
 ProviderName = Literal["local", "groq", "openrouter", "anthropic", "google", "openai", "ollama"]
 
 
@@ -123,6 +125,36 @@ class AgentSettings(BaseSettings):
         le=20,
         validation_alias=_env("max_reflexion_attempts", "MAX_REFLEXION_ATTEMPTS"),
         description="Most code generations per task in the reflexion loop.",
+    )
+    agent_strategy: Strategy = Field(
+        default="reflexion",
+        validation_alias=_env("agent_strategy", "AGENT_STRATEGY"),
+        description="How the agent solves a task: single (one generation), reflexion (the "
+        "loop), sample_select (AGENT_SAMPLES candidates judged by running them against the "
+        "examples and tests the model writes), or sample_select+reflexion (the loop goes on "
+        "from the best candidate when it still fails).",
+    )
+    agent_samples: int = Field(
+        default=4,
+        ge=1,
+        le=32,
+        validation_alias=_env("agent_samples", "AGENT_SAMPLES"),
+        description="Candidates sample-and-select writes and runs, each in its own sandbox.",
+    )
+    agent_generated_tests: int = Field(
+        default=6,
+        ge=0,
+        le=20,
+        validation_alias=_env("agent_generated_tests", "AGENT_GENERATED_TESTS"),
+        description="Asserts the model writes from the prompt for sample-and-select to judge "
+        "by (0: only the prompt's own examples).",
+    )
+    agent_sample_temperature: float = Field(
+        default=0.8,
+        ge=0,
+        le=2,
+        validation_alias=_env("agent_sample_temperature", "AGENT_SAMPLE_TEMPERATURE"),
+        description="Temperature of every sample but the first (which uses LLM_TEMPERATURE).",
     )
     swarm_rounds: int = Field(
         default=2,

@@ -117,7 +117,11 @@ class ReflexionLoop:
         graph.add_node("critique", self._critique)
         graph.add_node("retry", self._retry)
         graph.add_node("finalize", self._finalize)
-        graph.add_edge(START, "generate")
+        graph.add_conditional_edges(
+            START,
+            self._first,
+            {"generate": "generate", "critique": "critique", "finalize": "finalize"},
+        )
         graph.add_conditional_edges(
             "generate", self._after_generate, {"execute": "execute", "finalize": "finalize"}
         )
@@ -196,6 +200,8 @@ class ReflexionLoop:
             )
             text = f"{critique.diagnosis} Fix: {critique.fix}"
             attempt.charge(completion)
+            attempt.critique_tokens += completion.input_tokens + completion.output_tokens
+            attempt.critique_llm_s += completion.duration_s
         except ModelOutputError as exc:
             # The critic's reply did not parse: the error itself is the best review we have.
             errors.append(f"critic: {exc}")
@@ -226,6 +232,16 @@ class ReflexionLoop:
 
     # ------------------------------------------------------------------ edges
 
+    def _first(self, state: LoopState) -> str:
+        # A run seeded with a failed attempt (sample-and-select's best) starts by reviewing it.
+        attempts = state.get("attempts", [])
+        if not attempts:
+            return "generate"
+        execution = attempts[-1].execution
+        if execution is not None and execution.ok:
+            return "finalize"
+        return "critique" if len(attempts) < state["max_attempts"] else "finalize"
+
     def _after_generate(self, state: LoopState) -> str:
         return "finalize" if state.get("status") == "error" else "execute"
 
@@ -243,18 +259,27 @@ class ReflexionLoop:
     # ------------------------------------------------------------------ run
 
     async def run(
-        self, spec: TaskSpec, *, recalled: str = "", mode: Mode | None = None
+        self,
+        spec: TaskSpec,
+        *,
+        recalled: str = "",
+        mode: Mode | None = None,
+        seed: Attempt | None = None,
     ) -> AgentResult:
+        """``seed``: an attempt already run and failed (counted as attempt 1), to review and
+        rewrite instead of generating from scratch."""
         started = time.monotonic()
+        attempts = [seed] if seed is not None else []
+        errors = [seed.execution.failure_summary(400)] if seed and seed.execution else []
         await self.emit(AgentEvent(event="start", data={"task": spec.task[:500]}))
         state: LoopState = await self.graph.ainvoke(
             {
                 "spec": spec,
                 "max_attempts": self.max_attempts,
                 "recalled": recalled,
-                "attempts": [],
+                "attempts": attempts,
                 "critiques": [],
-                "errors": [],
+                "errors": errors,
                 "status": "running",
                 "error": None,
             },

@@ -15,7 +15,21 @@ from pydantic import BaseModel, Field
 from sandlot.agent.usage import Usage
 
 Status = Literal["solved", "failed", "error"]
-Mode = Literal["single", "loop", "swarm"]
+Mode = Literal["single", "loop", "swarm", "sample_select", "sample_select+reflexion"]
+
+
+class Check(BaseModel):
+    """One visible test of a function task: an assert, split so the sandbox can report the
+    actual value beside the expected one when it fails.
+
+    ``call`` is evaluated for the actual value; ``expected`` is the source of the value it
+    must equal, or None when the assert is not an equality (then ``call`` must be truthy).
+    """
+
+    source: str
+    call: str
+    expected: str | None = None
+    origin: Literal["example", "generated"] = "example"
 
 
 class TaskSpec(BaseModel):
@@ -31,6 +45,11 @@ class TaskSpec(BaseModel):
     prompt: str | None = None
     entry_point: str | None = None
     visible_tests: str = ""
+    checks: list[Check] = Field(
+        default_factory=list,
+        description="Visible tests as asserts; when set they replace visible_tests: the "
+        "sandbox runs each on its own and reports actual values and a trace of a failure.",
+    )
     task_id: str | None = None
 
     @property
@@ -123,6 +142,31 @@ class Attempt(BaseModel, Usage):
     input_tokens: int = 0
     output_tokens: int = 0
     llm_s: float = 0.0
+    critique_tokens: int = Field(
+        default=0, description="Of the tokens, those of the critique of this attempt."
+    )
+    critique_llm_s: float = Field(default=0.0, description="Of llm_s, the critique's.")
+
+    @property
+    def generation_tokens(self) -> int:
+        """What writing the code cost: a single shot's cost, without the review."""
+        return self.total_tokens - self.critique_tokens
+
+    @property
+    def generation_llm_s(self) -> float:
+        return self.llm_s - self.critique_llm_s
+
+
+class CandidateRecord(BaseModel):
+    """One sampled candidate of sample-and-select, as its run in its own sandbox scored it."""
+
+    sample: int = Field(description="Index of the sample (0: the provider's own temperature).")
+    copies: int = Field(description="Samples that wrote the same code (run once).")
+    examples_passed: int
+    generated_passed: int = Field(description="Generated checks passed, of those kept.")
+    agreement: int = Field(description="Candidates that returned the same values on every check.")
+    sandbox_s: float = Field(description="Seconds its run took in the sandbox.")
+    selected: bool = False
 
 
 class AgentResult(BaseModel, Usage):
@@ -149,6 +193,16 @@ class AgentResult(BaseModel, Usage):
         "failure, never a failure of the generated code.",
     )
     swarm: SwarmOutcome | None = None
+    candidates: list[CandidateRecord] = Field(
+        default_factory=list, description="Sample-and-select's candidates, when it ran."
+    )
+    checks: list[Check] = Field(
+        default_factory=list, description="The visible checks the answer was judged by."
+    )
+    dropped_checks: list[str] = Field(
+        default_factory=list,
+        description="Generated checks that most candidates failed: taken for the test's fault.",
+    )
 
 
 class AgentEvent(BaseModel):

@@ -7,8 +7,10 @@
 
 It wires a provider (``LLM_PROVIDER``), a sandbox per task (through the SDK: embedded, or a
 server when ``api_url`` is given), the optional memory, and runs a task in one of three
-modes: ``single`` (one generation, run once), ``loop`` (reflexion, the default) or
-``swarm`` (five roles propose and vote, the winner is proven in the sandbox).
+modes: ``single`` (one generation, run once), ``loop`` (the configured
+``AGENT_STRATEGY``: reflexion by default), a strategy by name (``sample_select``,
+``sample_select+reflexion``) or ``swarm`` (five roles propose and vote, the winner is proven
+in the sandbox).
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from typing import Any
 
 import structlog
 
-from sandlot.agent.config import AgentSettings, get_agent_settings
+from sandlot.agent.config import AgentSettings, Strategy, get_agent_settings
 from sandlot.agent.executor import SandboxExecutor
-from sandlot.agent.loop import ReflexionLoop
 from sandlot.agent.models import AgentResult, EventSink, Mode, TaskSpec
 from sandlot.agent.providers import create_provider
 from sandlot.agent.providers.base import Provider
+from sandlot.agent.strategies import StrategyOptions, check_strategy, solve
 from sandlot.errors import ConfigError
 from sandlot.sandbox import AsyncSandbox
 
@@ -96,17 +98,33 @@ class AgentRuntime:
                 )
                 result = await swarm.run(spec, recalled=recalled)
             else:
-                attempts = 1 if mode == "single" else self.max_attempts
-                loop = ReflexionLoop(
+                strategy = self._strategy(mode)
+                result = await solve(
+                    strategy,
                     self.provider,
+                    spec,
                     executor,
-                    max_attempts=attempts,
-                    retry_temperature=self.settings.llm_retry_temperature,
+                    options=StrategyOptions(
+                        max_attempts=self.max_attempts,
+                        retry_temperature=self.settings.llm_retry_temperature,
+                        samples=self.settings.agent_samples,
+                        generated_tests=self.settings.agent_generated_tests,
+                        sample_temperature=self.settings.agent_sample_temperature,
+                    ),
+                    # A sandbox the caller holds is the only one: candidates take turns in it.
+                    sandbox_options=None if sandbox is not None else self.sandbox_options,
+                    recalled=recalled,
                     on_event=on_event,
                 )
-                result = await loop.run(spec, recalled=recalled, mode=mode)
         await self._remember(memory, result)
         return result
+
+    def _strategy(self, mode: Mode) -> Strategy:
+        """``loop`` is the configured strategy (AGENT_STRATEGY, reflexion by default);
+        ``single`` and the strategies' own names pick one."""
+        if mode == "loop":
+            return self.settings.agent_strategy
+        return check_strategy(mode)
 
     async def _recall(self, memory: Any | None, spec: TaskSpec) -> str:
         if memory is None:

@@ -64,9 +64,30 @@ def register(app: typer.Typer) -> None:
     app.add_typer(models_app, name="models")
 
 
+def _mode(mode: str) -> tuple[str, str | None]:
+    """The runtime's mode for ``--mode``, and the strategy it pins, if any."""
+    from sandlot.agent.strategies import STRATEGY_NAMES
+
+    modes = ("loop", "swarm", *STRATEGY_NAMES)
+    if mode not in modes:
+        console.print(f"[red]error[/]: --mode must be one of {', '.join(modes)}, not {mode!r}")
+        raise typer.Exit(2)
+    if mode == "reflexion":
+        # The configured strategy may be another one: this asks for the loop itself.
+        return "loop", "reflexion"
+    return mode, None
+
+
 def run(
     task: Annotated[str, typer.Argument(help="What the code should do, in words.")],
-    mode: Annotated[str, typer.Option("--mode", help="loop (reflexion) | single | swarm")] = "loop",
+    mode: Annotated[
+        str,
+        typer.Option(
+            "--mode",
+            help="loop (AGENT_STRATEGY, reflexion by default) | single | reflexion | "
+            "sample_select | sample_select+reflexion | swarm",
+        ),
+    ] = "loop",
     provider: ProviderOpt = None,
     model: ModelOpt = None,
     max_attempts: AttemptsOpt = None,
@@ -74,9 +95,7 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Have the agent write code for TASK, run it in a sandbox, and fix it until it works."""
-    if mode not in ("loop", "single", "swarm"):
-        console.print(f"[red]error[/]: --mode must be loop, single or swarm, not {mode!r}")
-        raise typer.Exit(2)
+    mode, strategy_override = _mode(mode)
     from sandlot.agent.models import AgentEvent
     from sandlot.agent.runtime import AgentRuntime
 
@@ -105,7 +124,7 @@ def run(
             console.print(f"[red]agent error[/]: {data.get('error')}")
 
     async def main() -> Any:
-        settings = _settings(provider, model)
+        settings = _settings(provider, model, agent_strategy=strategy_override)
         runtime = AgentRuntime(
             settings=settings,
             max_attempts=max_attempts,
@@ -137,7 +156,26 @@ def run(
 
 
 def benchmark(
-    tasks: Annotated[str, typer.Option("--tasks", help="humaneval | builtin")] = "builtin",
+    tasks: Annotated[
+        str,
+        typer.Option(
+            "--tasks",
+            help="humaneval | builtin | a .jsonl file of your own tasks (prompt, "
+            "entry_point, hidden test per line)",
+        ),
+    ] = "builtin",
+    strategy: Annotated[
+        str | None,
+        typer.Option(
+            "--strategy",
+            help="single | reflexion | sample_select | sample_select+reflexion "
+            "(default AGENT_STRATEGY)",
+        ),
+    ] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option("--samples", min=1, max=32, help="Candidates per task (AGENT_SAMPLES)."),
+    ] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N tasks.")] = None,
     provider: ProviderOpt = None,
     model: ModelOpt = None,
@@ -162,14 +200,17 @@ def benchmark(
     backend: BackendOpt = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Ignore earlier results.")] = False,
 ) -> None:
-    """Single shot vs the reflexion loop on a task set: pass@1, attempts, tokens, time."""
+    """Single shot vs a strategy on a task set: pass@1, attempts, tokens, model and sandbox
+    time per task."""
     from sandlot.agent.bench.report import markdown_report, write_charts
     from sandlot.agent.bench.runner import BenchConfig, TaskOutcome, run_benchmark
     from sandlot.agent.bench.tasks import load_tasks
     from sandlot.agent.providers import create_provider
+    from sandlot.agent.strategies import check_strategy
 
     with errors_exit_2():
-        settings = _settings(provider, model, llm_temperature=temperature)
+        settings = _settings(provider, model, llm_temperature=temperature, agent_samples=samples)
+        chosen = check_strategy(strategy or settings.agent_strategy)
         task_list = load_tasks(tasks, limit)
         local = settings.llm_provider == "local"
         # Local workers each get their own model context, so they decode in parallel.
@@ -187,10 +228,17 @@ def benchmark(
         separate_single=separate,
         concurrency=concurrency,
         sandbox_options={"backend": backend} if backend else {},
+        strategy=chosen,
+        samples=settings.agent_samples,
+        generated_tests=settings.agent_generated_tests,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = out_dir / f"{tasks}.jsonl"
-    config_path = out_dir / f"{tasks}.config.json"
+    # reflexion keeps the file names earlier runs wrote; other strategies get their own.
+    stem = Path(tasks).stem if tasks.endswith((".jsonl", ".json")) else tasks
+    if chosen != "reflexion":
+        stem = f"{stem}-{chosen.replace('+', '-')}"
+    results = out_dir / f"{stem}.jsonl"
+    config_path = out_dir / f"{stem}.config.json"
     if fresh:
         results.unlink(missing_ok=True)
     elif config_path.exists() and results.exists():
@@ -225,8 +273,8 @@ def benchmark(
         outcomes = asyncio.run(main())
     command = "sandlot benchmark " + shlex.join(sys.argv[2:])
     report = markdown_report(outcomes, config, time.monotonic() - started, command)
-    (out_dir / f"{tasks}.md").write_text(report)
-    charts = write_charts(outcomes, out_dir / f"{tasks}-charts", f"{tasks} ({config.model})")
+    (out_dir / f"{stem}.md").write_text(report)
+    charts = write_charts(outcomes, out_dir / f"{stem}-charts", f"{stem} ({config.model})")
     out.print(report, markup=False, highlight=False)
     console.print("charts: " + ", ".join(str(c) for c in charts))
 

@@ -20,8 +20,16 @@ def _per_solved(values: Sequence[float], solved: int) -> str:
     return f"{sum(values) / solved:,.0f}" if solved else "-"
 
 
+def _label(outcomes: Sequence[TaskOutcome]) -> str:
+    strategy = outcomes[0].strategy if outcomes else "reflexion"
+    # The single-shot columns are always there: a strategy's own need other names.
+    return {"reflexion": "loop", "single": "single run"}.get(strategy, strategy)
+
+
 def summary_rows(outcomes: Sequence[TaskOutcome]) -> list[dict[str, str]]:
     rows = []
+    label = _label(outcomes)
+    sampled = any(o.candidates for o in outcomes)
     groups = [("all", list(outcomes))] + [
         (d, [o for o in outcomes if o.difficulty == d]) for d in DIFFICULTIES
     ]
@@ -30,20 +38,28 @@ def summary_rows(outcomes: Sequence[TaskOutcome]) -> list[dict[str, str]]:
             continue
         single = sum(o.single_pass for o in group)
         loop = sum(o.loop_pass for o in group)
-        rows.append(
-            {
-                "tasks": f"{name} ({len(group)})",
-                "single pass@1": f"{_pct(single, len(group))} ({single})",
-                "loop pass@1": f"{_pct(loop, len(group))} ({loop})",
-                "mean attempts": f"{statistics.mean(o.attempts for o in group):.2f}",
-                "tokens / solved (single)": _per_solved([o.single_tokens for o in group], single),
-                "tokens / solved (loop)": _per_solved([o.loop_tokens for o in group], loop),
-                "sandbox s / solved (loop)": (
-                    f"{sum(o.loop_sandbox_s for o in group) / loop:.2f}" if loop else "-"
-                ),
-                "model s / task (loop)": f"{statistics.mean(o.loop_llm_s for o in group):.1f}",
-            }
-        )
+        row = {
+            "tasks": f"{name} ({len(group)})",
+            "single pass@1": f"{_pct(single, len(group))} ({single})",
+            f"{label} pass@1": f"{_pct(loop, len(group))} ({loop})",
+            "mean attempts": f"{statistics.mean(o.attempts for o in group):.2f}",
+            "tokens / solved (single)": _per_solved([o.single_tokens for o in group], single),
+            f"tokens / solved ({label})": _per_solved([o.loop_tokens for o in group], loop),
+            f"sandbox s / solved ({label})": (
+                f"{sum(o.loop_sandbox_s for o in group) / loop:.2f}" if loop else "-"
+            ),
+            f"model s / task ({label})": f"{statistics.mean(o.loop_llm_s for o in group):.1f}",
+        }
+        if sampled:
+            runs = [o for o in group if o.candidates]
+            row["candidates / task"] = f"{statistics.mean(o.candidates for o in group):.2f}"
+            row["sandbox s / candidate"] = (
+                f"{statistics.mean(o.candidate_sandbox_s for o in runs):.3f}" if runs else "-"
+            )
+            row["written tests kept / dropped"] = (
+                f"{sum(o.written_checks for o in group)} / {sum(o.dropped_checks for o in group)}"
+            )
+        rows.append(row)
     return rows
 
 
@@ -62,23 +78,36 @@ def markdown_report(
 ) -> str:
     errors = sum(1 for o in outcomes if o.error)
     compared = [o.single_same_as_first for o in outcomes if o.single_same_as_first is not None]
+    first = (
+        " Single shot is scored on the strategy's first generation (its first sample, at "
+        "the run's temperature)."
+    )
     same = (
         f" Single shot ran on its own (--separate): its code equalled the loop's first "
         f"attempt in {sum(compared)} of {len(compared)} tasks."
         if compared
         else " Single shot is scored on the loop's first attempt (greedy decoding makes it the "
         "same generation; `--separate` runs it on its own and checks)."
+        if config.strategy == "reflexion"
+        else first
     )
     fixed = sum(1 for o in outcomes if o.loop_pass and not o.single_pass)
     broken = sum(1 for o in outcomes if o.single_pass and not o.loop_pass)
+    label = _label(outcomes)
+    sampling = (
+        f"{config.samples} samples, {config.generated_tests} written tests, "
+        if config.strategy.startswith("sample_select")
+        else ""
+    )
     return (
-        f"Task set `{config.task_set}`, provider `{config.provider}` model `{config.model}`, "
+        f"Task set `{config.task_set}`, strategy `{config.strategy}`, provider "
+        f"`{config.provider}` model `{config.model}`, {sampling}"
         f"up to {config.max_attempts} attempts, temperature {config.temperature:g} "
         f"(retries {config.retry_temperature:g}), "
         f"{config.concurrency} worker(s); {len(outcomes)} tasks in {wall_s / 60:.1f} min "
         f"wall.\nCommand: `{command}`\n\n"
         + markdown_table(outcomes)
-        + f"\nThe loop fixed {fixed} task(s) the first attempt failed and lost {broken} that "
+        + f"\nThe {label} fixed {fixed} task(s) the first generation failed and lost {broken} that "
         f"it passed (visible tests passed, hidden tests failed after a rewrite). "
         f"{errors} task(s) ended on a provider error.{same}\n"
     )
@@ -114,6 +143,7 @@ def write_charts(outcomes: Sequence[TaskOutcome], out_dir: Path, title: str) -> 
         ylabel="pass@1 (%)",
         title=f"{title}: pass@1 by difficulty",
         path=out_dir / "benchmark_success_rate.png",
+        label=_label(outcomes),
         percent=True,
     )
     cost = _paired_bars(
@@ -124,6 +154,7 @@ def write_charts(outcomes: Sequence[TaskOutcome], out_dir: Path, title: str) -> 
         ylabel="tokens per solved task",
         title=f"{title}: cost of a solved task",
         path=out_dir / "benchmark_tokens.png",
+        label=_label(outcomes),
     )
     return [success, cost]
 
@@ -137,14 +168,16 @@ def _paired_bars(
     ylabel: str,
     title: str,
     path: Path,
+    label: str,
     percent: bool = False,
 ) -> Path:
-    """Single shot beside the loop, one pair of bars a group; percentages are labelled."""
+    """Single shot beside the strategy, one pair of bars a group; percentages are labelled."""
     xs = range(len(labels))
     width = 0.38
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar([x - width / 2 for x in xs], single, width, label="single shot", color="#8da0cb")
-    ax.bar([x + width / 2 for x in xs], loop, width, label="reflexion loop", color="#fc8d62")
+    legend = "reflexion loop" if label == "loop" else label
+    ax.bar([x + width / 2 for x in xs], loop, width, label=legend, color="#fc8d62")
     if percent:
         for x, s, lp in zip(xs, single, loop, strict=True):
             ax.text(x - width / 2, s + 1, f"{s:.0f}", ha="center", fontsize=8)

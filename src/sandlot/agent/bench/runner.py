@@ -1,7 +1,10 @@
-"""``sandlot benchmark``: a task set through the provider, single shot vs the loop.
+"""``sandlot benchmark``: a task set through the provider, single shot vs a strategy.
 
-For each task the reflexion loop runs (generate, run with the visible tests, critique,
-retry); then the scorer runs the task's hidden tests, in a fresh sandbox, on
+Strategies other than ``reflexion`` (``--strategy``) run through
+:func:`~sandlot.agent.strategies.solve`: their answer is scored as the ``loop_*`` fields and
+their first generation as single shot. For ``reflexion``, the loop runs for each task
+(generate, run with the visible tests, critique, retry); then the scorer runs the task's
+hidden tests, in a fresh sandbox, on
 
 - the **first** attempt's code: the single-shot answer, and
 - the **final** attempt's code: the loop's answer.
@@ -27,6 +30,7 @@ from sandlot.agent.executor import SandboxExecutor
 from sandlot.agent.loop import ReflexionLoop
 from sandlot.agent.models import AgentResult
 from sandlot.agent.providers.base import Provider
+from sandlot.agent.strategies import StrategyOptions, check_strategy, solve
 
 HIDDEN_TIMEOUT_S = 20.0
 
@@ -50,6 +54,13 @@ class TaskOutcome(BaseModel):
     # With --separate: whether the single-shot run wrote the same code as the loop's first
     # attempt (it must, under greedy decoding; this is how that claim is checked).
     single_same_as_first: bool | None = None
+    # The strategy whose answer the loop_* fields score (single_* are always its first
+    # generation: what a single shot writes).
+    strategy: str = "reflexion"
+    candidates: int = 0  # distinct candidates sample-and-select ran, each in its own sandbox
+    candidate_sandbox_s: float = 0.0  # their mean seconds of run in the sandbox
+    dropped_checks: int = 0  # written tests the vote threw out
+    written_checks: int = 0  # written tests kept (the model's asserts that parsed, less those)
 
 
 class BenchConfig(BaseModel):
@@ -62,6 +73,9 @@ class BenchConfig(BaseModel):
     separate_single: bool
     concurrency: int
     sandbox_options: dict[str, Any] = {}
+    strategy: str = "reflexion"
+    samples: int = 4
+    generated_tests: int = 6
 
 
 async def _hidden_passes(
@@ -78,7 +92,56 @@ async def _hidden_passes(
     return [verdicts[code.strip()] for code in codes]
 
 
+async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig) -> TaskOutcome:
+    """Any strategy through :func:`solve`; the first generation scores as single shot."""
+    started = time.monotonic()
+    options = config.sandbox_options
+    async with SandboxExecutor(**options) as executor:
+        result = await solve(
+            check_strategy(config.strategy),
+            provider,
+            task.spec,
+            executor,
+            options=StrategyOptions(
+                max_attempts=config.max_attempts,
+                retry_temperature=config.retry_temperature,
+                samples=config.samples,
+                generated_tests=config.generated_tests,
+            ),
+            sandbox_options=options,
+        )
+    one = result.attempts[0] if result.attempts else None
+    (single_pass, _), (loop_pass, hidden_failure) = await _hidden_passes(
+        task, [one.code if one else "", result.code], options
+    )
+    runs = result.candidates
+    return TaskOutcome(
+        task_id=task.task_id,
+        difficulty=task.difficulty,
+        single_pass=single_pass,
+        loop_pass=loop_pass,
+        attempts=len(result.attempts),
+        status=result.status,
+        single_tokens=one.generation_tokens if one else 0,
+        loop_tokens=result.total_tokens,
+        single_llm_s=one.generation_llm_s if one else 0.0,
+        loop_llm_s=result.llm_s,
+        single_sandbox_s=(one.execution.duration_s if one and one.execution else 0.0),
+        loop_sandbox_s=result.sandbox_s,
+        wall_s=time.monotonic() - started,
+        error=result.error,
+        hidden_failure="" if loop_pass else hidden_failure,
+        strategy=config.strategy,
+        candidates=len(runs),
+        candidate_sandbox_s=sum(c.sandbox_s for c in runs) / len(runs) if runs else 0.0,
+        dropped_checks=len(result.dropped_checks),
+        written_checks=sum(1 for c in result.checks if c.origin == "generated"),
+    )
+
+
 async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> TaskOutcome:
+    if config.strategy != "reflexion":
+        return await _run_strategy(task, provider, config)
     started = time.monotonic()
     options = config.sandbox_options
     async with SandboxExecutor(**options) as executor:
@@ -108,9 +171,9 @@ async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> 
         loop_pass=loop_pass,
         attempts=len(result.attempts),
         status=result.status,
-        single_tokens=one.total_tokens if one else 0,
+        single_tokens=one.generation_tokens if one else 0,
         loop_tokens=result.total_tokens,
-        single_llm_s=one.llm_s if one else 0.0,
+        single_llm_s=one.generation_llm_s if one else 0.0,
         loop_llm_s=result.llm_s,
         single_sandbox_s=(one.execution.duration_s if one and one.execution else 0.0),
         loop_sandbox_s=result.sandbox_s,

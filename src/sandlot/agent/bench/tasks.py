@@ -7,8 +7,11 @@ runs, in the sandbox, on the code the agent settled on, as the Reflexion paper d
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Literal, get_args
 
 from sandlot.agent.code import candidate_program, function_task
 from sandlot.agent.models import TaskSpec
@@ -215,10 +218,57 @@ BUILTIN_TASKS: tuple[BenchTask, ...] = (
 )
 
 
+def task_file(path: Path, limit: int | None = None) -> list[BenchTask]:
+    """Your own tasks: JSON Lines, one task a line, in HumanEval's shape.
+
+    ``prompt`` (the signature and docstring the model completes), ``entry_point`` (the
+    function's name) and ``test`` (hidden: Python that fails on a wrong answer; a
+    HumanEval-style ``def check(candidate)`` is called on the function) are required;
+    ``task_id`` (default ``<file stem>/<line>``) and ``difficulty`` (default medium) are not.
+    """
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the task file {path}: {exc.strerror}") from exc
+    tasks = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt, entry_point, test = row["prompt"], row["entry_point"], row["test"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"{path}:{number}: not a task (a JSON object with prompt, entry_point and "
+                f"test): {exc}"
+            ) from exc
+        if not all(isinstance(v, str) and v.strip() for v in (prompt, entry_point, test)):
+            raise ConfigError(f"{path}:{number}: prompt, entry_point and test must be text")
+        difficulty = row.get("difficulty", "medium")
+        if difficulty not in get_args(Difficulty):
+            raise ConfigError(f"{path}:{number}: difficulty must be easy, medium or hard")
+        hidden = test
+        if re.search(r"^def check\(", test, re.MULTILINE) and not re.search(
+            r"^check\(", test, re.MULTILINE
+        ):
+            hidden = f"{test}\n\ncheck({entry_point})"
+        task_id = str(row.get("task_id") or f"{path.stem}/{number}")
+        tasks.append(_function_task(task_id, prompt, entry_point, hidden, difficulty))
+    if not tasks:
+        raise ConfigError(f"the task file {path} holds no task")
+    return tasks[:limit] if limit else tasks
+
+
 def load_tasks(name: str, limit: int | None = None) -> list[BenchTask]:
+    """``humaneval``, ``builtin``, or the path of a task file (``*.jsonl``)."""
     if name == "humaneval":
         return humaneval_tasks(limit)
     if name == "builtin":
         tasks = list(BUILTIN_TASKS)
         return tasks[:limit] if limit else tasks
-    raise ConfigError(f"unknown task set {name!r}; choose humaneval or builtin (--tasks)")
+    if name.endswith((".jsonl", ".json")) or Path(name).is_file():
+        return task_file(Path(name), limit)
+    raise ConfigError(
+        f"unknown task set {name!r}; choose humaneval or builtin, or give a .jsonl task "
+        "file (--tasks)"
+    )

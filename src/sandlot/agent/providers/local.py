@@ -99,6 +99,7 @@ class LocalProvider(Provider):
         self.timeout_s = timeout_s
         self.seed = seed
         self.instance = instance
+        self._draws = 0
         self.path = model_path or _resolve(model, models_dir)
 
     def _llm(self) -> tuple[Any, threading.Lock]:
@@ -109,13 +110,17 @@ class LocalProvider(Provider):
     ) -> Iterator[str]:
         """Decode in this (worker) thread, token by token, within the time budget."""
         llm, lock = self._llm()
+        self._draws += 1
         kwargs: dict[str, Any] = {
             "messages": [m.model_dump() for m in messages],
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
             "stop": list(params.stop) or None,
             "stream": True,
-            "seed": self.seed,
+            # Each call its own seed (reproducible in call order): with one seed, samples of
+            # the same prompt at the same temperature were the same text, and
+            # sample-and-select ran one candidate N times.
+            "seed": self.seed + self._draws - 1,
         }
         if params.json_mode:
             # llama.cpp constrains sampling with a grammar made from the schema: the reply
@@ -123,8 +128,11 @@ class LocalProvider(Provider):
             kwargs["response_format"] = {"type": "json_object"}
             if params.json_schema is not None:
                 kwargs["response_format"]["schema"] = dict(params.json_schema)
-        deadline = time.monotonic() + self.timeout_s
         with lock:
+            # The budget starts with this call's own decoding: sample-and-select queues its
+            # samples on one context, and time spent waiting for the others is not this one's.
+            started = time.monotonic()
+            deadline = started + self.timeout_s
             # No reset: llama.cpp keeps the longest common prefix of the last prompt in its
             # KV cache, and the loop's prompts share theirs (system prompt, task, code).
             output_tokens = 0
@@ -143,6 +151,8 @@ class LocalProvider(Provider):
                         "LLM_MAX_TOKENS)"
                     )
             stats["output_tokens"] = output_tokens
+            # Model time is decoding time: a call queued behind others is not charged theirs.
+            stats["duration_s"] = time.monotonic() - started
             # The context now holds the prompt and the reply: the rest is the prompt.
             stats["input_tokens"] = max(int(llm.n_tokens) - output_tokens, 0)
 
@@ -156,7 +166,7 @@ class LocalProvider(Provider):
             model=self.model,
             input_tokens=stats.get("input_tokens", 0),
             output_tokens=stats.get("output_tokens", 0),
-            duration_s=time.monotonic() - started,
+            duration_s=stats.get("duration_s", time.monotonic() - started),
             finish_reason=stats.get("finish_reason"),
         )
 

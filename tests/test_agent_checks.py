@@ -1,0 +1,89 @@
+"""Unit tests of the pure parts of the checks: reading the model's tests, and the vote.
+(Their real counterparts, in sandboxes, are in test_agent_strategies.py.)"""
+
+from __future__ import annotations
+
+from sandlot.agent.checks import actual_values, dual_agreement, parse_generated, verdicts
+from sandlot.agent.code import example_checks
+from sandlot.agent.models import Check
+
+
+def gen(source: str) -> Check:
+    return Check(source=source, call=source, origin="generated")
+
+
+def test_parse_generated_keeps_asserts_on_the_function() -> None:
+    code = (
+        "import math\n"
+        "assert f(1) == 2\n"
+        "assert f(1) == 2\n"  # a repeat counts once
+        "assert g(3) == 4\n"  # another function: not a test of f
+        "assert not f(0)\n"
+        "def test():\n    assert f([1, 2]) == [2, 3]\n"
+    )
+    checks = parse_generated(code, "f", limit=10)
+    assert [c.source for c in checks] == [
+        "assert f(1) == 2",
+        "assert not f(0)",
+        "assert f([1, 2]) == [2, 3]",
+    ]
+    assert (checks[0].call, checks[0].expected) == ("f(1)", "2")
+    assert checks[1].expected is None and checks[1].call == "not f(0)"
+    assert len(parse_generated(code, "f", limit=1)) == 1
+
+
+def test_parse_generated_reads_a_broken_reply_line_by_line() -> None:
+    code = "assert f(1) == 2\nassert f(2) == (\nassert f(3) == 4\n"
+    assert [c.source for c in parse_generated(code, "f", 5)] == [
+        "assert f(1) == 2",
+        "assert f(3) == 4",
+    ]
+
+
+def test_example_checks_from_a_docstring() -> None:
+    prompt = 'def f(x):\n    """Double.\n    >>> f(2)\n    4\n    """\n'
+    [check] = example_checks(prompt, "f")
+    assert check.origin == "example" and (check.call, check.expected) == ("f(2)", "4")
+
+
+def test_a_test_the_majority_contradicts_is_dropped() -> None:
+    checks = [gen("t0"), gen("t1")]
+    # Three samples (two candidates) agree f(...) is 6 where t1 expects 7; one returns 7.
+    passes = [[True, False], [False, True]]
+    behaviours = [("2", "6"), ("3", "7")]
+    vote = dual_agreement(checks, passes, [3, 1], behaviours)
+    assert vote.best == 0 and vote.dropped == [1] and vote.kept == [0]
+    assert vote.scores == [(0, 3, 3), (0, 1, 1)]
+
+
+def test_a_test_everyone_fails_differently_is_kept() -> None:
+    checks = [gen("t0")]
+    passes = [[False], [False], [False]]
+    behaviours = [("1",), ("2",), ("raised ValueError: x",)]
+    vote = dual_agreement(checks, passes, [1, 1, 1], behaviours)
+    assert vote.dropped == [] and vote.kept == [0]
+
+
+def test_consensus_beats_a_popular_wrong_answer() -> None:
+    # Two samples of a wrong candidate pass nothing; the lone right one passes all three.
+    checks = [gen("a"), gen("b"), gen("c")]
+    passes = [[False, False, False], [True, True, True]]
+    behaviours = [("9", "9", "9"), ("1", "2", "3")]
+    vote = dual_agreement(checks, passes, [2, 1], behaviours)
+    assert vote.best == 1 and vote.dropped == []
+
+
+def test_examples_outrank_written_tests() -> None:
+    checks = [Check(source="e", call="e"), gen("a"), gen("b")]
+    passes = [[False, True, True], [True, False, False]]
+    vote = dual_agreement(checks, passes, [3, 1], [("x", "1", "2"), ("y", "0", "0")])
+    assert vote.best == 1
+
+
+def test_verdicts_need_the_harness_line() -> None:
+    line = '__SANDLOT_CHECKS__[{"ok": true, "actual": "1"}, {"ok": false, "actual": "2"}]'
+    assert verdicts("noise\n" + line + "\n", 2) == [True, False]
+    assert actual_values(line) == ("1", "2")
+    # A crash before the harness printed, or a count that does not match: all fail.
+    assert verdicts("Traceback ...", 2) == [False, False]
+    assert verdicts(line, 3) == [False, False, False]
