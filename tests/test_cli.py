@@ -62,8 +62,20 @@ def test_listings_json(cli_data_dir: Path) -> None:
     images = _json_of(["image", "ls"], cli_data_dir)
     assert isinstance(images, list) and "python3" in {i["environment"] for i in images}
     for image in images:
-        # Without dockerd the status is unknown and the error says why; the JSON still parses.
-        assert {"image", "packages", "present", "current", "size_mb", "error"} <= image.keys()
+        # Without dockerd the image's status is unknown and docker_error says why; the JSON
+        # still parses, with the bubblewrap tree's status beside it.
+        assert {
+            "packages",
+            "tree",
+            "bubblewrap",
+            "image",
+            "image_present",
+            "image_current",
+            "image_same_tree",
+            "image_size_mb",
+            "docker_error",
+        } <= image.keys()
+        assert image["bubblewrap"] in ("tree", "host", "missing")
     models = _json_of(["models", "ls"], cli_data_dir)
     assert isinstance(models, list) and models
     assert {"name", "model", "size_bytes", "license", "fetched", "path"} <= models[0].keys()
