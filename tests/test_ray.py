@@ -419,3 +419,14 @@ def test_an_artifact_through_the_cluster_leaves_no_copy_on_the_server(ray_node: 
         assert 'filename="out.txt"' in got.headers["content-disposition"]
     left = [p.name for p in settings.data_dir.rglob("*") if p.is_file()]
     assert all(name.startswith("sandlot.db") or name.endswith(".log") for name in left), left
+
+
+def test_the_cluster_wall_targets_every_node_and_the_extra_cidrs() -> None:
+    from sandlot.ray.wall import cluster_targets, parse_cidrs
+
+    extra = parse_cidrs(" 169.254.169.254, 10.0.0.0/8 ,")
+    assert extra == ["169.254.169.254/32", "10.0.0.0/8"]
+    targets = cluster_targets(["10.1.2.3", "10.1.2.4", "10.1.2.3", "fe80::1"], extra)
+    assert targets == ["10.0.0.0/8", "10.1.2.3/32", "10.1.2.4/32", "169.254.169.254/32"]
+    with pytest.raises(ConfigError, match="EXTRA_CIDRS"):
+        parse_cidrs("10.0.0.0/8, redis.local")

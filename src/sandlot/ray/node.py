@@ -17,8 +17,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import ray
 import structlog
 
+from sandlot.backends.bubblewrap import netns
 from sandlot.config import Settings
 from sandlot.core import SandboxManager, admission
 from sandlot.core.live import set_node_name
@@ -39,6 +41,8 @@ Envelope = tuple[Any, ...]
 _RELEASES_KEPT = 1024
 # How long a create may take (a boot; an image pull longer) before its caller gives up.
 CREATE_BOUND_S = 120.0
+# How often an agent re-reads the cluster's node addresses for its FORWARD wall.
+WALL_REFRESH_S = 5.0
 
 # The manager verbs a routing server may call by name (anything else is refused).
 VERBS = frozenset(
@@ -107,15 +111,15 @@ class NodeAgent:
         # or the time of the abandon (for a create still running).
         self._made: dict[str, tuple[str, float]] = {}
         self._abandoned: dict[str, float] = {}
+        self._walling: asyncio.Task[None] | None = None
 
     async def start(self, ledger: Any = None) -> Envelope:
         """Start the manager (recovering this node's leftovers); idempotent."""
         async with self._started:
             self._ledger = ledger
             try:
-                if self.settings.ray_wall_node:
-                    walled = await asyncio.to_thread(wall.wall_off_node)
-                    log.info("node walled off from its sandboxes", node=self.node, walled=walled)
+                if self.settings.ray_wall_node and self._walling is None:
+                    await self._wall_off()
                 await self.manager.start()
             except SandboxError as exc:
                 return ("err", exc.code, exc.message)
@@ -128,6 +132,32 @@ class NodeAgent:
                     # here, so none of them counts any more (a dead agent cannot say so).
                     await ledger.release_node.remote(self.node)
         return ("ok", None)
+
+    async def _wall_off(self) -> None:
+        extra_cidrs = wall.parse_cidrs(self.settings.ray_wall_extra_cidrs)
+        walled = await asyncio.to_thread(wall.wall_off_node)
+        log.info("node walled off from its sandboxes", node=self.node, walled=walled)
+        if not walled:
+            return
+        # The backend's FORWARD chain first, so that the cluster wall goes in ahead of it
+        # (the backend only ever adds its jump when it is missing).
+        await netns.ensure_routing()
+        await self._wall_cluster(extra_cidrs)
+        self._walling = asyncio.create_task(self._wall_forever(extra_cidrs))
+
+    async def _wall_cluster(self, extra_cidrs: list[str]) -> None:
+        nodes: list[dict[str, Any]] = await asyncio.to_thread(ray.nodes)
+        targets = wall.cluster_targets((n["NodeManagerAddress"] for n in nodes), extra_cidrs)
+        await asyncio.to_thread(wall.wall_off_cluster, targets)
+
+    async def _wall_forever(self, extra_cidrs: list[str]) -> None:
+        # New nodes join with new addresses; a node's own wall needs no refresh.
+        while True:
+            await asyncio.sleep(WALL_REFRESH_S)
+            try:
+                await self._wall_cluster(extra_cidrs)
+            except Exception:
+                log.exception("refreshing the cluster wall failed", node=self.node)
 
     def _on_event(self, event: str, fields: dict[str, Any]) -> None:
         # The one place a destroyed sandbox (by a call, TTL or idle) stops counting.
@@ -259,4 +289,6 @@ class NodeAgent:
 
     async def shutdown(self) -> None:
         """Destroy this node's sandboxes and release its data directory instance."""
+        if self._walling is not None:
+            self._walling.cancel()
         await self.manager.close()
