@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -29,20 +28,18 @@ from sandlot.config import Settings, get_settings
 from sandlot.core.live import node_of
 from sandlot.errors import (
     ConfigError,
-    NodeTimeout,
-    SandboxError,
     SandboxLost,
     SandboxNotFound,
-    SandboxStartError,
 )
-from sandlot.models import Quota, ResourceUsage, SandboxInfo, SandboxLimits
+from sandlot.models import ResourceUsage, SandboxInfo
 from sandlot.ray import agents
 from sandlot.ray.calls import GONE, SHORT_CALL, NodeSilent, awaited, settle, unwrap
-from sandlot.ray.node import CREATE_BOUND_S, NODE_RESOURCE
-from sandlot.ray.routing import NodeLoad, choose
+from sandlot.ray.node import NODE_RESOURCE
+from sandlot.ray.placing import CreateVerbs
+from sandlot.ray.routing import NodeLoad
 from sandlot.ray.runs import RunVerbs
 from sandlot.ray.verbs import ForwardedVerbs
-from sandlot.requests import SandboxSpec, SetTimeout
+from sandlot.requests import SetTimeout
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +50,7 @@ REFRESH_S = 1.0
 Listener = Callable[[str, dict[str, Any]], None]
 
 
-class ClusterManager(RunVerbs, ForwardedVerbs):
+class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs):
     """SandboxManager's verbs over a Ray cluster's node agents."""
 
     def __init__(
@@ -240,78 +237,6 @@ class ClusterManager(RunVerbs, ForwardedVerbs):
         except (*GONE, NodeSilent) as exc:
             raise await self._lost(node, sandbox_id, kwargs.get("owner"), exc, agent) from exc
         return unwrap(envelope)
-
-    # ------------------------------------------------------------------ creating
-
-    async def create(
-        self, spec: SandboxSpec | None = None, *, owner: str = "local", quota: Quota | None = None
-    ) -> SandboxInfo:
-        """Place a sandbox on a node (warm first, else power of two choices) and start it.
-
-        Raises:
-            QuotaExceeded: the owner's sandboxes over the whole cluster are at ``quota``.
-            CapacityExhausted: no node has room.
-            SandboxStartError: the chosen node went away or hung during the create.
-            NodeTimeout: the chosen node, alive, did not finish within CREATE_BOUND_S.
-            and whatever the node's :meth:`SandboxManager.create` raises.
-        """
-        spec = spec or SandboxSpec()
-        limits = self.settings.resolve_limits(spec.limits())
-        ticket = "ticket-" + secrets.token_hex(8)
-        if quota is not None:
-            unwrap(await self._ledger.reserve.remote(ticket, owner, limits, quota))
-        info = await self._place(spec, owner, limits.memory_mb, ticket, quota is not None)
-        self._remember_timeout(info)
-        self._emit("created", info=info)
-        return info
-
-    async def _place(
-        self, spec: SandboxSpec, owner: str, memory_mb: float, ticket: str, counted: bool
-    ) -> SandboxInfo:
-        """Create on the chosen node; the agent binds ``ticket`` to the sandbox before it
-        answers, so the sandbox counts whatever becomes of this caller."""
-        default_shape = not (spec.backend or spec.runtime or spec.environment or spec.env)
-        default_shape = default_shape and spec.limits() == SandboxLimits() and spec.network is None
-        warm_key = f"{self.settings.backend}/{self.settings.environment}"
-        try:
-            load = choose(
-                list(self._loads.values()), memory_mb, warm_key if default_shape else None
-            )
-        except SandboxError:
-            self._ledger.release.remote(ticket)
-            raise
-        agent = self._agents[load.node]
-        # Counted at once, so that creates before the next refresh spread too.
-        self._loads[load.node] = NodeLoad(
-            load.node,
-            load.live + 1,
-            load.max_sandboxes,
-            load.memory_free_mb - memory_mb,
-            {k: max(0, n - 1) for k, n in load.warm.items()},
-        )
-        ref = agent.create.remote(spec, owner, ticket, counted)
-        call_s = self.settings.ray_call_timeout_s
-        try:
-            envelope = await settle(awaited(ref), agent, bound_s=CREATE_BOUND_S, every_s=call_s)
-        except GONE as exc:
-            # The node went with the create: nothing of it counts, or runs, past its sweep.
-            self._ledger.release.remote(ticket)
-            self._agents.pop(load.node, None)
-            self._loads.pop(load.node, None)
-            self._gone_agents.add(load.node)
-            raise SandboxStartError(f"node {load.node} went away during the create") from exc
-        except (NodeSilent, NodeTimeout, asyncio.CancelledError) as exc:
-            # The agent may still make it: it destroys what it made for this ticket (and so
-            # releases it) once it sees this. Only this create failed, not the node.
-            agent.abandon.remote(ticket)
-            if isinstance(exc, NodeSilent):
-                self._loads.pop(load.node, None)
-                raise SandboxStartError(f"node {load.node} stopped answering a create") from exc
-            raise
-        if envelope[0] != "ok":
-            self._ledger.release.remote(ticket)
-        info: SandboxInfo = unwrap(envelope)
-        return info
 
     # ------------------------------------------------------------------ records
 
