@@ -183,11 +183,13 @@ class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs):
         node = node_of(sandbox_id)
         if node is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} (a cluster id names its node)")
-        if node in self._dead or node in self._gone_agents:
-            # Released once, where the loss was found (refresh, or the call that saw it).
-            raise self._lost_error(node, sandbox_id)
         agent = self._agents.get(node)
         if agent is None:
+            if node in self._dead or node in self._gone_agents or node in self._known:
+                # A node that ran an agent and runs none now: Ray declared it dead, a call
+                # found its agent gone, or its new agent did not start. Its quota was released
+                # where that was found (refresh, the call, the new agent's start), not here.
+                raise self._lost_error(node, sandbox_id)
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return node, agent
 
