@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 import structlog
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from sandlot.config import Settings, get_settings
 from sandlot.core.live import node_of
@@ -209,12 +210,22 @@ class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs):
         # someone else's id destroys nothing; the destroy releases its quota.
         agent.call.remote("destroy", (sandbox_id,), {"reason": "lost", "owner": owner})
         self._loads.pop(node, None)
-        if isinstance(exc, GONE):
-            # The agent is gone and its sandboxes with it (its successor sweeps them).
+        released: Any = None
+        if isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError):
+            # Dead for sure, and every sandbox of the node with it (its successor's start-up
+            # sweep ends them): later calls are lost at once, all their quota released now.
             self._agents.pop(node, None)
             self._gone_agents.add(node)
+            released = self._ledger.release_node.remote(node)
+        elif isinstance(exc, ActorUnavailableError):
+            # Unreachable, perhaps for a while: this sandbox is lost (and destroyed if its
+            # node answers again); the node's other sandboxes learn their fate by their calls.
+            released = self._ledger.release.remote(sandbox_id)
+        # A silent node releases nothing here: its sandboxes still run until it answers (and
+        # destroys this one, releasing it) or Ray declares it dead (the refresh releases).
+        if released is not None:
             with contextlib.suppress(TimeoutError, *GONE):
-                await asyncio.wait_for(awaited(self._ledger.release.remote(sandbox_id)), 5)
+                await asyncio.wait_for(awaited(released), 5)
         return self._lost_error(node, sandbox_id)
 
     async def _call(

@@ -24,7 +24,6 @@ class CreateVerbs:
     _ledger: Any
     _agents: dict[str, Any]
     _loads: dict[str, NodeLoad]
-    _gone_agents: set[str]
 
     # The manager's own (declared, not defined here: a mixin's stub would shadow them).
     _remember_timeout: Callable[[SandboxInfo], None]
@@ -83,9 +82,7 @@ class CreateVerbs:
         except GONE as exc:
             # The node went with the create: nothing of it counts, or runs, past its sweep.
             self._ledger.release.remote(ticket)
-            self._agents.pop(load.node, None)
-            self._loads.pop(load.node, None)
-            self._gone_agents.add(load.node)
+            self._loads.pop(load.node, None)  # no more creates there before its next load
             raise SandboxStartError(f"node {load.node} went away during the create") from exc
         except (NodeSilent, NodeTimeout, asyncio.CancelledError) as exc:
             # The agent may still make it: it destroys what it made for this ticket (and so
