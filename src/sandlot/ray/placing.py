@@ -45,7 +45,13 @@ class CreateVerbs:
         limits = self.settings.resolve_limits(spec.limits())
         ticket = "ticket-" + secrets.token_hex(8)
         if quota is not None:
-            unwrap(await self._ledger.reserve.remote(ticket, owner, limits, quota))
+            reserved = self._ledger.reserve.remote(ticket, owner, limits, quota)
+            try:
+                unwrap(await reserved)
+            except asyncio.CancelledError:
+                # The reservation lands anyway; this caller's next call to the ledger undoes it.
+                self._ledger.release.remote(ticket)
+                raise
         info = await self._place(spec, owner, limits.memory_mb, ticket, quota is not None)
         self._remember_timeout(info)
         self._emit("created", info=info)
