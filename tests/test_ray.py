@@ -30,6 +30,7 @@ from sandlot.errors import (  # noqa: E402
     SandboxError,
     SandboxLost,
     SandboxNotFound,
+    SandboxStartError,
 )
 from sandlot.models import Quota  # noqa: E402
 from sandlot.ray import ClusterManager, shutdown_agents  # noqa: E402
@@ -430,3 +431,23 @@ def test_the_cluster_wall_targets_every_node_and_the_extra_cidrs() -> None:
     assert targets == ["10.0.0.0/8", "10.1.2.3/32", "10.1.2.4/32", "169.254.169.254/32"]
     with pytest.raises(ConfigError, match="EXTRA_CIDRS"):
         parse_cidrs("10.0.0.0/8, redis.local")
+
+
+async def test_a_create_on_a_hung_node_fails_alone_and_leaves_nothing(ray_node: Path) -> None:
+    quota = Quota(max_sandboxes=5, max_memory_mb=100_000)
+    async with ClusterManager(short_bound(ray_node), overrides(ray_node)) as cluster:
+        agent = ray.get_actor(agent_name("alpha"), namespace=NAMESPACE)
+        pid = await agent.__ray_call__.remote(lambda _: os.getpid())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(SandboxStartError, match="stopped answering"):
+                await cluster.create(SandboxSpec(), owner="hung", quota=quota)
+            # The create failed, not the node: its agent is still the route to its sandboxes.
+            assert "alpha" in cluster._agents
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Answering again, the node makes the sandbox, sees the abandon and destroys it.
+        deadline = time.monotonic() + 30
+        while (await cluster.list(owner="hung")) or await cluster._ledger.held.remote("hung"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
