@@ -25,12 +25,16 @@ from sandlot.errors import (  # noqa: E402
     CapacityExhausted,
     ConfigError,
     InvalidRequest,
+    NodeTimeout,
     QuotaExceeded,
+    SandboxError,
     SandboxLost,
     SandboxNotFound,
+    SandboxStartError,
 )
 from sandlot.models import Quota  # noqa: E402
 from sandlot.ray import ClusterManager, shutdown_agents  # noqa: E402
+from sandlot.ray.calls import NodeSilent, settle  # noqa: E402
 from sandlot.ray.ledger import QuotaLedger  # noqa: E402
 from sandlot.ray.node import agent_name  # noqa: E402
 from sandlot.ray.routing import NodeLoad, choose  # noqa: E402
@@ -108,6 +112,34 @@ def test_a_lost_sandbox_is_gone_over_http_and_maps_back() -> None:
     lost = SandboxLost("sandbox sb-n1-00 was on node n1, which is lost", node="n1")
     assert status_of(lost) == 410
     assert type(error_from_code(lost.code, lost.message)) is SandboxLost
+
+
+class _FakeAgent:
+    """An agent whose ``load`` answers at once (alive) or never (hung)."""
+
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+        self.load = self
+
+    def remote(self) -> Any:
+        return asyncio.sleep(0 if self.alive else 3600, result=("ok", {}))
+
+
+async def test_a_slow_call_on_a_live_node_fails_alone_and_a_silent_node_is_found() -> None:
+    """Unit test of the probe (the real one: test_a_long_wait_is_not_a_lost_node)."""
+    with pytest.raises(NodeTimeout):
+        await settle(asyncio.sleep(3600), _FakeAgent(alive=True), bound_s=0.3, every_s=0.1)
+    started = time.monotonic()
+    with pytest.raises(NodeSilent):
+        await settle(
+            asyncio.sleep(3600), _FakeAgent(alive=False), bound_s=None, every_s=0.1, probe_s=0.2
+        )
+    assert time.monotonic() - started < 0.1 + 0.2 + 1.0
+    # No bound: a live node's call waits as long as it takes.
+    done = await settle(
+        asyncio.sleep(0.5, result="done"), _FakeAgent(alive=True), bound_s=None, every_s=0.1
+    )
+    assert done == "done"
 
 
 # ---------------------------------------------------------------------- one real Ray node
@@ -288,3 +320,134 @@ async def test_a_dead_agent_is_a_lost_sandbox_not_a_hang(ray_node: Path) -> None
         gone = await cluster.get(info.id)
         assert (gone.status.value, gone.end_reason) == ("destroyed", "recovered")
         await cluster.destroy(again.id)
+
+
+def short_bound(ray_node: Path) -> Any:
+    return make_settings(
+        ray_node / "server", ray_namespace=NAMESPACE, allow_unsafe=False, ray_call_timeout_s=2.0
+    )
+
+
+async def test_a_long_wait_is_not_a_lost_node(ray_node: Path) -> None:
+    """A tenant's own long calls (a wait with no timeout, stdin to a command that does not
+    read) outlast the short-call bound: the node and the tenant's other sandboxes stay, and
+    their quota stays counted."""
+    quota = Quota(max_sandboxes=2, max_memory_mb=100_000)
+    async with ClusterManager(short_bound(ray_node), overrides(ray_node)) as cluster:
+        first = await cluster.create(SandboxSpec(), owner="waits", quota=quota)
+        second = await cluster.create(SandboxSpec(), owner="waits", quota=quota)
+        try:
+            await cluster.run_code(second.id, RunCode(code="kept = 1"))
+            slow = await cluster.start_command(first.id, RunCommand(command="sleep 4; echo up"))
+            done = await cluster.wait_command(first.id, slow.pid)  # 4 s > the 2 s bound
+            assert (done.exit_code, done.stdout) == (0, "up\n")
+            deaf = await cluster.start_command(first.id, RunCommand(command="sleep 4"))
+            with contextlib.suppress(SandboxError):
+                await cluster.send_command_stdin(first.id, deaf.pid, b"x" * (4 << 20))
+            assert (await cluster.run_code(second.id, RunCode(code="kept"))).text == "1"
+            with pytest.raises(QuotaExceeded):
+                await cluster.create(SandboxSpec(), owner="waits", quota=quota)
+        finally:
+            for info in (first, second):
+                await cluster.destroy(info.id, owner="waits")
+        assert await cluster._ledger.held.remote("waits") == []
+
+
+async def test_a_cancelled_create_leaves_nothing_running_or_counted(
+    cluster: ClusterManager,
+) -> None:
+    quota = Quota(max_sandboxes=5, max_memory_mb=100_000)
+    cancelled = 0
+    for _ in range(3):
+        create = asyncio.create_task(cluster.create(SandboxSpec(), owner="gives-up", quota=quota))
+        await asyncio.sleep(0.05)
+        create.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await create
+        cancelled += create.cancelled()
+    assert cancelled, "every create finished before its cancel: nothing was tested"
+    deadline = time.monotonic() + 20
+    while True:
+        live = await cluster.list(owner="gives-up")
+        held = await cluster._ledger.held.remote("gives-up")
+        if live == [] and held == []:
+            break
+        assert time.monotonic() < deadline, (live, held)
+        await asyncio.sleep(0.2)
+
+
+async def test_a_run_without_a_timeout_on_a_hung_node_is_bounded(ray_node: Path) -> None:
+    async with ClusterManager(short_bound(ray_node), overrides(ray_node)) as cluster:
+        info = await cluster.create(SandboxSpec())
+        agent = ray.get_actor(agent_name("alpha"), namespace=NAMESPACE)
+        pid = await agent.__ray_call__.remote(lambda _: os.getpid())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(SandboxLost, match="node alpha"):
+                # wait_for only so that a regression fails instead of hanging the suite.
+                await asyncio.wait_for(cluster.run_code(info.id, RunCode(code="1")), 60)
+            # The stated bound: ray_call_timeout_s, then a probe of PROBE_S (2 s each here).
+            assert time.monotonic() - started < 2.0 + 2.0 + 1.5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while True:
+            await cluster.refresh()
+            with contextlib.suppress(SandboxLost):
+                if (await cluster.get(info.id)).status.value == "destroyed":
+                    break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+
+
+def test_an_artifact_through_the_cluster_leaves_no_copy_on_the_server(ray_node: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from sandlot.server.app import create_app
+
+    settings = make_settings(
+        ray_node / "api", ray_namespace=NAMESPACE, allow_unsafe=False, auth_enabled=False
+    )
+    app = create_app(settings, ClusterManager(settings, overrides(ray_node)))
+    with TestClient(app) as http:
+        sid = http.post("/v1/sandboxes", json={}).json()["id"]
+        command = {"command": "mkdir -p artifacts && echo result > artifacts/out.txt"}
+        assert http.post(f"/v1/sandboxes/{sid}/commands", json=command).is_success
+        assert http.delete(f"/v1/sandboxes/{sid}").is_success
+        got = http.get(f"/v1/sandboxes/{sid}/artifacts/out.txt")
+        assert got.text == "result\n", got.text
+        assert 'filename="out.txt"' in got.headers["content-disposition"]
+    left = [p.name for p in settings.data_dir.rglob("*") if p.is_file()]
+    assert all(name.startswith("sandlot.db") or name.endswith(".log") for name in left), left
+
+
+def test_the_cluster_wall_targets_every_node_and_the_extra_cidrs() -> None:
+    from sandlot.ray.wall import cluster_targets, parse_cidrs
+
+    extra = parse_cidrs(" 169.254.169.254, 10.0.0.0/8 ,")
+    assert extra == ["169.254.169.254/32", "10.0.0.0/8"]
+    targets = cluster_targets(["10.1.2.3", "10.1.2.4", "10.1.2.3", "fe80::1"], extra)
+    assert targets == ["10.0.0.0/8", "10.1.2.3/32", "10.1.2.4/32", "169.254.169.254/32"]
+    with pytest.raises(ConfigError, match="EXTRA_CIDRS"):
+        parse_cidrs("10.0.0.0/8, redis.local")
+
+
+async def test_a_create_on_a_hung_node_fails_alone_and_leaves_nothing(ray_node: Path) -> None:
+    quota = Quota(max_sandboxes=5, max_memory_mb=100_000)
+    async with ClusterManager(short_bound(ray_node), overrides(ray_node)) as cluster:
+        agent = ray.get_actor(agent_name("alpha"), namespace=NAMESPACE)
+        pid = await agent.__ray_call__.remote(lambda _: os.getpid())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(SandboxStartError, match="stopped answering"):
+                await cluster.create(SandboxSpec(), owner="hung", quota=quota)
+            # The create failed, not the node: its agent is still the route to its sandboxes.
+            assert "alpha" in cluster._agents
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Answering again, the node makes the sandbox, sees the abandon and destroys it.
+        deadline = time.monotonic() + 30
+        while (await cluster.list(owner="hung")) or await cluster._ledger.held.remote("hung"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)

@@ -55,6 +55,10 @@ NAMESPACE = "sandlot-cluster-test"
 # The stated bound: a call to a sandbox whose node was killed fails with sandbox_lost within
 # this long (Ray: ~3 s for a call in flight; our bound on a short call covers the rest).
 LOST_BOUND_S = 35.0
+# A second network namespace behind a veth pair: the wall's extra CIDR, and a control address
+# next to it that the wall leaves open.
+OTHER_NET_HOST, WALLED_IP, OPEN_IP = "10.251.0.1", "10.251.0.2", "10.251.0.3"
+OTHER_PORT = 18080
 
 
 def _ray_env(root: Path) -> dict[str, str]:
@@ -68,6 +72,8 @@ def _ray_env(root: Path) -> dict[str, str]:
         "SANDBOX_DISK_LIMIT_MB": "64",
         "SANDBOX_TIMEOUT_SECONDS": "20",
         "LOG_LEVEL": "WARNING",
+        # An address in a second network namespace, reached through the node (FORWARD).
+        "SANDLOT_RAY_WALL_EXTRA_CIDRS": f"{WALLED_IP}/32",
     }
 
 
@@ -347,3 +353,83 @@ def test_ray_refuses_a_client_without_the_token(cluster_root: Path) -> None:
     )  # fmt: skip
     assert attempt.returncode != 0
     assert "InvalidAuthToken" in attempt.stderr + attempt.stdout
+
+
+LISTENER = f"""
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", {OTHER_PORT}))
+s.listen(16)
+while True:
+    s.accept()[0].close()
+"""
+
+
+@pytest.fixture
+def other_netns() -> Iterator[None]:
+    """A listener on WALLED_IP and OPEN_IP, in a network namespace of its own that this one
+    reaches through a veth pair: a sandbox's connection to it crosses the node's FORWARD."""
+    holder = subprocess.Popen(["unshare", "--net", "/usr/bin/python3", "-c", LISTENER])
+    inside = ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
+    try:
+        steps = [
+            ["ip", "link", "add", "rt-a", "type", "veth", "peer", "name", "rt-b",
+             "netns", str(holder.pid)],
+            ["ip", "addr", "add", f"{OTHER_NET_HOST}/24", "dev", "rt-a"],
+            ["ip", "link", "set", "rt-a", "up"],
+            [*inside, "ip", "addr", "add", f"{WALLED_IP}/24", "dev", "rt-b"],
+            [*inside, "ip", "addr", "add", f"{OPEN_IP}/24", "dev", "rt-b"],
+            [*inside, "ip", "link", "set", "rt-b", "up"],
+        ]  # fmt: skip
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True, timeout=30)
+        for ip in (WALLED_IP, OPEN_IP):  # the control: both listen, and the node reaches both
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    socket.create_connection((ip, OTHER_PORT), timeout=3).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+        subprocess.run(["ip", "link", "del", "rt-a"], check=False, capture_output=True)
+
+
+OTHER_PROBE = """
+import socket
+for host in ({walled!r}, {open!r}):
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect((host, {port}))
+        print(host, "open")
+    except OSError as exc:
+        print(host, type(exc).__name__)
+    finally:
+        s.close()
+"""
+
+
+async def test_the_wall_covers_addresses_beyond_the_node(
+    cluster: ClusterManager, other_netns: None
+) -> None:
+    """FORWARD: a networked sandbox cannot reach the operator's extra CIDR (and every Ray
+    node's address) through its node, while the address next to it stays reachable."""
+    info = await cluster.create(SandboxSpec(network=True))
+    try:
+        code = OTHER_PROBE.format(walled=WALLED_IP, open=OPEN_IP, port=OTHER_PORT)
+        result = await cluster.run_code(info.id, RunCode(code=code))
+    finally:
+        await cluster.destroy(info.id)
+    print(result.stdout, result.stderr)
+    assert f"{OPEN_IP} open" in result.stdout, result.stdout + result.stderr
+    assert f"{WALLED_IP} ConnectionRefusedError" in result.stdout, result.stdout
+    rules = subprocess.run(
+        ["iptables", "-w", "-S", "SANDLOT-RAY-FORWARD"], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"-d {WALLED_IP}/32" in rules and f"-d {IP}/32" in rules, rules

@@ -472,6 +472,13 @@ class Settings(BaseSettings):
         description="A Ray node agent refuses new connections from networked sandboxes to the "
         "node itself (Ray's ports among them). Off only for tests that share a host.",
     )
+    ray_wall_extra_cidrs: str = Field(
+        default="",
+        validation_alias=_renamed("SANDLOT_RAY_WALL_EXTRA_CIDRS", "ray_wall_extra_cidrs"),
+        description="Comma-separated IPv4 CIDRs a networked sandbox on a Ray node may never "
+        "reach, on top of every Ray node's address (Redis for GCS fault tolerance, the "
+        "Kubernetes API, 169.254.169.254).",
+    )
     ray_call_timeout_s: float = Field(
         default=30.0,
         gt=0,

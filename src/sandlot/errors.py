@@ -14,6 +14,7 @@ file missing inside a sandbox.
     ├── SandboxNotRunning (RuntimeError)         destroyed, expired or failed
     │   └── SandboxHeldElsewhere                 another live process on the data dir runs it
     ├── SandboxLost (RuntimeError)               its Ray node died or cannot be reached
+    ├── NodeTimeout (TimeoutError)               a live Ray node did not finish a call in time
     ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
     ├── ImageBuildError (RuntimeError)           building an environment's image failed
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
@@ -102,6 +103,13 @@ class SandboxLost(SandboxError, RuntimeError):
     def __init__(self, message: str, node: str | None = None) -> None:
         super().__init__(message)
         self.node = node
+
+
+class NodeTimeout(SandboxError, TimeoutError):
+    """A call to a Ray node that still answers did not finish within its bound: that call
+    failed; the node and its sandboxes are fine (retrying is the caller's choice)."""
+
+    code = "node_timeout"
 
 
 class SandboxStartError(SandboxError, RuntimeError):
@@ -264,6 +272,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxNotRunning,
         SandboxHeldElsewhere,
         SandboxLost,
+        NodeTimeout,
         SandboxStartError,
         ImageBuildError,
         GuestError,

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import ray
 import structlog
 
+from sandlot.backends.bubblewrap import netns
 from sandlot.config import Settings
 from sandlot.core import SandboxManager, admission
 from sandlot.core.live import set_node_name
-from sandlot.errors import ConfigError, SandboxError
+from sandlot.errors import ConfigError, SandboxError, SandboxStartError
 from sandlot.models import ExecResult, Result
 from sandlot.ray import wall
-from sandlot.requests import RunCode, RunCommand
+from sandlot.requests import RunCode, RunCommand, SandboxSpec
 
 log = structlog.get_logger(__name__)
 
@@ -34,11 +37,16 @@ AGENT_PREFIX = "sandlot-node-"
 NODE_RESOURCE = "sandlot_node"
 
 Envelope = tuple[Any, ...]
+# Pending ledger releases kept for a destroy to wait on; older ones have long landed.
+_RELEASES_KEPT = 1024
+# How long a create may take (a boot; an image pull longer) before its caller gives up.
+CREATE_BOUND_S = 120.0
+# How often an agent re-reads the cluster's node addresses for its FORWARD wall.
+WALL_REFRESH_S = 5.0
 
 # The manager verbs a routing server may call by name (anything else is refused).
 VERBS = frozenset(
     {
-        "create",
         "get",
         "list",
         "destroy",
@@ -67,6 +75,10 @@ VERBS = frozenset(
 )
 
 
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
 def agent_name(node: str) -> str:
     return AGENT_PREFIX + node
 
@@ -92,15 +104,22 @@ class NodeAgent:
         self._memory_mb = 0.0
         self._started = asyncio.Lock()
         self._ledger: Any = None
+        # Ledger releases of destroyed sandboxes, by id, so that a destroy answers only once
+        # its release is in (a create right after it must see the slot free).
+        self._releases: dict[str, asyncio.Future[Any]] = {}
+        # Creates whose caller gave up: by ticket, the sandbox made (to destroy on abandon)
+        # or the time of the abandon (for a create still running).
+        self._made: dict[str, tuple[str, float]] = {}
+        self._abandoned: dict[str, float] = {}
+        self._walling: asyncio.Task[None] | None = None
 
     async def start(self, ledger: Any = None) -> Envelope:
         """Start the manager (recovering this node's leftovers); idempotent."""
         async with self._started:
             self._ledger = ledger
             try:
-                if self.settings.ray_wall_node:
-                    walled = await asyncio.to_thread(wall.wall_off_node)
-                    log.info("node walled off from its sandboxes", node=self.node, walled=walled)
+                if self.settings.ray_wall_node and self._walling is None:
+                    await self._wall_off()
                 await self.manager.start()
             except SandboxError as exc:
                 return ("err", exc.code, exc.message)
@@ -108,12 +127,84 @@ class NodeAgent:
                 capacity = await asyncio.to_thread(admission.HostCapacity.measure, self.settings)
                 self._memory_mb = capacity.memory_mb
                 self.manager.add_listener(self._on_event)
+                if ledger is not None:
+                    # A new agent: the start-up sweep ended every sandbox an earlier one left
+                    # here, so none of them counts any more (a dead agent cannot say so).
+                    await ledger.release_node.remote(self.node)
         return ("ok", None)
 
+    async def _wall_off(self) -> None:
+        extra_cidrs = wall.parse_cidrs(self.settings.ray_wall_extra_cidrs)
+        walled = await asyncio.to_thread(wall.wall_off_node)
+        log.info("node walled off from its sandboxes", node=self.node, walled=walled)
+        if not walled:
+            return
+        # The backend's FORWARD chain first, so that the cluster wall goes in ahead of it
+        # (the backend only ever adds its jump when it is missing).
+        await netns.ensure_routing()
+        await self._wall_cluster(extra_cidrs)
+        self._walling = asyncio.create_task(self._wall_forever(extra_cidrs))
+
+    async def _wall_cluster(self, extra_cidrs: list[str]) -> None:
+        nodes: list[dict[str, Any]] = await asyncio.to_thread(ray.nodes)
+        targets = wall.cluster_targets((n["NodeManagerAddress"] for n in nodes), extra_cidrs)
+        await asyncio.to_thread(wall.wall_off_cluster, targets)
+
+    async def _wall_forever(self, extra_cidrs: list[str]) -> None:
+        # New nodes join with new addresses; a node's own wall needs no refresh.
+        while True:
+            await asyncio.sleep(WALL_REFRESH_S)
+            try:
+                await self._wall_cluster(extra_cidrs)
+            except Exception:
+                log.exception("refreshing the cluster wall failed", node=self.node)
+
     def _on_event(self, event: str, fields: dict[str, Any]) -> None:
-        # A sandbox this node ended by itself (TTL, idle) stops counting against its owner.
+        # The one place a destroyed sandbox (by a call, TTL or idle) stops counting.
         if event == "destroyed" and self._ledger is not None:
-            self._ledger.release.remote(fields["info"].id)
+            sandbox_id = fields["info"].id
+            if len(self._releases) >= _RELEASES_KEPT:
+                self._releases.pop(next(iter(self._releases)))
+            self._releases[sandbox_id] = asyncio.ensure_future(
+                _awaited(self._ledger.release.remote(sandbox_id))
+            )
+
+    async def create(self, spec: SandboxSpec, owner: str, ticket: str, counted: bool) -> Envelope:
+        """Create a sandbox; a ``counted`` ticket (the quota reservation) is bound to it before
+        this answers, so it counts even if the caller is gone by then."""
+        self._forget_old_creates()
+        try:
+            info = await self.manager.create(spec, owner=owner)
+        except SandboxError as exc:
+            self._abandoned.pop(ticket, None)
+            return ("err", exc.code, exc.message)
+        if counted and self._ledger is not None:
+            await self._ledger.bind.remote(ticket, info.id)
+        if self._abandoned.pop(ticket, None) is not None:
+            await self._destroy_abandoned(info.id)
+            return ("err", SandboxStartError.code, "the create was abandoned by its caller")
+        self._made[ticket] = (info.id, time.monotonic())
+        return ("ok", info)
+
+    async def abandon(self, ticket: str) -> None:
+        """The caller of the create under ``ticket`` gave up (cancel, timeout): what it made
+        is destroyed, now or when the create ends."""
+        made = self._made.pop(ticket, None)
+        if made is None:
+            self._abandoned[ticket] = time.monotonic()
+        else:
+            await self._destroy_abandoned(made[0])
+
+    async def _destroy_abandoned(self, sandbox_id: str) -> None:
+        with contextlib.suppress(SandboxError):
+            await self.manager.destroy(sandbox_id, reason="abandoned")
+        log.info("abandoned create destroyed", node=self.node, sandbox=sandbox_id)
+
+    def _forget_old_creates(self) -> None:
+        # An abandon comes within a create's bound or never.
+        cutoff = time.monotonic() - 2 * CREATE_BOUND_S
+        self._made = {t: made for t, made in self._made.items() if made[1] > cutoff}
+        self._abandoned = {t: at for t, at in self._abandoned.items() if at > cutoff}
 
     async def load(self) -> Envelope:
         live = await self.manager.list()
@@ -136,9 +227,12 @@ class NodeAgent:
         if verb not in VERBS:
             return ("err", ConfigError.code, f"no verb {verb!r} on a node agent")
         try:
-            return ("ok", await getattr(self.manager, verb)(*args, **kwargs))
+            value = await getattr(self.manager, verb)(*args, **kwargs)
         except SandboxError as exc:
             return ("err", exc.code, exc.message)
+        if verb == "destroy" and (release := self._releases.pop(args[0], None)) is not None:
+            await release
+        return ("ok", value)
 
     async def run(
         self, verb: str, sandbox_id: str, request: RunCode | RunCommand, owner: str | None
@@ -195,4 +289,6 @@ class NodeAgent:
 
     async def shutdown(self) -> None:
         """Destroy this node's sandboxes and release its data directory instance."""
+        if self._walling is not None:
+            self._walling.cancel()
         await self.manager.close()

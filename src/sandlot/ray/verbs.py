@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import AsyncIterable, AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from sandlot.config import Settings
@@ -19,6 +18,7 @@ from sandlot.models import (
     OutputCallback,
     PtyOutput,
 )
+from sandlot.ray.calls import SHORT_CALL
 from sandlot.requests import (
     FilePath,
     ListFiles,
@@ -39,7 +39,12 @@ class ForwardedVerbs:
     settings: Settings
 
     async def _call(
-        self, sandbox_id: str, verb: str, *args: Any, bound_s: float | None = None, **kwargs: Any
+        self,
+        sandbox_id: str,
+        verb: str,
+        *args: Any,
+        bound_s: float | None = SHORT_CALL,
+        **kwargs: Any,
     ) -> Any:
         raise NotImplementedError
 
@@ -151,7 +156,9 @@ class ForwardedVerbs:
     async def wait_command(
         self, sandbox_id: str, pid: int, timeout_s: float | None = None, *, owner: str | None = None
     ) -> ExecResult:
-        bound_s = (timeout_s or 0) + self.settings.ray_call_timeout_s
+        # Bounded by its own timeout, not the short-call bound: a wait on a long command is
+        # not a slow node (the probes find a hung one).
+        bound_s = None if timeout_s is None else timeout_s + self.settings.ray_call_timeout_s
         result: ExecResult = await self._call(
             sandbox_id, "wait_command", pid, timeout_s, bound_s=bound_s, owner=owner
         )
@@ -160,7 +167,10 @@ class ForwardedVerbs:
     async def send_command_stdin(
         self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False, owner: str | None = None
     ) -> None:
-        await self._call(sandbox_id, "send_command_stdin", pid, data, eof=eof, owner=owner)
+        # As long as the command takes to read it (it may never): no bound but the probes.
+        await self._call(
+            sandbox_id, "send_command_stdin", pid, data, eof=eof, bound_s=None, owner=owner
+        )
 
     async def kill_command(self, sandbox_id: str, pid: int, *, owner: str | None = None) -> bool:
         killed: bool = await self._call(sandbox_id, "kill_command", pid, owner=owner)
@@ -227,15 +237,6 @@ class ForwardedVerbs:
     async def read_artifact(self, sandbox_id: str, path: str, *, owner: str | None = None) -> bytes:
         data: bytes = await self._call(sandbox_id, "read_artifact", path, owner=owner)
         return data
-
-    async def artifact_path(self, sandbox_id: str, path: str, *, owner: str | None = None) -> Path:
-        """A copy of the artifact on this host (the server streams a file from a path); the
-        copy is replaced by the next download of the same artifact."""
-        data = await self.read_artifact(sandbox_id, path, owner=owner)
-        copy = self.settings.data_dir / "ray-artifacts" / sandbox_id / path.replace("/", "_")
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.write_bytes(data)
-        return copy
 
     async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
         count: int = await self._call(sandbox_id, "delete_artifacts", owner=owner)

@@ -23,6 +23,7 @@ from sandlot.errors import (
     GuestError,
     InvalidRequest,
     ModelOutputError,
+    NodeTimeout,
     PathOutsideWorkspace,
     ProviderError,
     ProviderRateLimited,
@@ -72,6 +73,7 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     SandboxNotRunning: 409,
     # Gone for good with its node: a client must create a new sandbox, not retry this one.
     SandboxLost: 410,
+    NodeTimeout: 504,  # the node is alive but this call outlived its bound
     SandboxIsADirectory: 409,
     SandboxNotADirectory: 409,
     SandboxFileExists: 409,

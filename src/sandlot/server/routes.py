@@ -11,6 +11,7 @@ from fastapi import Path as FastPath
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
 
+from sandlot.core import SandboxManager
 from sandlot.errors import CommandStillRunning, RequestTooLarge
 from sandlot.models import (
     ArtifactInfo,
@@ -414,11 +415,26 @@ async def list_artifacts(
 @router.get("/{sandbox_id}/artifacts/{path:path}", response_class=FileResponse)
 async def download_artifact(
     sandbox_id: SandboxId, path: str, request: Request, who: Caller
-) -> FileResponse:
-    host_path = await state_of(request).manager.artifact_path(
-        sandbox_id, path, owner=who.owner_filter
-    )
-    return FileResponse(host_path, filename=path.rsplit("/", 1)[-1])
+) -> Response:
+    manager = state_of(request).manager
+    name = path.rsplit("/", 1)[-1]
+    if not isinstance(manager, SandboxManager):
+        # On a Ray cluster the artifact lives on its node and comes over whole: served from
+        # those bytes, never copied to this host's disk (which holds the key store).
+        data = await manager.read_artifact(sandbox_id, path, owner=who.owner_filter)
+        quoted = urllib.parse.quote(name)
+        disposition = (
+            f'attachment; filename="{name}"'
+            if quoted == name
+            else f"attachment; filename*=utf-8''{quoted}"
+        )
+        return Response(
+            data,
+            media_type="application/octet-stream",
+            headers={"content-disposition": disposition},
+        )
+    host_path = await manager.artifact_path(sandbox_id, path, owner=who.owner_filter)
+    return FileResponse(host_path, filename=name)
 
 
 @router.delete("/{sandbox_id}/artifacts", status_code=204)
