@@ -355,16 +355,16 @@ async def test_output_queued_for_a_slow_client_is_bounded_by_bytes_not_chunks() 
     # chunk's real cost.
     import asyncio
 
-    from sandlot.server import stream
+    from sandlot.server import outbox
 
-    outbox: asyncio.Queue[dict[str, object] | None] = asyncio.Queue()
-    put = stream._put(outbox, "stdout", stream._Budget())
+    queue: asyncio.Queue[dict[str, object] | None] = asyncio.Queue()
+    put = outbox.put_text(queue, "stdout", outbox.Budget())
     for _ in range(200_000):
         put("x")
-    queued = outbox.qsize()
-    most = stream.STREAM_QUEUE_MAX_BYTES // (1 + stream.CHUNK_OVERHEAD_BYTES) + 1
+    queued = queue.qsize()
+    most = outbox.STREAM_QUEUE_MAX_BYTES // (1 + outbox.CHUNK_OVERHEAD_BYTES) + 1
     assert queued <= most + 1, queued  # + the one "output dropped" notice
-    items = [outbox.get_nowait() for _ in range(queued)]
+    items = [queue.get_nowait() for _ in range(queued)]
     notices = [item for item in items if item is not None and item["type"] == "notice"]
     assert [n["code"] for n in notices] == ["output_dropped"]
 

@@ -283,6 +283,8 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         Forbidden,
         QuotaExceeded,
         BackgroundLimitReached,
+        StdinBacklogFull,
+        McpSessionLimit,
         CommandNotFound,
         CommandStillRunning,
         CapacityExhausted,

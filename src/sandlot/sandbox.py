@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import inspect
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Literal, Self, TypeVar, overload
 
 from sandlot._portal import Portal, get_portal, on_exit
+from sandlot._runner import Runner
 from sandlot._sync import SyncTwin, blocking, blocking_classmethod, constructor
 from sandlot.config import get_settings
 from sandlot.core import SandboxManager
-from sandlot.errors import ConfigError
 from sandlot.models import (
     ArtifactInfo,
     CommandInfo,
@@ -43,7 +41,6 @@ from sandlot.requests import (
     WriteFile,
     build,
 )
-from sandlot.service import BackgroundService, SandboxService
 from sandlot.terminal import AsyncPty, Pty
 
 T = TypeVar("T")
@@ -67,55 +64,6 @@ def default_manager() -> SandboxManager:
             _default_manager = get_portal().call(_start_default())
             on_exit(_default_manager.close)
         return _default_manager
-
-
-class _Runner:
-    """Runs service coroutines on the service's own loop, whichever loop the caller is on."""
-
-    def __init__(self, manager: SandboxService, portal: Portal | None) -> None:
-        self.manager = manager
-        self.portal = portal
-
-    async def __call__(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self.portal is None:
-            return await coro
-        return await self.portal.run(coro)
-
-    @property
-    def background(self) -> BackgroundService:
-        if not isinstance(self.manager, BackgroundService):
-            raise ConfigError(f"{type(self.manager).__name__} runs no background commands")
-        return self.manager
-
-    async def aclose(self) -> None:
-        """Close a remote client this runner owns (the embedded manager outlives sandboxes)."""
-        aclose = getattr(self.manager, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-    @contextlib.asynccontextmanager
-    async def closing_on_error(self) -> AsyncIterator[None]:
-        try:
-            yield
-        except BaseException:
-            await self.aclose()
-            raise
-
-    def wrap(self, callback: Callable[[E], None] | None) -> Callable[[E], None] | None:
-        """Deliver streamed output on the caller's loop when the manager runs on another."""
-        if callback is None or self.portal is None:
-            return callback
-        try:
-            caller = asyncio.get_running_loop()
-        except RuntimeError:
-            return callback
-        if caller is self.portal.loop:
-            return callback
-
-        def forward(item: E) -> None:
-            caller.call_soon_threadsafe(callback, item)
-
-        return forward
 
 
 class AsyncCommandHandle:
@@ -323,7 +271,7 @@ class AsyncFiles:
 class AsyncSandbox:
     """One sandbox. Create with :meth:`create`; use as an async context manager."""
 
-    def __init__(self, info: SandboxInfo, runner: _Runner) -> None:
+    def __init__(self, info: SandboxInfo, runner: Runner) -> None:
         self.info = info
         self._run = runner
         self._killed = False
@@ -450,17 +398,17 @@ class AsyncSandbox:
     @staticmethod
     async def _runner(
         manager: SandboxManager | None, api_url: str | None, api_key: str | None
-    ) -> _Runner:
+    ) -> Runner:
         if manager is not None:
-            return _Runner(manager, None)
+            return Runner(manager, None)
         settings = get_settings()
         url = api_url or settings.api_url
         if url:
             from sandlot.client import RemoteService
 
-            return _Runner(RemoteService(url, api_key or settings.api_key), None)
+            return Runner(RemoteService(url, api_key or settings.api_key), None)
         portal = get_portal()
-        return _Runner(await asyncio.to_thread(default_manager), portal)
+        return Runner(await asyncio.to_thread(default_manager), portal)
 
     async def run_code(
         self,

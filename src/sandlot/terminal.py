@@ -11,14 +11,26 @@ commands and ends with the sandbox.
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from sandlot._runner import Runner
 from sandlot._sync import SyncTwin, blocking
 from sandlot.models import CommandInfo, DataCallback, ExecResult
 from sandlot.requests import OpenPty, PtySize, build
 
-if TYPE_CHECKING:
-    from sandlot.sandbox import AsyncSandbox
+
+class AsyncSandbox(Protocol):
+    """What a terminal needs of its sandbox (``sandlot.sandbox.AsyncSandbox``, which imports
+    this module)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def _run(self) -> Runner: ...
+
+    @property
+    def pty(self) -> AsyncPty: ...
 
 
 class AsyncPtyHandle:

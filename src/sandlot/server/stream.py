@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from typing import Any
 
@@ -35,18 +34,15 @@ from pydantic import ValidationError
 
 from sandlot.core.background import StdinQueue
 from sandlot.errors import ConfigError, SandboxError
-from sandlot.models import ExecResult, Result
+from sandlot.models import ExecResult
 from sandlot.requests import RunCode, RunCommand
+from sandlot.server import outbox as outbox_
 from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, ServerState
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["streaming"])
-STREAM_QUEUE_MAX_BYTES = 8 << 20
-# What one queued chunk costs the server beyond its bytes (the message dict, the str object):
-# counted so that a flood of 1-byte chunks is bounded like one big chunk.
-CHUNK_OVERHEAD_BYTES = 256
 
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/stream")
@@ -73,7 +69,7 @@ async def _one_run(
     websocket: WebSocket, state: ServerState, who: Principal, sandbox_id: str, message: Any
 ) -> None:
     outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-    budget = _Budget()
+    budget = outbox_.Budget()
     stdin: StdinQueue | None = None
     try:
         if not isinstance(message, dict):
@@ -92,9 +88,9 @@ async def _one_run(
                 sandbox_id,
                 RunCode.model_validate(fields),
                 owner=who.owner_filter,
-                on_stdout=_put(outbox, "stdout", budget),
-                on_stderr=_put(outbox, "stderr", budget),
-                on_result=_put_result(outbox, budget),
+                on_stdout=outbox_.put_text(outbox, "stdout", budget),
+                on_stderr=outbox_.put_text(outbox, "stderr", budget),
+                on_result=outbox_.put_result(outbox, budget),
             )
         elif kind == "command":
             command = RunCommand.model_validate(fields)
@@ -105,8 +101,8 @@ async def _one_run(
                 command,
                 stdin=stdin,
                 owner=who.owner_filter,
-                on_stdout=_put(outbox, "stdout", budget),
-                on_stderr=_put(outbox, "stderr", budget),
+                on_stdout=outbox_.put_text(outbox, "stdout", budget),
+                on_stderr=outbox_.put_text(outbox, "stderr", budget),
             )
         else:
             raise ConfigError(
@@ -120,7 +116,7 @@ async def _one_run(
         return
 
     run = asyncio.create_task(call)
-    sender = asyncio.create_task(_drain(websocket, outbox, budget))
+    sender = asyncio.create_task(outbox_.drain(websocket, outbox, budget))
     listener = asyncio.create_task(_listen(websocket, stdin, outbox))
     try:
         async with state.audited(websocket, who, f"stream.{kind}", sandbox_id):
@@ -134,79 +130,12 @@ async def _one_run(
             result: ExecResult = run.result()
         outbox.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
-        outbox.put_nowait(_error_message(exc))
+        outbox.put_nowait(outbox_.error_message(exc))
     finally:
         listener.cancel()
         outbox.put_nowait(None)
         with contextlib.suppress(Exception):
             await sender
-
-
-class _Budget:
-    """Bytes of streamed output queued for a client that has not taken them yet."""
-
-    def __init__(self) -> None:
-        self.queued = 0
-        self.dropped = False
-
-
-def _put(outbox: asyncio.Queue[dict[str, Any] | None], stream: str, budget: _Budget) -> Any:
-    def put(text: str) -> None:
-        _offer(outbox, budget, {"type": stream, "data": text}, _cost(text))
-
-    return put
-
-
-def _put_result(outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget) -> Any:
-    def put(result: Result) -> None:
-        # Bounded per cell by the output cap already; counted against the same queue cap as
-        # text so that a client that does not read holds nothing more.
-        item = {"type": "display", "result": result.model_dump(mode="json")}
-        _offer(outbox, budget, item, _item_cost(item))
-
-    return put
-
-
-def _offer(
-    outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget, item: dict[str, Any], cost: int
-) -> None:
-    """Queue a streamed item unless that would pass the cap. A client that does not read must
-    not make the server hold its output: past the cap, items are dropped (the final result
-    still carries the output's head and tail, and every rich result), with one notice."""
-    if budget.queued + cost <= STREAM_QUEUE_MAX_BYTES:
-        budget.queued += cost
-        outbox.put_nowait(item)
-    elif not budget.dropped:
-        budget.dropped = True
-        outbox.put_nowait(
-            {
-                "type": "notice",
-                "code": "output_dropped",
-                "message": "stream output dropped: the client reads too slowly",
-            }
-        )
-
-
-def _item_cost(item: dict[str, Any]) -> int:
-    if "data_b64" in item:  # a terminal's output
-        return len(item["data_b64"]) + CHUNK_OVERHEAD_BYTES
-    if "data" in item:
-        return _cost(item["data"])
-    return len(json.dumps(item["result"])) + CHUNK_OVERHEAD_BYTES
-
-
-async def _drain(
-    websocket: WebSocket, outbox: asyncio.Queue[dict[str, Any] | None], budget: _Budget
-) -> None:
-    # One writer keeps chunks in the order they were produced, with the result last.
-    while (item := await outbox.get()) is not None:
-        await websocket.send_json(item)
-        if item.get("type") in ("stdout", "stderr", "display", "output"):
-            budget.queued -= _item_cost(item)
-
-
-def _cost(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass")) + CHUNK_OVERHEAD_BYTES
 
 
 async def _listen(
@@ -237,10 +166,6 @@ async def _listen(
             stdin.put_nowait(None)
 
 
-def _error_message(exc: SandboxError) -> dict[str, Any]:
-    return {"type": "error", "error": {"code": exc.code, "message": exc.message}}
-
-
 async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:
     with contextlib.suppress(Exception):
-        await websocket.send_json(_error_message(exc))
+        await websocket.send_json(outbox_.error_message(exc))

@@ -22,7 +22,7 @@ Server -> client::
 
 A client that goes away only detaches: the terminal or command runs on (its pid takes the
 REST verbs; it counts against the sandbox's cap and ends with the sandbox). Output queued for
-a slow client is capped as any run's is (:data:`stream.STREAM_QUEUE_MAX_BYTES`).
+a slow client is capped as any run's is (:data:`outbox_.STREAM_QUEUE_MAX_BYTES`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from sandlot.errors import AuthenticationError, ConfigError, InvalidRequest, SandboxError
 from sandlot.models import CommandInfo, DataCallback, OutputCallback
 from sandlot.requests import CommandInput, OpenPty, PtyInput, PtySize, RunCommand
-from sandlot.server import stream
+from sandlot.server import outbox as outbox_
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState
 
@@ -60,22 +60,22 @@ async def run_job(
 ) -> None:
     """Start or attach to a terminal or background command and stream it until it ends."""
     outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-    budget = stream._Budget()
+    budget = outbox_.Budget()
     manager = state.manager
     owner = who.owner_filter
     kind = message["type"]
-    on_stdout = stream._put(outbox, "stdout", budget)
-    on_stderr = stream._put(outbox, "stderr", budget)
+    on_stdout = outbox_.put_text(outbox, "stdout", budget)
+    on_stderr = outbox_.put_text(outbox, "stderr", budget)
 
     def on_data(data: bytes) -> None:
         item = {"type": "output", "data_b64": base64.b64encode(data).decode("ascii")}
-        stream._offer(outbox, budget, item, stream._item_cost(item))
+        outbox_.offer(outbox, budget, item, outbox_.item_cost(item))
 
     info = await _start(state, who, sandbox_id, message, (on_stdout, on_stderr), on_data, outbox)
     pid = info.pid
     cut = False
     run = asyncio.create_task(manager.wait_command(sandbox_id, pid, owner=owner))
-    sender = asyncio.create_task(stream._drain(websocket, outbox, budget))
+    sender = asyncio.create_task(outbox_.drain(websocket, outbox, budget))
     listener = asyncio.create_task(_listen(websocket, state, who, sandbox_id, info, outbox))
     try:
         async with state.audited(websocket, who, f"stream.{kind}", sandbox_id, pid=pid):
@@ -91,7 +91,7 @@ async def run_job(
             result = run.result()
         outbox.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
-        outbox.put_nowait(stream._error_message(exc))
+        outbox.put_nowait(outbox_.error_message(exc))
         if isinstance(exc, AuthenticationError):
             cut = True
     finally:
