@@ -131,9 +131,10 @@ def test_a_fresh_command_ignores_planted_session_state_and_dotfiles(
 # ------------------------------------------- 2. a child of an earlier cell answers for later ones
 
 STOP_AND_ANSWER = """
-import json, os, signal, struct, time
-args = [a for a in open('/proc/self/cmdline').read().split('\\0') if a]
-ctl_in, ctl_out = int(args[-2]), int(args[-1])
+import json, os, signal, struct, sys, time
+# The kernel's argv names its control socket, forked or not (a forked kernel's
+# /proc/self/cmdline is the supervisor's).
+ctl_in, ctl_out = int(sys.argv[-2]), int(sys.argv[-1])
 kernel = os.getpid()
 if os.fork() == 0:
     os.setsid()
@@ -168,9 +169,8 @@ def test_a_child_that_stops_the_kernel_cannot_answer_for_it(sandbox: Sandbox) ->
 
 
 ANSWER_BESIDE_THE_KERNEL = """
-import json, os, struct, time
-args = [a for a in open('/proc/self/cmdline').read().split('\\0') if a]
-ctl_out = int(args[-1])
+import json, os, struct, sys, time
+ctl_out = int(sys.argv[-1])  # the kernel's argv names its control socket (forked or not)
 if os.fork() == 0:
     os.setsid()
     end = time.time() + 4
