@@ -56,6 +56,13 @@ def kernel_main(ctl_in, ctl_out):
 
     def run_cell(code):
         state["count"] += 1
+        # A path entry that was no directory when an import looked at it is cached as None
+        # for good: the kernel starts (and, forked, imports) before a cell can make
+        # /workspace/lib, so PYTHONPATH=/workspace/lib would never be searched. Forget those
+        # (a dict scan; finders of real directories keep their caches).
+        cache = sys.path_importer_cache
+        for entry in [entry for entry, finder in cache.items() if finder is None]:
+            del cache[entry]
         filename = "<cell-%d>" % state["count"]
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         result = {"exit_code": 0, "text": None, "error": None}
