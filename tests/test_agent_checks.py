@@ -3,9 +3,19 @@
 
 from __future__ import annotations
 
-from sandlot.agent.checks import actual_values, dual_agreement, parse_generated, verdicts
+import pytest
+
+from sandlot.agent.checks import (
+    CHECK_TIMEOUT_S,
+    RUN_TIMEOUT_S,
+    actual_values,
+    check_timeout_s,
+    dual_agreement,
+    parse_generated,
+    verdicts,
+)
 from sandlot.agent.code import example_checks
-from sandlot.agent.models import Check
+from sandlot.agent.models import Check, Execution
 
 
 def gen(source: str) -> Check:
@@ -80,10 +90,56 @@ def test_examples_outrank_written_tests() -> None:
     assert vote.best == 1
 
 
+MARK = "__SANDLOT_CHECKS_0123abcd__"
+LINE = MARK + '[{"ok": true, "actual": "1"}, {"ok": false, "actual": "2"}]'
+
+
+def ran(stdout: str, exit_code: int | None = 1, kill_reason: str | None = None) -> Execution:
+    return Execution(ok=exit_code == 0, exit_code=exit_code, stdout=stdout, kill_reason=kill_reason)
+
+
 def test_verdicts_need_the_harness_line() -> None:
-    line = '__SANDLOT_CHECKS__[{"ok": true, "actual": "1"}, {"ok": false, "actual": "2"}]'
-    assert verdicts("noise\n" + line + "\n", 2) == [True, False]
-    assert actual_values(line) == ("1", "2")
+    assert verdicts(ran("noise\n" + LINE + "\n"), 2, MARK) == [True, False]
+    assert actual_values(ran(LINE), 2, MARK) == ("1", "2")
     # A crash before the harness printed, or a count that does not match: all fail.
-    assert verdicts("Traceback ...", 2) == [False, False]
-    assert verdicts(line, 3) == [False, False, False]
+    assert verdicts(ran("Traceback ..."), 2, MARK) == [False, False]
+    assert verdicts(ran(LINE), 3, MARK) == [False, False, False]
+    # Another run's marker (or the bare prefix a forger knows) is not this run's.
+    assert verdicts(ran(LINE), 2, "__SANDLOT_CHECKS_ffff__") == [False, False]
+
+
+def test_verdicts_need_one_line_and_an_exit_code_that_agrees() -> None:
+    all_pass = MARK + '[{"ok": true, "actual": "1"}]'
+    assert verdicts(ran(all_pass, exit_code=0), 1, MARK) == [True]
+    # A line printed twice: one of them is not the harness's.
+    assert verdicts(ran(all_pass + "\n" + all_pass, exit_code=0), 1, MARK) == [False]
+    # All pass but the run exited 1 (or 1 failing and the run exited 0): one of them lies.
+    assert verdicts(ran(all_pass, exit_code=1), 1, MARK) == [False]
+    assert verdicts(ran(LINE, exit_code=0), 2, MARK) == [False, False]
+    assert verdicts(ran(all_pass, exit_code=0, kill_reason="timeout"), 1, MARK) == [False]
+    assert actual_values(ran(all_pass, exit_code=1), 1, MARK) == ()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "7",
+        "[1, 2]",
+        '["ok", "ok"]',
+        '[{"ok": "yes", "actual": "1"}, {"ok": true}]',
+        "{}",
+        "[",
+        "null",
+    ],
+)
+def test_a_malformed_verdict_line_is_all_fail_not_a_crash(payload: str) -> None:
+    execution = ran(MARK + payload, exit_code=0)
+    assert verdicts(execution, 2, MARK) == [False, False]
+    assert actual_values(execution, 2, MARK) == ()
+
+
+def test_the_alarm_fits_the_run() -> None:
+    # Six checks and the trace must fit in a 5 s run: no check may take the 2 s cap.
+    assert check_timeout_s(5.0, 6) == pytest.approx(5.0 / 8)
+    assert check_timeout_s(60.0, 3) == CHECK_TIMEOUT_S
+    assert check_timeout_s(None, 6) == check_timeout_s(RUN_TIMEOUT_S, 6)
