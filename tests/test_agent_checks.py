@@ -1,10 +1,15 @@
-"""Unit tests of the pure parts of the checks: reading the model's tests, and the vote.
+"""Unit tests of the pure parts of the checks: reading the model's tests, the verdicts, the
+vote, and the limit on candidate sandboxes.
 (Their real counterparts, in sandboxes, are in test_agent_strategies.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+from typing import ClassVar
+
 import pytest
 
+from sandlot.agent import sampling
 from sandlot.agent.checks import (
     CHECK_TIMEOUT_S,
     RUN_TIMEOUT_S,
@@ -14,8 +19,10 @@ from sandlot.agent.checks import (
     parse_generated,
     verdicts,
 )
-from sandlot.agent.code import example_checks
+from sandlot.agent.code import example_checks, function_task
 from sandlot.agent.models import Check, Execution
+from sandlot.agent.providers.scripted import ScriptedProvider
+from sandlot.agent.sampling import SampleSelect
 
 
 def gen(source: str) -> Check:
@@ -143,3 +150,50 @@ def test_the_alarm_fits_the_run() -> None:
     assert check_timeout_s(5.0, 6) == pytest.approx(5.0 / 8)
     assert check_timeout_s(60.0, 3) == CHECK_TIMEOUT_S
     assert check_timeout_s(None, 6) == check_timeout_s(RUN_TIMEOUT_S, 6)
+
+
+class CountingExecutor:
+    """A stand-in for a candidate's sandbox that counts how many are open at once (the real
+    ones are in test_agent_strategies.py)."""
+
+    open_now = 0
+    most = 0
+    timeouts: ClassVar[list[float | None]] = []
+
+    def __init__(self, *, timeout_s: float | None = None, **_options: object) -> None:
+        CountingExecutor.timeouts.append(timeout_s)
+
+    async def __aenter__(self) -> CountingExecutor:
+        CountingExecutor.open_now += 1
+        CountingExecutor.most = max(CountingExecutor.most, CountingExecutor.open_now)
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        CountingExecutor.open_now -= 1
+
+    async def run(self, program: str, *, name: str | None = None) -> Execution:
+        await asyncio.sleep(0.05)
+        return Execution(ok=True, exit_code=0)
+
+
+def test_candidate_sandboxes_are_limited_across_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two tasks at once (a benchmark at --concurrency 2), three candidates each, on two CPUs:
+    # two sandboxes at a time in all, not two per task.
+    monkeypatch.setattr(sampling, "SandboxExecutor", CountingExecutor)
+    monkeypatch.setattr(CountingExecutor, "most", 0)
+    monkeypatch.setattr(CountingExecutor, "timeouts", [])
+    monkeypatch.setattr(sampling.os, "cpu_count", lambda: 2)
+    spec = function_task('def f(x):\n    """Anything."""\n', "f")
+
+    def sampler() -> SampleSelect:
+        replies = [f"```python\ndef f(x):\n    return {i}\n```" for i in range(3)]
+        return SampleSelect(
+            ScriptedProvider(list(replies)), samples=3, generated_tests=0, timeout_s=7.0
+        )
+
+    async def two_tasks() -> None:
+        await asyncio.gather(sampler().select(spec), sampler().select(spec))
+
+    asyncio.run(two_tasks())
+    assert CountingExecutor.most == 2
+    assert CountingExecutor.timeouts == [7.0] * 6  # the caller's timeout, on every sandbox
