@@ -20,9 +20,11 @@ from sandlot.agent.checks import (
     verdicts,
 )
 from sandlot.agent.code import example_checks, function_task
+from sandlot.agent.config import AgentSettings
 from sandlot.agent.models import Check, Execution
 from sandlot.agent.providers.scripted import ScriptedProvider
 from sandlot.agent.sampling import SampleSelect
+from sandlot.agent.strategies import StrategyOptions
 
 
 def gen(source: str) -> Check:
@@ -197,3 +199,12 @@ def test_candidate_sandboxes_are_limited_across_tasks(monkeypatch: pytest.Monkey
     asyncio.run(two_tasks())
     assert CountingExecutor.most == 2
     assert CountingExecutor.timeouts == [7.0] * 6  # the caller's timeout, on every sandbox
+
+
+def test_strategy_options_come_from_the_settings() -> None:
+    # One reading of the settings for the runtime and the benchmark (whose copy had lost the
+    # sample temperature); a benchmark's flags win.
+    settings = AgentSettings(agent_sample_temperature=0.3, agent_samples=5)
+    options = StrategyOptions.from_settings(settings, max_attempts=2, samples=7)
+    assert (options.sample_temperature, options.samples, options.max_attempts) == (0.3, 7, 2)
+    assert options.generated_tests == settings.agent_generated_tests

@@ -139,7 +139,8 @@ async def _sample_select(
         if selection.dropped:
             # Re-run the best against the kept checks only: its failure report must name one
             # of them, not a written test the vote threw out.
-            rerun = await executor.run(program_to_run(judged, best.code), name="seed.py")
+            program = program_to_run(judged, best.code, run_timeout_s=executor.timeout_s)
+            rerun = await executor.run(program, name="seed.py")
             seed.execution = rerun
             extra_sandbox_s = rerun.duration_s
         else:
