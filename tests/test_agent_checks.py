@@ -1,11 +1,30 @@
-"""Unit tests of the pure parts of the checks: reading the model's tests, and the vote.
+"""Unit tests of the pure parts of the checks: reading the model's tests, the verdicts, the
+vote, and the limit on candidate sandboxes.
 (Their real counterparts, in sandboxes, are in test_agent_strategies.py.)"""
 
 from __future__ import annotations
 
-from sandlot.agent.checks import actual_values, dual_agreement, parse_generated, verdicts
-from sandlot.agent.code import example_checks
-from sandlot.agent.models import Check
+import asyncio
+from typing import ClassVar
+
+import pytest
+
+from sandlot.agent import sampling
+from sandlot.agent.checks import (
+    CHECK_TIMEOUT_S,
+    RUN_TIMEOUT_S,
+    actual_values,
+    check_timeout_s,
+    dual_agreement,
+    parse_generated,
+    verdicts,
+)
+from sandlot.agent.code import example_checks, function_task
+from sandlot.agent.config import AgentSettings
+from sandlot.agent.models import Check, Execution
+from sandlot.agent.providers.scripted import ScriptedProvider
+from sandlot.agent.sampling import SampleSelect
+from sandlot.agent.strategies import StrategyOptions
 
 
 def gen(source: str) -> Check:
@@ -80,10 +99,112 @@ def test_examples_outrank_written_tests() -> None:
     assert vote.best == 1
 
 
+MARK = "__SANDLOT_CHECKS_0123abcd__"
+LINE = MARK + '[{"ok": true, "actual": "1"}, {"ok": false, "actual": "2"}]'
+
+
+def ran(stdout: str, exit_code: int | None = 1, kill_reason: str | None = None) -> Execution:
+    return Execution(ok=exit_code == 0, exit_code=exit_code, stdout=stdout, kill_reason=kill_reason)
+
+
 def test_verdicts_need_the_harness_line() -> None:
-    line = '__SANDLOT_CHECKS__[{"ok": true, "actual": "1"}, {"ok": false, "actual": "2"}]'
-    assert verdicts("noise\n" + line + "\n", 2) == [True, False]
-    assert actual_values(line) == ("1", "2")
+    assert verdicts(ran("noise\n" + LINE + "\n"), 2, MARK) == [True, False]
+    assert actual_values(ran(LINE), 2, MARK) == ("1", "2")
     # A crash before the harness printed, or a count that does not match: all fail.
-    assert verdicts("Traceback ...", 2) == [False, False]
-    assert verdicts(line, 3) == [False, False, False]
+    assert verdicts(ran("Traceback ..."), 2, MARK) == [False, False]
+    assert verdicts(ran(LINE), 3, MARK) == [False, False, False]
+    # Another run's marker (or the bare prefix a forger knows) is not this run's.
+    assert verdicts(ran(LINE), 2, "__SANDLOT_CHECKS_ffff__") == [False, False]
+
+
+def test_verdicts_need_one_line_and_an_exit_code_that_agrees() -> None:
+    all_pass = MARK + '[{"ok": true, "actual": "1"}]'
+    assert verdicts(ran(all_pass, exit_code=0), 1, MARK) == [True]
+    # A line printed twice: one of them is not the harness's.
+    assert verdicts(ran(all_pass + "\n" + all_pass, exit_code=0), 1, MARK) == [False]
+    # All pass but the run exited 1 (or 1 failing and the run exited 0): one of them lies.
+    assert verdicts(ran(all_pass, exit_code=1), 1, MARK) == [False]
+    assert verdicts(ran(LINE, exit_code=0), 2, MARK) == [False, False]
+    assert verdicts(ran(all_pass, exit_code=0, kill_reason="timeout"), 1, MARK) == [False]
+    assert actual_values(ran(all_pass, exit_code=1), 1, MARK) == ()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "7",
+        "[1, 2]",
+        '["ok", "ok"]',
+        '[{"ok": "yes", "actual": "1"}, {"ok": true}]',
+        "{}",
+        "[",
+        "null",
+    ],
+)
+def test_a_malformed_verdict_line_is_all_fail_not_a_crash(payload: str) -> None:
+    execution = ran(MARK + payload, exit_code=0)
+    assert verdicts(execution, 2, MARK) == [False, False]
+    assert actual_values(execution, 2, MARK) == ()
+
+
+def test_the_alarm_fits_the_run() -> None:
+    # Six checks and the trace must fit in a 5 s run: no check may take the 2 s cap.
+    assert check_timeout_s(5.0, 6) == pytest.approx(5.0 / 8)
+    assert check_timeout_s(60.0, 3) == CHECK_TIMEOUT_S
+    assert check_timeout_s(None, 6) == check_timeout_s(RUN_TIMEOUT_S, 6)
+
+
+class CountingExecutor:
+    """A stand-in for a candidate's sandbox that counts how many are open at once (the real
+    ones are in test_agent_strategies.py)."""
+
+    open_now = 0
+    most = 0
+    timeouts: ClassVar[list[float | None]] = []
+
+    def __init__(self, *, timeout_s: float | None = None, **_options: object) -> None:
+        CountingExecutor.timeouts.append(timeout_s)
+
+    async def __aenter__(self) -> CountingExecutor:
+        CountingExecutor.open_now += 1
+        CountingExecutor.most = max(CountingExecutor.most, CountingExecutor.open_now)
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        CountingExecutor.open_now -= 1
+
+    async def run(self, program: str, *, name: str | None = None) -> Execution:
+        await asyncio.sleep(0.05)
+        return Execution(ok=True, exit_code=0)
+
+
+def test_candidate_sandboxes_are_limited_across_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two tasks at once (a benchmark at --concurrency 2), three candidates each, on two CPUs:
+    # two sandboxes at a time in all, not two per task.
+    monkeypatch.setattr(sampling, "SandboxExecutor", CountingExecutor)
+    monkeypatch.setattr(CountingExecutor, "most", 0)
+    monkeypatch.setattr(CountingExecutor, "timeouts", [])
+    monkeypatch.setattr(sampling.os, "cpu_count", lambda: 2)
+    spec = function_task('def f(x):\n    """Anything."""\n', "f")
+
+    def sampler() -> SampleSelect:
+        replies = [f"```python\ndef f(x):\n    return {i}\n```" for i in range(3)]
+        return SampleSelect(
+            ScriptedProvider(list(replies)), samples=3, generated_tests=0, timeout_s=7.0
+        )
+
+    async def two_tasks() -> None:
+        await asyncio.gather(sampler().select(spec), sampler().select(spec))
+
+    asyncio.run(two_tasks())
+    assert CountingExecutor.most == 2
+    assert CountingExecutor.timeouts == [7.0] * 6  # the caller's timeout, on every sandbox
+
+
+def test_strategy_options_come_from_the_settings() -> None:
+    # One reading of the settings for the runtime and the benchmark (whose copy had lost the
+    # sample temperature); a benchmark's flags win.
+    settings = AgentSettings(agent_sample_temperature=0.3, agent_samples=5)
+    options = StrategyOptions.from_settings(settings, max_attempts=2, samples=7)
+    assert (options.sample_temperature, options.samples, options.max_attempts) == (0.3, 7, 2)
+    assert options.generated_tests == settings.agent_generated_tests

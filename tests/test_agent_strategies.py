@@ -185,6 +185,11 @@ async def test_the_loop_goes_on_from_the_best_candidate(manager: SandboxManager)
     assert "actual:   3" in critic and "expected: 2" in critic
     assert provider.remaining == 0
     assert result.total_tokens > sum(a.total_tokens for a in result.attempts[:2])
+    # No written test was dropped: the best's run in selection is the loop's first, not re-run.
+    rewrite = result.attempts[2].execution
+    assert not result.dropped_checks and rewrite is not None
+    candidates_s = sum(c.sandbox_s for c in result.candidates)
+    assert result.sandbox_s == pytest.approx(candidates_s + rewrite.duration_s)
 
 
 @pytest.mark.asyncio

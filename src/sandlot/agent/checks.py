@@ -6,44 +6,80 @@ others), prints one JSON line of verdicts for selection, and for the first failu
 stderr what a critic needs (LDB-style): the assert, the actual and the expected value, and
 the last lines the candidate executed with its variables there, recorded by ``sys.settrace``
 in the sandbox while the failing call is re-run.
+
+The verdicts are advisory. The candidate runs in the harness's own process, before it, so
+code that sets out to can still fool it (it may read the program file, marker included);
+what is cheap to stop is stopped: the harness holds the builtins, ``json.dumps`` and the
+real stdout as they were before the candidate ran, the verdict line carries a marker made
+on the host for this run, exactly one such line is accepted, and only when the run's exit
+code agrees with it. Hidden tests, run by the scorer, are the only authority.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
-from sandlot.agent.models import Check, TaskSpec
+from sandlot.agent.models import Check, Execution, TaskSpec
 
-CHECK_TIMEOUT_S = 2  # per check: a candidate that loops forever on one input fails that one
+CHECK_TIMEOUT_S = 2.0  # per check at most: a candidate that loops forever on one input fails it
+RUN_TIMEOUT_S = 5.0  # the sandbox's default per-call timeout, when the caller sets none
 TRACE_LINES = 8  # line events of the failing call kept for the critic
-VALUE_CHARS = 80  # of each repr in the trace
-VERDICTS_MARK = "__SANDLOT_CHECKS__"
+VALUE_CHARS = 80  # of each repr in the verdicts and the trace
+VERDICTS_MARK = "__SANDLOT_CHECKS_"
+
+# One comparison, formatted into both the checks' harness and code.py's examples runner:
+# a check's expected value is Python source, or else the printed result.
+SAME = """
+def _sandlot_same(got, want_src, namespace, _b):
+    try:
+        want = _b.eval(want_src, namespace)
+    except _b.Exception:
+        want = want_src  # not a Python value: compare with the printed result
+    if got == want or (_b.isinstance(want, _b.str) and _b.repr(got) == want):
+        return True, want
+    if _b.isinstance(got, _b.float) and _b.isinstance(want, (_b.int, _b.float)):
+        return _b.abs(got - want) <= 1e-6 * _b.max(1.0, _b.abs(want)), want
+    return False, want
+"""
+
+# Before the candidate: what the harness needs, taken while it is still the real thing (a
+# candidate may define its own print or eval, or patch json.dumps or sys.stdout).
+PROLOGUE = (
+    "import builtins as __sandlot_b, json as __sandlot_j, os as __sandlot_o, "
+    "signal as __sandlot_s, sys as __sandlot_y\n"
+    "__sandlot_keep = (__sandlot_b, __sandlot_j.dumps, __sandlot_o.write, __sandlot_y.stdout, "
+    "__sandlot_y.settrace, __sandlot_s.signal, __sandlot_s.setitimer, __sandlot_s.ITIMER_REAL, "
+    "__sandlot_s.SIGALRM)\n"
+)
 
 HARNESS = """
 
 # --- sandlot: the task's visible checks, each run on its own
-def __sandlot_checks(cases, harness_line):
-    import json, linecache, signal, sys
+{same}
+
+def __sandlot_checks(keep, cases, harness_line, check_s, mark):
+    _b, dumps, write, stdout, settrace, on_signal, setitimer, timer, sigalrm = keep
+    import linecache
+    namespace = _b.globals()
 
     def alarm(*_):
-        raise TimeoutError("the check ran over {timeout_s} s")
+        raise _b.TimeoutError("the check ran over %s s" % check_s)
 
-    def same(got, want_src):
-        try:
-            want = eval(want_src, globals())
-        except Exception:
-            want = want_src  # not a Python value: compare with the printed result
-        if got == want or (isinstance(want, str) and repr(got) == want):
-            return True, want
-        if isinstance(got, float) and isinstance(want, (int, float)):
-            return abs(got - want) <= 1e-6 * max(1.0, abs(want)), want
-        return False, want
+    def cap(text):
+        return text if _b.len(text) <= {value_chars} else text[: {value_chars} - 3] + "..."
 
     def short(value):
-        text = repr(value)
-        return text if len(text) <= {value_chars} else text[: {value_chars} - 3] + "..."
+        return cap(_b.repr(value))
+
+    def raised(exc):
+        try:
+            return cap("raised %s: %s" % (_b.type(exc).__name__, exc))
+        except _b.BaseException:  # its text is the candidate's code too, and may not end
+            return "raised %s" % _b.type(exc).__name__
 
     def trace(call):
         lines = []
@@ -68,95 +104,155 @@ def __sandlot_checks(cases, harness_line):
                 del lines[: -{trace_lines}]
             return tracer
 
-        signal.alarm({timeout_s})
-        sys.settrace(tracer)
+        setitimer(timer, check_s)
+        settrace(tracer)
         try:
-            eval(call, globals())
-        except BaseException as exc:
-            lines.append("raised %s: %s" % (type(exc).__name__, exc))
+            _b.eval(call, namespace)
+        except _b.BaseException as exc:
+            lines.append(raised(exc))
         finally:
-            sys.settrace(None)
-            signal.alarm(0)
+            settrace(None)
+            setitimer(timer, 0)
         return lines[-{trace_lines}:]
 
-    signal.signal(signal.SIGALRM, alarm)
+    on_signal(sigalrm, alarm)
     verdicts = []
-    report = None
+    failed = None
     for source, call, expected in cases:
         verdict = {{"ok": False, "actual": None}}
-        signal.alarm({timeout_s})
+        wanted = "a true value" if expected is None else expected
+        # The alarm covers the whole case: the expected value's eval and the candidate's
+        # __eq__, __repr__ and __bool__ are code that may not end either.
+        setitimer(timer, check_s)
         try:
-            got = eval(call, globals())
-            signal.alarm(0)
-            verdict["actual"] = short(got)
-            if expected is None:
-                verdict["ok"] = bool(got)
-                want = True
-            else:
-                verdict["ok"], want = same(got, expected)
-        except BaseException as exc:
-            signal.alarm(0)
-            verdict["actual"] = "raised %s: %s" % (type(exc).__name__, exc)
-            want = expected
+            try:
+                got = _b.eval(call, namespace)
+                verdict["actual"] = short(got)
+                if expected is None:
+                    ok = _b.bool(got)
+                else:
+                    same, want = _sandlot_same(got, expected, namespace, _b)
+                    ok, wanted = _b.bool(same), short(want)
+                verdict["ok"] = ok
+            except _b.BaseException as exc:
+                verdict["actual"] = raised(exc)
+        except _b.BaseException as exc:  # the alarm, between the lines above
+            verdict["ok"], verdict["actual"] = False, raised(exc)
+        finally:
+            setitimer(timer, 0)
         verdicts.append(verdict)
-        if not verdict["ok"] and report is None:
-            report = "check failed: %s\\n  actual:   %s\\n  expected: %s" % (
-                source, verdict["actual"], short(want) if expected is not None else "a true value"
-            )
-            steps = trace(call)
-            if steps:
-                report += "\\n  last lines run (each before it ran), with the variables then:"
-                report += "\\n    "
-                report += "\\n    ".join(steps)
-    print("{mark}" + json.dumps(verdicts))
-    if report is not None:
-        print(report, file=sys.stderr)
-        raise SystemExit(1)
+        if not verdict["ok"] and failed is None:
+            failed = (source, call, verdict["actual"], wanted)
+    try:
+        stdout.flush()  # what the candidate printed comes before the verdicts, not after
+    except _b.BaseException:
+        pass
+    line = ("\\n" + mark + dumps(verdicts) + "\\n").encode()
+    while line:
+        line = line[write(1, line):]
+    if failed is None:
+        return
+    source, call, actual, wanted = failed
+    report = "check failed: %s\\n  actual:   %s\\n  expected: %s" % (source, actual, wanted)
+    # Traced only now: the verdicts are out whatever the re-run does.
+    steps = trace(call)
+    if steps:
+        report += "\\n  last lines run (each before it ran), with the variables then:"
+        report += "\\n    "
+        report += "\\n    ".join(steps)
+    report = (report + "\\n").encode("utf-8", "replace")
+    while report:
+        report = report[write(2, report):]
+    raise _b.SystemExit(1)
 
 
-__sandlot_checks({cases!r}, {harness_line})
+__sandlot_checks(__sandlot_keep, {cases!r}, {harness_line}, {check_s!r}, {mark!r})
 """
 
 
-def harness_program(candidate: str, checks: list[Check]) -> str:
-    """The candidate module followed by the harness that runs ``checks`` on it."""
-    body = candidate.rstrip("\n") + "\n"
+def new_marker() -> str:
+    """A verdict marker for one run, made on the host: the candidate cannot know it."""
+    return f"{VERDICTS_MARK}{secrets.token_hex(8)}__"
+
+
+def check_timeout_s(run_timeout_s: float | None, count: int) -> float:
+    """Each check's alarm, so that all of them and the trace fit in the run's timeout (with
+    one share left for the interpreter's start) and the verdict line gets out."""
+    budget_s = run_timeout_s if run_timeout_s is not None else RUN_TIMEOUT_S
+    return max(0.05, min(CHECK_TIMEOUT_S, budget_s / (count + 2)))
+
+
+def _split_future(body: str) -> tuple[str, str]:
+    """``from __future__`` imports must open the module: they go above the prologue."""
+    future: list[str] = []
+    rest: list[str] = []
+    for line in body.splitlines(keepends=True):
+        (future if line.startswith("from __future__ import") else rest).append(line)
+    return "".join(future), "".join(rest)
+
+
+def harness_program(
+    candidate: str,
+    checks: list[Check],
+    *,
+    marker: str | None = None,
+    run_timeout_s: float | None = None,
+) -> str:
+    """The candidate module followed by the harness that runs ``checks`` on it; the verdict
+    line starts with ``marker`` (read it back with :func:`verdicts`)."""
+    future, body = _split_future(candidate.rstrip("\n") + "\n")
+    head = future + PROLOGUE + body
     cases = [(c.source, c.call, c.expected) for c in checks]
-    harness_line = body.count("\n") + 2  # the harness's first line, past the candidate's
-    return body + HARNESS.format(
+    harness_line = head.count("\n") + 2  # the harness's first line, past the candidate's
+    return head + HARNESS.format(
+        same=SAME.strip("\n"),
         cases=cases,
         harness_line=harness_line,
-        timeout_s=CHECK_TIMEOUT_S,
+        check_s=check_timeout_s(run_timeout_s, len(checks)),
         trace_lines=TRACE_LINES,
         value_chars=VALUE_CHARS,
-        mark=VERDICTS_MARK,
+        mark=marker or new_marker(),
     )
 
 
-def verdicts(stdout: str, count: int) -> list[bool]:
-    """Pass or fail per check from a harness run; all fail when it never got to print."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(VERDICTS_MARK):
-            try:
-                found = json.loads(line[len(VERDICTS_MARK) :])
-            except ValueError:
-                break
-            if isinstance(found, list) and len(found) == count:
-                return [bool(v.get("ok")) for v in found]
-            break
-    return [False] * count
+def _verdict_line(execution: Execution, count: int, marker: str) -> list[dict[str, Any]] | None:
+    """The run's verdicts, or None when they cannot be believed: no line or more than one
+    with the marker, not ``count`` well-formed verdicts, a kill, or an exit code that says
+    otherwise (0 when all pass, else 1)."""
+    if execution.kill_reason is not None:
+        return None
+    lines = [line for line in execution.stdout.splitlines() if line.startswith(marker)]
+    if len(lines) != 1:
+        return None
+    try:
+        found = json.loads(lines[0][len(marker) :])
+    except ValueError:
+        return None
+    if not isinstance(found, list) or len(found) != count:
+        return None
+    for verdict in found:
+        if not (
+            isinstance(verdict, dict)
+            and isinstance(verdict.get("ok"), bool)
+            and isinstance(verdict.get("actual"), str | None)
+        ):
+            return None
+    expected_exit = 0 if all(v["ok"] for v in found) else 1
+    return found if execution.exit_code == expected_exit else None
 
 
-def actual_values(stdout: str) -> tuple[str, ...]:
+def verdicts(execution: Execution, count: int, marker: str) -> list[bool]:
+    """Pass or fail per check from a harness run; all fail when its verdicts cannot be
+    believed (see :func:`_verdict_line`)."""
+    found = _verdict_line(execution, count, marker)
+    return [bool(v["ok"]) for v in found] if found is not None else [False] * count
+
+
+def actual_values(execution: Execution, count: int, marker: str) -> tuple[str, ...]:
     """The values the candidate returned on each check: its behaviour, whatever the
     expectations; candidates that agree on it agree on the task."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(VERDICTS_MARK):
-            try:
-                return tuple(str(v.get("actual")) for v in json.loads(line[len(VERDICTS_MARK) :]))
-            except (ValueError, AttributeError):
-                return ()
-    return ()
+    found = _verdict_line(execution, count, marker)
+    return tuple(str(v["actual"]) for v in found) if found is not None else ()
 
 
 def _calls(node: ast.AST, name: str) -> bool:

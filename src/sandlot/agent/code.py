@@ -6,7 +6,7 @@ import ast
 import doctest
 import re
 
-from sandlot.agent.checks import harness_program
+from sandlot.agent.checks import SAME, harness_program
 from sandlot.agent.models import Check, TaskSpec
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -59,31 +59,32 @@ def candidate_program(spec: TaskSpec, code: str) -> str:
     return prompt + code
 
 
-def program_to_run(spec: TaskSpec, code: str) -> str:
+def program_to_run(
+    spec: TaskSpec, code: str, *, marker: str | None = None, run_timeout_s: float | None = None
+) -> str:
     """What the sandbox runs for an attempt: the candidate plus the visible tests (the
-    checks' harness when the task has checks, else ``visible_tests``)."""
+    checks' harness when the task has checks, its verdict line led by ``marker``, its
+    per-check alarm sized from ``run_timeout_s``; else ``visible_tests``)."""
     program = candidate_program(spec, code)
     if spec.checks and spec.is_function:
-        return harness_program(program, spec.checks)
+        return harness_program(program, spec.checks, marker=marker, run_timeout_s=run_timeout_s)
     if spec.visible_tests:
         program += "\n\n" + spec.visible_tests
     return program + "\n"
 
 
-EXAMPLES_RUNNER = """
+EXAMPLES_RUNNER = (
+    """
 # --- the task's own examples, checked: the only tests the agent may see
+import builtins as _b
 import sys as _sys
-
+"""
+    + SAME
+    + """
 _failures = []
 for _call, _want in {pairs!r}:
-    try:
-        _expected = eval(_want)
-    except Exception:
-        _expected = _want  # not a Python value: compare with the printed result
     _got = eval(_call)
-    _same = _got == _expected or (isinstance(_expected, str) and repr(_got) == _expected)
-    if not _same and isinstance(_got, float) and isinstance(_expected, (int, float)):
-        _same = abs(_got - _expected) <= 1e-6 * max(1.0, abs(_expected))
+    _same, _ = _sandlot_same(_got, _want, globals(), _b)
     if not _same:
         _failures.append("%s returned %r, expected %s" % (_call, _got, _want))
 for _line in _failures:
@@ -91,6 +92,7 @@ for _line in _failures:
 if _failures:
     raise SystemExit(1)
 """
+)
 
 _ARROW = re.compile(
     r"^\s*(?P<call>{name}\(.*\))\s*(?:==>|==|=>|->|➞|should return|returns?)\s*(?P<want>.+?)\s*$"

@@ -17,7 +17,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sandlot.errors import ConfigError
 
 Strategy = Literal["single", "reflexion", "sample_select", "sample_select+reflexion"]
-STRATEGIES: tuple[str, ...] = ("single", "reflexion", "sample_select", "sample_select+reflexion")
 ProviderName = Literal["local", "groq", "openrouter", "anthropic", "google", "openai", "ollama"]
 
 

@@ -173,7 +173,9 @@ class ReflexionLoop:
     async def _execute(self, state: LoopState) -> LoopState:
         attempts = list(state["attempts"])
         attempt = attempts[-1].model_copy()
-        execution = await self.executor.run(program_to_run(state["spec"], attempt.code))
+        execution = await self.executor.run(
+            program_to_run(state["spec"], attempt.code, run_timeout_s=self.executor.timeout_s)
+        )
         attempt.execution = execution
         attempts[-1] = attempt
         await self.emit(

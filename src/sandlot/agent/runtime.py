@@ -104,12 +104,8 @@ class AgentRuntime:
                     self.provider,
                     spec,
                     executor,
-                    options=StrategyOptions(
-                        max_attempts=self.max_attempts,
-                        retry_temperature=self.settings.llm_retry_temperature,
-                        samples=self.settings.agent_samples,
-                        generated_tests=self.settings.agent_generated_tests,
-                        sample_temperature=self.settings.agent_sample_temperature,
+                    options=StrategyOptions.from_settings(
+                        self.settings, max_attempts=self.max_attempts
                     ),
                     # A sandbox the caller holds is the only one: candidates take turns in it.
                     sandbox_options=None if sandbox is not None else self.sandbox_options,

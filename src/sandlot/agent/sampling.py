@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from sandlot.agent.checks import (
     actual_values,
     dual_agreement,
+    new_marker,
     parse_generated,
     tests_prompt,
     verdicts,
 )
 from sandlot.agent.code import extract_code, program_to_run
 from sandlot.agent.executor import SandboxExecutor
-from sandlot.agent.loop import _normalized
+from sandlot.agent.loop import _no_events, _normalized
 from sandlot.agent.models import (
     AgentEvent,
     Attempt,
@@ -47,8 +49,20 @@ SAMPLE_TEMPERATURE = 0.8
 TESTS_MAX_TOKENS = 384  # a handful of one-line asserts
 
 
-async def _no_events(_event: AgentEvent) -> None:
-    return None
+# Candidate sandboxes at once, per event loop, across every task and SampleSelect on it: a
+# benchmark at --concurrency c must not hold c x cpu_count sandboxes.
+_SHARED_RUNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def shared_runs() -> asyncio.Semaphore:
+    """The running loop's one limit on candidate sandboxes (the CPU count)."""
+    loop = asyncio.get_running_loop()
+    runs = _SHARED_RUNS.get(loop)
+    if runs is None:
+        runs = _SHARED_RUNS[loop] = asyncio.Semaphore(os.cpu_count() or 1)
+    return runs
 
 
 @dataclass
@@ -76,11 +90,14 @@ class SampleSelect:
         executor: SandboxExecutor | None = None,
         on_event: EventSink | None = None,
         parallel_runs: int | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         """Each candidate gets a sandbox of its own made with ``sandbox_options``, at most
-        ``parallel_runs`` at once (default: the CPU count; measured on 2 loaded cores, 4 at
-        once cost more wall per candidate than 4 in turn); with ``executor`` (one sandbox
-        the caller holds) they run in it one after another."""
+        ``parallel_runs`` at once (default: the CPU count, shared by every task on this
+        event loop; measured on 2 loaded cores, 4 at once cost more wall per candidate than
+        4 in turn), each run limited to ``timeout_s`` (default: ``executor``'s, else the
+        sandbox's); with ``executor`` (one sandbox the caller holds) they run in it one
+        after another."""
         self.provider = provider
         self.samples = samples
         self.generated_tests = generated_tests
@@ -88,7 +105,10 @@ class SampleSelect:
         self.sandbox_options = dict(sandbox_options or {})
         self.executor = executor
         self.emit = on_event or _no_events
-        self._runs = asyncio.Semaphore(parallel_runs or os.cpu_count() or 1)
+        if timeout_s is None and executor is not None:
+            timeout_s = executor.timeout_s
+        self.timeout_s = timeout_s
+        self._runs = asyncio.Semaphore(parallel_runs) if parallel_runs else None
 
     async def _sample(self, spec: TaskSpec, recalled: str, index: int) -> Attempt | ProviderError:
         temperature = None if index == 0 else self.sample_temperature
@@ -127,7 +147,9 @@ class SampleSelect:
     async def _run(self, program: str, name: str) -> Execution:
         if self.executor is not None:
             return await self.executor.run(program, name=name)
-        async with self._runs, SandboxExecutor(**self.sandbox_options) as executor:
+        runs = self._runs or shared_runs()
+        options = {"timeout_s": self.timeout_s, **self.sandbox_options}
+        async with runs, SandboxExecutor(**options) as executor:
             return await executor.run(program, name=name)
 
     async def select(self, spec: TaskSpec, *, recalled: str = "") -> Selection:
@@ -143,9 +165,16 @@ class SampleSelect:
         for i, attempt in enumerate(attempts):
             unique.setdefault(_normalized(attempt.code), []).append(i)
         groups = list(unique.values())
+        # A marker per run, made here: a candidate cannot print another's verdicts, nor guess.
+        markers = [new_marker() for _ in groups]
         runs = [
-            self._run(program_to_run(judged, attempts[g[0]].code), f"candidate_{g[0]}.py")
-            for g in groups
+            self._run(
+                program_to_run(
+                    judged, attempts[g[0]].code, marker=marker, run_timeout_s=self.timeout_s
+                ),
+                f"candidate_{g[0]}.py",
+            )
+            for g, marker in zip(groups, markers, strict=True)
         ]
         if self.executor is not None:
             executions = [await run for run in runs]  # one sandbox: one run at a time
@@ -158,8 +187,14 @@ class SampleSelect:
                 event="execute", attempt=attempts[group[0]].number, data=execution.model_dump()
             )
             await self.emit(event)
-        passes = [_passes(e, checks) for e in executions]
-        behaviours = [actual_values(e.stdout) if checks else () for e in executions]
+        passes = [
+            verdicts(e, len(checks), m) if checks else []
+            for e, m in zip(executions, markers, strict=True)
+        ]
+        behaviours = [
+            actual_values(e, len(checks), m) if checks else ()
+            for e, m in zip(executions, markers, strict=True)
+        ]
         agreement = dual_agreement(checks, passes, [len(g) for g in groups], behaviours)
         best = agreement.best
         if not checks:
@@ -190,7 +225,3 @@ class SampleSelect:
             tests_usage=tests_usage,
             passed_all=passed_all,
         )
-
-
-def _passes(execution: Execution, checks: list[Check]) -> list[bool]:
-    return verdicts(execution.stdout, len(checks)) if checks else []

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from sandlot.agent.code import program_to_run
-from sandlot.agent.config import Strategy
+from sandlot.agent.config import AgentSettings, Strategy
 from sandlot.agent.executor import SandboxExecutor
-from sandlot.agent.loop import RETRY_TEMPERATURE, ReflexionLoop
+from sandlot.agent.loop import RETRY_TEMPERATURE, ReflexionLoop, _no_events
 from sandlot.agent.models import AgentEvent, AgentResult, EventSink, TaskSpec
 from sandlot.agent.providers.base import Provider
 from sandlot.agent.sampling import SAMPLE_TEMPERATURE, SampleSelect
@@ -38,15 +38,26 @@ class StrategyOptions:
     generated_tests: int = 6
     sample_temperature: float = SAMPLE_TEMPERATURE
 
+    @classmethod
+    def from_settings(
+        cls, settings: AgentSettings, *, max_attempts: int, **overrides: Any
+    ) -> StrategyOptions:
+        """The strategy's knobs as ``settings`` give them (``overrides`` win: a benchmark's
+        flags); ``max_attempts`` is the caller's, which may differ from the settings'."""
+        values: dict[str, Any] = {
+            "max_attempts": max_attempts,
+            "retry_temperature": settings.llm_retry_temperature,
+            "samples": settings.agent_samples,
+            "generated_tests": settings.agent_generated_tests,
+            "sample_temperature": settings.agent_sample_temperature,
+        }
+        return cls(**{**values, **overrides})
+
 
 def check_strategy(name: str) -> Strategy:
     if name not in STRATEGY_NAMES:
         raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
     return name  # type: ignore[return-value]
-
-
-async def _no_events(_event: AgentEvent) -> None:
-    return None
 
 
 async def solve(
@@ -101,6 +112,7 @@ async def _sample_select(
         sandbox_options=sandbox_options,
         executor=executor if sandbox_options is None else None,
         on_event=on_event,
+        timeout_s=executor.timeout_s,
     )
     try:
         selection = await sampler.select(spec, recalled=recalled)
@@ -122,11 +134,17 @@ async def _sample_select(
     judged = spec.model_copy(update={"checks": selection.checks})
     result: AgentResult | None = None
     if strategy == "sample_select+reflexion" and not selection.passed_all:
-        # Re-run the best against the kept checks only: its failure report must name one
-        # of them, not a written test the vote threw out.
         seed = best.model_copy(update={"number": 1, "input_tokens": 0, "output_tokens": 0})
         seed.llm_s = 0.0
-        seed.execution = await executor.run(program_to_run(judged, best.code), name="seed.py")
+        if selection.dropped:
+            # Re-run the best against the kept checks only: its failure report must name one
+            # of them, not a written test the vote threw out.
+            program = program_to_run(judged, best.code, run_timeout_s=executor.timeout_s)
+            rerun = await executor.run(program, name="seed.py")
+            seed.execution = rerun
+            extra_sandbox_s = rerun.duration_s
+        else:
+            extra_sandbox_s = 0.0  # it ran against these very checks: its report stands
         loop = ReflexionLoop(
             provider,
             executor,
@@ -148,8 +166,6 @@ async def _sample_select(
         attempts = [*attempts]
         attempts[selection.best] = reviewed
         attempts += rewrites
-        # The seed's re-run is sandbox time this strategy spent.
-        extra_sandbox_s = seed.execution.duration_s
     else:
         extra_sandbox_s = 0.0
     final = result.attempts[-1] if result is not None and result.attempts else best

@@ -186,7 +186,9 @@ class Swarm:
         )
         # One sandbox, one run at a time: each proposal gets the same conditions.
         for proposal in proposals:
-            run = await self.executor.run(program_to_run(spec, proposal.attempt.code))
+            run = await self.executor.run(
+                program_to_run(spec, proposal.attempt.code, run_timeout_s=self.executor.timeout_s)
+            )
             proposal.attempt.execution = run
             await self.emit(
                 AgentEvent(

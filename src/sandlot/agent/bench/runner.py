@@ -18,6 +18,7 @@ a JSONL file task by task, so an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,9 +27,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from sandlot.agent.bench.tasks import BenchTask
+from sandlot.agent.config import get_agent_settings
 from sandlot.agent.executor import SandboxExecutor
 from sandlot.agent.loop import ReflexionLoop
-from sandlot.agent.models import AgentResult
+from sandlot.agent.models import AgentResult, Attempt, Execution
 from sandlot.agent.providers.base import Provider
 from sandlot.agent.strategies import StrategyOptions, check_strategy, solve
 
@@ -78,6 +80,12 @@ class BenchConfig(BaseModel):
     generated_tests: int = 6
 
 
+def hidden_passed(run: Execution, marker: str) -> bool:
+    """A scoring run passed: exit code 0, not killed, and ``marker`` printed on a line of
+    its own after the hidden tests returned."""
+    return run.ok and run.exit_code == 0 and marker in run.stdout.splitlines()
+
+
 async def _hidden_passes(
     task: BenchTask, codes: list[str], options: dict[str, Any]
 ) -> list[tuple[bool, str]]:
@@ -87,9 +95,42 @@ async def _hidden_passes(
     async with SandboxExecutor(timeout_s=HIDDEN_TIMEOUT_S, **options) as executor:
         for code in codes:
             if code.strip() not in verdicts:
-                run = await executor.run(task.scoring_program(code), name="hidden_check.py")
-                verdicts[code.strip()] = (run.ok, run.failure_summary(300))
+                marker = f"__SANDLOT_HIDDEN_PASSED_{secrets.token_hex(16)}__"
+                run = await executor.run(task.scoring_program(code, marker), name="hidden_check.py")
+                passed = hidden_passed(run, marker)
+                summary = run.failure_summary(300) or "exited 0 before the hidden tests ended"
+                verdicts[code.strip()] = (passed, "" if passed else summary)
     return [verdicts[code.strip()] for code in codes]
+
+
+def _outcome(
+    task: BenchTask,
+    result: AgentResult,
+    first: Attempt | None,
+    passes: list[tuple[bool, str]],
+    started: float,
+    **extra: Any,
+) -> TaskOutcome:
+    """What a task scored: ``first`` is the single-shot answer, ``result`` the strategy's."""
+    (single_pass, _), (loop_pass, hidden_failure) = passes
+    return TaskOutcome(
+        task_id=task.task_id,
+        difficulty=task.difficulty,
+        single_pass=single_pass,
+        loop_pass=loop_pass,
+        attempts=len(result.attempts),
+        status=result.status,
+        single_tokens=first.generation_tokens if first else 0,
+        loop_tokens=result.total_tokens,
+        single_llm_s=first.generation_llm_s if first else 0.0,
+        loop_llm_s=result.llm_s,
+        single_sandbox_s=(first.execution.duration_s if first and first.execution else 0.0),
+        loop_sandbox_s=result.sandbox_s,
+        wall_s=time.monotonic() - started,
+        error=result.error,
+        hidden_failure="" if loop_pass else hidden_failure,
+        **extra,
+    )
 
 
 async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig) -> TaskOutcome:
@@ -102,7 +143,8 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
             provider,
             task.spec,
             executor,
-            options=StrategyOptions(
+            options=StrategyOptions.from_settings(
+                get_agent_settings(),
                 max_attempts=config.max_attempts,
                 retry_temperature=config.retry_temperature,
                 samples=config.samples,
@@ -111,26 +153,14 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
             sandbox_options=options,
         )
     one = result.attempts[0] if result.attempts else None
-    (single_pass, _), (loop_pass, hidden_failure) = await _hidden_passes(
-        task, [one.code if one else "", result.code], options
-    )
+    passes = await _hidden_passes(task, [one.code if one else "", result.code], options)
     runs = result.candidates
-    return TaskOutcome(
-        task_id=task.task_id,
-        difficulty=task.difficulty,
-        single_pass=single_pass,
-        loop_pass=loop_pass,
-        attempts=len(result.attempts),
-        status=result.status,
-        single_tokens=one.generation_tokens if one else 0,
-        loop_tokens=result.total_tokens,
-        single_llm_s=one.generation_llm_s if one else 0.0,
-        loop_llm_s=result.llm_s,
-        single_sandbox_s=(one.execution.duration_s if one and one.execution else 0.0),
-        loop_sandbox_s=result.sandbox_s,
-        wall_s=time.monotonic() - started,
-        error=result.error,
-        hidden_failure="" if loop_pass else hidden_failure,
+    return _outcome(
+        task,
+        result,
+        one,
+        passes,
+        started,
         strategy=config.strategy,
         candidates=len(runs),
         candidate_sandbox_s=sum(c.sandbox_s for c in runs) / len(runs) if runs else 0.0,
@@ -159,27 +189,14 @@ async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> 
                 task.spec, mode="single"
             )
     first = (single or result).attempts[:1]
-    first_code = first[0].code if first else ""
-    (single_pass, _), (loop_pass, hidden_failure) = await _hidden_passes(
-        task, [first_code, result.code], options
-    )
     one = first[0] if first else None
-    return TaskOutcome(
-        task_id=task.task_id,
-        difficulty=task.difficulty,
-        single_pass=single_pass,
-        loop_pass=loop_pass,
-        attempts=len(result.attempts),
-        status=result.status,
-        single_tokens=one.generation_tokens if one else 0,
-        loop_tokens=result.total_tokens,
-        single_llm_s=one.generation_llm_s if one else 0.0,
-        loop_llm_s=result.llm_s,
-        single_sandbox_s=(one.execution.duration_s if one and one.execution else 0.0),
-        loop_sandbox_s=result.sandbox_s,
-        wall_s=time.monotonic() - started,
-        error=result.error,
-        hidden_failure="" if loop_pass else hidden_failure,
+    passes = await _hidden_passes(task, [one.code if one else "", result.code], options)
+    return _outcome(
+        task,
+        result,
+        one,
+        passes,
+        started,
         single_same_as_first=(
             None
             if single is None

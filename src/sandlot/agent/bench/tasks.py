@@ -30,8 +30,18 @@ class BenchTask:
     def task_id(self) -> str:
         return self.spec.task_id or ""
 
-    def scoring_program(self, code: str) -> str:
-        return candidate_program(self.spec, code) + "\n\n" + self.hidden_tests + "\n"
+    def scoring_program(self, code: str, marker: str) -> str:
+        """The candidate, its hidden tests, then ``marker`` printed: the run passes only when
+        the marker is out (the tests ran to their end; a candidate that exits 0 at import,
+        ``os._exit(0)`` or ``sys.exit(0)`` under ``__main__``, never prints it) and the exit
+        code is 0. ``marker`` is made on the host for this run: the candidate cannot know it
+        (unless it reads its own program file: hidden tests are a scorer, not a wall)."""
+        return (
+            candidate_program(self.spec, code)
+            + "\n\n"
+            + self.hidden_tests
+            + f"\n\n__import__('sys').stdout.write('\\n' + {marker!r} + '\\n')\n"
+        )
 
 
 def _function_task(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 import os
 import threading
 import time
@@ -99,18 +100,23 @@ class LocalProvider(Provider):
         self.timeout_s = timeout_s
         self.seed = seed
         self.instance = instance
-        self._draws = 0
+        # Each call's seed, taken on the event loop's thread before decoding starts on a
+        # worker: two calls at once never read the same count.
+        self._seeds = itertools.count(seed)
         self.path = model_path or _resolve(model, models_dir)
 
     def _llm(self) -> tuple[Any, threading.Lock]:
         return _load(self.path, self.threads, self.context_tokens, self.instance)
 
     def _chunks(
-        self, messages: list[Message], params: GenerationParams, stats: dict[str, Any]
+        self,
+        messages: list[Message],
+        params: GenerationParams,
+        stats: dict[str, Any],
+        seed: int,
     ) -> Iterator[str]:
         """Decode in this (worker) thread, token by token, within the time budget."""
         llm, lock = self._llm()
-        self._draws += 1
         kwargs: dict[str, Any] = {
             "messages": [m.model_dump() for m in messages],
             "max_tokens": params.max_tokens,
@@ -120,7 +126,7 @@ class LocalProvider(Provider):
             # Each call its own seed (reproducible in call order): with one seed, samples of
             # the same prompt at the same temperature were the same text, and
             # sample-and-select ran one candidate N times.
-            "seed": self.seed + self._draws - 1,
+            "seed": seed,
         }
         if params.json_mode:
             # llama.cpp constrains sampling with a grammar made from the schema: the reply
@@ -159,7 +165,8 @@ class LocalProvider(Provider):
     async def _complete(self, messages: list[Message], params: GenerationParams) -> Completion:
         stats: dict[str, Any] = {}
         started = time.monotonic()
-        text = await asyncio.to_thread(lambda: "".join(self._chunks(messages, params, stats)))
+        seed = next(self._seeds)
+        text = await asyncio.to_thread(lambda: "".join(self._chunks(messages, params, stats, seed)))
         return Completion(
             text=text,
             provider=self.name,
@@ -175,10 +182,11 @@ class LocalProvider(Provider):
     ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, str | BaseException | None]] = asyncio.Queue()
+        seed = next(self._seeds)
 
         def produce() -> None:
             try:
-                for text in self._chunks(messages, params, {}):
+                for text in self._chunks(messages, params, {}, seed):
                     loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
             except BaseException as exc:  # handed to the consumer, re-raised there
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
