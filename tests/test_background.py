@@ -19,7 +19,7 @@ from sandlot.errors import (
     SandboxNotRunning,
 )
 from tests import leaks
-from tests.conftest import LiveServer, placement
+from tests.conftest import LiveServer, placement, runtime_of
 
 # Asks the server at 127.0.0.1:$1 until it answers (it may still be binding its port).
 FETCH = (
@@ -204,12 +204,23 @@ def test_destroy_kills_every_background_command(
         waiter.wait(timeout_s=1)
 
 
-def test_a_background_command_cannot_forge_a_reply(jail: Sandbox) -> None:
+def test_a_background_command_cannot_forge_a_reply(
+    jail: Sandbox, request: pytest.FixtureRequest
+) -> None:
     # It writes a well-formed guest frame (a result for call ids 1..64) everywhere it can
     # reach. Processes of one sandbox share a uid, so it can write into another command's
     # pipes (as any process left behind could): that is data in that command's output. What
     # it must not reach is the guest's channel to the host (the supervisor is not dumpable):
     # no call's result, exit code or end may be forged.
+    if runtime_of(jail) == "runsc":
+        # A known hole (SECURITY.md, result integrity): gVisor does not apply the
+        # non-dumpable check to /proc/<pid>/fd, so the supervisor's channel can be opened
+        # and written by the sandbox's own code. Strict: this turns red once it is fixed.
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True, reason="gVisor: /proc/<pid>/fd of a non-dumpable process opens"
+            )
+        )
     forger = jail.commands.run(
         'frame=\'{"id":%d,"event":"result","result":{"exit_code":0,'
         '"stdout":"FORGED"}}\'\n'
