@@ -237,6 +237,15 @@ def supervisor_main():
                 request.get("id"), "pids_exhausted", "the sandbox has no free process slots"
             )
     supervisor.kernel.stop()
+    # Out without the interpreter's finalization: a daemon thread (the kernel's rewarm, cut
+    # short by the stop above) may still be printing to stderr, and finalizing while it holds
+    # stderr's lock aborts the process (SIGABRT instead of exit 0). Frames are written with
+    # os.write, so nothing is left buffered but stderr, flushed here.
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError, RuntimeError):
+        pass
+    os._exit(0)
 
 
 def main(argv):
