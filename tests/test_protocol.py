@@ -26,8 +26,9 @@ import sandlot.guest.ops
 from sandlot import GuestError, SandboxFileNotFound
 from sandlot.core.files import read_through
 from sandlot.core.guest_link import GuestConnection
-from sandlot.errors import GuestDied, ProtocolMismatch
+from sandlot.errors import GuestChannelBroken, GuestDied, ProtocolMismatch
 from sandlot.guest.ops import PROTOCOL_VERSION, Op
+from sandlot.guest.seal import KEY_BYTES, TO_GUEST, TO_HOST, Seal
 
 
 class EndlessFile:
@@ -45,29 +46,52 @@ async def test_read_stops_at_the_disk_size_whatever_the_guest_says() -> None:
     assert received <= 1 << 20
 
 
-# A real process plays the guest: it writes `first`, reads one request, writes `answer`,
-# then lingers before exiting.
+# A real process plays the guest: it reads the host's key, then takes each step in turn
+# ("sealed" frame, "plain" unsealed frame, "raw" bytes, "forged" frame sealed with another
+# key, "skip" a sequence number, "again" the last bytes, "read" one request), then lingers.
 FAKE_GUEST = """
-import struct, sys, time
-out = sys.stdout.buffer
-out.write(bytes.fromhex(sys.argv[1])); out.flush()
-if sys.argv[2]:
-    size = struct.unpack(">I", sys.stdin.buffer.read(4))[0]
-    sys.stdin.buffer.read(size)
-    out.write(bytes.fromhex(sys.argv[2])); out.flush()
-time.sleep(float(sys.argv[3]))
+import json, struct, sys, time
+sys.path.insert(0, sys.argv[3])
+from seal import TO_HOST, Seal
+out, inp = sys.stdout.buffer, sys.stdin.buffer
+def read():
+    (size,) = struct.unpack(">I", inp.read(4))
+    return inp.read(size)
+def framed(body):
+    return struct.pack(">I", len(body)) + body
+seal = Seal(bytes.fromhex(json.loads(read())["key"]), TO_HOST)
+forger = Seal(bytes(32), TO_HOST)
+last = b""
+for kind, value in json.loads(sys.argv[1]):
+    data = b""
+    if kind == "sealed":
+        data = framed(seal.seal(json.dumps(value).encode()))
+    elif kind == "forged":
+        forger.seq = seal.seq
+        data = framed(forger.seal(json.dumps(value).encode()))
+    elif kind == "plain":
+        data = framed(json.dumps(value).encode())
+    elif kind == "raw":
+        data = bytes.fromhex(value)
+    elif kind == "skip":
+        seal.seal(b"")
+    elif kind == "again":
+        data = last
+    elif kind == "read":
+        read()
+    out.write(data)
+    out.flush()
+    last = data or last
+time.sleep(float(sys.argv[2]))
 """
 
-
-def _frame(obj: dict[str, Any]) -> bytes:
-    data = json.dumps(obj).encode()
-    return struct.pack(">I", len(data)) + data
+READY = ("sealed", {"id": 0, "event": "ready", "protocol": PROTOCOL_VERSION})
 
 
 async def _guest(
-    first: bytes, answer: bytes = b"", linger_s: float = 2.0
+    *steps: tuple[str, Any], linger_s: float = 2.0
 ) -> tuple[GuestConnection, asyncio.subprocess.Process]:
-    argv = [first.hex(), answer.hex(), str(linger_s)]
+    argv = [json.dumps(steps), str(linger_s), str(GUEST_DIR)]
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -88,9 +112,8 @@ async def _finish(conn: GuestConnection, proc: asyncio.subprocess.Process) -> No
 
 
 async def test_error_frames_map_to_our_exceptions() -> None:
-    ready = _frame({"id": 0, "event": "ready", "protocol": PROTOCOL_VERSION})
-    error = _frame({"id": 7, "event": "error", "code": "file_not_found", "message": "m"})
-    conn, proc = await _guest(ready, error)
+    error = {"id": 7, "event": "error", "code": "file_not_found", "message": "m"}
+    conn, proc = await _guest(READY, ("read", None), ("sealed", error))
     try:
         await conn.wait_ready(5)
         with pytest.raises(SandboxFileNotFound):
@@ -103,7 +126,7 @@ async def test_error_frames_map_to_our_exceptions() -> None:
 async def test_a_guest_of_another_protocol_version_is_refused(version: object) -> None:
     # A stale guest baked into an image would otherwise be spoken to in a language it
     # half-understands.
-    conn, proc = await _guest(_frame({"id": 0, "event": "ready", "protocol": version}))
+    conn, proc = await _guest(("sealed", {"id": 0, "event": "ready", "protocol": version}))
     try:
         with pytest.raises(ProtocolMismatch, match="sandlot image build"):
             await conn.wait_ready(5)
@@ -111,10 +134,58 @@ async def test_a_guest_of_another_protocol_version_is_refused(version: object) -
         await _finish(conn, proc)
 
 
-async def test_oversized_frame_kills_the_connection_not_the_host() -> None:
-    conn, proc = await _guest(struct.pack(">I", 1 << 30))  # claims a 1 GiB frame
+async def test_a_guest_from_before_sealing_is_named_as_such() -> None:
+    # Its ready frame comes unsealed: the host says "rebuild", not "tampered with".
+    conn, proc = await _guest(("plain", {"id": 0, "event": "ready", "protocol": 3}))
     try:
-        with pytest.raises(GuestError, match="frame"):
+        with pytest.raises(ProtocolMismatch, match="protocol 3"):
+            await conn.wait_ready(5)
+    finally:
+        await _finish(conn, proc)
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        ("forged", {"id": 1, "event": "result", "result": {"exit_code": 0}}),
+        ("plain", {"id": 1, "event": "result", "result": {"exit_code": 0}}),
+        ("again", None),  # the ready frame, replayed
+        ("raw", "00000003" + "7b7d0a"),  # bytes with no tag at all
+    ],
+    ids=["other-key", "unsealed", "replayed", "untagged"],
+)
+async def test_a_frame_the_guest_did_not_seal_breaks_the_channel(
+    attack: tuple[str, Any],
+) -> None:
+    # What code in the sandbox could write into the guest's stdout on gVisor: never taken
+    # as an answer, the connection ends and the pending call says why.
+    honest = ("sealed", {"id": 1, "event": "result", "result": {"exit_code": 0}})
+    conn, proc = await _guest(READY, ("read", None), attack, honest)
+    try:
+        await conn.wait_ready(5)
+        with pytest.raises(GuestChannelBroken, match="failed its check"):
+            await conn.request(Op.PING, {}, call_id=1)
+        assert not conn.alive
+    finally:
+        await _finish(conn, proc)
+
+
+async def test_a_frame_taken_out_of_the_channel_breaks_it() -> None:
+    # Code that reads the guest's stdout steals a frame: the next one's number is wrong.
+    answer = ("sealed", {"id": 1, "event": "result", "result": {"exit_code": 0}})
+    conn, proc = await _guest(READY, ("read", None), ("skip", None), answer)
+    try:
+        await conn.wait_ready(5)
+        with pytest.raises(GuestChannelBroken):
+            await conn.request(Op.PING, {}, call_id=1)
+    finally:
+        await _finish(conn, proc)
+
+
+async def test_oversized_frame_kills_the_connection_not_the_host() -> None:
+    conn, proc = await _guest(("raw", struct.pack(">I", 1 << 30).hex()))  # a 1 GiB frame
+    try:
+        with pytest.raises(GuestChannelBroken, match="frame header"):
             await conn.request(Op.PING, {})
         assert not conn.alive
     finally:
@@ -122,7 +193,7 @@ async def test_oversized_frame_kills_the_connection_not_the_host() -> None:
 
 
 async def test_guest_exit_fails_pending_calls() -> None:
-    conn, proc = await _guest(b"", linger_s=0.2)
+    conn, proc = await _guest(linger_s=0.2)
     try:
         with pytest.raises(GuestDied):
             await conn.request(Op.PING, {})
@@ -165,7 +236,7 @@ def guest(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
 def test_every_op_but_shutdown_has_a_handler(guest: types.ModuleType) -> None:
     ops = sys.modules["ops"]
     handlers = guest.Supervisor(_Frames()).handlers
-    assert set(handlers) == {op for op in ops.Op if op is not ops.Op.SHUTDOWN}
+    assert set(handlers) == {op for op in ops.Op if op not in (ops.Op.SHUTDOWN, ops.Op.HELLO)}
     assert all(callable(handler) for handler in handlers.values())
     # The host's names are the guest's: one file, imported twice.
     assert [op.value for op in ops.Op] == [op.value for op in sandlot.guest.ops.Op]
@@ -186,33 +257,144 @@ def test_a_handler_answers_with_one_result_frame(guest: types.ModuleType) -> Non
     assert frames.sent == [{"id": 5, "event": "result", "result": {"pong": True, "pid": ANY}}]
 
 
-def test_ready_frame_carries_the_protocol_version(tmp_path: Path) -> None:
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "SANDLOT_WORKSPACE": str(tmp_path / "workspace"),
-        "SANDLOT_SHELL_STATE": str(tmp_path / "shells"),
-    }
-    launcher = f"import sys; sys.path.insert(0, {str(GUEST_DIR)!r}); import supervisor; "
-    launcher += "supervisor.main(sys.argv)"
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", launcher],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
+def _frame(obj: dict[str, Any]) -> bytes:
+    data = json.dumps(obj).encode()
+    return struct.pack(">I", len(data)) + data
+
+
+class RealGuest:
+    """The real supervisor in a subprocess, spoken to as the host speaks to it."""
+
+    def __init__(self, workdir: Path, *, hello: bool = True) -> None:
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "SANDLOT_WORKSPACE": str(workdir / "workspace"),
+            "SANDLOT_SHELL_STATE": str(workdir / "shells"),
+        }
+        launcher = f"import sys; sys.path.insert(0, {str(GUEST_DIR)!r}); import supervisor; "
+        launcher += "supervisor.main(sys.argv)"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", launcher],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self.key = os.urandom(KEY_BYTES)
+        self.to_guest, self.from_guest = Seal(self.key, TO_GUEST), Seal(self.key, TO_HOST)
+        if hello:
+            self.write(_frame({"id": 0, "op": "hello", "key": self.key.hex()}))
+
+    def write(self, data: bytes) -> None:
+        self.stdin.write(data)
+        self.stdin.flush()
+
+    def send(self, obj: dict[str, Any]) -> bytes:
+        sealed = self.to_guest.seal(json.dumps(obj).encode())
+        data = struct.pack(">I", len(sealed)) + sealed
+        self.write(data)
+        return data
+
+    def read(self) -> dict[str, Any]:
+        (size,) = struct.unpack(">I", self.stdout.read(4))
+        frame: dict[str, Any] = json.loads(self.from_guest.open(self.stdout.read(size)))
+        return frame
+
+    def answer(self, call_id: int) -> dict[str, Any]:
+        while (frame := self.read())["id"] != call_id:
+            pass
+        return frame
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for stream in (self.stdin, self.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def real_guest(tmp_path: Path) -> Iterator[RealGuest]:
+    guest = RealGuest(tmp_path)
     try:
-        (size,) = struct.unpack(">I", proc.stdout.read(4))
-        ready = json.loads(proc.stdout.read(size))
-        proc.stdin.write(_frame({"id": 1, "op": "shutdown"}))
-        proc.stdin.flush()
-        assert proc.wait(10) == 0
+        yield guest
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        proc.stdin.close()
-        proc.stdout.close()
+        guest.close()
+
+
+def test_ready_frame_carries_the_protocol_version(real_guest: RealGuest) -> None:
+    ready = real_guest.read()  # sealed with the key the host sent
+    real_guest.send({"id": 1, "op": "shutdown"})
+    assert real_guest.proc.wait(10) == 0
     assert ready["event"] == "ready" and ready["id"] == 0
     assert ready["protocol"] == sandlot.guest.ops.PROTOCOL_VERSION
+
+
+def test_a_guest_without_the_key_does_nothing(tmp_path: Path) -> None:
+    guest = RealGuest(tmp_path, hello=False)
+    try:
+        guest.write(_frame({"id": 1, "op": "ping"}))
+        assert guest.proc.wait(10) == 2
+        assert guest.stdout.read() == b""  # not even "ready"
+        assert guest.proc.stderr is not None
+        assert b"not the channel's key" in guest.proc.stderr.read()
+    finally:
+        guest.close()
+
+
+@pytest.mark.parametrize("attack", ["unsealed", "replayed", "other-key"])
+def test_a_request_the_host_did_not_seal_ends_the_guest(real_guest: RealGuest, attack: str) -> None:
+    # What code in the sandbox could write into the supervisor's stdin on gVisor: a request
+    # the supervisor would run as if the host had sent it (and answer under the host's id).
+    assert real_guest.read()["event"] == "ready"
+    sent = real_guest.send({"id": 1, "op": "ping"})
+    assert real_guest.answer(1)["result"]["pong"] is True
+    if attack == "unsealed":
+        real_guest.write(_frame({"id": 2, "op": "ping"}))
+    elif attack == "replayed":
+        real_guest.write(sent)
+    else:
+        forger = Seal(bytes(KEY_BYTES), TO_GUEST)
+        forger.seq = real_guest.to_guest.seq
+        body = forger.seal(json.dumps({"id": 2, "op": "ping"}).encode())
+        real_guest.write(struct.pack(">I", len(body)) + body)
+    last = real_guest.read()
+    assert last == {
+        "id": 0,
+        "event": "error",
+        "code": "guest_channel_broken",
+        "message": ANY,
+    }
+    assert real_guest.proc.wait(10) == 0
+    assert real_guest.stdout.read() == b""  # nothing answered after the break
+
+
+def test_the_kernel_that_runs_code_never_holds_the_key(
+    real_guest: RealGuest, tmp_path: Path
+) -> None:
+    # The first kernel is forked from the supervisor: before the key is read, or every
+    # cell could find it in its own memory and seal frames of its own.
+    assert real_guest.read()["event"] == "ready"
+    dump = (
+        "import re\n"
+        "with open('/proc/self/maps') as m, open('/proc/self/mem', 'rb', 0) as mem,"
+        " open('mem.bin', 'wb') as out:\n"
+        "    for line in m:\n"
+        "        span, perms = line.split()[:2]\n"
+        "        if 'r' not in perms: continue\n"
+        "        lo, hi = (int(x, 16) for x in span.split('-'))\n"
+        "        try:\n"
+        "            mem.seek(lo); out.write(mem.read(hi - lo))\n"
+        "        except (OSError, OverflowError, ValueError): pass\n"
+    )
+    real_guest.send({"id": 1, "op": "exec_code", "code": dump, "timeout_s": 60})
+    result = real_guest.answer(1)["result"]
+    assert result["exit_code"] == 0, result
+    memory = (tmp_path / "workspace" / "mem.bin").read_bytes()
+    assert len(memory) > 1 << 20  # the dump is real
+    assert real_guest.key not in memory
+    assert real_guest.key.hex().encode() not in memory

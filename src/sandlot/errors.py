@@ -19,6 +19,7 @@ file missing inside a sandbox.
     ├── ImageBuildError (RuntimeError)           building an environment's image failed
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
     │   ├── GuestDied                            the guest process exited with calls outstanding
+    │   │   └── GuestChannelBroken               a frame on its channel failed the seal's check
     │   ├── ProtocolMismatch                     the guest speaks another protocol version
     │   └── PidsExhausted                        the sandbox has no free process slot left
     ├── AuthenticationError (PermissionError)    no API key, or an unknown or revoked one
@@ -203,6 +204,14 @@ class GuestDied(GuestError):
     code = "guest_died"
 
 
+class GuestChannelBroken(GuestDied):
+    """A frame between host and guest was not authentic: code in the sandbox wrote into the
+    guest's channel, or read from it (possible on gVisor, see SECURITY.md). The guest is
+    restarted, as after its death; nothing the channel carried after the break is believed."""
+
+    code = "guest_channel_broken"
+
+
 class ProtocolMismatch(GuestError):
     """The guest's "ready" frame names a protocol version this host does not speak."""
 
@@ -278,6 +287,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         GuestError,
         PidsExhausted,
         GuestDied,
+        GuestChannelBroken,
         ProtocolMismatch,
         AuthenticationError,
         Forbidden,

@@ -3,7 +3,9 @@
 One :class:`GuestConnection` per live guest. Requests are multiplexed by id, so a file read
 can run while a long command streams its output. Operation and event names come from
 :mod:`sandlot.guest.ops`, the same table the guest dispatches on; the guest's protocol version
-is checked when it says "ready".
+is checked when it says "ready". Every frame after the first (the key) is sealed both ways
+(:mod:`sandlot.guest.seal`): a frame the sandbox's own code wrote in, took out or replayed
+ends the connection with :class:`GuestChannelBroken`, never passes for an answer.
 """
 
 from __future__ import annotations
@@ -12,11 +14,20 @@ import asyncio
 import contextlib
 import itertools
 import json
+import secrets
 import struct
 from typing import Any
 
-from sandlot.errors import GuestDied, GuestError, ProtocolMismatch, SandboxError, error_from_code
+from sandlot.errors import (
+    GuestChannelBroken,
+    GuestDied,
+    GuestError,
+    ProtocolMismatch,
+    SandboxError,
+    error_from_code,
+)
 from sandlot.guest.ops import PROTOCOL_VERSION, Event, Op
+from sandlot.guest.seal import KEY_BYTES, TO_GUEST, TO_HOST, NotAuthentic, Seal
 from sandlot.models import OutputCallback, Result, ResultCallback
 
 HEADER = struct.Struct(">I")
@@ -45,6 +56,14 @@ class GuestConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        # A fresh key per guest start, sent before anything else (nothing in the sandbox runs
+        # yet); a restarted guest gets a new one, so frames of an old channel never count.
+        key = secrets.token_bytes(KEY_BYTES)
+        self._to_guest = Seal(key, TO_GUEST)
+        self._from_guest = Seal(key, TO_HOST)
+        hello = json.dumps({"id": 0, "op": Op.HELLO, "key": key.hex()}).encode()
+        writer.write(HEADER.pack(len(hello)) + hello)
+        self._fatal: SandboxError | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -113,7 +132,8 @@ class GuestConnection:
                 await self._send({"id": self.new_id(), "op": op, **payload})
 
     async def _send(self, message: dict[str, Any]) -> None:
-        data = json.dumps(message, separators=(",", ":")).encode()
+        # Sealed and written with no await between: frames leave in the order of their tags.
+        data = self._to_guest.seal(json.dumps(message, separators=(",", ":")).encode())
         self._writer.write(HEADER.pack(len(data)) + data)
         try:
             await self._writer.drain()
@@ -128,18 +148,50 @@ class GuestConnection:
                 header = await self._reader.readexactly(HEADER.size)
                 (size,) = HEADER.unpack(header)
                 if size > MAX_FRAME_BYTES:
-                    error = GuestError(f"guest sent a {size}-byte frame; the protocol is broken")
+                    # The guest clips what it sends: bytes someone else wrote into its channel.
+                    error = GuestChannelBroken(
+                        f"the guest's channel to the host carried a {size}-byte frame header, "
+                        "over the limit: something in the sandbox wrote into it; the guest is "
+                        "restarted"
+                    )
                     break
-                self._dispatch(json.loads(await self._reader.readexactly(size)))
+                self._dispatch(self._open(await self._reader.readexactly(size)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except NotAuthentic as exc:
+            error = GuestChannelBroken(
+                "the guest's channel to the host failed its check: something in the sandbox "
+                f"wrote into it or read from it ({exc}); the guest is restarted"
+            )
         except (ValueError, KeyError) as exc:
             error = GuestError(f"guest sent a malformed frame: {exc}")
         finally:
-            self._fail_all(error)
+            self._fail_all(self._fatal or error)
+
+    def _open(self, data: bytes) -> dict[str, Any]:
+        """The frame's object, if it is the next authentic frame."""
+        try:
+            frame: dict[str, Any] = json.loads(self._from_guest.open(data))
+        except NotAuthentic:
+            if self._from_guest.seq == 1:
+                self._older_guest(data)
+            raise
+        return frame
+
+    def _older_guest(self, data: bytes) -> None:
+        """A guest older than sealing says "ready" unsealed: name the real problem."""
+        with contextlib.suppress(ValueError):
+            frame = json.loads(data)
+            ready = isinstance(frame, dict) and frame.get("event") == Event.READY
+            if ready and frame.get("protocol") != PROTOCOL_VERSION:
+                self._ready.set_result(frame)  # wait_ready refuses its protocol version
 
     def _dispatch(self, frame: dict[str, Any]) -> None:
         event = frame.get("event")
+        if frame.get("id") == 0 and event == Event.ERROR:
+            # The guest's own last word (its input failed the check); it exits next.
+            self._fatal = error_from_code(frame.get("code", ""), str(frame.get("message")))
+            return
         if event == Event.READY:
             if not self._ready.done():
                 self._ready.set_result(frame)

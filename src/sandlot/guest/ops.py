@@ -9,13 +9,17 @@ sends the same members. Both are ``str`` enums, so a frame carries the plain nam
 from enum import Enum
 
 # Sent in the "ready" event; the host refuses a guest that speaks another version.
-# 2: rich outputs (DISPLAY events, "results" in exec_code's result); 3: PTY_OPEN, PTY_RESIZE
-PROTOCOL_VERSION = 3
+# 2: rich outputs (DISPLAY events, "results" in exec_code's result); 3: PTY_OPEN, PTY_RESIZE;
+# 4: HELLO, and every later frame sealed (``seal.py``)
+PROTOCOL_VERSION = 4
 
 
 class Op(str, Enum):
     """A request the host sends (``{"id": N, "op": <Op>, ...}``)."""
 
+    # The host's first frame, unsealed: ``{"id": 0, "op": "hello", "key": <hex>}``, the key
+    # that seals every later frame both ways (seal.py). Read once, before the loop.
+    HELLO = "hello"
     PING = "ping"
     CANCEL = "cancel"  # stop the call ``target``
     STDIN = "stdin"  # bytes (base64) for the running command ``target``

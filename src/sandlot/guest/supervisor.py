@@ -27,6 +27,7 @@ from calls import Calls
 from cells import Cells, Kernel
 from ops import PROTOCOL_VERSION, Event, Op
 from procs import become_subreaper, count_tasks, harden, reap_orphans_forever
+from seal import KEY_BYTES, TO_GUEST, TO_HOST, NotAuthentic, Seal
 from wire import FrameWriter, GuestFault, loads, read_frame
 from workspace import WORKSPACE, os_error_code
 
@@ -190,6 +191,22 @@ class Supervisor:
         return {"pong": True, "pid": os.getpid()}
 
 
+def take_key(writer):
+    """Read the host's first frame, the channel's key, and seal the writer with it; return
+    the seal the host's frames must pass. Exits if the first frame is not a key."""
+    try:
+        hello = read_frame(0)
+        key = bytes.fromhex(hello["key"]) if hello.get("op") == Op.HELLO else b""
+    except (EOFError, ValueError, TypeError, KeyError, AttributeError):
+        key = b""
+    if len(key) != KEY_BYTES:
+        sys.stderr.write("sandlot guest: the host's first frame is not the channel's key\n")
+        sys.stderr.flush()
+        os._exit(2)
+    writer.seal = Seal(key, TO_HOST)
+    return Seal(key, TO_GUEST)
+
+
 def supervisor_main():
     harden()
     # As pid 1 no signal without a handler reaches us from inside the sandbox; Python's own
@@ -209,6 +226,8 @@ def supervisor_main():
         supervisor.kernel.fork_first()
     except OSError:
         pass  # the rewarm below starts a fresh interpreter instead
+    # The key only after that fork: the kernel runs the sandbox's code and must never hold it.
+    from_host = take_key(writer)
     if become_subreaper():
         threading.Thread(target=reap_orphans_forever, daemon=True).start()
     threading.Thread(target=supervisor.cells.rewarm, daemon=True).start()
@@ -224,8 +243,14 @@ def supervisor_main():
     )
     while True:
         try:
-            request = read_frame(0)
+            request = read_frame(0, from_host)
         except EOFError:
+            break
+        except ValueError as exc:
+            # Bytes the host did not send (code in the sandbox wrote into our input, or took
+            # a frame out of it): nothing read from here on can be trusted. Say so, sealed.
+            code = "guest_channel_broken" if isinstance(exc, NotAuthentic) else "guest_error"
+            supervisor.send_error(0, code, "the guest's input from the host: %s" % exc)
             break
         if request.get("op") == Op.SHUTDOWN:
             break

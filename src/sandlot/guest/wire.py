@@ -94,18 +94,30 @@ def read_exact(fd, n):
     return bytes(buf)
 
 
-def read_frame(fd):
+def read_frame(fd, seal=None):
+    """The next frame on ``fd``; with a ``seal`` (the host's channel) only an authentic one.
+
+    Raises EOFError at the end of the stream, ValueError for a frame over the limit and
+    ``seal.NotAuthentic`` (a ValueError) for one whose tag is wrong.
+    """
     (size,) = HEADER.unpack(read_exact(fd, HEADER.size))
     if size > MAX_FRAME_BYTES:
         raise ValueError("frame of %d bytes is over the limit" % size)
-    return loads(read_exact(fd, size).decode("utf-8"))
+    data = read_exact(fd, size)
+    if seal is not None:
+        data = seal.open(data)
+    return loads(data.decode("utf-8"))
 
 
-def encode_frame(obj):
+def encode_body(obj):
     text = dumps(obj, ensure_ascii=False)
     # A lone surrogate (a file name that is not UTF-8, an exception message) must not make
     # the frame unsendable: it becomes "?" and the rest of the frame still gets through.
-    data = text.encode("utf-8", "replace")
+    return text.encode("utf-8", "replace")
+
+
+def encode_frame(obj):
+    data = encode_body(obj)
     return HEADER.pack(len(data)) + data
 
 
@@ -149,14 +161,20 @@ def write_all(fd, data):
 
 
 class FrameWriter:
-    def __init__(self, fd):
+    """Whole frames on ``fd`` from any thread; sealed once ``seal`` is set (the host's
+    channel), each tag drawn under the lock so the frames leave in the order sealed."""
+
+    def __init__(self, fd, seal=None):
         self.fd = fd
+        self.seal = seal
         self.lock = threading.Lock()
 
     def send(self, obj):
-        data = encode_frame(obj)
+        body = encode_body(obj)
         with self.lock:
-            write_all(self.fd, data)
+            if self.seal is not None:
+                body = self.seal.seal(body)
+            write_all(self.fd, HEADER.pack(len(body)) + body)
 
 
 class GuestFault(Exception):
