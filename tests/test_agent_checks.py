@@ -190,7 +190,11 @@ def test_candidate_sandboxes_are_limited_across_tasks(monkeypatch: pytest.Monkey
     def sampler() -> SampleSelect:
         replies = [f"```python\ndef f(x):\n    return {i}\n```" for i in range(3)]
         return SampleSelect(
-            ScriptedProvider(list(replies)), samples=3, generated_tests=0, timeout_s=7.0
+            ScriptedProvider(list(replies)),
+            samples=3,
+            generated_tests=0,
+            timeout_s=7.0,
+            early_stop=False,
         )
 
     async def two_tasks() -> None:

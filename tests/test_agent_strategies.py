@@ -122,6 +122,28 @@ async def test_written_tests_against_the_majority_are_dropped(manager: SandboxMa
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("early_stop", [True, False])
+async def test_a_first_candidate_that_passes_every_check_stops_the_sampling(
+    manager: SandboxManager, early_stop: bool
+) -> None:
+    # Single shot already solves it: with early stop the other three samples are never
+    # drawn (their tokens never spent); without, all four are drawn, run and voted on.
+    provider = scripted([RIGHT, OFF_BY_ONE, CRASH, RIGHT_TOO], TESTS)
+    spec = function_task(WORDS_ONLY, "add_one")
+    agent = runtime(manager, provider, agent_sample_early_stop=early_stop)
+    result = await agent.execute(spec, mode="sample_select")
+    assert result.success and result.code == RIGHT
+    drawn = 1 if early_stop else 4
+    assert len(result.attempts) == drawn and len(provider.calls) == drawn + 1  # + the tests
+    assert len(result.candidates) == drawn and result.candidates[0].selected
+    assert [c.source for c in result.checks] == [
+        "assert add_one(1) == 2",
+        "assert add_one(-1) == 0",
+        "assert add_one(0) == 1",
+    ]
+
+
+@pytest.mark.asyncio
 async def test_a_lone_sample_keeps_every_written_test(manager: SandboxManager) -> None:
     # With one sample there is no majority to judge a test by: none is dropped.
     provider = scripted([OFF_BY_ONE], TESTS)
@@ -198,8 +220,10 @@ async def test_the_strategy_setting_picks_the_strategy(
 ) -> None:
     monkeypatch.setenv("AGENT_STRATEGY", "sample_select")
     monkeypatch.setenv("AGENT_SAMPLES", "2")
+    monkeypatch.setenv("AGENT_SAMPLE_EARLY_STOP", "false")  # both samples, though RIGHT passes
     settings = AgentSettings(agent_generated_tests=3)
     assert settings.agent_strategy == "sample_select" and settings.agent_samples == 2
+    assert not settings.agent_sample_early_stop
     provider = scripted([RIGHT, OFF_BY_ONE], TESTS)
     agent = AgentRuntime(provider, settings=settings, sandbox_options={"manager": manager})
     # mode="loop" is "the configured strategy".
@@ -304,6 +328,6 @@ async def test_a_lost_sample_leaves_the_others(manager: SandboxManager) -> None:
     assert result.success and result.code == RIGHT
     assert [(c.sample, c.copies) for c in result.candidates] == [(1, 1)]
     # Every sample lost: the agent's failure, not the code's.
-    provider = ScriptedProvider([ProviderError("down"), ProviderError("down"), TESTS])
+    provider = ScriptedProvider([ProviderError("down")] * 3)
     result = await runtime(manager, provider, agent_samples=2).execute(spec, mode="sample_select")
     assert result.status == "error" and result.error == "down" and not result.success

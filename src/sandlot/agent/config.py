@@ -148,6 +148,12 @@ class AgentSettings(BaseSettings):
         description="Asserts the model writes from the prompt for sample-and-select to judge "
         "by (0: only the prompt's own examples).",
     )
+    agent_sample_early_stop: bool = Field(
+        default=True,
+        validation_alias=_env("agent_sample_early_stop", "AGENT_SAMPLE_EARLY_STOP"),
+        description="Sample-and-select draws and runs the first (greedy) candidate alone, "
+        "and the other samples only when it fails a check (false: always all of them).",
+    )
     agent_sample_temperature: float = Field(
         default=0.8,
         ge=0,

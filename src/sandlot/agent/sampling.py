@@ -11,6 +11,11 @@ kept is the one passing most examples, then with the largest consensus (samples 
 same written tests, times their number), then whose returned values the most samples
 share. A task that is not a function has no tests to write: its candidates are only run,
 and the first that runs cleanly is kept.
+
+Early stop (``AGENT_SAMPLE_EARLY_STOP``, on by default): the first, greedy candidate is
+drawn and run alone with the tests; the other samples are drawn only when it fails a check.
+Most tasks a single shot solves then cost one candidate and the tests, and the vote is held
+where there is something to choose.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sandlot.agent.checks import (
@@ -91,14 +96,18 @@ class SampleSelect:
         on_event: EventSink | None = None,
         parallel_runs: int | None = None,
         timeout_s: float | None = None,
+        early_stop: bool = True,
     ) -> None:
         """Each candidate gets a sandbox of its own made with ``sandbox_options``, at most
         ``parallel_runs`` at once (default: the CPU count, shared by every task on this
         event loop; measured on 2 loaded cores, 4 at once cost more wall per candidate than
         4 in turn), each run limited to ``timeout_s`` (default: ``executor``'s, else the
         sandbox's); with ``executor`` (one sandbox the caller holds) they run in it one
-        after another."""
+        after another. With ``early_stop``, the first (greedy) candidate is drawn and run
+        alone with the tests: when it passes every check, the other samples are never
+        drawn."""
         self.provider = provider
+        self.early_stop = early_stop and samples > 1
         self.samples = samples
         self.generated_tests = generated_tests
         self.sample_temperature = sample_temperature
@@ -153,56 +162,95 @@ class SampleSelect:
             return await executor.run(program, name=name)
 
     async def select(self, spec: TaskSpec, *, recalled: str = "") -> Selection:
-        sampled = asyncio.gather(*(self._sample(spec, recalled, i) for i in range(self.samples)))
-        drawn, (written, tests_usage) = await asyncio.gather(sampled, self._write_tests(spec))
-        attempts = [a for a in drawn if isinstance(a, Attempt)]
-        if not attempts:
-            raise next(e for e in drawn if isinstance(e, ProviderError))
+        tests = asyncio.ensure_future(self._write_tests(spec))
+        first = 1 if self.early_stop else self.samples
+        try:
+            drawn = await self._draw(spec, recalled, range(first))
+            written, tests_usage = await tests
+        finally:
+            tests.cancel()  # a failed draw leaves nobody to await it
         checks = [*spec.checks, *written]
         judged = spec.model_copy(update={"checks": checks})
-        # Identical code runs once; how many samples wrote it is its weight in the vote.
-        unique: dict[str, list[int]] = {}
-        for i, attempt in enumerate(attempts):
-            unique.setdefault(_normalized(attempt.code), []).append(i)
-        groups = list(unique.values())
+        pool = _Pool()
+        await self._judge(judged, drawn, pool)
+        if first < self.samples and not pool.passes_all(0, checks):
+            # The first candidate fails a check, runs badly or was never written: only now
+            # the others, so a task single shot solves costs one sample and the tests.
+            more = await self._draw(spec, recalled, range(first, self.samples))
+            drawn += more
+            await self._judge(judged, more, pool)
+        if not pool.attempts:
+            raise next(e for e in drawn if isinstance(e, ProviderError))
+        return self._settle(checks, pool, tests_usage)
+
+    async def _draw(
+        self, spec: TaskSpec, recalled: str, indices: range
+    ) -> list[Attempt | ProviderError]:
+        return list(await asyncio.gather(*(self._sample(spec, recalled, i) for i in indices)))
+
+    async def _judge(
+        self, judged: TaskSpec, drawn: list[Attempt | ProviderError], pool: _Pool
+    ) -> None:
+        """Run each new distinct candidate against ``judged``'s checks; a copy of one already
+        run only adds its weight."""
+        fresh: list[int] = []
+        for attempt in drawn:
+            if not isinstance(attempt, Attempt):
+                continue
+            pool.attempts.append(attempt)
+            key = _normalized(attempt.code)
+            if key in pool.index:
+                pool.groups[pool.index[key]].append(len(pool.attempts) - 1)
+                continue
+            pool.index[key] = len(pool.groups)
+            pool.groups.append([len(pool.attempts) - 1])
+            fresh.append(len(pool.groups) - 1)
         # A marker per run, made here: a candidate cannot print another's verdicts, nor guess.
-        markers = [new_marker() for _ in groups]
+        markers = [new_marker() for _ in fresh]
         runs = [
             self._run(
                 program_to_run(
-                    judged, attempts[g[0]].code, marker=marker, run_timeout_s=self.timeout_s
+                    judged,
+                    pool.attempts[pool.groups[g][0]].code,
+                    marker=marker,
+                    run_timeout_s=self.timeout_s,
                 ),
-                f"candidate_{g[0]}.py",
+                f"candidate_{pool.groups[g][0]}.py",
             )
-            for g, marker in zip(groups, markers, strict=True)
+            for g, marker in zip(fresh, markers, strict=True)
         ]
         if self.executor is not None:
             executions = [await run for run in runs]  # one sandbox: one run at a time
         else:
             executions = list(await asyncio.gather(*runs))
-        for group, execution in zip(groups, executions, strict=True):
-            for i in group:
-                attempts[i].execution = execution
+        count = len(judged.checks)
+        for g, execution, marker in zip(fresh, executions, markers, strict=True):
+            pool.executions.append(execution)
+            pool.passes.append(verdicts(execution, count, marker) if count else [])
+            pool.behaviours.append(actual_values(execution, count, marker) if count else ())
             event = AgentEvent(
-                event="execute", attempt=attempts[group[0]].number, data=execution.model_dump()
+                event="execute",
+                attempt=pool.attempts[pool.groups[g][0]].number,
+                data=execution.model_dump(),
             )
             await self.emit(event)
-        passes = [
-            verdicts(e, len(checks), m) if checks else []
-            for e, m in zip(executions, markers, strict=True)
-        ]
-        behaviours = [
-            actual_values(e, len(checks), m) if checks else ()
-            for e, m in zip(executions, markers, strict=True)
-        ]
-        agreement = dual_agreement(checks, passes, [len(g) for g in groups], behaviours)
+        # A copy of an earlier candidate carries its run.
+        for group, execution in zip(pool.groups, pool.executions, strict=True):
+            for i in group:
+                pool.attempts[i].execution = execution
+
+    def _settle(
+        self, checks: list[Check], pool: _Pool, tests_usage: Completion | None
+    ) -> Selection:
+        groups, executions, passes = pool.groups, pool.executions, pool.passes
+        agreement = dual_agreement(checks, passes, [len(g) for g in groups], pool.behaviours)
         best = agreement.best
         if not checks:
             # Nothing to check (a program, not a function): the first that runs cleanly.
             best = next((g for g, e in enumerate(executions) if e.ok), 0)
         records = [
             CandidateRecord(
-                sample=attempts[group[0]].number - 1,
+                sample=pool.attempts[group[0]].number - 1,
                 copies=len(group),
                 examples_passed=agreement.scores[g][0],
                 generated_passed=sum(
@@ -217,7 +265,7 @@ class SampleSelect:
         kept = [checks[t] for t in agreement.kept]
         passed_all = all(passes[best][t] for t in agreement.kept) if checks else executions[best].ok
         return Selection(
-            attempts=list(attempts),
+            attempts=list(pool.attempts),
             best=groups[best][0],
             candidates=records,
             checks=kept,
@@ -225,3 +273,23 @@ class SampleSelect:
             tests_usage=tests_usage,
             passed_all=passed_all,
         )
+
+
+@dataclass
+class _Pool:
+    """The candidates judged so far: distinct code in groups (indices into ``attempts``, in
+    sample order), one run, verdicts and returned values per group."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)
+    index: dict[str, int] = field(default_factory=dict)
+    executions: list[Execution] = field(default_factory=list)
+    passes: list[list[bool]] = field(default_factory=list)
+    behaviours: list[tuple[str, ...]] = field(default_factory=list)
+
+    def passes_all(self, group: int, checks: list[Check]) -> bool:
+        if not self.executions:
+            return False
+        if not checks:
+            return self.executions[group].ok
+        return all(self.passes[group])

@@ -37,6 +37,7 @@ class StrategyOptions:
     samples: int = 4
     generated_tests: int = 6
     sample_temperature: float = SAMPLE_TEMPERATURE
+    early_stop: bool = True
 
     @classmethod
     def from_settings(
@@ -50,6 +51,7 @@ class StrategyOptions:
             "samples": settings.agent_samples,
             "generated_tests": settings.agent_generated_tests,
             "sample_temperature": settings.agent_sample_temperature,
+            "early_stop": settings.agent_sample_early_stop,
         }
         return cls(**{**values, **overrides})
 
@@ -109,6 +111,7 @@ async def _sample_select(
         samples=options.samples,
         generated_tests=options.generated_tests,
         sample_temperature=options.sample_temperature,
+        early_stop=options.early_stop,
         sandbox_options=sandbox_options,
         executor=executor if sandbox_options is None else None,
         on_event=on_event,

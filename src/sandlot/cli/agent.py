@@ -176,6 +176,14 @@ def benchmark(
         int | None,
         typer.Option("--samples", min=1, max=32, help="Candidates per task (AGENT_SAMPLES)."),
     ] = None,
+    early_stop: Annotated[
+        bool | None,
+        typer.Option(
+            "--early-stop/--all-samples",
+            help="Draw the other samples only when the first fails a check "
+            "(AGENT_SAMPLE_EARLY_STOP), or always all of them.",
+        ),
+    ] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N tasks.")] = None,
     provider: ProviderOpt = None,
     model: ModelOpt = None,
@@ -231,12 +239,15 @@ def benchmark(
         strategy=chosen,
         samples=settings.agent_samples,
         generated_tests=settings.agent_generated_tests,
+        early_stop=settings.agent_sample_early_stop if early_stop is None else early_stop,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     # reflexion keeps the file names earlier runs wrote; other strategies get their own.
     stem = Path(tasks).stem if tasks.endswith((".jsonl", ".json")) else tasks
     if chosen != "reflexion":
         stem = f"{stem}-{chosen.replace('+', '-')}"
+    if chosen.startswith("sample_select") and not config.early_stop:
+        stem += "-all"
     results = out_dir / f"{stem}.jsonl"
     config_path = out_dir / f"{stem}.config.json"
     if fresh:

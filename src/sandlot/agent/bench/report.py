@@ -95,7 +95,9 @@ def markdown_report(
     broken = sum(1 for o in outcomes if o.single_pass and not o.loop_pass)
     label = _label(outcomes)
     sampling = (
-        f"{config.samples} samples, {config.generated_tests} written tests, "
+        f"{config.samples} samples"
+        + (" (the others only when the first fails a check)" if config.early_stop else "")
+        + f", {config.generated_tests} written tests, "
         if config.strategy.startswith("sample_select")
         else ""
     )

@@ -78,6 +78,7 @@ class BenchConfig(BaseModel):
     strategy: str = "reflexion"
     samples: int = 4
     generated_tests: int = 6
+    early_stop: bool = True
 
 
 def hidden_passed(run: Execution, marker: str) -> bool:
@@ -149,6 +150,7 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
                 retry_temperature=config.retry_temperature,
                 samples=config.samples,
                 generated_tests=config.generated_tests,
+                early_stop=config.early_stop,
             ),
             sandbox_options=options,
         )
