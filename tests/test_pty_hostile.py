@@ -114,6 +114,53 @@ def test_another_sandboxs_terminal_is_not_there(
         term.kill()
 
 
+HOG = """
+import os
+held = []
+try:
+    while len(held) < 5000:
+        held.append(os.openpty())
+    failure = "none"
+except OSError as exc:
+    failure = os.strerror(exc.errno)
+print("HELD", len(held), failure)
+"""
+
+
+def _host_ptys() -> int:
+    with open("/proc/sys/kernel/pty/nr") as f:
+        return int(f.read())
+
+
+def test_one_sandbox_cannot_take_the_hosts_terminals(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    # Every devpts instance draws on the host's kernel.pty.max: one sandbox opening all it
+    # can must stop at its own cap (its instance's max), and another sandbox still gets a
+    # terminal. The kernel keeps the hog's ptys open between cells.
+    cap = manager.settings.max_ptys
+    gvisor = isolated_backend.endswith("+runsc")
+    with (
+        Sandbox.create(manager=manager, **placement(isolated_backend)) as hog,
+        Sandbox.create(manager=manager, **placement(isolated_backend)) as bystander,
+    ):
+        before = _host_ptys()
+        held = hog.run_code(HOG, timeout_s=60)
+        count, failure = held.stdout.split()[1], held.stdout.split(maxsplit=2)[2].strip()
+        if gvisor:
+            # gVisor's terminals are its own, held in its sentry's memory: none is the host's.
+            assert _host_ptys() - before <= 2
+        else:
+            assert int(count) == cap and failure == "No space left on device", held.stdout
+            assert _host_ptys() - before <= cap
+        screen = Screen()
+        term = bystander.pty.create(cmd="echo terminal-ok; sleep 5", on_data=screen)
+        screen.wait_for(b"terminal-ok")
+        got = bystander.run_code("import os; m, s = os.openpty(); os.ttyname(s)")
+        assert got.text and got.text.startswith("'/dev/pts/"), got
+        term.kill()
+
+
 def _host_pids_with(marker: str) -> list[int]:
     pids = []
     for name in os.listdir("/proc"):

@@ -208,6 +208,15 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_MAX_BACKGROUND_COMMANDS", "max_background_commands"),
         description="Background commands one sandbox may run at once.",
     )
+    max_ptys: int = Field(
+        default=32,
+        ge=1,
+        le=4096,
+        validation_alias=_env("SANDBOX_MAX_PTYS", "max_ptys"),
+        description="Pseudo-terminals one sandbox may hold open at once (its devpts "
+        "instance's max; root's bubblewrap and docker on runc): all sandboxes draw on the "
+        "host's kernel.pty.max.",
+    )
     mcp_sessions_per_key: int = Field(
         default=32,
         ge=1,

@@ -58,6 +58,7 @@ from sandlot.backends.bubblewrap.seccomp import build_filter
 from sandlot.backends.bubblewrap.uids import UidAllocator
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from sandlot.backends.delegation import find_delegated, prepare
+from sandlot.backends.devpts import BWRAP_OPTIONS, cap_ptys, read_child_pid, wait_for_exec
 from sandlot.backends.disk import (
     disk_used_bytes,
     loop_disks_available,
@@ -114,6 +115,8 @@ PLACE_IN_CGROUP = (
 )
 BWRAP = "/usr/bin/bwrap"
 NSENTER = "/usr/bin/nsenter"
+# bwrap's set-up before the guest's exec: namespaces and ~60 mounts, a few ms on a quiet host.
+START_TIMEOUT_S = 15.0
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
@@ -347,8 +350,12 @@ class BubblewrapBackend:
         box.net = netns.plan(self.instance, box.sandbox_id, box.uid)
         await netns.create(box.net)
 
-    def _bwrap_argv(self, box: _Box, spec: GuestSpec, seccomp_fd: int) -> list[str]:
+    def _bwrap_argv(
+        self, box: _Box, spec: GuestSpec, seccomp_fd: int, info_fd: int | None = None
+    ) -> list[str]:
         argv = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns"]
+        if info_fd is not None:
+            argv += ["--info-fd", str(info_fd)]  # the sandbox's first pid, for devpts.py
         if spec.network:
             # The namespace it is started in: the sandbox's own (netns.py), never the host's.
             assert box.net is not None
@@ -437,6 +444,10 @@ class BubblewrapBackend:
             os.write(write_fd, build_filter(spec.network))
         finally:
             os.close(write_fd)
+        # As root, the manager bounds the sandbox's terminals once bwrap has made its mounts:
+        # bwrap says on this pipe which pid is the sandbox's first.
+        info_r, info_w = (-1, -1) if self.rootless else os.pipe()
+        info_fd = None if self.rootless else info_w
         # The host-side chain (sh as root, setpriv, bwrap) runs with a fixed environment and
         # absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a root process would
         # run code of their choosing as root. Their env is set inside the sandbox only.
@@ -463,7 +474,7 @@ class BubblewrapBackend:
                 "--clear-groups",
                 "--pdeathsig=SIGKILL",
                 "--",
-                *self._bwrap_argv(box, spec, read_fd),
+                *self._bwrap_argv(box, spec, read_fd, info_fd),
             ]
         try:
             process = await asyncio.create_subprocess_exec(
@@ -471,13 +482,36 @@ class BubblewrapBackend:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                pass_fds=(read_fd,),
+                pass_fds=(read_fd,) if info_fd is None else (read_fd, info_fd),
                 env=HOST_ENV,
                 limit=1 << 20,
             )
         finally:
             os.close(read_fd)
-        return GuestProcess(process)
+            if info_fd is not None:
+                os.close(info_fd)
+        guest = GuestProcess(process)
+        if info_fd is None:
+            return guest
+        try:
+            await asyncio.to_thread(self._bound_terminals, info_r)
+        except BaseException:
+            guest.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(guest.wait(), 5.0)
+            raise
+        return guest
+
+    def _bound_terminals(self, info_fd: int) -> None:
+        """Once bwrap has exec'd the guest (every mount made), cap its devpts instance. The
+        guest runs no code of the sandbox's before the host sends its key, which comes after
+        this returns."""
+        try:
+            pid = read_child_pid(info_fd, START_TIMEOUT_S)
+        finally:
+            os.close(info_fd)
+        wait_for_exec(pid, "bwrap", START_TIMEOUT_S)
+        cap_ptys(pid, self.settings.max_ptys, BWRAP_OPTIONS)
 
     async def _end_guest(self, box: _Box) -> None:
         if box.guest is not None:

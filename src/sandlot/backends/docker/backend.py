@@ -34,6 +34,7 @@ import structlog
 
 from sandlot.backends.base import GUEST_PIDS_HEADROOM, Check, GuestSpec, instance_of
 from sandlot.backends.cgroups import Cgroup, CgroupDriver
+from sandlot.backends.devpts import DOCKER_OPTIONS, cap_ptys
 from sandlot.backends.disk import (
     disk_used_bytes,
     loop_disks_available,
@@ -313,6 +314,12 @@ class DockerBackend:
         if self._cgroups is not None and pid:
             with contextlib.suppress(OSError, KeyError):
                 box.cgroup = self._cgroups.of_process(pid)
+        if box.runtime == "runc":
+            # runc's devpts instance draws on the host's kernel.pty.max (gVisor's terminals
+            # are its own): bounded before the guest, the first code of the sandbox's, starts.
+            if not pid:
+                raise SandboxStartError("docker named no process for the sandbox's container")
+            await asyncio.to_thread(cap_ptys, pid, self.settings.max_ptys, DOCKER_OPTIONS)
 
     async def _exec_guest(
         self, client: docker.DockerClient, box: _Box, spec: GuestSpec

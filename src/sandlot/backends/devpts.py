@@ -1,0 +1,146 @@
+"""A bound on each sandbox's pseudo-terminals.
+
+Every sandbox has a devpts instance of its own (no sandbox sees another's terminals), but
+all instances draw on one host-wide count, ``kernel.pty.max`` (4096 on Debian, 1024 of it
+kept for the host's own instance): code in one sandbox could open the ~3,000 left and make
+every other sandbox's ``pty.create`` (and the host's ``ssh``/``script`` in other
+containers) fail. devpts has a per-instance ``max``; neither bwrap nor docker sets it, so the
+manager sets it itself: it enters the sandbox's mount namespace from a short-lived thread of
+its own and remounts the instance with ``max=N``, before the guest is given its key (so
+before any of the sandbox's code can run). Needs CAP_SYS_ADMIN over the sandbox's user
+namespace: root's backends only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import select
+import threading
+import time
+from pathlib import Path
+
+from sandlot.errors import SandboxStartError
+
+CLONE_FS = 0x00000200
+CLONE_NEWNS = 0x00020000
+MS_NOSUID = 0x2
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+# What bwrap gives its instance (``newinstance`` is implied: the instance exists already).
+BWRAP_OPTIONS = "ptmxmode=0666,mode=620"
+# What docker's runc gives a container's /dev/pts.
+DOCKER_OPTIONS = "gid=5,ptmxmode=0666,mode=620"
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _device_of(path: str) -> int | None:
+    try:
+        return Path(path).stat().st_dev
+    except OSError:
+        return None
+
+
+def _remount(ns_path: str, max_ptys: int, options: str) -> None:
+    """In this thread only: leave the process's filesystem context, enter the namespace
+    at ``ns_path`` and remount its ``/dev/pts``."""
+    # A remount changes the devpts *instance*, wherever else it is mounted: aimed at the
+    # host's own (a pid still in our namespace), it would cap the host's terminals. Both
+    # are checked before anything changes.
+    if Path(ns_path).stat().st_ino == Path("/proc/self/ns/mnt").stat().st_ino:
+        raise OSError(errno.EINVAL, "the sandbox's mount namespace is the manager's own")
+    ours = _device_of("/dev/pts")
+    if _libc.unshare(CLONE_FS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_FS)")
+    fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(fd, CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({ns_path})")
+    finally:
+        os.close(fd)
+    if _device_of("/dev/pts") in (ours, None):
+        raise OSError(errno.EINVAL, "the sandbox has no devpts instance of its own")
+    data = f"max={max_ptys},{options}".encode()
+    flags = MS_REMOUNT | MS_NOSUID | MS_NOEXEC
+    if _libc.mount(b"devpts", b"/dev/pts", b"devpts", flags, data) != 0:
+        raise OSError(ctypes.get_errno(), "remount of /dev/pts")
+
+
+def cap_ptys(pid: int, max_ptys: int, options: str) -> None:
+    """Bound the devpts instance mounted at ``/dev/pts`` in ``pid``'s mount namespace to
+    ``max_ptys`` terminals. Blocking (a thread's start and a few syscalls).
+
+    The work runs in a thread of its own that ends with it: a thread that entered another
+    mount namespace must never go back to a pool and run the manager's file work there.
+
+    Raises:
+        SandboxStartError: the remount failed (the sandbox must not run unbounded).
+    """
+    failure: list[OSError] = []
+
+    def work() -> None:
+        try:
+            _remount(f"/proc/{pid}/ns/mnt", max_ptys, options)
+        except OSError as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=work, name="sandlot-devpts", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise SandboxStartError(
+            f"could not bound the sandbox's terminals (devpts max={max_ptys}): {failure[0]}"
+        )
+
+
+def read_child_pid(fd: int, timeout_s: float) -> int:
+    """The sandbox's first pid (in the manager's pid namespace), from bwrap's ``--info-fd``
+    JSON (``{"child-pid": N, ...}``). Blocking.
+
+    Raises:
+        SandboxStartError: bwrap said nothing usable within ``timeout_s`` (it failed first).
+    """
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    while True:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0 or not select.select([fd], [], [], left_s)[0]:
+            raise SandboxStartError("bubblewrap did not name the sandbox's first process in time")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise SandboxStartError("bubblewrap exited before it started the sandbox")
+        data += chunk
+        try:
+            info = json.loads(data)
+        except ValueError:
+            continue  # not all of it yet
+        pid = info.get("child-pid") if isinstance(info, dict) else None
+        if not isinstance(pid, int) or pid <= 1:
+            raise SandboxStartError(f"bubblewrap named no first process: {info!r}")
+        return pid
+
+
+def wait_for_exec(pid: int, launcher: str, timeout_s: float) -> None:
+    """Wait until ``pid`` is no longer ``launcher`` (bwrap has finished the sandbox's
+    mounts and exec'd the guest). Blocking, polls ``/proc/<pid>/comm``.
+
+    Raises:
+        SandboxStartError: it did not exec within ``timeout_s``, or exited.
+    """
+    comm = Path(f"/proc/{pid}/comm")
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.0005
+    while True:
+        try:
+            if comm.read_text().strip() != launcher:
+                return
+        except OSError as exc:
+            raise SandboxStartError(f"the sandbox's first process {pid} exited: {exc}") from exc
+        if time.monotonic() > deadline:
+            raise SandboxStartError(f"the sandbox's first process {pid} did not start in time")
+        time.sleep(delay_s)
+        delay_s = min(delay_s * 2, 0.01)
