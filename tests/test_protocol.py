@@ -24,6 +24,7 @@ import pytest
 
 import sandlot.guest.ops
 from sandlot import GuestError, SandboxFileNotFound
+from sandlot.core import guest_link
 from sandlot.core.files import read_through
 from sandlot.core.guest_link import GuestConnection
 from sandlot.errors import GuestChannelBroken, GuestDied, ProtocolMismatch
@@ -178,6 +179,22 @@ async def test_a_frame_taken_out_of_the_channel_breaks_it() -> None:
         await conn.wait_ready(5)
         with pytest.raises(GuestChannelBroken):
             await conn.request(Op.PING, {}, call_id=1)
+    finally:
+        await _finish(conn, proc)
+
+
+async def test_a_header_without_its_body_breaks_the_channel_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Someone else's header (1 KiB announced, 10 bytes sent) would otherwise swallow the
+    # guest's real frames into its body and hang every call with no timeout of its own.
+    monkeypatch.setattr(guest_link, "BODY_TIMEOUT_S", 0.3)
+    header = struct.pack(">I", 1024) + b"x" * 10
+    conn, proc = await _guest(READY, ("read", None), ("raw", header.hex()), linger_s=5)
+    try:
+        await conn.wait_ready(5)
+        with pytest.raises(GuestChannelBroken, match="did not follow its header"):
+            await asyncio.wait_for(conn.request(Op.FILE_READ, {"path": "x"}, call_id=1), 5)
     finally:
         await _finish(conn, proc)
 

@@ -32,6 +32,8 @@ from sandlot.models import OutputCallback, Result, ResultCallback
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
+# A whole frame's bytes after its header: 64 MiB through a loaded docker stream takes ~1-2 s.
+BODY_TIMEOUT_S = 20.0
 
 
 class _Pending:
@@ -155,9 +157,17 @@ class GuestConnection:
                         "restarted"
                     )
                     break
-                self._dispatch(self._open(await self._reader.readexactly(size)))
+                # The guest writes each frame whole: a body that does not follow its header
+                # is a header someone else wrote (desynchronising the stream), not a slow guest.
+                body = await asyncio.wait_for(self._reader.readexactly(size), BODY_TIMEOUT_S)
+                self._dispatch(self._open(body))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except TimeoutError:
+            error = GuestChannelBroken(
+                f"a frame's body did not follow its header within {BODY_TIMEOUT_S:.0f} s: "
+                "something in the sandbox wrote into the guest's channel; the guest is restarted"
+            )
         except NotAuthentic as exc:
             error = GuestChannelBroken(
                 "the guest's channel to the host failed its check: something in the sandbox "
