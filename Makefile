@@ -26,7 +26,7 @@ DOCKER_TARGETS := docker,docker+runsc
 
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
-	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput
+	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -126,6 +126,10 @@ bench: venv image
 
 # HumanEval's 164 canonical solutions, each in a fresh sandbox (cold, and with a warm pool of
 # 2) against a bare python3 per task, interleaved rounds; appends a table to BENCHMARKS.md.
+# The trust walls' cost: sealing a frame, the terminal cap, a guest restart on runc vs runsc.
+bench-trust: venv
+	$(PY) bench/bench_trust.py --rounds 4
+
 bench-throughput: venv
 	$(PY) bench/bench_throughput.py --rounds 3 --workers 1 --output BENCHMARKS.md
 
