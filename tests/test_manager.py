@@ -19,6 +19,7 @@ from sandlot import (
     SandboxNotRunning,
     SandboxStatus,
 )
+from sandlot.core import live as live_module
 from sandlot.errors import SandboxHeldElsewhere
 from sandlot.requests import RunCode, RunCommand, SandboxSpec, SetTimeout, WriteFile, build
 from tests.conftest import make_settings
@@ -184,6 +185,32 @@ async def test_guest_killed_between_calls_reports_lost_state(data_dir: Path) -> 
         assert result.text == "False"
         assert result.state_lost
         assert not (await mgr.run_code(info.id, RunCode(code="1"))).state_lost
+
+
+async def test_a_guest_killed_again_and_again_is_restarted_at_a_paced_rate(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sandboxed code can kill its own supervisor on every call; each restart costs the host
+    # a new guest (on gVisor a container restart) that nobody is charged for. Past the
+    # burst, a restart waits out the window; a destroy never waits for it.
+    monkeypatch.setattr(live_module, "RESTART_BURST", 2)
+    monkeypatch.setattr(live_module, "RESTART_WINDOW_S", 60.0)
+    kill_supervisor = RunCode(code="import os, signal; os.kill(os.getppid(), signal.SIGKILL)")
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create()
+        live = mgr._live[info.id]
+        for _ in range(2):  # the burst: two restarts at once
+            assert (await mgr.run_code(info.id, kill_supervisor)).state_lost
+            assert (await mgr.run_code(info.id, RunCode(code="1"))).text == "1"
+        assert (await mgr.run_code(info.id, kill_supervisor)).state_lost
+        assert 55 < live.restart_wait_s() <= 60
+        paced = asyncio.create_task(mgr.run_code(info.id, RunCode(code="1")))
+        await asyncio.sleep(0.5)
+        assert not paced.done()  # waiting out the window, not restarting
+        destroyed = await asyncio.wait_for(mgr.destroy(info.id), 10)
+        assert destroyed.status == SandboxStatus.DESTROYED
+        with pytest.raises(SandboxNotRunning):
+            await asyncio.wait_for(paced, 5)  # it ends with the sandbox
 
 
 async def test_async_sdk_with_explicit_manager(data_dir: Path) -> None:

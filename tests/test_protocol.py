@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -282,11 +283,14 @@ def _frame(obj: dict[str, Any]) -> bytes:
 class RealGuest:
     """The real supervisor in a subprocess, spoken to as the host speaks to it."""
 
-    def __init__(self, workdir: Path, *, hello: bool = True) -> None:
+    def __init__(
+        self, workdir: Path, *, hello: bool = True, env: dict[str, str] | None = None
+    ) -> None:
         env = {
             "PATH": "/usr/bin:/bin",
             "SANDLOT_WORKSPACE": str(workdir / "workspace"),
             "SANDLOT_SHELL_STATE": str(workdir / "shells"),
+            **(env or {}),
         }
         launcher = f"import sys; sys.path.insert(0, {str(GUEST_DIR)!r}); import supervisor; "
         launcher += "supervisor.main(sys.argv)"
@@ -415,3 +419,25 @@ def test_the_kernel_that_runs_code_never_holds_the_key(
     assert len(memory) > 1 << 20  # the dump is real
     assert real_guest.key not in memory
     assert real_guest.key.hex().encode() not in memory
+
+
+def test_no_planted_file_runs_before_the_guest_holds_its_key(tmp_path: Path) -> None:
+    # Found by a red-team run: the first kernel is forked before the key is read, and its
+    # site.main() imported a sitecustomize.py that earlier code had planted on PYTHONPATH,
+    # so sandbox code ran beside a supervisor still waiting for its key (on gVisor it could
+    # open that supervisor's stdin) and before the host had capped the sandbox's terminals.
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    ran = tmp_path / "ran"
+    (planted / "sitecustomize.py").write_text(f"open({str(ran)!r}, 'w').write('x')\n")
+    guest = RealGuest(tmp_path, hello=False, env={"PYTHONPATH": str(planted)})
+    try:
+        time.sleep(1.5)  # the kernel is forked at once; nothing of the sandbox's may run yet
+        assert not ran.exists()
+        guest.write(_frame({"id": 0, "op": "hello", "key": guest.key.hex()}))
+        assert guest.read()["event"] == "ready"
+        guest.send({"id": 1, "op": "exec_code", "code": "1", "timeout_s": 30})
+        assert guest.answer(1)["result"]["exit_code"] == 0
+        assert ran.exists()  # the same file runs, once the gate is open
+    finally:
+        guest.close()

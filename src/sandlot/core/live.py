@@ -7,9 +7,11 @@ execution and file rooms can ask for "a working connection" without knowing how 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import structlog
@@ -29,6 +31,12 @@ from sandlot.models import Quota, ResolvedLimits, ResourceUsage, SandboxInfo, Sa
 log = structlog.get_logger(__name__)
 
 READY_TIMEOUT_S = 15.0
+# Restarts of one sandbox's guest in a row cost nothing extra until the burst is spent; then
+# each waits until the window since the burst's first has passed. A restart costs the host a
+# new guest nobody is charged for (on gVisor a container restart: ~1 s of the container
+# runtime's CPU), and sandboxed code can force one per call by killing its own supervisor.
+RESTART_BURST = 5
+RESTART_WINDOW_S = 20.0
 
 # A Ray node agent names its node in every id it makes ("sb-<node>-<hex>"), so that any API
 # server routes a call by the id alone; one agent (one manager) runs per worker process.
@@ -82,6 +90,10 @@ class Live:
     counters: ResourceUsage = field(default_factory=ResourceUsage)
     # The owner's quota when it was created (bounds the artifacts it may keep).
     quota: Quota | None = None
+    # When the guest's last restarts began (monotonic), to pace them (RESTART_BURST).
+    restarts: deque[float] = field(default_factory=lambda: deque(maxlen=RESTART_BURST))
+    # Set with ``destroying`` (begin_destroy): wakes a paced restart.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
     def new(
@@ -163,6 +175,13 @@ class Live:
         """
         if self.conn is not None and self.conn.alive:
             return self.conn, False
+        wait_s = self.restart_wait_s()
+        if wait_s > 0:
+            # Outside the lock, and cut short by a destroy: one neither waits for it nor is
+            # outlived by it.
+            log.info("guest restart paced", sandbox=self.id, wait_s=round(wait_s, 1))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ended.wait(), wait_s)
         async with self.lock:
             if self.conn is not None and self.conn.alive:
                 return self.conn, False
@@ -172,8 +191,19 @@ class Live:
             # result has told the caller yet; drop_guest detaches it once a result has.
             lost_unreported = self.conn is not None
             log.info("restarting guest", sandbox=self.id)
+            self.restarts.append(time.monotonic())
             conn = await self.start_guest()
             return conn, lost_unreported
+
+    def begin_destroy(self) -> None:
+        self.destroying = True
+        self.ended.set()
+
+    def restart_wait_s(self) -> float:
+        """How long the next restart must wait (0 while the burst lasts)."""
+        if len(self.restarts) < RESTART_BURST:
+            return 0.0
+        return max(0.0, self.restarts[0] + RESTART_WINDOW_S - time.monotonic())
 
     async def drop_guest(self) -> None:
         """Forget the guest after a call already reported the loss of its state."""

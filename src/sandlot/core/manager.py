@@ -452,7 +452,7 @@ class SandboxManager:
             async with live.lock:  # another destroy is under way: wait for it to finish
                 return live.info.model_copy()
         # Still in _live (so still counted against its owner's quota) until really gone.
-        live.destroying = True
+        live.begin_destroy()
         try:
             background = self._background.pop(sandbox_id, None)
             if background is not None:

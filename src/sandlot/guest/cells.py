@@ -146,6 +146,7 @@ class Kernel:
         self.lock = threading.Lock()
         self.ever_started = False
         self.loss_reported = False
+        self.gated = False
 
     def fork_first(self):
         """Start the first kernel by forking this supervisor, which must still be
@@ -188,6 +189,7 @@ class Kernel:
         os.close(err_w)
         channel.started(pid)
         self.channel = channel
+        self.gated = True  # it waits for open_gate() before anything of the sandbox's runs
         self.proc = Forked(pid, out_r, err_r)
         set_oom_preferred(pid)
         self.ever_started = True
@@ -228,6 +230,16 @@ class Kernel:
         self.ever_started = True
         self.loss_reported = False
         return restarted
+
+    def open_gate(self):
+        """Let the forked first kernel go on past its gate (see ``kernel.forked_main``): the
+        supervisor holds the host's key now. One byte, before any frame on the channel."""
+        if self.gated and self.channel is not None:
+            self.gated = False
+            try:
+                self.channel.sock.sendall(b"G")
+            except OSError:
+                pass  # it died: the next cell starts a fresh one
 
     def alive(self):
         """Running, and not already doomed: a SIGKILL sent a moment ago may still be pending

@@ -222,6 +222,15 @@ def forked_main(ctl, stdout_fd, stderr_fd, env, cwd):
     # The supervisor runs with -I -S: the path a fresh interpreter would have is its own
     # plus PYTHONPATH ahead of the standard library, and the site directories after it
     # (site.main() adds no user site directory here: -I implies -s).
+    # The gate: from here on the sandbox's own files can run (PYTHONPATH, .pth files,
+    # sitecustomize.py planted in /workspace by earlier calls). Not before the supervisor has
+    # read the host's key and the host has bounded the sandbox (its terminals): the
+    # supervisor sends one byte then (``Kernel.open_gate``).
+    try:
+        if not os.read(3, 1):
+            os._exit(0)  # the supervisor is gone
+    except OSError:
+        os._exit(0)
     user_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [GUEST_DIR] + user_path + [p for p in sys.path if p and p != GUEST_DIR]
     import site

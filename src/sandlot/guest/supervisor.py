@@ -228,6 +228,7 @@ def supervisor_main():
         pass  # the rewarm below starts a fresh interpreter instead
     # The key only after that fork: the kernel runs the sandbox's code and must never hold it.
     from_host = take_key(writer)
+    supervisor.kernel.open_gate()
     if become_subreaper():
         threading.Thread(target=reap_orphans_forever, daemon=True).start()
     threading.Thread(target=supervisor.cells.rewarm, daemon=True).start()
