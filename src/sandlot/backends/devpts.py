@@ -45,9 +45,28 @@ def _device_of(path: str) -> int | None:
         return None
 
 
-def _remount(ns_path: str, max_ptys: int, options: str) -> None:
-    """In this thread only: leave the process's filesystem context, enter the namespace
-    at ``ns_path`` and remount its ``/dev/pts``."""
+def _remount(pid: int, parent: int | None, max_ptys: int, options: str) -> None:
+    """In this thread only: leave the process's filesystem context, enter ``pid``'s mount
+    namespace and remount its ``/dev/pts``."""
+    # Held by a pidfd from here on, so the pid cannot be reused under us; checked to be the
+    # child of the launcher that named it (a pid that died and was reused fails this).
+    pidfd = os.pidfd_open(pid)
+    try:
+        if parent is not None and _parent_of(pid) != parent:
+            raise OSError(errno.ESRCH, f"process {pid} is not the sandbox's first process")
+        _enter_and_remount(pidfd, f"/proc/{pid}/ns/mnt", max_ptys, options)
+    finally:
+        os.close(pidfd)
+
+
+def _parent_of(pid: int) -> int | None:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    return None
+
+
+def _enter_and_remount(pidfd: int, ns_path: str, max_ptys: int, options: str) -> None:
     # A remount changes the devpts *instance*, wherever else it is mounted: aimed at the
     # host's own (a pid still in our namespace), it would cap the host's terminals. Both
     # are checked before anything changes.
@@ -56,12 +75,8 @@ def _remount(ns_path: str, max_ptys: int, options: str) -> None:
     ours = _device_of("/dev/pts")
     if _libc.unshare(CLONE_FS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_FS)")
-    fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if _libc.setns(fd, CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), f"setns({ns_path})")
-    finally:
-        os.close(fd)
+    if _libc.setns(pidfd, CLONE_NEWNS) != 0:  # a pidfd names the process, not its pid
+        raise OSError(ctypes.get_errno(), f"setns into the mount namespace of {ns_path}")
     if _device_of("/dev/pts") in (ours, None):
         raise OSError(errno.EINVAL, "the sandbox has no devpts instance of its own")
     data = f"max={max_ptys},{options}".encode()
@@ -70,9 +85,10 @@ def _remount(ns_path: str, max_ptys: int, options: str) -> None:
         raise OSError(ctypes.get_errno(), "remount of /dev/pts")
 
 
-def cap_ptys(pid: int, max_ptys: int, options: str) -> None:
+def cap_ptys(pid: int, max_ptys: int, options: str, *, parent: int | None = None) -> None:
     """Bound the devpts instance mounted at ``/dev/pts`` in ``pid``'s mount namespace to
-    ``max_ptys`` terminals. Blocking (a thread's start and a few syscalls).
+    ``max_ptys`` terminals; ``parent``, if given, must be ``pid``'s parent. Blocking (a
+    thread's start and a few syscalls).
 
     The work runs in a thread of its own that ends with it: a thread that entered another
     mount namespace must never go back to a pool and run the manager's file work there.
@@ -84,7 +100,7 @@ def cap_ptys(pid: int, max_ptys: int, options: str) -> None:
 
     def work() -> None:
         try:
-            _remount(f"/proc/{pid}/ns/mnt", max_ptys, options)
+            _remount(pid, parent, max_ptys, options)
         except OSError as exc:
             failure.append(exc)
 

@@ -494,7 +494,7 @@ class BubblewrapBackend:
         if info_fd is None:
             return guest
         try:
-            await asyncio.to_thread(self._bound_terminals, info_r)
+            await asyncio.to_thread(self._bound_terminals, info_r, process.pid)
         except BaseException:
             guest.kill()
             with contextlib.suppress(Exception):
@@ -502,7 +502,7 @@ class BubblewrapBackend:
             raise
         return guest
 
-    def _bound_terminals(self, info_fd: int) -> None:
+    def _bound_terminals(self, info_fd: int, bwrap_pid: int) -> None:
         """Once bwrap has exec'd the guest (every mount made), cap its devpts instance. The
         guest runs no code of the sandbox's before the host sends its key, which comes after
         this returns."""
@@ -511,7 +511,8 @@ class BubblewrapBackend:
         finally:
             os.close(info_fd)
         wait_for_exec(pid, "bwrap", START_TIMEOUT_S)
-        cap_ptys(pid, self.settings.max_ptys, BWRAP_OPTIONS)
+        # The launchers before bwrap (sh, setpriv, nsenter) exec it: our child is bwrap.
+        cap_ptys(pid, self.settings.max_ptys, BWRAP_OPTIONS, parent=bwrap_pid)
 
     async def _end_guest(self, box: _Box) -> None:
         if box.guest is not None:
