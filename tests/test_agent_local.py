@@ -190,7 +190,13 @@ def test_sample_select_end_to_end_on_the_small_model(small_model: Path, data_roo
         SMALL, model_path=small_model, max_tokens=200, temperature=0.0, context_tokens=2048
     )
     manager = SandboxManager(make_settings(data_root / "local-e2e"))
-    settings = AgentSettings(agent_samples=3, agent_generated_tests=4, max_reflexion_attempts=2)
+    # Every sample drawn (no early stop): the plumbing of the vote is what is under test.
+    settings = AgentSettings(
+        agent_samples=3,
+        agent_generated_tests=4,
+        max_reflexion_attempts=2,
+        agent_sample_early_stop=False,
+    )
     portal = get_portal()
     portal.call(manager.start())
     try:
