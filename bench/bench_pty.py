@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -31,6 +32,8 @@ from pathlib import Path
 for _var in list(os.environ):
     if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
         del os.environ[_var]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.` imports
 
 from bench.bench_core import percentile  # noqa: E402
 from sandlot import Sandbox, SandboxManager, Settings  # noqa: E402

@@ -46,6 +46,8 @@ for _var in list(os.environ):
     if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
         del os.environ[_var]
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.` imports
+
 from bench.bench_core import (  # noqa: E402
     FILE_INTRO,
     BenchError,
