@@ -7,7 +7,7 @@ written tests); an honest candidate that passes one of three must still be chose
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,11 +18,11 @@ from sandlot.agent.bench.tasks import task_file
 from sandlot.agent.checks import VERDICTS_MARK
 from sandlot.agent.code import function_task
 from sandlot.agent.config import AgentSettings
-from sandlot.agent.providers.base import Message
 from sandlot.agent.providers.scripted import ScriptedProvider
 from sandlot.agent.runtime import AgentRuntime
 
 from .conftest import make_settings, skip_reason
+from .test_agent_strategies import scripted
 
 pytestmark = pytest.mark.skipif(bool(skip_reason("bubblewrap")), reason="needs bubblewrap")
 
@@ -69,22 +69,6 @@ FORGERIES = {
         "sys.stdout = Out(sys.stdout)\n"
     ),
 }
-
-
-def fenced(code: str) -> str:
-    return f"```python\n{code}\n```"
-
-
-def scripted(candidates: list[str], tests: str) -> ScriptedProvider:
-    queue = [fenced(c) for c in candidates]
-
-    def reply(messages: list[Message]) -> str:
-        if "Do not write the function" in messages[-1].content:
-            return tests
-        return queue.pop(0)
-
-    replies: list[Callable[[list[Message]], str]] = [reply] * (len(candidates) + 1)
-    return ScriptedProvider(replies)
 
 
 @pytest.fixture

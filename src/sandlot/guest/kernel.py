@@ -219,9 +219,6 @@ def forked_main(ctl, stdout_fd, stderr_fd, env, cwd):
     sys.stdout = sys.__stdout__ = _stdio(1, "w", "strict", "<stdout>")
     sys.stderr = sys.__stderr__ = _stdio(2, "w", "backslashreplace", "<stderr>")
     sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
-    # The supervisor runs with -I -S: the path a fresh interpreter would have is its own
-    # plus PYTHONPATH ahead of the standard library, and the site directories after it
-    # (site.main() adds no user site directory here: -I implies -s).
     # The gate: from here on the sandbox's own files can run (PYTHONPATH, .pth files,
     # sitecustomize.py planted in /workspace by earlier calls). Not before the supervisor has
     # read the host's key and the host has bounded the sandbox (its terminals): the
@@ -231,6 +228,9 @@ def forked_main(ctl, stdout_fd, stderr_fd, env, cwd):
             os._exit(0)  # the supervisor is gone
     except OSError:
         os._exit(0)
+    # The supervisor runs with -I -S: the path a fresh interpreter would have is its own
+    # plus PYTHONPATH ahead of the standard library, and the site directories after it
+    # (site.main() adds no user site directory here: -I implies -s).
     user_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [GUEST_DIR] + user_path + [p for p in sys.path if p and p != GUEST_DIR]
     import site

@@ -486,6 +486,10 @@ class BubblewrapBackend:
                 env=HOST_ENV,
                 limit=1 << 20,
             )
+        except BaseException:
+            if info_fd is not None:
+                os.close(info_r)  # nobody will read it: bwrap never ran
+            raise
         finally:
             os.close(read_fd)
             if info_fd is not None:
