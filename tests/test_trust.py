@@ -22,8 +22,9 @@ import pytest
 
 from sandlot import ExecResult, Sandbox, SandboxError, SandboxManager
 from sandlot._portal import get_portal
+from sandlot.backends import mountns
 from sandlot.requests import ListFiles, RunCommand, SandboxSpec
-from tests.conftest import placement
+from tests.conftest import placement, skip_reason
 
 MiB = 1 << 20
 
@@ -535,6 +536,69 @@ def test_proc_names_neither_the_host_nor_its_other_tenants(jail: Sandbox) -> Non
     assert seen["cpuinfo"] and seen["nprocs"] == Path("/proc/cpuinfo").read_text().count(
         "processor\t:"
     )
+
+
+PROC_UNMASK = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+outcome, after = {}, {}
+for name in ("cmdline", "kallsyms", "meminfo", "acpi", "sys/kernel/random/boot_id"):
+    path = ("/proc/" + name).encode()
+    tries = []
+    for flags in (0, 2, 8):  # umount2 plain, MNT_DETACH, UMOUNT_NOFOLLOW
+        tries.append(ctypes.get_errno() if libc.umount2(path, flags) else "unmounted")
+    remount = libc.mount(b"none", path, None, 0x20 | 0x1000, None)  # MS_REMOUNT | MS_BIND
+    tries.append(ctypes.get_errno() if remount else "remounted")
+    outcome[name] = tries
+    try:
+        with open(path, "wb") as f:
+            f.write(b"planted")
+    except OSError:
+        pass
+    try:
+        after[name] = open(path, "rb").read(1 << 16)
+    except OSError as exc:
+        after[name] = exc.errno
+with open("/proc/self/mountinfo") as f:
+    masks = [ln.split() for ln in f if " /proc/" in ln]
+writable = [m[4] for m in masks if "ro" not in m[5].split(",")]
+(outcome, after, writable)
+"""
+
+
+@pytest.mark.hostile
+def test_the_proc_masks_cannot_be_lifted_or_written(jail: Sandbox) -> None:
+    # On bubblewrap the manager puts the masks over /proc's host-wide entries in itself
+    # (mountns.py, as root; bwrap's binds where the kernel has no mount API): the sandbox's
+    # uid can neither unmount nor remount any of them, nor write through one (runc's masks
+    # are /dev/null, where a write goes nowhere); on bubblewrap every one is read-only.
+    outcome, after, writable = _literal(jail.run_code(PROC_UNMASK))
+    assert not any(t in ("unmounted", "remounted") for v in outcome.values() for t in v), outcome
+    assert not any(isinstance(v, bytes) and b"planted" in v for v in after.values()), after
+    if jail.info.runtime != "runsc":
+        assert after["cmdline"] == after["kallsyms"] == b"", after
+        assert b"MemTotal" in after["meminfo"], after
+    if jail.info.backend == "bubblewrap":
+        assert writable == [], writable
+
+
+@pytest.mark.hostile
+def test_where_the_kernel_has_no_mount_api_bwrap_masks_proc(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(mountns, "supported", lambda: False)
+    sb = Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
+    try:
+        seen = _literal(sb.run_code(PROC_PROBE))
+        assert seen["cmdline"] == seen["kallsyms"] == b"", seen
+        outcome, after, writable = _literal(sb.run_code(PROC_UNMASK))
+        assert not any(t in ("unmounted", "remounted") for v in outcome.values() for t in v)
+        assert after["cmdline"] == b"" and writable == [], (after, writable)
+    finally:
+        sb.kill()
 
 
 ABSTRACT_CONNECT = """

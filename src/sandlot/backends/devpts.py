@@ -6,9 +6,9 @@ kept for the host's own instance): code in one sandbox could open the ~3,000 lef
 every other sandbox's ``pty.create`` (and the host's ``ssh``/``script`` in other
 containers) fail. devpts has a per-instance ``max``; neither bwrap nor docker sets it, so the
 manager sets it itself: it enters the sandbox's mount namespace from a short-lived thread of
-its own and remounts the instance with ``max=N``, before the guest is given its key (so
-before any of the sandbox's code can run). Needs CAP_SYS_ADMIN over the sandbox's user
-namespace: root's backends only.
+its own (:func:`sandlot.backends.mountns.run_inside`) and remounts the instance with
+``max=N``, before the guest is given its key (so before any of the sandbox's code can
+run). Needs CAP_SYS_ADMIN over the sandbox's user namespace: root's backends only.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import errno
 import json
 import os
 import select
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from sandlot.backends.mountns import run_inside
 from sandlot.errors import SandboxStartError
 
-CLONE_FS = 0x00000200
-CLONE_NEWNS = 0x00020000
 MS_NOSUID = 0x2
 MS_NOEXEC = 0x8
 MS_REMOUNT = 0x20
@@ -45,72 +44,37 @@ def _device_of(path: str) -> int | None:
         return None
 
 
-def _remount(pid: int, parent: int | None, max_ptys: int, options: str) -> None:
-    """In this thread only: leave the process's filesystem context, enter ``pid``'s mount
-    namespace and remount its ``/dev/pts``."""
-    # Held by a pidfd from here on, so the pid cannot be reused under us; checked to be the
-    # child of the launcher that named it (a pid that died and was reused fails this).
-    pidfd = os.pidfd_open(pid)
-    try:
-        if parent is not None and _parent_of(pid) != parent:
-            raise OSError(errno.ESRCH, f"process {pid} is not the sandbox's first process")
-        _enter_and_remount(pidfd, f"/proc/{pid}/ns/mnt", max_ptys, options)
-    finally:
-        os.close(pidfd)
-
-
-def _parent_of(pid: int) -> int | None:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("PPid:"):
-            return int(line.split()[1])
-    return None
-
-
-def _enter_and_remount(pidfd: int, ns_path: str, max_ptys: int, options: str) -> None:
-    # A remount changes the devpts *instance*, wherever else it is mounted: aimed at the
-    # host's own (a pid still in our namespace), it would cap the host's terminals. Both
-    # are checked before anything changes.
-    if Path(ns_path).stat().st_ino == Path("/proc/self/ns/mnt").stat().st_ino:
-        raise OSError(errno.EINVAL, "the sandbox's mount namespace is the manager's own")
+def remounter(max_ptys: int, options: str) -> Callable[[], None]:
+    """The remount, for :func:`sandlot.backends.mountns.run_inside`: run in the sandbox's
+    mount namespace, it bounds the devpts instance at ``/dev/pts`` there."""
+    # A remount changes the devpts *instance*, wherever else it is mounted: the host's own
+    # must never be the one it reaches. Ours is read here, in the manager's namespace.
     ours = _device_of("/dev/pts")
-    if _libc.unshare(CLONE_FS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_FS)")
-    if _libc.setns(pidfd, CLONE_NEWNS) != 0:  # a pidfd names the process, not its pid
-        raise OSError(ctypes.get_errno(), f"setns into the mount namespace of {ns_path}")
-    if _device_of("/dev/pts") in (ours, None):
-        raise OSError(errno.EINVAL, "the sandbox has no devpts instance of its own")
-    data = f"max={max_ptys},{options}".encode()
-    flags = MS_REMOUNT | MS_NOSUID | MS_NOEXEC
-    if _libc.mount(b"devpts", b"/dev/pts", b"devpts", flags, data) != 0:
-        raise OSError(ctypes.get_errno(), "remount of /dev/pts")
+
+    def remount() -> None:
+        if _device_of("/dev/pts") in (ours, None):
+            raise OSError(errno.EINVAL, "the sandbox has no devpts instance of its own")
+        data = f"max={max_ptys},{options}".encode()
+        flags = MS_REMOUNT | MS_NOSUID | MS_NOEXEC
+        if _libc.mount(b"devpts", b"/dev/pts", b"devpts", flags, data) != 0:
+            raise OSError(ctypes.get_errno(), "remount of /dev/pts")
+
+    return remount
 
 
 def cap_ptys(pid: int, max_ptys: int, options: str, *, parent: int | None = None) -> None:
     """Bound the devpts instance mounted at ``/dev/pts`` in ``pid``'s mount namespace to
-    ``max_ptys`` terminals; ``parent``, if given, must be ``pid``'s parent. Blocking (a
-    thread's start and a few syscalls).
-
-    The work runs in a thread of its own that ends with it: a thread that entered another
-    mount namespace must never go back to a pool and run the manager's file work there.
+    ``max_ptys`` terminals; ``parent``, if given, must be ``pid``'s parent. Blocking.
 
     Raises:
         SandboxStartError: the remount failed (the sandbox must not run unbounded).
     """
-    failure: list[OSError] = []
-
-    def work() -> None:
-        try:
-            _remount(pid, parent, max_ptys, options)
-        except OSError as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=work, name="sandlot-devpts", daemon=True)
-    thread.start()
-    thread.join()
-    if failure:
+    try:
+        run_inside(pid, remounter(max_ptys, options), parent=parent)
+    except OSError as exc:
         raise SandboxStartError(
-            f"could not bound the sandbox's terminals (devpts max={max_ptys}): {failure[0]}"
-        )
+            f"could not bound the sandbox's terminals (devpts max={max_ptys}): {exc}"
+        ) from exc
 
 
 def read_child_pid(fd: int, timeout_s: float) -> int:
@@ -159,4 +123,6 @@ def wait_for_exec(pid: int, launcher: str, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise SandboxStartError(f"the sandbox's first process {pid} did not start in time")
         time.sleep(delay_s)
-        delay_s = min(delay_s * 2, 0.01)
+        # bwrap's set-up takes a few ms: a short poll, so the sandbox's start waits little
+        # past it (~20 µs of CPU a look).
+        delay_s = min(delay_s * 2, 0.002)

@@ -35,6 +35,7 @@ from typing import ClassVar
 
 import structlog
 
+from sandlot.backends import mountns
 from sandlot.backends.base import (
     GUEST_PIDS_HEADROOM,
     Check,
@@ -58,7 +59,12 @@ from sandlot.backends.bubblewrap.seccomp import build_filter
 from sandlot.backends.bubblewrap.uids import UidAllocator
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from sandlot.backends.delegation import find_delegated, prepare
-from sandlot.backends.devpts import BWRAP_OPTIONS, cap_ptys, read_child_pid, wait_for_exec
+from sandlot.backends.devpts import (
+    BWRAP_OPTIONS,
+    read_child_pid,
+    remounter,
+    wait_for_exec,
+)
 from sandlot.backends.disk import (
     disk_used_bytes,
     loop_disks_available,
@@ -378,7 +384,8 @@ class BubblewrapBackend:
             "/proc",
             "--dev",
             "/dev",
-            *self._proc_masks(box),
+            # As root the manager puts the masks in itself, cheaper (_finish_namespace).
+            *(self._proc_masks(box) if info_fd is None else []),
             "--bind",
             str(box.workspace.parent / "tmp"),
             "/tmp",
@@ -426,17 +433,21 @@ class BubblewrapBackend:
                 argv += ["--ro-bind", str(link), str(link)]
         return argv
 
-    def _proc_masks(self, box: _Box) -> list[str]:
+    def _masks(self, box: _Box) -> list[mountns.Mask]:
         """Binds over the host-wide entries of ``/proc`` (:mod:`sandlot.backends.procfs`)."""
         proc_files = box.root / "proc"
-        argv: list[str] = []
-        for name in self._hidden_files:
-            argv += ["--ro-bind", str(proc_files / EMPTY_FILE), f"/proc/{name}"]
-        for name in self._hidden_dirs:
-            argv += ["--ro-bind", str(proc_files / EMPTY_DIR), f"/proc/{name}"]
-        for name in SYNTHESIZED:
-            argv += ["--ro-bind", str(proc_files / name), f"/proc/{name}"]
-        return argv
+        masks = [
+            mountns.Mask(str(proc_files / EMPTY_FILE), f"/proc/{n}") for n in self._hidden_files
+        ]
+        masks += [
+            mountns.Mask(str(proc_files / EMPTY_DIR), f"/proc/{n}") for n in self._hidden_dirs
+        ]
+        masks += [mountns.Mask(str(proc_files / n), f"/proc/{n}") for n in SYNTHESIZED]
+        return masks
+
+    def _proc_masks(self, box: _Box) -> list[str]:
+        """The masks as bwrap's binds, where the manager cannot make them itself."""
+        return [arg for m in self._masks(box) for arg in ("--ro-bind", m.source, m.target)]
 
     async def _spawn(self, box: _Box, spec: GuestSpec) -> GuestProcess:
         read_fd, write_fd = os.pipe()
@@ -444,10 +455,12 @@ class BubblewrapBackend:
             os.write(write_fd, build_filter(spec.network))
         finally:
             os.close(write_fd)
-        # As root, the manager bounds the sandbox's terminals once bwrap has made its mounts:
-        # bwrap says on this pipe which pid is the sandbox's first.
-        info_r, info_w = (-1, -1) if self.rootless else os.pipe()
-        info_fd = None if self.rootless else info_w
+        # As root, the manager masks /proc and bounds the sandbox's terminals once bwrap has
+        # made its own mounts (where this kernel has the mount API): bwrap says on this pipe
+        # which pid is the sandbox's first.
+        finish = not self.rootless and mountns.supported()
+        info_r, info_w = os.pipe() if finish else (-1, -1)
+        info_fd = info_w if finish else None
         # The host-side chain (sh as root, setpriv, bwrap) runs with a fixed environment and
         # absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a root process would
         # run code of their choosing as root. Their env is set inside the sandbox only.
@@ -498,7 +511,7 @@ class BubblewrapBackend:
         if info_fd is None:
             return guest
         try:
-            await asyncio.to_thread(self._bound_terminals, info_r, process.pid)
+            await asyncio.to_thread(self._finish_namespace, info_r, process.pid, box)
         except BaseException:
             guest.kill()
             with contextlib.suppress(Exception):
@@ -506,17 +519,37 @@ class BubblewrapBackend:
             raise
         return guest
 
-    def _bound_terminals(self, info_fd: int, bwrap_pid: int) -> None:
-        """Once bwrap has exec'd the guest (every mount made), cap its devpts instance. The
-        guest runs no code of the sandbox's before the host sends its key, which comes after
-        this returns."""
+    def _finish_namespace(self, info_fd: int, bwrap_pid: int, box: _Box) -> None:
+        """Once bwrap has exec'd the guest (its mounts made), mask /proc's host-wide entries
+        and cap the devpts instance. The guest runs no code of the sandbox's before the host
+        sends its key, which comes after this returns."""
         try:
             pid = read_child_pid(info_fd, START_TIMEOUT_S)
         finally:
             os.close(info_fd)
         wait_for_exec(pid, "bwrap", START_TIMEOUT_S)
-        # The launchers before bwrap (sh, setpriv, nsenter) exec it: our child is bwrap.
-        cap_ptys(pid, self.settings.max_ptys, BWRAP_OPTIONS, parent=bwrap_pid)
+        max_ptys = self.settings.max_ptys
+        remount = remounter(max_ptys, BWRAP_OPTIONS)
+        try:
+            clones = mountns.clone_all(self._masks(box))
+        except OSError as exc:
+            raise SandboxStartError(f"could not prepare the sandbox's /proc masks: {exc}") from exc
+
+        def work() -> None:
+            mountns.attach_all(clones)
+            remount()
+
+        try:
+            # The launchers before bwrap (sh, setpriv, nsenter) exec it: our child is bwrap.
+            mountns.run_inside(pid, work, parent=bwrap_pid)
+        except OSError as exc:
+            # The sandbox must not run with /proc unmasked or its terminals unbounded.
+            raise SandboxStartError(
+                f"could not mask the sandbox's /proc and bound its terminals "
+                f"(devpts max={max_ptys}): {exc}"
+            ) from exc
+        finally:
+            mountns.close_all(clones)
 
     async def _end_guest(self, box: _Box) -> None:
         if box.guest is not None:
