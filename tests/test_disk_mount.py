@@ -8,6 +8,8 @@ device left behind once unmounted (autoclear).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import os
 from pathlib import Path
 
@@ -43,7 +45,10 @@ async def test_racing_creates_get_their_own_devices_nosuid_nodev_and_none_is_lef
     count = 6
     points = [tmp_path / f"m{i}" for i in range(count)]
     await asyncio.gather(
-        *(create_loop_disk(tmp_path / f"d{i}.img", point, 8) for i, point in enumerate(points))
+        *(
+            create_loop_disk(tmp_path / f"d{i}.img", point, 8, tmp_path / "t")
+            for i, point in enumerate(points)
+        )
     )
     try:
         mounts = [_mount_of(point) for point in points]
@@ -68,7 +73,7 @@ async def test_a_busy_mount_is_detached_lazily_and_its_device_freed_when_let_go(
     tmp_path: Path,
 ) -> None:
     point = tmp_path / "m"
-    await create_loop_disk(tmp_path / "d.img", point, 8)
+    await create_loop_disk(tmp_path / "d.img", point, 8, tmp_path / "t")
     held = os.open(point / "held", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
     try:
         await unmount(point)  # the open file makes the plain unmount fail with EBUSY
@@ -82,3 +87,31 @@ async def test_a_busy_mount_is_detached_lazily_and_its_device_freed_when_let_go(
             break
         await asyncio.sleep(0.02)
     assert _devices_backed_by(tmp_path) == []
+
+
+async def test_disks_copied_from_one_template_share_nothing_and_leave_it_unchanged(
+    tmp_path: Path,
+) -> None:
+    # Every disk of a size is a copy of one empty image (disk.py): what one sandbox writes
+    # must reach neither the template nor another disk, and each copy is the full size.
+    templates = tmp_path / "t"
+    points = [tmp_path / "a", tmp_path / "b"]
+    for i, point in enumerate(points):
+        await create_loop_disk(tmp_path / f"d{i}.img", point, 8, templates)
+    (template,) = templates.glob("*.img")
+    before = hashlib.sha256(template.read_bytes()).hexdigest()
+    try:
+        # ENOSPC: the copy is capped like a fresh disk.
+        with open(points[0] / "fill", "wb") as f, contextlib.suppress(OSError):
+            for _ in range(16):
+                f.write(os.urandom(1 << 20))
+        assert not (points[1] / "fill").exists()
+        assert 5 * 1024 * 1024 < (points[0] / "fill").stat().st_size <= 8 * 1024 * 1024
+        assert os.statvfs(points[1]).f_bfree > 0.9 * os.statvfs(points[1]).f_blocks
+    finally:
+        for point in points:
+            await unmount(point)
+    assert hashlib.sha256(template.read_bytes()).hexdigest() == before
+    assert template.stat().st_mode & 0o777 == 0o600 and templates.stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "d0.img").stat().st_size == 8 * 1024 * 1024
+    assert not [p for p in templates.iterdir() if p.name.startswith(".")]  # no partials left

@@ -13,7 +13,9 @@ import ctypes
 import errno
 import fcntl
 import functools
+import hashlib
 import os
+import secrets
 import shutil
 import struct
 from collections.abc import Iterator
@@ -44,27 +46,34 @@ async def _run(*argv: str) -> None:
         )
 
 
-async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int) -> None:
+# Under the data directory: the empty images new disks are copied from.
+VOLUME_TEMPLATES = "volume-templates"
+# No journal and lazy tables: a scratch disk that dies with the sandbox.
+MKFS_ARGV = (
+    "mkfs.ext4",
+    "-q",
+    "-F",
+    "-m",
+    "0",
+    "-O",
+    "^has_journal",
+    "-E",
+    "root_owner=0:0,lazy_itable_init=1,nodiscard",
+)
+# Of these options: a change to them makes new templates instead of reusing the old.
+_TEMPLATE_TAG = hashlib.sha256("\0".join(MKFS_ARGV).encode()).hexdigest()[:12]
+
+
+async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int, templates: Path) -> None:
     """Make a sparse ext4 image of ``size_mb`` and mount it on ``mountpoint`` (root-owned).
 
-    The image is root's alone: it holds every byte of the sandbox's files, whatever their modes.
+    The image is a copy of an empty one made once per size in ``templates`` (a root-only
+    directory): mkfs.ext4 is a process and ~3.5 ms of CPU, ~4-5 ms of wall, on every create;
+    copying the template's few hundred KiB of metadata is ~0.2 ms. The image is root's alone:
+    it holds every byte of the sandbox's files, whatever their modes.
     """
-    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with open(fd, "wb") as f:
-        f.truncate(size_mb * 1024 * 1024)
-    # No journal and lazy tables: a scratch disk that dies with the sandbox, made in ~20 ms.
-    await _run(
-        "mkfs.ext4",
-        "-q",
-        "-F",
-        "-m",
-        "0",
-        "-O",
-        "^has_journal",
-        "-E",
-        "root_owner=0:0,lazy_itable_init=1,nodiscard",
-        str(image),
-    )
+    template = await _template(templates, size_mb)
+    await asyncio.to_thread(_sparse_copy, template, image, size_mb * 1024 * 1024)
     mountpoint.mkdir(parents=True, exist_ok=True)
     try:
         await asyncio.to_thread(_loop_mount, image, mountpoint)
@@ -72,6 +81,56 @@ async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int) -> None:
         await _run("mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint))
     with contextlib.suppress(OSError):
         (mountpoint / "lost+found").rmdir()
+
+
+async def _template(templates: Path, size_mb: int) -> Path:
+    """The empty, never-mounted ext4 image of ``size_mb`` in ``templates``, made on first
+    use (atomically: processes sharing the data directory may race to make it)."""
+    template = templates / f"ext4-{size_mb}mb-{_TEMPLATE_TAG}.img"
+    if template.exists():
+        return template
+    templates.mkdir(mode=0o700, parents=True, exist_ok=True)
+    partial = templates / f".{template.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
+            f.truncate(size_mb * 1024 * 1024)
+        await _run(*MKFS_ARGV, str(partial))
+        partial.replace(template)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+    return template
+
+
+def _sparse_copy(source: Path, target: Path, size_bytes: int) -> None:
+    """Copy ``source``'s data extents into a new file ``target`` of ``size_bytes``, holes
+    left as holes (a file system without SEEK_DATA reports one extent: a full copy)."""
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            offset = 0
+            while True:
+                try:
+                    data = os.lseek(src, offset, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:  # no data after offset
+                        break
+                    raise
+                hole = os.lseek(src, data, os.SEEK_HOLE)
+                position = data
+                while position < hole:
+                    copied = os.copy_file_range(src, dst, hole - position, position, position)
+                    if copied == 0:
+                        raise OSError(errno.EIO, f"{source} shrank while copied")
+                    position += copied
+                offset = hole
+            os.ftruncate(dst, size_bytes)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
 
 
 # mount(8) took ~27 ms of wall time and ~12 ms of CPU per sandbox here (a process, libmount
@@ -184,7 +243,13 @@ def _private_dir(path: Path, traverse_gid: int | None) -> None:
 
 
 async def make_volume(
-    root: Path, size_mb: int, uid: int, *, capped: bool, traverse_gid: int | None = None
+    root: Path,
+    size_mb: int,
+    uid: int,
+    *,
+    capped: bool,
+    templates: Path,
+    traverse_gid: int | None = None,
 ) -> None:
     """Create ``root`` with one disk for /workspace and /tmp, both owned by ``uid``.
 
@@ -194,13 +259,14 @@ async def make_volume(
 
     No other host uid may enter ``root``: only the group ``traverse_gid`` may, for a backend
     whose sandbox side bind-mounts the volume itself (bwrap runs as the sandbox's uid); a
-    backend that mounts as root (docker) passes None.
+    backend that mounts as root (docker) passes None. ``templates``: where the empty disk
+    images are kept (:func:`create_loop_disk`).
     """
     workspace, tmp = volume_paths(root)
     root.mkdir(mode=0o700)
     _private_dir(root, traverse_gid)
     if capped:
-        await create_loop_disk(root / "disk.img", workspace.parent, size_mb)
+        await create_loop_disk(root / "disk.img", workspace.parent, size_mb, templates)
     else:
         workspace.parent.mkdir(mode=0o700)
     _private_dir(workspace.parent, traverse_gid)

@@ -66,6 +66,7 @@ from sandlot.backends.devpts import (
     wait_for_exec,
 )
 from sandlot.backends.disk import (
+    VOLUME_TEMPLATES,
     disk_used_bytes,
     loop_disks_available,
     make_volume,
@@ -338,7 +339,12 @@ class BubblewrapBackend:
         self._boxes[spec.sandbox_id] = box
         try:
             await make_volume(
-                root, spec.limits.disk_mb, uid, capped=self._loop_ok, traverse_gid=uid
+                root,
+                spec.limits.disk_mb,
+                uid,
+                capped=self._loop_ok,
+                templates=self.data_dir / VOLUME_TEMPLATES,
+                traverse_gid=uid,
             )
             write_proc_files(root / "proc", limits.memory_bytes)
             if spec.network:

@@ -36,6 +36,7 @@ from sandlot.backends.base import GUEST_PIDS_HEADROOM, Check, GuestSpec, instanc
 from sandlot.backends.cgroups import Cgroup, CgroupDriver
 from sandlot.backends.devpts import DOCKER_OPTIONS, cap_ptys
 from sandlot.backends.disk import (
+    VOLUME_TEMPLATES,
     disk_used_bytes,
     loop_disks_available,
     make_volume,
@@ -228,7 +229,13 @@ class DockerBackend:
         box = _Box(spec.sandbox_id, "", root, workspace, runtime, self._loop_ok)
         self._boxes[spec.sandbox_id] = box
         try:
-            await make_volume(root, spec.limits.disk_mb, SANDBOX_UID, capped=self._loop_ok)
+            await make_volume(
+                root,
+                spec.limits.disk_mb,
+                SANDBOX_UID,
+                capped=self._loop_ok,
+                templates=self.data_dir / VOLUME_TEMPLATES,
+            )
             write_proc_files(root / "proc", spec.limits.memory_mb * 1024 * 1024)
             box.container_id = await asyncio.to_thread(
                 self._create_container, client, spec, env, box
