@@ -502,13 +502,15 @@ PROC_PROBE = """
 import os
 seen = {}
 for name in ("sys/kernel/random/boot_id", "cmdline", "uptime", "stat", "loadavg", "meminfo",
-             "kallsyms", "config.gz", "interrupts", "locks", "sys/fs/file-nr", "cpuinfo"):
+             "kallsyms", "config.gz", "interrupts", "locks", "sys/fs/file-nr", "cpuinfo",
+             "sys/fs/aio-nr"):
     try:
         with open("/proc/" + name, "rb") as f:
             seen[name] = f.read(1 << 20)
     except OSError as exc:
         seen[name] = exc.errno
 seen["nprocs"] = os.cpu_count()
+seen["listed"] = {d: os.listdir("/proc/" + d) for d in ("bus", "irq") if os.path.isdir("/proc/"+d)}
 seen
 """
 
@@ -526,8 +528,16 @@ def test_proc_names_neither_the_host_nor_its_other_tenants(jail: Sandbox) -> Non
         return
     host_cmdline = Path("/proc/cmdline").read_bytes()
     assert seen["cmdline"] in (b"", errno.EACCES) and seen["cmdline"] != host_cmdline
-    for hidden in ("kallsyms", "config.gz", "interrupts", "locks", "sys/fs/file-nr"):
+    for hidden in (
+        "kallsyms",
+        "config.gz",
+        "interrupts",
+        "locks",
+        "sys/fs/file-nr",
+        "sys/fs/aio-nr",
+    ):
         assert seen[hidden] in (b"", errno.ENOENT), (hidden, seen[hidden][:200])
+    assert all(listing == [] for listing in seen["listed"].values()), seen["listed"]
     meminfo = dict(line.split(":", 1) for line in seen["meminfo"].decode().splitlines())
     assert int(meminfo["MemTotal"].split()[0]) * 1024 == jail.info.limits.memory_mb * MiB
     host_btime = [ln for ln in Path("/proc/stat").read_text().splitlines() if "btime" in ln]

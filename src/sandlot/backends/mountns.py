@@ -35,6 +35,7 @@ MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
+MS_PRIVATE = 1 << 18
 # The same on every architecture (the syscalls after 424 share one table).
 SYS_OPEN_TREE = 428
 SYS_MOVE_MOUNT = 429
@@ -68,8 +69,14 @@ def clone_read_only(source: str) -> int:
     )
     if fd < 0:
         raise OSError(ctypes.get_errno(), f"open_tree({source})")
+    # Private: a clone of a path on a shared mount (systemd's default for /) joins that
+    # mount's peer group, so a mount made later on either side would reach the other
+    # (bwrap's binds were receive-only slaves; a red team found the clones two-way peers).
     attr = _MountAttr(
-        MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC, 0, 0, 0
+        MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+        0,
+        MS_PRIVATE,
+        0,
     )
     if (
         _libc.syscall(
@@ -133,9 +140,10 @@ def run_inside(pid: int, work: Callable[[], None], *, parent: int | None = None)
 
     Raises:
         OSError: the pid is gone or not the one named, the namespace could not be entered,
-            or ``work`` failed.
+            or ``work`` failed; anything else ``work`` raised, raised again here (a failure
+            that ended the thread silently would let the sandbox start half-finished).
     """
-    failure: list[OSError] = []
+    failure: list[BaseException] = []
 
     def visit() -> None:
         try:
@@ -150,7 +158,7 @@ def run_inside(pid: int, work: Callable[[], None], *, parent: int | None = None)
                 work()
             finally:
                 os.close(pidfd)
-        except OSError as exc:
+        except BaseException as exc:  # whatever failed, the caller must not go on as if done
             failure.append(exc)
 
     thread = threading.Thread(target=visit, name="sandlot-mountns", daemon=True)

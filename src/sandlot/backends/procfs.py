@@ -61,8 +61,9 @@ HIDDEN_FILES = (
     "sys/fs/inode-state",
     "sys/fs/dentry-state",
     "sys/kernel/pty/nr",
+    "sys/fs/aio-nr",  # async I/O contexts host-wide (a red team's find, 2026-11-24)
 )
-HIDDEN_DIRS = ("pressure", "fs", "driver", "acpi", "scsi", "asound")
+HIDDEN_DIRS = ("pressure", "fs", "driver", "acpi", "scsi", "asound", "bus", "irq")
 SYNTHESIZED = ("meminfo", "stat", "uptime", "loadavg")
 PROC = Path("/proc")
 
