@@ -105,6 +105,23 @@ def test_a_crashed_forked_kernel_comes_back_as_a_fresh_interpreter(make_jail: An
     assert after == (0, False)
 
 
+def test_cells_sources_reach_tracebacks_and_getsource_though_linecache_loads_late(
+    make_jail: Any,
+) -> None:
+    # The kernel no longer imports linecache at start (issue 13): each cell's source is
+    # kept aside and handed over when the first traceback or source lookup loads it.
+    sb = make_jail()
+    sb.run_code("def twice(x):\n    return x * 2  # the body\n")
+    sb.run_code("def broken():\n    raise ValueError('from a cell')\n")
+    failed = sb.run_code("import sys; loaded = 'linecache' in sys.modules\nbroken()")
+    assert failed.error is not None
+    assert "raise ValueError('from a cell')" in failed.error.traceback, failed.error.traceback
+    after = _literal(sb, "import inspect; (loaded, inspect.getsource(twice))")
+    assert after == (False, "def twice(x):\n    return x * 2  # the body\n")
+    sb.run_code("def later():\n    return 3\n")
+    assert _literal(sb, "inspect.getsource(later)") == "def later():\n    return 3\n"
+
+
 CASES: list[Any] = [
     {"id": 1, "op": "exec_code", "code": "print('é')\n", "stream": True},
     {"nested": [1, 2.5, -0.0, 1e300, None, True, False, {"": []}], "big": 10**40},

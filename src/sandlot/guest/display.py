@@ -8,10 +8,7 @@ expression is one too, marked ``is_main_result``; figures left open at the end o
 passed to ``plt.show()``) are shown and closed, as the notebook's inline backend does.
 """
 
-import base64
-import importlib.util
 import io
-import json
 import sys
 
 from wire import clip_text
@@ -34,6 +31,8 @@ FIGURE_DPI = 100
 
 
 def _bundle_of_figure(figure):
+    import base64
+
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=FIGURE_DPI, bbox_inches="tight")
     return {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii")}
@@ -52,9 +51,13 @@ def _normalized(mime, value):
         value = value[0]  # (data, metadata), as _repr_*_ may return
     if mime in BINARY:
         if isinstance(value, (bytes, bytearray)):
+            import base64
+
             return base64.b64encode(bytes(value)).decode("ascii")
         return value if isinstance(value, str) else None  # already base64
     if mime == "application/json":
+        import json
+
         if isinstance(value, (str, bytes)):
             value = json.loads(value)
         json.dumps(value)  # must survive the wire
@@ -114,6 +117,8 @@ class Display:
         self._budget = budget_bytes
 
     def show(self, obj, is_main_result=False, plain=None):
+        import json  # loaded by the first output shown, not by every kernel's start
+
         bundle = {"data": mime_bundle(obj, plain), "is_main_result": is_main_result}
         size = len(json.dumps(bundle))  # ASCII: escaped, so its length is its size
         if size > self._budget:
@@ -151,38 +156,51 @@ class Display:
                 pyplot.close(number)
 
 
-class PyplotHook:
-    """Makes ``plt.show()`` show the open figures as results once pyplot is imported.
+class AfterImport:
+    """Runs ``then(module)`` right after the module ``name`` has run, on its first import.
 
     A finder by its ``find_spec`` alone: subclassing ``importlib.abc.MetaPathFinder`` would
     import ``importlib.abc`` and with it ``importlib.resources`` (pathlib, tempfile, typing,
     zipfile), ~30 ms of CPU in every kernel start, for a base class that adds nothing here.
-
-    With no display, matplotlib picks its Agg backend, whose ``show()`` only warns that it
-    cannot show anything; the function is replaced right after pyplot's own module has run.
+    Goes first in ``sys.meta_path``, ahead of the finder that would load the module.
     """
 
-    def __init__(self, display):
-        self._display = display
+    def __init__(self, name, then):
+        self._name = name
+        self._then = then
 
     def find_spec(self, name, path=None, target=None):
-        if name != "matplotlib.pyplot":
+        if name != self._name:
             return None
         sys.meta_path.remove(self)  # once: the real finders do the finding
+        import importlib.util
+
         spec = importlib.util.find_spec(name)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         run_module = loader.exec_module
-        display = self._display
+        then = self._then
 
         def exec_module(module):
             run_module(module)
-
-            def show(*args, **kwargs):
-                display.flush_figures()
-
-            module.show = show
+            then(module)
 
         loader.exec_module = exec_module
         return spec
+
+
+def pyplot_hook(display):
+    """Makes ``plt.show()`` show the open figures as results once pyplot is imported.
+
+    With no display, matplotlib picks its Agg backend, whose ``show()`` only warns that it
+    cannot show anything; the function is replaced right after pyplot's own module has run.
+    """
+
+    def patch(module):
+        def show(*args, **kwargs):
+            display.flush_figures()
+
+        module.show = show
+
+    return AfterImport("matplotlib.pyplot", patch)

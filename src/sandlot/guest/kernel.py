@@ -10,12 +10,11 @@ on CTL_IN; the kernel answers on CTL_OUT. Its stdout and stderr are the cell's.
 # the ``ast`` module's Python half (its unparser, its visitors) is ~5 ms of CPU per kernel.
 import _ast as ast
 import builtins
-import linecache
 import os
 import signal
 import sys
 
-from display import Display, PyplotHook
+from display import AfterImport, Display, pyplot_hook
 from procs import harden
 from wire import FrameWriter, clip_text, read_frame
 from workspace import WORKSPACE
@@ -47,7 +46,12 @@ def kernel_main(ctl_in, ctl_out):
     # Each bundle goes to the supervisor as it is shown, tagged with the running cell's nonce.
     shown = Display(lambda bundle: writer.send({"display": bundle, "nonce": state["nonce"]}))
     builtins.display = shown.display  # as in a notebook: no import needed
-    sys.meta_path.insert(0, PyplotHook(shown))  # ahead of the finder that would load pyplot
+    sys.meta_path.insert(0, pyplot_hook(shown))
+    # The cells' sources, for tracebacks and ``inspect.getsource``: ``linecache`` (with
+    # ``tokenize`` and ``re``, ~3.5 ms of every kernel's start) loads with the first traceback
+    # or source lookup, and gets every cell's source then.
+    sources = {}
+    sys.meta_path.insert(0, AfterImport("linecache", lambda module: module.cache.update(sources)))
 
     def on_sigint(signum, frame):
         # Interrupts only land inside a cell; between cells they would corrupt the protocol.
@@ -64,7 +68,9 @@ def kernel_main(ctl_in, ctl_out):
         for entry in [entry for entry, finder in cache.items() if finder is None]:
             del cache[entry]
         filename = "<cell-%d>" % state["count"]
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        entry = (len(code), None, code.splitlines(True), filename)
+        loaded = sys.modules.get("linecache")
+        (sources if loaded is None else loaded.cache)[filename] = entry
         result = {"exit_code": 0, "text": None, "error": None}
         try:
             state["in_cell"] = True
