@@ -3,10 +3,48 @@ events the guest sends back.
 
 Standard library only and Python >= 3.9: this file is shipped into every sandbox beside
 ``supervisor.py``, which dispatches on :class:`Op`; the host (``sandlot.core.guest_link``)
-sends the same members. Both are ``str`` enums, so a frame carries the plain name.
+sends the same members. Each member is a ``str`` (its name in lower case), so a frame carries
+the plain name. Not :class:`enum.Enum`: ``enum`` (with ``functools`` and ``collections``) was
+~2.5 ms of the guest supervisor's start, in every sandbox's create (issue 13).
 """
 
-from enum import Enum
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing's own import costs the guest as much as enum's
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any, ClassVar
+
+
+class _Table(type):
+    """The class of :class:`Op` and :class:`Event`: each name annotated in the class body
+    becomes a member, ``cls(name.lower())``; iterating the class gives them in order."""
+
+    def __init__(cls, name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> None:
+        super().__init__(name, bases, namespace)
+        members = []
+        for member_name in namespace.get("__annotations__", {}):
+            member = cls(member_name.lower())
+            setattr(cls, member_name, member)
+            members.append(member)
+        cls._members = tuple(members)
+
+    def __iter__(cls) -> Iterator[Any]:
+        return iter(cls._members)
+
+
+class _Name(str, metaclass=_Table):
+    """A protocol name: a plain ``str`` to json and to ``==``, named in reprs."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return "<%s.%s>" % (type(self).__name__, self.upper())
+
 
 # Sent in the "ready" event; the host refuses a guest that speaks another version.
 # 2: rich outputs (DISPLAY events, "results" in exec_code's result); 3: PTY_OPEN, PTY_RESIZE;
@@ -14,38 +52,38 @@ from enum import Enum
 PROTOCOL_VERSION = 4
 
 
-class Op(str, Enum):
+class Op(_Name):
     """A request the host sends (``{"id": N, "op": <Op>, ...}``)."""
 
     # The host's first frame, unsealed: ``{"id": 0, "op": "hello", "key": <hex>}``, the key
     # that seals every later frame both ways (seal.py). Read once, before the loop.
-    HELLO = "hello"
-    PING = "ping"
-    CANCEL = "cancel"  # stop the call ``target``
-    STDIN = "stdin"  # bytes (base64) for the running command ``target``
-    PID = "pid"  # the process id of the running (or just ended) command ``target``
-    EXEC_CODE = "exec_code"
-    EXEC_SHELL = "exec_shell"
-    CLOSE_SESSION = "close_session"
+    HELLO: ClassVar[Op]
+    PING: ClassVar[Op]
+    CANCEL: ClassVar[Op]  # stop the call ``target``
+    STDIN: ClassVar[Op]  # bytes (base64) for the running command ``target``
+    PID: ClassVar[Op]  # the process id of the running (or just ended) command ``target``
+    EXEC_CODE: ClassVar[Op]
+    EXEC_SHELL: ClassVar[Op]
+    CLOSE_SESSION: ClassVar[Op]
     # A terminal: a call that runs until its process ends, like a background exec_shell (the
     # same CANCEL, STDIN and PID apply); its STDOUT events carry the raw bytes, base64.
-    PTY_OPEN = "pty_open"
-    PTY_RESIZE = "pty_resize"  # new size (cols, rows) of the terminal of call ``target``
-    FILE_READ = "file_read"
-    FILE_WRITE = "file_write"
-    FILE_LIST = "file_list"
-    FILE_STAT = "file_stat"
-    FILE_REMOVE = "file_remove"
-    FILE_MKDIR = "file_mkdir"
-    SHUTDOWN = "shutdown"  # handled by the read loop itself: the guest exits
+    PTY_OPEN: ClassVar[Op]
+    PTY_RESIZE: ClassVar[Op]  # new size (cols, rows) of the terminal of call ``target``
+    FILE_READ: ClassVar[Op]
+    FILE_WRITE: ClassVar[Op]
+    FILE_LIST: ClassVar[Op]
+    FILE_STAT: ClassVar[Op]
+    FILE_REMOVE: ClassVar[Op]
+    FILE_MKDIR: ClassVar[Op]
+    SHUTDOWN: ClassVar[Op]  # handled by the read loop itself: the guest exits
 
 
-class Event(str, Enum):
+class Event(_Name):
     """What the guest sends (``{"id": N, "event": <Event>, ...}``)."""
 
-    READY = "ready"  # id 0, once, before anything else
-    STDOUT = "stdout"
-    STDERR = "stderr"
-    RESULT = "result"
-    DISPLAY = "display"  # a rich output of a running cell (a MIME bundle), streamed
-    ERROR = "error"
+    READY: ClassVar[Event]  # id 0, once, before anything else
+    STDOUT: ClassVar[Event]
+    STDERR: ClassVar[Event]
+    RESULT: ClassVar[Event]
+    DISPLAY: ClassVar[Event]  # a rich output of a running cell (a MIME bundle), streamed
+    ERROR: ClassVar[Event]

@@ -3,8 +3,8 @@
 Standard library only, Python >= 3.9 (shipped into every sandbox).
 """
 
+import _signal as signal  # the C core: `signal` imports enum (~2.5 ms of every start)
 import os
-import signal
 import threading
 import time
 

@@ -12,10 +12,10 @@ host does not read, and the loop does not read the master meanwhile: a flood of 
 the pty's buffer and stops the writer, it never piles up in memory here.
 """
 
+import _signal as signal  # the C core: `signal` imports enum (~2.5 ms of every start)
 import base64
 import os
 import select
-import signal
 import subprocess
 import time
 

@@ -18,8 +18,8 @@ supervisor enforces each call's timeout and output caps, so a runaway cell never
 protocol down with it.
 """
 
+import _signal as signal  # the C core: `signal` imports enum (~2.5 ms of every start)
 import os
-import signal
 import sys
 import threading
 
@@ -162,7 +162,7 @@ class Supervisor:
     def handler(self, op):
         """The handler of ``op`` as a request spells it (a plain string, or anything JSON)."""
         try:
-            return self.handlers.get(Op(op))
+            return self.handlers.get(op) if isinstance(op, str) else None
         except (ValueError, TypeError):
             return None
 
