@@ -78,7 +78,7 @@ class Cgroup:
     @property
     def procs_files(self) -> list[Path]:
         """The cgroup.procs files a new process must be written to (one per hierarchy)."""
-        unique = {d.resolve() for d in self.dirs.values()}
+        unique = set(self.dirs.values())  # canonical: the driver's roots are resolved
         return [d / "cgroup.procs" for d in sorted(unique)]
 
     def _dir(self, controller: str) -> Path:
@@ -207,7 +207,7 @@ class Cgroup:
     def remove(self, timeout_s: float = 3.0) -> bool:
         """rmdir the cgroup, retrying while the kernel still counts exiting tasks."""
         deadline = time.monotonic() + timeout_s
-        remaining = {d.resolve() for d in self.dirs.values()}
+        remaining = set(self.dirs.values())
         while remaining:
             for d in list(remaining):
                 try:
@@ -229,7 +229,10 @@ class CgroupDriver:
 
     def __init__(self, version: int, roots: dict[str, Path]) -> None:
         self.version = version
-        self.roots = roots  # controller (or "unified") -> mountpoint
+        # controller (or "unified") -> mountpoint, resolved once: where two controllers share
+        # a hierarchy (cpu,cpuacct and its links) their cgroups are then one path, with no
+        # resolve() per create, write and removal (~1 ms of the manager's CPU a lifecycle).
+        self.roots = {name: root.resolve() for name, root in roots.items()}
 
     @classmethod
     def detect(cls, mounts: list[tuple[str, str, set[str]]] | None = None) -> CgroupDriver:
@@ -290,7 +293,7 @@ class CgroupDriver:
         if self.version == 2:
             self._enable_v2_controllers(parts[:-1])
         cgroup = self.path(*parts)
-        for d in {d.resolve() for d in cgroup.dirs.values()}:
+        for d in set(cgroup.dirs.values()):
             d.mkdir(parents=True, exist_ok=True)
         cgroup.apply(limits)
         return cgroup
