@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import os
 from pathlib import Path
 
 import pytest
 
+from sandlot.backends import disk
 from sandlot.backends.disk import create_loop_disk, loop_disks_available, unmount
 
 pytestmark = pytest.mark.skipif(not loop_disks_available()[0], reason="needs loop devices")
@@ -115,3 +117,40 @@ async def test_disks_copied_from_one_template_share_nothing_and_leave_it_unchang
     assert template.stat().st_mode & 0o777 == 0o600 and templates.stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "d0.img").stat().st_size == 8 * 1024 * 1024
     assert not [p for p in templates.iterdir() if p.name.startswith(".")]  # no partials left
+
+
+async def test_past_the_template_cap_a_disk_is_made_by_mkfs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One template per size asked for would let a tenant fill the data directory with them
+    # (a review's find): past MAX_TEMPLATES sizes, mkfs.ext4 makes the disk itself.
+    monkeypatch.setattr(disk, "MAX_TEMPLATES", 1)
+    templates = tmp_path / "t"
+    points = [tmp_path / "a", tmp_path / "b"]
+    await create_loop_disk(tmp_path / "d0.img", points[0], 8, templates)
+    await create_loop_disk(tmp_path / "d1.img", points[1], 9, templates)
+    try:
+        assert [p.name.split("-")[1] for p in templates.glob("*.img")] == ["8mb"]
+        sizes = [os.statvfs(p).f_blocks * os.statvfs(p).f_frsize for p in points]
+        assert 6 << 20 < sizes[0] <= 8 << 20 < sizes[1] <= 9 << 20, sizes
+    finally:
+        for point in points:
+            await unmount(point)
+
+
+def test_a_template_is_copied_whole_where_copy_file_range_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "source"
+    with open(source, "wb") as f:
+        f.write(os.urandom(3 << 20))
+        f.seek(9 << 20)
+        f.write(b"tail")
+
+    def refused(*args: object) -> int:
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refused)
+    disk._sparse_copy(source, tmp_path / "copy", 16 << 20)
+    copy = (tmp_path / "copy").read_bytes()
+    assert len(copy) == 16 << 20 and copy[: (9 << 20) + 4] == source.read_bytes()

@@ -357,8 +357,15 @@ def assert_gvisor_walls(manager: SandboxManager, sb: Sandbox) -> bool:
         assert gofers <= 1, "more than one runsc process runs as root"
         if sentry:
             return True
-        container_id, state = _settled_state(manager, sb)  # the sentry died meanwhile
-        assert not state["Running"], f"no sentry process for a running gVisor sandbox: {state}"
+        # The sentry died meanwhile: Docker says so once runsc's own processes have gone too
+        # (a run on 2026-11-24 looked while they had not, and read "running").
+        deadline = time.monotonic() + 10
+        while True:
+            container_id, state = _settled_state(manager, sb)
+            if not state["Running"]:
+                break
+            assert time.monotonic() < deadline, f"no sentry for a running gVisor sandbox: {state}"
+            time.sleep(0.05)
     ended_by_limit = state["OOMKilled"] or state["ExitCode"] == RUNSC_THREAD_EXHAUSTED
     assert ended_by_limit, f"the gVisor sandbox ended, and not for a limit: {state}"
     left = leaks.wait_until_container_empty(container_id)

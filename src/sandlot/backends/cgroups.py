@@ -145,6 +145,19 @@ class Cgroup:
                 found.update(int(p) for p in procs.read_text().split())
         return sorted(found)
 
+    def _empty(self) -> bool:
+        """True only if every procs file was read (or is gone with its cgroup) and listed
+        nobody: an unreadable one is no proof of an empty cgroup."""
+        for procs in self.procs_files:
+            try:
+                if procs.read_text().split():
+                    return False
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return False
+        return True
+
     def kill_all(self, timeout_s: float = 5.0) -> bool:
         """SIGKILL every process in the cgroup until it is empty; True if it emptied.
 
@@ -154,7 +167,7 @@ class Cgroup:
         # Usually empty already (a destroy kills the guest first, and the sandbox's pid
         # namespace dies with it): v1's freeze and its poll cost ~3 ms for nothing then. An
         # empty cgroup stays empty: only a process inside can fork into it.
-        if not self.pids():
+        if self._empty():
             return True
         if self.version == 2:
             kill_file = self.dirs["unified"] / "cgroup.kill"

@@ -64,16 +64,25 @@ MKFS_ARGV = (
 _TEMPLATE_TAG = hashlib.sha256("\0".join(MKFS_ARGV).encode()).hexdigest()[:12]
 
 
+# Templates kept per manager: a tenant asking for many disk sizes must not make one file (and
+# one mkfs) per size; past this many sizes, a disk is made by mkfs.ext4 as before.
+MAX_TEMPLATES = 8
+
+
 async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int, templates: Path) -> None:
     """Make a sparse ext4 image of ``size_mb`` and mount it on ``mountpoint`` (root-owned).
 
-    The image is a copy of an empty one made once per size in ``templates`` (a root-only
-    directory): mkfs.ext4 is a process and ~3.5 ms of CPU, ~4-5 ms of wall, on every create;
-    copying the template's few hundred KiB of metadata is ~0.2 ms. The image is root's alone:
-    it holds every byte of the sandbox's files, whatever their modes.
+    The image is a copy of an empty one made once per size (for up to :data:`MAX_TEMPLATES`
+    sizes) in ``templates``, a root-only directory of the manager's: mkfs.ext4 is a process
+    and ~3.5 ms of CPU, ~4-5 ms of wall, on every create; copying the template's few hundred
+    KiB of metadata is ~0.2 ms. The image is root's alone: it holds every byte of the
+    sandbox's files, whatever their modes.
     """
     template = await _template(templates, size_mb)
-    await asyncio.to_thread(_sparse_copy, template, image, size_mb * 1024 * 1024)
+    if template is None:
+        await _make_image(image, size_mb)
+    else:
+        await asyncio.to_thread(_sparse_copy, template, image, size_mb * 1024 * 1024)
     mountpoint.mkdir(parents=True, exist_ok=True)
     try:
         await asyncio.to_thread(_loop_mount, image, mountpoint)
@@ -83,24 +92,52 @@ async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int, template
         (mountpoint / "lost+found").rmdir()
 
 
-async def _template(templates: Path, size_mb: int) -> Path:
+async def _make_image(image: Path, size_mb: int) -> None:
+    """A new sparse file ``image`` of ``size_mb``, formatted ext4 (root's alone: 0600)."""
+    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as f:
+        f.truncate(size_mb * 1024 * 1024)
+    await _run(*MKFS_ARGV, str(image))
+
+
+async def _template(templates: Path, size_mb: int) -> Path | None:
     """The empty, never-mounted ext4 image of ``size_mb`` in ``templates``, made on first
-    use (atomically: processes sharing the data directory may race to make it)."""
+    use; None once :data:`MAX_TEMPLATES` other sizes have theirs. Made under a temporary name
+    and renamed into place, so concurrent creates of one size never copy a half-made one."""
     template = templates / f"ext4-{size_mb}mb-{_TEMPLATE_TAG}.img"
     if template.exists():
         return template
     templates.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if len(list(templates.glob("ext4-*.img"))) >= MAX_TEMPLATES:
+        return None
     partial = templates / f".{template.name}.{os.getpid()}.{secrets.token_hex(4)}"
     try:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        with open(fd, "wb") as f:
-            f.truncate(size_mb * 1024 * 1024)
-        await _run(*MKFS_ARGV, str(partial))
+        await _make_image(partial, size_mb)
         partial.replace(template)
     finally:
         with contextlib.suppress(FileNotFoundError):
             partial.unlink()
     return template
+
+
+# copy_file_range refused (a file system or kernel without it, across devices): copy by hand.
+_NO_COPY_RANGE = (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_COPY_CHUNK_BYTES = 1 << 20
+
+
+def _copy_range(src: int, dst: int, position: int, end: int) -> None:
+    """Copy bytes ``[position, end)`` of ``src`` to the same offsets of ``dst``."""
+    while position < end:
+        try:
+            copied = os.copy_file_range(src, dst, end - position, position, position)
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_RANGE:
+                raise
+            chunk = os.pread(src, min(_COPY_CHUNK_BYTES, end - position), position)
+            copied = os.pwrite(dst, chunk, position) if chunk else 0
+        if copied == 0:
+            raise OSError(errno.EIO, "the template shrank while copied")
+        position += copied
 
 
 def _sparse_copy(source: Path, target: Path, size_bytes: int) -> None:
@@ -119,12 +156,7 @@ def _sparse_copy(source: Path, target: Path, size_bytes: int) -> None:
                         break
                     raise
                 hole = os.lseek(src, data, os.SEEK_HOLE)
-                position = data
-                while position < hole:
-                    copied = os.copy_file_range(src, dst, hole - position, position, position)
-                    if copied == 0:
-                        raise OSError(errno.EIO, f"{source} shrank while copied")
-                    position += copied
+                _copy_range(src, dst, data, hole)
                 offset = hole
             os.ftruncate(dst, size_bytes)
         finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -101,14 +100,26 @@ def attach(fd: int, target: str) -> None:
         raise OSError(ctypes.get_errno(), f"move_mount onto {target}")
 
 
-@functools.cache
+_supported: bool | None = None
+# What says "never here": no such syscall (old kernel), not allowed (no CAP_SYS_ADMIN, a
+# seccomp filter), or a flag this kernel does not know. Anything else (EMFILE, ENOMEM) is
+# asked again next time.
+_FOR_GOOD = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.EOPNOTSUPP)
+
+
 def supported() -> bool:
     """Whether this process can clone, seal and attach mounts (root, Linux >= 5.12)."""
-    try:
-        os.close(clone_read_only("/"))
-    except OSError:
-        return False
-    return True
+    global _supported
+    if _supported is None:
+        try:
+            os.close(clone_read_only("/"))
+        except OSError as exc:
+            if exc.errno not in _FOR_GOOD:
+                return False  # bwrap makes the masks this once
+            _supported = False
+        else:
+            _supported = True
+    return _supported
 
 
 def _parent_of(pid: int) -> int | None:

@@ -69,8 +69,12 @@ def kernel_main(ctl_in, ctl_out):
             del cache[entry]
         filename = "<cell-%d>" % state["count"]
         entry = (len(code), None, code.splitlines(True), filename)
-        loaded = sys.modules.get("linecache")
-        (sources if loaded is None else loaded.cache)[filename] = entry
+        # Into both once linecache is there: a thread of an earlier cell may be importing it
+        # right now (its module half-run, no cache yet, or the hook's copy already made).
+        sources[filename] = entry
+        cache = getattr(sys.modules.get("linecache"), "cache", None)
+        if cache is not None:
+            cache[filename] = entry
         result = {"exit_code": 0, "text": None, "error": None}
         try:
             state["in_cell"] = True

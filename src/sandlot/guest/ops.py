@@ -23,11 +23,22 @@ class _Table(type):
     def __init__(cls, name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> None:
         super().__init__(name, bases, namespace)
         members = []
+        # Strings, unevaluated, thanks to ``from __future__ import annotations`` (kept on
+        # Python 3.14's lazy annotations too): without it this table would be empty.
         for member_name in namespace.get("__annotations__", {}):
-            member = cls(member_name.lower())
+            member = str.__new__(cls, member_name.lower())
             setattr(cls, member_name, member)
             members.append(member)
+        if bases != (str,) and not members:
+            raise TypeError(f"{name} names no members")
         cls._members = tuple(members)
+
+    def __call__(cls, value: object) -> Any:
+        """The member named ``value``, as ``Enum(value)`` finds it; ValueError if none."""
+        for member in cls._members:
+            if member == value:
+                return member
+        raise ValueError(f"{value!r} is not a valid {cls.__name__}")
 
     def __iter__(cls) -> Iterator[Any]:
         return iter(cls._members)

@@ -161,10 +161,7 @@ class Supervisor:
 
     def handler(self, op):
         """The handler of ``op`` as a request spells it (a plain string, or anything JSON)."""
-        try:
-            return self.handlers.get(op) if isinstance(op, str) else None
-        except (ValueError, TypeError):
-            return None
+        return self.handlers.get(op) if isinstance(op, str) else None
 
     def handle(self, request):
         call_id = request.get("id")

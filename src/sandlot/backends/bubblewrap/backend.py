@@ -363,7 +363,13 @@ class BubblewrapBackend:
         await netns.create(box.net)
 
     def _bwrap_argv(
-        self, box: _Box, spec: GuestSpec, seccomp_fd: int, info_fd: int | None = None
+        self,
+        box: _Box,
+        spec: GuestSpec,
+        seccomp_fd: int,
+        info_fd: int | None = None,
+        *,
+        bwrap_masks: bool = True,
     ) -> list[str]:
         argv = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns"]
         if info_fd is not None:
@@ -390,8 +396,8 @@ class BubblewrapBackend:
             "/proc",
             "--dev",
             "/dev",
-            # As root the manager puts the masks in itself, cheaper (_finish_namespace).
-            *(self._proc_masks(box) if info_fd is None else []),
+            # Where it can, the manager puts the masks in itself, cheaper (_finish_namespace).
+            *(self._proc_masks(box) if bwrap_masks else []),
             "--bind",
             str(box.workspace.parent / "tmp"),
             "/tmp",
@@ -464,9 +470,11 @@ class BubblewrapBackend:
         # As root, the manager masks /proc and bounds the sandbox's terminals once bwrap has
         # made its own mounts (where this kernel has the mount API): bwrap says on this pipe
         # which pid is the sandbox's first.
-        finish = not self.rootless and mountns.supported()
-        info_r, info_w = os.pipe() if finish else (-1, -1)
-        info_fd = info_w if finish else None
+        info_r, info_w = (-1, -1) if self.rootless else os.pipe()
+        info_fd = None if self.rootless else info_w
+        # Without the mount API (Linux < 5.12) bwrap makes the masks itself; the terminal cap
+        # is the manager's either way.
+        masks = self._masks(box) if info_fd is not None and mountns.supported() else []
         # The host-side chain (sh as root, setpriv, bwrap) runs with a fixed environment and
         # absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a root process would
         # run code of their choosing as root. Their env is set inside the sandbox only.
@@ -493,7 +501,7 @@ class BubblewrapBackend:
                 "--clear-groups",
                 "--pdeathsig=SIGKILL",
                 "--",
-                *self._bwrap_argv(box, spec, read_fd, info_fd),
+                *self._bwrap_argv(box, spec, read_fd, info_fd, bwrap_masks=not masks),
             ]
         try:
             process = await asyncio.create_subprocess_exec(
@@ -517,7 +525,7 @@ class BubblewrapBackend:
         if info_fd is None:
             return guest
         try:
-            await asyncio.to_thread(self._finish_namespace, info_r, process.pid, box)
+            await asyncio.to_thread(self._finish_namespace, info_r, process.pid, masks)
         except BaseException:
             guest.kill()
             with contextlib.suppress(Exception):
@@ -525,10 +533,11 @@ class BubblewrapBackend:
             raise
         return guest
 
-    def _finish_namespace(self, info_fd: int, bwrap_pid: int, box: _Box) -> None:
-        """Once bwrap has exec'd the guest (its mounts made), mask /proc's host-wide entries
-        and cap the devpts instance. The guest runs no code of the sandbox's before the host
-        sends its key, which comes after this returns."""
+    def _finish_namespace(self, info_fd: int, bwrap_pid: int, masks: list[mountns.Mask]) -> None:
+        """Once bwrap has exec'd the guest (its mounts made), put in ``masks`` (/proc's
+        host-wide entries, unless bwrap made them) and cap the devpts instance. The guest runs
+        no code of the sandbox's before the host sends its key, which comes after this
+        returns."""
         try:
             pid = read_child_pid(info_fd, START_TIMEOUT_S)
         finally:
@@ -537,7 +546,7 @@ class BubblewrapBackend:
         max_ptys = self.settings.max_ptys
         remount = remounter(max_ptys, BWRAP_OPTIONS)
         try:
-            clones = mountns.clone_all(self._masks(box))
+            clones = mountns.clone_all(masks)
         except OSError as exc:
             raise SandboxStartError(f"could not prepare the sandbox's /proc masks: {exc}") from exc
 
