@@ -10,7 +10,10 @@ so that the background load of a shared machine falls on all of them alike:
   ``kill()``, per task, through a manager with no warm pool;
 * pool: the same through a second manager with ``SANDBOX_POOL_SIZE=2``, which starts full;
   its CPU block ends once the pool has refilled after the last task, so the refills it
-  caused are charged to it and not to the next block.
+  caused are charged to it and not to the next block;
+* with ``--docker-peer``, docker: a hardened ``docker run --rm`` of the same program per task
+  (no network, all capabilities dropped, no-new-privileges, read-only root, uid 65534, 256 MB,
+  0.5 CPU) on the docker backend's image, the peer the issue names.
 
 ``--workers N`` runs N tasks at once (a shared queue); the floor then uses N threads. Per
 task: wall ms from before create to after destroy (p50, p95); per block: wall seconds for
@@ -23,7 +26,7 @@ cgroup, so they are reported apart, not summed.
 Usage::
 
     .venv/bin/python bench/bench_throughput.py [--rounds 3] [--workers 1] [--limit N]
-                                               [--output BENCHMARKS.md]
+                                               [--docker-peer] [--output BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ from sandlot.sandbox import AsyncSandbox  # noqa: E402
 FLOOR_PYTHON = "/usr/bin/python3"
 POOL_SIZE = 2
 SERIES = ("floor", "cold", "pool")
+# The peer: a hardened `docker run` per program, limits like a default sandbox's, on the image
+# `make image` builds for the docker backend.
+DOCKER_IMAGE = "sandlot/python3:bookworm"
+DOCKER_RUN = (
+    "docker", "run", "--rm", "--network", "none", "--cap-drop", "ALL",
+    "--security-opt", "no-new-privileges", "--read-only", "--user", "65534",
+    "--memory", "256m", "--memory-swap", "256m", "--pids-limit", "256", "--cpus", "0.5",
+)  # fmt: skip
 
 
 def humaneval_programs(limit: int | None) -> list[tuple[str, str]]:
@@ -115,6 +126,15 @@ def _floor_one(program: str) -> float:
     return time.perf_counter() - started
 
 
+def _docker_one(program: str) -> float:
+    started = time.perf_counter()
+    argv = [*DOCKER_RUN, DOCKER_IMAGE, "python3", "-c", program]
+    done = subprocess.run(argv, capture_output=True, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"docker run: exit {done.returncode}: {done.stderr[-500:]!r}")
+    return time.perf_counter() - started
+
+
 async def _sandbox_one(manager: SandboxManager, task_id: str, program: str) -> float:
     started = time.perf_counter()
     box = await AsyncSandbox.create(manager=manager)
@@ -156,6 +176,8 @@ async def run_block(
             task_id, program = queue.pop()
             if series == "floor":
                 seconds = await asyncio.to_thread(_floor_one, program)
+            elif series == "docker":
+                seconds = await asyncio.to_thread(_docker_one, program)
             else:
                 seconds = await _sandbox_one(cold if series == "cold" else pool, task_id, program)
             block.per_task_ms.append(seconds * 1000)
@@ -175,7 +197,13 @@ LABELS = {
     "floor": f"floor: `subprocess.run([{FLOOR_PYTHON!r}, '-c', program])`",
     "cold": "sandlot cold: `Sandbox.create()`, `run_code`, `kill()`",
     "pool": f"sandlot, warm pool (`SANDBOX_POOL_SIZE={POOL_SIZE}`)",
+    "docker": "peer: hardened `docker run --rm` (no network, no caps, read-only, 256 MB, "
+    "0.5 CPU, uid 65534)",
 }
+
+
+def series_of(args: argparse.Namespace) -> tuple[str, ...]:
+    return (*SERIES, "docker") if args.docker_peer else SERIES
 
 
 def render(
@@ -194,8 +222,7 @@ def render(
         "| CPU ms per lifecycle: this process / reaped children / sandbox cgroups |",
         "|---|---:|---|---:|---|---|",
     ]
-    for series in SERIES:
-        runs = blocks[series]
+    for series, runs in blocks.items():
         wall = med([b.wall_s for b in runs])
         tasks = [ms for b in runs for ms in b.per_task_ms]
         per = n_tasks * len(runs)
@@ -216,9 +243,10 @@ def render(
             f"- Date: {started_at:%Y-%m-%d %H:%M} UTC",
             f"- Machine: {machine_description()}",
             f"- Command: `{command_line()}`",
-            f"- Method: {args.rounds} round(s); each round runs the three series over all "
-            f"{n_tasks} canonical solutions in blocks, block order rotated per round; "
-            f"whole run {total_s:.0f} s. CPU columns overlap (see bench/bench_throughput.py).",
+            f"- Method: {args.rounds} round(s); each round runs the {len(blocks)} series over "
+            f"all {n_tasks} canonical solutions in blocks, block order rotated per round; "
+            f"whole run {total_s:.0f} s. CPU columns overlap (see bench/bench_throughput.py); "
+            "a `docker run`'s own CPU is dockerd's, containerd's and runc's, in none of them.",
             "",
             *rows,
             "",
@@ -232,13 +260,15 @@ async def bench(args: argparse.Namespace, data_dir: Path) -> tuple[dict[str, lis
     pool_settings = settings.model_copy(
         update={"data_dir": data_dir / "pool", "pool_size": POOL_SIZE}
     )
-    blocks: dict[str, list[Block]] = {s: [] for s in SERIES}
+    series_run = series_of(args)
+    blocks: dict[str, list[Block]] = {s: [] for s in series_run}
     async with SandboxManager(settings) as cold, SandboxManager(pool_settings) as pool:
         # Untimed: first-use costs (host checks, guest file copies) are not per-sandbox costs.
         await _sandbox_one(cold, "warm-up", "1")
         await _wait_pool_full(pool)
         for index in range(args.rounds):
-            order = SERIES[index % 3 :] + SERIES[: index % 3]
+            turn = index % len(series_run)
+            order = series_run[turn:] + series_run[:turn]
             for series in order:
                 block = await run_block(series, programs, args.workers, cold, pool)
                 blocks[series].append(block)
@@ -264,6 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--limit", type=int, help="first N tasks only (a quick look)")
     parser.add_argument("--output", type=Path, help="markdown file to append the table to")
+    parser.add_argument(
+        "--docker-peer",
+        action="store_true",
+        help=f"also a hardened `docker run` per program (needs docker and {DOCKER_IMAGE})",
+    )
     args = parser.parse_args(argv)
     started_at = dt.datetime.now(dt.UTC)
     root = Path(tempfile.mkdtemp(prefix="agsb-tput-", dir="/tmp"))
