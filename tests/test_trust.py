@@ -8,6 +8,8 @@ Each attack program here broke a result before the fix it names.
 from __future__ import annotations
 
 import ast
+import asyncio
+import contextlib
 import errno
 import os
 import select
@@ -23,6 +25,7 @@ import pytest
 from sandlot import ExecResult, Sandbox, SandboxError, SandboxManager
 from sandlot._portal import get_portal
 from sandlot.backends import mountns
+from sandlot.errors import SandboxStartError
 from sandlot.requests import ListFiles, RunCommand, SandboxSpec
 from tests.conftest import placement, skip_reason
 
@@ -670,3 +673,43 @@ def test_a_networked_sandbox_reaches_no_abstract_socket_but_its_own(
             assert seen == errno.ECONNREFUSED, (name, seen)
         ready, _, _ = select.select([server], [], [], 0.2)
         assert not ready, "a sandbox reached the host's abstract socket"
+
+
+@pytest.mark.hostile
+def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The launcher enters the sandbox's cgroup while the manager makes its disk, then waits
+    # for "go" (bubblewrap/backend.py): a disk that cannot be made must end it, with its
+    # cgroup, uid and directory, and no chain may run on without its files.
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    import sandlot.backends.bubblewrap.backend as bubblewrap_backend
+
+    async def no_disk(*args: object, **kwargs: object) -> None:
+        await asyncio.sleep(0.2)  # the launcher is in its cgroup, waiting, by now
+        raise SandboxStartError("no disk today")
+
+    def waiting_launchers() -> list[int]:
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                if b"read -r go" in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+        return found
+
+    Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10).kill()  # set-up
+    backend = manager._backend("bubblewrap")
+    before = set(backend.sandboxes_dir.iterdir())
+    monkeypatch.setattr(bubblewrap_backend, "make_volume", no_disk)
+    with pytest.raises(SandboxError, match="no disk today"):
+        Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
+    assert waiting_launchers() == []
+    assert set(backend.sandboxes_dir.iterdir()) == before
+    monkeypatch.undo()
+    sb = Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
+    try:
+        assert sb.run_code("1 + 1").text == "2"
+    finally:
+        sb.kill()

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -116,9 +116,13 @@ ETC_BINDS = (
 )
 ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
 # Written to by root before the switch to the sandbox uid, so the process (and everything it
-# will ever fork) is inside the cgroup before a single instruction of sandbox code runs.
+# will ever fork) is inside the cgroup before a single instruction of sandbox code runs. Then
+# it waits for "go" on stdin (dash reads a pipe a byte at a time: nothing after it is eaten):
+# the kernel makes a cgroup move wait for an RCU grace period (~7 ms, BENCHMARKS.md), which
+# passes while the manager makes the sandbox's disk and files, instead of after.
 PLACE_IN_CGROUP = (
-    'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+    'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+    'read -r go && [ "$go" = go ] || exit 125; exec "$@"'
 )
 BWRAP = "/usr/bin/bwrap"
 NSENTER = "/usr/bin/nsenter"
@@ -282,7 +286,8 @@ class BubblewrapBackend:
             # Only a restart re-enters the cgroup (after a fork bomb, say): leave the fresh
             # guest room to start its interpreter and run a command.
             await asyncio.to_thread(box.cgroup.wait_for_headroom, GUEST_PIDS_HEADROOM)
-        box.guest = await self._spawn(box, spec)
+            box.guest = await self._spawn(box, spec)
+        assert box.guest is not None
         return box.guest
 
     def _system_root(self, environment: str) -> Path | None:
@@ -337,7 +342,10 @@ class BubblewrapBackend:
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         box.system = system
         self._boxes[spec.sandbox_id] = box
-        try:
+        if spec.network:
+            box.net = netns.plan(self.instance, box.sandbox_id, box.uid)
+
+        async def make_files() -> None:
             await make_volume(
                 root,
                 spec.limits.disk_mb,
@@ -349,6 +357,10 @@ class BubblewrapBackend:
             write_proc_files(root / "proc", limits.memory_bytes)
             if spec.network:
                 await self._make_network(box)
+
+        try:
+            # The launcher enters the cgroup while the files are made (PLACE_IN_CGROUP).
+            box.guest = await self._spawn(box, spec, before_go=make_files)
         except BaseException:
             await self.stop(spec.sandbox_id)
             raise
@@ -359,7 +371,7 @@ class BubblewrapBackend:
             if not self._routing_ready:
                 await netns.ensure_routing()
                 self._routing_ready = True
-        box.net = netns.plan(self.instance, box.sandbox_id, box.uid)
+        assert box.net is not None  # planned before the launcher's argv named its path
         await netns.create(box.net)
 
     def _bwrap_argv(
@@ -461,7 +473,15 @@ class BubblewrapBackend:
         """The masks as bwrap's binds, where the manager cannot make them itself."""
         return [arg for m in self._masks(box) for arg in ("--ro-bind", m.source, m.target)]
 
-    async def _spawn(self, box: _Box, spec: GuestSpec) -> GuestProcess:
+    async def _spawn(
+        self,
+        box: _Box,
+        spec: GuestSpec,
+        *,
+        before_go: Callable[[], Awaitable[None]] | None = None,
+    ) -> GuestProcess:
+        """Start the chain (sh into the cgroup, setpriv, bwrap, the guest); it waits after
+        the cgroup until ``before_go`` has run (the sandbox's files: bwrap needs them)."""
         read_fd, write_fd = os.pipe()
         try:
             os.write(write_fd, build_filter(spec.network))
@@ -485,7 +505,7 @@ class BubblewrapBackend:
             # Tied to us by a death signal, as the root path is: without it a killed manager
             # left its sandboxes running, and with no cgroup no sweep could find them.
             argv = [
-                *(place if procs_files else []),
+                *place,  # no cgroup: no write, but the wait for "go" all the same
                 SETPRIV,
                 "--pdeathsig=SIGKILL",
                 "--",
@@ -522,10 +542,19 @@ class BubblewrapBackend:
             if info_fd is not None:
                 os.close(info_fd)
         guest = GuestProcess(process)
-        if info_fd is None:
-            return guest
         try:
-            await asyncio.to_thread(self._finish_namespace, info_r, process.pid, masks)
+            try:
+                if before_go is not None:
+                    await before_go()
+                assert process.stdin is not None
+                process.stdin.write(b"go\n")
+                await process.stdin.drain()
+            except BaseException:
+                if info_fd is not None:
+                    os.close(info_r)  # nobody will read it: bwrap never ran
+                raise
+            if info_fd is not None:
+                await asyncio.to_thread(self._finish_namespace, info_r, process.pid, masks)
         except BaseException:
             guest.kill()
             with contextlib.suppress(Exception):
