@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import re
 import select
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from sandlot._portal import get_portal
 from sandlot.backends import mountns
 from sandlot.errors import SandboxStartError
 from sandlot.requests import ListFiles, RunCommand, SandboxSpec
+from tests import leaks
 from tests.conftest import placement, skip_reason
 
 MiB = 1 << 20
@@ -681,23 +683,30 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
 ) -> None:
     # The launcher enters the sandbox's cgroup while the manager makes its disk, then waits
     # for "go" (bubblewrap/backend.py): a disk that cannot be made must end it, with its
-    # cgroup, uid and directory, and no chain may run on without its files.
+    # cgroup and directory, and no chain may run on without its files.
     reason = skip_reason("bubblewrap")
     if reason:
         pytest.skip(reason)
     import sandlot.backends.bubblewrap.backend as bubblewrap_backend
 
-    async def no_disk(*args: object, **kwargs: object) -> None:
-        await asyncio.sleep(0.2)  # the launcher is in its cgroup, waiting, by now
-        raise SandboxStartError("no disk today")
-
     def waiting_launchers() -> list[int]:
         found = []
         for proc in Path("/proc").glob("[0-9]*"):
-            with contextlib.suppress(OSError):
-                if b"read -r go" in (proc / "cmdline").read_bytes():
+            with contextlib.suppress(OSError, AttributeError):
+                if b"read -r go" not in (proc / "cmdline").read_bytes():
+                    continue
+                status = (proc / "status").read_text()
+                ppid = re.search(r"^PPid:\s+(\d+)", status, re.M)
+                if int(ppid.group(1)) == os.getpid():  # ours: the manager runs in this process
                     found.append(int(proc.name))
         return found
+
+    seen: dict[str, Any] = {}
+
+    async def no_disk(root: Path, *args: object, **kwargs: object) -> None:
+        await asyncio.sleep(0.2)  # the launcher is in its cgroup, waiting, by now
+        seen["sandbox_id"], seen["waiting"] = root.name, waiting_launchers()
+        raise SandboxStartError("no disk today")
 
     Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10).kill()  # set-up
     backend = manager._backend("bubblewrap")
@@ -705,7 +714,10 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
     monkeypatch.setattr(bubblewrap_backend, "make_volume", no_disk)
     with pytest.raises(SandboxError, match="no disk today"):
         Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
+    assert len(seen["waiting"]) == 1, seen
     assert waiting_launchers() == []
+    assert not Path(f"/proc/{seen['waiting'][0]}").exists()
+    assert not any(d.exists() for d in leaks.sandbox_cgroup_dirs(manager, seen["sandbox_id"]))
     assert set(backend.sandboxes_dir.iterdir()) == before
     monkeypatch.undo()
     sb = Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
@@ -713,3 +725,28 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
         assert sb.run_code("1 + 1").text == "2"
     finally:
         sb.kill()
+
+
+@pytest.mark.hostile
+def test_a_launcher_that_cannot_enter_its_cgroup_says_why(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It exits before "go": the create fails with the launcher's own words, not "Connection
+    # lost" (a review's find), and nothing runs outside a cgroup.
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    import sandlot.backends.bubblewrap.backend as bubblewrap_backend
+    from sandlot.backends.cgroups import Cgroup
+
+    real_make_volume = bubblewrap_backend.make_volume
+
+    async def slow_disk(*args: Any, **kwargs: Any) -> None:
+        await real_make_volume(*args, **kwargs)
+        await asyncio.sleep(0.2)  # the launcher has failed and exited by now
+
+    monkeypatch.setattr(bubblewrap_backend, "make_volume", slow_disk)
+    monkeypatch.setattr(Cgroup, "procs_files", property(lambda self: [Path("/nonexistent/procs")]))
+    with pytest.raises(SandboxError, match=r"launcher failed.*nonexistent") as failed:
+        Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
+    assert "Connection lost" not in str(failed.value)

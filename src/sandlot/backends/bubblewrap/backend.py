@@ -115,11 +115,13 @@ ETC_BINDS = (
     "/etc/fonts",
 )
 ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
-# Written to by root before the switch to the sandbox uid, so the process (and everything it
-# will ever fork) is inside the cgroup before a single instruction of sandbox code runs. Then
-# it waits for "go" on stdin (dash reads a pipe a byte at a time: nothing after it is eaten):
-# the kernel makes a cgroup move wait for an RCU grace period (~7 ms, BENCHMARKS.md), which
-# passes while the manager makes the sandbox's disk and files, instead of after.
+# Written to (by root, or rootless by the user into a delegated cgroup) before the switch to
+# the sandbox uid, so the process (and everything it will ever fork) is inside the cgroup
+# before a single instruction of sandbox code runs. Then it waits for "go" on stdin (sh's
+# `read` takes a pipe a byte at a time in dash, bash and busybox: nothing after it is eaten;
+# EOF, a manager gone, ends it): the kernel makes a cgroup move wait for an RCU grace period
+# (~7 ms, BENCHMARKS.md), which passes while the manager makes the sandbox's disk and files,
+# instead of after.
 PLACE_IN_CGROUP = (
     'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
     'read -r go && [ "$go" = go ] || exit 125; exec "$@"'
@@ -473,6 +475,45 @@ class BubblewrapBackend:
         """The masks as bwrap's binds, where the manager cannot make them itself."""
         return [arg for m in self._masks(box) for arg in ("--ro-bind", m.source, m.target)]
 
+    def _chain_argv(
+        self,
+        box: _Box,
+        spec: GuestSpec,
+        seccomp_fd: int,
+        info_fd: int | None,
+        *,
+        bwrap_masks: bool,
+    ) -> list[str]:
+        """sh (into the cgroup, then the wait for "go"), setpriv, bwrap and the guest."""
+        # The host-side chain (sh as root, setpriv, bwrap) runs with a fixed environment and
+        # absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a root process would
+        # run code of their choosing as root. Their env is set inside the sandbox only.
+        procs_files = [str(p) for p in box.cgroup.procs_files]
+        place = ["/bin/sh", "-c", PLACE_IN_CGROUP, "sh", *procs_files, "--"]
+        if self.rootless:
+            # bwrap runs as this user, unprivileged; into the delegated cgroup if there is one.
+            # Tied to us by a death signal, as the root path is (the sh before it by EOF on
+            # its stdin): without it a killed manager left its sandboxes running, and with no
+            # cgroup no sweep could find them.
+            return [
+                *place,  # no cgroup: no write, but the wait for "go" all the same
+                SETPRIV,
+                "--pdeathsig=SIGKILL",
+                "--",
+                *self._bwrap_argv(box, spec, seccomp_fd),
+            ]
+        return [
+            *place,
+            *([NSENTER, f"--net={box.net.path}", "--"] if box.net is not None else []),
+            SETPRIV,
+            f"--reuid={box.uid}",
+            f"--regid={box.uid}",
+            "--clear-groups",
+            "--pdeathsig=SIGKILL",
+            "--",
+            *self._bwrap_argv(box, spec, seccomp_fd, info_fd, bwrap_masks=bwrap_masks),
+        ]
+
     async def _spawn(
         self,
         box: _Box,
@@ -495,34 +536,7 @@ class BubblewrapBackend:
         # Without the mount API (Linux < 5.12) bwrap makes the masks itself; the terminal cap
         # is the manager's either way.
         masks = self._masks(box) if info_fd is not None and mountns.supported() else []
-        # The host-side chain (sh as root, setpriv, bwrap) runs with a fixed environment and
-        # absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a root process would
-        # run code of their choosing as root. Their env is set inside the sandbox only.
-        procs_files = [str(p) for p in box.cgroup.procs_files]
-        place = ["/bin/sh", "-c", PLACE_IN_CGROUP, "sh", *procs_files, "--"]
-        if self.rootless:
-            # bwrap runs as this user, unprivileged; into the delegated cgroup if there is one.
-            # Tied to us by a death signal, as the root path is: without it a killed manager
-            # left its sandboxes running, and with no cgroup no sweep could find them.
-            argv = [
-                *place,  # no cgroup: no write, but the wait for "go" all the same
-                SETPRIV,
-                "--pdeathsig=SIGKILL",
-                "--",
-                *self._bwrap_argv(box, spec, read_fd),
-            ]
-        else:
-            argv = [
-                *place,
-                *([NSENTER, f"--net={box.net.path}", "--"] if box.net is not None else []),
-                SETPRIV,
-                f"--reuid={box.uid}",
-                f"--regid={box.uid}",
-                "--clear-groups",
-                "--pdeathsig=SIGKILL",
-                "--",
-                *self._bwrap_argv(box, spec, read_fd, info_fd, bwrap_masks=not masks),
-            ]
+        argv = self._chain_argv(box, spec, read_fd, info_fd, bwrap_masks=not masks)
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -541,14 +555,18 @@ class BubblewrapBackend:
             os.close(read_fd)
             if info_fd is not None:
                 os.close(info_fd)
-        guest = GuestProcess(process)
+        try:
+            guest = GuestProcess(process)
+        except BaseException:
+            process.kill()  # never given "go": it runs nothing of the sandbox's
+            if info_fd is not None:
+                os.close(info_r)
+            raise
         try:
             try:
                 if before_go is not None:
                     await before_go()
-                assert process.stdin is not None
-                process.stdin.write(b"go\n")
-                await process.stdin.drain()
+                await self._go(process, guest)
             except BaseException:
                 if info_fd is not None:
                     os.close(info_r)  # nobody will read it: bwrap never ran
@@ -561,6 +579,20 @@ class BubblewrapBackend:
                 await asyncio.wait_for(guest.wait(), 5.0)
             raise
         return guest
+
+    @staticmethod
+    async def _go(process: asyncio.subprocess.Process, guest: GuestProcess) -> None:
+        """Let the launcher go on to bwrap; a launcher already gone (it could not enter its
+        cgroup, say) says why on stderr, which the error carries."""
+        assert process.stdin is not None
+        try:
+            process.stdin.write(b"go\n")
+            await process.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(guest.wait(), 5.0)
+            why = guest.stderr_tail() or f"exit status {process.returncode}"
+            raise SandboxStartError(f"the sandbox's launcher failed: {why}") from exc
 
     def _finish_namespace(self, info_fd: int, bwrap_pid: int, masks: list[mountns.Mask]) -> None:
         """Once bwrap has exec'd the guest (its mounts made), put in ``masks`` (/proc's
