@@ -677,18 +677,24 @@ def test_a_networked_sandbox_reaches_no_abstract_socket_but_its_own(
         assert not ready, "a sandbox reached the host's abstract socket"
 
 
+@pytest.fixture
+def bwrap_module() -> Any:
+    """The bubblewrap backend's module, for tests that patch its steps; skips without it."""
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    import sandlot.backends.bubblewrap.backend as module
+
+    return module
+
+
 @pytest.mark.hostile
 def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
-    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, bwrap_module: Any
 ) -> None:
     # The launcher enters the sandbox's cgroup while the manager makes its disk, then waits
     # for "go" (bubblewrap/backend.py): a disk that cannot be made must end it, with its
     # cgroup and directory, and no chain may run on without its files.
-    reason = skip_reason("bubblewrap")
-    if reason:
-        pytest.skip(reason)
-    import sandlot.backends.bubblewrap.backend as bubblewrap_backend
-
     def waiting_launchers() -> list[int]:
         found = []
         for proc in Path("/proc").glob("[0-9]*"):
@@ -711,7 +717,7 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
     Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10).kill()  # set-up
     backend = manager._backend("bubblewrap")
     before = set(backend.sandboxes_dir.iterdir())
-    monkeypatch.setattr(bubblewrap_backend, "make_volume", no_disk)
+    monkeypatch.setattr(bwrap_module, "make_volume", no_disk)
     with pytest.raises(SandboxError, match="no disk today"):
         Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
     assert len(seen["waiting"]) == 1, seen
@@ -729,23 +735,19 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
 
 @pytest.mark.hostile
 def test_a_launcher_that_cannot_enter_its_cgroup_says_why(
-    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, bwrap_module: Any
 ) -> None:
     # It exits before "go": the create fails with the launcher's own words, not "Connection
     # lost" (a review's find), and nothing runs outside a cgroup.
-    reason = skip_reason("bubblewrap")
-    if reason:
-        pytest.skip(reason)
-    import sandlot.backends.bubblewrap.backend as bubblewrap_backend
     from sandlot.backends.cgroups import Cgroup
 
-    real_make_volume = bubblewrap_backend.make_volume
+    real_make_volume = bwrap_module.make_volume
 
     async def slow_disk(*args: Any, **kwargs: Any) -> None:
         await real_make_volume(*args, **kwargs)
         await asyncio.sleep(0.2)  # the launcher has failed and exited by now
 
-    monkeypatch.setattr(bubblewrap_backend, "make_volume", slow_disk)
+    monkeypatch.setattr(bwrap_module, "make_volume", slow_disk)
     monkeypatch.setattr(Cgroup, "procs_files", property(lambda self: [Path("/nonexistent/procs")]))
     with pytest.raises(SandboxError, match=r"launcher failed.*nonexistent") as failed:
         Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
