@@ -86,9 +86,14 @@ def read_child_pid(fd: int, timeout_s: float) -> int:
     """
     deadline = time.monotonic() + timeout_s
     data = b""
+    # poll, not select: a manager with a few hundred sandboxes holds fds past select()'s
+    # 1024 (FD_SETSIZE), and select() refused them ("filedescriptor out of range", at 203
+    # live sandboxes in bench/scale.py).
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     while True:
         left_s = deadline - time.monotonic()
-        if left_s <= 0 or not select.select([fd], [], [], left_s)[0]:
+        if left_s <= 0 or not poller.poll(left_s * 1000):
             raise SandboxStartError("bubblewrap did not name the sandbox's first process in time")
         chunk = os.read(fd, 4096)
         if not chunk:

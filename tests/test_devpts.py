@@ -1,0 +1,32 @@
+"""Reading bwrap's ``--info-fd`` (backends/devpts.py) on a busy manager's descriptors."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import pytest
+
+from sandlot.backends.devpts import read_child_pid
+
+HIGH_FD = 1500  # past select()'s FD_SETSIZE (1024)
+
+
+def test_bwraps_info_is_read_on_a_descriptor_past_select_s_limit() -> None:
+    # A manager with ~200 live sandboxes holds more than 1024 fds: select() refused the info
+    # pipe there ("filedescriptor out of range in select()", bench/scale.py at 203
+    # sandboxes), and every later create failed.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= HIGH_FD:
+        pytest.skip(f"the hard open-file limit ({hard}) is too low")
+    if soft != resource.RLIM_INFINITY and soft <= HIGH_FD:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (HIGH_FD + 1, hard))
+    read_end, write_end = os.pipe()
+    try:
+        high = os.dup2(read_end, HIGH_FD)
+        os.write(write_end, b'{"child-pid": 4242, "net-namespace": 1}')
+        assert read_child_pid(high, 2.0) == 4242
+    finally:
+        for fd in (read_end, write_end, HIGH_FD):
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
