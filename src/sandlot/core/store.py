@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import builtins
-import os
-import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from sandlot._sqlite import connect_shared, write_transaction
 from sandlot.models import ArtifactInfo, SandboxInfo, SandboxStatus
 
 # ``instance``: the manager instance (core/instances.py) that runs the sandbox; "" for a
@@ -60,18 +59,17 @@ class Store:
         self.path = path
         self.instance = instance
         self._lock = threading.Lock()
-        private(path)
-        self._db = sqlite3.connect(
-            path, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._migrate()
+        self._db = connect_shared(path, BUSY_TIMEOUT_S)
+        try:
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
 
     def _migrate(self) -> None:
-        # IMMEDIATE: two processes opening an old file at once must not both add the column.
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
+        # One transaction: two processes opening an old file at once must not both add the
+        # column.
+        with write_transaction(self._db):
             for statement in SCHEMA:
                 self._db.execute(statement)
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
@@ -80,10 +78,6 @@ class Store:
                     self._db.execute(statement)
             for statement in INDEXES:
                 self._db.execute(statement)
-            self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
 
     def close(self) -> None:
         with self._lock:
@@ -116,15 +110,9 @@ class Store:
         Processes admitting at once are serialized by SQLite's write lock, so the second
         one's check sees the first one's new sandbox: with a read, then a separate save, two
         processes on one data directory could each admit a tenant's last allowed sandbox."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                info = decide(self._live_elsewhere())
-                self._save(info)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._lock, write_transaction(self._db):
+            info = decide(self._live_elsewhere())
+            self._save(info)
         return info
 
     def get(self, sandbox_id: str) -> SandboxInfo | None:
@@ -243,14 +231,3 @@ class Store:
         with self._lock:
             cursor = self._db.execute("DELETE FROM artifacts WHERE sandbox_id=?", (sandbox_id,))
         return cursor.rowcount
-
-
-def private(path: Path) -> None:
-    """Make the SQLite file (and its WAL companions) readable by this user alone: it holds
-    API key hashes and the audit log. SQLite gives new companions the file's own mode."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    os.close(fd)
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        companion = path.with_name(path.name + suffix)
-        if companion.exists():
-            companion.chmod(0o600)

