@@ -733,6 +733,65 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
         sb.kill()
 
 
+def _cpu_quota_us(manager: SandboxManager, sandbox_id: str) -> int | None:
+    box = manager._backend("bubblewrap")._boxes[sandbox_id]
+    return box.cgroup.cpu_quota_us()
+
+
+@pytest.mark.hostile
+def test_a_small_cpu_quota_is_in_force_before_the_first_call(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, bwrap_module: Any
+) -> None:
+    # The guest starts under START_CPU_CORES (a 0.05-core sandbox took ~550 ms to start
+    # under its own), and gets its own quota once it says ready, before create returns.
+    backend = manager._backend("bubblewrap")
+    real_started = backend.started
+    while_starting: list[int | None] = []
+
+    async def started(sandbox_id: str) -> None:
+        while_starting.append(_cpu_quota_us(manager, sandbox_id))
+        await real_started(sandbox_id)
+
+    monkeypatch.setattr(backend, "started", started)
+    with Sandbox.create(
+        manager=manager, **placement("bubblewrap"), cpu_cores=0.05, timeout_s=10
+    ) as sb:
+        start_us = int(bwrap_module.START_CPU_CORES * 100_000)
+        assert while_starting == [start_us]
+        assert _cpu_quota_us(manager, sb.id) == 5_000
+        before = sb.usage().cpu_s or 0.0
+        sb.run_code("import time\nend = time.monotonic() + 1\nwhile time.monotonic() < end: pass")
+        # A twentieth of a core for ~1 s (a free spin would burn the whole second).
+        assert (sb.usage().cpu_s or 0.0) - before < 0.25
+
+
+@pytest.mark.hostile
+def test_a_cpu_quota_that_cannot_be_set_fails_the_create_and_leaves_nothing(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, bwrap_module: Any
+) -> None:
+    # A sandbox never runs a call under the start's quota: the create fails instead.
+    from sandlot.backends.cgroups import Cgroup
+
+    real_set_cpu = Cgroup.set_cpu
+    made: list[str] = []
+
+    def refused(self: Cgroup, cpu_cores: float) -> None:
+        if cpu_cores < bwrap_module.START_CPU_CORES:
+            made.append(self.dirs[next(iter(self.dirs))].name)
+            raise PermissionError(13, "Permission denied", "cpu.max")
+        real_set_cpu(self, cpu_cores)
+
+    Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10).kill()  # set-up
+    backend = manager._backend("bubblewrap")
+    before = set(backend.sandboxes_dir.iterdir())
+    monkeypatch.setattr(Cgroup, "set_cpu", refused)
+    with pytest.raises(SandboxError, match="could not set the sandbox's CPU quota"):
+        Sandbox.create(manager=manager, **placement("bubblewrap"), cpu_cores=0.05, timeout_s=10)
+    assert len(made) == 1
+    assert not any(d.exists() for d in leaks.sandbox_cgroup_dirs(manager, made[0]))
+    assert set(backend.sandboxes_dir.iterdir()) == before
+
+
 @pytest.mark.hostile
 def test_a_launcher_that_cannot_enter_its_cgroup_says_why(
     manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, bwrap_module: Any

@@ -184,6 +184,16 @@ class Backend(Protocol):
         """
         ...
 
+    async def started(self, sandbox_id: str) -> None:
+        """The guest :meth:`start` gave said it is ready: put in place what was relaxed for
+        its start (a CPU quota). Called before the sandbox gets any request.
+
+        Raises:
+            SandboxStartError: the sandbox could not be given its limits (it must then be
+                stopped, not used).
+        """
+        ...
+
     async def stop(self, sandbox_id: str) -> None:
         """Kill every process of the sandbox and remove all it had (idempotent)."""
         ...

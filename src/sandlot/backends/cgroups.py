@@ -85,14 +85,13 @@ class Cgroup:
         return self.dirs["unified"] if self.version == 2 else self.dirs[controller]
 
     def apply(self, limits: CgroupLimits) -> None:
-        quota_us = max(1000, int(limits.cpu_cores * CPU_PERIOD_US))
         if self.version == 2:
             d = self.dirs["unified"]
             (d / "memory.max").write_text(str(limits.memory_bytes))
             with contextlib.suppress(FileNotFoundError):
                 (d / "memory.swap.max").write_text("0")
             (d / "pids.max").write_text(str(limits.pids_max))
-            (d / "cpu.max").write_text(f"{quota_us} {CPU_PERIOD_US}")
+            self.set_cpu(limits.cpu_cores)
             return
         mem = self.dirs["memory"]
         (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
@@ -102,9 +101,25 @@ class Cgroup:
         with contextlib.suppress(OSError):
             (mem / "memory.swappiness").write_text("0")
         (self.dirs["pids"] / "pids.max").write_text(str(limits.pids_max))
+        self.set_cpu(limits.cpu_cores)
+
+    def set_cpu(self, cpu_cores: float) -> None:
+        """Set the CPU quota (takes effect at once, for the processes already inside)."""
+        quota_us = max(1000, int(cpu_cores * CPU_PERIOD_US))
+        if self.version == 2:
+            (self.dirs["unified"] / "cpu.max").write_text(f"{quota_us} {CPU_PERIOD_US}")
+            return
         cpu = self.dirs["cpu"]
         (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
         (cpu / "cpu.cfs_quota_us").write_text(str(quota_us))
+
+    def cpu_quota_us(self) -> int | None:
+        """The CPU quota in force per period (None: no limit)."""
+        if self.version == 2:
+            quota = _read(self.dirs["unified"] / "cpu.max").split()[0]
+            return None if quota == "max" else int(quota)
+        quota_us = int(_read(self.dirs["cpu"] / "cpu.cfs_quota_us"))
+        return None if quota_us < 0 else quota_us
 
     def oom_kills(self) -> int:
         if self.version == 2:

@@ -87,6 +87,9 @@ class LocalBackend:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(guest.wait(), 5.0)
 
+    async def started(self, sandbox_id: str) -> None:
+        """Nothing was relaxed for the start: this backend sets no limits."""
+
     async def stop(self, sandbox_id: str) -> None:
         guest = self._guests.pop(sandbox_id, None)
         if guest is not None:

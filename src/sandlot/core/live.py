@@ -160,6 +160,12 @@ class Live:
             await guest.wait()
             detail = guest.stderr_tail() or str(exc)
             raise SandboxStartError(f"the sandbox's guest did not start: {detail}") from exc
+        try:
+            await self.backend.started(self.id)
+        except SandboxStartError:
+            guest.kill()
+            await guest.wait()
+            raise
         self.conn = conn
         self.counters = await self.backend.usage(self.id, full=False)
         return conn

@@ -130,6 +130,11 @@ BWRAP = "/usr/bin/bwrap"
 NSENTER = "/usr/bin/nsenter"
 # bwrap's set-up before the guest's exec: namespaces and ~60 mounts, a few ms on a quiet host.
 START_TIMEOUT_S = 15.0
+# The CPU quota (cores) a new sandbox's guest starts under when its own is smaller, until it
+# says ready (``started``): a supervisor start is ~30 ms of CPU, which a 0.05-core quota
+# stretched to ~550 ms of wall per create. Only our guest runs in that window (``-I -S``, no
+# site or workspace code), and at most START_TIMEOUT_S.
+START_CPU_CORES = 1.0
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
@@ -152,6 +157,8 @@ class _Box:
     guest: GuestProcess | None = None
     net: netns.SandboxNet | None = None
     system: Path | None = None  # the environment's tree bound as /; None: the host's /usr
+    # The sandbox's own CPU quota while its guest starts under START_CPU_CORES; None once set.
+    cpu_cores_after_start: float | None = None
 
 
 def _traversable_by_others(path: Path) -> Path | None:
@@ -285,6 +292,9 @@ class BubblewrapBackend:
             box = await self._provision(spec)
         else:
             await self._end_guest(box)
+            # A guest that never said ready left the start's quota: a restart runs under
+            # the sandbox's own.
+            self._lower_cpu(box)
             # Only a restart re-enters the cgroup (after a fork bomb, say): leave the fresh
             # guest room to start its interpreter and run a command.
             await asyncio.to_thread(box.cgroup.wait_for_headroom, GUEST_PIDS_HEADROOM)
@@ -327,7 +337,7 @@ class BubblewrapBackend:
         limits = CgroupLimits(
             memory_bytes=spec.limits.memory_mb * 1024 * 1024,
             pids_max=spec.limits.pids,
-            cpu_cores=spec.limits.cpu_cores,
+            cpu_cores=max(spec.limits.cpu_cores, START_CPU_CORES),
         )
         driver = self.cgroups
         parts = self._cgroup_parts(spec.sandbox_id)
@@ -343,6 +353,8 @@ class BubblewrapBackend:
             raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         box.system = system
+        if spec.limits.cpu_cores < START_CPU_CORES and isinstance(cgroup, Cgroup):
+            box.cpu_cores_after_start = spec.limits.cpu_cores
         self._boxes[spec.sandbox_id] = box
         if spec.network:
             box.net = netns.plan(self.instance, box.sandbox_id, box.uid)
@@ -634,6 +646,23 @@ class BubblewrapBackend:
                 await asyncio.wait_for(box.guest.wait(), 5.0)
             box.guest = None
         await asyncio.to_thread(box.cgroup.kill_all)
+
+    async def started(self, sandbox_id: str) -> None:
+        box = self._boxes.get(sandbox_id)
+        if box is not None:
+            self._lower_cpu(box)
+
+    @staticmethod
+    def _lower_cpu(box: _Box) -> None:
+        """Give the sandbox its own CPU quota, if it still has the start's. One write: on
+        the loop, not a thread's round trip."""
+        if box.cpu_cores_after_start is None or not isinstance(box.cgroup, Cgroup):
+            return
+        try:
+            box.cgroup.set_cpu(box.cpu_cores_after_start)
+        except OSError as exc:
+            raise SandboxStartError(f"could not set the sandbox's CPU quota: {exc}") from exc
+        box.cpu_cores_after_start = None
 
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)
