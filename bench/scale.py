@@ -9,7 +9,8 @@ descriptors, loop devices, pids, memory), or when the host's available memory fa
 With every sandbox live it checks that a sample answers, then destroys them all and checks
 that nothing leaked (``tests/leaks.py``).
 
-Reported: sandboxes made, wall time to create and to destroy them, the soft limit the manager
+Reported: sandboxes made, wall time to create and to destroy them, creates per second and
+each create's latency (p50 / p95) by how many were live, the soft limit the manager
 ran under, file descriptors per sandbox (``/proc/self/fd`` before and after), host memory per
 sandbox (MemAvailable before and after, and the cgroups' own count), the manager's RSS.
 
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -81,6 +83,18 @@ def settings_for(data_dir: Path, args: argparse.Namespace) -> Settings:
     )
 
 
+def by_live(create_ms: list[tuple[int, float]], count: int) -> dict[str, str]:
+    """Create latency p50 / p95 (ms) in four bands of how many sandboxes were live."""
+    band = max(1, count // 4)
+    found: dict[str, str] = {}
+    for start in range(0, count, band):
+        walls = sorted(ms for live, ms in create_ms if start <= live < start + band)
+        if walls:
+            p95 = walls[min(len(walls) - 1, int(len(walls) * 0.95))]
+            found[f"{start}-{start + band - 1}"] = f"{statistics.median(walls):.0f} / {p95:.0f}"
+    return found
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(args.soft_nofile, hard), hard))
@@ -94,6 +108,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             report["hard_nofile"] = hard
             fds_before, mem_before, rss_before = admission.open_fds(), mem_available_mb(), rss_mb()
             ids: list[str] = []
+            create_ms: list[tuple[int, float]] = []  # (sandboxes live before it, its wall)
             stop: list[str] = []
             gate = asyncio.Semaphore(args.concurrency)
 
@@ -104,17 +119,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     if mem_available_mb() < args.min_available_mb:
                         stop.append(f"host MemAvailable under {args.min_available_mb} MB")
                         return
+                    t0 = time.monotonic()
                     try:
                         info = await manager.create(SandboxSpec())
                     except SandboxError as exc:
                         stop.append(f"{type(exc).__name__}: {exc}")
                         return
+                    create_ms.append((len(ids), (time.monotonic() - t0) * 1000))
                     ids.append(info.id)
 
             t0 = time.monotonic()
             await asyncio.gather(*(one() for _ in range(args.count)))
             report["create_s"] = round(time.monotonic() - t0, 1)
             report["created"] = len(ids)
+            report["creates_per_s"] = round(len(ids) / max(report["create_s"], 1e-9), 1)
+            report["create_ms_by_live"] = by_live(create_ms, args.count)
             report["stopped_by"] = stop[0] if stop else None
             made = max(1, len(ids))
             report["fds_per_sandbox"] = round((admission.open_fds() - fds_before) / made, 2)
