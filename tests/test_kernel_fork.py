@@ -161,3 +161,55 @@ def test_the_lean_codec_refuses_what_json_refuses() -> None:
     for unencodable in ([object()], {1j: 1}, {(1, 2): 1}):
         with pytest.raises(TypeError):
             wire.dumps(unencodable)
+
+
+def test_the_supervisor_starts_without_the_heavy_stdlib_modules() -> None:
+    """What the supervisor imports at start runs in every sandbox's start under its CPU
+    quota: threading (functools, collections: ~2 ms of CPU measured), selectors, enum, json,
+    subprocess are each loaded by the first call that needs them, or never."""
+    from sandlot.guest import GUEST_SCRIPT
+
+    probe = (
+        f"import sys; sys.path.insert(0, {str(GUEST_SCRIPT.parent)!r}); import supervisor; "
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    loaded = set(
+        subprocess.run(
+            ["/usr/bin/python3", "-I", "-S", "-c", probe],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    )
+    heavy = {"threading", "selectors", "collections", "functools", "enum", "json", "subprocess"}
+    assert "supervisor" in loaded
+    assert loaded & heavy == set()
+
+
+def test_the_guests_event_wakes_every_waiter_once_set() -> None:
+    """guest/threads.py's Event stands in for threading's: set wakes all waiters, a wait
+    past its timeout says False, a second set is harmless."""
+    import threading
+    import time
+
+    from sandlot.guest.threads import Event, start
+
+    event = Event()
+    assert not event.is_set()
+    assert event.wait(0.05) is False
+    woke: list[bool] = []
+    done = threading.Semaphore(0)
+
+    def waiter() -> None:
+        woke.append(event.wait(10))
+        done.release()
+
+    for _ in range(3):
+        start(waiter)
+    time.sleep(0.05)
+    event.set()
+    event.set()
+    for _ in range(3):
+        assert done.acquire(timeout=10)
+    assert woke == [True, True, True]
+    assert event.is_set() and event.wait(0) is True

@@ -6,9 +6,9 @@ the call sees ``cancelled`` and kills its own process.
 """
 
 import os
-import threading
 import time
 
+import threads
 from wire import GuestFault, write_all
 
 STDIN_WAIT_S = 5.0  # how long input may arrive before the command it is for has started
@@ -21,8 +21,8 @@ class Call:
     def __init__(self):
         self.cancelled = False
         self.stdin_fd = None
-        self.stdin_ready = threading.Event()
-        self.stdin_lock = threading.Lock()
+        self.stdin_ready = threads.Event()
+        self.stdin_lock = threads.Lock()
         self.finished = False
         self.pid = None
 
@@ -60,7 +60,7 @@ class Calls:
     def __init__(self):
         self.running = {}
         self.ended_pids = {}
-        self.ended_lock = threading.Lock()
+        self.ended_lock = threads.Lock()
 
     def start(self, call_id):
         call = Call()

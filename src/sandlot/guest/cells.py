@@ -8,9 +8,9 @@ timeout and output caps, and starts a fresh one when it dies.
 import _signal as signal  # the C core: `signal` imports enum (~2.5 ms of every start)
 import os
 import sys
-import threading
 import time
 
+import threads
 from channel import KernelChannel
 from ops import Event
 from output import Pump, call_sinks, finish_streams
@@ -59,7 +59,7 @@ class Forked:
         self.returncode = None
         self.stdout = open(stdout_fd, "rb", buffering=0)
         self.stderr = open(stderr_fd, "rb", buffering=0)
-        self.lock = threading.Lock()
+        self.lock = threads.Lock()
 
     def _wait(self, flags):
         with self.lock:
@@ -143,7 +143,7 @@ class Kernel:
         self.program = program
         self.proc = None
         self.channel = None
-        self.lock = threading.Lock()
+        self.lock = threads.Lock()
         self.ever_started = False
         self.loss_reported = False
         self.gated = False
@@ -375,7 +375,7 @@ class Cells:
                 "traceback": "",
             }
             result["text"] = None
-            threading.Thread(target=self.rewarm, daemon=True).start()
+            threads.start(self.rewarm)
         else:
             result.update(exit_code=reply["exit_code"], text=reply["text"], error=reply["error"])
         finish_streams(result, sinks, started)

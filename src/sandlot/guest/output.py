@@ -5,7 +5,7 @@ Standard library only, Python >= 3.9 (shipped into every sandbox).
 
 import codecs
 import os
-import selectors
+import select
 import time
 
 from ops import Event
@@ -206,11 +206,13 @@ class Pump:
     """Reads a set of pipes into their sinks until told to stop."""
 
     def __init__(self, sinks):
-        self.sel = selectors.DefaultSelector()
+        # poll, not selectors: that module imports collections and math, ~1 ms of CPU at
+        # every supervisor's start. Any event (data, hang-up, error) means "read it".
+        self.poller = select.poll()
         self.sinks = {}
         for fd, sink in sinks.items():
             os.set_blocking(fd, False)
-            self.sel.register(fd, selectors.EVENT_READ)
+            self.poller.register(fd, select.POLLIN)
             self.sinks[fd] = sink
 
     def open_count(self):
@@ -219,21 +221,21 @@ class Pump:
     def poll(self, timeout_s, extra=None):
         """Read what is ready within ``timeout_s``; return True if ``extra`` became readable."""
         if extra is not None:
-            self.sel.register(extra, selectors.EVENT_READ)
+            self.poller.register(extra, select.POLLIN)
         try:
             if not self.sinks and extra is None:
                 time.sleep(max(0.0, timeout_s))
                 return False
             hit_extra = False
-            for key, _ in self.sel.select(max(0.0, timeout_s)):
-                if key.fd == extra:
+            for fd, _ in self.poller.poll(_ms(timeout_s)):
+                if fd == extra:
                     hit_extra = True
-                else:
-                    self._read(key.fd)
+                elif fd in self.sinks:
+                    self._read(fd)
             return hit_extra
         finally:
             if extra is not None:
-                self.sel.unregister(extra)
+                self.poller.unregister(extra)
 
     def _read(self, fd):
         try:
@@ -241,7 +243,7 @@ class Pump:
         except BlockingIOError:
             return 0
         if not data:
-            self.sel.unregister(fd)
+            self.poller.unregister(fd)
             del self.sinks[fd]
             return -1
         self.sinks[fd].feed(data)
@@ -257,11 +259,17 @@ class Pump:
         """After the process exited: read until EOF, or until a child holding the pipe is quiet."""
         end = time.monotonic() + DRAIN_MAX_S
         while self.sinks and time.monotonic() < end:
-            events = self.sel.select(DRAIN_QUIET_S)
+            events = self.poller.poll(_ms(DRAIN_QUIET_S))
             if not events:
                 break
-            for key, _ in events:
-                self._read(key.fd)
+            for fd, _ in events:
+                if fd in self.sinks:
+                    self._read(fd)
 
     def close(self):
-        self.sel.close()
+        """Nothing to release: a poll object holds no descriptor of its own."""
+
+
+def _ms(timeout_s):
+    """``poll``'s timeout: milliseconds, rounded up (never a busy 0 for a short wait)."""
+    return max(0, -int(-max(0.0, timeout_s) * 1000 // 1))

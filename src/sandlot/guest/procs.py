@@ -5,8 +5,9 @@ Standard library only, Python >= 3.9 (shipped into every sandbox).
 
 import _signal as signal  # the C core: `signal` imports enum (~2.5 ms of every start)
 import os
-import threading
 import time
+
+import threads
 
 
 def set_oom_preferred(pid):
@@ -60,7 +61,7 @@ def signal_exit_code(returncode):
 
 
 CHILDREN = set()
-CHILDREN_LOCK = threading.Lock()
+CHILDREN_LOCK = threads.Lock()
 
 
 def spawn(*args, **kwargs):

@@ -10,9 +10,9 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 
+import threads
 from output import Pump, call_sinks, finish_streams
 from procs import forget, freeze_all_but, killpg, set_oom_preferred, signal_exit_code, spawn
 from wire import GuestFault
@@ -49,10 +49,10 @@ class Shells:
         self.kernel = kernel
         self.env = env  # a new session's environment
         self.sessions = {}
-        self.sessions_lock = threading.Lock()
+        self.sessions_lock = threads.Lock()
         # Held by a fresh command from before it clears the sandbox until it ends; every other
         # command takes it to start its bash, so none starts beside a fresh one.
-        self.fresh_gate = threading.Lock()
+        self.fresh_gate = threads.Lock()
 
     def exec_shell(self, request):
         if request.get("fresh"):
@@ -62,7 +62,7 @@ class Shells:
         name = str(request.get("session") or "default")
         with self.sessions_lock:
             session = self.sessions.setdefault(
-                name, {"cwd": WORKSPACE, "env": dict(self.env), "lock": threading.Lock()}
+                name, {"cwd": WORKSPACE, "env": dict(self.env), "lock": threads.Lock()}
             )
         call = self.calls.start(call_id)
         if request.get("background"):
@@ -160,9 +160,7 @@ class Shells:
             if has_input:
                 # From a thread: a big input and a chatty command would deadlock one thread.
                 data = request["input"].encode("utf-8")
-                threading.Thread(
-                    target=call.write_stdin, args=(data, not keep_stdin), daemon=True
-                ).start()
+                threads.start(call.write_stdin, data, not keep_stdin)
         call.stdin_ready.set()
         deadline = started + float(request.get("timeout_s", 30))
         reason = []

@@ -21,8 +21,8 @@ protocol down with it.
 import _signal as signal  # the C core: `signal` imports enum (~2.5 ms of every start)
 import os
 import sys
-import threading
 
+import threads
 from calls import Calls
 from cells import Cells, Kernel
 from ops import PROTOCOL_VERSION, Event, Op
@@ -59,7 +59,7 @@ class Later:
     def __init__(self, build):
         self.build = build
         self.built = None
-        self.lock = threading.Lock()
+        self.lock = threads.Lock()
 
     def get(self):
         with self.lock:
@@ -227,8 +227,8 @@ def supervisor_main():
     from_host = take_key(writer)
     supervisor.kernel.open_gate()
     if become_subreaper():
-        threading.Thread(target=reap_orphans_forever, daemon=True).start()
-    threading.Thread(target=supervisor.cells.rewarm, daemon=True).start()
+        threads.start(reap_orphans_forever)
+    threads.start(supervisor.cells.rewarm)
     writer.send(
         {
             "id": 0,
@@ -253,7 +253,7 @@ def supervisor_main():
         if request.get("op") == Op.SHUTDOWN:
             break
         try:
-            threading.Thread(target=supervisor.handle, args=(request,), daemon=True).start()
+            threads.start(supervisor.handle, request)
         except RuntimeError:
             # The pids limit is exhausted (a fork bomb): say so instead of dying.
             supervisor.send_error(

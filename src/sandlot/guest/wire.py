@@ -4,9 +4,9 @@ Standard library only, Python >= 3.9 (shipped into every sandbox). The superviso
 to the host on stdin/stdout, and to its Python kernel over a pair of pipes.
 """
 
+import _thread  # not threading: see threads.py (not imported: the host loads this module too)
 import os
 import struct
-import threading
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
@@ -167,7 +167,7 @@ class FrameWriter:
     def __init__(self, fd, seal=None):
         self.fd = fd
         self.seal = seal
-        self.lock = threading.Lock()
+        self.lock = _thread.allocate_lock()
 
     def send(self, obj):
         body = encode_body(obj)
