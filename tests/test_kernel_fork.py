@@ -9,6 +9,7 @@ import ast
 import json
 import math
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,3 +214,31 @@ def test_the_guests_event_wakes_every_waiter_once_set() -> None:
         assert done.acquire(timeout=10)
     assert woke == [True, True, True]
     assert event.is_set() and event.wait(0) is True
+
+
+ORPHAN_ZOMBIES = """
+import os, time
+def orphan_zombies():
+    n = 0
+    for name in os.listdir('/proc'):
+        if name.isdigit():
+            try:
+                fields = open('/proc/%s/stat' % name).read().rsplit(')', 1)[1].split()
+            except OSError:
+                continue
+            n += fields[0] == 'Z' and fields[1] == '1'
+    return n
+deadline = time.monotonic() + 5
+while orphan_zombies() and time.monotonic() < deadline:
+    time.sleep(0.05)
+orphan_zombies()
+"""
+
+
+def test_an_orphan_that_ends_is_reaped_at_once(make_jail: Any) -> None:
+    """A double-forked process ends as pid 1's child: the supervisor reaps it when its
+    SIGCHLD comes (it polled every 0.5 s before, and an idle sandbox paid for every poll)."""
+    sb = make_jail()
+    assert sb.commands.run("(sh -c 'sleep 0.3' &); echo started").stdout == "started\n"
+    time.sleep(0.5)  # it has ended by now, a zombie until reaped
+    assert sb.run_code(ORPHAN_ZOMBIES).text == "0"

@@ -35,6 +35,9 @@ MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
 MS_PRIVATE = 1 << 18
+MS_BIND = 1 << 12
+MS_REC = 1 << 14
+MNT_DETACH = 2
 # The same on every architecture (the syscalls after 424 share one table).
 SYS_OPEN_TREE = 428
 SYS_MOVE_MOUNT = 429
@@ -89,6 +92,33 @@ def clone_read_only(source: str) -> int:
     return fd
 
 
+def clone_private(source: str) -> int:
+    """A detached bind of ``source`` with its flags as they are, mount-private (as
+    :func:`clone_read_only` says why): an fd for :func:`attach`, to be closed by the caller."""
+    fd = int(
+        _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source), OPEN_TREE_CLONE | os.O_CLOEXEC)
+    )
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), f"open_tree({source})")
+    attr = _MountAttr(0, 0, MS_PRIVATE, 0)
+    if (
+        _libc.syscall(
+            SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)
+        )
+        < 0
+    ):
+        err = ctypes.get_errno()
+        os.close(fd)
+        raise OSError(err, f"mount_setattr({source}, private)")
+    return fd
+
+
+def detach(target: str) -> None:
+    """Unmount ``target`` in this thread's mount namespace (lazily: its users keep it)."""
+    if _libc.umount2(os.fsencode(target), MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), f"umount {target}")
+
+
 def attach(fd: int, target: str) -> None:
     """Attach the detached mount ``fd`` over ``target`` in this thread's mount namespace."""
     if (
@@ -129,17 +159,20 @@ def _parent_of(pid: int) -> int | None:
     return None
 
 
-def _enter(pidfd: int, pid: int) -> None:
-    # Whatever runs next acts on the namespace entered: aimed at the manager's own (a pid
-    # still in our namespace), a devpts remount would cap the host's terminals and a mask
-    # would hide the host's /proc from itself. Refused before anything changes.
-    ns_path = f"/proc/{pid}/ns/mnt"
+def enter(fd: int, ns_path: str) -> None:
+    """Move this thread (alone) into the mount namespace ``fd`` names (a pidfd, or an open
+    namespace file), which ``ns_path`` is a path of; for a thread that ends after its work.
+
+    Whatever runs next acts on the namespace entered: aimed at the manager's own (a pid
+    still in our namespace), a devpts remount would cap the host's terminals and a mask
+    would hide the host's /proc from itself. Refused before anything changes.
+    """
     if Path(ns_path).stat().st_ino == Path("/proc/self/ns/mnt").stat().st_ino:
-        raise OSError(errno.EINVAL, "the sandbox's mount namespace is the manager's own")
+        raise OSError(errno.EINVAL, f"the mount namespace {ns_path} is the manager's own")
     if _libc.unshare(CLONE_FS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_FS)")
-    if _libc.setns(pidfd, CLONE_NEWNS) != 0:  # a pidfd names the process, not its pid
-        raise OSError(ctypes.get_errno(), f"setns into the mount namespace of {ns_path}")
+    if _libc.setns(fd, CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), f"setns into the mount namespace {ns_path}")
 
 
 def run_inside(pid: int, work: Callable[[], None], *, parent: int | None = None) -> None:
@@ -165,13 +198,19 @@ def run_inside(pid: int, work: Callable[[], None], *, parent: int | None = None)
             try:
                 if parent is not None and _parent_of(pid) != parent:
                     raise OSError(errno.ESRCH, f"process {pid} is not the sandbox's first process")
-                _enter(pidfd, pid)
+                # A pidfd names the process, not its pid.
+                enter(pidfd, f"/proc/{pid}/ns/mnt")
                 work()
             finally:
                 os.close(pidfd)
         except BaseException as exc:  # whatever failed, the caller must not go on as if done
             failure.append(exc)
 
+    in_thread(visit, failure)
+
+
+def in_thread(visit: Callable[[], None], failure: list[BaseException]) -> None:
+    """Run ``visit`` in a thread of its own and wait; raise what it put in ``failure``."""
     thread = threading.Thread(target=visit, name="sandlot-mountns", daemon=True)
     thread.start()
     thread.join()

@@ -5,6 +5,7 @@ Standard library only, Python >= 3.9 (shipped into every sandbox).
 
 import _signal as signal  # the C core: `signal` imports enum (~2.5 ms of every start)
 import os
+import select
 import time
 
 import threads
@@ -60,6 +61,8 @@ def signal_exit_code(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
 
+# The reaper's scan without any SIGCHLD: a safety net, never the means.
+REAP_FALLBACK_MS = 30_000
 CHILDREN = set()
 CHILDREN_LOCK = threads.Lock()
 
@@ -116,15 +119,41 @@ def descendants(pid):
     return found
 
 
-def reap_orphans_forever():
+def watch_children():
+    """Have every SIGCHLD written to a pipe, whichever thread the kernel delivers it to;
+    return its read end for :func:`reap_orphans_forever`. Main thread only (a handler, and
+    the wakeup fd, can only be set there), after the first kernel's fork: the kernel must
+    not inherit the handler.
+
+    The reaper polled /proc every 0.5 s instead: ~260 us of CPU a second in every idle
+    sandbox, a quarter of a core for 1,000 idle ones, each wake-up counted in the load."""
+    read_fd, write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, _on_child)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    return read_fd
+
+
+def _on_child(signum, frame):
+    """Nothing to do here: the C handler has already written to the wakeup pipe."""
+
+
+def reap_orphans_forever(wake_fd):
     """Reap the zombies of orphans (double-forked daemons) reparented to us, as pid 1 or as
-    a subreaper.
+    a subreaper, each time a child of ours ends (``wake_fd``, :func:`watch_children`).
 
     Never waitpid(-1): that would steal the exit status of a command still being waited for.
     """
     me = str(os.getpid())
+    poller = select.poll()
+    poller.register(wake_fd, select.POLLIN)
     while True:
-        time.sleep(0.5)
+        # A wake-up lost to a full pipe is caught up by the next one, or by this timeout.
+        poller.poll(REAP_FALLBACK_MS)
+        try:
+            while os.read(wake_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
         with CHILDREN_LOCK:
             for name in os.listdir("/proc"):
                 if not name.isdigit() or int(name) in CHILDREN or name == me:

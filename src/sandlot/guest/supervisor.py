@@ -26,7 +26,7 @@ import threads
 from calls import Calls
 from cells import Cells, Kernel
 from ops import PROTOCOL_VERSION, Event, Op
-from procs import become_subreaper, count_tasks, harden, reap_orphans_forever
+from procs import become_subreaper, count_tasks, harden, reap_orphans_forever, watch_children
 from seal import KEY_BYTES, TO_GUEST, TO_HOST, NotAuthentic, Seal
 from wire import FrameWriter, GuestFault, loads, read_frame
 from workspace import WORKSPACE, os_error_code
@@ -227,7 +227,7 @@ def supervisor_main():
     from_host = take_key(writer)
     supervisor.kernel.open_gate()
     if become_subreaper():
-        threads.start(reap_orphans_forever)
+        threads.start(reap_orphans_forever, watch_children())
     threads.start(supervisor.cells.rewarm)
     writer.send(
         {

@@ -43,7 +43,7 @@ from sandlot.backends.base import (
     GuestSpec,
     instance_of,
 )
-from sandlot.backends.bubblewrap import netns
+from sandlot.backends.bubblewrap import launchns, netns
 from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.rootless import (
     PRLIMIT,
@@ -159,6 +159,9 @@ class _Box:
     system: Path | None = None  # the environment's tree bound as /; None: the host's /usr
     # The sandbox's own CPU quota while its guest starts under START_CPU_CORES; None once set.
     cpu_cores_after_start: float | None = None
+    # Its volume is mounted in the launch namespace too (launchns.py), until bwrap has made
+    # the sandbox's own.
+    in_launch_ns: bool = False
 
 
 def _traversable_by_others(path: Path) -> Path | None:
@@ -194,6 +197,8 @@ class BubblewrapBackend:
         self._hidden_files = present(HIDDEN_FILES)
         self._hidden_dirs = present(HIDDEN_DIRS)
         self._routing_ready = False
+        self._launch_ns: Path | None = None  # launchns.py's pin, once made
+        self._launch_ns_failed = False
         self._routing_lock = asyncio.Lock()
 
     @classmethod
@@ -371,6 +376,10 @@ class BubblewrapBackend:
             write_proc_files(root / "proc", limits.memory_bytes)
             if spec.network:
                 await self._make_network(box)
+            pin = self._launch_pin()
+            if pin is not None and os.path.ismount(root / "volume"):
+                await asyncio.to_thread(launchns.add_volume, pin, root / "volume")
+                box.in_launch_ns = True
 
         try:
             # The launcher enters the cgroup while the files are made (PLACE_IN_CGROUP).
@@ -514,9 +523,12 @@ class BubblewrapBackend:
                 "--",
                 *self._bwrap_argv(box, spec, seccomp_fd),
             ]
+        enter = [f"--net={box.net.path}"] if box.net is not None else []
+        if self._launch_ns is not None:
+            enter.append(f"--mount={self._launch_ns}")
         return [
             *place,
-            *([NSENTER, f"--net={box.net.path}", "--"] if box.net is not None else []),
+            *([NSENTER, *enter, "--"] if enter else []),
             SETPRIV,
             f"--reuid={box.uid}",
             f"--regid={box.uid}",
@@ -584,7 +596,7 @@ class BubblewrapBackend:
                     os.close(info_r)  # nobody will read it: bwrap never ran
                 raise
             if info_fd is not None:
-                await asyncio.to_thread(self._finish_namespace, info_r, process.pid, masks)
+                await asyncio.to_thread(self._finish_namespace, info_r, process.pid, masks, box)
         except BaseException:
             guest.kill()
             with contextlib.suppress(Exception):
@@ -606,16 +618,19 @@ class BubblewrapBackend:
             why = guest.stderr_tail() or f"exit status {process.returncode}"
             raise SandboxStartError(f"the sandbox's launcher failed: {why}") from exc
 
-    def _finish_namespace(self, info_fd: int, bwrap_pid: int, masks: list[mountns.Mask]) -> None:
-        """Once bwrap has exec'd the guest (its mounts made), put in ``masks`` (/proc's
-        host-wide entries, unless bwrap made them) and cap the devpts instance. The guest runs
-        no code of the sandbox's before the host sends its key, which comes after this
-        returns."""
+    def _finish_namespace(
+        self, info_fd: int, bwrap_pid: int, masks: list[mountns.Mask], box: _Box
+    ) -> None:
+        """Once bwrap has exec'd the guest (its mounts made), take the sandbox's volume out of
+        the launch namespace, put in ``masks`` (/proc's host-wide entries, unless bwrap made
+        them) and cap the devpts instance. The guest runs no code of the sandbox's before
+        the host sends its key, which comes after this returns."""
         try:
             pid = read_child_pid(info_fd, START_TIMEOUT_S)
         finally:
             os.close(info_fd)
         wait_for_exec(pid, "bwrap", START_TIMEOUT_S)
+        self._leave_launch_ns(box)
         max_ptys = self.settings.max_ptys
         remount = remounter(max_ptys, BWRAP_OPTIONS)
         try:
@@ -664,12 +679,45 @@ class BubblewrapBackend:
             raise SandboxStartError(f"could not set the sandbox's CPU quota: {exc}") from exc
         box.cpu_cores_after_start = None
 
+    def _launch_pin(self) -> Path | None:
+        """The launch namespace's pin (made on the first call), or None where the launchers
+        start in the manager's own namespace (rootless, or no mount API, or no loop disks:
+        then the host has no per-sandbox mounts to leave out either)."""
+        if self._launch_ns is None and not self._launch_ns_failed:
+            if self.rootless or not self._loop_ok or not mountns.supported():
+                self._launch_ns_failed = True
+                return None
+            pin = self.data_dir / launchns.PIN
+            try:
+                launchns.make(pin)
+            except OSError as exc:
+                log.warning(
+                    "no launch namespace: creates slow down as sandboxes add up", error=str(exc)
+                )
+                self._launch_ns_failed = True
+                return None
+            self._launch_ns = pin
+        return self._launch_ns
+
+    def _leave_launch_ns(self, box: _Box) -> None:
+        """Unmount the box's volume from the launch namespace: it holds the loop device."""
+        if box.in_launch_ns and self._launch_ns is not None:
+            launchns.remove_volume(self._launch_ns, box.root / "volume")
+            box.in_launch_ns = False
+
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)
         if box is None:
             await self._remove_leftovers(sandbox_id)
             return
         await self._end_guest(box)
+        if box.in_launch_ns:
+            try:
+                await asyncio.to_thread(self._leave_launch_ns, box)
+            except OSError as exc:
+                log.warning(
+                    "volume left in the launch namespace", sandbox=sandbox_id, error=str(exc)
+                )
         await asyncio.to_thread(box.cgroup.remove)
         if box.net is not None:
             await netns.remove(box.net.name, box.net.veth)
@@ -715,13 +763,25 @@ class BubblewrapBackend:
         removed = sorted(found - keep_ids)
         for sandbox_id in removed:
             await self._remove_leftovers(sandbox_id)
+        if not keep_ids:
+            # A crashed manager's pin, or ours with nothing left to launch.
+            await asyncio.to_thread(self._drop_launch_ns)
         return removed
+
+    def _drop_launch_ns(self) -> None:
+        pin = self.data_dir / launchns.PIN
+        if launchns.pinned(pin) or pin.exists():
+            launchns.drop(pin)
+        self._launch_ns = None
+        self._launch_ns_failed = False
 
     async def close(self) -> None:
         for box in list(self._boxes.values()):
             if box.uid_lock_fd is not None:
                 UidAllocator.release(box.uid_lock_fd)
         self._boxes.clear()
+        if self._launch_ns is not None:
+            await asyncio.to_thread(self._drop_launch_ns)
         if self._checked:
             # Our instance's parent cgroup; rmdir fails harmlessly while sandboxes remain.
             parent = self.cgroups.path(*self._cgroup_prefix, self.instance)

@@ -1,0 +1,158 @@
+"""The launch namespace: a mount namespace the launchers start bwrap in, holding none of the
+host's per-sandbox mounts.
+
+A new sandbox's mount namespace is a copy of the one bwrap starts in, and bwrap makes each of
+its ~20 binds with a parse of that namespace's whole mount table. In the manager's own
+namespace every live sandbox has its workspace mounted, so each create cost more than the
+last: 49 ms with none live, 124-158 ms with 750-999 (``bench/scale.py``, BENCHMARKS.md; the
+kernel's mount table printing and bwrap's parsing were most of it). The launchers enter this
+namespace instead (``nsenter --mount``): a private copy of the host's, made when the backend
+first starts a sandbox, in which a new sandbox's volume is mounted only from just before its
+bwrap starts until bwrap has made the sandbox's own namespace.
+
+Pinned by a bind mount of its namespace file at ``<instance dir>/launch-ns`` (so it outlives
+the thread that made it, and a crashed manager's is found and removed by the next start's
+sweep of its instance). Root's backends only, with the kernel's mount API (mountns.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from sandlot.backends import mountns
+from sandlot.backends.mountns import (
+    CLONE_FS,
+    CLONE_NEWNS,
+    MNT_DETACH,
+    MS_BIND,
+    MS_PRIVATE,
+    MS_REC,
+)
+
+PIN = "launch-ns"
+
+
+def make(pin: Path) -> None:
+    """Make the launch namespace and pin it at ``pin`` (an existing one there is kept).
+
+    Raises:
+        OSError: it could not be made or pinned (nothing is left behind).
+    """
+    if pinned(pin):
+        return
+    pin.touch(mode=0o600)
+    entered = threading.Event()
+    done = threading.Event()
+    failure: list[BaseException] = []
+    tid: list[int] = []
+
+    def visit() -> None:
+        # This thread moves into the new namespace and stays there until it is pinned: its
+        # namespace file is what the pin binds.
+        try:
+            _ok(mountns._libc.unshare(CLONE_FS | CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+            # Private all the way down: nothing mounted on the host later (other sandboxes'
+            # volumes, docker's layers) reaches it, and nothing made in it reaches the host.
+            _ok(
+                mountns._libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None),
+                "mount --make-rprivate /",
+            )
+            tid.append(threading.get_native_id())
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            entered.set()
+        done.wait()
+
+    thread = threading.Thread(target=visit, name="sandlot-launchns", daemon=True)
+    thread.start()
+    try:
+        entered.wait()
+        if not failure:
+            source = os.fsencode(f"/proc/self/task/{tid[0]}/ns/mnt")
+            _ok(
+                mountns._libc.mount(source, os.fsencode(pin), None, ctypes.c_ulong(MS_BIND), None),
+                f"pin the launch namespace at {pin}",
+            )
+    except BaseException as exc:
+        failure.append(exc)
+    finally:
+        done.set()
+        thread.join()
+    if failure:
+        with contextlib.suppress(OSError):
+            pin.unlink()
+        raise failure[0]
+
+
+def _ok(rc: int, what: str) -> None:
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), what)
+
+
+def pinned(pin: Path) -> bool:
+    """Whether a namespace is pinned at ``pin`` (a mount of the nsfs file there)."""
+    try:
+        return os.path.ismount(pin)
+    except OSError:
+        return False
+
+
+def drop(pin: Path) -> None:
+    """Unpin and remove it (idempotent); the namespace ends with its last launcher."""
+    if mountns._libc.umount2(os.fsencode(pin), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):  # not pinned
+            raise OSError(err, f"unpin the launch namespace at {pin}")
+    with contextlib.suppress(FileNotFoundError):
+        pin.unlink()
+
+
+def run_in(pin: Path, work: Callable[[], None]) -> None:
+    """Run ``work`` in the launch namespace pinned at ``pin`` (a thread of its own).
+
+    Raises:
+        OSError: it could not be entered, or ``work`` failed; anything else ``work`` raised.
+    """
+    failure: list[BaseException] = []
+
+    def visit() -> None:
+        try:
+            fd = os.open(pin, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                mountns.enter(fd, str(pin))
+                work()
+            finally:
+                os.close(fd)
+        except BaseException as exc:
+            failure.append(exc)
+
+    mountns.in_thread(visit, failure)
+
+
+def add_volume(pin: Path, volume: Path) -> None:
+    """Mount a clone of the host's ``volume`` mount at the same path in the namespace."""
+    clone = mountns.clone_private(str(volume))
+    try:
+        run_in(pin, lambda: mountns.attach(clone, str(volume)))
+    finally:
+        os.close(clone)
+
+
+def remove_volume(pin: Path, volume: Path) -> None:
+    """Unmount ``volume`` there (the sandbox's own namespace keeps its copy); idempotent."""
+
+    def work() -> None:
+        try:
+            mountns.detach(str(volume))
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted there
+                raise
+
+    run_in(pin, work)
