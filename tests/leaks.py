@@ -30,6 +30,7 @@ from typing import Any
 
 from sandlot import SandboxManager
 from sandlot.backends.base import instance_of
+from sandlot.backends.bubblewrap import launchns
 from sandlot.backends.docker.dockerd import labelled
 
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -338,12 +339,17 @@ class Snapshot:
         }
 
 
-def mounts_below(root: Path) -> list[str]:
+def mounts_below(root: Path, *, pins: bool = False) -> list[str]:
+    """Mounts at or below ``root``; without ``pins``, not a live instance's launch namespace
+    pin (launchns.py: one per instance, made by its first create and removed at its close;
+    test_launchns.py checks that)."""
     prefix = str(root.resolve())
     found = []
     with open("/proc/self/mounts") as f:
         for line in f:
             point = line.split()[1].replace("\\040", " ")
+            if not pins and Path(point).name == launchns.PIN:
+                continue
             if point == prefix or point.startswith(prefix + "/"):
                 found.append(point)
     return found

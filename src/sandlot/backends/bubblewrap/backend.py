@@ -303,7 +303,8 @@ class BubblewrapBackend:
             # Only a restart re-enters the cgroup (after a fork bomb, say): leave the fresh
             # guest room to start its interpreter and run a command.
             await asyncio.to_thread(box.cgroup.wait_for_headroom, GUEST_PIDS_HEADROOM)
-            box.guest = await self._spawn(box, spec)
+            # The new bwrap starts in the launch namespace too, which its volume has left.
+            box.guest = await self._spawn(box, spec, before_go=lambda: self._enter_launch_ns(box))
         assert box.guest is not None
         return box.guest
 
@@ -376,10 +377,7 @@ class BubblewrapBackend:
             write_proc_files(root / "proc", limits.memory_bytes)
             if spec.network:
                 await self._make_network(box)
-            pin = self._launch_pin()
-            if pin is not None and os.path.ismount(root / "volume"):
-                await asyncio.to_thread(launchns.add_volume, pin, root / "volume")
-                box.in_launch_ns = True
+            await self._enter_launch_ns(box)
 
         try:
             # The launcher enters the cgroup while the files are made (PLACE_IN_CGROUP).
@@ -689,7 +687,8 @@ class BubblewrapBackend:
                 return None
             pin = self.data_dir / launchns.PIN
             try:
-                launchns.make(pin)
+                # All the instances' sandboxes of the data directory (ours: data_dir/..).
+                launchns.make(pin, self.data_dir.parent.parent)
             except OSError as exc:
                 log.warning(
                     "no launch namespace: creates slow down as sandboxes add up", error=str(exc)
@@ -698,6 +697,14 @@ class BubblewrapBackend:
                 return None
             self._launch_ns = pin
         return self._launch_ns
+
+    async def _enter_launch_ns(self, box: _Box) -> None:
+        """Mount the box's volume in the launch namespace, for its bwrap to bind."""
+        pin = self._launch_pin()
+        volume = box.root / "volume"
+        if pin is not None and not box.in_launch_ns and os.path.ismount(volume):
+            await asyncio.to_thread(launchns.add_volume, pin, volume)
+            box.in_launch_ns = True
 
     def _leave_launch_ns(self, box: _Box) -> None:
         """Unmount the box's volume from the launch namespace: it holds the loop device."""

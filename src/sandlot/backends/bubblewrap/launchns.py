@@ -38,8 +38,10 @@ from sandlot.backends.mountns import (
 PIN = "launch-ns"
 
 
-def make(pin: Path) -> None:
-    """Make the launch namespace and pin it at ``pin`` (an existing one there is kept).
+def make(pin: Path, clean_below: Path) -> None:
+    """Make the launch namespace and pin it at ``pin`` (an existing one there is kept),
+    without the mounts the host has below ``clean_below`` (the volumes of sandboxes already
+    live, or being made, as it is copied).
 
     Raises:
         OSError: it could not be made or pinned (nothing is left behind).
@@ -63,6 +65,7 @@ def make(pin: Path) -> None:
                 mountns._libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None),
                 "mount --make-rprivate /",
             )
+            _unmount_below(clean_below)
             tid.append(threading.get_native_id())
         except BaseException as exc:
             failure.append(exc)
@@ -89,6 +92,19 @@ def make(pin: Path) -> None:
         with contextlib.suppress(OSError):
             pin.unlink()
         raise failure[0]
+
+
+def _unmount_below(root: Path) -> None:
+    """Unmount, in this thread's mount namespace, everything mounted below ``root``."""
+    prefix = str(root) + "/"
+    with open("/proc/thread-self/mountinfo") as f:  # this thread's namespace, not the process's
+        points = [line.split()[4] for line in f]
+    # Deepest first; \040 and the like are how mountinfo spells odd characters.
+    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        path = point.encode().decode("unicode_escape").encode("latin-1")
+        rc = mountns._libc.umount2(path, MNT_DETACH)
+        if rc != 0 and ctypes.get_errno() not in (errno.EINVAL, errno.ENOENT):
+            raise OSError(ctypes.get_errno(), f"umount {point} in the launch namespace")
 
 
 def _ok(rc: int, what: str) -> None:

@@ -1,0 +1,109 @@
+"""The launch namespace (backends/bubblewrap/launchns.py): bwrap starts in a mount namespace
+that holds no live sandbox's volume, pinned per instance and removed at its close."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sandlot import SandboxManager
+from sandlot.backends import mountns
+from sandlot.backends.bubblewrap import launchns
+from sandlot.requests import RunCode, SandboxSpec
+from tests import leaks
+from tests.conftest import make_settings, skip_reason
+
+
+@pytest.fixture
+def root_bubblewrap() -> None:
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    if os.geteuid() != 0 or not mountns.supported():
+        pytest.skip("the launch namespace is root's, with the mount API")
+
+
+def _mount_points(pin: Path) -> list[str]:
+    """The mount points of the namespace pinned at ``pin``, as root sees them there."""
+    out = subprocess.run(
+        ["/usr/bin/nsenter", f"--mount={pin}", "cat", "/proc/self/mountinfo"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [line.split()[4] for line in out.splitlines()]
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("root_bubblewrap")
+async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Path) -> None:
+    data_dir = data_root / "launchns"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        pin = mgr.instance_dir / launchns.PIN
+        assert not launchns.pinned(pin)  # made by the first create, not at start
+        first, second = await asyncio.gather(*(mgr.create(SandboxSpec()) for _ in range(2)))
+        assert launchns.pinned(pin)
+        volumes = [str(mgr.instance_dir / "sandboxes" / i.id / "volume") for i in (first, second)]
+        # On the host, as before; in the launch namespace, gone once bwrap has its copy.
+        assert all(os.path.ismount(v) for v in volumes)
+        inside = _mount_points(pin)
+        assert not [p for p in inside if p.startswith(str(data_root))], inside
+        # Each sandbox still has its own workspace, and nothing of the other's.
+        for info, other in ((first, second), (second, first)):
+            got = await mgr.run_code(
+                info.id,
+                RunCode(
+                    code="open('/workspace/me', 'w').write('x'); "
+                    "open('/proc/self/mountinfo').read()"
+                ),
+            )
+            assert got.error is None and got.text is not None
+            # (Its own host paths show, as the roots of its /proc masks: SECURITY.md.)
+            assert other.id not in got.text and info.id in got.text
+        # A guest restart starts a new bwrap in the launch namespace: its volume goes back
+        # in for the start, and out again (failed before: the new bwrap found no workspace).
+        mgr._backend("bubblewrap")._boxes[first.id].guest.kill()
+        lost = await mgr.run_code(first.id, RunCode(code="1"))
+        assert lost.state_lost, lost  # the death is reported; the next call restarts it
+        again = await mgr.run_code(first.id, RunCode(code="open('/workspace/me').read()"))
+        assert again.text == "'x'", again
+        assert not [p for p in _mount_points(pin) if p.startswith(str(data_root))]
+        await mgr.destroy(first.id)
+        assert not os.path.exists(volumes[0])
+    # Its close unpins it: nothing of the instance stays mounted.
+    assert leaks.mounts_below(data_dir, pins=True) == []
+    assert not pin.exists()
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("root_bubblewrap")
+async def test_a_create_that_fails_after_its_volume_entered_leaves_nothing(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The volume is in the launch namespace from before bwrap runs: a start that fails then
+    must take it out again, or its loop device could never be freed."""
+    import sandlot.backends.bubblewrap.backend as module
+
+    data_dir = data_root / "launchns-fail"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        await mgr.destroy((await mgr.create(SandboxSpec())).id)  # the namespace exists
+        pin = mgr.instance_dir / launchns.PIN
+
+        def no_exec(*args: object, **kwargs: object) -> None:
+            raise OSError(5, "bwrap did not exec today")
+
+        monkeypatch.setattr(module, "wait_for_exec", no_exec)
+        with pytest.raises(Exception, match="did not exec today"):
+            await mgr.create(SandboxSpec())
+        monkeypatch.undo()
+        assert not [p for p in _mount_points(pin) if p.startswith(str(data_root))]
+        assert leaks.mounts_below(data_dir) == []
+        assert leaks.loop_devices_below(data_dir) == []
+        fresh = await mgr.create(SandboxSpec())
+        assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
