@@ -43,6 +43,9 @@ FDS_TO_START = 16
 # Left for the process's own work whatever the sandboxes hold: the store, server
 # connections, uploads, artifact copies, and a few sandboxes starting at once.
 FDS_RESERVE = 64
+# Open descriptors are counted (not estimated from the sandboxes held) once fewer than this
+# many would be left.
+FDS_LISTING_MARGIN = 1024
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,13 @@ def check_fds(held: int, fds_at_start: int) -> None:
         FileDescriptorsExhausted: it would not (the message names the limit and how to raise it).
     """
     soft, hard = nofile_limits()
-    used = open_fds()
     allowed = sandboxes_allowed(soft, fds_at_start)
+    # Listing /proc/self/fd costs ~1.3 us a descriptor (3.8 ms with 600 sandboxes live, on
+    # every create): done only where what the sandboxes hold leaves less than a margin. A
+    # process holding more than the margin for anything else fails its start with EMFILE,
+    # which fds_exhausted_error still names.
+    held_fds = fds_at_start + held * max(FDS_PER_SANDBOX.values())
+    used = held_fds if soft - held_fds > FDS_LISTING_MARGIN else open_fds()
     if held + 1 > allowed or soft - used < FDS_TO_START + FDS_RESERVE:
         raise FileDescriptorsExhausted(
             f"no file descriptors for one more sandbox: this process has {used} of its "
