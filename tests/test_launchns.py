@@ -107,3 +107,19 @@ async def test_a_create_that_fails_after_its_volume_entered_leaves_nothing(
         assert leaks.loop_devices_below(data_dir) == []
         fresh = await mgr.create(SandboxSpec())
         assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("root_bubblewrap")
+async def test_another_data_directorys_volumes_stay_out(data_root: Path) -> None:
+    """A launch namespace is copied from the host's, where other managers' (other data
+    directories') sandboxes have their volumes mounted: it is made without them."""
+    (data_root / "other").mkdir()
+    (data_root / "mine").mkdir()
+    async with SandboxManager(make_settings(data_root / "other")) as other:
+        theirs = await other.create(SandboxSpec())
+        async with SandboxManager(make_settings(data_root / "mine")) as mine:
+            await mine.create(SandboxSpec())
+            inside = _mount_points(mine.instance_dir / launchns.PIN)
+            assert not [p for p in inside if p.startswith(str(data_root))], inside
+        assert (await other.run_code(theirs.id, RunCode(code="6 * 7"))).text == "42"

@@ -10,7 +10,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 # The first wait between two tries of a statement SQLite refused without waiting, and the
@@ -37,6 +37,35 @@ def connect_shared(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
         # WAL + NORMAL: a committed row survives a crash of the process; only a power loss
         # can take the last few. FULL would fsync on every write.
         db.execute("PRAGMA synchronous=NORMAL")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def open_schema(
+    path: Path,
+    busy_timeout_s: float,
+    schema: Sequence[str],
+    table: str,
+    add_columns: Mapping[str, str],
+    after: Sequence[str] = (),
+) -> sqlite3.Connection:
+    """:func:`connect_shared`, then in one write transaction (two processes opening an old
+    file at once must not both add a column: the second would fail on a duplicate): the
+    ``schema`` statements, each of ``add_columns`` (column: its ALTER TABLE) that ``table``
+    lacks, then ``after``."""
+    db = connect_shared(path, busy_timeout_s)
+    try:
+        with write_transaction(db):
+            for statement in schema:
+                db.execute(statement)
+            have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+            for column, statement in add_columns.items():
+                if column not in have:
+                    db.execute(statement)
+            for statement in after:
+                db.execute(statement)
     except BaseException:
         db.close()
         raise

@@ -66,6 +66,17 @@ class Mask(NamedTuple):
 def clone_read_only(source: str) -> int:
     """A detached, read-only, nosuid, nodev, noexec bind of ``source``: an fd for
     :func:`attach`, to be closed by the caller."""
+    sealed = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
+    return _clone(source, sealed, "read-only")
+
+
+def clone_private(source: str) -> int:
+    """A detached bind of ``source`` with its flags as they are, mount-private: an fd for
+    :func:`attach`, to be closed by the caller."""
+    return _clone(source, 0, "private")
+
+
+def _clone(source: str, attr_set: int, what: str) -> int:
     fd = int(
         _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source), OPEN_TREE_CLONE | os.O_CLOEXEC)
     )
@@ -74,12 +85,7 @@ def clone_read_only(source: str) -> int:
     # Private: a clone of a path on a shared mount (systemd's default for /) joins that
     # mount's peer group, so a mount made later on either side would reach the other
     # (bwrap's binds were receive-only slaves; a red team found the clones two-way peers).
-    attr = _MountAttr(
-        MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
-        0,
-        MS_PRIVATE,
-        0,
-    )
+    attr = _MountAttr(attr_set, 0, MS_PRIVATE, 0)
     if (
         _libc.syscall(
             SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)
@@ -88,28 +94,7 @@ def clone_read_only(source: str) -> int:
     ):
         err = ctypes.get_errno()
         os.close(fd)
-        raise OSError(err, f"mount_setattr({source}, read-only)")
-    return fd
-
-
-def clone_private(source: str) -> int:
-    """A detached bind of ``source`` with its flags as they are, mount-private (as
-    :func:`clone_read_only` says why): an fd for :func:`attach`, to be closed by the caller."""
-    fd = int(
-        _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source), OPEN_TREE_CLONE | os.O_CLOEXEC)
-    )
-    if fd < 0:
-        raise OSError(ctypes.get_errno(), f"open_tree({source})")
-    attr = _MountAttr(0, 0, MS_PRIVATE, 0)
-    if (
-        _libc.syscall(
-            SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)
-        )
-        < 0
-    ):
-        err = ctypes.get_errno()
-        os.close(fd)
-        raise OSError(err, f"mount_setattr({source}, private)")
+        raise OSError(err, f"mount_setattr({source}, {what})")
     return fd
 
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from sandlot._sqlite import connect_shared, write_transaction
+from sandlot._sqlite import open_schema, write_transaction
 from sandlot.models import ArtifactInfo, SandboxInfo, SandboxStatus
 
 # ``instance``: the manager instance (core/instances.py) that runs the sandbox; "" for a
@@ -59,25 +59,7 @@ class Store:
         self.path = path
         self.instance = instance
         self._lock = threading.Lock()
-        self._db = connect_shared(path, BUSY_TIMEOUT_S)
-        try:
-            self._migrate()
-        except BaseException:
-            self._db.close()
-            raise
-
-    def _migrate(self) -> None:
-        # One transaction: two processes opening an old file at once must not both add the
-        # column.
-        with write_transaction(self._db):
-            for statement in SCHEMA:
-                self._db.execute(statement)
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
-            for column, statement in MIGRATIONS.items():
-                if column not in columns:
-                    self._db.execute(statement)
-            for statement in INDEXES:
-                self._db.execute(statement)
+        self._db = open_schema(path, BUSY_TIMEOUT_S, SCHEMA, "sandboxes", MIGRATIONS, after=INDEXES)
 
     def close(self) -> None:
         with self._lock:

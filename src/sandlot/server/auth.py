@@ -21,7 +21,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sandlot._sqlite import connect_shared, write_transaction
+from sandlot._sqlite import open_schema
 from sandlot.errors import AuthenticationError, ConfigError, Forbidden
 from sandlot.models import Quota
 
@@ -108,24 +108,9 @@ class AuthStore:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = connect_shared(path, BUSY_TIMEOUT_S)
-        try:
-            self._migrate()
-        except BaseException:
-            self._db.close()
-            raise
-
-    def _migrate(self) -> None:
-        # One transaction: two server processes opening an old file at once must not both
-        # add a column (the second would fail on a duplicate).
-        with write_transaction(self._db):
-            for statement in SCHEMA:
-                self._db.execute(statement)
-            # Quotas grew columns: add the ones a database from an older release lacks.
-            have = {row[1] for row in self._db.execute("PRAGMA table_info(tenants)")}
-            for column, kind in QUOTA_COLUMNS.items():
-                if column not in have:
-                    self._db.execute(f"ALTER TABLE tenants ADD COLUMN {column} {kind}")
+        # Quotas grew columns: a database from an older release gets the ones it lacks.
+        added = {c: f"ALTER TABLE tenants ADD COLUMN {c} {k}" for c, k in QUOTA_COLUMNS.items()}
+        self._db = open_schema(path, BUSY_TIMEOUT_S, SCHEMA, "tenants", added)
 
     def close(self) -> None:
         with self._lock:

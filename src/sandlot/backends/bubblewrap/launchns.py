@@ -95,16 +95,26 @@ def make(pin: Path, clean_below: Path) -> None:
 
 
 def _unmount_below(root: Path) -> None:
-    """Unmount, in this thread's mount namespace, everything mounted below ``root``."""
+    """Unmount, in this thread's mount namespace, everything mounted below ``root``, and every
+    sandbox volume of any other data directory (``.../sandboxes/sb-*/volume``)."""
     prefix = str(root) + "/"
     with open("/proc/thread-self/mountinfo") as f:  # this thread's namespace, not the process's
         points = [line.split()[4] for line in f]
+    doomed = [p for p in points if p.startswith(prefix) or _is_volume(Path(p))]
     # Deepest first; \040 and the like are how mountinfo spells odd characters.
-    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+    for point in sorted(doomed, key=len, reverse=True):
         path = point.encode().decode("unicode_escape").encode("latin-1")
         rc = mountns._libc.umount2(path, MNT_DETACH)
         if rc != 0 and ctypes.get_errno() not in (errno.EINVAL, errno.ENOENT):
             raise OSError(ctypes.get_errno(), f"umount {point} in the launch namespace")
+
+
+def _is_volume(point: Path) -> bool:
+    return (
+        point.name == "volume"
+        and point.parent.name.startswith("sb-")
+        and point.parent.parent.name in ("sandboxes", "docker-sandboxes")
+    )
 
 
 def _ok(rc: int, what: str) -> None:
