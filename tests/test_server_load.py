@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.conftest import skip_reason, start_server, stop_server
-from tests.leaks import CGROUP_FS, V1_CONTROLLERS, all_procs
+from tests.leaks import CGROUP_FS, V1_CONTROLLERS, all_procs, mounts_below
 
 CLIENTS = 50
 CALLS = 20
@@ -182,7 +182,8 @@ def _leftovers(server: LoadServer, uids: set[int]) -> dict[str, list[str]]:
     ours = f"{server.cgroup_prefix}{server.instance}/"
     found: dict[str, list[str]] = {
         "sandbox dirs": sorted(p.name for p in sandboxes.iterdir()) if sandboxes.is_dir() else [],
-        "mounts": [],
+        # The instance's launch namespace pin stays while the server runs (test_launchns.py).
+        "mounts": mounts_below(root),
         "loop devices": [],
         "cgroups": [],
         # Our uids are free again once deleted, and another server on this host may hand them
@@ -195,11 +196,6 @@ def _leftovers(server: LoadServer, uids: set[int]) -> dict[str, list[str]]:
             and (p.cgroup.startswith(ours) or not p.cgroup.startswith(server.cgroup_prefix))
         ],
     }
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            point = line.split()[1].replace("\\040", " ")
-            if point == str(root) or point.startswith(f"{root}/"):
-                found["mounts"].append(point)
     for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
         try:
             target = backing.read_text().strip()
