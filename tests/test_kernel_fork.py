@@ -102,6 +102,9 @@ def test_a_crashed_forked_kernel_comes_back_as_a_fresh_interpreter(make_jail: An
     sb.run_code("kept = 1")
     crashed = sb.run_code("import os; os._exit(3)")
     assert crashed.state_lost and crashed.error is not None
+    # An exit, not a kill (it said "killed (signal -3)" before; the red team's find).
+    assert crashed.exit_code == 3 and crashed.kill_reason is None
+    assert "exited (status 3)" in crashed.error.message, crashed.error
     after = _literal(sb, "import sys; (sys.flags.isolated, 'kept' in globals())")
     assert after == (0, False)
 

@@ -368,10 +368,15 @@ class Cells:
             result["signal"] = -returncode if returncode < 0 else None
             if not reason and returncode < 0:
                 result["kill_reason"] = "cpu" if -returncode == signal.SIGXCPU else "killed"
+            # A cell's os._exit(3) ends the kernel with a status, not a signal: say which.
+            how = (
+                "was killed (signal %s)" % -returncode
+                if returncode < 0
+                else "exited (status %s)" % returncode
+            )
             result["error"] = {
                 "type": "KernelDied" if not reason else "Interrupted",
-                "message": "the interpreter was killed (signal %s); "
-                "its variables and imports are lost" % (-returncode),
+                "message": "the interpreter %s; its variables and imports are lost" % how,
                 "traceback": "",
             }
             result["text"] = None
