@@ -67,7 +67,14 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
             assert other.id not in got.text and info.id in got.text
         # A guest restart starts a new bwrap in the launch namespace: its volume goes back
         # in for the start, and out again (failed before: the new bwrap found no workspace).
-        mgr._backend("bubblewrap")._boxes[first.id].guest.kill()
+        guest = mgr._backend("bubblewrap")._boxes[first.id].guest
+        guest.kill()
+        await guest.wait()
+        conn = mgr._live[first.id].conn
+        for _ in range(100):  # until the manager has read the connection's end
+            if conn is None or not conn.alive:
+                break
+            await asyncio.sleep(0.05)
         lost = await mgr.run_code(first.id, RunCode(code="1"))
         assert lost.state_lost, lost  # the death is reported; the next call restarts it
         again = await mgr.run_code(first.id, RunCode(code="open('/workspace/me').read()"))
