@@ -48,6 +48,12 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
         assert not launchns.pinned(pin)  # made by the first create, not at start
         first, second = await asyncio.gather(*(mgr.create(SandboxSpec()) for _ in range(2)))
         assert launchns.pinned(pin)
+        # Both bwraps started in it, the first create's too (failed before: the launcher
+        # was built before the first create made the pin, and ran in the host's namespace).
+        boxes = mgr._backend("bubblewrap")._boxes
+        for info in (first, second):
+            bwrap_ns = os.stat(f"/proc/{boxes[info.id].guest.pid}/ns/mnt").st_ino
+            assert bwrap_ns == pin.stat().st_ino
         volumes = [str(mgr.instance_dir / "sandboxes" / i.id / "volume") for i in (first, second)]
         # On the host, as before; in the launch namespace, gone once bwrap has its copy.
         assert all(os.path.ismount(v) for v in volumes)

@@ -522,8 +522,11 @@ class BubblewrapBackend:
                 *self._bwrap_argv(box, spec, seccomp_fd),
             ]
         enter = [f"--net={box.net.path}"] if box.net is not None else []
-        if self._launch_ns is not None:
-            enter.append(f"--mount={self._launch_ns}")
+        # Made here on the first create, before any volume of its is mounted: a launcher
+        # built before the pin existed started bwrap in the manager's namespace.
+        pin = self._launch_pin()
+        if pin is not None:
+            enter.append(f"--mount={pin}")
         return [
             *place,
             *([NSENTER, *enter, "--"] if enter else []),
