@@ -245,3 +245,18 @@ def test_an_orphan_that_ends_is_reaped_at_once(make_jail: Any) -> None:
     assert sb.commands.run("(sh -c 'sleep 0.3' &); echo started").stdout == "started\n"
     time.sleep(0.5)  # it has ended by now, a zombie until reaped
     assert sb.run_code(ORPHAN_ZOMBIES).text == "0"
+
+
+def test_a_sigchld_flood_at_pid_1_changes_no_result(make_jail: Any) -> None:
+    """pid 1 now handles SIGCHLD (its orphan reaper wakes on it), so sandboxed code can send
+    it any number: exit statuses and results stay right meanwhile (the red team's flood)."""
+    sb = make_jail()
+    flood = "while :; do kill -CHLD 1 2>/dev/null; done"
+    started = sb.run_code(f"import subprocess\nflood = subprocess.Popen(['sh', '-c', {flood!r}])")
+    assert started.error is None, started
+    try:
+        for status in (0, 3, 7):
+            assert sb.commands.run(f"exit {status}").exit_code == status
+        assert sb.run_code("6 * 7").text == "42"
+    finally:
+        assert sb.run_code("flood.kill(); flood.wait()").text == "-9"

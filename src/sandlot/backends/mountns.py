@@ -98,10 +98,13 @@ def _clone(source: str, attr_set: int, what: str) -> int:
     return fd
 
 
-def detach(target: str) -> None:
-    """Unmount ``target`` in this thread's mount namespace (lazily: its users keep it)."""
+def detach(target: str | bytes, *, missing_ok: bool = False) -> None:
+    """Unmount ``target`` in this thread's mount namespace (lazily: its users keep it);
+    with ``missing_ok``, nothing mounted there is no error."""
     if _libc.umount2(os.fsencode(target), MNT_DETACH) != 0:
-        raise OSError(ctypes.get_errno(), f"umount {target}")
+        err = ctypes.get_errno()
+        if not (missing_ok and err in (errno.EINVAL, errno.ENOENT)):
+            raise OSError(err, f"umount {os.fsdecode(target)}")
 
 
 def attach(fd: int, target: str) -> None:

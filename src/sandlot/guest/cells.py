@@ -321,38 +321,35 @@ class Cells:
         # The kernel keeps its bundles within the cap, but cell code runs in the kernel's
         # process and can write to its socket: the cap is kept here too.
         results = _Results(int(request.get("output_limit", 1 << 20)))
-        try:
-            while True:
-                now = time.monotonic()
-                if reply is None and not reason and call.cancelled:
-                    reason.append("killed")
-                if reply is None and not reason and now >= deadline:
-                    reason.append("timeout")
-                if reason and interrupt_at is None:
-                    interrupt_at = now
-                    try:
-                        os.kill(proc.pid, signal.SIGINT)
-                    except OSError:
-                        pass
-                if interrupt_at is not None and now - interrupt_at > INTERRUPT_GRACE_S:
-                    break  # ignored the interrupt (C loop, or a handler of its own)
-                wait_s = 0.05 if interrupt_at is not None else min(0.25, deadline - now)
-                if pump.poll(wait_s, extra=channel.fileno()):
-                    try:
-                        reply = self._receive(channel, nonce, request, results)
-                    except (EOFError, ValueError):
-                        reply = None  # dead, or an out-of-step reply: start afresh
-                        break
-                    if reply is not None:
-                        break
-                if proc.poll() is not None:
+        while True:
+            now = time.monotonic()
+            if reply is None and not reason and call.cancelled:
+                reason.append("killed")
+            if reply is None and not reason and now >= deadline:
+                reason.append("timeout")
+            if reason and interrupt_at is None:
+                interrupt_at = now
+                try:
+                    os.kill(proc.pid, signal.SIGINT)
+                except OSError:
+                    pass
+            if interrupt_at is not None and now - interrupt_at > INTERRUPT_GRACE_S:
+                break  # ignored the interrupt (C loop, or a handler of its own)
+            wait_s = 0.05 if interrupt_at is not None else min(0.25, deadline - now)
+            if pump.poll(wait_s, extra=channel.fileno()):
+                try:
+                    reply = self._receive(channel, nonce, request, results)
+                except (EOFError, ValueError):
+                    reply = None  # dead, or an out-of-step reply: start afresh
                     break
-            pump.drain_now()
-            if interrupt_at is not None:
-                # The cell is over, but processes it started may still run: end them.
-                kill_group_except(proc.pid, proc.pid)
-        finally:
-            pump.close()
+                if reply is not None:
+                    break
+            if proc.poll() is not None:
+                break
+        pump.drain_now()
+        if interrupt_at is not None:
+            # The cell is over, but processes it started may still run: end them.
+            kill_group_except(proc.pid, proc.pid)
         result = {
             "kill_reason": reason[0] if reason else None,
             "state_lost": state_lost,

@@ -266,9 +266,6 @@ class Pump:
                 if fd in self.sinks:
                     self._read(fd)
 
-    def close(self):
-        """Nothing to release: a poll object holds no descriptor of its own."""
-
 
 def _ms(timeout_s):
     """``poll``'s timeout: milliseconds, rounded up (never a busy 0 for a short wait)."""

@@ -188,7 +188,6 @@ class Shells:
                         pass
             pump.drain_after_exit()
         finally:
-            pump.close()
             proc.stdout.close()
             proc.stderr.close()
             call.close_stdin_when_idle()

@@ -779,9 +779,7 @@ class BubblewrapBackend:
         return removed
 
     def _drop_launch_ns(self) -> None:
-        pin = self.data_dir / launchns.PIN
-        if launchns.pinned(pin) or pin.exists():
-            launchns.drop(pin)
+        launchns.drop(self.data_dir / launchns.PIN)
         self._launch_ns = None
         self._launch_ns_failed = False
 

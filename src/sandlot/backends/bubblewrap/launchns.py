@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import os
 import threading
 from collections.abc import Callable
@@ -29,7 +28,6 @@ from sandlot.backends import mountns
 from sandlot.backends.mountns import (
     CLONE_FS,
     CLONE_NEWNS,
-    MNT_DETACH,
     MS_BIND,
     MS_PRIVATE,
     MS_REC,
@@ -103,10 +101,7 @@ def _unmount_below(root: Path) -> None:
     doomed = [p for p in points if p.startswith(prefix) or _is_volume(Path(p))]
     # Deepest first; \040 and the like are how mountinfo spells odd characters.
     for point in sorted(doomed, key=len, reverse=True):
-        path = point.encode().decode("unicode_escape").encode("latin-1")
-        rc = mountns._libc.umount2(path, MNT_DETACH)
-        if rc != 0 and ctypes.get_errno() not in (errno.EINVAL, errno.ENOENT):
-            raise OSError(ctypes.get_errno(), f"umount {point} in the launch namespace")
+        mountns.detach(point.encode().decode("unicode_escape").encode("latin-1"), missing_ok=True)
 
 
 def _is_volume(point: Path) -> bool:
@@ -132,10 +127,7 @@ def pinned(pin: Path) -> bool:
 
 def drop(pin: Path) -> None:
     """Unpin and remove it (idempotent); the namespace ends with its last launcher."""
-    if mountns._libc.umount2(os.fsencode(pin), MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOENT):  # not pinned
-            raise OSError(err, f"unpin the launch namespace at {pin}")
+    mountns.detach(str(pin), missing_ok=True)
     with contextlib.suppress(FileNotFoundError):
         pin.unlink()
 
@@ -173,12 +165,4 @@ def add_volume(pin: Path, volume: Path) -> None:
 
 def remove_volume(pin: Path, volume: Path) -> None:
     """Unmount ``volume`` there (the sandbox's own namespace keeps its copy); idempotent."""
-
-    def work() -> None:
-        try:
-            mountns.detach(str(volume))
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted there
-                raise
-
-    run_in(pin, work)
+    run_in(pin, lambda: mountns.detach(str(volume), missing_ok=True))

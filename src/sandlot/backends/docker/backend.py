@@ -385,9 +385,9 @@ class DockerBackend:
         await self._after_start(client, box)
 
     async def started(self, sandbox_id: str) -> None:
-        """Nothing was relaxed for the start: the container starts under its CPU quota (a
-        change after start would cost one more API round trip than it saves at the default
-        0.5 cores; see bubblewrap's)."""
+        """Nothing was relaxed for the start: the container starts under its CPU quota. At the
+        default 0.5 cores a start under 1 core was no faster on bubblewrap (BENCHMARKS.md),
+        and a change after start would be one more call to the daemon per create."""
 
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)
