@@ -232,3 +232,33 @@ def test_queued_calls_are_charged_their_own_decoding(provider: LocalProvider) ->
     wall_s, durations = asyncio.run(three())
     assert all(d > 0 for d in durations)
     assert sum(durations) <= wall_s
+
+
+def test_samples_of_one_prompt_read_it_once(
+    provider: LocalProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # generate_many decodes its replies back to back on one context: llama.cpp keeps the
+    # prompt in its KV cache, so only the first reply evaluates it, and only the first is
+    # charged for it. Counted at llama.cpp's eval, not taken on trust.
+    llm, _ = provider._llm()
+    evaluated: list[int] = []
+    real_eval = llm.eval
+
+    def counting_eval(tokens: list[int]) -> None:
+        evaluated.append(len(tokens))
+        real_eval(tokens)
+
+    monkeypatch.setattr(llm, "eval", counting_eval)
+    prompt = "Write one short line about the sea, then one about the hills. " * 4
+    asyncio.run(provider.generate("Something else first, to empty the cache.", max_tokens=2))
+    evaluated.clear()
+    replies = asyncio.run(provider.generate_many(prompt, 3, temperature=1.0, max_tokens=6))
+    completions = [r for r in replies if not isinstance(r, ProviderError)]
+    assert len(completions) == 3
+    first, *later = completions
+    assert first.input_tokens > 40 and all(c.input_tokens == 0 for c in later)
+    assert all(0 < c.output_tokens <= 6 for c in completions)
+    assert len({c.text for c in completions}) > 1  # samples, each with its own seed
+    # The prompt went through eval once: the whole run read it plus the replies, about.
+    outputs = sum(c.output_tokens for c in completions)
+    assert sum(evaluated) <= first.input_tokens + outputs + 3

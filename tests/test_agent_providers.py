@@ -715,6 +715,18 @@ def make_app(dialect: Dialect, script: Script) -> Starlette:
                 return streamed([*frames, dialect.stream_error(message)])
             case Reply() if stream:
                 return streamed(dialect.frames(action, complete=True))
+            case Reply() if body.get("n", 1) > 1 and dialect.name == "openai":
+                # OpenAI's n: that many choices in one reply, one usage for them all.
+                reply = dialect.reply(action)
+                count = int(body["n"])
+                first = reply["choices"][0]
+                reply["choices"] = [
+                    first
+                    | {"index": i, "message": first["message"] | {"content": f"{action.text} #{i}"}}
+                    for i in range(count)
+                ]
+                reply["usage"]["completion_tokens"] = action.output_tokens * count
+                return JSONResponse(reply)
             case Reply():
                 return JSONResponse(dialect.reply(action))
         raise AssertionError(action)
@@ -1072,3 +1084,34 @@ async def test_ollama_model_not_pulled(wire: Wire, connect: Connect) -> None:
 async def test_ollama_host_without_a_scheme(wire: Wire, connect: Connect) -> None:
     bare = wire.server.url.removeprefix("http://")
     assert (await connect(base_url=bare).generate("hi")).text == Reply().text
+
+
+# ----------------------------------------------------------------------------- samples
+
+
+@pytest.mark.parametrize("name", ["openai", "groq"])
+async def test_samples_of_one_prompt(wires: dict[str, Wire], name: str) -> None:
+    # OpenAI draws the samples in one request with n and bills the prompt once; a service
+    # without n (Groq refuses n > 1) gets one request a sample, each charged in full.
+    wire = wires[name]
+    wire.server.clear()
+    wire.script.set(Reply(("def f():", " return 1"), input_tokens=30, output_tokens=10))
+    provider = wire.dialect.cls(
+        wire.dialect.model, base_url=wire.server.url, api_key=API_KEY, timeout_s=5.0
+    )
+    try:
+        replies = await provider.generate_many("Write f.", 3, temperature=0.8)
+    finally:
+        await provider.aclose()
+    completions = [r for r in replies if not isinstance(r, ProviderError)]
+    assert len(completions) == 3
+    bodies = [r.json for r in wire.server.requests]
+    assert all(b["temperature"] == 0.8 for b in bodies)
+    if name == "openai":
+        assert [b.get("n") for b in bodies] == [3]
+        assert [c.text for c in completions] == [f"def f(): return 1 #{i}" for i in range(3)]
+        assert [c.input_tokens for c in completions] == [30, 0, 0]
+        assert sum(c.output_tokens for c in completions) == 30
+    else:
+        assert [b.get("n") for b in bodies] == [None] * 3
+        assert [(c.input_tokens, c.output_tokens) for c in completions] == [(30, 10)] * 3

@@ -1,4 +1,5 @@
-"""One interface for every model: ``generate``, ``stream`` and ``generate_json``.
+"""One interface for every model: ``generate``, ``generate_many``, ``stream`` and
+``generate_json``.
 
 A provider turns a list of chat messages into a :class:`Completion` (text plus token counts
 and time). ``generate_json`` asks for a JSON object, validates it into a pydantic model and
@@ -123,6 +124,43 @@ class Provider(ABC):
         if not completion.duration_s:
             completion.duration_s = time.monotonic() - started
         return completion
+
+    async def generate_many(
+        self,
+        prompt: Prompt,
+        count: int,
+        *,
+        system: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> list[Completion | ProviderError]:
+        """``count`` replies to one prompt (samples: give a temperature), each a completion
+        or the error that lost it: one lost reply leaves the others.
+
+        A provider that reads the prompt once for all of them (local: its cache keeps the
+        prompt between the replies) charges its input tokens once, on the first reply, as
+        an API's ``n`` bills them; the others make ``count`` calls, each charged in full."""
+        started = time.monotonic()
+        replies = await self._complete_many(
+            as_messages(prompt, system), self._params(max_tokens, temperature, None), count
+        )
+        for reply in replies:
+            if isinstance(reply, Completion) and not reply.duration_s:
+                reply.duration_s = time.monotonic() - started
+        return replies
+
+    async def _complete_many(
+        self, messages: list[Message], params: GenerationParams, count: int
+    ) -> list[Completion | ProviderError]:
+        """``count`` calls at once."""
+
+        async def one() -> Completion | ProviderError:
+            try:
+                return await self._complete(messages, params)
+            except ProviderError as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one() for _ in range(count))))
 
     async def stream(
         self,

@@ -117,6 +117,18 @@ class LocalProvider(Provider):
     ) -> Iterator[str]:
         """Decode in this (worker) thread, token by token, within the time budget."""
         llm, lock = self._llm()
+        with lock:
+            yield from self._decode(llm, messages, params, stats, seed)
+
+    def _decode(
+        self,
+        llm: Any,
+        messages: list[Message],
+        params: GenerationParams,
+        stats: dict[str, Any],
+        seed: int,
+    ) -> Iterator[str]:
+        """One reply, decoded by ``llm`` (whose lock the caller holds)."""
         kwargs: dict[str, Any] = {
             "messages": [m.model_dump() for m in messages],
             "max_tokens": params.max_tokens,
@@ -134,39 +146,34 @@ class LocalProvider(Provider):
             kwargs["response_format"] = {"type": "json_object"}
             if params.json_schema is not None:
                 kwargs["response_format"]["schema"] = dict(params.json_schema)
-        with lock:
-            # The budget starts with this call's own decoding: sample-and-select queues its
-            # samples on one context, and time spent waiting for the others is not this one's.
-            started = time.monotonic()
-            deadline = started + self.timeout_s
-            # No reset: llama.cpp keeps the longest common prefix of the last prompt in its
-            # KV cache, and the loop's prompts share theirs (system prompt, task, code).
-            output_tokens = 0
-            for chunk in llm.create_chat_completion(**kwargs):
-                choice = chunk["choices"][0]
-                text = choice.get("delta", {}).get("content") or ""
-                if choice.get("finish_reason"):
-                    stats["finish_reason"] = choice["finish_reason"]
-                if text:
-                    output_tokens += 1
-                    yield text
-                if time.monotonic() > deadline:
-                    raise ProviderError(
-                        f"the local model did not finish within {self.timeout_s:g} s "
-                        f"({output_tokens} tokens; raise LLM_TIMEOUT_SECONDS or lower "
-                        "LLM_MAX_TOKENS)"
-                    )
-            stats["output_tokens"] = output_tokens
-            # Model time is decoding time: a call queued behind others is not charged theirs.
-            stats["duration_s"] = time.monotonic() - started
-            # The context now holds the prompt and the reply: the rest is the prompt.
-            stats["input_tokens"] = max(int(llm.n_tokens) - output_tokens, 0)
-
-    async def _complete(self, messages: list[Message], params: GenerationParams) -> Completion:
-        stats: dict[str, Any] = {}
+        # The budget starts with this call's own decoding: sample-and-select queues its
+        # samples on one context, and time spent waiting for the others is not this one's.
         started = time.monotonic()
-        seed = next(self._seeds)
-        text = await asyncio.to_thread(lambda: "".join(self._chunks(messages, params, stats, seed)))
+        deadline = started + self.timeout_s
+        # No reset: llama.cpp keeps the longest common prefix of the last prompt in its
+        # KV cache, and the loop's prompts share theirs (system prompt, task, code).
+        output_tokens = 0
+        for chunk in llm.create_chat_completion(**kwargs):
+            choice = chunk["choices"][0]
+            text = choice.get("delta", {}).get("content") or ""
+            if choice.get("finish_reason"):
+                stats["finish_reason"] = choice["finish_reason"]
+            if text:
+                output_tokens += 1
+                yield text
+            if time.monotonic() > deadline:
+                raise ProviderError(
+                    f"the local model did not finish within {self.timeout_s:g} s "
+                    f"({output_tokens} tokens; raise LLM_TIMEOUT_SECONDS or lower "
+                    "LLM_MAX_TOKENS)"
+                )
+        stats["output_tokens"] = output_tokens
+        # Model time is decoding time: a call queued behind others is not charged theirs.
+        stats["duration_s"] = time.monotonic() - started
+        # The context now holds the prompt and the reply: the rest is the prompt.
+        stats["input_tokens"] = max(int(llm.n_tokens) - output_tokens, 0)
+
+    def _completion(self, text: str, stats: dict[str, Any], started: float) -> Completion:
         return Completion(
             text=text,
             provider=self.name,
@@ -176,6 +183,41 @@ class LocalProvider(Provider):
             duration_s=stats.get("duration_s", time.monotonic() - started),
             finish_reason=stats.get("finish_reason"),
         )
+
+    async def _complete(self, messages: list[Message], params: GenerationParams) -> Completion:
+        stats: dict[str, Any] = {}
+        started = time.monotonic()
+        seed = next(self._seeds)
+        text = await asyncio.to_thread(lambda: "".join(self._chunks(messages, params, stats, seed)))
+        return self._completion(text, stats, started)
+
+    async def _complete_many(
+        self, messages: list[Message], params: GenerationParams, count: int
+    ) -> list[Completion | ProviderError]:
+        """The replies one after another on one context, its lock held throughout: the
+        prompt stays in the KV cache, so llama.cpp reads it once (each later reply evaluates
+        only its last token) and only the first reply is charged for it."""
+        seeds = [next(self._seeds) for _ in range(count)]
+
+        def decode_all() -> list[Completion | ProviderError]:
+            llm, lock = self._llm()
+            replies: list[Completion | ProviderError] = []
+            with lock:
+                for seed in seeds:
+                    stats: dict[str, Any] = {}
+                    started = time.monotonic()
+                    try:
+                        text = "".join(self._decode(llm, messages, params, stats, seed))
+                    except ProviderError as exc:
+                        replies.append(exc)
+                        continue
+                    reply = self._completion(text, stats, started)
+                    if any(isinstance(r, Completion) for r in replies):
+                        reply.input_tokens = 0  # read once, by the first reply
+                    replies.append(reply)
+            return replies
+
+        return await asyncio.to_thread(decode_all)
 
     async def _stream(
         self, messages: list[Message], params: GenerationParams

@@ -63,21 +63,25 @@ class OpenAICompatibleProvider(HttpProvider):
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise ProviderError(f"{self.name} answered without choices: {json.dumps(data)[:300]}")
-        choice: dict[str, Any] = choices[0]
-        message = choice.get("message") or {}
-        finish = _finish_reason(choice.get("finish_reason"))
-        text = message.get("content") or ""
-        if not text:
-            raise ProviderError(no_text(self.name, finish, "finish_reason", message.get("refusal")))
+        text, finish = self._choice_text(choices[0])
         usage = data.get("usage") or {}
         return Completion(
-            text=str(text),
+            text=text,
             provider=self.name,
             model=self.model,
             input_tokens=int(usage.get("prompt_tokens") or 0),
             output_tokens=int(usage.get("completion_tokens") or 0),
             finish_reason=finish,
         )
+
+    def _choice_text(self, choice: dict[str, Any]) -> tuple[str, str | None]:
+        """A choice's text and finish reason; a ProviderError naming why it has no text."""
+        message = choice.get("message") or {}
+        finish = _finish_reason(choice.get("finish_reason"))
+        text = message.get("content") or ""
+        if not text:
+            raise ProviderError(no_text(self.name, finish, "finish_reason", message.get("refusal")))
+        return str(text), finish
 
     async def _stream(
         self, messages: list[Message], params: GenerationParams
@@ -114,6 +118,60 @@ class OpenAICompatibleProvider(HttpProvider):
 
 class OpenAIProvider(OpenAICompatibleProvider):
     name: ClassVar[str] = "openai"
+
+    async def _complete_many(
+        self, messages: list[Message], params: GenerationParams, count: int
+    ) -> list[Completion | ProviderError]:
+        """One request with ``n``: OpenAI reads and bills the prompt once for all choices.
+        The usage is one total: the prompt is charged to the first reply and the output
+        shared by the replies' lengths. Choices a server leaves out are asked for one by
+        one."""
+        if count < 2:
+            return await super()._complete_many(messages, params, count)
+        try:
+            data = await self._post(
+                self.path, self._body(messages, params, stream=False) | {"n": count}
+            )
+        except ProviderError as exc:
+            return [exc] * count
+        raw = data.get("choices")
+        choices = [c for c in raw if isinstance(c, dict)][:count] if isinstance(raw, list) else []
+        replies: list[tuple[str, str | None] | ProviderError] = []
+        for choice in choices:
+            try:
+                replies.append(self._choice_text(choice))
+            except ProviderError as exc:
+                replies.append(exc)
+        usage = data.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        output_tokens = int(usage.get("completion_tokens") or 0)
+        lengths = [len(r[0]) if isinstance(r, tuple) else 0 for r in replies]
+        out: list[Completion | ProviderError] = []
+        shared = 0
+        for i, reply in enumerate(replies):
+            if isinstance(reply, ProviderError):
+                out.append(reply)
+                continue
+            text, finish = reply
+            # The output total split by length; the last reply takes the rounding.
+            share = output_tokens * lengths[i] // max(sum(lengths), 1)
+            if i == max(j for j, n in enumerate(lengths) if n):
+                share = output_tokens - shared
+            shared += share
+            first = not any(isinstance(c, Completion) for c in out)
+            out.append(
+                Completion(
+                    text=text,
+                    provider=self.name,
+                    model=self.model,
+                    input_tokens=prompt_tokens if first else 0,
+                    output_tokens=share,
+                    finish_reason=finish,
+                )
+            )
+        if len(out) < count:
+            out += await super()._complete_many(messages, params, count - len(out))
+        return out
 
 
 class GroqProvider(OpenAICompatibleProvider):
