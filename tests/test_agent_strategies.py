@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,10 +111,14 @@ async def test_written_tests_against_the_majority_are_dropped(manager: SandboxMa
     # The model's third test expects add_one(5) == 7: three of four samples fail it.
     wrong = "```python\nassert add_one(1) == 2\nassert add_one(5) == 7\nassert add_one(0) == 1\n```"
     provider = scripted([RIGHT, OFF_BY_ONE, RIGHT_TOO, RIGHT], wrong)
+    batches = count_batches(provider)
     spec = function_task(WORDS_ONLY, "add_one")
     result = await runtime(manager, provider).execute(spec, mode="sample_select")
     assert result.dropped_checks == ["assert add_one(5) == 7"]
     assert "assert add_one(5) == 7" not in [c.source for c in result.checks]
+    # The first candidate failed only a written test: a probe, which disagreed, then the
+    # last two samples in one call.
+    assert batches == [1, 2]
     # The off-by-one candidate passed the wrong test; without the vote it would have won.
     assert result.success and result.code == RIGHT
     scores = {c.sample: (c.generated_passed, c.agreement) for c in result.candidates}
@@ -141,6 +146,64 @@ async def test_a_first_candidate_that_passes_every_check_stops_the_sampling(
         "assert add_one(-1) == 0",
         "assert add_one(0) == 1",
     ]
+
+
+def count_batches(provider: ScriptedProvider) -> list[int]:
+    """The size of each ``generate_many`` call made on ``provider`` from now on."""
+    counts: list[int] = []
+    real = provider.generate_many
+
+    async def many(prompt: Any, count: int, **options: Any) -> Any:
+        counts.append(count)
+        return await real(prompt, count, **options)
+
+    provider.generate_many = many  # type: ignore[method-assign]
+    return counts
+
+
+WRONG_TEST = (
+    "```python\nassert add_one(1) == 2\nassert add_one(5) == 7\nassert add_one(0) == 1\n```"
+)
+
+
+@pytest.mark.asyncio
+async def test_a_probe_that_agrees_with_the_first_candidate_stops_the_sampling(
+    manager: SandboxManager,
+) -> None:
+    # The first candidate is right and fails only a written test that is wrong. One more
+    # sample returns the same values on every check: two samples agree against the test,
+    # the vote drops it, and the last two samples are never drawn.
+    provider = scripted([RIGHT, RIGHT_TOO, OFF_BY_ONE, CRASH], WRONG_TEST)
+    batches = count_batches(provider)
+    spec = function_task(WORDS_ONLY, "add_one")
+    result = await runtime(manager, provider).execute(spec, mode="sample_select")
+    assert result.success and result.code == RIGHT
+    assert result.dropped_checks == ["assert add_one(5) == 7"]
+    assert batches == [1] and len(result.attempts) == 2
+    assert len(provider.calls) == 3 and provider.remaining == 2  # + the tests
+    assert [(c.sample, c.passed) for c in result.candidates] == [
+        (0, [True, False, True]),
+        (1, [True, False, True]),
+    ]
+
+
+EXAMPLE = (
+    'def add_one(n: int) -> int:\n    """Return n plus one.\n    >>> add_one(1)\n    2\n    """\n'
+)
+
+
+@pytest.mark.asyncio
+async def test_a_first_candidate_failing_an_example_draws_the_rest_at_once(
+    manager: SandboxManager,
+) -> None:
+    # An example failed: no probe, the three other samples in one call.
+    provider = scripted([OFF_BY_ONE, OFF_BY_ONE, RIGHT, CRASH], TESTS)
+    batches = count_batches(provider)
+    spec = function_task(EXAMPLE, "add_one")
+    assert [c.origin for c in spec.checks] == ["example"]
+    result = await runtime(manager, provider).execute(spec, mode="sample_select")
+    assert result.success and result.code == RIGHT
+    assert batches == [3] and len(result.attempts) == 4
 
 
 @pytest.mark.asyncio

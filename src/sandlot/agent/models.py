@@ -167,6 +167,11 @@ class CandidateRecord(BaseModel):
     agreement: int = Field(description="Candidates that returned the same values on every check.")
     sandbox_s: float = Field(description="Seconds its run took in the sandbox.")
     selected: bool = False
+    passed: list[bool] = Field(
+        default_factory=list,
+        description="Its verdict on each check judged: the prompt's examples, then every "
+        "written test (those the vote dropped included).",
+    )
 
 
 class AgentResult(BaseModel, Usage):

@@ -13,8 +13,13 @@ share. A task that is not a function has no tests to write: its candidates are o
 and the first that runs cleanly is kept.
 
 Early stop (``AGENT_SAMPLE_EARLY_STOP``, on by default): the first, greedy candidate is
-drawn and run alone with the tests; the other samples are drawn only when it fails a check.
-Most tasks a single shot solves then cost one candidate and the tests, and the vote is held
+drawn and run alone with the tests. When it passes every check, the other samples are never
+drawn. When it passes the prompt's examples and fails only written tests, one more sample
+(the probe) is drawn: if it returns the same values on every check, two samples agree
+against those tests and sampling stops there (the vote drops the tests). Otherwise (an
+example failed, the run went wrong, the probe disagrees) the remaining samples are drawn,
+in one ``generate_many`` call that reads the prompt once where the provider can. Most tasks
+a single shot solves then cost one or two candidates and the tests, and the vote is held
 where there is something to choose.
 """
 
@@ -119,20 +124,56 @@ class SampleSelect:
         self.timeout_s = timeout_s
         self._runs = asyncio.Semaphore(parallel_runs) if parallel_runs else None
 
-    async def _sample(self, spec: TaskSpec, recalled: str, index: int) -> Attempt | ProviderError:
-        temperature = None if index == 0 else self.sample_temperature
-        try:
-            completion = await self.provider.generate(
-                generate_prompt(spec, recalled), system=GENERATOR_SYSTEM, temperature=temperature
-            )
-        except ProviderError as exc:
+    async def _drawn(
+        self, index: int, reply: Completion | ProviderError
+    ) -> Attempt | ProviderError:
+        if isinstance(reply, ProviderError):
             # One sample lost (a timeout, a dropped link) leaves the others to choose from.
-            await self.emit(AgentEvent(event="error", attempt=index + 1, data={"error": str(exc)}))
-            return exc
-        attempt = Attempt(number=index + 1, code=extract_code(completion.text))
-        attempt.charge(completion)
+            await self.emit(
+                AgentEvent(event="error", attempt=index + 1, data={"error": str(reply)})
+            )
+            return reply
+        attempt = Attempt(number=index + 1, code=extract_code(reply.text))
+        attempt.charge(reply)
         await self.emit(AgentEvent(event="code", attempt=index + 1, data={"code": attempt.code}))
         return attempt
+
+    async def _greedy(self, spec: TaskSpec, recalled: str) -> list[Attempt | ProviderError]:
+        """Sample 0, at the provider's own temperature: what a single shot writes."""
+        reply: Completion | ProviderError
+        try:
+            reply = await self.provider.generate(
+                generate_prompt(spec, recalled), system=GENERATOR_SYSTEM
+            )
+        except ProviderError as exc:
+            reply = exc
+        return [await self._drawn(0, reply)]
+
+    async def _draw(
+        self, spec: TaskSpec, recalled: str, indices: range
+    ) -> list[Attempt | ProviderError]:
+        """Samples ``indices`` (0 is the greedy one): the sampled ones in one
+        ``generate_many`` call, which reads the prompt once where the provider can."""
+        sampled = range(max(indices.start, 1), indices.stop)
+        greedy = self._greedy(spec, recalled) if indices.start == 0 and indices else None
+        replies: list[Completion | ProviderError] = []
+        if sampled:
+            many = self.provider.generate_many(
+                generate_prompt(spec, recalled),
+                len(sampled),
+                system=GENERATOR_SYSTEM,
+                temperature=self.sample_temperature,
+            )
+            if greedy is not None:
+                first, replies = await asyncio.gather(greedy, many)
+                drawn = list(first)
+            else:
+                drawn, replies = [], await many
+        else:
+            drawn = await greedy if greedy is not None else []
+        for index, reply in zip(sampled, replies, strict=True):
+            drawn.append(await self._drawn(index, reply))
+        return drawn
 
     async def _write_tests(self, spec: TaskSpec) -> tuple[list[Check], Completion | None]:
         if not spec.is_function or spec.entry_point is None or self.generated_tests == 0:
@@ -174,19 +215,28 @@ class SampleSelect:
         pool = _Pool()
         await self._judge(judged, drawn, pool)
         if first < self.samples and not pool.passes_all(0, checks):
-            # The first candidate fails a check, runs badly or was never written: only now
-            # the others, so a task single shot solves costs one sample and the tests.
-            more = await self._draw(spec, recalled, range(first, self.samples))
-            drawn += more
-            await self._judge(judged, more, pool)
+            if pool.fails_only_written(0, checks):
+                # It passes the prompt's own examples and fails only tests the model wrote,
+                # which are wrong about as often as the code: one more sample first. When it
+                # behaves the same on every check, two samples agree against those tests
+                # (the vote drops them) and the rest are never drawn.
+                probe = await self._draw(spec, recalled, range(first, first + 1))
+                drawn += probe
+                await self._judge(judged, probe, pool)
+                first += 1
+                [sample] = probe
+                if isinstance(sample, Attempt) and pool.agree(0, pool.group_of(sample)):
+                    first = self.samples
+            if first < self.samples:
+                # The first candidate fails an example, runs badly, was never written, or
+                # the probe disagrees: only now the others, so a task single shot solves
+                # costs one sample (two at most) and the tests.
+                more = await self._draw(spec, recalled, range(first, self.samples))
+                drawn += more
+                await self._judge(judged, more, pool)
         if not pool.attempts:
             raise next(e for e in drawn if isinstance(e, ProviderError))
         return self._settle(checks, pool, tests_usage)
-
-    async def _draw(
-        self, spec: TaskSpec, recalled: str, indices: range
-    ) -> list[Attempt | ProviderError]:
-        return list(await asyncio.gather(*(self._sample(spec, recalled, i) for i in indices)))
 
     async def _judge(
         self, judged: TaskSpec, drawn: list[Attempt | ProviderError], pool: _Pool
@@ -259,6 +309,7 @@ class SampleSelect:
                 agreement=agreement.scores[g][2],
                 sandbox_s=executions[g].duration_s,
                 selected=g == best,
+                passed=list(passes[g]),
             )
             for g, group in enumerate(groups)
         ]
@@ -293,3 +344,21 @@ class _Pool:
         if not checks:
             return self.executions[group].ok
         return all(self.passes[group])
+
+    def fails_only_written(self, group: int, checks: list[Check]) -> bool:
+        """Its verdicts came back, every example passed, and a written test failed."""
+        if not self.executions or not self.behaviours[group]:
+            return False
+        verdicts = list(zip(checks, self.passes[group], strict=True))
+        return all(ok for c, ok in verdicts if c.origin == "example") and any(
+            not ok for c, ok in verdicts if c.origin == "generated"
+        )
+
+    def group_of(self, attempt: Attempt) -> int:
+        return self.index[_normalized(attempt.code)]
+
+    def agree(self, group: int, other: int) -> bool:
+        """Two candidates behave the same on every check (the same code does)."""
+        return group == other or (
+            bool(self.behaviours[group]) and self.behaviours[group] == self.behaviours[other]
+        )

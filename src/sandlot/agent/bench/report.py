@@ -20,6 +20,18 @@ def _per_solved(values: Sequence[float], solved: int) -> str:
     return f"{sum(values) / solved:,.0f}" if solved else "-"
 
 
+def _ratio(group: Sequence[TaskOutcome], single: str, strategy: str) -> str:
+    """The strategy's tokens per solved task over single shot's, where both were counted."""
+    counted = [o for o in group if getattr(o, single) is not None and getattr(o, strategy)]
+    base_solved = sum(o.single_pass for o in counted)
+    solved = sum(o.loop_pass for o in counted)
+    if not (counted and base_solved and solved):
+        return "-"
+    base = sum(getattr(o, single) for o in counted) / base_solved
+    spent = sum(getattr(o, strategy) for o in counted) / solved
+    return f"{spent / base:.2f}x" if base else "-"
+
+
 def _label(outcomes: Sequence[TaskOutcome]) -> str:
     strategy = outcomes[0].strategy if outcomes else "reflexion"
     # The single-shot columns are always there: a strategy's own need other names.
@@ -45,6 +57,7 @@ def summary_rows(outcomes: Sequence[TaskOutcome]) -> list[dict[str, str]]:
             "mean attempts": f"{statistics.mean(o.attempts for o in group):.2f}",
             "tokens / solved (single)": _per_solved([o.single_tokens for o in group], single),
             f"tokens / solved ({label})": _per_solved([o.loop_tokens for o in group], loop),
+            "token ratio / solved": _ratio(group, "single_tokens", "loop_tokens"),
             f"sandbox s / solved ({label})": (
                 f"{sum(o.loop_sandbox_s for o in group) / loop:.2f}" if loop else "-"
             ),
@@ -56,6 +69,13 @@ def summary_rows(outcomes: Sequence[TaskOutcome]) -> list[dict[str, str]]:
             row["sandbox s / candidate"] = (
                 f"{statistics.mean(o.candidate_sandbox_s for o in runs):.3f}" if runs else "-"
             )
+            row["output-token ratio / solved"] = _ratio(
+                group, "single_output_tokens", "loop_output_tokens"
+            )
+            # Selection's ceiling: a task where some candidate passes the hidden tests.
+            logged = [o for o in group if o.candidate_log]
+            right = sum(any(c.hidden for c in o.candidate_log) for o in logged)
+            row["some candidate right"] = f"{_pct(right, len(logged))} ({right})" if logged else "-"
             row["written tests kept / dropped"] = (
                 f"{sum(o.written_checks for o in group)} / {sum(o.dropped_checks for o in group)}"
             )
@@ -96,7 +116,12 @@ def markdown_report(
     label = _label(outcomes)
     sampling = (
         f"{config.samples} samples"
-        + (" (the others only when the first fails a check)" if config.early_stop else "")
+        + (
+            " (the others only when the first fails a check, after one probe when it fails "
+            "only written tests)"
+            if config.early_stop
+            else ""
+        )
         + f", {config.generated_tests} written tests, "
         if config.strategy.startswith("sample_select")
         else ""

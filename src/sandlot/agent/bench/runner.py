@@ -63,6 +63,23 @@ class TaskOutcome(BaseModel):
     candidate_sandbox_s: float = 0.0  # their mean seconds of run in the sandbox
     dropped_checks: int = 0  # written tests the vote threw out
     written_checks: int = 0  # written tests kept (the model's asserts that parsed, less those)
+    # Of single_tokens and loop_tokens, the replies' (the rest is prompts); None where the
+    # first attempt also carries its critique's tokens, which are not split in and out.
+    single_output_tokens: int | None = None
+    loop_output_tokens: int | None = None
+    # Sample-and-select: each distinct candidate, scored by the hidden tests too, so that
+    # selection rules can be weighed afterwards on the same samples.
+    candidate_log: list[CandidateLog] = []
+
+
+class CandidateLog(BaseModel):
+    sample: int
+    copies: int
+    tokens: int  # what writing it cost
+    examples: int  # how many of ``passed`` are the prompt's examples (they come first)
+    passed: str  # a 1 or 0 per check judged: the examples, then every written test
+    hidden: bool
+    selected: bool
 
 
 class BenchConfig(BaseModel):
@@ -113,7 +130,7 @@ def _outcome(
     **extra: Any,
 ) -> TaskOutcome:
     """What a task scored: ``first`` is the single-shot answer, ``result`` the strategy's."""
-    (single_pass, _), (loop_pass, hidden_failure) = passes
+    (single_pass, _), (loop_pass, hidden_failure) = passes[:2]
     return TaskOutcome(
         task_id=task.task_id,
         difficulty=task.difficulty,
@@ -123,6 +140,10 @@ def _outcome(
         status=result.status,
         single_tokens=first.generation_tokens if first else 0,
         loop_tokens=result.total_tokens,
+        single_output_tokens=(
+            first.output_tokens if first is not None and not first.critique_tokens else None
+        ),
+        loop_output_tokens=result.output_tokens,
         single_llm_s=first.generation_llm_s if first else 0.0,
         loop_llm_s=result.llm_s,
         single_sandbox_s=(first.execution.duration_s if first and first.execution else 0.0),
@@ -155,8 +176,22 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
             sandbox_options=options,
         )
     one = result.attempts[0] if result.attempts else None
-    passes = await _hidden_passes(task, [one.code if one else "", result.code], options)
     runs = result.candidates
+    codes = [result.attempts[c.sample].code for c in runs]
+    passes = await _hidden_passes(task, [one.code if one else "", result.code, *codes], options)
+    examples = len(task.spec.checks)
+    log = [
+        CandidateLog(
+            sample=c.sample,
+            copies=c.copies,
+            tokens=result.attempts[c.sample].generation_tokens,
+            examples=examples,
+            passed="".join("1" if ok else "0" for ok in c.passed),
+            hidden=hidden,
+            selected=c.selected,
+        )
+        for c, (hidden, _) in zip(runs, passes[2:], strict=True)
+    ]
     return _outcome(
         task,
         result,
@@ -168,6 +203,7 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
         candidate_sandbox_s=sum(c.sandbox_s for c in runs) / len(runs) if runs else 0.0,
         dropped_checks=len(result.dropped_checks),
         written_checks=sum(1 for c in result.checks if c.origin == "generated"),
+        candidate_log=log,
     )
 
 

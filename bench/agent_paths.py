@@ -1,0 +1,100 @@
+"""Where sample-and-select's tokens and wins came from, read back from a benchmark's rows.
+
+``sandlot benchmark --strategy sample_select`` writes one row a task with each distinct
+candidate it ran (``candidate_log``: its verdict on every check, and whether it passes the
+hidden tests). This splits the tasks by the path early stop took and reports, per path, the
+tasks, how many the first (greedy) sample and the selection solved, and the tokens spent; then
+selection's ceiling (tasks where some candidate was right), the tasks fixed and lost, and the
+subset of tasks whose prompt holds no example the agent can parse (stated in words only:
+there, only the tests the model writes can judge).
+
+Usage (the rows of the issue-16 run)::
+
+    .venv/bin/python bench/agent_paths.py ROWS [--tasks humaneval]
+
+    ROWS: bench/results/agent/issue16-probe/humaneval-sample_select.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def path_of(row: dict[str, Any]) -> str:
+    """Which way early stop went: the sample numbers drawn tell it."""
+    drawn = sum(c["copies"] for c in row["candidate_log"])
+    if drawn <= 1:
+        return "first passed every check"
+    if drawn == 2:
+        return "probe agreed"
+    first = next((c for c in row["candidate_log"] if c["sample"] == 0), None)
+    if first is not None and "0" not in first["passed"][: first["examples"]]:
+        return "probe disagreed: all drawn"
+    return "an example failed: all drawn"
+
+
+def _line(name: str, rows: Sequence[dict[str, Any]]) -> str:
+    greedy = sum(r["single_pass"] for r in rows)
+    chosen = sum(r["loop_pass"] for r in rows)
+    tokens = sum(r["loop_tokens"] for r in rows)
+    ceiling = sum(any(c["hidden"] for c in r["candidate_log"]) for r in rows)
+    return (
+        f"| {name} | {len(rows)} | {greedy} | {chosen} | {ceiling} | "
+        f"{tokens / len(rows):,.0f} | {tokens:,} |"
+    )
+
+
+def report(rows: list[dict[str, Any]], no_example: set[str]) -> str:
+    logged = [r for r in rows if r.get("candidate_log")]
+    paths: dict[str, list[dict[str, Any]]] = {}
+    for row in logged:
+        paths.setdefault(path_of(row), []).append(row)
+    lines = [
+        "| path | tasks | first sample right | selection right | some candidate right | "
+        "tokens / task | tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [_line(name, group) for name, group in sorted(paths.items())]
+    lines.append(_line("all", logged))
+    words = [r for r in logged if r["task_id"] in no_example]
+    if words:
+        lines.append(_line("no parsed example (words only)", words))
+    single_tokens = sum(r["single_tokens"] for r in logged)
+    single_solved = sum(r["single_pass"] for r in logged)
+    solved = sum(r["loop_pass"] for r in logged)
+    fixed = [r["task_id"] for r in logged if r["loop_pass"] and not r["single_pass"]]
+    lost = [r["task_id"] for r in logged if r["single_pass"] and not r["loop_pass"]]
+    ratio = (sum(r["loop_tokens"] for r in logged) / solved) / (single_tokens / single_solved)
+    lines += [
+        "",
+        f"Tokens per solved task against single shot's: {ratio:.2f}x "
+        f"({solved} solved against {single_solved}).",
+        f"Fixed ({len(fixed)}): {', '.join(fixed) or '-'}",
+        f"Lost ({len(lost)}): {', '.join(lost) or '-'}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _no_example(task_set: str) -> set[str]:
+    if task_set != "humaneval":
+        return set()
+    from sandlot.agent.bench.tasks import humaneval_tasks
+
+    return {t.task_id for t in humaneval_tasks() if not t.spec.checks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rows", type=Path, help="a benchmark's <tasks>-<strategy>.jsonl")
+    parser.add_argument("--tasks", default="humaneval", help="the task set the rows are of")
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
+    print(report(rows, _no_example(args.tasks)), end="")
+
+
+if __name__ == "__main__":
+    main()
