@@ -394,3 +394,55 @@ async def test_a_lost_sample_leaves_the_others(manager: SandboxManager) -> None:
     provider = ScriptedProvider([ProviderError("down")] * 3)
     result = await runtime(manager, provider, agent_samples=2).execute(spec, mode="sample_select")
     assert result.status == "error" and result.error == "down" and not result.success
+
+
+def test_benchmark_runs_the_swarm_against_a_single_shot(tmp_path: Path, data_root: Path) -> None:
+    from sandlot.agent.bench.report import markdown_report
+    from sandlot.sandbox import get_portal
+
+    def vote(choice: int) -> str:
+        return json.dumps({"choice": choice, "approve": True, "concerns": ""})
+
+    path = tmp_path / "mine.jsonl"
+    test = "def check(candidate):\n    assert candidate(41) == 42\n"
+    path.write_text(json.dumps({"prompt": WORDS_ONLY, "entry_point": "add_one", "test": test}))
+    # The roles answer by their system prompt; the single shot, run on its own, is the only
+    # call without one of theirs.
+    provider = ScriptedProvider(
+        [fenced(OFF_BY_ONE)],
+        by_role={
+            "architect": ["Add one to n.", vote(1)],
+            "coder": [fenced(RIGHT), vote(1)],
+            "optimizer": [fenced(OFF_BY_ONE), vote(1)],
+            "critic": [vote(1)],
+            "security": [vote(1)],
+        },
+    )
+    manager = SandboxManager(make_settings(data_root / "swarm-bench"))
+    portal = get_portal()
+    portal.call(manager.start())
+    try:
+        config = BenchConfig(
+            task_set=str(path),
+            provider="scripted",
+            model="script",
+            max_attempts=3,
+            temperature=0.0,
+            retry_temperature=0.7,
+            separate_single=True,
+            concurrency=1,
+            sandbox_options={"manager": manager},
+            strategy="swarm",
+        )
+        results = tmp_path / "out.jsonl"
+        outcomes = portal.call(run_benchmark(load_tasks(str(path)), [provider], config, results))
+    finally:
+        portal.call(manager.close())
+    [outcome] = outcomes
+    assert outcome.strategy == "swarm" and outcome.error is None
+    assert not outcome.single_pass and outcome.loop_pass  # the coder's proposal won
+    assert outcome.attempts == 2 and provider.remaining == 0
+    # The swarm's tokens are its own: the design, two proposals and five votes.
+    assert outcome.loop_tokens > outcome.single_tokens > 0
+    report = markdown_report(outcomes, config, 1.0, "sandlot benchmark --strategy swarm")
+    assert "swarm pass@1" in report and "The swarm fixed 1 task(s)" in report

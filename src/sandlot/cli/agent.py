@@ -168,7 +168,7 @@ def benchmark(
         str | None,
         typer.Option(
             "--strategy",
-            help="single | reflexion | sample_select | sample_select+reflexion "
+            help="single | reflexion | sample_select | sample_select+reflexion | swarm "
             "(default AGENT_STRATEGY)",
         ),
     ] = None,
@@ -218,7 +218,10 @@ def benchmark(
 
     with errors_exit_2():
         settings = _settings(provider, model, llm_temperature=temperature, agent_samples=samples)
-        chosen = check_strategy(strategy or settings.agent_strategy)
+        # The swarm is a mode, not a strategy setting: the benchmark takes it by name.
+        chosen = (
+            "swarm" if strategy == "swarm" else check_strategy(strategy or settings.agent_strategy)
+        )
         task_list = load_tasks(tasks, limit)
         local = settings.llm_provider == "local"
         # Local workers each get their own model context, so they decode in parallel.

@@ -207,7 +207,33 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
     )
 
 
+async def _run_swarm(task: BenchTask, provider: Provider, config: BenchConfig) -> TaskOutcome:
+    """The swarm, against a single shot run on its own: the swarm's first proposal follows
+    the architect's design, so it is not what a single shot writes."""
+    from sandlot.agent.swarm import Swarm
+
+    started = time.monotonic()
+    options = config.sandbox_options
+    async with SandboxExecutor(**options) as executor:
+        swarm = Swarm(
+            provider,
+            executor,
+            max_rounds=get_agent_settings().swarm_rounds,
+            max_attempts=config.max_attempts,
+        )
+        result = await swarm.run(task.spec)
+    async with SandboxExecutor(**options) as executor:
+        single = await ReflexionLoop(provider, executor, max_attempts=1).run(
+            task.spec, mode="single"
+        )
+    one = single.attempts[0] if single.attempts else None
+    passes = await _hidden_passes(task, [one.code if one else "", result.code], options)
+    return _outcome(task, result, one, passes, started, strategy="swarm")
+
+
 async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> TaskOutcome:
+    if config.strategy == "swarm":
+        return await _run_swarm(task, provider, config)
     if config.strategy != "reflexion":
         return await _run_strategy(task, provider, config)
     started = time.monotonic()
