@@ -25,16 +25,20 @@ from typing import Any
 
 
 def path_of(row: dict[str, Any]) -> str:
-    """Which way early stop went: the sample numbers drawn tell it."""
+    """Which way early stop went: as the run recorded it, or, for rows written before it
+    did, guessed from the samples drawn."""
+    if row.get("sample_path"):
+        return str(row["sample_path"])
     drawn = sum(c["copies"] for c in row["candidate_log"])
     if drawn <= 1:
-        return "first passed every check"
-    if drawn == 2:
-        return "probe agreed"
+        return "first passed"
     first = next((c for c in row["candidate_log"] if c["sample"] == 0), None)
-    if first is not None and "0" not in first["passed"][: first["examples"]]:
-        return "probe disagreed: all drawn"
-    return "an example failed: all drawn"
+    passed_examples = first is not None and "0" not in first["passed"][: first["examples"]]
+    # A probe runs only when the first passed its examples and some check at all.
+    probed = passed_examples and first is not None and "1" in first["passed"]
+    if drawn == 2 and probed:
+        return "probe agreed"
+    return "probe disagreed" if probed else "first failed"
 
 
 def _line(name: str, rows: Sequence[dict[str, Any]]) -> str:
@@ -42,14 +46,14 @@ def _line(name: str, rows: Sequence[dict[str, Any]]) -> str:
     chosen = sum(r["loop_pass"] for r in rows)
     tokens = sum(r["loop_tokens"] for r in rows)
     ceiling = sum(any(c["hidden"] for c in r["candidate_log"]) for r in rows)
-    return (
-        f"| {name} | {len(rows)} | {greedy} | {chosen} | {ceiling} | "
-        f"{tokens / len(rows):,.0f} | {tokens:,} |"
-    )
+    per_task = f"{tokens / len(rows):,.0f}" if rows else "-"
+    return f"| {name} | {len(rows)} | {greedy} | {chosen} | {ceiling} | {per_task} | {tokens:,} |"
 
 
 def report(rows: list[dict[str, Any]], no_example: set[str]) -> str:
     logged = [r for r in rows if r.get("candidate_log")]
+    if not logged:
+        return "No row has a candidate log (a sample_select run of 2026-11-24 or later).\n"
     paths: dict[str, list[dict[str, Any]]] = {}
     for row in logged:
         paths.setdefault(path_of(row), []).append(row)
@@ -68,10 +72,14 @@ def report(rows: list[dict[str, Any]], no_example: set[str]) -> str:
     solved = sum(r["loop_pass"] for r in logged)
     fixed = [r["task_id"] for r in logged if r["loop_pass"] and not r["single_pass"]]
     lost = [r["task_id"] for r in logged if r["single_pass"] and not r["loop_pass"]]
-    ratio = (sum(r["loop_tokens"] for r in logged) / solved) / (single_tokens / single_solved)
+    ratio = (
+        f"{(sum(r['loop_tokens'] for r in logged) / solved) / (single_tokens / single_solved):.2f}x"
+        if solved and single_solved and single_tokens
+        else "-"
+    )
     lines += [
         "",
-        f"Tokens per solved task against single shot's: {ratio:.2f}x "
+        f"Tokens per solved task against single shot's: {ratio} "
         f"({solved} solved against {single_solved}).",
         f"Fixed ({len(fixed)}): {', '.join(fixed) or '-'}",
         f"Lost ({len(lost)}): {', '.join(lost) or '-'}",

@@ -1115,3 +1115,18 @@ async def test_samples_of_one_prompt(wires: dict[str, Wire], name: str) -> None:
     else:
         assert [b.get("n") for b in bodies] == [None] * 3
         assert [(c.input_tokens, c.output_tokens) for c in completions] == [(30, 10)] * 3
+
+
+async def test_a_server_that_refuses_n_gets_one_request_a_sample(wires: dict[str, Wire]) -> None:
+    wire = wires["openai"]
+    wire.server.clear()
+    wire.script.set(Fail(400, "n is not supported"), Reply(input_tokens=30, output_tokens=10))
+    provider = OpenAIProvider(
+        wire.dialect.model, base_url=wire.server.url, api_key=API_KEY, timeout_s=5.0
+    )
+    try:
+        replies = await provider.generate_many("Write f.", 2, temperature=0.8)
+    finally:
+        await provider.aclose()
+    assert [b.get("n") for b in (r.json for r in wire.server.requests)] == [2, None, None]
+    assert [(c.input_tokens, c.output_tokens) for c in replies] == [(30, 10)] * 2  # type: ignore[union-attr]

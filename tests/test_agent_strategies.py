@@ -181,10 +181,24 @@ async def test_a_probe_that_agrees_with_the_first_candidate_stops_the_sampling(
     assert result.dropped_checks == ["assert add_one(5) == 7"]
     assert batches == [1] and len(result.attempts) == 2
     assert len(provider.calls) == 3 and provider.remaining == 2  # + the tests
+    assert result.sample_path == "probe agreed"
     assert [(c.sample, c.passed) for c in result.candidates] == [
         (0, [True, False, True]),
         (1, [True, False, True]),
     ]
+
+
+@pytest.mark.asyncio
+async def test_a_probe_that_crashes_alike_on_a_test_draws_the_rest(manager: SandboxManager) -> None:
+    # Both samples (the same code) raise on a written test: a crash is no answer the vote
+    # drops a test for, so the probe settles nothing and the rest are drawn.
+    crashing = "```python\nassert add_one(1) == 2\nassert add_one(None) == 1\n```"
+    provider = scripted([RIGHT, RIGHT, RIGHT_TOO, OFF_BY_ONE], crashing)
+    batches = count_batches(provider)
+    spec = function_task(WORDS_ONLY, "add_one")
+    result = await runtime(manager, provider).execute(spec, mode="sample_select")
+    assert batches == [1, 2] and len(result.attempts) == 4
+    assert result.sample_path == "probe disagreed"
 
 
 EXAMPLE = (
@@ -204,6 +218,7 @@ async def test_a_first_candidate_failing_an_example_draws_the_rest_at_once(
     result = await runtime(manager, provider).execute(spec, mode="sample_select")
     assert result.success and result.code == RIGHT
     assert batches == [3] and len(result.attempts) == 4
+    assert result.sample_path == "first failed"
 
 
 @pytest.mark.asyncio
@@ -446,3 +461,53 @@ def test_benchmark_runs_the_swarm_against_a_single_shot(tmp_path: Path, data_roo
     assert outcome.loop_tokens > outcome.single_tokens > 0
     report = markdown_report(outcomes, config, 1.0, "sandlot benchmark --strategy swarm")
     assert "swarm pass@1" in report and "The swarm fixed 1 task(s)" in report
+
+
+def test_benchmark_logs_candidates_after_a_lost_sample(tmp_path: Path, data_root: Path) -> None:
+    # The first sample is lost to the provider: candidates are found by sample number, not
+    # by position among the attempts that came back.
+    from sandlot.agent.bench.report import markdown_report
+    from sandlot.errors import ProviderError
+    from sandlot.sandbox import get_portal
+
+    lost = [True]
+
+    def reply(messages: list[Message]) -> str:
+        if "Do not write the function" in messages[-1].content:
+            return TESTS
+        if lost:
+            lost.pop()
+            raise ProviderError("the model timed out")
+        return fenced(RIGHT)
+
+    path = tmp_path / "mine.jsonl"
+    test = "def check(candidate):\n    assert candidate(41) == 42\n"
+    path.write_text(json.dumps({"prompt": WORDS_ONLY, "entry_point": "add_one", "test": test}))
+    manager = SandboxManager(make_settings(data_root / "lost-bench"))
+    portal = get_portal()
+    portal.call(manager.start())
+    try:
+        config = BenchConfig(
+            task_set=str(path),
+            provider="scripted",
+            model="script",
+            max_attempts=3,
+            temperature=0.0,
+            retry_temperature=0.7,
+            separate_single=False,
+            concurrency=1,
+            sandbox_options={"manager": manager},
+            strategy="sample_select",
+            samples=2,
+            generated_tests=3,
+        )
+        provider = ScriptedProvider([reply] * 3)
+        outcomes = portal.call(
+            run_benchmark(load_tasks(str(path)), [provider], config, tmp_path / "out.jsonl")
+        )
+    finally:
+        portal.call(manager.close())
+    [outcome] = outcomes
+    assert outcome.loop_pass and outcome.sample_path == "first failed"
+    assert [(c.sample, c.passed, c.hidden) for c in outcome.candidate_log] == [(1, "111", True)]
+    assert "sample_select pass@1" in markdown_report(outcomes, config, 1.0, "bench")

@@ -232,6 +232,13 @@ class ProviderRateLimited(ProviderError):
     code = "provider_rate_limited"
 
 
+class ProviderRequestRefused(ProviderError):
+    """The provider refused the request itself (HTTP 4xx other than auth and rate limits):
+    a parameter it does not take, a prompt too long."""
+
+    code = "provider_request_refused"
+
+
 class ModelOutputError(SandboxError, ValueError):
     """The model answered, but not with what was asked (no JSON, or JSON of the wrong shape)."""
 

@@ -152,7 +152,9 @@ class AgentSettings(BaseSettings):
         default=True,
         validation_alias=_env("agent_sample_early_stop", "AGENT_SAMPLE_EARLY_STOP"),
         description="Sample-and-select draws and runs the first (greedy) candidate alone, "
-        "and the other samples only when it fails a check (false: always all of them).",
+        "and the other samples only when it fails a check; when it fails only tests the "
+        "model wrote, one probe sample first, and none more when the probe returns the same "
+        "values (false: always all of them).",
     )
     agent_sample_temperature: float = Field(
         default=0.8,

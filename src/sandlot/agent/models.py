@@ -157,6 +157,14 @@ class Attempt(BaseModel, Usage):
         return self.llm_s - self.critique_llm_s
 
 
+# Why sample-and-select drew as many samples as it did: early stop off; the first passed
+# every check; it failed only written tests and the probe agreed with it, or did not; it
+# failed otherwise (an example, a bad run, never written).
+SamplePath = Literal[
+    "all samples", "first passed", "probe agreed", "probe disagreed", "first failed"
+]
+
+
 class CandidateRecord(BaseModel):
     """One sampled candidate of sample-and-select, as its run in its own sandbox scored it."""
 
@@ -207,6 +215,10 @@ class AgentResult(BaseModel, Usage):
     dropped_checks: list[str] = Field(
         default_factory=list,
         description="Generated checks that most candidates failed: taken for the test's fault.",
+    )
+    sample_path: SamplePath | None = Field(
+        default=None,
+        description="Sample-and-select: why it drew as many samples as it did (early stop).",
     )
 
 

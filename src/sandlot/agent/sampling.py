@@ -49,6 +49,7 @@ from sandlot.agent.models import (
     Check,
     EventSink,
     Execution,
+    SamplePath,
     TaskSpec,
 )
 from sandlot.agent.prompts import GENERATOR_SYSTEM, generate_prompt
@@ -86,6 +87,7 @@ class Selection:
     dropped: list[str]
     tests_usage: Completion | None
     passed_all: bool
+    path: SamplePath  # why as many samples were drawn
 
 
 class SampleSelect:
@@ -214,29 +216,39 @@ class SampleSelect:
         judged = spec.model_copy(update={"checks": checks})
         pool = _Pool()
         await self._judge(judged, drawn, pool)
+        path: SamplePath = "all samples"
+        if first < self.samples:
+            path = "first passed"
         if first < self.samples and not pool.passes_all(0, checks):
+            path = "first failed"
             if pool.fails_only_written(0, checks):
                 # It passes the prompt's own examples and fails only tests the model wrote,
                 # which are wrong about as often as the code: one more sample first. When it
-                # behaves the same on every check, two samples agree against those tests
-                # (the vote drops them) and the rest are never drawn.
+                # behaves the same on every check and the vote, dropping the tests both
+                # fail alike, keeps a candidate that passes the rest, sampling stops there.
                 probe = await self._draw(spec, recalled, range(first, first + 1))
                 drawn += probe
                 await self._judge(judged, probe, pool)
                 first += 1
                 [sample] = probe
-                if isinstance(sample, Attempt) and pool.agree(0, pool.group_of(sample)):
-                    first = self.samples
+                path = "probe disagreed"
+                if (
+                    isinstance(sample, Attempt)
+                    and pool.agree(0, pool.group_of(sample))
+                    and self._settle(checks, pool, None, path).passed_all
+                ):
+                    first, path = self.samples, "probe agreed"
             if first < self.samples:
                 # The first candidate fails an example, runs badly, was never written, or
-                # the probe disagrees: only now the others, so a task single shot solves
-                # costs one sample (two at most) and the tests.
+                # the probe disagrees (or both crash alike on a test, which no vote drops):
+                # only now the others, so a task single shot solves costs one sample (two
+                # at most) and the tests.
                 more = await self._draw(spec, recalled, range(first, self.samples))
                 drawn += more
                 await self._judge(judged, more, pool)
         if not pool.attempts:
             raise next(e for e in drawn if isinstance(e, ProviderError))
-        return self._settle(checks, pool, tests_usage)
+        return self._settle(checks, pool, tests_usage, path)
 
     async def _judge(
         self, judged: TaskSpec, drawn: list[Attempt | ProviderError], pool: _Pool
@@ -290,7 +302,11 @@ class SampleSelect:
                 pool.attempts[i].execution = execution
 
     def _settle(
-        self, checks: list[Check], pool: _Pool, tests_usage: Completion | None
+        self,
+        checks: list[Check],
+        pool: _Pool,
+        tests_usage: Completion | None,
+        path: SamplePath,
     ) -> Selection:
         groups, executions, passes = pool.groups, pool.executions, pool.passes
         agreement = dual_agreement(checks, passes, [len(g) for g in groups], pool.behaviours)
@@ -323,6 +339,7 @@ class SampleSelect:
             dropped=[checks[t].source for t in agreement.dropped],
             tests_usage=tests_usage,
             passed_all=passed_all,
+            path=path,
         )
 
 

@@ -195,6 +195,7 @@ async def _sample_select(
         candidates=selection.candidates,
         checks=selection.checks,
         dropped_checks=selection.dropped,
+        sample_path=selection.path,
     )
     out.add(attempts)
     if selection.tests_usage is not None:

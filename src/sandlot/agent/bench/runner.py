@@ -37,6 +37,16 @@ from sandlot.agent.strategies import StrategyOptions, check_strategy, solve
 HIDDEN_TIMEOUT_S = 20.0
 
 
+class CandidateLog(BaseModel):
+    sample: int
+    copies: int
+    tokens: int  # what writing it cost
+    examples: int  # how many of ``passed`` are the prompt's examples (they come first)
+    passed: str  # a 1 or 0 per check judged: the examples, then every written test
+    hidden: bool
+    selected: bool
+
+
 class TaskOutcome(BaseModel):
     task_id: str
     difficulty: str
@@ -70,16 +80,7 @@ class TaskOutcome(BaseModel):
     # Sample-and-select: each distinct candidate, scored by the hidden tests too, so that
     # selection rules can be weighed afterwards on the same samples.
     candidate_log: list[CandidateLog] = []
-
-
-class CandidateLog(BaseModel):
-    sample: int
-    copies: int
-    tokens: int  # what writing it cost
-    examples: int  # how many of ``passed`` are the prompt's examples (they come first)
-    passed: str  # a 1 or 0 per check judged: the examples, then every written test
-    hidden: bool
-    selected: bool
+    sample_path: str | None = None  # why as many samples were drawn (AgentResult's)
 
 
 class BenchConfig(BaseModel):
@@ -177,20 +178,24 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
         )
     one = result.attempts[0] if result.attempts else None
     runs = result.candidates
-    codes = [result.attempts[c.sample].code for c in runs]
+    # By number: a sample lost to a provider error has no attempt, so list positions and
+    # sample numbers part after it.
+    by_number = {a.number: a for a in result.attempts}
+    written = [by_number[c.sample + 1] for c in runs]
+    codes = [a.code for a in written]
     passes = await _hidden_passes(task, [one.code if one else "", result.code, *codes], options)
     examples = len(task.spec.checks)
     log = [
         CandidateLog(
             sample=c.sample,
             copies=c.copies,
-            tokens=result.attempts[c.sample].generation_tokens,
+            tokens=attempt.generation_tokens,
             examples=examples,
             passed="".join("1" if ok else "0" for ok in c.passed),
             hidden=hidden,
             selected=c.selected,
         )
-        for c, (hidden, _) in zip(runs, passes[2:], strict=True)
+        for c, attempt, (hidden, _) in zip(runs, written, passes[2:], strict=True)
     ]
     return _outcome(
         task,
@@ -204,6 +209,7 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
         dropped_checks=len(result.dropped_checks),
         written_checks=sum(1 for c in result.checks if c.origin == "generated"),
         candidate_log=log,
+        sample_path=result.sample_path,
     )
 
 

@@ -31,6 +31,7 @@ from sandlot.errors import (
     ProviderAuthError,
     ProviderError,
     ProviderRateLimited,
+    ProviderRequestRefused,
 )
 
 Role = Literal["system", "user", "assistant"]
@@ -140,25 +141,25 @@ class Provider(ABC):
         A provider that reads the prompt once for all of them (local: its cache keeps the
         prompt between the replies) charges its input tokens once, on the first reply, as
         an API's ``n`` bills them; the others make ``count`` calls, each charged in full."""
-        started = time.monotonic()
-        replies = await self._complete_many(
+        return await self._complete_many(
             as_messages(prompt, system), self._params(max_tokens, temperature, None), count
         )
-        for reply in replies:
-            if isinstance(reply, Completion) and not reply.duration_s:
-                reply.duration_s = time.monotonic() - started
-        return replies
 
     async def _complete_many(
         self, messages: list[Message], params: GenerationParams, count: int
     ) -> list[Completion | ProviderError]:
-        """``count`` calls at once."""
+        """``count`` calls at once, each timed on its own (a reply's model time is its
+        call's, as with ``generate``)."""
 
         async def one() -> Completion | ProviderError:
+            started = time.monotonic()
             try:
-                return await self._complete(messages, params)
+                completion = await self._complete(messages, params)
             except ProviderError as exc:
                 return exc
+            if not completion.duration_s:
+                completion.duration_s = time.monotonic() - started
+            return completion
 
         return list(await asyncio.gather(*(one() for _ in range(count))))
 
@@ -376,6 +377,8 @@ class HttpProvider(Provider):
             raise ProviderAuthError(message + f" (check the {self.name} API key)")
         if status == 429:
             raise ProviderRateLimited(message)
+        if status < 500:
+            raise ProviderRequestRefused(message)
         raise ProviderError(message)
 
 

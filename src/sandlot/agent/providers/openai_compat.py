@@ -12,6 +12,7 @@ OpenAI, Groq and OpenRouter differ only in base URL and, for OpenRouter, attribu
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, ClassVar
@@ -25,7 +26,7 @@ from sandlot.agent.providers.base import (
     sse_data,
     streamed_object,
 )
-from sandlot.errors import ProviderError
+from sandlot.errors import ProviderAuthError, ProviderError, ProviderRequestRefused
 
 _FINISH = {"stop": "stop", "length": "length"}
 
@@ -128,12 +129,18 @@ class OpenAIProvider(OpenAICompatibleProvider):
         one."""
         if count < 2:
             return await super()._complete_many(messages, params, count)
+        started = time.monotonic()
+        body = self._body(messages, params, stream=False) | {"n": count}
         try:
-            data = await self._post(
-                self.path, self._body(messages, params, stream=False) | {"n": count}
-            )
-        except ProviderError as exc:
+            data = await self._post(self.path, body)
+        except ProviderAuthError as exc:
             return [exc] * count
+        except ProviderRequestRefused:
+            # A server behind this URL that does not take n: one call a sample.
+            return await super()._complete_many(messages, params, count)
+        except ProviderError as exc:
+            return [exc] * count  # down, too slow or limited: one call a sample would be too
+        elapsed_s = time.monotonic() - started
         raw = data.get("choices")
         choices = [c for c in raw if isinstance(c, dict)][:count] if isinstance(raw, list) else []
         replies: list[tuple[str, str | None] | ProviderError] = []
@@ -166,6 +173,8 @@ class OpenAIProvider(OpenAICompatibleProvider):
                     model=self.model,
                     input_tokens=prompt_tokens if first else 0,
                     output_tokens=share,
+                    # One request's time, charged once like its prompt.
+                    duration_s=elapsed_s if first else 0.0,
                     finish_reason=finish,
                 )
             )
