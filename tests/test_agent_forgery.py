@@ -80,7 +80,10 @@ async def manager(data_root: Path, request: pytest.FixtureRequest) -> AsyncItera
 
 
 def runtime(manager: SandboxManager, provider: ScriptedProvider, samples: int) -> AgentRuntime:
-    settings = AgentSettings.model_validate({"agent_samples": samples, "agent_generated_tests": 3})
+    # Every sample drawn and voted on: each forger must meet the honest candidate in the vote.
+    settings = AgentSettings.model_validate(
+        {"agent_samples": samples, "agent_generated_tests": 3, "agent_sample_early_stop": False}
+    )
     return AgentRuntime(provider, settings=settings, sandbox_options={"manager": manager})
 
 

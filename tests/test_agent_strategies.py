@@ -83,7 +83,8 @@ async def test_selection_picks_the_candidate_that_passes(manager: SandboxManager
     provider = scripted([OFF_BY_ONE, CRASH, RIGHT, OFF_BY_ONE], TESTS)
     spec = function_task(WORDS_ONLY, "add_one", task_id="t/1")
     assert spec.checks == []  # nothing to check but what the model writes
-    result = await runtime(manager, provider).execute(spec, mode="sample_select")
+    agent = runtime(manager, provider, agent_sample_early_stop=False)  # all four, voted on
+    result = await agent.execute(spec, mode="sample_select")
     assert result.mode == "sample_select" and result.status == "solved" and result.success
     assert result.code == RIGHT
     assert [c.source for c in result.checks] == [
@@ -113,12 +114,12 @@ async def test_written_tests_against_the_majority_are_dropped(manager: SandboxMa
     provider = scripted([RIGHT, OFF_BY_ONE, RIGHT_TOO, RIGHT], wrong)
     batches = count_batches(provider)
     spec = function_task(WORDS_ONLY, "add_one")
-    result = await runtime(manager, provider).execute(spec, mode="sample_select")
+    agent = runtime(manager, provider, agent_sample_early_stop=False)
+    result = await agent.execute(spec, mode="sample_select")
     assert result.dropped_checks == ["assert add_one(5) == 7"]
     assert "assert add_one(5) == 7" not in [c.source for c in result.checks]
-    # The first candidate failed only a written test: a probe, which disagreed, then the
-    # last two samples in one call.
-    assert batches == [1, 2]
+    # The greedy sample and the other three at once, in one call.
+    assert batches == [3]
     # The off-by-one candidate passed the wrong test; without the vote it would have won.
     assert result.success and result.code == RIGHT
     scores = {c.sample: (c.generated_passed, c.agreement) for c in result.candidates}
@@ -189,16 +190,33 @@ async def test_a_probe_that_agrees_with_the_first_candidate_stops_the_sampling(
 
 
 @pytest.mark.asyncio
-async def test_a_probe_that_crashes_alike_on_a_test_draws_the_rest(manager: SandboxManager) -> None:
+async def test_a_probe_that_disagrees_ends_the_sampling_with_a_vote_of_two(
+    manager: SandboxManager,
+) -> None:
+    # The first fails a written test; the probe returns other values and passes them all:
+    # the vote between the two keeps the probe, and no third sample is drawn.
+    provider = scripted([OFF_BY_ONE, RIGHT, RIGHT_TOO, CRASH], TESTS)
+    batches = count_batches(provider)
+    spec = function_task(WORDS_ONLY, "add_one")
+    result = await runtime(manager, provider).execute(spec, mode="sample_select")
+    assert result.success and result.code == RIGHT
+    assert batches == [1] and len(result.attempts) == 2 and provider.remaining == 2
+    assert result.sample_path == "probe disagreed"
+    assert [(c.sample, c.selected) for c in result.candidates] == [(0, False), (1, True)]
+
+
+@pytest.mark.asyncio
+async def test_a_probe_that_crashes_alike_on_a_test_drops_nothing(manager: SandboxManager) -> None:
     # Both samples (the same code) raise on a written test: a crash is no answer the vote
-    # drops a test for, so the probe settles nothing and the rest are drawn.
+    # drops a test for, so the test stands and the task is reported failed, not solved.
     crashing = "```python\nassert add_one(1) == 2\nassert add_one(None) == 1\n```"
     provider = scripted([RIGHT, RIGHT, RIGHT_TOO, OFF_BY_ONE], crashing)
     batches = count_batches(provider)
     spec = function_task(WORDS_ONLY, "add_one")
     result = await runtime(manager, provider).execute(spec, mode="sample_select")
-    assert batches == [1, 2] and len(result.attempts) == 4
-    assert result.sample_path == "probe disagreed"
+    assert batches == [1] and len(result.attempts) == 2
+    assert result.sample_path == "probe disagreed" and result.dropped_checks == []
+    assert not result.success and result.status == "failed"
 
 
 EXAMPLE = (
@@ -369,6 +387,7 @@ def test_benchmark_runs_a_strategy_on_a_task_file(tmp_path: Path, data_root: Pat
             strategy="sample_select",
             samples=3,
             generated_tests=3,
+            early_stop=False,  # all three, voted on
         )
         provider = scripted([OFF_BY_ONE, RIGHT, RIGHT_TOO], TESTS)
         results = tmp_path / "out.jsonl"

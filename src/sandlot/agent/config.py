@@ -134,11 +134,12 @@ class AgentSettings(BaseSettings):
         "from the best candidate when it still fails).",
     )
     agent_samples: int = Field(
-        default=4,
+        default=8,
         ge=1,
         le=32,
         validation_alias=_env("agent_samples", "AGENT_SAMPLES"),
-        description="Candidates sample-and-select writes and runs, each in its own sandbox.",
+        description="Candidates sample-and-select writes and runs, each in its own sandbox "
+        "(with early stop, all of them only when the first fails an example or runs badly).",
     )
     agent_generated_tests: int = Field(
         default=6,
@@ -152,9 +153,9 @@ class AgentSettings(BaseSettings):
         default=True,
         validation_alias=_env("agent_sample_early_stop", "AGENT_SAMPLE_EARLY_STOP"),
         description="Sample-and-select draws and runs the first (greedy) candidate alone, "
-        "and the other samples only when it fails a check; when it fails only tests the "
-        "model wrote, one probe sample first, and none more when the probe returns the same "
-        "values (false: always all of them).",
+        "and the other samples only when it fails an example or runs badly; when it fails "
+        "only tests the model wrote, one probe sample, and the vote between the two "
+        "(false: always all of them).",
     )
     agent_sample_temperature: float = Field(
         default=0.8,
