@@ -10,7 +10,7 @@ there, only the tests the model writes can judge).
 
 Usage (the rows of the issue-16 run)::
 
-    .venv/bin/python bench/agent_paths.py ROWS [--tasks humaneval]
+    .venv/bin/python bench/agent_paths.py ROWS [--tasks humaneval] [--replay-probe-stop]
 
     ROWS: bench/results/agent/issue16-probe/humaneval-sample_select.jsonl
 """
@@ -87,6 +87,42 @@ def report(rows: list[dict[str, Any]], no_example: set[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def replay_stop_at_probe(rows: list[dict[str, Any]]) -> str:
+    """What the run would have cost and solved had a disagreeing probe ended the sampling
+    with the vote between the first sample and the probe (the rule that followed this run),
+    replayed on the candidates it recorded. The vote between two that disagree drops no
+    test: the one passing more examples, then more written tests, wins; the first on a tie.
+    The tokens of later samples are taken off as logged; a later sample that repeated
+    earlier code is not in the log, so its tokens stay counted (the replay errs high)."""
+    logged = [r for r in rows if r.get("candidate_log")]
+    single_tokens = sum(r["single_tokens"] for r in logged)
+    single_solved = sum(r["single_pass"] for r in logged)
+    spent = solved = changed = 0
+    for row in logged:
+        log = {c["sample"]: c for c in row["candidate_log"]}
+        if path_of(row) != "probe disagreed" or 0 not in log or 1 not in log:
+            spent += row["loop_tokens"]
+            solved += row["loop_pass"]
+            continue
+        first, probe = log[0], log[1]
+        examples = first["examples"]
+
+        def score(c: dict[str, Any], examples: int = examples) -> tuple[int, int]:
+            return c["passed"][:examples].count("1"), c["passed"][examples:].count("1")
+
+        kept = probe if score(probe) > score(first) else first
+        spent += row["loop_tokens"] - sum(c["tokens"] for n, c in log.items() if n >= 2)
+        solved += kept["hidden"]
+        changed += 1
+    if not (solved and single_solved and single_tokens):
+        return "Nothing to replay.\n"
+    ratio = (spent / solved) / (single_tokens / single_solved)
+    return (
+        f"Replayed with a disagreeing probe ending the sampling ({changed} tasks change): "
+        f"{solved} solved, {ratio:.2f}x single shot's tokens per solved task.\n"
+    )
+
+
 def _no_example(task_set: str) -> set[str]:
     if task_set != "humaneval":
         return set()
@@ -99,9 +135,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rows", type=Path, help="a benchmark's <tasks>-<strategy>.jsonl")
     parser.add_argument("--tasks", default="humaneval", help="the task set the rows are of")
+    parser.add_argument(
+        "--replay-probe-stop",
+        action="store_true",
+        help="also replay the run as if a disagreeing probe had ended the sampling",
+    )
     args = parser.parse_args()
     rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
     print(report(rows, _no_example(args.tasks)), end="")
+    if args.replay_probe_stop:
+        print(replay_stop_at_probe(rows), end="")
 
 
 if __name__ == "__main__":
