@@ -32,7 +32,8 @@ file missing inside a sandbox.
     ├── RequestTooLarge (ValueError)             an upload over the size cap
     ├── ProviderError (RuntimeError)             an LLM provider failed (HTTP error, timeout)
     │   ├── ProviderAuthError (PermissionError)  the provider refused the API key
-    │   └── ProviderRateLimited                  the provider said 429 after our retries
+    │   ├── ProviderRateLimited                  the provider said 429 after our retries
+    │   └── ProviderRequestRefused               the provider refused the request (other 4xx)
     ├── ModelOutputError (ValueError)            the model's reply did not fit the asked schema
     └── SandboxFileError (OSError)
         ├── SandboxFileNotFound (FileNotFoundError)
@@ -311,6 +312,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         ProviderError,
         ProviderAuthError,
         ProviderRateLimited,
+        ProviderRequestRefused,
         ModelOutputError,
         SandboxFileError,
         SandboxFileNotFound,

@@ -362,6 +362,9 @@ class Cells:
             returncode = proc.returncode if proc.returncode is not None else -signal.SIGKILL
             result["exit_code"] = signal_exit_code(returncode)
             result["state_lost"] = True
+            # Said here: the next cell must not say it again, whether the background start
+            # below or that cell's own start makes the next kernel.
+            kernel.loss_reported = True
             result["signal"] = -returncode if returncode < 0 else None
             if not reason and returncode < 0:
                 result["kill_reason"] = "cpu" if -returncode == signal.SIGXCPU else "killed"
