@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from sandlot import SandboxManager
-from sandlot.agent.bench.runner import BenchConfig, run_benchmark
+from sandlot.agent.bench.runner import BenchConfig, TaskOutcome, run_benchmark
 from sandlot.agent.bench.tasks import load_tasks, task_file
 from sandlot.agent.code import function_task
 from sandlot.agent.config import AgentSettings
 from sandlot.agent.providers.base import Message
 from sandlot.agent.providers.scripted import ScriptedProvider
 from sandlot.agent.runtime import AgentRuntime
-from sandlot.errors import ConfigError
+from sandlot.errors import ConfigError, ProviderError
 
 from .conftest import make_settings, skip_reason
 
@@ -363,52 +363,9 @@ def test_task_file(tmp_path: Path) -> None:
         task_file(tmp_path / "absent.jsonl")
 
 
-def test_benchmark_runs_a_strategy_on_a_task_file(tmp_path: Path, data_root: Path) -> None:
-    from sandlot.agent.bench.report import markdown_report
-    from sandlot.sandbox import get_portal
-
-    path = tmp_path / "mine.jsonl"
-    test = "def check(candidate):\n    assert candidate(41) == 42\n"
-    path.write_text(json.dumps({"prompt": WORDS_ONLY, "entry_point": "add_one", "test": test}))
-    manager = SandboxManager(make_settings(data_root / "strat-bench"))
-    portal = get_portal()
-    portal.call(manager.start())
-    try:
-        config = BenchConfig(
-            task_set=str(path),
-            provider="scripted",
-            model="script",
-            max_attempts=3,
-            temperature=0.0,
-            retry_temperature=0.7,
-            separate_single=False,
-            concurrency=1,
-            sandbox_options={"manager": manager},
-            strategy="sample_select",
-            samples=3,
-            generated_tests=3,
-            early_stop=False,  # all three, voted on
-        )
-        provider = scripted([OFF_BY_ONE, RIGHT, RIGHT_TOO], TESTS)
-        results = tmp_path / "out.jsonl"
-        outcomes = portal.call(run_benchmark(load_tasks(str(path)), [provider], config, results))
-    finally:
-        portal.call(manager.close())
-    [outcome] = outcomes
-    assert outcome.strategy == "sample_select" and outcome.candidates == 3
-    assert not outcome.single_pass and outcome.loop_pass  # the first sample was wrong
-    assert outcome.candidate_sandbox_s > 0 and outcome.loop_tokens > outcome.single_tokens
-    assert outcome.written_checks == 3 and outcome.dropped_checks == 0
-    report = markdown_report(outcomes, config, 1.0, "sandlot benchmark --strategy sample_select")
-    assert "sample_select pass@1" in report and "sandbox s / candidate" in report
-    assert "| 3 / 0 |" in report  # written tests kept / dropped
-    assert "The sample_select fixed 1 task(s)" in report
-
-
-@pytest.mark.asyncio
-async def test_a_lost_sample_leaves_the_others(manager: SandboxManager) -> None:
-    from sandlot.errors import ProviderError
-
+def lost_first_sample() -> Callable[[list[Message]], str]:
+    """A reply that loses the first generation to the provider, then writes RIGHT (and the
+    tests when asked for them)."""
     lost = [True]
 
     def reply(messages: list[Message]) -> str:
@@ -419,7 +376,69 @@ async def test_a_lost_sample_leaves_the_others(manager: SandboxManager) -> None:
             raise ProviderError("the model timed out")
         return fenced(RIGHT)
 
-    provider = ScriptedProvider([reply, reply, reply])
+    return reply
+
+
+def bench_add_one(
+    tmp_path: Path, data_root: Path, provider: ScriptedProvider, **config: Any
+) -> tuple[list[TaskOutcome], str]:
+    """The benchmark on one add_one task from a task file (hidden test: 41 gives 42), on real
+    sandboxes; the outcomes and the report."""
+    from sandlot.agent.bench.report import markdown_report
+    from sandlot.sandbox import get_portal
+
+    path = tmp_path / "mine.jsonl"
+    test = "def check(candidate):\n    assert candidate(41) == 42\n"
+    path.write_text(json.dumps({"prompt": WORDS_ONLY, "entry_point": "add_one", "test": test}))
+    manager = SandboxManager(make_settings(data_root / f"bench-{tmp_path.name}"))
+    portal = get_portal()
+    portal.call(manager.start())
+    try:
+        values: dict[str, Any] = {
+            "task_set": str(path),
+            "provider": "scripted",
+            "model": "script",
+            "max_attempts": 3,
+            "temperature": 0.0,
+            "retry_temperature": 0.7,
+            "separate_single": False,
+            "concurrency": 1,
+            "sandbox_options": {"manager": manager},
+            **config,
+        }
+        settings = BenchConfig(**values)
+        outcomes = portal.call(
+            run_benchmark(load_tasks(str(path)), [provider], settings, tmp_path / "out.jsonl")
+        )
+    finally:
+        portal.call(manager.close())
+    return outcomes, markdown_report(outcomes, settings, 1.0, f"sandlot benchmark {config}")
+
+
+def test_benchmark_runs_a_strategy_on_a_task_file(tmp_path: Path, data_root: Path) -> None:
+    provider = scripted([OFF_BY_ONE, RIGHT, RIGHT_TOO], TESTS)
+    outcomes, report = bench_add_one(
+        tmp_path,
+        data_root,
+        provider,
+        strategy="sample_select",
+        samples=3,
+        generated_tests=3,
+        early_stop=False,  # all three, voted on
+    )
+    [outcome] = outcomes
+    assert outcome.strategy == "sample_select" and outcome.candidates == 3
+    assert not outcome.single_pass and outcome.loop_pass  # the first sample was wrong
+    assert outcome.candidate_sandbox_s > 0 and outcome.loop_tokens > outcome.single_tokens
+    assert outcome.written_checks == 3 and outcome.dropped_checks == 0
+    assert "sample_select pass@1" in report and "sandbox s / candidate" in report
+    assert "| 3 / 0 |" in report  # written tests kept / dropped
+    assert "The sample_select fixed 1 task(s)" in report
+
+
+@pytest.mark.asyncio
+async def test_a_lost_sample_leaves_the_others(manager: SandboxManager) -> None:
+    provider = ScriptedProvider([lost_first_sample()] * 3)
     spec = function_task(WORDS_ONLY, "add_one")
     result = await runtime(manager, provider, agent_samples=2).execute(spec, mode="sample_select")
     assert result.success and result.code == RIGHT
@@ -431,15 +450,9 @@ async def test_a_lost_sample_leaves_the_others(manager: SandboxManager) -> None:
 
 
 def test_benchmark_runs_the_swarm_against_a_single_shot(tmp_path: Path, data_root: Path) -> None:
-    from sandlot.agent.bench.report import markdown_report
-    from sandlot.sandbox import get_portal
-
     def vote(choice: int) -> str:
         return json.dumps({"choice": choice, "approve": True, "concerns": ""})
 
-    path = tmp_path / "mine.jsonl"
-    test = "def check(candidate):\n    assert candidate(41) == 42\n"
-    path.write_text(json.dumps({"prompt": WORDS_ONLY, "entry_point": "add_one", "test": test}))
     # The roles answer by their system prompt; the single shot, run on its own, is the only
     # call without one of theirs.
     provider = ScriptedProvider(
@@ -452,81 +465,26 @@ def test_benchmark_runs_the_swarm_against_a_single_shot(tmp_path: Path, data_roo
             "security": [vote(1)],
         },
     )
-    manager = SandboxManager(make_settings(data_root / "swarm-bench"))
-    portal = get_portal()
-    portal.call(manager.start())
-    try:
-        config = BenchConfig(
-            task_set=str(path),
-            provider="scripted",
-            model="script",
-            max_attempts=3,
-            temperature=0.0,
-            retry_temperature=0.7,
-            separate_single=True,
-            concurrency=1,
-            sandbox_options={"manager": manager},
-            strategy="swarm",
-        )
-        results = tmp_path / "out.jsonl"
-        outcomes = portal.call(run_benchmark(load_tasks(str(path)), [provider], config, results))
-    finally:
-        portal.call(manager.close())
+    outcomes, report = bench_add_one(
+        tmp_path, data_root, provider, strategy="swarm", separate_single=True
+    )
     [outcome] = outcomes
     assert outcome.strategy == "swarm" and outcome.error is None
     assert not outcome.single_pass and outcome.loop_pass  # the coder's proposal won
     assert outcome.attempts == 2 and provider.remaining == 0
     # The swarm's tokens are its own: the design, two proposals and five votes.
     assert outcome.loop_tokens > outcome.single_tokens > 0
-    report = markdown_report(outcomes, config, 1.0, "sandlot benchmark --strategy swarm")
     assert "swarm pass@1" in report and "The swarm fixed 1 task(s)" in report
 
 
 def test_benchmark_logs_candidates_after_a_lost_sample(tmp_path: Path, data_root: Path) -> None:
     # The first sample is lost to the provider: candidates are found by sample number, not
     # by position among the attempts that came back.
-    from sandlot.agent.bench.report import markdown_report
-    from sandlot.errors import ProviderError
-    from sandlot.sandbox import get_portal
-
-    lost = [True]
-
-    def reply(messages: list[Message]) -> str:
-        if "Do not write the function" in messages[-1].content:
-            return TESTS
-        if lost:
-            lost.pop()
-            raise ProviderError("the model timed out")
-        return fenced(RIGHT)
-
-    path = tmp_path / "mine.jsonl"
-    test = "def check(candidate):\n    assert candidate(41) == 42\n"
-    path.write_text(json.dumps({"prompt": WORDS_ONLY, "entry_point": "add_one", "test": test}))
-    manager = SandboxManager(make_settings(data_root / "lost-bench"))
-    portal = get_portal()
-    portal.call(manager.start())
-    try:
-        config = BenchConfig(
-            task_set=str(path),
-            provider="scripted",
-            model="script",
-            max_attempts=3,
-            temperature=0.0,
-            retry_temperature=0.7,
-            separate_single=False,
-            concurrency=1,
-            sandbox_options={"manager": manager},
-            strategy="sample_select",
-            samples=2,
-            generated_tests=3,
-        )
-        provider = ScriptedProvider([reply] * 3)
-        outcomes = portal.call(
-            run_benchmark(load_tasks(str(path)), [provider], config, tmp_path / "out.jsonl")
-        )
-    finally:
-        portal.call(manager.close())
+    provider = ScriptedProvider([lost_first_sample()] * 3)
+    outcomes, report = bench_add_one(
+        tmp_path, data_root, provider, strategy="sample_select", samples=2, generated_tests=3
+    )
     [outcome] = outcomes
     assert outcome.loop_pass and outcome.sample_path == "first failed"
     assert [(c.sample, c.passed, c.hidden) for c in outcome.candidate_log] == [(1, "111", True)]
-    assert "sample_select pass@1" in markdown_report(outcomes, config, 1.0, "bench")
+    assert "sample_select pass@1" in report
