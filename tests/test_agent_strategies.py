@@ -187,6 +187,7 @@ async def test_a_probe_that_agrees_with_the_first_candidate_stops_the_sampling(
         (0, [True, False, True]),
         (1, [True, False, True]),
     ]
+    assert [c.returned for c in result.candidates] == [["2", "6", "1"]] * 2
 
 
 @pytest.mark.asyncio
@@ -487,4 +488,5 @@ def test_benchmark_logs_candidates_after_a_lost_sample(tmp_path: Path, data_root
     [outcome] = outcomes
     assert outcome.loop_pass and outcome.sample_path == "first failed"
     assert [(c.sample, c.passed, c.hidden) for c in outcome.candidate_log] == [(1, "111", True)]
+    assert outcome.candidate_log[0].returned == ["2", "0", "1"]  # add_one(1), (-1), (0)
     assert "sample_select pass@1" in report

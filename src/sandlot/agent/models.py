@@ -180,6 +180,11 @@ class CandidateRecord(BaseModel):
         description="Its verdict on each check judged: the prompt's examples, then every "
         "written test (those the vote dropped included).",
     )
+    returned: list[str] = Field(
+        default_factory=list,
+        description="What it returned (or raised) on each check judged, as the verdicts "
+        "show it (a repr, cut at 80 characters); empty when its run gave no verdicts.",
+    )
 
 
 class AgentResult(BaseModel, Usage):

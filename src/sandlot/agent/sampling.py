@@ -329,6 +329,7 @@ class SampleSelect:
                 sandbox_s=executions[g].duration_s,
                 selected=g == best,
                 passed=list(passes[g]),
+                returned=list(pool.behaviours[g]),
             )
             for g, group in enumerate(groups)
         ]

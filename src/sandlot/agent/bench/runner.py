@@ -43,6 +43,9 @@ class CandidateLog(BaseModel):
     tokens: int  # what writing it cost
     examples: int  # how many of ``passed`` are the prompt's examples (they come first)
     passed: str  # a 1 or 0 per check judged: the examples, then every written test
+    # What it returned on each check (agreement between candidates, whatever the tests
+    # expect, can be weighed afterwards); empty in rows written before it was kept.
+    returned: list[str] = []
     hidden: bool
     selected: bool
 
@@ -192,6 +195,7 @@ async def _run_strategy(task: BenchTask, provider: Provider, config: BenchConfig
             tokens=attempt.generation_tokens,
             examples=examples,
             passed="".join("1" if ok else "0" for ok in c.passed),
+            returned=c.returned,
             hidden=hidden,
             selected=c.selected,
         )
