@@ -122,3 +122,30 @@ def test_the_files_are_private(tmp_path: Path) -> None:
     db.execute("CREATE TABLE t (x)")
     db.close()
     assert (tmp_path / "p.db").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_companion_file_deleted_by_another_process_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process's connection deletes a journal or WAL file whenever it commits or
+    # closes: between the check and the chmod here it was gone, and a server's start failed
+    # with FileNotFoundError (CI, two servers opening new keys at once).
+    from sandlot import _sqlite
+
+    path = tmp_path / "keys.db"
+    real_chmod = Path.chmod
+
+    def chmod_then_vanish(self: Path, mode: int, **kwargs: object) -> None:
+        if self.name.endswith("-journal"):
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        real_chmod(self, mode)
+
+    real_exists = Path.exists
+
+    def journal_there(self: Path, **kwargs: bool) -> bool:
+        return self.name.endswith("-journal") or real_exists(self, **kwargs)
+
+    monkeypatch.setattr(Path, "chmod", chmod_then_vanish)
+    monkeypatch.setattr(Path, "exists", journal_there)  # seen, then gone before the chmod
+    _sqlite.private(path)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"

@@ -119,6 +119,7 @@ def private(path: Path) -> None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     os.close(fd)
     for suffix in ("", "-wal", "-shm", "-journal"):
-        companion = path.with_name(path.name + suffix)
-        if companion.exists():
-            companion.chmod(0o600)
+        # Another process's connection may delete a companion at any moment (its journal at
+        # commit, the WAL at its last close): one that is gone needs no mode.
+        with contextlib.suppress(FileNotFoundError):
+            path.with_name(path.name + suffix).chmod(0o600)
