@@ -151,31 +151,31 @@ class SampleSelect:
             reply = exc
         return [await self._drawn(0, reply)]
 
+    async def _sampled(
+        self, spec: TaskSpec, recalled: str, indices: range
+    ) -> list[Attempt | ProviderError]:
+        """Samples ``indices`` (none of them 0) in one ``generate_many`` call, which reads the
+        prompt once where the provider can."""
+        replies = await self.provider.generate_many(
+            generate_prompt(spec, recalled),
+            len(indices),
+            system=GENERATOR_SYSTEM,
+            temperature=self.sample_temperature,
+        )
+        return [await self._drawn(i, reply) for i, reply in zip(indices, replies, strict=True)]
+
     async def _draw(
         self, spec: TaskSpec, recalled: str, indices: range
     ) -> list[Attempt | ProviderError]:
-        """Samples ``indices`` (0 is the greedy one): the sampled ones in one
-        ``generate_many`` call, which reads the prompt once where the provider can."""
+        """Samples ``indices`` in order: 0 is the greedy one, the others are drawn together
+        (and at the same time as it)."""
+        parts = []
+        if indices and indices.start == 0:
+            parts.append(self._greedy(spec, recalled))
         sampled = range(max(indices.start, 1), indices.stop)
-        greedy = self._greedy(spec, recalled) if indices.start == 0 and indices else None
-        replies: list[Completion | ProviderError] = []
         if sampled:
-            many = self.provider.generate_many(
-                generate_prompt(spec, recalled),
-                len(sampled),
-                system=GENERATOR_SYSTEM,
-                temperature=self.sample_temperature,
-            )
-            if greedy is not None:
-                first, replies = await asyncio.gather(greedy, many)
-                drawn = list(first)
-            else:
-                drawn, replies = [], await many
-        else:
-            drawn = await greedy if greedy is not None else []
-        for index, reply in zip(sampled, replies, strict=True):
-            drawn.append(await self._drawn(index, reply))
-        return drawn
+            parts.append(self._sampled(spec, recalled, sampled))
+        return [drawn for part in await asyncio.gather(*parts) for drawn in part]
 
     async def _write_tests(self, spec: TaskSpec) -> tuple[list[Check], Completion | None]:
         if not spec.is_function or spec.entry_point is None or self.generated_tests == 0:
@@ -216,9 +216,8 @@ class SampleSelect:
         judged = spec.model_copy(update={"checks": checks})
         pool = _Pool()
         await self._judge(judged, drawn, pool)
-        path: SamplePath = "all samples"
-        if first < self.samples:
-            path = "first passed"
+        path: SamplePath = "all samples" if first == self.samples else "first passed"
+        probe_group: int | None = None
         if first < self.samples and not pool.passes_all(0, checks):
             path = "first failed"
             if pool.fails_only_written(0, checks):
@@ -234,11 +233,7 @@ class SampleSelect:
                 await self._judge(judged, probe, pool)
                 [sample] = probe
                 if isinstance(sample, Attempt):
-                    agreed = (
-                        pool.agree(0, pool.group_of(sample))
-                        and self._settle(checks, pool, None, "probe agreed").passed_all
-                    )
-                    path = "probe agreed" if agreed else "probe disagreed"
+                    probe_group = pool.group_of(sample)
                     first = self.samples
                 else:
                     first += 1  # the probe was lost: the rest, as if an example failed
@@ -251,7 +246,13 @@ class SampleSelect:
                 await self._judge(judged, more, pool)
         if not pool.attempts:
             raise next(e for e in drawn if isinstance(e, ProviderError))
-        return self._settle(checks, pool, tests_usage, path)
+        selection = self._settle(checks, pool, tests_usage, path)
+        if probe_group is not None:
+            # The probe agreed when both behave the same and the vote, dropping the tests
+            # both fail alike, keeps a candidate that passes every other check.
+            agreed = pool.agree(0, probe_group) and selection.passed_all
+            selection.path = "probe agreed" if agreed else "probe disagreed"
+        return selection
 
     async def _judge(
         self, judged: TaskSpec, drawn: list[Attempt | ProviderError], pool: _Pool

@@ -232,13 +232,17 @@ async def _run_swarm(task: BenchTask, provider: Provider, config: BenchConfig) -
             max_attempts=config.max_attempts,
         )
         result = await swarm.run(task.spec)
-    async with SandboxExecutor(**options) as executor:
-        single = await ReflexionLoop(provider, executor, max_attempts=1).run(
-            task.spec, mode="single"
-        )
+    single = await _single_shot(task, provider, options)
     one = single.attempts[0] if single.attempts else None
     passes = await _hidden_passes(task, [one.code if one else "", result.code], options)
     return _outcome(task, result, one, passes, started, strategy="swarm")
+
+
+async def _single_shot(task: BenchTask, provider: Provider, options: dict[str, Any]) -> AgentResult:
+    """One generation in a sandbox of its own: the single shot a strategy is measured
+    against when it does not write one itself."""
+    async with SandboxExecutor(**options) as executor:
+        return await ReflexionLoop(provider, executor, max_attempts=1).run(task.spec, mode="single")
 
 
 async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> TaskOutcome:
@@ -256,12 +260,7 @@ async def run_task(task: BenchTask, provider: Provider, config: BenchConfig) -> 
             retry_temperature=config.retry_temperature,
         )
         result = await loop.run(task.spec, mode="loop")
-    single: AgentResult | None = None
-    if config.separate_single:
-        async with SandboxExecutor(**options) as executor:
-            single = await ReflexionLoop(provider, executor, max_attempts=1).run(
-                task.spec, mode="single"
-            )
+    single = await _single_shot(task, provider, options) if config.separate_single else None
     first = (single or result).attempts[:1]
     one = first[0] if first else None
     passes = await _hidden_passes(task, [one.code if one else "", result.code], options)

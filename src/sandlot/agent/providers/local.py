@@ -202,6 +202,7 @@ class LocalProvider(Provider):
         def decode_all() -> list[Completion | ProviderError]:
             llm, lock = self._llm()
             replies: list[Completion | ProviderError] = []
+            charged = False  # the prompt, to a reply
             with lock:
                 for seed in seeds:
                     stats: dict[str, Any] = {}
@@ -212,8 +213,9 @@ class LocalProvider(Provider):
                         replies.append(exc)
                         continue
                     reply = self._completion(text, stats, started)
-                    if any(isinstance(r, Completion) for r in replies):
+                    if charged:
                         reply.input_tokens = 0  # read once, by the first reply
+                    charged = True
                     replies.append(reply)
             return replies
 

@@ -153,6 +153,7 @@ class OpenAIProvider(OpenAICompatibleProvider):
         prompt_tokens = int(usage.get("prompt_tokens") or 0)
         output_tokens = int(usage.get("completion_tokens") or 0)
         lengths = [len(r[0]) if isinstance(r, tuple) else 0 for r in replies]
+        answered = [i for i, reply in enumerate(replies) if isinstance(reply, tuple)]
         out: list[Completion | ProviderError] = []
         shared = 0
         for i, reply in enumerate(replies):
@@ -162,10 +163,10 @@ class OpenAIProvider(OpenAICompatibleProvider):
             text, finish = reply
             # The output total split by length; the last reply takes the rounding.
             share = output_tokens * lengths[i] // max(sum(lengths), 1)
-            if i == max(j for j, n in enumerate(lengths) if n):
+            if i == answered[-1]:
                 share = output_tokens - shared
             shared += share
-            first = not any(isinstance(c, Completion) for c in out)
+            first = i == answered[0]
             out.append(
                 Completion(
                     text=text,
