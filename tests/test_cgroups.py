@@ -64,6 +64,7 @@ def test_v2_create_enables_controllers_and_writes_limits(tmp_path: Path) -> None
     for parent in (root, root / "sandlot", root / "sandlot" / "inst"):
         assert (parent / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
     assert cgroup.procs_files == [leaf / "cgroup.procs"]
+    assert cgroup.enter_files == [leaf / "cgroup.procs"]  # v2 moves processes only there
 
 
 def test_v2_reads_kill_counters_and_usage(tmp_path: Path) -> None:

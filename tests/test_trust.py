@@ -689,6 +689,31 @@ def bwrap_module() -> Any:
 
 
 @pytest.mark.hostile
+def test_every_process_of_a_sandbox_is_in_its_cgroup_in_every_hierarchy(
+    manager: SandboxManager,
+) -> None:
+    # The launcher moves itself in by writing "0" to each hierarchy's entry file (v1: its
+    # thread's `tasks`, which skips the kernel's grace-period wait): the whole process, and
+    # so everything bwrap and the guest fork after it, must land in every hierarchy.
+    if skip_reason("bubblewrap"):
+        pytest.skip(skip_reason("bubblewrap") or "")
+    sb = Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
+    try:
+        sb.commands.run("sleep 30 >/dev/null 2>&1 &", timeout_s=10)
+        cgroup = manager._backend("bubblewrap")._boxes[sb.id].cgroup
+        if not cgroup.enter_files:
+            pytest.skip("no cgroup here (rootless without a delegated subtree)")
+        listed = [set(procs.read_text().split()) for procs in cgroup.procs_files]
+        uid = leaks.host_uid(manager, sb.id)
+        pids = {str(p.pid) for p in leaks.procs_of_uid(uid)}
+        assert len(pids) >= 3, pids  # the guest, its kernel, the sleep
+        for members in listed:
+            assert pids <= members, (pids - members, cgroup.procs_files)
+    finally:
+        sb.kill()
+
+
+@pytest.mark.hostile
 def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
     manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, bwrap_module: Any
 ) -> None:
@@ -807,7 +832,7 @@ def test_a_launcher_that_cannot_enter_its_cgroup_says_why(
         await asyncio.sleep(0.2)  # the launcher has failed and exited by now
 
     monkeypatch.setattr(bwrap_module, "make_volume", slow_disk)
-    monkeypatch.setattr(Cgroup, "procs_files", property(lambda self: [Path("/nonexistent/procs")]))
+    monkeypatch.setattr(Cgroup, "enter_files", property(lambda self: [Path("/nonexistent/procs")]))
     with pytest.raises(SandboxError, match=r"launcher failed.*nonexistent") as failed:
         Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
     assert "Connection lost" not in str(failed.value)

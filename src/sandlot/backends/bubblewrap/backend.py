@@ -119,11 +119,12 @@ ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
 # the sandbox uid, so the process (and everything it will ever fork) is inside the cgroup
 # before a single instruction of sandbox code runs. Then it waits for "go" on stdin (sh's
 # `read` takes a pipe a byte at a time in dash, bash and busybox: nothing after it is eaten;
-# EOF, a manager gone, ends it): the kernel makes a cgroup move wait for an RCU grace period
-# (~7 ms, BENCHMARKS.md), which passes while the manager makes the sandbox's disk and files,
-# instead of after.
+# EOF, a manager gone, ends it), while the manager makes the sandbox's disk and files. It
+# writes "0", itself, to Cgroup.enter_files: on v1 its thread's `tasks`, which the kernel
+# moves without waiting out an RCU grace period (7-20 ms a create through cgroup.procs,
+# BENCHMARKS.md); on v2, cgroup.procs, whose wait the disk's making overlaps.
 PLACE_IN_CGROUP = (
-    'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+    'while [ "$1" != "--" ]; do echo 0 > "$1" || exit 125; shift; done; shift; '
     'read -r go && [ "$go" = go ] || exit 125; exec "$@"'
 )
 BWRAP = "/usr/bin/bwrap"
@@ -507,8 +508,9 @@ class BubblewrapBackend:
         # The host-side chain (sh as root, setpriv, bwrap) runs with a fixed environment and
         # absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a root process would
         # run code of their choosing as root. Their env is set inside the sandbox only.
-        procs_files = [str(p) for p in box.cgroup.procs_files]
-        place = ["/bin/sh", "-c", PLACE_IN_CGROUP, "sh", *procs_files, "--"]
+        # sh moves itself ("0": the writer) through Cgroup.enter_files, before bwrap.
+        enter_files = [str(p) for p in box.cgroup.enter_files]
+        place = ["/bin/sh", "-c", PLACE_IN_CGROUP, "sh", *enter_files, "--"]
         if self.rootless:
             # bwrap runs as this user, unprivileged; into the delegated cgroup if there is one.
             # Tied to us by a death signal, as the root path is (the sh before it by EOF on

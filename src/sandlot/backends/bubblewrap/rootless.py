@@ -121,6 +121,10 @@ class NoCgroup:
 
     @property
     def procs_files(self) -> list[Path]:
+        return []
+
+    @property
+    def enter_files(self) -> list[Path]:
         return []  # nothing to be placed in: the sandbox runs where its bwrap was started
 
     def kill_all(self, timeout_s: float = 5.0) -> bool:
