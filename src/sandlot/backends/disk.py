@@ -60,6 +60,12 @@ MKFS_ARGV = (
     "-E",
     "root_owner=0:0,lazy_itable_init=1,nodiscard",
 )
+# No cache flushes: each one the sandbox's file system sends (an fsync, the unmount's sync)
+# makes the loop device fsync the image on the host's disk, writing out a file that is
+# deleted with the sandbox (~3 ms of a kernel worker's I/O per lifecycle, measured by
+# perf's sched_switch). Nothing on it outlives the host's page cache: a sandbox never
+# survives a reboot.
+MOUNT_DATA = "nobarrier"
 # Of these options: a change to them makes new templates instead of reusing the old.
 _TEMPLATE_TAG = hashlib.sha256("\0".join(MKFS_ARGV).encode()).hexdigest()[:12]
 
@@ -87,7 +93,7 @@ async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int, template
     try:
         await asyncio.to_thread(_loop_mount, image, mountpoint)
     except _NoLoopConfigure:
-        await _run("mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint))
+        await _run("mount", "-o", f"loop,nosuid,nodev,{MOUNT_DATA}", str(image), str(mountpoint))
     with contextlib.suppress(OSError):
         (mountpoint / "lost+found").rmdir()
 
@@ -217,7 +223,8 @@ def _loop_mount(image: Path, mountpoint: Path) -> None:
                         raise _NoLoopConfigure from exc
                     raise SandboxStartError(f"could not attach a loop device: {exc}") from exc
                 flags = _MS_NOSUID | _MS_NODEV
-                if libc.mount(device.encode(), str(mountpoint).encode(), b"ext4", flags, None):
+                data = MOUNT_DATA.encode()
+                if libc.mount(device.encode(), str(mountpoint).encode(), b"ext4", flags, data):
                     code = ctypes.get_errno()
                     # Autoclear frees the device once the last fd closes, as it is unmounted.
                     raise SandboxStartError(f"could not mount {device}: {os.strerror(code)}")
