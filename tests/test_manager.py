@@ -7,6 +7,7 @@ import fcntl
 import os
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -265,6 +266,55 @@ async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> N
     # Closing removes pooled sandboxes too.
     for sandbox_id in pool_dirs:
         assert not (local / sandbox_id).exists()
+
+
+async def test_a_warm_pool_starts_two_at_once_and_never_more_than_its_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One start at a time, a pool drained faster than a start never caught up (issue 13).
+    from types import SimpleNamespace
+
+    from sandlot.core import pools as pools_module
+    from sandlot.core.live import PoolKey
+    from sandlot.core.pools import REFILL_PARALLEL, Pools
+    from sandlot.errors import SandboxStartError
+
+    monkeypatch.setattr(pools_module, "POOL_RETRY_S", 0.01)
+
+    limits = make_settings(Path("/nonexistent")).resolve_limits(None)
+    key = PoolKey("fake", None, "python3")
+    starting, most_at_once, made = 0, 0, 0
+
+    def make(_: PoolKey) -> Any:
+        nonlocal made
+        made += 1
+        conn = SimpleNamespace(alive=True)
+        return SimpleNamespace(id=f"sb-{made}", info=SimpleNamespace(limits=limits), conn=conn)
+
+    async def boot(live: Any) -> None:
+        nonlocal starting, most_at_once
+        if live.id == "sb-7":
+            raise SandboxStartError("a refill that fails is retried, its place kept")
+        starting += 1
+        most_at_once = max(most_at_once, starting)
+        await asyncio.sleep(0.05)
+        starting -= 1
+
+    pools = Pools(limits, False, make, boot)
+    pools.start({key: 3})
+    await _until(lambda: pools.count() == 3)
+    assert most_at_once == REFILL_PARALLEL == 2
+    taken = [pools.take(key, limits, False, None) for _ in range(3)]
+    assert all(t is not None for t in taken)
+    await _until(lambda: pools.count() == 3)
+    await asyncio.sleep(0.2)
+    assert (pools.count(), made, most_at_once) == (3, 6, 2)  # refilled, never more
+    assert pools.take(key, limits, False, None) is not None
+    await _until(lambda: pools.count() == 3)  # after one failed start (sb-7)
+    assert made == 8
+    for pool in pools._pools.values():  # no sandbox to stop in this fake
+        for task in pool.tasks:
+            task.cancel()
 
 
 async def _until(predicate: object, timeout_s: float = 10.0) -> None:

@@ -23,16 +23,21 @@ log = structlog.get_logger(__name__)
 
 MAX_POOL_SIZE = 64
 POOL_RETRY_S = 1.0
+# Sandboxes of one pool started at once: one at a time, a pool drained faster than one
+# start (~35 ms) never caught up; a start spends a good part of its time waiting (the
+# kernel's grace periods, the guest's reply), which a second start fills.
+REFILL_PARALLEL = 2
 
 
 @dataclass
 class _Pool:
-    """``size`` started sandboxes of one key, refilled by ``task`` when ``wanted`` is set."""
+    """``size`` started sandboxes of one key, refilled by ``tasks`` when ``wanted`` is set."""
 
     size: int
     lives: list[Live] = field(default_factory=list)
     wanted: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    starting: int = 0
 
 
 class Pools:
@@ -60,7 +65,8 @@ class Pools:
         for key, size in targets.items():
             pool = self._pools[key] = _Pool(size)
             pool.wanted.set()
-            pool.task = asyncio.create_task(self._fill(key, pool))
+            fillers = min(size, REFILL_PARALLEL)
+            pool.tasks = [asyncio.create_task(self._fill(key, pool)) for _ in range(fillers)]
 
     def count(self) -> int:
         """Started sandboxes waiting in the pools."""
@@ -95,34 +101,39 @@ class Pools:
     async def close(self) -> None:
         """Stop refilling and destroy every pooled sandbox."""
         for pool in self._pools.values():
-            if pool.task is not None:
-                pool.task.cancel()
+            for task in pool.tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await pool.task
+                    await task
         pooled = [live for pool in self._pools.values() for live in pool.lives]
         self._pools = {}
         await asyncio.gather(*(discard(live) for live in pooled))
 
     async def _fill(self, key: PoolKey, pool: _Pool) -> None:
-        """Keep ``pool.size`` sandboxes of ``key`` started, never more."""
+        """Keep ``pool.size`` sandboxes of ``key`` started or starting, never more: one of
+        the pool's :data:`REFILL_PARALLEL` fillers, each starting one sandbox at a time.
+        ``wanted`` stays set while a place is unfilled, so every filler sees it."""
         while True:
             await pool.wanted.wait()
-            pool.wanted.clear()
-            while len(pool.lives) < pool.size:
+            if len(pool.lives) + pool.starting >= pool.size:
+                pool.wanted.clear()
+                continue
+            pool.starting += 1
+            try:
+                live = self._make(key)
+                self._booting.append(live)
                 try:
-                    live = self._make(key)
-                    self._booting.append(live)
-                    try:
-                        await self._boot(live)
-                    finally:
-                        self._booting.remove(live)
-                except SandboxError as exc:
-                    log.warning(
-                        "warm pool refill failed; retrying", pool=str(key), error=exc.message
-                    )
-                    await asyncio.sleep(POOL_RETRY_S)
-                    continue
-                pool.lives.append(live)
+                    await self._boot(live)
+                finally:
+                    self._booting.remove(live)
+            except SandboxError as exc:
+                log.warning("warm pool refill failed; retrying", pool=str(key), error=exc.message)
+                await asyncio.sleep(POOL_RETRY_S)
+                pool.wanted.set()  # its place is still empty
+                continue
+            finally:
+                pool.starting -= 1
+            pool.lives.append(live)
 
 
 async def discard(live: Live) -> None:
