@@ -32,7 +32,7 @@ EXTRA_TARGETS = [t for t in os.environ.get("TEST_BACKENDS", "").split(",") if t.
 
 from sandlot import Sandbox, SandboxManager, Settings  # noqa: E402
 from sandlot._portal import get_portal  # noqa: E402
-from sandlot.backends import KNOWN_BACKENDS, probe_backend  # noqa: E402
+from sandlot.backends import KNOWN_BACKENDS, mountns, probe_backend  # noqa: E402
 
 # The registry's embedded backends always, plus what TEST_BACKENDS asks for.
 BACKENDS = [name for name, entry in KNOWN_BACKENDS.items() if entry.embedded] + EXTRA_TARGETS
@@ -69,6 +69,16 @@ def skip_reason(target: str) -> str | None:
             pytest.fail(f"TEST_BACKENDS asks for {target}, which cannot run: {reason}")
         _SKIP_REASON[target] = reason
     return _SKIP_REASON[target]
+
+
+@pytest.fixture
+def root_bubblewrap() -> None:
+    """bubblewrap as root with the mount API: loop disks and the launch namespace."""
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    if os.geteuid() != 0 or not mountns.supported():
+        pytest.skip("the launch namespace is root's, with the mount API")
 
 
 @pytest.fixture(scope="session")

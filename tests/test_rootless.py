@@ -238,6 +238,10 @@ out["a_marker_before"] = len(host_pids(a_tag))
 a_dir = boxes / a.id
 for sb in (a, b, c, d):
     sb.kill()
+# A kill returns once nothing of the sandbox runs; its files go right after.
+from sandlot._portal import get_portal
+from sandlot.sandbox import default_manager
+get_portal().call(default_manager().settle())
 out["a_marker_after"] = not gone(a_tag)
 out["b_marker_after"] = not gone(b_tag)
 out["a_dir_left"] = a_dir.exists()

@@ -740,6 +740,7 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
         raise SandboxStartError("no disk today")
 
     Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10).kill()  # set-up
+    get_portal().call(manager.settle())  # its files go after the kill returns
     backend = manager._backend("bubblewrap")
     before = set(backend.sandboxes_dir.iterdir())
     monkeypatch.setattr(bwrap_module, "make_volume", no_disk)
@@ -807,6 +808,7 @@ def test_a_cpu_quota_that_cannot_be_set_fails_the_create_and_leaves_nothing(
         real_set_cpu(self, cpu_cores)
 
     Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10).kill()  # set-up
+    get_portal().call(manager.settle())  # its files go after the kill returns
     backend = manager._backend("bubblewrap")
     before = set(backend.sandboxes_dir.iterdir())
     monkeypatch.setattr(Cgroup, "set_cpu", refused)

@@ -194,6 +194,15 @@ class Backend(Protocol):
         """
         ...
 
+    async def halt(self, sandbox_id: str) -> None:
+        """Kill every process of the sandbox now: none of its code runs once this returns.
+
+        What it holds (its files, cgroup, network) stays until :meth:`stop`, which the
+        manager runs after a destroy has returned (:mod:`sandlot.core.teardown`). A backend
+        whose removal is one step may do it all here.
+        """
+        ...
+
     async def stop(self, sandbox_id: str) -> None:
         """Kill every process of the sandbox and remove all it had (idempotent)."""
         ...

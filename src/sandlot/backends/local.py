@@ -90,6 +90,11 @@ class LocalBackend:
     async def started(self, sandbox_id: str) -> None:
         """Nothing was relaxed for the start: this backend sets no limits."""
 
+    async def halt(self, sandbox_id: str) -> None:
+        guest = self._guests.get(sandbox_id)
+        if guest is not None:
+            await self._kill(guest)
+
     async def stop(self, sandbox_id: str) -> None:
         guest = self._guests.pop(sandbox_id, None)
         if guest is not None:

@@ -28,9 +28,12 @@ from sandlot.core.background import BackgroundCommands
 from sandlot.core.live import Live, PoolKey
 from sandlot.core.pools import Pools, discard
 from sandlot.core.store import LIVE, Elsewhere, Store
+from sandlot.core.teardown import Teardowns
 from sandlot.errors import (
     BackendUnavailable,
+    CapacityExhausted,
     ConfigError,
+    QuotaExceeded,
     SandboxError,
     SandboxNotFound,
     SandboxNotRunning,
@@ -86,6 +89,7 @@ class SandboxManager:
         self.settings = settings or get_settings()
         self._backends: dict[str, Backend] = {}
         self._live: dict[str, Live] = {}
+        self._teardowns = Teardowns()
         self._reaper: asyncio.Task[None] | None = None
         self._instance: instances.Instance | None = None
         self._store: Store = None  # type: ignore[assignment]  # set by start()
@@ -187,6 +191,7 @@ class SandboxManager:
             *(self.destroy(sid, reason="shutdown") for sid in list(self._live)),
             return_exceptions=True,
         )
+        await self._teardowns.settle()
         # Whatever a failed destroy left is swept now; if some of it stays, so does the
         # instance's directory, and the next start recovers it. A backend this host cannot
         # run made nothing to sweep.
@@ -208,7 +213,8 @@ class SandboxManager:
         self, elsewhere: builtins.list[SandboxInfo] | None = None
     ) -> builtins.list[SandboxInfo]:
         # Other processes' live sandboxes count too: quotas and capacity are the data dir's.
-        mine = [live.info for live in self._live.values()]
+        # Ours being torn down still hold their limits (core/teardown.py).
+        mine = [live.info for live in self._live.values()] + self._teardowns.infos()
         if elsewhere is None:
             elsewhere = instances.live_elsewhere(self._store, self.settings.data_dir)
         return mine + elsewhere
@@ -222,6 +228,11 @@ class SandboxManager:
 
     def live_count(self) -> int:
         return len(self._live)
+
+    async def settle(self) -> None:
+        """Wait until every sandbox destroyed so far has released what it held (its disk,
+        cgroup and network go after its destroy returns: :mod:`sandlot.core.teardown`)."""
+        await self._teardowns.settle()
 
     def pooled_count(self) -> int:
         """Started sandboxes waiting in the warm pools."""
@@ -292,7 +303,15 @@ class SandboxManager:
             return made.info
 
         try:
-            info = self._store.admit(decide)
+            try:
+                info = self._store.admit(decide)
+            except (QuotaExceeded, CapacityExhausted):
+                if not self._teardowns:
+                    raise
+                # The room may be held by sandboxes destroyed a moment ago: once their
+                # teardowns end, decide again.
+                await self._teardowns.settle()
+                info = self._store.admit(decide)
         except BaseException:
             if chosen is not None:
                 # Refused or not saved (the store failed): a new one was never started; a
@@ -451,7 +470,8 @@ class SandboxManager:
         if live.destroying:
             async with live.lock:  # another destroy is under way: wait for it to finish
                 return live.info.model_copy()
-        # Still in _live (so still counted against its owner's quota) until really gone.
+        # Still counted against its owner's quota until really gone: in _live until halted,
+        # then among the teardowns.
         live.begin_destroy()
         try:
             background = self._background.pop(sandbox_id, None)
@@ -464,9 +484,12 @@ class SandboxManager:
                     log.warning("artifacts not kept", sandbox=sandbox_id, error=repr(exc))
                 if live.conn is not None:
                     await live.conn.close()
-                await live.backend.stop(sandbox_id)
+                await live.backend.halt(sandbox_id)
         finally:
             self._live.pop(sandbox_id, None)
+            # Its disk, cgroup and network go after we return (a destroy cut short by a
+            # cancellation too: the stop kills whatever still runs).
+            self._teardowns.start(live)
         self._end(live.info, SandboxStatus.DESTROYED, reason)
         self._emit("destroyed", info=live.info)
         log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)

@@ -717,6 +717,11 @@ class BubblewrapBackend:
             launchns.remove_volume(self._launch_ns, box.root / "volume")
             box.in_launch_ns = False
 
+    async def halt(self, sandbox_id: str) -> None:
+        box = self._boxes.get(sandbox_id)
+        if box is not None:
+            await self._end_guest(box)
+
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)
         if box is None:

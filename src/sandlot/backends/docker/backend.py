@@ -128,6 +128,7 @@ class _Box:
     pids_seen: int = 0
     end_cause: str | None = None
     end_known: bool = False
+    removed: bool = False  # the container is gone (halt): stop has its volume left to do
 
     def oom_kills(self) -> int:
         # Docker's OOMKilled says "an OOM kill happened in this incarnation", which the
@@ -389,13 +390,26 @@ class DockerBackend:
         default 0.5 cores a start under 1 core was no faster on bubblewrap (BENCHMARKS.md),
         and a change after start would be one more call to the daemon per create."""
 
+    async def halt(self, sandbox_id: str) -> None:
+        """Removing the container is what ends its processes: it is done here, on the
+        destroy's path (a kill first would be one more call to the daemon); the volume's
+        directory goes in :meth:`stop`."""
+        box = self._boxes.get(sandbox_id)
+        if box is not None and not box.removed:
+            await self._remove(box, sandbox_id)
+            box.removed = True
+
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)
+        if box is None or not box.removed:
+            await self._remove(box, sandbox_id)
+        await remove_volume(box.root if box is not None else self.sandboxes_dir / sandbox_id)
+
+    async def _remove(self, box: _Box | None, sandbox_id: str) -> None:
         if box is not None and box.guest is not None:
             box.guest.kill()
         client = await self._ready()
         await asyncio.to_thread(self._remove_container, client, sandbox_id)
-        await remove_volume(box.root if box is not None else self.sandboxes_dir / sandbox_id)
 
     def _remove_container(self, client: docker.DockerClient, sandbox_id: str) -> None:
         """Remove the sandbox's container by force, and make sure it is gone."""

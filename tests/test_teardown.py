@@ -1,0 +1,163 @@
+"""A destroy returns once nothing of the sandbox runs; the rest is torn down after it.
+
+What must hold (core/teardown.py): no process of the sandbox outlives the destroy's return;
+its disk, cgroup and directory go soon after; until they do, the sandbox still counts
+against its owner's quota, and a create refused for that room waits for the teardown instead
+of failing; a teardown that fails costs no caller anything and is swept at close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sandlot import SandboxManager
+from sandlot.errors import QuotaExceeded
+from sandlot.models import Quota
+from sandlot.requests import RunCode, SandboxSpec
+from tests import leaks
+from tests.conftest import make_settings
+
+BLOCKED_S = 0.3  # how long a test looks at a held teardown
+HOLD_LIMIT_S = 5.0  # a held stop goes on by itself after this: a failing test never hangs
+SLEEPER = "import subprocess; subprocess.Popen(['sleep', '60'], start_new_session=True)"
+
+
+class HeldStops:
+    """Makes the backend's ``stop`` wait until released: a teardown caught in the middle."""
+
+    def __init__(self, mgr: SandboxManager, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.calls = 0
+        real = type(mgr._backend(backend)).stop
+
+        async def stop(this: object, sandbox_id: str) -> None:
+            self.calls += 1
+            self.entered.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.release.wait(), HOLD_LIMIT_S)
+            await real(this, sandbox_id)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(mgr._backend(backend)), "stop", stop)
+
+
+@pytest.fixture
+async def local_manager(
+    data_root: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[SandboxManager]:
+    data_dir = data_root / f"teardown-{request.node.name}"
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        yield mgr
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("root_bubblewrap")
+async def test_destroy_returns_with_nothing_running_and_the_disk_follows(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data_dir = data_root / "teardown-bubblewrap"
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        info = await mgr.create(SandboxSpec())
+        # A child that would outlive its parent, in its own session.
+        await mgr.run_code(
+            info.id,
+            RunCode(
+                code="import subprocess; subprocess.Popen(['sleep', '60'], start_new_session=True)"
+            ),
+        )
+        uid = leaks.host_uid(mgr, info.id)
+        assert len(leaks.procs_of_uid(uid)) >= 3  # the guest, its kernel, the sleep
+        root = leaks.sandbox_root(mgr, info.id)
+        cgroups = leaks.sandbox_cgroup_dirs(mgr, info.id)
+        held = HeldStops(mgr, "bubblewrap", monkeypatch)
+        # Returns while its teardown is held (before: the destroy waited for all of it).
+        await asyncio.wait_for(mgr.destroy(info.id), HOLD_LIMIT_S / 2)
+        await asyncio.wait_for(held.entered.wait(), 5.0)
+        # Nothing of it runs once destroy has returned (its uid is still its own: the uid
+        # is freed by the teardown). Zombies wait for their reaper, and run nothing.
+        running = [
+            p
+            for p in leaks.procs_of_uid(uid)
+            if (leaks.status_fields(p.pid) or {}).get("State", "Z")[:1] != "Z"
+        ]
+        assert running == [], running
+        assert (root / "volume").is_mount()  # its disk is still there, being torn down
+        held.release.set()
+        await mgr.settle()
+        assert not root.exists()
+        assert not any(c.exists() for c in cgroups), cgroups
+        assert leaks.mounts_below(data_dir) == []
+        assert leaks.loop_devices_below(data_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_a_teardown_holds_its_quota_until_it_ends_and_a_create_waits_for_it(
+    local_manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr = local_manager
+    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    first = await mgr.create(SandboxSpec(), owner="t1", quota=quota)
+    held = HeldStops(mgr, "unsafe-local", monkeypatch)
+    await mgr.destroy(first.id, owner="t1")
+    assert (await mgr.get(first.id)).status.value == "destroyed"
+    # At a full quota, destroy then create at once: the create waits for the teardown
+    # (it held the slot), then is admitted. It failed with QuotaExceeded without the wait.
+    create = asyncio.create_task(mgr.create(SandboxSpec(), owner="t1", quota=quota))
+    await asyncio.sleep(BLOCKED_S)
+    assert not create.done()
+    held.release.set()
+    second = await asyncio.wait_for(create, 10.0)
+    assert second.id != first.id
+    # Really over the quota is still refused, teardowns or not.
+    with pytest.raises(QuotaExceeded):
+        await mgr.create(SandboxSpec(), owner="t1", quota=quota)
+    await mgr.destroy(second.id)
+
+
+@pytest.mark.asyncio
+async def test_a_failed_teardown_costs_the_caller_nothing_and_close_sweeps_it(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data_dir = data_root / "teardown-failed"
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create(SandboxSpec())
+        backend = mgr._backend("unsafe-local")
+        workspace = backend.workspace_on_host(info.id)
+        assert workspace is not None
+
+        async def broken_stop(sandbox_id: str) -> None:
+            backend._guests.pop(sandbox_id, None)  # as the real one starts
+            raise OSError("the disk would not unmount")
+
+        monkeypatch.setattr(backend, "stop", broken_stop)
+        ended = await mgr.destroy(info.id)
+        assert ended.status.value == "destroyed"
+        await mgr.settle()  # logged, not raised
+        assert workspace.exists()  # left behind by the failed teardown...
+        monkeypatch.undo()
+    assert not workspace.exists()  # ...and swept at close
+
+
+@pytest.mark.asyncio
+async def test_close_waits_for_the_teardowns_under_way(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data_dir = data_root / "teardown-close"
+    mgr = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
+    await mgr.start()
+    info = await mgr.create(SandboxSpec())
+    workspace = mgr._backend("unsafe-local").workspace_on_host(info.id)
+    held = HeldStops(mgr, "unsafe-local", monkeypatch)
+    await mgr.destroy(info.id)
+    closing = asyncio.create_task(mgr.close())
+    await asyncio.sleep(BLOCKED_S)
+    assert not closing.done()  # held by the teardown
+    held.release.set()
+    await asyncio.wait_for(closing, 10.0)
+    assert held.calls == 1
+    assert workspace is not None and not workspace.exists()
