@@ -317,6 +317,7 @@ def test_ttl_reaps_and_removes_everything(manager: SandboxManager, backend_name:
     while sb.refresh().status != "destroyed" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sb.info.end_reason == "ttl"
+    get_portal().call(manager.settle())  # its files go just after it reads destroyed
     instance_dir = manager.instance_dir
     assert not (instance_dir / "sandboxes" / sb.id).exists()
     assert not (instance_dir / "local-sandboxes" / sb.id).exists()

@@ -145,7 +145,9 @@ def test_killed_client_leaves_the_container_running_until_destroy(
     # The manager notices the dead stream and restarts the guest; the daemon dies with it.
     assert docker_sb.run_code("1 + 1").text == "2"
     docker_sb.kill()
+    # The container is gone when the kill returns (halt removes it), its directory just after.
     assert client.containers.list(all=True, filters={"id": container.id}) == []
+    get_portal().call(manager.settle())
     assert not leaks.sandbox_root(manager, docker_sb.id).exists()
 
 

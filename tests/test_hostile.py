@@ -1442,6 +1442,7 @@ def test_double_forked_daemon_dies_with_the_sandbox(
     else:
         left = leaks.wait_until_gone(manager, uid, started_before_s=killed_at)
     assert left == [], f"still running after kill: {[str(p) for p in left]}"
+    get_portal().call(manager.settle())  # the cgroup and disk go just after the kill
     assert [d for d in cgroups if d.exists()] == []
     assert not root.exists()
     assert_unaffected(host, bystander)
@@ -1528,6 +1529,7 @@ def test_zombie_farm_is_capped_and_reaped(
     else:
         left = leaks.wait_until_gone(manager, uid, started_before_s=killed_at)
     assert left == [], f"still present after kill: {[str(p) for p in left]}"
+    get_portal().call(manager.settle())  # the cgroup goes just after the kill
     assert not pids_dir.exists()
 
 
