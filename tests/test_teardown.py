@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from sandlot import SandboxManager
-from sandlot.errors import QuotaExceeded
+from sandlot.errors import QuotaExceeded, SandboxNotRunning
 from sandlot.models import Quota
 from sandlot.requests import RunCode, SandboxSpec
 from tests import leaks
@@ -161,3 +161,61 @@ async def test_close_waits_for_the_teardowns_under_way(
     await asyncio.wait_for(closing, 10.0)
     assert held.calls == 1
     assert workspace is not None and not workspace.exists()
+
+
+async def test_a_refusal_waits_only_for_teardowns_that_could_change_it(
+    local_manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The red team's find: a tenant's refused create waited for every other tenant's
+    # teardowns (which a sandbox can make slow), with no bound.
+    mgr = local_manager
+    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    await mgr.create(SandboxSpec(), owner="a", quota=quota)
+    other = await mgr.create(SandboxSpec(), owner="b")
+    held = HeldStops(mgr, "unsafe-local", monkeypatch)
+    await mgr.destroy(other.id)  # b's teardown, held
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(QuotaExceeded):
+        await mgr.create(SandboxSpec(), owner="a", quota=quota)
+    assert asyncio.get_running_loop().time() - started < BLOCKED_S  # not held by b's
+    held.release.set()
+
+
+async def test_released_is_said_when_the_teardown_ends_not_at_the_destroy(
+    local_manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cluster's quota ledger frees a sandbox's slot on "released" (ray/node.py): on
+    # "destroyed" a tenant could hold its quota live plus every teardown under way.
+    mgr = local_manager
+    said: list[tuple[str, str]] = []
+    mgr.add_listener(lambda event, fields: said.append((event, fields["info"].id)))
+    info = await mgr.create(SandboxSpec())
+    held = HeldStops(mgr, "unsafe-local", monkeypatch)
+    await mgr.destroy(info.id)
+    await asyncio.wait_for(held.entered.wait(), 5.0)
+    assert ("destroyed", info.id) in said and ("released", info.id) not in said
+    held.release.set()
+    await mgr.settle(info.id)
+    assert said[-1] == ("released", info.id)
+
+
+async def test_a_create_waiting_for_room_gives_up_when_the_manager_closes(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The red team's find: it woke after close had begun and failed on a closed store (a
+    # server error) or started a sandbox that close then killed.
+    data_dir = data_root / "teardown-closing"
+    mgr = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
+    await mgr.start()
+    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    first = await mgr.create(SandboxSpec(), owner="t", quota=quota)
+    held = HeldStops(mgr, "unsafe-local", monkeypatch)
+    await mgr.destroy(first.id)
+    waiting = asyncio.create_task(mgr.create(SandboxSpec(), owner="t", quota=quota))
+    await asyncio.sleep(BLOCKED_S)
+    closing = asyncio.create_task(mgr.close())
+    await asyncio.sleep(0.05)
+    held.release.set()
+    with pytest.raises(SandboxNotRunning, match="closing"):
+        await asyncio.wait_for(waiting, 10.0)
+    await asyncio.wait_for(closing, 10.0)

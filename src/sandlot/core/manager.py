@@ -89,7 +89,9 @@ class SandboxManager:
         self.settings = settings or get_settings()
         self._backends: dict[str, Backend] = {}
         self._live: dict[str, Live] = {}
-        self._teardowns = Teardowns()
+        # "released": a destroyed sandbox's disk, cgroup and network are gone.
+        self._teardowns = Teardowns(lambda info: self._emit("released", info=info))
+        self._closing = False
         self._reaper: asyncio.Task[None] | None = None
         self._instance: instances.Instance | None = None
         self._store: Store = None  # type: ignore[assignment]  # set by start()
@@ -101,7 +103,8 @@ class SandboxManager:
         self._background: dict[str, BackgroundCommands] = {}
 
     def add_listener(self, listener: Listener) -> None:
-        """Call ``listener(event, fields)`` on "created", "destroyed", "exec", "backend_error"."""
+        """Call ``listener(event, fields)`` on "created", "destroyed", "released" (its
+        teardown ended: core/teardown.py), "exec", "backend_error"."""
         self._listeners.append(listener)
 
     def _emit(self, event: str, **fields: Any) -> None:
@@ -144,6 +147,7 @@ class SandboxManager:
             raise
         self._artifacts = Artifacts(data_dir, self._store)
         self._started = True
+        self._closing = False
         try:
             targets = placement.pool_targets(self.settings, self._backend)
             pools = Pools(
@@ -180,6 +184,7 @@ class SandboxManager:
         """Destroy every live sandbox, remove this instance from the data directory."""
         if not self._started:
             return
+        self._closing = True  # a create waiting for room gives up instead
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -229,10 +234,14 @@ class SandboxManager:
     def live_count(self) -> int:
         return len(self._live)
 
-    async def settle(self) -> None:
-        """Wait until every sandbox destroyed so far has released what it held (its disk,
-        cgroup and network go after its destroy returns: :mod:`sandlot.core.teardown`)."""
-        await self._teardowns.settle()
+    async def settle(self, sandbox_id: str | None = None) -> None:
+        """Wait until the sandbox (by default: every sandbox destroyed so far) has released
+        what it held: its disk, cgroup and network go after its destroy returns
+        (:mod:`sandlot.core.teardown`)."""
+        if sandbox_id is None:
+            await self._teardowns.settle()
+        else:
+            await self._teardowns.wait(sandbox_id)
 
     def pooled_count(self) -> int:
         """Started sandboxes waiting in the warm pools."""
@@ -305,12 +314,15 @@ class SandboxManager:
         try:
             try:
                 info = self._store.admit(decide)
-            except (QuotaExceeded, CapacityExhausted):
-                if not self._teardowns:
+            except (QuotaExceeded, CapacityExhausted) as refused:
+                # The room may be held by sandboxes destroyed a moment ago: the owner's own
+                # for its quota, anyone's for the host's. Once those teardowns end (or a
+                # bound passes), decide again; with none under way, no wait.
+                mine = owner if isinstance(refused, QuotaExceeded) else None
+                if not await self._teardowns.wait_for_room(mine):
                     raise
-                # The room may be held by sandboxes destroyed a moment ago: once their
-                # teardowns end, decide again.
-                await self._teardowns.settle()
+                if self._closing:
+                    raise SandboxNotRunning("the SandboxManager is closing") from refused
                 info = self._store.admit(decide)
         except BaseException:
             if chosen is not None:

@@ -1,17 +1,24 @@
 """Teardowns: what a destroyed sandbox held, released after its destroy has returned.
 
 A destroy returns once nothing of the sandbox runs (``Backend.halt``); unmounting its disk,
-removing its cgroup, network and files (``Backend.stop``, ~4-7 ms on bubblewrap) then runs
-here, off the caller's path. Until a teardown ends, its sandbox still counts against its
-owner's quota and the host's capacity, as it did while the destroy waited for it; a create
-refused for room waits for the teardowns under way and is admitted or refused again
-(``SandboxManager.create``), so destroying one sandbox and creating the next at once works at
-a full quota as it always did. A manager's close waits for every teardown before its sweep.
+removing its cgroup, network and files (``Backend.stop``, ~4-7 ms on bubblewrap, longer for a
+disk full of unwritten data) then runs here, off the caller's path. Until a teardown ends:
+
+- its sandbox still counts against its owner's quota and this host's capacity, as it did
+  while the destroy waited for it; a create refused for that room waits (boundedly) for the
+  teardowns that could free it and is decided again (``SandboxManager.create``), so
+  destroying one sandbox and creating the next at once works at a full quota;
+- the manager says "released" only when it ends (a cluster's ledger frees the quota then).
+
+A manager's close waits for every teardown before its sweep. Another process on the same data
+directory stops counting a sandbox once its record says destroyed, a few milliseconds before
+its teardown ends (its own host capacity check does not see them).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import structlog
 
@@ -20,20 +27,26 @@ from sandlot.models import SandboxInfo
 
 log = structlog.get_logger(__name__)
 
+# The longest a refused create waits for teardowns before it is decided again: a sandbox can
+# make its own slow (a disk full of data to write back at the unmount).
+WAIT_FOR_ROOM_S = 5.0
+
 
 class Teardowns:
-    """The teardowns under way in one manager."""
+    """The teardowns under way in one manager; ``ended(info)`` is told of each as it ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, ended: Callable[[SandboxInfo], None]) -> None:
+        self._ended = ended
         self._ending: dict[str, Live] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def start(self, live: Live) -> None:
         """Release what ``live`` holds in the background (its guest is halted already)."""
+        if live.id in self._tasks:
+            return  # a second destroy of the same sandbox: one teardown
         self._ending[live.id] = live
         task = asyncio.create_task(self._stop(live), name=f"teardown {live.id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[live.id] = task
 
     def infos(self) -> list[SandboxInfo]:
         """The records of the sandboxes still being torn down (they hold their limits)."""
@@ -42,10 +55,30 @@ class Teardowns:
     def __len__(self) -> int:
         return len(self._tasks)
 
+    async def wait_for_room(self, owner: str | None) -> bool:
+        """Wait, at most :data:`WAIT_FOR_ROOM_S`, for the teardowns under way now of
+        ``owner`` (or of anyone, for None: the host's room is shared); False if there were
+        none, so waiting could not change a refusal."""
+        tasks = [
+            self._tasks[sid]
+            for sid, live in self._ending.items()
+            if sid in self._tasks and (owner is None or live.info.owner == owner)
+        ]
+        if not tasks:
+            return False
+        await asyncio.wait(tasks, timeout=WAIT_FOR_ROOM_S)
+        return True
+
+    async def wait(self, sandbox_id: str) -> None:
+        """Wait until the teardown of ``sandbox_id`` (if one is under way) has ended."""
+        task = self._tasks.get(sandbox_id)
+        if task is not None:
+            await asyncio.wait([task])
+
     async def settle(self) -> None:
         """Wait until every teardown started so far has ended (each logs its own failure)."""
         while self._tasks:
-            await asyncio.wait(set(self._tasks))
+            await asyncio.wait(list(self._tasks.values()))
 
     async def _stop(self, live: Live) -> None:
         try:
@@ -55,3 +88,5 @@ class Teardowns:
             log.warning("sandbox teardown failed", sandbox=live.id, error=repr(exc))
         finally:
             self._ending.pop(live.id, None)
+            self._tasks.pop(live.id, None)
+            self._ended(live.info)

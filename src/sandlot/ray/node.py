@@ -160,8 +160,9 @@ class NodeAgent:
                 log.exception("refreshing the cluster wall failed", node=self.node)
 
     def _on_event(self, event: str, fields: dict[str, Any]) -> None:
-        # The one place a destroyed sandbox (by a call, TTL or idle) stops counting.
-        if event == "destroyed" and self._ledger is not None:
+        # The one place a destroyed sandbox (by a call, TTL or idle) stops counting: once its
+        # teardown has ended (its disk, cgroup and network gone), not at its destroy.
+        if event == "released" and self._ledger is not None:
             sandbox_id = fields["info"].id
             if len(self._releases) >= _RELEASES_KEPT:
                 self._releases.pop(next(iter(self._releases)))
@@ -230,8 +231,11 @@ class NodeAgent:
             value = await getattr(self.manager, verb)(*args, **kwargs)
         except SandboxError as exc:
             return ("err", exc.code, exc.message)
-        if verb == "destroy" and (release := self._releases.pop(args[0], None)) is not None:
-            await release
+        if verb == "destroy":
+            # The destroy answers once its quota is free: a create right after it must fit.
+            await self.manager.settle(args[0])
+            if (release := self._releases.pop(args[0], None)) is not None:
+                await release
         return ("ok", value)
 
     async def run(

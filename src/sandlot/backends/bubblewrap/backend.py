@@ -657,13 +657,14 @@ class BubblewrapBackend:
         finally:
             mountns.close_all(clones)
 
-    async def _end_guest(self, box: _Box) -> None:
+    async def _end_guest(self, box: _Box) -> bool:
+        """Kill the guest and everything in the cgroup; False if the cgroup did not empty."""
         if box.guest is not None:
             box.guest.kill()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(box.guest.wait(), 5.0)
             box.guest = None
-        await asyncio.to_thread(box.cgroup.kill_all)
+        return await asyncio.to_thread(box.cgroup.kill_all)
 
     async def started(self, sandbox_id: str) -> None:
         box = self._boxes.get(sandbox_id)
@@ -719,8 +720,10 @@ class BubblewrapBackend:
 
     async def halt(self, sandbox_id: str) -> None:
         box = self._boxes.get(sandbox_id)
-        if box is not None:
-            await self._end_guest(box)
+        if box is not None and not await self._end_guest(box):
+            # Processes the kernel would not kill in 5 s (stuck in uninterruptible sleep,
+            # frozen and never thawed): the teardown's stop tries again; say so loudly.
+            log.error("sandbox processes outlived the kill", sandbox=sandbox_id)
 
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)
