@@ -23,6 +23,7 @@ from tests import leaks
 from tests.conftest import make_settings
 
 BLOCKED_S = 0.3  # how long a test looks at a held teardown
+ONE_SANDBOX = Quota(max_sandboxes=1, max_memory_mb=100_000)
 HOLD_LIMIT_S = 5.0  # a held stop goes on by itself after this: a failing test never hangs
 SLEEPER = "import subprocess; subprocess.Popen(['sleep', '60'], start_new_session=True)"
 
@@ -44,6 +45,13 @@ class HeldStops:
             await real(this, sandbox_id)  # type: ignore[arg-type]
 
         monkeypatch.setattr(type(mgr._backend(backend)), "stop", stop)
+
+
+async def _unclosed_manager(data_dir: Path) -> SandboxManager:
+    """A started manager on the fake backend that the test itself closes."""
+    mgr = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
+    await mgr.start()
+    return mgr
 
 
 @pytest.fixture
@@ -100,7 +108,7 @@ async def test_a_teardown_holds_its_quota_until_it_ends_and_a_create_waits_for_i
     local_manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mgr = local_manager
-    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    quota = ONE_SANDBOX
     first = await mgr.create(SandboxSpec(), owner="t1", quota=quota)
     held = HeldStops(mgr, "unsafe-local", monkeypatch)
     await mgr.destroy(first.id, owner="t1")
@@ -147,9 +155,7 @@ async def test_a_failed_teardown_costs_the_caller_nothing_and_close_sweeps_it(
 async def test_close_waits_for_the_teardowns_under_way(
     data_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data_dir = data_root / "teardown-close"
-    mgr = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
-    await mgr.start()
+    mgr = await _unclosed_manager(data_root / "teardown-close")
     info = await mgr.create(SandboxSpec())
     workspace = mgr._backend("unsafe-local").workspace_on_host(info.id)
     held = HeldStops(mgr, "unsafe-local", monkeypatch)
@@ -169,7 +175,7 @@ async def test_a_refusal_waits_only_for_teardowns_that_could_change_it(
     # The red team's find: a tenant's refused create waited for every other tenant's
     # teardowns (which a sandbox can make slow), with no bound.
     mgr = local_manager
-    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    quota = ONE_SANDBOX
     await mgr.create(SandboxSpec(), owner="a", quota=quota)
     other = await mgr.create(SandboxSpec(), owner="b")
     held = HeldStops(mgr, "unsafe-local", monkeypatch)
@@ -204,10 +210,8 @@ async def test_a_create_waiting_for_room_gives_up_when_the_manager_closes(
 ) -> None:
     # The red team's find: it woke after close had begun and failed on a closed store (a
     # server error) or started a sandbox that close then killed.
-    data_dir = data_root / "teardown-closing"
-    mgr = SandboxManager(make_settings(data_dir, backend="unsafe-local"))
-    await mgr.start()
-    quota = Quota(max_sandboxes=1, max_memory_mb=100_000)
+    mgr = await _unclosed_manager(data_root / "teardown-closing")
+    quota = ONE_SANDBOX
     first = await mgr.create(SandboxSpec(), owner="t", quota=quota)
     held = HeldStops(mgr, "unsafe-local", monkeypatch)
     await mgr.destroy(first.id)

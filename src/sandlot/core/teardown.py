@@ -37,32 +37,27 @@ class Teardowns:
 
     def __init__(self, ended: Callable[[SandboxInfo], None]) -> None:
         self._ended = ended
-        self._ending: dict[str, Live] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._under_way: dict[str, tuple[Live, asyncio.Task[None]]] = {}
 
     def start(self, live: Live) -> None:
         """Release what ``live`` holds in the background (its guest is halted already)."""
-        if live.id in self._tasks:
+        if live.id in self._under_way:
             return  # a second destroy of the same sandbox: one teardown
-        self._ending[live.id] = live
         task = asyncio.create_task(self._stop(live), name=f"teardown {live.id}")
-        self._tasks[live.id] = task
+        self._under_way[live.id] = (live, task)  # before the task first runs
 
     def infos(self) -> list[SandboxInfo]:
         """The records of the sandboxes still being torn down (they hold their limits)."""
-        return [live.info for live in self._ending.values()]
-
-    def __len__(self) -> int:
-        return len(self._tasks)
+        return [live.info for live, _ in self._under_way.values()]
 
     async def wait_for_room(self, owner: str | None) -> bool:
         """Wait, at most :data:`WAIT_FOR_ROOM_S`, for the teardowns under way now of
         ``owner`` (or of anyone, for None: the host's room is shared); False if there were
         none, so waiting could not change a refusal."""
         tasks = [
-            self._tasks[sid]
-            for sid, live in self._ending.items()
-            if sid in self._tasks and (owner is None or live.info.owner == owner)
+            task
+            for live, task in self._under_way.values()
+            if owner is None or live.info.owner == owner
         ]
         if not tasks:
             return False
@@ -71,14 +66,14 @@ class Teardowns:
 
     async def wait(self, sandbox_id: str) -> None:
         """Wait until the teardown of ``sandbox_id`` (if one is under way) has ended."""
-        task = self._tasks.get(sandbox_id)
-        if task is not None:
-            await asyncio.wait([task])
+        under_way = self._under_way.get(sandbox_id)
+        if under_way is not None:
+            await asyncio.wait([under_way[1]])
 
     async def settle(self) -> None:
         """Wait until every teardown started so far has ended (each logs its own failure)."""
-        while self._tasks:
-            await asyncio.wait(list(self._tasks.values()))
+        while self._under_way:
+            await asyncio.wait([task for _, task in self._under_way.values()])
 
     async def _stop(self, live: Live) -> None:
         try:
@@ -87,6 +82,5 @@ class Teardowns:
             # Whatever it left (a mount, a cgroup) is swept at close or at the next start.
             log.warning("sandbox teardown failed", sandbox=live.id, error=repr(exc))
         finally:
-            self._ending.pop(live.id, None)
-            self._tasks.pop(live.id, None)
+            self._under_way.pop(live.id, None)
             self._ended(live.info)
