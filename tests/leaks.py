@@ -199,6 +199,8 @@ class Proc:
     pid: int
     ppid: int
     uids: tuple[int, ...]
+    gids: tuple[int, ...]
+    groups: tuple[int, ...]  # supplementary
     state: str
     cgroup: str
     name: str
@@ -249,6 +251,8 @@ def read_proc(pid: int) -> Proc | None:
         pid=pid,
         ppid=int(fields.get("PPid", "0")),
         uids=tuple(int(v) for v in fields.get("Uid", "").split()),
+        gids=tuple(int(v) for v in fields.get("Gid", "").split()),
+        groups=tuple(int(v) for v in fields.get("Groups", "").split()),
         state=fields.get("State", "?").strip()[:1],
         cgroup=cgroup,
         name=fields.get("Name", "?").strip(),

@@ -273,10 +273,16 @@ def assert_contained(manager: SandboxManager, sb: Sandbox) -> None:
             if not proc.exiting and not proc.cgroup.endswith(suffix):
                 again = leaks.read_proc(proc.pid)  # it may have started exiting since
                 assert again is None or again.exiting, f"escaped its cgroup: {again}"
+    # As root, each bubblewrap sandbox has a gid of its own too and no supplementary group:
+    # root's group 0 kept by the launcher would open every group-0 file of the host.
+    own_gid = sb.info.backend == "bubblewrap" and os.geteuid() == 0
     for pid in (pids_dir / "cgroup.procs").read_text().split():
         proc = leaks.read_proc(int(pid))
         if proc is not None:
             assert set(proc.uids) == {uid}, f"not the sandbox uid {uid}: {proc}"
+            if own_gid:
+                assert set(proc.gids) == {uid}, f"not the sandbox gid {uid}: {proc}"
+                assert proc.groups == (), f"supplementary groups kept: {proc}"
     _assert_within_pids_limit(pids_dir)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,3 +128,46 @@ async def test_another_data_directorys_volumes_stay_out(data_root: Path) -> None
             inside = _mount_points(mine.instance_dir / launchns.PIN)
             assert not [p for p in inside if p.startswith(str(data_root))], inside
         assert (await other.run_code(theirs.id, RunCode(code="6 * 7"))).text == "42"
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("root_bubblewrap")
+@pytest.mark.parametrize("launcher", ["nsenter", "setpriv"])
+async def test_sandbox_processes_hold_none_of_the_managers_groups(
+    data_root: Path, launcher: str
+) -> None:
+    """The launcher drops to the sandbox's uid and gid with no supplementary group, both
+    through nsenter (the launch namespace) and through setpriv (none to enter): a group
+    of the manager's kept would open the host's files of that group to sandboxed code."""
+    data_dir = data_root / f"groups-{launcher}"
+    data_dir.mkdir()
+    kept = os.getgroups()
+    os.setgroups([0, 4242])  # every thread's: the launcher is forked with them
+    try:
+        async with SandboxManager(make_settings(data_dir)) as mgr:
+            backend = mgr._backend("bubblewrap")
+            if launcher == "setpriv":
+                backend._launch_ns_failed = True  # as where the mount API is missing
+            chains: list[list[str]] = []
+            build = backend._chain_argv
+
+            def recorded(*args: Any, **kwargs: Any) -> list[str]:
+                chains.append(build(*args, **kwargs))
+                return chains[-1]
+
+            backend._chain_argv = recorded
+            info = await mgr.create(SandboxSpec())
+            (chain,) = chains
+            assert chain[chain.index("--") + 1] == f"/usr/bin/{launcher}"  # after sh's args
+            code = "import subprocess; subprocess.Popen(['sleep', '30'])"
+            await mgr.run_code(info.id, RunCode(code=code))
+            uid = leaks.host_uid(mgr, info.id)
+            pids = (leaks.pids_cgroup_dir(mgr, info.id) / "cgroup.procs").read_text().split()
+            procs = [p for p in map(leaks.read_proc, map(int, pids)) if p is not None]
+            assert len(procs) >= 3  # the guest, its kernel and the sleep
+            for proc in procs:
+                assert set(proc.uids) == {uid} and set(proc.gids) == {uid}, proc
+                assert proc.groups == (), proc
+            await mgr.destroy(info.id)
+    finally:
+        os.setgroups(kept)
