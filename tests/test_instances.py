@@ -37,7 +37,8 @@ AT_ONCE = 5  # sandboxes each worker holds at a time
 
 # One process: start the embedded manager, say so, wait for "go", then create, run code in
 # and destroy its sandboxes, AT_ONCE at a time; report what each run answered, which host
-# uid each sandbox ran as and when, and the uid locks it still holds once all are gone.
+# uid each sandbox ran as and when, and the uid locks it still holds once all are gone
+# (their teardowns settled).
 WORKER = """
 import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,8 @@ def one(i):
 
 with ThreadPoolExecutor(at_once) as pool:
     results = list(pool.map(one, range(count)))
+# A kill returns once nothing of the sandbox runs; its uid is let go by the teardown after.
+get_portal().call(manager.settle())
 
 uid_files = {os.stat(p).st_ino for p in os.scandir("/run/sandlot/uids")}
 held = 0
