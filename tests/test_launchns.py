@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +172,51 @@ async def test_sandbox_processes_hold_none_of_the_managers_groups(
             await mgr.destroy(info.id)
     finally:
         os.setgroups(kept)
+
+
+def test_unneeded_keeps_the_root_the_way_to_each_need_and_what_lies_inside() -> None:
+    points = [
+        "/",
+        "/sys",
+        "/sys/fs/cgroup/memory",
+        "/usr",
+        "/usr/local",
+        "/dev",
+        "/dev/pts",
+        "/srv/data",
+        "/srv/data/sandlot",
+        "/var/lib/docker",
+        "/usr2",
+        "/etc/resolv.conf",
+    ]
+    needs = ["/usr", "/usr/bin/bwrap", "/dev", "/srv/data/sandlot/root", "/etc/resolv.conf"]
+    assert launchns.unneeded(points, needs) == [
+        "/sys",
+        "/sys/fs/cgroup/memory",
+        "/var/lib/docker",
+        "/usr2",
+    ]
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("root_bubblewrap")
+async def test_the_hosts_other_mounts_stay_out_of_the_launch_namespace(data_root: Path) -> None:
+    """A mount of the host's that no sandbox binds from (a Kubernetes node has hundreds)
+    is not copied into the launch namespace, so neither bwrap's parses nor the sandbox see
+    it; those on the way to or inside a path the launchers use (/, /dev/pts) are kept."""
+    data_dir = data_root / "prune"
+    data_dir.mkdir()
+    elsewhere = Path(tempfile.mkdtemp(prefix="sandlot-prune-", dir="/var/tmp"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", elsewhere], check=True)
+    try:
+        async with SandboxManager(make_settings(data_dir)) as mgr:
+            info = await mgr.create(SandboxSpec())
+            inside = _mount_points(mgr.instance_dir / launchns.PIN)
+            assert str(elsewhere) not in inside and "/sys" not in inside, inside
+            assert {"/", "/proc", "/dev", "/dev/pts"} <= set(inside)
+            code = f"import os; os.path.ismount({str(elsewhere)!r}), os.path.exists('/usr/bin')"
+            got = await mgr.run_code(info.id, RunCode(code=code))
+            assert got.text == "(False, True)"
+    finally:
+        subprocess.run(["umount", elsewhere], check=False)
+        elsewhere.rmdir()

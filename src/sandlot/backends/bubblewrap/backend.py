@@ -704,7 +704,8 @@ class BubblewrapBackend:
             pin = self.data_dir / launchns.PIN
             try:
                 # All the instances' sandboxes of the data directory (ours: data_dir/..).
-                launchns.make(pin, self.data_dir.parent.parent)
+                data_root = self.data_dir.parent.parent
+                launchns.make(pin, data_root, self._launch_needs(data_root))
             except OSError as exc:
                 log.warning(
                     "no launch namespace: creates slow down as sandboxes add up", error=str(exc)
@@ -713,6 +714,23 @@ class BubblewrapBackend:
                 return None
             self._launch_ns = pin
         return self._launch_ns
+
+    def _launch_needs(self, data_root: Path) -> list[str]:
+        """Every host path the launchers in the launch namespace use: bwrap (run from /usr),
+        the sources of its binds (_bwrap_argv) and what it reads itself (/proc, /dev's
+        device nodes); as they are spelled and as their links resolve."""
+        paths = [
+            "/proc",
+            "/dev",
+            "/usr",
+            BWRAP,
+            *HOST_LINKS,
+            *ETC_BINDS,
+            *ETC_NETWORK_BINDS,
+            str(data_root),
+            str(self.settings.rootfs_dir),
+        ]
+        return sorted({p for path in paths for p in (path, os.path.realpath(path))})
 
     async def _enter_launch_ns(self, box: _Box) -> None:
         """Mount the box's volume in the launch namespace, for its bwrap to bind."""

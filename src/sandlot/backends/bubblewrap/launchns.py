@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sandlot.backends import mountns
@@ -34,12 +35,14 @@ from sandlot.backends.mountns import (
 )
 
 PIN = "launch-ns"
+_OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
-def make(pin: Path, clean_below: Path) -> None:
+def make(pin: Path, clean_below: Path, needs: Sequence[str] = ()) -> None:
     """Make the launch namespace and pin it at ``pin`` (an existing one there is kept),
     without the mounts the host has below ``clean_below`` (the volumes of sandboxes already
-    live, or being made, as it is copied).
+    live, or being made, as it is copied) and, where ``needs`` names the paths bwrap and the
+    sandboxes use (:func:`unneeded`), without every mount none of them lies on or under.
 
     Raises:
         OSError: it could not be made or pinned (nothing is left behind).
@@ -64,6 +67,8 @@ def make(pin: Path, clean_below: Path) -> None:
                 "mount --make-rprivate /",
             )
             _unmount_below(clean_below)
+            if needs:
+                _unmount_unneeded(needs)
             tid.append(threading.get_native_id())
         except BaseException as exc:
             failure.append(exc)
@@ -92,16 +97,48 @@ def make(pin: Path, clean_below: Path) -> None:
         raise failure[0]
 
 
+def _mount_points() -> list[str]:
+    """This thread's mount namespace's mount points (not the process's)."""
+    with open("/proc/thread-self/mountinfo", "rb") as f:
+        escaped = [line.split()[4] for line in f]
+    # \040 and the like are how mountinfo spells a space, a tab, a newline or a backslash.
+    return [os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8)]), p)) for p in escaped]
+
+
+def _detach_all(points: list[str]) -> None:
+    for point in sorted(points, key=len, reverse=True):  # deepest first
+        mountns.detach(point, missing_ok=True)
+
+
 def _unmount_below(root: Path) -> None:
     """Unmount, in this thread's mount namespace, everything mounted below ``root``, and every
     sandbox volume of any other data directory (``.../sandboxes/sb-*/volume``)."""
     prefix = str(root) + "/"
-    with open("/proc/thread-self/mountinfo") as f:  # this thread's namespace, not the process's
-        points = [line.split()[4] for line in f]
-    doomed = [p for p in points if p.startswith(prefix) or _is_volume(Path(p))]
-    # Deepest first; \040 and the like are how mountinfo spells odd characters.
-    for point in sorted(doomed, key=len, reverse=True):
-        mountns.detach(point.encode().decode("unicode_escape").encode("latin-1"), missing_ok=True)
+    _detach_all([p for p in _mount_points() if p.startswith(prefix) or _is_volume(Path(p))])
+
+
+def unneeded(points: Sequence[str], needs: Sequence[str]) -> list[str]:
+    """The mount points of ``points`` that no path of ``needs`` lies on or under: neither
+    ``/``, nor a mount on the way to a needed path (``/usr`` for ``/usr/bin/bwrap``), nor
+    one inside it (``/dev/pts`` for ``/dev``).
+
+    bwrap parses the whole mount table of the namespace it starts in for each of its ~20
+    binds, and copies every mount of it into the sandbox's new namespace before it unmounts
+    them again: a host's /sys tree (a dozen cgroup mounts on v1), docker's layers or a
+    Kubernetes node's pod volumes cost every create and serve none.
+    """
+
+    def needed(point: str) -> bool:
+        on_the_way = point + "/"
+        return point == "/" or any(
+            n == point or n.startswith(on_the_way) or point.startswith(n + "/") for n in needs
+        )
+
+    return [p for p in points if not needed(p)]
+
+
+def _unmount_unneeded(needs: Sequence[str]) -> None:
+    _detach_all(unneeded(_mount_points(), needs))
 
 
 def _is_volume(point: Path) -> bool:
