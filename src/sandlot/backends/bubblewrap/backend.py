@@ -482,14 +482,12 @@ class BubblewrapBackend:
 
     def _masks(self, box: _Box) -> list[mountns.Mask]:
         """Binds over the host-wide entries of ``/proc`` (:mod:`sandlot.backends.procfs`)."""
-        proc_files = box.root / "proc"
-        masks = [
-            mountns.Mask(str(proc_files / EMPTY_FILE), f"/proc/{n}") for n in self._hidden_files
-        ]
-        masks += [
-            mountns.Mask(str(proc_files / EMPTY_DIR), f"/proc/{n}") for n in self._hidden_dirs
-        ]
-        masks += [mountns.Mask(str(proc_files / n), f"/proc/{n}") for n in SYNTHESIZED]
+        # Strings, not paths: ~40 of them a create, and pathlib's joins cost ~10 µs each.
+        files = f"{box.root}/proc/"
+        empty_file, empty_dir = files + EMPTY_FILE, files + EMPTY_DIR
+        masks = [mountns.Mask(empty_file, f"/proc/{n}") for n in self._hidden_files]
+        masks += [mountns.Mask(empty_dir, f"/proc/{n}") for n in self._hidden_dirs]
+        masks += [mountns.Mask(files + n, f"/proc/{n}") for n in SYNTHESIZED]
         return masks
 
     def _proc_masks(self, box: _Box) -> list[str]:
