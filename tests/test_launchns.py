@@ -196,6 +196,15 @@ def test_unneeded_keeps_the_root_the_way_to_each_need_and_what_lies_inside() -> 
         "/var/lib/docker",
         "/usr2",
     ]
+    spelled_otherwise = [
+        "/usr/",
+        "/usr/bin/bwrap",
+        "/dev/",
+        "/srv/data/sandlot/root/",
+        "/etc/resolv.conf",
+    ]
+    assert launchns.unneeded(points, spelled_otherwise) == launchns.unneeded(points, needs)
+    assert launchns.unneeded(points, [*needs, "/"]) == []
 
 
 @pytest.mark.asyncio

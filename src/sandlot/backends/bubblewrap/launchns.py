@@ -127,11 +127,14 @@ def unneeded(points: Sequence[str], needs: Sequence[str]) -> list[str]:
     them again: a host's /sys tree (a dozen cgroup mounts on v1), docker's layers or a
     Kubernetes node's pod volumes cost every create and serve none.
     """
+    spelled = {os.path.normpath(n) for n in needs}  # "/usr/" must not keep "/usr2"
+    if "/" in spelled:
+        return []  # everything lies inside it
 
     def needed(point: str) -> bool:
         on_the_way = point + "/"
         return point == "/" or any(
-            n == point or n.startswith(on_the_way) or point.startswith(n + "/") for n in needs
+            n == point or n.startswith(on_the_way) or point.startswith(n + "/") for n in spelled
         )
 
     return [p for p in points if not needed(p)]
