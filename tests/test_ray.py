@@ -453,3 +453,41 @@ async def test_a_create_on_a_hung_node_fails_alone_and_leaves_nothing(ray_node: 
         while (await cluster.list(owner="hung")) or await cluster._ledger.held.remote("hung"):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_node_counts_a_sandbox_in_teardown_in_its_load(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A destroyed sandbox holds its memory and slot until its teardown is done (the
+    reaper's and the pool's destroys do not wait for it): the load the router places by
+    says so until then."""
+    from sandlot.ray.node import NodeAgent
+    from tests.test_teardown import HeldStops
+
+    overrides = {
+        "data_dir": str(data_root / "node-load"),
+        "backend": "unsafe-local",
+        "allow_unsafe": True,
+        "memory_mb": 300,
+        "log_level": "WARNING",
+        "ray_wall_node": False,  # no cluster, no node to wall off
+    }
+    agent = NodeAgent("loadnode", overrides)
+    try:
+        assert (await agent.start())[0] == "ok"
+        idle = (await agent.load())[1]
+        info = await agent.manager.create(SandboxSpec())
+        held = HeldStops(agent.manager, "unsafe-local", monkeypatch)
+        await agent.manager.destroy(info.id)  # as the reaper does: no settle
+        await held.entered.wait()
+        during = (await agent.load())[1]
+        assert during["live"] == idle["live"] + 1
+        assert during["memory_free_mb"] == idle["memory_free_mb"] - 300
+        held.release.set()
+        await agent.manager.settle()
+        after = (await agent.load())[1]
+        assert (after["live"], after["memory_free_mb"]) == (idle["live"], idle["memory_free_mb"])
+    finally:
+        await agent.manager.close()
+        set_node_name(None)

@@ -243,6 +243,11 @@ class SandboxManager:
         else:
             await self._teardowns.wait(sandbox_id)
 
+    def tearing_down(self) -> builtins.list[SandboxInfo]:
+        """Sandboxes destroyed whose disk, cgroup and network are still being released: they
+        hold their limits until then (what a node reports as its load counts them)."""
+        return self._teardowns.infos()
+
     def pooled_count(self) -> int:
         """Started sandboxes waiting in the warm pools."""
         return self._pools.count() if self._pools is not None else 0

@@ -208,7 +208,8 @@ class NodeAgent:
         self._abandoned = {t: at for t, at in self._abandoned.items() if at > cutoff}
 
     async def load(self) -> Envelope:
-        live = await self.manager.list()
+        # A destroyed sandbox holds its memory and slot until its teardown is done.
+        live = [*await self.manager.list(), *self.manager.tearing_down()]
         default = self.settings.resolve_limits(None)
         pooled = self.manager.pooled_count()
         used_mb = sum(info.limits.memory_mb for info in live) + pooled * default.memory_mb
