@@ -223,3 +223,36 @@ async def test_a_create_waiting_for_room_gives_up_when_the_manager_closes(
     with pytest.raises(SandboxNotRunning, match="closing"):
         await asyncio.wait_for(waiting, 10.0)
     await asyncio.wait_for(closing, 10.0)
+
+
+@pytest.mark.asyncio
+async def test_another_process_counts_a_teardown_and_waits_for_it(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two managers on one data directory (API_WORKERS > 1): the other one counts a
+    sandbox destroyed here until its teardown has released it, and its create refused for
+    that room waits for the release instead of taking the room at once (it did, before)."""
+    data_dir = data_root / "teardown-elsewhere"
+    here = await _unclosed_manager(data_dir)
+    there = await _unclosed_manager(data_dir)
+    try:
+        info = await here.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX)
+        held = HeldStops(here, "unsafe-local", monkeypatch)
+        await here.destroy(info.id)
+        await held.entered.wait()
+        released_at: list[float] = []
+
+        async def release_later() -> None:
+            await asyncio.sleep(BLOCKED_S)
+            released_at.append(asyncio.get_running_loop().time())
+            held.release.set()
+
+        releasing = asyncio.create_task(release_later())
+        other = await there.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX)
+        admitted_at = asyncio.get_running_loop().time()
+        await releasing
+        assert released_at and admitted_at >= released_at[0]
+        await there.destroy(other.id)
+    finally:
+        for mgr in (there, here):
+            await mgr.close()

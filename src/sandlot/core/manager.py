@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import sqlite3
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ from sandlot.core.background import BackgroundCommands
 from sandlot.core.live import Live, PoolKey
 from sandlot.core.pools import Pools, discard
 from sandlot.core.store import LIVE, Elsewhere, Store
-from sandlot.core.teardown import Teardowns
+from sandlot.core.teardown import WAIT_FOR_ROOM_S, Teardowns
 from sandlot.errors import (
     BackendUnavailable,
     CapacityExhausted,
@@ -71,6 +72,9 @@ from sandlot.requests import (
 log = structlog.get_logger(__name__)
 
 POOL_OWNER = "__pool__"
+# How often a refused create looks again at other processes' teardowns (a teardown takes
+# a few ms; other processes do not tell us when theirs end).
+HELD_ELSEWHERE_POLL_S = 0.02
 
 # Observers of what happens to sandboxes (metrics, audit): called as listener(event, fields).
 Listener = Callable[[str, dict[str, Any]], None]
@@ -90,7 +94,7 @@ class SandboxManager:
         self._backends: dict[str, Backend] = {}
         self._live: dict[str, Live] = {}
         # "released": a destroyed sandbox's disk, cgroup and network are gone.
-        self._teardowns = Teardowns(lambda info: self._emit("released", info=info))
+        self._teardowns = Teardowns(self._released)
         self._closing = False
         self._reaper: asyncio.Task[None] | None = None
         self._instance: instances.Instance | None = None
@@ -324,7 +328,7 @@ class SandboxManager:
                 # for its quota, anyone's for the host's. Once those teardowns end (or a
                 # bound passes), decide again; with none under way, no wait.
                 mine = owner if isinstance(refused, QuotaExceeded) else None
-                if not await self._teardowns.wait_for_room(mine):
+                if not await self._wait_for_room(mine, gone):
                     raise
                 if self._closing:
                     raise SandboxNotRunning("the SandboxManager is closing") from refused
@@ -507,16 +511,41 @@ class SandboxManager:
             # Its disk, cgroup and network go after we return (a destroy cut short by a
             # cancellation too: the stop kills whatever still runs).
             self._teardowns.start(live)
-        self._end(live.info, SandboxStatus.DESTROYED, reason)
+        self._end(live.info, SandboxStatus.DESTROYED, reason, held=True)
         self._emit("destroyed", info=live.info)
         log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)
         return live.info.model_copy()
 
-    def _end(self, info: SandboxInfo, status: SandboxStatus, reason: str) -> None:
+    async def _wait_for_room(self, owner: str | None, gone: set[str]) -> bool:
+        """Wait for the teardowns that hold the room a create was refused: this process's
+        (``owner``'s for a quota, anyone's for the host), else those of the other live
+        processes of the data directory, seen in the store (polled: they tell us nothing),
+        at most WAIT_FOR_ROOM_S either way. False if there were none to wait for."""
+        if await self._teardowns.wait_for_room(owner):
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_FOR_ROOM_S
+        waited = False
+        while self._store.held_elsewhere(owner) - gone and loop.time() < deadline:
+            waited = True
+            await asyncio.sleep(HELD_ELSEWHERE_POLL_S)
+        return waited
+
+    def _end(
+        self, info: SandboxInfo, status: SandboxStatus, reason: str, *, held: bool = False
+    ) -> None:
         info.status = status
         info.ended_at = time.time()
         info.end_reason = reason
-        self._store.save(info)
+        self._store.save(info, held=held)
+
+    def _released(self, info: SandboxInfo) -> None:
+        """Its teardown has ended (done or failed: a failed one's leftovers are the sweep's)."""
+        try:
+            self._store.release(info.id)
+        except sqlite3.Error as exc:  # the others count it until this instance is gone
+            log.warning("teardown's release not recorded", sandbox=info.id, error=repr(exc))
+        self._emit("released", info=info)
 
     async def extend(
         self, sandbox_id: str, request: SetTimeout, *, owner: str | None = None

@@ -55,6 +55,8 @@ async def recover(
                 swept = await _recover_one(records, names, dead.settings(settings), artifacts)
             finally:
                 dead.remove(sweep_ok=swept)
+            if swept:
+                store.release_instance(dead.holder.instance)
             orphans += records
         legacy = store.list(live_only=True, instance="")
         if legacy or instances.legacy_leftovers(data_dir):

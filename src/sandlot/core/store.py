@@ -19,7 +19,8 @@ SCHEMA = (
         status TEXT NOT NULL,
         created_at REAL NOT NULL,
         info TEXT NOT NULL,
-        instance TEXT NOT NULL DEFAULT ''
+        instance TEXT NOT NULL DEFAULT '',
+        held INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE INDEX IF NOT EXISTS sandboxes_owner ON sandboxes (owner, status)",
     """CREATE TABLE IF NOT EXISTS artifacts (
@@ -31,12 +32,17 @@ SCHEMA = (
         PRIMARY KEY (sandbox_id, path)
     )""",
 )
-MIGRATIONS = {"instance": "ALTER TABLE sandboxes ADD COLUMN instance TEXT NOT NULL DEFAULT ''"}
+MIGRATIONS = {
+    "instance": "ALTER TABLE sandboxes ADD COLUMN instance TEXT NOT NULL DEFAULT ''",
+    # 1 while an ended sandbox's teardown still holds its disk, cgroup and memory.
+    "held": "ALTER TABLE sandboxes ADD COLUMN held INTEGER NOT NULL DEFAULT 0",
+}
 INDEXES = (
     "CREATE INDEX IF NOT EXISTS sandboxes_instance ON sandboxes (instance, status)",
     # Other instances' live records, read at every create: by status first, so that the
     # ended records (kept for the retention period) are never scanned.
     "CREATE INDEX IF NOT EXISTS sandboxes_live ON sandboxes (status, instance)",
+    "CREATE INDEX IF NOT EXISTS sandboxes_held ON sandboxes (instance) WHERE held = 1",
 )
 
 LIVE = (SandboxStatus.STARTING.value, SandboxStatus.RUNNING.value)
@@ -65,16 +71,40 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def save(self, info: SandboxInfo) -> None:
+    def save(self, info: SandboxInfo, *, held: bool = False) -> None:
+        """Insert or update the record; ``held``: it has ended, but its teardown still holds
+        what it reserved, so the other processes of the data directory count it until
+        :meth:`release`."""
         with self._lock:
-            self._save(info)
+            self._save(info, held=held)
 
-    def _save(self, info: SandboxInfo) -> None:
+    def release(self, sandbox_id: str) -> None:
+        """Its teardown has ended: it holds nothing any more."""
+        with self._lock:
+            self._db.execute("UPDATE sandboxes SET held=0 WHERE id=? AND held=1", (sandbox_id,))
+
+    def held_elsewhere(self, owner: str | None) -> set[str]:
+        """The other instances with ended sandboxes (``owner``'s, if given) whose teardown
+        still holds their limits."""
+        query = "SELECT DISTINCT instance FROM sandboxes WHERE held=1 AND instance != ?"
+        args: tuple[str, ...] = (self.instance,)
+        if owner is not None:
+            query, args = query + " AND owner = ?", (*args, owner)
+        with self._lock:
+            return {row[0] for row in self._db.execute(query, args)}
+
+    def release_instance(self, instance: str) -> None:
+        """A dead instance's leftovers are swept: its ended sandboxes hold nothing any more."""
+        with self._lock:
+            self._db.execute("UPDATE sandboxes SET held=0 WHERE instance=? AND held=1", (instance,))
+
+    def _save(self, info: SandboxInfo, *, held: bool = False) -> None:
         self._db.execute(
-            "INSERT INTO sandboxes (id, owner, status, created_at, info, instance) "
-            "VALUES (?,?,?,?,?,?) "
+            "INSERT INTO sandboxes (id, owner, status, created_at, info, instance, held) "
+            "VALUES (?,?,?,?,?,?,?) "
             # The instance stays the one that made it: recovery saves others' records.
-            "ON CONFLICT(id) DO UPDATE SET status=excluded.status, info=excluded.info",
+            "ON CONFLICT(id) DO UPDATE SET status=excluded.status, info=excluded.info, "
+            "held=excluded.held",
             (
                 info.id,
                 info.owner,
@@ -82,6 +112,7 @@ class Store:
                 info.created_at,
                 info.model_dump_json(),
                 self.instance,
+                int(held),
             ),
         )
 
@@ -137,7 +168,8 @@ class Store:
 
     def _live_elsewhere(self) -> Elsewhere:
         rows = self._db.execute(
-            f"SELECT instance, info FROM sandboxes WHERE status IN ({_LIVE_SLOTS}) "  # noqa: S608 - placeholders only
+            # Ended ones still held by their teardown count too (they keep their limits).
+            f"SELECT instance, info FROM sandboxes WHERE (status IN ({_LIVE_SLOTS}) OR held=1) "  # noqa: S608 - placeholders only
             "AND instance != ?",
             (*LIVE, self.instance),
         ).fetchall()
