@@ -17,7 +17,7 @@ import pytest
 
 from sandlot import SandboxManager
 from sandlot.errors import QuotaExceeded, SandboxNotRunning
-from sandlot.models import Quota
+from sandlot.models import Quota, SandboxStatus
 from sandlot.requests import RunCode, SandboxSpec
 from tests import leaks
 from tests.conftest import make_settings
@@ -253,6 +253,61 @@ async def test_another_process_counts_a_teardown_and_waits_for_it(
         await releasing
         assert released_at and admitted_at >= released_at[0]
         await there.destroy(other.id)
+    finally:
+        for mgr in (there, here):
+            await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_destroy_cancelled_mid_halt_still_ends_the_record(data_root: Path) -> None:
+    """Cancelled while the guest is being halted, the destroy still tears the sandbox down
+    and records it as destroyed: left "running", the other processes of the data directory
+    counted it against its owner for the rest of this one's life."""
+    data_dir = data_root / "teardown-cancelled-halt"
+    here = await _unclosed_manager(data_dir)
+    there = await _unclosed_manager(data_dir)
+    try:
+        info = await here.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX)
+        backend = here._backend("unsafe-local")
+        real = backend.halt
+
+        async def slow_halt(sandbox_id: str) -> None:
+            await asyncio.sleep(BLOCKED_S)
+            await real(sandbox_id)
+
+        backend.halt = slow_halt  # type: ignore[method-assign]
+        destroying = asyncio.create_task(here.destroy(info.id))
+        await asyncio.sleep(BLOCKED_S / 3)
+        destroying.cancel()
+        await asyncio.gather(destroying, return_exceptions=True)
+        await here.settle()
+        assert (await there.get(info.id)).status == SandboxStatus.DESTROYED
+        other = await there.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX)
+        await there.destroy(other.id)
+    finally:
+        for mgr in (there, here):
+            await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_create_waiting_for_another_process_gives_up_at_close(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data_dir = data_root / "teardown-elsewhere-close"
+    here = await _unclosed_manager(data_dir)
+    there = await _unclosed_manager(data_dir)
+    try:
+        info = await there.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX)
+        held = HeldStops(there, "unsafe-local", monkeypatch)
+        await there.destroy(info.id)
+        await held.entered.wait()
+        creating = asyncio.create_task(here.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX))
+        await asyncio.sleep(BLOCKED_S)
+        assert not creating.done()  # it waits for the other process's teardown
+        await here.close()
+        with pytest.raises(SandboxNotRunning, match="closing"):
+            await asyncio.wait_for(creating, HOLD_LIMIT_S)
+        held.release.set()
     finally:
         for mgr in (there, here):
             await mgr.close()

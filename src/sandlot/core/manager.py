@@ -509,26 +509,33 @@ class SandboxManager:
         finally:
             self._live.pop(sandbox_id, None)
             # Its disk, cgroup and network go after we return (a destroy cut short by a
-            # cancellation too: the stop kills whatever still runs).
+            # cancellation too: the stop kills whatever still runs), and its record says so
+            # either way: left "running", other processes counted it for good.
             self._teardowns.start(live)
-        self._end(live.info, SandboxStatus.DESTROYED, reason, held=True)
+            self._end(live.info, SandboxStatus.DESTROYED, reason, held=True)
         self._emit("destroyed", info=live.info)
         log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)
         return live.info.model_copy()
 
     async def _wait_for_room(self, owner: str | None, gone: set[str]) -> bool:
-        """Wait for the teardowns that hold the room a create was refused: this process's
-        (``owner``'s for a quota, anyone's for the host), else those of the other live
-        processes of the data directory, seen in the store (polled: they tell us nothing),
-        at most WAIT_FOR_ROOM_S either way. False if there were none to wait for."""
-        if await self._teardowns.wait_for_room(owner):
-            return True
+        """Wait for the teardowns under way at the refusal that could free the room a create
+        was refused (``owner``'s for a quota, anyone's for the host): this process's, then
+        those of the other live processes of the data directory, seen in the store (polled:
+        they tell us nothing), each at most WAIT_FOR_ROOM_S. False if there were none.
+
+        Raises:
+            SandboxNotRunning: the manager began to close meanwhile.
+        """
+        elsewhere = {i for i, inst in self._store.held_elsewhere(owner).items() if inst not in gone}
+        waited = await self._teardowns.wait_for_room(owner)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WAIT_FOR_ROOM_S
-        waited = False
-        while self._store.held_elsewhere(owner) - gone and loop.time() < deadline:
+        while elsewhere and loop.time() < deadline:
             waited = True
             await asyncio.sleep(HELD_ELSEWHERE_POLL_S)
+            if self._closing:  # the store may be closed by now
+                raise SandboxNotRunning("the SandboxManager is closing")
+            elsewhere &= self._store.held_elsewhere(owner).keys()
         return waited
 
     def _end(

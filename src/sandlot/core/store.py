@@ -42,7 +42,9 @@ INDEXES = (
     # Other instances' live records, read at every create: by status first, so that the
     # ended records (kept for the retention period) are never scanned.
     "CREATE INDEX IF NOT EXISTS sandboxes_live ON sandboxes (status, instance)",
-    "CREATE INDEX IF NOT EXISTS sandboxes_held ON sandboxes (instance) WHERE held = 1",
+    # The few ended records whose teardown still holds their limits: by owner (a refused
+    # create's wait) and instance; a partial index, so the kept ended records are never read.
+    "CREATE INDEX IF NOT EXISTS sandboxes_held_by ON sandboxes (owner, instance) WHERE held = 1",
 )
 
 LIVE = (SandboxStatus.STARTING.value, SandboxStatus.RUNNING.value)
@@ -83,15 +85,16 @@ class Store:
         with self._lock:
             self._db.execute("UPDATE sandboxes SET held=0 WHERE id=? AND held=1", (sandbox_id,))
 
-    def held_elsewhere(self, owner: str | None) -> set[str]:
-        """The other instances with ended sandboxes (``owner``'s, if given) whose teardown
-        still holds their limits."""
-        query = "SELECT DISTINCT instance FROM sandboxes WHERE held=1 AND instance != ?"
-        args: tuple[str, ...] = (self.instance,)
+    def held_elsewhere(self, owner: str | None) -> dict[str, str]:
+        """Ended sandboxes of other instances (``owner``'s, if given) whose teardown still
+        holds their limits: id -> instance."""
+        query = "SELECT id, instance FROM sandboxes INDEXED BY sandboxes_held_by WHERE held=1"
+        args: tuple[str, ...] = ()
         if owner is not None:
-            query, args = query + " AND owner = ?", (*args, owner)
+            query, args = query + " AND owner = ?", (owner,)
         with self._lock:
-            return {row[0] for row in self._db.execute(query, args)}
+            rows = self._db.execute(query + " AND instance != ?", (*args, self.instance))
+            return {sandbox_id: instance for sandbox_id, instance in rows}
 
     def release_instance(self, instance: str) -> None:
         """A dead instance's leftovers are swept: its ended sandboxes hold nothing any more."""
@@ -168,10 +171,13 @@ class Store:
 
     def _live_elsewhere(self) -> Elsewhere:
         rows = self._db.execute(
-            # Ended ones still held by their teardown count too (they keep their limits).
-            f"SELECT instance, info FROM sandboxes WHERE (status IN ({_LIVE_SLOTS}) OR held=1) "  # noqa: S608 - placeholders only
-            "AND instance != ?",
-            (*LIVE, self.instance),
+            # Ended ones still held by their teardown count too (they keep their limits). Two
+            # indexed halves: an OR of the two conditions made SQLite scan the whole table.
+            f"SELECT instance, info FROM sandboxes WHERE status IN ({_LIVE_SLOTS}) "  # noqa: S608 - placeholders only
+            "AND instance != ? UNION ALL "
+            "SELECT instance, info FROM sandboxes INDEXED BY sandboxes_held_by "
+            f"WHERE held=1 AND status NOT IN ({_LIVE_SLOTS}) AND instance != ?",
+            (*LIVE, self.instance, *LIVE, self.instance),
         ).fetchall()
         found: Elsewhere = {}
         for instance, info in rows:

@@ -10,9 +10,10 @@ disk full of unwritten data) then runs here, off the caller's path. Until a tear
   destroying one sandbox and creating the next at once works at a full quota;
 - the manager says "released" only when it ends (a cluster's ledger frees the quota then).
 
-A manager's close waits for every teardown before its sweep. Another process on the same data
-directory stops counting a sandbox once its record says destroyed, a few milliseconds before
-its teardown ends (its own host capacity check does not see them).
+A manager's close waits for every teardown before its sweep. Other processes on the same data
+directory count the sandbox too until then: its record is saved ``held`` with its end and
+released when the teardown ends (``Store.release``); a create of theirs refused for that room
+polls for the release.
 """
 
 from __future__ import annotations
