@@ -225,6 +225,15 @@ async def test_a_create_waiting_for_room_gives_up_when_the_manager_closes(
     await asyncio.wait_for(closing, 10.0)
 
 
+async def _destroyed_and_held(mgr: SandboxManager, monkeypatch: pytest.MonkeyPatch) -> HeldStops:
+    """Owner "t"'s one sandbox, made and destroyed in ``mgr``, its teardown held."""
+    info = await mgr.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX)
+    held = HeldStops(mgr, "unsafe-local", monkeypatch)
+    await mgr.destroy(info.id)
+    await held.entered.wait()
+    return held
+
+
 @pytest.mark.asyncio
 async def test_another_process_counts_a_teardown_and_waits_for_it(
     data_root: Path, monkeypatch: pytest.MonkeyPatch
@@ -236,10 +245,7 @@ async def test_another_process_counts_a_teardown_and_waits_for_it(
     here = await _unclosed_manager(data_dir)
     there = await _unclosed_manager(data_dir)
     try:
-        info = await here.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX)
-        held = HeldStops(here, "unsafe-local", monkeypatch)
-        await here.destroy(info.id)
-        await held.entered.wait()
+        held = await _destroyed_and_held(here, monkeypatch)
         released_at: list[float] = []
 
         async def release_later() -> None:
@@ -297,10 +303,7 @@ async def test_a_create_waiting_for_another_process_gives_up_at_close(
     here = await _unclosed_manager(data_dir)
     there = await _unclosed_manager(data_dir)
     try:
-        info = await there.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX)
-        held = HeldStops(there, "unsafe-local", monkeypatch)
-        await there.destroy(info.id)
-        await held.entered.wait()
+        held = await _destroyed_and_held(there, monkeypatch)
         creating = asyncio.create_task(here.create(SandboxSpec(), owner="t", quota=ONE_SANDBOX))
         await asyncio.sleep(BLOCKED_S)
         assert not creating.done()  # it waits for the other process's teardown
