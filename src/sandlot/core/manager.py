@@ -330,8 +330,6 @@ class SandboxManager:
                 mine = owner if isinstance(refused, QuotaExceeded) else None
                 if not await self._wait_for_room(mine, gone):
                     raise
-                if self._closing:
-                    raise SandboxNotRunning("the SandboxManager is closing") from refused
                 info = self._store.admit(decide)
         except BaseException:
             if chosen is not None:
@@ -524,7 +522,8 @@ class SandboxManager:
         they tell us nothing), each at most WAIT_FOR_ROOM_S. False if there were none.
 
         Raises:
-            SandboxNotRunning: the manager began to close meanwhile.
+            SandboxNotRunning: the manager began to close meanwhile (its store may be closed
+                by then: nothing more is read from it).
         """
         elsewhere = {i for i, inst in self._store.held_elsewhere(owner).items() if inst not in gone}
         waited = await self._teardowns.wait_for_room(owner)
@@ -533,9 +532,11 @@ class SandboxManager:
         while elsewhere and loop.time() < deadline:
             waited = True
             await asyncio.sleep(HELD_ELSEWHERE_POLL_S)
-            if self._closing:  # the store may be closed by now
-                raise SandboxNotRunning("the SandboxManager is closing")
+            if self._closing:
+                break
             elsewhere &= self._store.held_elsewhere(owner).keys()
+        if waited and self._closing:
+            raise SandboxNotRunning("the SandboxManager is closing")
         return waited
 
     def _end(

@@ -38,11 +38,11 @@ PIN = "launch-ns"
 _OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
-def make(pin: Path, clean_below: Path, needs: Sequence[str] = ()) -> None:
+def make(pin: Path, clean_below: Path, needs: Sequence[str]) -> None:
     """Make the launch namespace and pin it at ``pin`` (an existing one there is kept),
     without the mounts the host has below ``clean_below`` (the volumes of sandboxes already
-    live, or being made, as it is copied) and, where ``needs`` names the paths bwrap and the
-    sandboxes use (:func:`unneeded`), without every mount none of them lies on or under.
+    live, or being made, as it is copied) and without every mount that none of ``needs``,
+    the paths bwrap and the sandboxes use, lies on or under (:func:`unneeded`).
 
     Raises:
         OSError: it could not be made or pinned (nothing is left behind).
@@ -66,9 +66,7 @@ def make(pin: Path, clean_below: Path, needs: Sequence[str] = ()) -> None:
                 mountns._libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None),
                 "mount --make-rprivate /",
             )
-            _unmount_below(clean_below)
-            if needs:
-                _unmount_unneeded(needs)
+            _unmount(clean_below, needs)
             tid.append(threading.get_native_id())
         except BaseException as exc:
             failure.append(exc)
@@ -110,11 +108,14 @@ def _detach_all(points: list[str]) -> None:
         mountns.detach(point, missing_ok=True)
 
 
-def _unmount_below(root: Path) -> None:
-    """Unmount, in this thread's mount namespace, everything mounted below ``root``, and every
-    sandbox volume of any other data directory (``.../sandboxes/sb-*/volume``)."""
+def _unmount(root: Path, needs: Sequence[str]) -> None:
+    """Unmount, in this thread's mount namespace, everything mounted below ``root``, every
+    sandbox volume of any other data directory (``.../sandboxes/sb-*/volume``) and every
+    mount none of ``needs`` lies on or under."""
     prefix = str(root) + "/"
-    _detach_all([p for p in _mount_points() if p.startswith(prefix) or _is_volume(Path(p))])
+    points = _mount_points()
+    doomed = set(unneeded(points, needs))
+    _detach_all([p for p in points if p in doomed or p.startswith(prefix) or _is_volume(Path(p))])
 
 
 def unneeded(points: Sequence[str], needs: Sequence[str]) -> list[str]:
@@ -138,10 +139,6 @@ def unneeded(points: Sequence[str], needs: Sequence[str]) -> list[str]:
         )
 
     return [p for p in points if not needed(p)]
-
-
-def _unmount_unneeded(needs: Sequence[str]) -> None:
-    _detach_all(unneeded(_mount_points(), needs))
 
 
 def _is_volume(point: Path) -> bool:
