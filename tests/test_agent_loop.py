@@ -322,6 +322,92 @@ async def test_swarm_abstentions_and_no_consensus(manager: SandboxManager) -> No
     assert provider.remaining == 0
 
 
+async def test_swarm_keeps_a_passing_proposal_instead_of_rewriting_it(
+    manager: SandboxManager,
+) -> None:
+    # Round one: the coder's code passes, the optimizer's does not; the reviewers want more
+    # (no consensus). Round two rewrites only the optimizer's: the coder is not asked again,
+    # and its passing code (a rewrite of it was how the swarm lost tasks) is the answer.
+    wrong = fenced("print(5)")
+    provider = ScriptedProvider(
+        by_role={
+            "architect": [DESIGN, vote(1, False, "add a docstring"), vote(1)],
+            "coder": [GOOD, vote(1), vote(1)],
+            "optimizer": [BAD, vote(1, False, "too long"), wrong, vote(2)],
+            "critic": [vote(1, False, "check empty input"), vote(1)],
+            "security": [vote(1), vote(1)],
+        }
+    )
+    result = await runtime(manager, provider).execute("print 6", mode="swarm")
+    assert result.swarm is not None
+    first, second = result.swarm.rounds
+    assert first.consensus is False and second.consensus is True
+    assert [(p.role, p.attempt, p.ok) for p in second.proposals] == [
+        ("coder", 1, True),
+        ("optimizer", 3, True),
+    ]
+    assert result.swarm.winner == "coder" and result.swarm.winner_attempt == 1
+    assert result.code == "print(sum([1, 2, 3]))" and result.output == "6\n"
+    # Three attempts (the kept one counted once), and the coder proposed once.
+    assert [a.number for a in result.attempts] == [1, 2, 3]
+    coder_prompts = [
+        call
+        for call in provider.calls
+        if call[0].content.startswith("You are the coder")
+        and "Write the complete" in call[-1].content
+    ]
+    assert len(coder_prompts) == 1
+    assert provider.remaining == 0
+
+
+async def test_swarm_stops_when_every_proposal_passed_and_none_was_vetoed(
+    manager: SandboxManager,
+) -> None:
+    # Both pass, the vote falls short of the quorum: a second round would only rewrite
+    # passing code, so the vote stands (the most approved proposal that ran).
+    provider = ScriptedProvider(
+        by_role={
+            "architect": [DESIGN, vote(2)],
+            "coder": [GOOD, vote(1)],
+            "optimizer": [fenced("print(6)"), vote(2)],
+            "critic": [vote(1, False, "prefer a loop")],
+            "security": [vote(2)],
+        }
+    )
+    result = await runtime(manager, provider).execute("print 6", mode="swarm")
+    assert result.swarm is not None and result.swarm.consensus is False
+    [only] = result.swarm.rounds
+    assert only.proposals[1].approvals == 3
+    assert result.swarm.winner == "optimizer" and result.success and result.output == "6\n"
+    assert len(result.attempts) == 2 and provider.remaining == 0
+
+
+async def test_swarm_rewrites_passing_code_that_security_vetoed(manager: SandboxManager) -> None:
+    provider = ScriptedProvider(
+        by_role={
+            "architect": [DESIGN, vote(2), vote(1)],
+            "coder": [GOOD, vote(2), vote(1)],
+            "optimizer": [fenced("print(6)"), vote(2), fenced("print(2 * 3)"), vote(1)],
+            "critic": [vote(1, False, "prefer a loop"), vote(1)],
+            "security": [vote(2, False, "prints a constant"), vote(1)],
+        }
+    )
+    result = await runtime(manager, provider).execute("print 6", mode="swarm")
+    assert result.swarm is not None
+    first, second = result.swarm.rounds
+    assert first.consensus is False and second.consensus is True
+    # The coder's passing code is kept; the optimizer's, passing but vetoed, is rewritten.
+    assert [(p.role, p.attempt) for p in second.proposals] == [("coder", 1), ("optimizer", 3)]
+    assert result.swarm.winner == "coder" and provider.remaining == 0
+    optimizer_revision = next(
+        call
+        for call in provider.calls
+        if call[0].content.startswith("You are the optimizer")
+        and "previous proposal" in call[-1].content
+    )
+    assert "prints a constant" in optimizer_revision[-1].content
+
+
 async def test_swarm_final_code_is_proven_not_voted(manager: SandboxManager) -> None:
     # Everyone approves code that does not run: the swarm must not call it solved.
     provider = ScriptedProvider(

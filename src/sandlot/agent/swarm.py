@@ -9,7 +9,10 @@ Each round:
    with its own prompt, for one proposal and whether they approve it;
 4. **consensus** is a proposal approved by at least ``quorum`` voters (4 of 5 by default),
    that ran successfully and that security did not veto. Without it, the voters' concerns
-   go back to the coder and the optimizer for the next round.
+   go back to the proposers for the next round, but a proposal that passed its run and that
+   security did not veto is kept as it is, not rewritten (rewrites of passing code, made on
+   the reviewers' word, were every task the swarm lost on HumanEval's first 40); when every
+   proposal is kept, another round would repeat this one, and the vote stands.
 
 After ``max_rounds`` the proposal with the most approvals wins (one that ran beats one that
 did not). The winner's run in the sandbox is the proof: ``success`` means it ran and passed
@@ -107,9 +110,15 @@ class Swarm:
             design, spent = await self._design(spec, recalled)
             feedback = ""
             proposals: list[Proposal] = []
+            vetoed: set[int] = set()
             for round_no in range(1, self.max_rounds + 1):
-                proposals = await self._propose(spec, design, feedback, proposals, len(attempts))
-                attempts += [p.attempt for p in proposals]
+                kept = [p for p in proposals if _keeps(p, vetoed)]
+                if proposals and len(kept) == len(proposals):
+                    break  # every proposal passed and none was vetoed: a new round repeats this
+                proposals = await self._propose(
+                    spec, design, feedback, proposals, kept, len(attempts)
+                )
+                attempts += [p.attempt for p in proposals if p not in kept]
                 votes = await self._vote(spec, proposals, errors)
                 winner, consensus, tally = self._count(proposals, votes)
                 rounds.append(_round_record(round_no, proposals, votes, tally, consensus))
@@ -120,6 +129,7 @@ class Swarm:
                 )
                 if consensus:
                     break
+                vetoed = _vetoed(proposals, votes)
                 feedback = "\n".join(
                     f"- {role}: {vote.concerns}" for role, vote in votes.items() if vote.concerns
                 )
@@ -149,8 +159,13 @@ class Swarm:
         design: str,
         feedback: str,
         previous: list[Proposal],
+        kept: list[Proposal],
         numbered: int,
     ) -> list[Proposal]:
+        """A proposal per proposer, each run with the visible tests: ``kept`` ones (they
+        passed that run and security did not veto them) as they were, the others rewritten
+        with the reviewers' concerns. On HumanEval's first 40 every task the swarm lost was a
+        rewrite of code that had passed its visible tests, made on the reviewers' word."""
         what = (
             "function (with its imports)" if spec.is_function else "program that prints the result"
         )
@@ -181,11 +196,12 @@ class Swarm:
             )
             return Proposal(role=role, attempt=attempt)
 
-        proposals = list(
-            await asyncio.gather(*(one(r, numbered + i + 1) for i, r in enumerate(PROPOSERS)))
-        )
+        keep = {p.role: p for p in kept}
+        fresh = [r for r in PROPOSERS if r not in keep]
+        written = await asyncio.gather(*(one(r, numbered + i + 1) for i, r in enumerate(fresh)))
+        proposals = [keep[r] if r in keep else written[fresh.index(r)] for r in PROPOSERS]
         # One sandbox, one run at a time: each proposal gets the same conditions.
-        for proposal in proposals:
+        for proposal in written:
             run = await self.executor.run(
                 program_to_run(spec, proposal.attempt.code, run_timeout_s=self.executor.timeout_s)
             )
@@ -292,6 +308,20 @@ class Swarm:
             winner_attempt=winner.attempt.number if winner is not None else None,
         )
         return result
+
+
+def _vetoed(proposals: list[Proposal], votes: dict[AgentRole, Vote]) -> set[int]:
+    """The attempt numbers security rejected this round: those are rewritten, passing or not."""
+    security = votes.get(AgentRole.SECURITY)
+    if security is None or security.approve:
+        return set()
+    return {proposals[security.choice - 1].attempt.number}
+
+
+def _keeps(proposal: Proposal, vetoed: set[int]) -> bool:
+    """Whether the next round keeps ``proposal`` as it is (it passed its run, not vetoed)."""
+    run = proposal.attempt.execution
+    return bool(run and run.ok) and proposal.attempt.number not in vetoed
 
 
 def _outcome(proposal: Proposal) -> str:
