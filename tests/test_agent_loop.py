@@ -46,6 +46,11 @@ async def manager(data_root: Path, request: pytest.FixtureRequest) -> AsyncItera
 
 
 def runtime(manager: SandboxManager, provider: ScriptedProvider, **kwargs: object) -> AgentRuntime:
+    """A runtime whose ``loop`` mode is the reflexion loop (these tests' subject), whatever
+    the default strategy is."""
+    from sandlot.agent.config import AgentSettings
+
+    kwargs.setdefault("settings", AgentSettings(agent_strategy="reflexion"))
     return AgentRuntime(provider, sandbox_options={"manager": manager}, **kwargs)  # type: ignore[arg-type]
 
 
@@ -308,7 +313,7 @@ async def test_swarm_abstentions_and_no_consensus(manager: SandboxManager) -> No
             "security": [vote(1)],
         }
     )
-    one_round = AgentSettings(swarm_rounds=1)
+    one_round = AgentSettings(swarm_rounds=1, agent_strategy="reflexion")
     result = await runtime(manager, provider, settings=one_round).execute("print 6", mode="swarm")
     assert result.swarm is not None
     [only] = result.swarm.rounds
@@ -435,7 +440,9 @@ async def test_memory_recalls_a_past_fix_into_the_prompt(
     from sandlot.agent.config import AgentSettings
     from sandlot.agent.memory import AgentMemory
 
-    settings = AgentSettings(memory_enabled=True, qdrant_path=tmp_path / "memory")
+    settings = AgentSettings(
+        memory_enabled=True, qdrant_path=tmp_path / "memory", agent_strategy="reflexion"
+    )
     memory = await AgentMemory.open(settings)
     try:
         first = ScriptedProvider(

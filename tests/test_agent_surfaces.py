@@ -90,13 +90,18 @@ def model() -> Iterator[tuple[WireServer, Script]]:
         yield server, script
 
 
-def model_env(server: WireServer) -> dict[str, str]:
-    return {
+def model_env(server: WireServer, strategy: str | None = "reflexion") -> dict[str, str]:
+    """The env of a CLI or server on the scripted model; ``strategy`` pins AGENT_STRATEGY
+    (these tests script the reflexion loop's calls), None leaves the default."""
+    env = {
         "LLM_PROVIDER": "openai",
         "OPENAI_BASE_URL": server.url + "/v1",
         "OPENAI_API_KEY": "sk-test-key",
         "LLM_RETRIES": "0",
     }
+    if strategy is not None:
+        env["AGENT_STRATEGY"] = strategy
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +111,37 @@ def agent_server(data_root: Path, model: tuple[WireServer, Script]) -> Iterator[
     process, url, _log = start_server(data_dir, model_env(model[0]), "--no-auth")
     yield url
     stop_server(process)
+
+
+def test_post_execute_runs_the_default_strategy_in_the_callers_one_sandbox(
+    data_root: Path, model: tuple[WireServer, Script]
+) -> None:
+    # The default strategy is sample-and-select. Its first candidate fails, so the other
+    # samples are drawn (one call; this fake model answers each call with one reply), and
+    # the candidates take turns in the one sandbox the server made for the caller.
+    server, script = model
+    server.clear()
+    script.load(BROKEN, GOOD)
+    env = {**model_env(server, None), "AGENT_SAMPLES": "2"}
+    data_dir = data_root / "agent-server-default"
+    data_dir.mkdir()
+    process, url, _log = start_server(data_dir, env, "--no-auth")
+    try:
+        response = httpx.post(url + "/execute", json={"task": "print 6"}, timeout=60)
+        assert response.status_code == 200, response.text
+        result = response.json()
+        assert result["mode"] == "sample_select"
+        assert result["status"] == "solved" and result["output"] == "6\n"
+        assert [a["code"] for a in result["attempts"]] == [
+            "print(sum([1, 2, 3]) +)",
+            "print(sum([1, 2, 3]))",
+        ]
+        assert [c["selected"] for c in result["candidates"]] == [False, True]
+        assert len([r for r in server.requests if r.path == "/v1/chat/completions"]) == 2
+        listed = httpx.get(url + "/v1/sandboxes", timeout=10).json()
+        assert (listed["sandboxes"] if isinstance(listed, dict) else listed) == []
+    finally:
+        stop_server(process)
 
 
 def test_post_execute_task_runs_the_loop(

@@ -8,7 +8,7 @@
 It wires a provider (``LLM_PROVIDER``), a sandbox per task (through the SDK: embedded, or a
 server when ``api_url`` is given), the optional memory, and runs a task in one of three
 modes: ``single`` (one generation, run once), ``loop`` (the configured
-``AGENT_STRATEGY``: reflexion by default), a strategy by name (``sample_select``,
+``AGENT_STRATEGY``: sample_select by default), a strategy by name (``sample_select``,
 ``sample_select+reflexion``) or ``swarm`` (five roles propose and vote, the winner is proven
 in the sandbox).
 """
@@ -116,7 +116,7 @@ class AgentRuntime:
         return result
 
     def _strategy(self, mode: Mode) -> Strategy:
-        """``loop`` is the configured strategy (AGENT_STRATEGY, reflexion by default);
+        """``loop`` is the configured strategy (AGENT_STRATEGY, sample_select by default);
         ``single`` and the strategies' own names pick one."""
         if mode == "loop":
             return self.settings.agent_strategy

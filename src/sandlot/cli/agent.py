@@ -84,7 +84,7 @@ def run(
         str,
         typer.Option(
             "--mode",
-            help="loop (AGENT_STRATEGY, reflexion by default) | single | reflexion | "
+            help="loop (AGENT_STRATEGY, sample_select by default) | single | reflexion | "
             "sample_select | sample_select+reflexion | swarm",
         ),
     ] = "loop",
