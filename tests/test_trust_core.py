@@ -161,6 +161,59 @@ async def test_artifacts_over_the_tenant_quota_leave_no_partial_copy(data_dir: P
         assert await mgr.list_artifacts(second.id) == []
 
 
+async def test_destroys_at_once_keep_no_more_than_the_tenant_artifact_quota(
+    data_dir: Path,
+) -> None:
+    # Failed before (red team, 2026-11-25): six sandboxes destroyed at once each kept a
+    # 1.5 MiB artifact against a 2 MiB quota (9 MiB kept): every export read the tenant's
+    # total at its start, before any of the others had recorded theirs.
+    quota = Quota(max_sandboxes=10, max_memory_mb=4096, max_artifact_mb=2)
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        ids = []
+        for _ in range(6):
+            info = await mgr.create(owner="acme", quota=quota)
+            blob = b"z" * (3 << 19)
+            await mgr.write_file(info.id, WriteFile(path="artifacts/blob"), blob)
+            ids.append(info.id)
+        await asyncio.gather(*(mgr.destroy(i) for i in ids))
+        kept = [a for i in ids for a in await mgr.list_artifacts(i)]
+        assert len(kept) == 1 and kept[0].size_bytes == 3 << 19
+        assert mgr._store.artifact_bytes("acme") == 3 << 19
+        # The refused copies left nothing on the host, and no reservation behind.
+        files = [p for i in ids for p in (data_dir / "artifacts" / i).rglob("*") if p.is_file()]
+        assert len(files) == 1
+
+
+def test_artifact_reservations_count_across_processes_sharing_a_store(tmp_path: Path) -> None:
+    from sandlot.core.store import PENDING_ARTIFACT_TTL_S, Store
+
+    path = tmp_path / "store.db"
+    one, two = Store(path, "one"), Store(path, "two")
+    try:
+        for sandbox_id in ("sb-a", "sb-b"):
+            one._db.execute(
+                "INSERT INTO sandboxes (id, owner, status, created_at, info) "
+                "VALUES (?, 'acme', 'destroyed', 0, '{}')",
+                (sandbox_id,),
+            )
+        mib = 1 << 20
+        assert one.reserve_artifact("acme", "sb-a", "x", 3 * mib, 4 * mib)
+        # The other store (another process's) sees the copy under way: no room for 2 MiB.
+        assert not two.reserve_artifact("acme", "sb-b", "y", 2 * mib, 4 * mib)
+        assert two.reserve_artifact("acme", "sb-b", "y", 1 * mib, 4 * mib)
+        assert one.artifacts("sb-a") == []  # under way: listed nowhere
+        one.drop_artifact("sb-a", "x")
+        assert two.artifact_bytes("acme") == 1 * mib
+        # A reservation whose process died mid-copy stops counting after the TTL.
+        two._db.execute(
+            "UPDATE artifacts SET created_at = created_at - ?", (PENDING_ARTIFACT_TTL_S + 1,)
+        )
+        assert one.artifact_bytes("acme") == 0
+    finally:
+        one.close()
+        two.close()
+
+
 @pytest.mark.hostile
 def test_a_guest_whose_limits_code_lowered_is_restarted(jail: Sandbox) -> None:
     # Failed before: with the guest's file limit set to 3 from inside, every later call

@@ -61,36 +61,39 @@ class Artifacts:
         for problem in listing.get("errors", []):
             log.warning("artifact not kept", sandbox=live.id, problem=problem)
         dest_root = self._dir(live.id).resolve()
-        budget = self._budget(live)
+        budget = live.disk_bytes
+        quota = live.quota
+        limit = quota.max_artifact_mb * MIB if quota and quota.max_artifact_mb is not None else None
         for entry in listing.get("entries", []):
             target = _target(dest_root, entry)
             if target is None or budget <= 0:
                 continue
-            rel = str(entry["path"])
+            rel, kept = str(entry["path"]), str(target.relative_to(dest_root))
+            # Its listed size (the sandbox's word) is reserved against the owner's quota
+            # before the copy, which may read no more than that.
+            size_bytes = min(budget, _listed_size(entry))
+            owner = live.info.owner
+            if not self.store.reserve_artifact(owner, live.id, kept, size_bytes, limit):
+                log.warning("artifact not kept: over the owner's quota", sandbox=live.id, path=rel)
+                continue
             try:
-                size, digest = await self._copy(live, rel, target, budget)
-            except (SandboxError, OSError) as exc:
+                size, digest = await self._copy(live, rel, target, size_bytes)
+            except BaseException as exc:
+                self.store.drop_artifact(live.id, kept)
+                if not isinstance(exc, SandboxError | OSError):
+                    raise
                 log.warning("artifact not kept", sandbox=live.id, path=rel, error=repr(exc))
                 continue
             budget -= size
             self.store.add_artifact(
                 ArtifactInfo(
                     sandbox_id=live.id,
-                    path=str(target.relative_to(dest_root)),
+                    path=kept,
                     size_bytes=size,
                     sha256=digest,
                     created_at=time.time(),
                 )
             )
-
-    def _budget(self, live: Live) -> int:
-        """Bytes this sandbox may still keep: its disk size, and its owner's quota."""
-        budget = live.disk_bytes
-        quota = live.quota
-        if quota is not None and quota.max_artifact_mb is not None:
-            left = quota.max_artifact_mb * MIB - self.store.artifact_bytes(live.info.owner)
-            budget = min(budget, left)
-        return budget
 
     async def _copy(self, live: Live, rel: str, target: Path, budget: int) -> tuple[int, str]:
         """Copy one file through the guest into ``target`` (readable by this user alone),
@@ -163,6 +166,12 @@ class Artifacts:
     async def delete_older_than(self, cutoff: float) -> None:
         for sandbox_id in self.store.sandboxes_with_artifacts_before(cutoff):
             await self.delete(sandbox_id)
+
+
+def _listed_size(entry: dict[str, Any]) -> int:
+    """The size the sandbox's listing gives a file (0 when it gives none that is a number)."""
+    size = entry.get("size_bytes")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
 
 
 def _target(dest_root: Path, entry: dict[str, Any]) -> Path | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +53,12 @@ _LIVE_SLOTS = ",".join("?" * len(LIVE))
 # Several processes share the file (one per manager instance): a writer waits this long for
 # another's transaction, each of which is one short statement.
 BUSY_TIMEOUT_S = 30.0
+
+# The digest of an artifact row whose copy is under way (Store.reserve_artifact): it counts
+# against its owner's quota, but is listed nowhere. After this long its process is taken to
+# have died mid-copy (an export is cut after core/artifacts.EXPORT_TIMEOUT_S).
+PENDING = ""
+PENDING_ARTIFACT_TTL_S = 600.0
 
 # Other instances' live records, by instance.
 Elsewhere = dict[str, list[SandboxInfo]]
@@ -206,12 +213,41 @@ class Store:
                 ),
             )
 
+    def reserve_artifact(
+        self, owner: str, sandbox_id: str, path: str, size_bytes: int, limit_bytes: int | None
+    ) -> bool:
+        """Record the artifact ``path`` of ``sandbox_id`` as being copied, its ``size_bytes``
+        counted against ``owner``'s ``limit_bytes`` (None: no limit) from now on; False,
+        recording nothing, if that would
+        pass the limit. The check and the record are one write transaction: exports running
+        at once (the destroys of a tenant's sandboxes, in any process of the data directory)
+        each see the others' reservations, where reading the sum at each export's start let
+        every one of them keep a whole quota. :meth:`add_artifact` records the copy made (at
+        most the size reserved); :meth:`drop_artifact` gives the room back."""
+        with self._lock, write_transaction(self._db):
+            if limit_bytes is not None:
+                used = self._artifact_bytes(owner, time.time() - PENDING_ARTIFACT_TTL_S)
+                if used + size_bytes > limit_bytes:
+                    return False
+            self._db.execute(
+                "INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?)",
+                (sandbox_id, path, size_bytes, PENDING, time.time()),
+            )
+        return True
+
+    def drop_artifact(self, sandbox_id: str, path: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "DELETE FROM artifacts WHERE sandbox_id=? AND path=?", (sandbox_id, path)
+            )
+
     def artifacts(self, sandbox_id: str) -> builtins.list[ArtifactInfo]:
+        """The artifacts kept for ``sandbox_id`` (not those still being copied)."""
         with self._lock:
             rows = self._db.execute(
                 "SELECT sandbox_id, path, size_bytes, sha256, created_at FROM artifacts "
-                "WHERE sandbox_id=? ORDER BY path",
-                (sandbox_id,),
+                "WHERE sandbox_id=? AND sha256 != ? ORDER BY path",
+                (sandbox_id, PENDING),
             ).fetchall()
         keys = ("sandbox_id", "path", "size_bytes", "sha256", "created_at")
         return [ArtifactInfo(**dict(zip(keys, row, strict=True))) for row in rows]
@@ -226,13 +262,19 @@ class Store:
         return [row[0] for row in rows]
 
     def artifact_bytes(self, owner: str) -> int:
-        """Bytes of artifacts kept for all of ``owner``'s sandboxes."""
+        """Bytes of artifacts kept, or being copied, for all of ``owner``'s sandboxes."""
         with self._lock:
-            row = self._db.execute(
-                "SELECT COALESCE(SUM(a.size_bytes), 0) FROM artifacts a "
-                "JOIN sandboxes s ON s.id = a.sandbox_id WHERE s.owner=?",
-                (owner,),
-            ).fetchone()
+            return self._artifact_bytes(owner, time.time() - PENDING_ARTIFACT_TTL_S)
+
+    def _artifact_bytes(self, owner: str, pending_since: float) -> int:
+        # A reservation older than the TTL is a copy its process never finished (it died):
+        # it no longer counts.
+        row = self._db.execute(
+            "SELECT COALESCE(SUM(a.size_bytes), 0) FROM artifacts a "
+            "JOIN sandboxes s ON s.id = a.sandbox_id WHERE s.owner=? "
+            "AND (a.sha256 != ? OR a.created_at >= ?)",
+            (owner, PENDING, pending_since),
+        ).fetchone()
         return int(row[0])
 
     def forget_ended_before(self, ended_before: float) -> int:
