@@ -26,6 +26,7 @@ from sandlot.requests import RunCode, RunCommand
 log = structlog.get_logger(__name__)
 
 SATURATED = 0.9  # a limit this full after a call means something left behind holds it
+KILLED_EXIT_CODE = 128 + 9  # a call whose process SIGKILL ended (the guest reports 128 + signal)
 BACKSTOP_S = 5.0  # the guest enforces timeouts; the host steps in only if the guest hangs
 RESULT_FIELDS = frozenset(ExecResult.model_fields)
 # Told the connection and call id an exec call was sent with (a background command's handle
@@ -223,6 +224,10 @@ async def _classify(
     the sentry, not the sandbox's processes, and counts none of their failed forks.
     """
     failed = result.kill_reason is not None or result.exit_code not in (0, None)
+    # The OOM killer's signal, as the call's own process met it. A failed call that was not
+    # killed ("sleep 1; exit 3") did not fail for memory, even if a process an earlier call
+    # left in the background was OOM-killed meanwhile (red team: it was reported "memory").
+    killed = result.kill_reason is not None or result.exit_code == KILLED_EXIT_CODE
     limits = live.info.limits
     oom = after.oom_kills > before.oom_kills
     tasks_full = guest_tasks >= SATURATED * limits.pids
@@ -235,7 +240,7 @@ async def _classify(
     saturated = (
         oom and (usage.memory_bytes or 0) >= SATURATED * limits.memory_mb * 1024 * 1024
     ) or (pids_hit and (tasks_full or (usage.pids or 0) >= SATURATED * limits.pids))
-    if oom and (failed or saturated):
+    if oom and (killed or saturated):
         result.kill_reason = "memory"
     elif pids_hit and (failed or saturated):
         result.kill_reason = "pids"
