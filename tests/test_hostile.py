@@ -1705,6 +1705,32 @@ def test_file_api_refuses_symlinks_leading_out(
     assert_unaffected(host, bystander)
 
 
+@pytest.mark.hostile
+def test_a_listing_of_long_deep_names_is_bounded_in_bytes(jail: Sandbox, host: Host) -> None:
+    # Failed before (red team, 2026-11-25): 13,000 files under 15 nested 255-character
+    # names listed at depth 32 made one 57 MB frame, ~240 MB of the server's memory a call.
+    # Here 1,500 files under 15 such names: ~6.5 MB of entries, over the 4 MiB a listing
+    # may now take.
+    name = "d" * 255
+    deep = "/".join([name] * 15)
+    made = jail.commands.run(
+        f"mkdir -p {deep} && cd {deep} && for i in $(seq 1500); do : > f$i; done", timeout_s=60
+    )
+    assert made.ok, describe(made)
+    entries = jail.files.list(".", depth=32)
+    listed_bytes = sum(len(e.path) + len(e.name) + 160 for e in entries)
+    assert 0 < listed_bytes <= 4 << 20, len(entries)
+    assert 15 < len(entries) < 1515
+    # Entries of ordinary names are not cut.
+    made = jail.commands.run(
+        "cd /workspace && mkdir many && cd many && for i in $(seq 1500); do : > f$i; done"
+    )
+    assert made.ok, describe(made)
+    assert len(jail.files.list("many")) == 1500
+    jail.commands.run(f"cd /workspace && rm -rf {name} many")
+    assert_usable(jail)
+
+
 def test_artifact_export_does_not_follow_symlinks(
     manager: SandboxManager, spawn: Callable[..., Sandbox], bystander: Sandbox, host: Host
 ) -> None:
