@@ -156,9 +156,9 @@ models: venv
 agent-demo: models
 	$(VENV)/bin/sandlot run "Print the first 10 prime numbers"
 
-# HumanEval's 164 problems, single shot vs the reflexion loop, on the local model (about an
-# hour on 2 cores; resumable: run it again to continue). Table and charts go to
-# bench/results/agent/.
+# HumanEval's 164 problems, single shot vs AGENT_STRATEGY (sample_select by default), on the
+# local model (about an hour on 2 cores; resumable: run it again to continue). Table and
+# charts go to bench/results/agent/.
 bench-agent: models
 	$(VENV)/bin/sandlot benchmark --tasks humaneval --concurrency 2 --out bench/results/agent
 
