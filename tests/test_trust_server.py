@@ -471,3 +471,42 @@ def test_a_slow_multipart_upload_parks_nothing_on_the_host(server: Server) -> No
     )
     assert stat.json()["size_bytes"] == size
     httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+
+
+def test_websockets_without_a_key_are_closed_and_websockets_count_as_connections(
+    server: Server,
+) -> None:
+    """Failed before (red team, 2026-11-25): the agent's ``/stream`` accepted a socket with
+    no key, answered "unauthenticated" to each message and kept it open, and an upgraded
+    WebSocket left the connection count: one address held 1,150 such sockets, every one a
+    file descriptor of the server's, until creates failed with ``fds_exhausted``."""
+    from websockets.sync.client import connect
+
+    url = server.url.replace("http://", "ws://") + "/stream"
+    with connect(url, sock=server.connect()) as ws:
+        reply = json.loads(ws.recv(timeout=10))
+        assert reply["type"] == "error" and reply["error"]["code"] == "unauthenticated"
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    # With a key, a socket is held, and counted: one address holds at most its 50.
+    headers = {"Authorization": f"Bearer {server.key}"}
+    from websockets.exceptions import WebSocketException
+
+    held = 0
+    with contextlib.ExitStack() as stack:
+        for _ in range(60):
+            try:
+                stack.enter_context(connect(url, sock=server.connect(), additional_headers=headers))
+            except (OSError, TimeoutError, WebSocketException):
+                continue  # refused: the address holds its cap
+            held += 1
+        assert held == 50, held
+        assert server.open_connections() <= 50 + 2
+        assert server.healthy()  # another address is still served
+    deadline = time.monotonic() + 5
+    while server.open_connections() > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # Closed sockets leave the count: the address may connect again.
+    with connect(url, sock=server.connect(), additional_headers=headers) as ws:
+        ws.ping().wait(5)

@@ -95,11 +95,28 @@ async def stream(websocket: WebSocket) -> None:
     websocket.state.request_id = websocket.headers.get("x-request-id") or uuid.uuid4().hex
     await websocket.accept()
     try:
+        # The key before anything is read: a socket without one is closed at once (it was
+        # kept open, answered "unauthenticated" per message, and a client with no key could
+        # hold thousands, each a file descriptor of the server's).
+        await _authenticate(websocket, state)
         while True:
             message = await websocket.receive_json()
             await _one_task(websocket, state, message)
     except WebSocketDisconnect:
         return
+
+
+async def _authenticate(websocket: WebSocket, state: ServerState) -> Principal:
+    """The caller, or the socket closed (1008) with the typed error sent first."""
+    try:
+        return state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
+    except SandboxError as exc:
+        with contextlib.suppress(RuntimeError, OSError):
+            await websocket.send_json(
+                {"type": "error", "error": {"code": exc.code, "message": exc.message}}
+            )
+            await websocket.close(code=1008)
+        raise WebSocketDisconnect(1008) from exc
 
 
 async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> None:
@@ -110,9 +127,9 @@ async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> N
             # The client left: end the task (its sandbox is destroyed on the way out).
             raise WebSocketDisconnect(1001) from exc
 
+    # Every task is a request: the key is checked (revoked?) and rate-limited again.
+    who = await _authenticate(websocket, state)
     try:
-        # Every task is a request: the key is checked (revoked?) and rate-limited again.
-        who = state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
         if not isinstance(message, dict):
             raise ConfigError("each message must be a JSON object with a 'task'")
         try:

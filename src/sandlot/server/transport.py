@@ -11,8 +11,9 @@ server answering anyone. :func:`guarded_protocol` builds uvicorn's httptools pro
 - a body idle timeout: a request body that sends nothing for ``body_idle_timeout_s`` (while
   the server is reading) is dropped, so a stalled upload holds nothing for long.
 
-Keep-alive idleness is uvicorn's own ``timeout_keep_alive``. A WebSocket leaves this count
-when it is upgraded; its frames are bounded by the WebSocket settings instead.
+Keep-alive idleness is uvicorn's own ``timeout_keep_alive``. A WebSocket stays in the count
+until it closes (every WebSocket route checks the key before it reads a message, and closes
+the socket without one); its frames are bounded by the WebSocket settings.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ class ConnectionCount:
         self.by_ip[ip] -= 1
         if self.by_ip[ip] <= 0:
             del self.by_ip[ip]
+
+
+def _release_when_lost(protocol: Any, release: Any) -> None:
+    """Call ``release`` once, when ``protocol`` (a WebSocket's, after the upgrade) loses its
+    connection."""
+    lost = protocol.connection_lost
+    released = False
+
+    def connection_lost(exc: Exception | None) -> None:
+        nonlocal released
+        if not released:
+            released = True
+            release()
+        lost(exc)
+
+    protocol.connection_lost = connection_lost
 
 
 def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
@@ -132,8 +149,14 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def handle_websocket_upgrade(self) -> None:
             self._disarm()
-            self._leave_count()
+            ip = self._admitted_ip
             super().handle_websocket_upgrade()
+            upgraded = self.transport.get_protocol()
+            if ip is not None and upgraded is not self:
+                # The WebSocket stays counted until it closes: left out of the count, 1,150
+                # sockets with no key held 1,150 of the server's file descriptors.
+                self._admitted_ip = None
+                _release_when_lost(upgraded, lambda: count.release(ip))
 
         # -- helpers
 
