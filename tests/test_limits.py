@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import stat
 import threading
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sandlot import ConfigError, Sandbox, SandboxManager
-from sandlot.requests import SandboxSpec
-from tests.conftest import placement
+from sandlot.requests import RunCode, SandboxSpec
+from tests.conftest import make_settings, placement
 
 
 def _host_workspace(manager: SandboxManager, sb: Sandbox) -> Path:
@@ -176,6 +177,40 @@ def test_network_when_asked(
         own_loopback = sb.run_code(CONNECT.format(host="127.0.0.1", port=host_server))
         assert own_loopback.error is not None
         assert own_loopback.error.type == "ConnectionRefusedError", own_loopback.error
+
+
+async def test_two_managers_never_give_two_sandboxes_one_network(
+    data_root: Path, isolated_backend: str, host_server: int
+) -> None:
+    # Failed before (red team, 2026-11-25): the /30 was the uid modulo 16,384, so managers
+    # whose uid ranges were 16,384 apart gave their first networked sandboxes one address,
+    # and one sandbox received the other's replies.
+    if isolated_backend != "bubblewrap" or os.geteuid() != 0:
+        pytest.skip("the veth networks are root's bubblewrap's")
+    managers = [
+        SandboxManager(make_settings(data_root / f"net-{base}", uid_base=base, uid_count=1))
+        for base in (640_000, 640_000 + 16_384)
+    ]
+    for manager in managers:
+        await manager.start()
+    try:
+        spec = SandboxSpec(network=True)
+        made = [await manager.create(spec) for manager in managers]
+        gateways = []
+        for manager, info in zip(managers, made, strict=True):
+            gateway = (await manager.run_code(info.id, RunCode(code=GATEWAY))).text
+            assert gateway is not None and gateway.count(".") == 3, gateway
+            gateways.append(gateway.strip("'"))
+            # Each reaches the host at its own gateway (replies come back to it).
+            reached = await manager.run_code(
+                info.id, RunCode(code=CONNECT.format(host=gateways[-1], port=host_server))
+            )
+            assert reached.text == "'pong'", reached
+        # One /30 each: the gateways (the host's end, .1 of each /30) differ.
+        assert gateways[0] != gateways[1], gateways
+    finally:
+        for manager in managers:
+            await manager.close()
 
 
 def test_sandbox_sees_its_own_pid_namespace(jail: Sandbox) -> None:

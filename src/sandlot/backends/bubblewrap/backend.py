@@ -99,6 +99,7 @@ log = structlog.get_logger(__name__)
 
 SANDBOX_UID = 65534  # "nobody" inside; the host uid behind it differs per sandbox
 UID_LOCK_DIR = Path("/run/sandlot/uids")
+NET_LOCK_DIR = Path("/run/sandlot/nets")  # a networked sandbox's /30, host-wide (netns.py)
 HOST_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 ETC_BINDS = (
     "/etc/ld.so.cache",
@@ -157,6 +158,7 @@ class _Box:
     disk_capped: bool
     guest: GuestProcess | None = None
     net: netns.SandboxNet | None = None
+    net_lock_fd: int | None = None  # holds net's /30 host-wide while the sandbox lives
     system: Path | None = None  # the environment's tree bound as /; None: the host's /usr
     # The sandbox's own CPU quota while its guest starts under START_CPU_CORES; None once set.
     cpu_cores_after_start: float | None = None
@@ -244,6 +246,9 @@ class BubblewrapBackend:
             self._uids = UidAllocator(lock_dir, self.settings.uid_base, self.settings.uid_count)
         self._install_guest_files()
         self._checked = True
+
+    def _net_lock_dir(self) -> Path:
+        return NET_LOCK_DIR if Path("/run").is_dir() else self.data_dir / "nets"
 
     def _choose_rootless_cgroups(self) -> None:
         delegated, why = find_delegated(os.getuid(), configured=self.settings.cgroup_root)
@@ -365,7 +370,13 @@ class BubblewrapBackend:
             box.cpu_cores_after_start = spec.limits.cpu_cores
         self._boxes[spec.sandbox_id] = box
         if spec.network:
-            box.net = netns.plan(self.instance, box.sandbox_id, box.uid)
+            try:
+                box.net, box.net_lock_fd = netns.plan(
+                    self.instance, box.sandbox_id, box.uid, self._net_lock_dir()
+                )
+            except BaseException:
+                await self.stop(spec.sandbox_id)
+                raise
 
         async def make_files() -> None:
             await make_volume(
@@ -767,6 +778,8 @@ class BubblewrapBackend:
         await asyncio.to_thread(box.cgroup.remove)
         if box.net is not None:
             await netns.remove(box.net.name, box.net.veth)
+        if box.net_lock_fd is not None:
+            UidAllocator.release(box.net_lock_fd)  # only once the network is gone
         await remove_volume(box.root)
         if box.uid_lock_fd is not None:
             UidAllocator.release(box.uid_lock_fd)
@@ -821,8 +834,9 @@ class BubblewrapBackend:
 
     async def close(self) -> None:
         for box in list(self._boxes.values()):
-            if box.uid_lock_fd is not None:
-                UidAllocator.release(box.uid_lock_fd)
+            for fd in (box.uid_lock_fd, box.net_lock_fd):
+                if fd is not None:
+                    UidAllocator.release(fd)
         self._boxes.clear()
         if self._launch_ns is not None:
             await asyncio.to_thread(self._drop_launch_ns)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import structlog
 
+from sandlot.backends.bubblewrap.uids import lock_first_free
 from sandlot.errors import SandboxStartError
 
 log = structlog.get_logger(__name__)
@@ -59,12 +60,26 @@ def netns_prefix(instance: str) -> str:
     return f"sandlot-{instance}-"
 
 
-def plan(instance: str, sandbox_id: str, uid: int) -> SandboxNet:
-    """Names and addresses of a sandbox's network: keyed by its host uid, which no other live
-    sandbox of this host holds (uids are locked host-wide)."""
+def plan(instance: str, sandbox_id: str, uid: int, lock_dir: Path) -> tuple[SandboxNet, int]:
+    """Names and addresses of a sandbox's network, and the fd of the lock that holds its /30
+    (keep it open while the network lives). The interface is named by the sandbox's host
+    uid, which no other live sandbox holds (uids are locked host-wide); the /30 is the uid's
+    slot (uid modulo 16,384) or the next free one, each locked host-wide in ``lock_dir``:
+    keyed by the uid alone, two managers whose uid ranges were 16,384 apart gave two
+    sandboxes one address, and one received the other's replies (red team).
+
+    Raises:
+        SandboxStartError: every /30 is held.
+    """
     slots = SANDBOX_NET.num_addresses // 4
-    base = SANDBOX_NET.network_address + 4 * (uid % slots)
-    return SandboxNet(f"{netns_prefix(instance)}{sandbox_id}", f"sl{uid}", base + 2, base + 1)
+    lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    taken = lock_first_free(lock_dir, ((uid + step) % slots for step in range(slots)))
+    if taken is None:
+        raise SandboxStartError(f"all {slots} sandbox networks of {SANDBOX_NET} are in use")
+    slot, lock_fd = taken
+    base = SANDBOX_NET.network_address + 4 * slot
+    name = f"{netns_prefix(instance)}{sandbox_id}"
+    return SandboxNet(name, f"sl{uid}", base + 2, base + 1), lock_fd
 
 
 async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> None:

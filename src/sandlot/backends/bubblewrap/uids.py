@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from sandlot.errors import SandboxStartError
@@ -29,19 +30,11 @@ class UidAllocator:
         Raises:
             SandboxStartError: every uid of the range is taken.
         """
-        for step in range(self.count):
-            index = (self._next + step) % self.count
-            uid = self.base + index
-            fd = os.open(
-                self.lock_dir / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-            )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self._next = index + 1
-            return uid, fd
+        order = (self.base + (self._next + step) % self.count for step in range(self.count))
+        taken = lock_first_free(self.lock_dir, order)
+        if taken is not None:
+            self._next = taken[0] - self.base + 1
+            return taken
         raise SandboxStartError(
             f"all {self.count} sandbox uids from {self.base} are in use; "
             "raise SANDBOX_UID_COUNT or destroy sandboxes"
@@ -51,3 +44,18 @@ class UidAllocator:
     def release(fd: int) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def lock_first_free(lock_dir: Path, numbers: Iterable[int]) -> tuple[int, int] | None:
+    """The first of ``numbers`` whose lock file in ``lock_dir`` no live process holds, and
+    the fd that now holds it (``flock``, dropped by the kernel when its holder dies); None
+    if every one is held."""
+    for number in numbers:
+        fd = os.open(lock_dir / f"{number}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return number, fd
+    return None
