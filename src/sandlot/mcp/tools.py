@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ContentBlock, ImageContent, TextContent, ToolAnnotations
+from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent, ToolAnnotations
 
 from sandlot._version import __version__
 from sandlot.errors import InvalidRequest, SandboxError, SandboxNotFound
@@ -161,7 +161,7 @@ def _run_tools(server: MCPServer[Any], call: CallMaker) -> None:
     @server.tool(structured_output=False)
     async def run_code(
         ctx: Context, code: str, sandbox_id: str | None = None, timeout_s: float | None = None
-    ) -> list[ContentBlock]:
+    ) -> CallToolResult:
         """Run Python in the sandbox's persistent interpreter (state is kept between calls).
         Returns stdout, stderr, the last expression's value, the error if one was raised,
         and rich outputs: matplotlib figures and images as images, HTML and Markdown as
@@ -170,19 +170,19 @@ def _run_tools(server: MCPServer[Any], call: CallMaker) -> None:
         with tool_errors():
             request = build(RunCode, code=code, timeout_s=timeout_s)
             result = await this.on(sandbox_id, lambda t: this.service.run_code(t, request))
-        return exec_content(result)
+        return exec_result(result)
 
     @server.tool(structured_output=False)
     async def run_command(
         ctx: Context, command: str, sandbox_id: str | None = None, timeout_s: float | None = None
-    ) -> list[ContentBlock]:
+    ) -> CallToolResult:
         """Run a bash command in the sandbox (cd and export persist between calls).
         Returns its exit code, stdout and stderr."""
         this = call(ctx)
         with tool_errors():
             request = build(RunCommand, command=command, timeout_s=timeout_s)
             result = await this.on(sandbox_id, lambda t: this.service.run_command(t, request))
-        return exec_content(result)
+        return exec_result(result)
 
 
 def _file_tools(server: MCPServer[Any], call: CallMaker) -> None:
@@ -226,8 +226,40 @@ def _file_tools(server: MCPServer[Any], call: CallMaker) -> None:
         return "\n".join(lines) if lines else f"{path} is empty"
 
 
+def exec_result(result: ExecResult) -> CallToolResult:
+    """An execution as an MCP result. How it ended (exit code, kill reason, lost state, the
+    error's type) is the host's word, given twice where nothing from the sandbox can reach
+    it: as ``structuredContent`` and as the first text block. What the sandbox produced
+    follows, each block labelled. Failed before (red team): the ending came as text blocks
+    after the output, and a cell could print or display blocks identical to them ("killed:
+    timeout", "exit code: 137") on a run that had succeeded. A code failure is a result, not
+    a tool error: ``isError`` stays false."""
+    ending = {
+        "exit_code": result.exit_code,
+        "kill_reason": result.kill_reason,
+        "state_lost": result.state_lost,
+        "error_type": result.error.type if result.error is not None else None,
+    }
+    return CallToolResult(
+        content=[TextContent(type="text", text=_ending_line(result)), *exec_content(result)],
+        structured_content=ending,
+    )
+
+
+def _ending_line(result: ExecResult) -> str:
+    parts = [f"exit code: {result.exit_code}"]
+    if result.kill_reason is not None:
+        parts.append(f"killed: {result.kill_reason}")
+    if result.error is not None:
+        parts.append(f"raised: {result.error.type}")
+    if result.state_lost:
+        parts.append("the interpreter was restarted: variables and imports are gone")
+    return "[sandlot: how the run ended] " + "; ".join(parts)
+
+
 def exec_content(result: ExecResult) -> list[ContentBlock]:
-    """An execution as MCP content: the text parts first, each rich output in order."""
+    """What the sandbox produced, as MCP content: the text parts first, each rich output in
+    order (its ending is :func:`exec_result`'s)."""
     blocks: list[ContentBlock] = []
 
     def text(value: str) -> None:
@@ -247,12 +279,6 @@ def exec_content(result: ExecResult) -> list[ContentBlock]:
         text("[some rich outputs were left out: together they passed the output cap]")
     if result.error is not None:
         text(f"error: {result.error.type}: {result.error.message}\n{result.error.traceback}")
-    if result.kill_reason is not None:
-        text(f"killed: {result.kill_reason}")
-    if result.state_lost:
-        text("[the interpreter was restarted: variables and imports are gone]")
-    if result.exit_code not in (0, None) and result.error is None:
-        text(f"exit code: {result.exit_code}")
     if not blocks:
         text("(no output)")
     return blocks
