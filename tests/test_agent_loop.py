@@ -231,6 +231,16 @@ def vote(choice: int, approve: bool = True, concerns: str = "") -> str:
     return json.dumps({"choice": choice, "approve": approve, "concerns": concerns})
 
 
+def revision_prompt(provider: ScriptedProvider, role: str) -> str:
+    """The prompt that asked ``role`` to revise its previous proposal."""
+    return next(
+        call[-1].content
+        for call in provider.calls
+        if call[0].content.startswith(f"You are the {role}")
+        and "previous proposal" in call[-1].content
+    )
+
+
 async def test_swarm_reaches_consensus(manager: SandboxManager) -> None:
     provider = ScriptedProvider(
         by_role={
@@ -291,13 +301,7 @@ async def test_swarm_revises_after_concerns_and_security_veto(manager: SandboxMa
     assert result.swarm.winner == "optimizer"
     assert result.success and result.output == "6\n"
     # The concerns went back to the proposers in round two.
-    coder_revision = next(
-        call
-        for call in provider.calls
-        if call[0].content.startswith("You are the coder")
-        and "previous proposal" in call[-1].content
-    )
-    assert "runs a shell command" in coder_revision[-1].content
+    assert "runs a shell command" in revision_prompt(provider, "coder")
     assert len(result.attempts) == 4
 
 
@@ -404,13 +408,7 @@ async def test_swarm_rewrites_passing_code_that_security_vetoed(manager: Sandbox
     # The coder's passing code is kept; the optimizer's, passing but vetoed, is rewritten.
     assert [(p.role, p.attempt) for p in second.proposals] == [("coder", 1), ("optimizer", 3)]
     assert result.swarm.winner == "coder" and provider.remaining == 0
-    optimizer_revision = next(
-        call
-        for call in provider.calls
-        if call[0].content.startswith("You are the optimizer")
-        and "previous proposal" in call[-1].content
-    )
-    assert "prints a constant" in optimizer_revision[-1].content
+    assert "prints a constant" in revision_prompt(provider, "optimizer")
 
 
 async def test_swarm_final_code_is_proven_not_voted(manager: SandboxManager) -> None:
