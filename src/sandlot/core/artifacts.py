@@ -61,7 +61,7 @@ class Artifacts:
         for problem in listing.get("errors", []):
             log.warning("artifact not kept", sandbox=live.id, problem=problem)
         dest_root = self._dir(live.id).resolve()
-        budget = live.disk_bytes
+        budget, owner = live.disk_bytes, live.info.owner
         quota = live.quota
         limit = quota.max_artifact_mb * MIB if quota and quota.max_artifact_mb is not None else None
         for entry in listing.get("entries", []):
@@ -72,7 +72,6 @@ class Artifacts:
             # Its listed size (the sandbox's word) is reserved against the owner's quota
             # before the copy, which may read no more than that.
             size_bytes = min(budget, _listed_size(entry))
-            owner = live.info.owner
             if not self.store.reserve_artifact(owner, live.id, kept, size_bytes, limit):
                 log.warning("artifact not kept: over the owner's quota", sandbox=live.id, path=rel)
                 continue

@@ -218,12 +218,12 @@ class Store:
     ) -> bool:
         """Record the artifact ``path`` of ``sandbox_id`` as being copied, its ``size_bytes``
         counted against ``owner``'s ``limit_bytes`` (None: no limit) from now on; False,
-        recording nothing, if that would
-        pass the limit. The check and the record are one write transaction: exports running
-        at once (the destroys of a tenant's sandboxes, in any process of the data directory)
-        each see the others' reservations, where reading the sum at each export's start let
-        every one of them keep a whole quota. :meth:`add_artifact` records the copy made (at
-        most the size reserved); :meth:`drop_artifact` gives the room back."""
+        recording nothing, if that would pass the limit. The check and the record are one
+        write transaction: exports running at once (the destroys of a tenant's sandboxes, in
+        any process of the data directory) each see the others' reservations, where reading
+        the sum at each export's start let every one of them keep a whole quota.
+        :meth:`add_artifact` records the copy made (at most the size reserved);
+        :meth:`drop_artifact` gives the room back."""
         with self._lock, write_transaction(self._db):
             if limit_bytes is not None:
                 used = self._artifact_bytes(owner, time.time() - PENDING_ARTIFACT_TTL_S)

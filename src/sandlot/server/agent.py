@@ -28,6 +28,7 @@ from sandlot.agent.models import AgentEvent, AgentResult
 from sandlot.errors import ConfigError, SandboxError
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, state_of
+from sandlot.server.outbox import error_message
 from sandlot.server.schemas import _Body
 
 log = structlog.get_logger(__name__)
@@ -112,9 +113,7 @@ async def _authenticate(websocket: WebSocket, state: ServerState) -> Principal:
         return state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
     except SandboxError as exc:
         with contextlib.suppress(RuntimeError, OSError):
-            await websocket.send_json(
-                {"type": "error", "error": {"code": exc.code, "message": exc.message}}
-            )
+            await websocket.send_json(error_message(exc))
             await websocket.close(code=1008)
         raise WebSocketDisconnect(1008) from exc
 
@@ -139,6 +138,4 @@ async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> N
         result = await run_task(state, who, body, on_event=send_event)
         await websocket.send_json({"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
-        await websocket.send_json(
-            {"type": "error", "error": {"code": exc.code, "message": exc.message}}
-        )
+        await websocket.send_json(error_message(exc))

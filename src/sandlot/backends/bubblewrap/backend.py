@@ -56,7 +56,7 @@ from sandlot.backends.bubblewrap.rootless import (
     warn_degraded_once,
 )
 from sandlot.backends.bubblewrap.seccomp import build_filter
-from sandlot.backends.bubblewrap.uids import UidAllocator
+from sandlot.backends.bubblewrap.uids import UidAllocator, unlock
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from sandlot.backends.delegation import find_delegated, prepare
 from sandlot.backends.devpts import (
@@ -779,7 +779,7 @@ class BubblewrapBackend:
         if box.net is not None:
             await netns.remove(box.net.name, box.net.veth)
         if box.net_lock_fd is not None:
-            UidAllocator.release(box.net_lock_fd)  # only once the network is gone
+            unlock(box.net_lock_fd)  # only once the network is gone
         await remove_volume(box.root)
         if box.uid_lock_fd is not None:
             UidAllocator.release(box.uid_lock_fd)
@@ -836,7 +836,7 @@ class BubblewrapBackend:
         for box in list(self._boxes.values()):
             for fd in (box.uid_lock_fd, box.net_lock_fd):
                 if fd is not None:
-                    UidAllocator.release(fd)
+                    unlock(fd)
         self._boxes.clear()
         if self._launch_ns is not None:
             await asyncio.to_thread(self._drop_launch_ns)

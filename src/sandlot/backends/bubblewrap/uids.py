@@ -42,8 +42,7 @@ class UidAllocator:
 
     @staticmethod
     def release(fd: int) -> None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        unlock(fd)
 
 
 def lock_first_free(lock_dir: Path, numbers: Iterable[int]) -> tuple[int, int] | None:
@@ -59,3 +58,9 @@ def lock_first_free(lock_dir: Path, numbers: Iterable[int]) -> tuple[int, int] |
             continue
         return number, fd
     return None
+
+
+def unlock(fd: int) -> None:
+    """Give back what a lock fd of :func:`lock_first_free` holds."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
