@@ -237,6 +237,16 @@ def _pids_cgroup_path(pid: int) -> str:
     return unified
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie: a killed sandbox's first process is the
+    host init's to reap once bwrap, its parent, is gone, and that may take a moment."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
 def read_proc(pid: int) -> Proc | None:
     """What /proc says about ``pid``, or None if it is gone."""
     try:

@@ -1,8 +1,10 @@
 """The launch namespace (backends/bubblewrap/launchns.py): bwrap starts in a mount namespace
-that holds no live sandbox's volume, pinned per instance and removed at its close."""
+that holds no sandbox's volume, pinned per instance and removed at its close; the manager
+attaches each sandbox's volume in the sandbox's own namespace once bwrap has made it."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 
 from sandlot import SandboxManager
 from sandlot.backends.bubblewrap import launchns
-from sandlot.requests import RunCode, SandboxSpec
+from sandlot.requests import RunCode, RunCommand, SandboxSpec
 from tests import leaks
 from tests.conftest import make_settings
 
@@ -47,7 +49,7 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
             bwrap_ns = os.stat(f"/proc/{boxes[info.id].guest.pid}/ns/mnt").st_ino
             assert bwrap_ns == pin.stat().st_ino
         volumes = [str(mgr.instance_dir / "sandboxes" / i.id / "volume") for i in (first, second)]
-        # On the host, as before; in the launch namespace, gone once bwrap has its copy.
+        # On the host, as before; in the launch namespace, never.
         assert all(os.path.ismount(v) for v in volumes)
         inside = _mount_points(pin)
         assert not [p for p in inside if p.startswith(str(data_root))], inside
@@ -63,8 +65,8 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
             assert got.error is None and got.text is not None
             # (Its own host paths show, as the roots of its /proc masks: SECURITY.md.)
             assert other.id not in got.text and info.id in got.text
-        # A guest restart starts a new bwrap in the launch namespace: its volume goes back
-        # in for the start, and out again (failed before: the new bwrap found no workspace).
+        # A guest restart starts a new bwrap in the launch namespace, and its volume is
+        # attached in the new sandbox namespace (a restart once found no workspace).
         guest = mgr._backend("bubblewrap")._boxes[first.id].guest
         guest.kill()
         await guest.wait()
@@ -88,31 +90,94 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("root_bubblewrap")
-async def test_a_create_that_fails_after_its_volume_entered_leaves_nothing(
-    data_root: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("failing", ["wait_for_exec", "clone_writable", "make_volume"])
+async def test_a_create_that_fails_while_its_volume_is_made_or_attached_leaves_nothing(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
-    """The volume is in the launch namespace from before bwrap runs: a start that fails then
-    must take it out again, or its loop device could never be freed."""
+    """The volume is made while bwrap starts, and attached once bwrap has made the sandbox's
+    namespace: a start that fails at any of the three must leave no mount and no loop
+    device, whichever of the two ends first."""
     import sandlot.backends.bubblewrap.backend as module
+    from sandlot.backends import mountns
 
-    data_dir = data_root / "launchns-fail"
+    data_dir = data_root / f"launchns-fail-{failing}"
     data_dir.mkdir()
     async with SandboxManager(make_settings(data_dir)) as mgr:
         await mgr.destroy((await mgr.create(SandboxSpec())).id)  # the namespace exists
         pin = mgr.instance_dir / launchns.PIN
 
-        def no_exec(*args: object, **kwargs: object) -> None:
-            raise OSError(5, "bwrap did not exec today")
+        def fails(*args: object, **kwargs: object) -> None:
+            raise OSError(5, f"{failing} failed today")
 
-        monkeypatch.setattr(module, "wait_for_exec", no_exec)
-        with pytest.raises(Exception, match="did not exec today"):
+        async def fails_later(*args: object, **kwargs: object) -> None:
+            await asyncio.sleep(0.05)  # bwrap is under way by then
+            fails()
+
+        owner = mountns if failing == "clone_writable" else module
+        monkeypatch.setattr(owner, failing, fails_later if failing == "make_volume" else fails)
+        with pytest.raises(Exception, match="failed today"):
             await mgr.create(SandboxSpec())
         monkeypatch.undo()
+        await mgr.settle()
         assert not [p for p in _mount_points(pin) if p.startswith(str(data_root))]
         assert leaks.mounts_below(data_dir) == []
         assert leaks.loop_devices_below(data_dir) == []
+        assert list((mgr.instance_dir / "sandboxes").iterdir()) == []
         fresh = await mgr.create(SandboxSpec())
         assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
+
+
+VOLUME_PROBE = """
+import os, subprocess
+options = {}
+for line in open("/proc/self/mountinfo"):
+    fields = line.split()
+    options[fields[4]] = fields[5].split(",")
+open("by-the-kernel", "w").write("k")
+subprocess.run(["sh", "-c", "echo s > by-a-shell; echo t > /tmp/in-tmp"], check=True)
+os.getcwd(), options["/workspace"], options["/tmp"]
+"""
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("root_bubblewrap")
+@pytest.mark.parametrize("system", ["tree", "host"])
+async def test_the_volume_is_attached_nosuid_nodev_and_the_guest_works_in_it(
+    data_root: Path, system: str
+) -> None:
+    """bwrap starts the guest in an empty /workspace of the sandbox's read-only root, and the
+    manager attaches the volume over it before the guest gets its key: every process of the
+    sandbox must work in the volume (the supervisor kept the empty directory as its working
+    directory before it changed there again on its key), with bwrap's bind's flags. On an
+    environment's tree, whose /workspace is a directory of its own, and on the host's /usr
+    (a fresh machine's default, no tree built), where bwrap makes it."""
+    data_dir = data_root / f"volume-attached-{system}"
+    data_dir.mkdir()
+    extra = {} if system == "tree" else {"rootfs_dir": data_root / "no-trees"}
+    async with SandboxManager(make_settings(data_dir, **extra)) as mgr:
+        info = await mgr.create(SandboxSpec())
+        got = await mgr.run_code(info.id, RunCode(code=VOLUME_PROBE))
+        assert got.error is None and got.text is not None, got
+        cwd, workspace_options, tmp_options = ast.literal_eval(got.text)
+        assert cwd == "/workspace"
+        for options in (workspace_options, tmp_options):
+            assert {"rw", "nosuid", "nodev"} <= set(options) and "noexec" not in options
+        box = mgr._backend("bubblewrap")._boxes[info.id]
+        assert (box.system is None) == (system == "host"), box.system
+        assert (box.workspace / "by-the-kernel").read_text() == "k"
+        assert (box.workspace / "by-a-shell").read_text() == "s\n"
+        assert (box.tmp / "in-tmp").read_text() == "t\n"
+        shell = await mgr.run_command(info.id, RunCommand(command="pwd; echo c > by-command"))
+        assert shell.stdout == "/workspace\n" and (box.workspace / "by-command").exists()
+        volume = os.stat(box.workspace).st_dev
+        pids = (leaks.pids_cgroup_dir(mgr, info.id) / "cgroup.procs").read_text().split()
+        ours = os.stat("/proc/self/ns/pid").st_ino
+        # bwrap's outer process stays in the launch namespace (and ours for pids).
+        inside = [p for p in pids if os.stat(f"/proc/{p}/ns/pid").st_ino != ours]
+        assert len(inside) >= 2  # the guest and its kernel
+        for pid in inside:
+            assert os.stat(f"/proc/{pid}/cwd").st_dev == volume, pid
+        await mgr.destroy(info.id)
 
 
 @pytest.mark.asyncio

@@ -714,12 +714,13 @@ def test_every_process_of_a_sandbox_is_in_its_cgroup_in_every_hierarchy(
 
 
 @pytest.mark.hostile
-def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
+def test_a_create_that_fails_while_its_disk_is_made_leaves_nothing(
     manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, bwrap_module: Any
 ) -> None:
-    # The launcher enters the sandbox's cgroup while the manager makes its disk, then waits
-    # for "go" (bubblewrap/backend.py): a disk that cannot be made must end it, with its
-    # cgroup and directory, and no chain may run on without its files.
+    # The launcher enters the sandbox's cgroup, then bwrap starts while the manager makes the
+    # disk (as root with the mount API; elsewhere the launcher waits for "go" until the disk
+    # is made: bubblewrap/backend.py): a disk that cannot be made must end the chain, with
+    # its cgroup and directory, and no guest may run on without its volume.
     def waiting_launchers() -> list[int]:
         found = []
         for proc in Path("/proc").glob("[0-9]*"):
@@ -735,8 +736,13 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
     seen: dict[str, Any] = {}
 
     async def no_disk(root: Path, *args: object, **kwargs: object) -> None:
-        await asyncio.sleep(0.2)  # the launcher is in its cgroup, waiting, by now
-        seen["sandbox_id"], seen["waiting"] = root.name, waiting_launchers()
+        await asyncio.sleep(0.2)  # the chain is in its cgroup by now
+        seen["sandbox_id"] = root.name
+        seen["chain"] = {
+            int(pid)
+            for d in leaks.sandbox_cgroup_dirs(manager, root.name)
+            for pid in (d / "cgroup.procs").read_text().split()
+        }
         raise SandboxStartError("no disk today")
 
     Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10).kill()  # set-up
@@ -746,9 +752,9 @@ def test_a_create_that_fails_while_its_launcher_waits_leaves_nothing(
     monkeypatch.setattr(bwrap_module, "make_volume", no_disk)
     with pytest.raises(SandboxError, match="no disk today"):
         Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
-    assert len(seen["waiting"]) == 1, seen
+    assert seen["chain"], seen
     assert waiting_launchers() == []
-    assert not Path(f"/proc/{seen['waiting'][0]}").exists()
+    assert not [pid for pid in seen["chain"] if leaks.running(pid)], seen
     assert not any(d.exists() for d in leaks.sandbox_cgroup_dirs(manager, seen["sandbox_id"]))
     assert set(backend.sandboxes_dir.iterdir()) == before
     monkeypatch.undo()

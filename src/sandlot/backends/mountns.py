@@ -5,8 +5,9 @@ flags to submounts), so its ~40 binds over ``/proc``'s host-wide entries cost ~9
 CPU of its ~16 ms start, on every create (BENCHMARKS.md, issue 13). The kernel's mount API
 makes the same read-only bind in three syscalls: the manager clones each mask from the host
 (``open_tree``), makes the clone read-only (``mount_setattr``), enters the sandbox's mount
-namespace from a short-lived thread and attaches it there (``move_mount``). The devpts cap
-(:mod:`sandlot.backends.devpts`) runs in the same visit.
+namespace from a short-lived thread and attaches it there (``move_mount``). The sandbox's
+volume (/workspace, /tmp) is attached the same way, so that it can be made while bwrap starts,
+and the devpts cap (:mod:`sandlot.backends.devpts`) runs in the same visit.
 
 Needs CAP_SYS_ADMIN over the sandbox's user namespace (root's backends) and Linux >= 5.12
 (``mount_setattr``); :func:`supported` says whether this host has both, and where it has
@@ -57,7 +58,8 @@ class _MountAttr(ctypes.Structure):
 
 
 class Mask(NamedTuple):
-    """A read-only bind of ``source`` (a host path) over ``target`` (a path inside)."""
+    """A bind of ``source`` (a host path) over ``target`` (a path inside): read-only, unless
+    cloned writable (:func:`clone_all`)."""
 
     source: str
     target: str
@@ -70,10 +72,10 @@ def clone_read_only(source: str) -> int:
     return _clone(source, sealed, "read-only")
 
 
-def clone_private(source: str) -> int:
-    """A detached bind of ``source`` with its flags as they are, mount-private: an fd for
-    :func:`attach`, to be closed by the caller."""
-    return _clone(source, 0, "private")
+def clone_writable(source: str) -> int:
+    """A detached, writable, nosuid, nodev bind of ``source`` (as bwrap's ``--bind`` makes
+    one): an fd for :func:`attach`, to be closed by the caller."""
+    return _clone(source, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, "nosuid")
 
 
 def _clone(source: str, attr_set: int, what: str) -> int:
@@ -206,14 +208,15 @@ def in_thread(visit: Callable[[], None], failure: list[BaseException]) -> None:
         raise failure[0]
 
 
-def clone_all(masks: Sequence[Mask]) -> list[tuple[int, str]]:
+def clone_all(masks: Sequence[Mask], *, writable: bool = False) -> list[tuple[int, str]]:
     """Each mask cloned from the host (in the manager's namespace, before entering the
-    sandbox's): ``(fd, target)`` pairs for :func:`attach_all`; close them with
-    :func:`close_all`."""
+    sandbox's), read-only unless ``writable``: ``(fd, target)`` pairs for
+    :func:`attach_all`; close them with :func:`close_all`."""
+    clone = clone_writable if writable else clone_read_only
     clones: list[tuple[int, str]] = []
     try:
         for mask in masks:
-            clones.append((clone_read_only(mask.source), mask.target))
+            clones.append((clone(mask.source), mask.target))
     except BaseException:
         close_all(clones)
         raise

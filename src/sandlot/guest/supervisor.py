@@ -225,6 +225,12 @@ def supervisor_main():
         pass  # the rewarm below starts a fresh interpreter instead
     # The key only after that fork: the kernel runs the sandbox's code and must never hold it.
     from_host = take_key(writer)
+    # Again, now: bwrap started us in /workspace before the host attached the sandbox's volume
+    # over it (bubblewrap/backend.py), and the volume is there before the key is sent.
+    try:
+        os.chdir(WORKSPACE)
+    except OSError:
+        pass
     supervisor.kernel.open_gate()
     if become_subreaper():
         threads.start(reap_orphans_forever, watch_children())

@@ -120,7 +120,8 @@ ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
 # the sandbox uid, so the process (and everything it will ever fork) is inside the cgroup
 # before a single instruction of sandbox code runs. Then it waits for "go" on stdin (sh's
 # `read` takes a pipe a byte at a time in dash, bash and busybox: nothing after it is eaten;
-# EOF, a manager gone, ends it), while the manager makes the sandbox's disk and files. It
+# EOF, a manager gone, ends it), while the manager makes the sandbox's network (and, where
+# bwrap binds them, its disk and files: otherwise they are made while bwrap starts). It
 # writes "0", itself, to Cgroup.enter_files: on v1 its thread's `tasks`, which the kernel
 # moves without waiting out an RCU grace period (7-20 ms a create through cgroup.procs,
 # BENCHMARKS.md); on v2, cgroup.procs, whose wait the disk's making overlaps.
@@ -162,9 +163,11 @@ class _Box:
     system: Path | None = None  # the environment's tree bound as /; None: the host's /usr
     # The sandbox's own CPU quota while its guest starts under START_CPU_CORES; None once set.
     cpu_cores_after_start: float | None = None
-    # Its volume is mounted in the launch namespace too (launchns.py), until bwrap has made
-    # the sandbox's own.
-    in_launch_ns: bool = False
+
+    @property
+    def tmp(self) -> Path:
+        """Its /tmp on the host: beside the workspace, on the same volume (volume_paths)."""
+        return self.workspace.parent / "tmp"
 
 
 def _traversable_by_others(path: Path) -> Path | None:
@@ -310,8 +313,7 @@ class BubblewrapBackend:
             # Only a restart re-enters the cgroup (after a fork bomb, say): leave the fresh
             # guest room to start its interpreter and run a command.
             await asyncio.to_thread(box.cgroup.wait_for_headroom, GUEST_PIDS_HEADROOM)
-            # The new bwrap starts in the launch namespace too, which its volume has left.
-            box.guest = await self._spawn(box, spec, before_go=lambda: self._enter_launch_ns(box))
+            box.guest = await self._spawn(box, spec)
         assert box.guest is not None
         return box.guest
 
@@ -388,13 +390,15 @@ class BubblewrapBackend:
                 traverse_gid=uid,
             )
             write_proc_files(root / "proc", limits.memory_bytes)
-            if spec.network:
-                await self._make_network(box)
-            await self._enter_launch_ns(box)
 
         try:
-            # The launcher enters the cgroup while the files are made (PLACE_IN_CGROUP).
-            box.guest = await self._spawn(box, spec, before_go=make_files)
+            box.guest = await self._spawn(
+                box,
+                spec,
+                # bwrap starts in the sandbox's network namespace: it must exist before.
+                before_go=(lambda: self._make_network(box)) if spec.network else None,
+                files=make_files,
+            )
         except BaseException:
             await self.stop(spec.sandbox_id)
             raise
@@ -415,8 +419,11 @@ class BubblewrapBackend:
         seccomp_fd: int,
         info_fd: int | None = None,
         *,
-        bwrap_masks: bool = True,
+        manager_mounts: bool = False,
     ) -> list[str]:
+        """bwrap's argv; with ``manager_mounts`` the manager attaches /proc's masks and the
+        volume (/workspace, /tmp) once bwrap has made the namespace (:meth:`_mount_inside`),
+        and bwrap only makes their mount points."""
         argv = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns"]
         if info_fd is not None:
             argv += ["--info-fd", str(info_fd)]  # the sandbox's first pid, for devpts.py
@@ -443,10 +450,8 @@ class BubblewrapBackend:
             "--dev",
             "/dev",
             # Where it can, the manager puts the masks in itself, cheaper (_finish_namespace).
-            *(self._proc_masks(box) if bwrap_masks else []),
-            "--bind",
-            str(box.workspace.parent / "tmp"),
-            "/tmp",
+            *([] if manager_mounts else self._proc_masks(box)),
+            *(["--dir", "/tmp"] if manager_mounts else ["--bind", str(box.tmp), "/tmp"]),
         ]
         # The generated identity files over the tree's own (its mount points exist: rootfs.py).
         argv += [] if box.system is not None else ["--dir", "/etc"]
@@ -457,10 +462,11 @@ class BubblewrapBackend:
         for path in etc_binds + (ETC_NETWORK_BINDS if spec.network else ()):
             if Path(path).exists():
                 argv += ["--ro-bind", path, path]
+        if manager_mounts:
+            argv += ["--dir", WORKSPACE_INSIDE]
+        else:
+            argv += ["--bind", str(box.workspace), WORKSPACE_INSIDE]
         argv += [
-            "--bind",
-            str(box.workspace),
-            WORKSPACE_INSIDE,
             "--ro-bind",
             str(self._guest_dir),
             GUEST_DIR_INSIDE,
@@ -512,7 +518,7 @@ class BubblewrapBackend:
         seccomp_fd: int,
         info_fd: int | None,
         *,
-        bwrap_masks: bool,
+        manager_mounts: bool,
     ) -> list[str]:
         """sh (into the cgroup, then the wait for "go"), nsenter or setpriv (to the sandbox's
         uid), bwrap and the guest."""
@@ -536,12 +542,13 @@ class BubblewrapBackend:
                 *self._bwrap_argv(box, spec, seccomp_fd),
             ]
         enter = [f"--net={box.net.path}"] if box.net is not None else []
-        # Made here on the first create, before any volume of its is mounted: a launcher
-        # built before the pin existed started bwrap in the manager's namespace.
-        pin = self._launch_pin()
+        # Made here on the first create: a launcher built before the pin existed started bwrap
+        # in the manager's namespace. Only where the manager attaches the volume: the launch
+        # namespace has none for bwrap to bind.
+        pin = self._launch_pin() if manager_mounts else None
         if pin is not None:
             enter.append(f"--mount={pin}")
-        bwrap = self._bwrap_argv(box, spec, seccomp_fd, info_fd, bwrap_masks=bwrap_masks)
+        bwrap = self._bwrap_argv(box, spec, seccomp_fd, info_fd, manager_mounts=manager_mounts)
         if enter:
             # nsenter drops to the sandbox's uid itself once inside (setgroups(0), setgid,
             # setuid, as setpriv does): one exec fewer per create (~1.5 ms of CPU). Its
@@ -566,23 +573,26 @@ class BubblewrapBackend:
         spec: GuestSpec,
         *,
         before_go: Callable[[], Awaitable[None]] | None = None,
+        files: Callable[[], Awaitable[None]] | None = None,
     ) -> GuestProcess:
         """Start the chain (sh into the cgroup, nsenter or setpriv, bwrap, the guest); it waits
-        after the cgroup until ``before_go`` has run (the sandbox's files: bwrap needs them)."""
+        after the cgroup until ``before_go`` has run. ``files`` makes the sandbox's volume and
+        /proc files: while bwrap starts, where the manager mounts them itself (root, with the
+        mount API), else before "go" (bwrap binds them)."""
         read_fd, write_fd = os.pipe()
         try:
             os.write(write_fd, build_filter(spec.network))
         finally:
             os.close(write_fd)
         # As root, the manager masks /proc and bounds the sandbox's terminals once bwrap has
-        # made its own mounts (where this kernel has the mount API): bwrap says on this pipe
-        # which pid is the sandbox's first.
+        # made its own mounts (where this kernel has the mount API, it also attaches the
+        # volume then): bwrap says on this pipe which pid is the sandbox's first.
         info_r, info_w = (-1, -1) if self.rootless else os.pipe()
         info_fd = None if self.rootless else info_w
-        # Without the mount API (Linux < 5.12) bwrap makes the masks itself; the terminal cap
-        # is the manager's either way.
-        masks = self._masks(box) if info_fd is not None and mountns.supported() else []
-        argv = self._chain_argv(box, spec, read_fd, info_fd, bwrap_masks=not masks)
+        # Without the mount API (Linux < 5.12) bwrap makes the masks and binds the volume
+        # itself; the terminal cap is the manager's either way.
+        manager_mounts = info_fd is not None and mountns.supported()
+        argv = self._chain_argv(box, spec, read_fd, info_fd, manager_mounts=manager_mounts)
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -609,22 +619,75 @@ class BubblewrapBackend:
                 os.close(info_r)
             raise
         try:
-            try:
-                if before_go is not None:
-                    await before_go()
-                await self._go(process, guest)
-            except BaseException:
-                if info_fd is not None:
+            if info_fd is None:
+                await self._go_after(process, guest, before_go, files)
+            elif not manager_mounts:
+                try:
+                    await self._go_after(process, guest, before_go, files)
+                except BaseException:
                     os.close(info_r)  # nobody will read it: bwrap never ran
-                raise
-            if info_fd is not None:
-                await asyncio.to_thread(self._finish_namespace, info_r, process.pid, masks, box)
+                    raise
+                await asyncio.to_thread(self._finish_namespace, info_r, process.pid, box)
+            else:
+                await self._go_then_mount(process, guest, info_r, box, before_go, files)
         except BaseException:
             guest.kill()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(guest.wait(), 5.0)
             raise
         return guest
+
+    async def _go_after(
+        self,
+        process: asyncio.subprocess.Process,
+        guest: GuestProcess,
+        *steps: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        for step in steps:
+            if step is not None:
+                await step()
+        await self._go(process, guest)
+
+    async def _go_then_mount(
+        self,
+        process: asyncio.subprocess.Process,
+        guest: GuestProcess,
+        info_r: int,
+        box: _Box,
+        before_go: Callable[[], Awaitable[None]] | None,
+        files: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        """Let bwrap make the namespace while the volume is made (its ~4 ms were on every
+        create's path), then attach the volume and the masks in it. The guest starts its
+        interpreter meanwhile; it runs nothing of the sandbox's before the host's key, which
+        comes after this returns, and it enters /workspace only then (supervisor.py)."""
+        try:
+            if before_go is not None:
+                await before_go()
+            await self._go(process, guest)
+        except BaseException:
+            os.close(info_r)  # nobody will read it: bwrap never ran
+            raise
+        first = asyncio.ensure_future(asyncio.to_thread(self._first_pid, info_r))
+        try:
+            if files is not None:
+                await files()
+        except BaseException:
+            guest.kill()  # bwrap's end closes the pipe the thread reads
+            with contextlib.suppress(BaseException):
+                await first
+            raise
+        try:
+            pid = await first
+        except SandboxStartError:
+            # A launcher that ended before bwrap named the sandbox's first process (it could
+            # not enter its cgroup, say) says why on stderr.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(guest.wait(), 1.0)
+            if process.returncode is None:
+                raise
+            raise self._launcher_failed(process, guest) from None
+        await asyncio.to_thread(self._mount_inside, pid, process.pid, box, manager_mounts=True)
 
     @staticmethod
     async def _go(process: asyncio.subprocess.Process, guest: GuestProcess) -> None:
@@ -637,28 +700,52 @@ class BubblewrapBackend:
         except (BrokenPipeError, ConnectionResetError) as exc:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(guest.wait(), 5.0)
-            why = guest.stderr_tail() or f"exit status {process.returncode}"
-            raise SandboxStartError(f"the sandbox's launcher failed: {why}") from exc
+            raise BubblewrapBackend._launcher_failed(process, guest) from exc
 
-    def _finish_namespace(
-        self, info_fd: int, bwrap_pid: int, masks: list[mountns.Mask], box: _Box
-    ) -> None:
-        """Once bwrap has exec'd the guest (its mounts made), take the sandbox's volume out of
-        the launch namespace, put in ``masks`` (/proc's host-wide entries, unless bwrap made
-        them) and cap the devpts instance. The guest runs no code of the sandbox's before
-        the host sends its key, which comes after this returns."""
+    @staticmethod
+    def _launcher_failed(
+        process: asyncio.subprocess.Process, guest: GuestProcess
+    ) -> SandboxStartError:
+        why = guest.stderr_tail() or f"exit status {process.returncode}"
+        return SandboxStartError(f"the sandbox's launcher failed: {why}")
+
+    @staticmethod
+    def _first_pid(info_fd: int) -> int:
+        """The sandbox's first pid, once bwrap has made its mounts and exec'd the guest."""
         try:
             pid = read_child_pid(info_fd, START_TIMEOUT_S)
         finally:
             os.close(info_fd)
         wait_for_exec(pid, "bwrap", START_TIMEOUT_S)
-        self._leave_launch_ns(box)
+        return pid
+
+    def _finish_namespace(self, info_fd: int, bwrap_pid: int, box: _Box) -> None:
+        """Where bwrap made the masks and bound the volume: bound the terminals only."""
+        pid = self._first_pid(info_fd)
+        self._mount_inside(pid, bwrap_pid, box, manager_mounts=False)
+
+    def _mount_inside(self, pid: int, bwrap_pid: int, box: _Box, *, manager_mounts: bool) -> None:
+        """In the sandbox's mount namespace (``pid``'s, bwrap's child), attach the volume
+        (/workspace and /tmp, nosuid and nodev as bwrap's binds) and /proc's masks, if
+        ``manager_mounts``, and cap its devpts instance. The guest runs no code of the sandbox's
+        before the host sends its key, which comes after this returns."""
         max_ptys = self.settings.max_ptys
         remount = remounter(max_ptys, BWRAP_OPTIONS)
+        mounts = []
+        if manager_mounts:
+            mounts = [
+                mountns.Mask(str(box.workspace), WORKSPACE_INSIDE),
+                mountns.Mask(str(box.tmp), "/tmp"),
+            ]
         try:
-            clones = mountns.clone_all(masks)
+            clones = mountns.clone_all(self._masks(box) if manager_mounts else [])
+            try:
+                clones += mountns.clone_all(mounts, writable=True)
+            except BaseException:
+                mountns.close_all(clones)
+                raise
         except OSError as exc:
-            raise SandboxStartError(f"could not prepare the sandbox's /proc masks: {exc}") from exc
+            raise SandboxStartError(f"could not prepare the sandbox's mounts: {exc}") from exc
 
         def work() -> None:
             mountns.attach_all(clones)
@@ -668,10 +755,11 @@ class BubblewrapBackend:
             # The launchers before bwrap (sh, setpriv, nsenter) exec it: our child is bwrap.
             mountns.run_inside(pid, work, parent=bwrap_pid)
         except OSError as exc:
-            # The sandbox must not run with /proc unmasked or its terminals unbounded.
+            # The sandbox must not run without its volume, with /proc unmasked or with its
+            # terminals unbounded.
             raise SandboxStartError(
-                f"could not mask the sandbox's /proc and bound its terminals "
-                f"(devpts max={max_ptys}): {exc}"
+                f"could not mount the sandbox's volume, mask its /proc and bound its "
+                f"terminals (devpts max={max_ptys}): {exc}"
             ) from exc
         finally:
             mountns.close_all(clones)
@@ -741,20 +829,6 @@ class BubblewrapBackend:
         ]
         return sorted({p for path in paths for p in (path, os.path.realpath(path))})
 
-    async def _enter_launch_ns(self, box: _Box) -> None:
-        """Mount the box's volume in the launch namespace, for its bwrap to bind."""
-        pin = self._launch_pin()
-        volume = box.root / "volume"
-        if pin is not None and not box.in_launch_ns and os.path.ismount(volume):
-            await asyncio.to_thread(launchns.add_volume, pin, volume)
-            box.in_launch_ns = True
-
-    def _leave_launch_ns(self, box: _Box) -> None:
-        """Unmount the box's volume from the launch namespace: it holds the loop device."""
-        if box.in_launch_ns and self._launch_ns is not None:
-            launchns.remove_volume(self._launch_ns, box.root / "volume")
-            box.in_launch_ns = False
-
     async def halt(self, sandbox_id: str) -> None:
         box = self._boxes.get(sandbox_id)
         if box is not None and not await self._end_guest(box):
@@ -768,13 +842,6 @@ class BubblewrapBackend:
             await self._remove_leftovers(sandbox_id)
             return
         await self._end_guest(box)
-        if box.in_launch_ns:
-            try:
-                await asyncio.to_thread(self._leave_launch_ns, box)
-            except OSError as exc:
-                log.warning(
-                    "volume left in the launch namespace", sandbox=sandbox_id, error=str(exc)
-                )
         await asyncio.to_thread(box.cgroup.remove)
         if box.net is not None:
             await netns.remove(box.net.name, box.net.veth)

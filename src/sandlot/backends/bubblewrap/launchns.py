@@ -7,8 +7,8 @@ namespace every live sandbox has its workspace mounted, so each create cost more
 last: 49 ms with none live, 124-158 ms with 750-999 (``bench/scale.py``, BENCHMARKS.md; the
 kernel's mount table printing and bwrap's parsing were most of it). The launchers enter this
 namespace instead (``nsenter --mount``): a private copy of the host's, made when the backend
-first starts a sandbox, in which a new sandbox's volume is mounted only from just before its
-bwrap starts until bwrap has made the sandbox's own namespace.
+first starts a sandbox, in which no sandbox's volume is ever mounted (the manager attaches a
+new sandbox's volume in its own namespace once bwrap has made it: ``mountns.py``).
 
 Pinned by a bind mount of its namespace file at ``<instance dir>/launch-ns`` (so it outlives
 the thread that made it, and a crashed manager's is found and removed by the next start's
@@ -189,17 +189,3 @@ def run_in(pin: Path, work: Callable[[], None]) -> None:
             failure.append(exc)
 
     mountns.in_thread(visit, failure)
-
-
-def add_volume(pin: Path, volume: Path) -> None:
-    """Mount a clone of the host's ``volume`` mount at the same path in the namespace."""
-    clone = mountns.clone_private(str(volume))
-    try:
-        run_in(pin, lambda: mountns.attach(clone, str(volume)))
-    finally:
-        os.close(clone)
-
-
-def remove_volume(pin: Path, volume: Path) -> None:
-    """Unmount ``volume`` there (the sandbox's own namespace keeps its copy); idempotent."""
-    run_in(pin, lambda: mountns.detach(str(volume), missing_ok=True))
