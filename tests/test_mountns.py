@@ -91,3 +91,43 @@ def test_a_failure_of_any_kind_inside_the_visit_reaches_the_caller() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+SYMLINK_SOURCE = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from sandlot.backends import mountns
+    top = Path(sys.argv[1])
+    (top / "elsewhere").mkdir()
+    (top / "elsewhere" / "secret").write_text("not the sandbox's")
+    (top / "workspace").symlink_to(top / "elsewhere")
+    (top / "target").mkdir()
+    outcome = []
+    for clone in (mountns.clone_writable, mountns.clone_read_only):
+        fd = clone(str(top / "workspace"))
+        try:
+            mountns.attach(fd, str(top / "target"))
+            outcome.append(sorted(os.listdir(top / "target")))
+        except OSError as exc:
+            outcome.append(exc.errno)
+        finally:
+            os.close(fd)
+    print(repr(outcome))
+    """
+)
+
+
+def test_a_clone_of_a_symlink_never_mounts_what_it_names(tmp_path: Path) -> None:
+    """The manager clones a sandbox's volume directories by their host paths: were one a
+    symlink, a followed clone would mount wherever it points inside the sandbox."""
+    in_own_namespace = ["unshare", "--mount", "--propagation", "private"]
+    out = subprocess.run(
+        [*in_own_namespace, sys.executable, "-c", SYMLINK_SOURCE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(mountns.__file__).parents[2])},
+    ).stdout
+    outcome = ast.literal_eval(out)
+    assert all(isinstance(o, int) for o in outcome), outcome  # refused, not ['secret']

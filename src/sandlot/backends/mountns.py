@@ -29,6 +29,7 @@ CLONE_FS = 0x00000200
 CLONE_NEWNS = 0x00020000
 AT_FDCWD = -100
 AT_EMPTY_PATH = 0x1000
+AT_SYMLINK_NOFOLLOW = 0x100
 OPEN_TREE_CLONE = 0x1
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY = 0x1
@@ -79,9 +80,10 @@ def clone_writable(source: str) -> int:
 
 
 def _clone(source: str, attr_set: int, what: str) -> int:
-    fd = int(
-        _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source), OPEN_TREE_CLONE | os.O_CLOEXEC)
-    )
+    # A symlink at ``source`` is cloned as itself, never followed: attached over a directory
+    # it fails, where a followed one would mount whatever it names.
+    flags = OPEN_TREE_CLONE | os.O_CLOEXEC | AT_SYMLINK_NOFOLLOW
+    fd = int(_libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(source), flags))
     if fd < 0:
         raise OSError(ctypes.get_errno(), f"open_tree({source})")
     # Private: a clone of a path on a shared mount (systemd's default for /) joins that
