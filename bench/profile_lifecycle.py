@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import inspect
 import os
 import shutil
 import sys
@@ -31,20 +32,35 @@ for _var in list(os.environ):
         del os.environ[_var]
 
 import sandlot.backends.bubblewrap.backend as bw  # noqa: E402
+import sandlot.core.guest_link as guest_link  # noqa: E402
 import sandlot.core.live as live_module  # noqa: E402
 from sandlot import SandboxManager, Settings  # noqa: E402
 from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
 
 PHASES_MS: dict[str, list[float]] = {}
+# Each step's begin and end, in ms since its lifecycle's create began (the timeline).
+SPANS_MS: dict[str, list[tuple[float, float]]] = {}
+LIFECYCLE_T0 = [0.0]
 
 
 def record(name: str, ms: float) -> None:
     PHASES_MS.setdefault(name, []).append(ms)
 
 
+def _recorded(name: str, started: float) -> None:
+    ended = time.perf_counter()
+    record(name, (ended - started) * 1000)
+    t0 = LIFECYCLE_T0[0]
+    SPANS_MS.setdefault(name, []).append(((started - t0) * 1000, (ended - t0) * 1000))
+
+
 def timed(owner: Any, attr: str, name: str) -> None:
-    """Replace ``owner.attr`` (sync or async) by a wrapper that records its wall time."""
+    """Replace ``owner.attr`` (sync or async, static or not) by a wrapper that records its
+    wall time; an ``attr`` this tree lacks is left out (to compare two trees)."""
+    if not hasattr(owner, attr):
+        return
     original: Callable[..., Any] = getattr(owner, attr)
+    wrapped: Callable[..., Any]
     if asyncio.iscoroutinefunction(original):
 
         @functools.wraps(original)
@@ -53,9 +69,9 @@ def timed(owner: Any, attr: str, name: str) -> None:
             try:
                 return await original(*args, **kwargs)
             finally:
-                record(name, (time.perf_counter() - started) * 1000)
+                _recorded(name, started)
 
-        setattr(owner, attr, async_wrapper)
+        wrapped = async_wrapper
     else:
 
         @functools.wraps(original)
@@ -64,9 +80,13 @@ def timed(owner: Any, attr: str, name: str) -> None:
             try:
                 return original(*args, **kwargs)
             finally:
-                record(name, (time.perf_counter() - started) * 1000)
+                _recorded(name, started)
 
-        setattr(owner, attr, wrapper)
+        wrapped = wrapper
+    if isinstance(inspect.getattr_static(owner, attr), staticmethod):
+        setattr(owner, attr, staticmethod(wrapped))
+    else:
+        setattr(owner, attr, wrapped)
 
 
 def instrument() -> None:
@@ -76,9 +96,17 @@ def instrument() -> None:
     timed(bw, "make_volume", "create: the workspace volume (mkfs, loop, mount)")
     timed(bw, "write_proc_files", "create: /proc files")
     timed(bw.BubblewrapBackend, "_spawn", "create: spawn the bwrap chain")
+    timed(bw.BubblewrapBackend, "_go", "create: 'go' to the launcher")
+    timed(bw.BubblewrapBackend, "_first_pid", "create: bwrap's namespace, until the guest's exec")
+    timed(bw.BubblewrapBackend, "_mount_inside", "create: the manager's mounts inside")
+    timed(guest_link.GuestConnection, "wait_ready", "create: the guest's ready")
     timed(bw.BubblewrapBackend, "stop", "destroy: backend.stop")
     timed(bw.BubblewrapBackend, "_end_guest", "destroy: end the guest")
     timed(bw, "remove_volume", "destroy: unmount and remove the volume")
+
+
+def _p50(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def _cpuacct_s(cgroup: Any) -> float:
@@ -95,8 +123,9 @@ async def profile(args: argparse.Namespace, data_dir: Path) -> None:
         backend: Any = manager._backend("bubblewrap")
         instance = backend.cgroups.path(*backend._cgroup_prefix, backend.instance)
         before, cgroups_before = os.times(), _cpuacct_s(instance)
+        SPANS_MS.clear()
         for _ in range(args.lifecycles):
-            t0 = time.perf_counter()
+            t0 = LIFECYCLE_T0[0] = time.perf_counter()
             info = await manager.create(spec)
             t1 = time.perf_counter()
             own = backend.cgroups.path(*backend._cgroup_parts(info.id))
@@ -117,6 +146,12 @@ async def profile(args: argparse.Namespace, data_dir: Path) -> None:
     for name, values in sorted(PHASES_MS.items()):
         ordered = sorted(values)
         print(f"{name:55s} p50 {ordered[len(ordered) // 2]:7.1f} ms  n={len(ordered)}")
+    # The destroy's steps are left out: they run after it returns, during the next create.
+    print("the create's timeline, p50 ms since it began: begins -> ends")
+    creates = [(n, spans) for n, spans in SPANS_MS.items() if n.startswith("create:")]
+    for name, spans in sorted(creates, key=lambda item: _p50([b for b, _ in item[1]])):
+        begins, ends = _p50([b for b, _ in spans]), _p50([e for _, e in spans])
+        print(f"  {name:53s} {begins:6.1f} -> {ends:6.1f}")
     own_cpu = after.user + after.system - before.user - before.system
     children = (
         after.children_user + after.children_system - before.children_user - before.children_system
