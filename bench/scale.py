@@ -151,6 +151,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.monotonic()
             await asyncio.gather(*(manager.destroy(sid) for sid in ids))
             report["destroy_s"] = round(time.monotonic() - t0, 1)
+            # A destroy returns before its teardown (disk, cgroup, uid), which runs after it.
+            await manager.settle()
+            report["destroy_and_teardown_s"] = round(time.monotonic() - t0, 1)
             # Everything the sandboxes held must be gone: compare with an empty host.
             report["leaked"] = leaks.wait_for_baseline(manager, leaks.Snapshot(), timeout_s=10)
             report["held_while_live"] = baseline.counts()
