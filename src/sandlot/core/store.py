@@ -226,7 +226,7 @@ class Store:
         :meth:`drop_artifact` gives the room back."""
         with self._lock, write_transaction(self._db):
             if limit_bytes is not None:
-                used = self._artifact_bytes(owner, time.time() - PENDING_ARTIFACT_TTL_S)
+                used = self._artifact_bytes(owner)
                 if used + size_bytes > limit_bytes:
                     return False
             self._db.execute(
@@ -264,11 +264,12 @@ class Store:
     def artifact_bytes(self, owner: str) -> int:
         """Bytes of artifacts kept, or being copied, for all of ``owner``'s sandboxes."""
         with self._lock:
-            return self._artifact_bytes(owner, time.time() - PENDING_ARTIFACT_TTL_S)
+            return self._artifact_bytes(owner)
 
-    def _artifact_bytes(self, owner: str, pending_since: float) -> int:
+    def _artifact_bytes(self, owner: str) -> int:
         # A reservation older than the TTL is a copy its process never finished (it died):
         # it no longer counts.
+        pending_since = time.time() - PENDING_ARTIFACT_TTL_S
         row = self._db.execute(
             "SELECT COALESCE(SUM(a.size_bytes), 0) FROM artifacts a "
             "JOIN sandboxes s ON s.id = a.sandbox_id WHERE s.owner=? "

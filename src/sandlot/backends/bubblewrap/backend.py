@@ -364,7 +364,7 @@ class BubblewrapBackend:
                 cgroup = await asyncio.to_thread(driver.create, parts, limits)
         except OSError as exc:
             if lock_fd is not None:
-                UidAllocator.release(lock_fd)
+                unlock(lock_fd)
             raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         box.system = system
@@ -618,18 +618,15 @@ class BubblewrapBackend:
             if info_fd is not None:
                 os.close(info_r)
             raise
+        # Where the manager mounts, the files are made while bwrap starts; else bwrap binds
+        # them, so they are made first.
+        before = (before_go,) if manager_mounts else (before_go, files)
         try:
-            if info_fd is None:
-                await self._go_after(process, guest, before_go, files)
-            elif not manager_mounts:
-                try:
-                    await self._go_after(process, guest, before_go, files)
-                except BaseException:
-                    os.close(info_r)  # nobody will read it: bwrap never ran
-                    raise
+            await self._go_after(before, process, guest, None if info_fd is None else info_r)
+            if manager_mounts:
+                await self._mount_while_bwrap_starts(process, guest, info_r, box, files)
+            elif info_fd is not None:
                 await asyncio.to_thread(self._finish_namespace, info_r, process.pid, box)
-            else:
-                await self._go_then_mount(process, guest, info_r, box, before_go, files)
         except BaseException:
             guest.kill()
             with contextlib.suppress(Exception):
@@ -639,35 +636,35 @@ class BubblewrapBackend:
 
     async def _go_after(
         self,
+        steps: tuple[Callable[[], Awaitable[None]] | None, ...],
         process: asyncio.subprocess.Process,
         guest: GuestProcess,
-        *steps: Callable[[], Awaitable[None]] | None,
+        info_r: int | None,
     ) -> None:
-        for step in steps:
-            if step is not None:
-                await step()
-        await self._go(process, guest)
+        """Run ``steps``, then let the launcher go on; if either fails, close ``info_r``
+        (bwrap never ran: nobody will read it)."""
+        try:
+            for step in steps:
+                if step is not None:
+                    await step()
+            await self._go(process, guest)
+        except BaseException:
+            if info_r is not None:
+                os.close(info_r)
+            raise
 
-    async def _go_then_mount(
+    async def _mount_while_bwrap_starts(
         self,
         process: asyncio.subprocess.Process,
         guest: GuestProcess,
         info_r: int,
         box: _Box,
-        before_go: Callable[[], Awaitable[None]] | None,
         files: Callable[[], Awaitable[None]] | None,
     ) -> None:
-        """Let bwrap make the namespace while the volume is made (its ~4 ms were on every
-        create's path), then attach the volume and the masks in it. The guest starts its
+        """Make the volume while bwrap makes the namespace (the ~4 ms of the volume were on
+        every create's path), then attach it and the masks there. The guest starts its
         interpreter meanwhile; it runs nothing of the sandbox's before the host's key, which
         comes after this returns, and it enters /workspace only then (supervisor.py)."""
-        try:
-            if before_go is not None:
-                await before_go()
-            await self._go(process, guest)
-        except BaseException:
-            os.close(info_r)  # nobody will read it: bwrap never ran
-            raise
         first = asyncio.ensure_future(asyncio.to_thread(self._first_pid, info_r))
         try:
             if files is not None:
@@ -849,7 +846,7 @@ class BubblewrapBackend:
             unlock(box.net_lock_fd)  # only once the network is gone
         await remove_volume(box.root)
         if box.uid_lock_fd is not None:
-            UidAllocator.release(box.uid_lock_fd)
+            unlock(box.uid_lock_fd)
 
     async def _remove_leftovers(self, sandbox_id: str) -> None:
         cgroup = self.cgroups.path(*self._cgroup_parts(sandbox_id))

@@ -40,10 +40,6 @@ class UidAllocator:
             "raise SANDBOX_UID_COUNT or destroy sandboxes"
         )
 
-    @staticmethod
-    def release(fd: int) -> None:
-        unlock(fd)
-
 
 def lock_first_free(lock_dir: Path, numbers: Iterable[int]) -> tuple[int, int] | None:
     """The first of ``numbers`` whose lock file in ``lock_dir`` no live process holds, and
