@@ -22,7 +22,7 @@ import ctypes
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from sandlot.backends import mountns
@@ -167,25 +167,3 @@ def drop(pin: Path) -> None:
     mountns.detach(str(pin), missing_ok=True)
     with contextlib.suppress(FileNotFoundError):
         pin.unlink()
-
-
-def run_in(pin: Path, work: Callable[[], None]) -> None:
-    """Run ``work`` in the launch namespace pinned at ``pin`` (a thread of its own).
-
-    Raises:
-        OSError: it could not be entered, or ``work`` failed; anything else ``work`` raised.
-    """
-    failure: list[BaseException] = []
-
-    def visit() -> None:
-        try:
-            fd = os.open(pin, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                mountns.enter(fd, str(pin))
-                work()
-            finally:
-                os.close(fd)
-        except BaseException as exc:
-            failure.append(exc)
-
-    mountns.in_thread(visit, failure)
