@@ -294,8 +294,10 @@ async def test_a_store_from_before_instances_is_migrated_once(data_root: Path) -
     )
     try:
         assert stores[0].instance_of("sb-old") == ""  # the pre-instance sandlot's record
+        assert stores[0].artifact_limit("sb-old") is None  # made with no quota recorded
         columns = [row[1] for row in sqlite3.connect(path).execute("PRAGMA table_info(sandboxes)")]
-        assert columns.count("instance") == 1
+        for added in ("instance", "held", "artifact_limit_bytes"):
+            assert columns.count(added) == 1
     finally:
         for store in stores:
             store.close()

@@ -271,6 +271,24 @@ async def test_quota_holds_through_the_ledger(cluster: ClusterManager) -> None:
     await cluster.destroy(second.id)
 
 
+async def test_the_artifact_quota_holds_through_the_node(cluster: ClusterManager) -> None:
+    # Failed before: the node's manager was never given the quota, and both sandboxes kept
+    # both files (1.6 MB against a 1 MiB quota).
+    quota = Quota(max_sandboxes=5, max_memory_mb=100_000, max_artifact_mb=1)
+    big = "import os\nos.makedirs('artifacts')\n"
+    big += "for n in 'ab': open(f'artifacts/{n}.bin', 'wb').write(os.urandom(400_000))"
+    ids = []
+    for _ in range(2):
+        info = await cluster.create(SandboxSpec(), owner="keeps", quota=quota)
+        ids.append(info.id)
+        assert (await cluster.run_code(info.id, RunCode(code=big))).exit_code == 0
+        await cluster.destroy(info.id)
+    kept = [a for i in ids for a in await cluster.list_artifacts(i)]
+    assert len(kept) == 2 and sum(a.size_bytes for a in kept) <= 1 << 20
+    for i in ids:
+        await cluster.delete_artifacts(i)
+
+
 async def test_a_hung_node_is_lost_within_the_runs_timeout_and_the_bound(ray_node: Path) -> None:
     settings = make_settings(
         ray_node / "server", ray_namespace=NAMESPACE, allow_unsafe=False, ray_call_timeout_s=2.0

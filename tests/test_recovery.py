@@ -24,11 +24,13 @@ from tests.conftest import make_settings, placement
 CRASHER = """
 import asyncio, json, os, sys
 from sandlot import SandboxManager
+from sandlot.models import Quota
 from sandlot.requests import RunCode, RunCommand, SandboxSpec
 from tests.conftest import make_settings
 
 async def main():
-    data_dir, count, pool_size, target, pools = sys.argv[1:6]
+    data_dir, count, pool_size, target, pools, quota, extra = sys.argv[1:8]
+    quota = Quota(**json.loads(quota)) if quota else None
     backend, _, runtime = target.partition("+")
     mgr = SandboxManager(
         make_settings(data_dir, pool_size=int(pool_size), pools=json.loads(pools))
@@ -38,7 +40,7 @@ async def main():
         await asyncio.sleep(0.05)
     out = []
     for _ in range(int(count)):
-        info = await mgr.create(SandboxSpec(backend=backend, runtime=runtime or None))
+        info = await mgr.create(SandboxSpec(backend=backend, runtime=runtime or None), quota=quota)
         # A daemon that would outlive its call, to prove it dies with the sandbox.
         daemon = "setsid sleep 3600 >/dev/null 2>&1 < /dev/null &"
         await mgr.run_command(info.id, RunCommand(command=daemon))
@@ -49,6 +51,8 @@ async def main():
         keep += "os.symlink('/etc/shadow', 'artifacts/shadow'); os.mkfifo('artifacts/fifo'); "
         keep += "os.symlink('/etc', 'artifacts/sub/etc')"
         await mgr.run_code(info.id, RunCode(code=keep))
+        if extra:
+            assert (await mgr.run_code(info.id, RunCode(code=extra))).exit_code == 0
         ws = os.path.join(mgr.instance_dir, "sandboxes", info.id, "workspace")
         uid = os.stat(ws).st_uid if os.path.exists(ws) else None
         out.append({"id": info.id, "uid": uid})
@@ -65,10 +69,14 @@ def crash_a_manager(
     pool_size: int = 0,
     target: str = "bubblewrap",
     pools: dict[str, int] | None = None,
+    quota: dict[str, int] | None = None,
+    extra: str = "",
 ) -> list[dict[str, Any]]:
-    """Run a manager in a child process with ``count`` live sandboxes, then kill -9 it."""
+    """Run a manager in a child process with ``count`` live sandboxes (made with ``quota``,
+    each running ``extra`` last), then kill -9 it."""
     repo = Path(__file__).resolve().parent.parent
     argv = [str(data_dir), str(count), str(pool_size), target, json.dumps(pools or {})]
+    argv += [json.dumps(quota) if quota else "", extra]
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASHER, *argv],
         stdout=subprocess.PIPE,
@@ -147,6 +155,35 @@ async def test_restart_after_kill_9_cleans_every_orphan(
         # And the restarted manager works.
         fresh = await mgr.create(SandboxSpec(**placement(isolated_backend)))
         assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
+
+
+@pytest.mark.asyncio
+async def test_an_orphans_artifacts_are_kept_within_its_owners_quota(
+    data_root: Path, isolated_backend: str
+) -> None:
+    # Failed before: the quota is the server's, given with each create, and a manager that
+    # keeps a dead one's artifacts never knew it: both sandboxes kept both files (1.6 MB
+    # against a 1 MiB quota).
+    if isolated_backend != "bubblewrap":
+        pytest.skip("bubblewrap's recovery reads the workspace on the host")
+    data_dir = data_root / "crash-quota"
+    data_dir.mkdir()
+    big = "import os\nfor n in 'ab': open(f'artifacts/{n}.bin', 'wb').write(os.urandom(400_000))"
+    quota = {"max_sandboxes": 5, "max_memory_mb": 4096, "max_artifact_mb": 1}
+    sandboxes = crash_a_manager(data_dir, count=2, quota=quota, extra=big)
+
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        kept = [a for s in sandboxes for a in await mgr.list_artifacts(s["id"])]
+        assert sum(a.size_bytes for a in kept) <= 1 << 20
+        # The first sandbox's two fit; a third would not. The small files all fit.
+        assert len([a for a in kept if a.path.endswith(".bin")]) == 2
+        assert len([a for a in kept if a.path == "out.txt"]) == 2
+        # Nothing is left reserved, on the host or in the store.
+        assert mgr._store.artifact_bytes("local") == sum(a.size_bytes for a in kept)
+        for s in sandboxes:
+            kept_dir = data_dir / "artifacts" / s["id"]
+            partial = [p for p in kept_dir.rglob("*") if p.name.endswith(".partial")]
+            assert partial == []
 
 
 @pytest.mark.asyncio

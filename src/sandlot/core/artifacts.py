@@ -22,7 +22,7 @@ from sandlot.core.live import Live
 from sandlot.core.store import Store
 from sandlot.errors import SandboxError, SandboxFileNotFound
 from sandlot.guest.ops import Op
-from sandlot.models import ArtifactInfo, SandboxInfo
+from sandlot.models import ArtifactInfo, Quota, SandboxInfo
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +30,13 @@ ARTIFACTS_DIR = "artifacts"
 MIB = 1 << 20
 # Artifacts are read through the guest, which sandboxed code can slow down: bound the wait.
 EXPORT_TIMEOUT_S = 60.0
+
+
+def artifact_limit_bytes(quota: Quota | None) -> int | None:
+    """What all of an owner's kept artifacts may take, in bytes (None: no limit)."""
+    if quota is None or quota.max_artifact_mb is None:
+        return None
+    return quota.max_artifact_mb * MIB
 
 
 class Artifacts:
@@ -62,8 +69,7 @@ class Artifacts:
             log.warning("artifact not kept", sandbox=live.id, problem=problem)
         dest_root = self._dir(live.id).resolve()
         budget, owner = live.disk_bytes, live.info.owner
-        quota = live.quota
-        limit = quota.max_artifact_mb * MIB if quota and quota.max_artifact_mb is not None else None
+        limit = artifact_limit_bytes(live.quota)
         for entry in listing.get("entries", []):
             target = _target(dest_root, entry)
             if target is None or budget <= 0:
@@ -123,7 +129,9 @@ class Artifacts:
     async def export_from_host(self, info: SandboxInfo, workspace: Path) -> None:
         """Keep the artifacts of an orphan (a crashed manager's sandbox, its guest gone) by
         reading its workspace on the host, as hostile: no symlink is followed at any depth,
-        only regular files are read, within the sandbox's disk size and 100,000 entries."""
+        only regular files are read, within the sandbox's disk size and 100,000 entries, and
+        within what is left of its owner's artifact quota (the one recorded at its create),
+        as a destroy's export is."""
         await asyncio.to_thread(self._copy_from_host, info, workspace)
 
     def _copy_from_host(self, info: SandboxInfo, workspace: Path) -> None:
@@ -222,6 +230,7 @@ class _HostWalk:
         self.info = info
         self.dest_root = dest_root
         self.budget = info.limits.disk_mb * MIB
+        self.limit = artifacts.store.artifact_limit(info.id)
         self.entries = 0
 
     def directory(self, fd: int, rel: PurePosixPath, depth: int) -> None:
@@ -255,25 +264,38 @@ class _HostWalk:
         if target is None:
             return
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        store, kept = self.artifacts.store, str(rel)
         src = os.open(name, flags, dir_fd=dir_fd)
         try:
-            if not stat.S_ISREG(os.fstat(src).st_mode):
+            st = os.fstat(src)
+            if not stat.S_ISREG(st.st_mode):
                 return
-            _private_dirs(self.artifacts.root, target.parent)
+            # Reserved against the owner's quota before the copy, which may read no more:
+            # the orphan's processes may still be writing to it until the sweep.
+            reserved = min(self.budget, st.st_size)
+            if not store.reserve_artifact(
+                self.info.owner, self.info.id, kept, reserved, self.limit
+            ):
+                log.warning(
+                    "artifact not kept: over the owner's quota", sandbox=self.info.id, path=kept
+                )
+                return
             partial = target.with_name(f".{target.name}.partial")
             try:
-                size, digest = _copy_bounded(src, partial, self.budget)
+                _private_dirs(self.artifacts.root, target.parent)
+                size, digest = _copy_bounded(src, partial, reserved)
                 partial.replace(target)
             except BaseException:
                 partial.unlink(missing_ok=True)
+                store.drop_artifact(self.info.id, kept)
                 raise
         finally:
             os.close(src)
         self.budget -= size
-        self.artifacts.store.add_artifact(
+        store.add_artifact(
             ArtifactInfo(
                 sandbox_id=self.info.id,
-                path=str(rel),
+                path=kept,
                 size_bytes=size,
                 sha256=digest,
                 created_at=time.time(),

@@ -24,7 +24,7 @@ from sandlot.backends import Backend, create_backend
 from sandlot.config import Settings, get_settings
 from sandlot.core import admission, execution, files, instances, placement, recovery
 from sandlot.core.admission import HostCapacity
-from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
+from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts, artifact_limit_bytes
 from sandlot.core.background import BackgroundCommands
 from sandlot.core.live import Live, PoolKey
 from sandlot.core.pools import Pools, discard
@@ -294,6 +294,9 @@ class SandboxManager:
         chosen: Live | None = None
         # Probed before the store's write lock is taken: only a filter runs under it.
         gone = instances.gone_of(self._store.live_elsewhere(), self.settings.data_dir)
+        # Recorded with the sandbox: a manager that keeps its artifacts after this one died
+        # (core/recovery.py) keeps them within it too.
+        limit = artifact_limit_bytes(quota)
 
         def decide(elsewhere: Elsewhere) -> SandboxInfo:
             # Run inside the store's write transaction (no await): the other processes'
@@ -322,7 +325,7 @@ class SandboxManager:
 
         try:
             try:
-                info = self._store.admit(decide)
+                info = self._store.admit(decide, artifact_limit_bytes=limit)
             except (QuotaExceeded, CapacityExhausted) as refused:
                 # The room may be held by sandboxes destroyed a moment ago: the owner's own
                 # for its quota, anyone's for the host's. Once those teardowns end (or a
@@ -330,7 +333,7 @@ class SandboxManager:
                 mine = owner if isinstance(refused, QuotaExceeded) else None
                 if not await self._wait_for_room(mine, gone):
                     raise
-                info = self._store.admit(decide)
+                info = self._store.admit(decide, artifact_limit_bytes=limit)
         except BaseException:
             if chosen is not None:
                 # Refused or not saved (the store failed): a new one was never started; a

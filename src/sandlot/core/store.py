@@ -12,7 +12,9 @@ from sandlot._sqlite import open_schema, write_transaction
 from sandlot.models import ArtifactInfo, SandboxInfo, SandboxStatus
 
 # ``instance``: the manager instance (core/instances.py) that runs the sandbox; "" for a
-# record of a sandlot from before instances.
+# record of a sandlot from before instances. ``artifact_limit_bytes``: its owner's artifact
+# quota when it was made (NULL: none), for a manager that keeps its artifacts after its own
+# manager died, and never knew the owner's quota (the server's, given with each create).
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS sandboxes (
         id TEXT PRIMARY KEY,
@@ -21,7 +23,8 @@ SCHEMA = (
         created_at REAL NOT NULL,
         info TEXT NOT NULL,
         instance TEXT NOT NULL DEFAULT '',
-        held INTEGER NOT NULL DEFAULT 0
+        held INTEGER NOT NULL DEFAULT 0,
+        artifact_limit_bytes INTEGER
     )""",
     "CREATE INDEX IF NOT EXISTS sandboxes_owner ON sandboxes (owner, status)",
     """CREATE TABLE IF NOT EXISTS artifacts (
@@ -37,6 +40,7 @@ MIGRATIONS = {
     "instance": "ALTER TABLE sandboxes ADD COLUMN instance TEXT NOT NULL DEFAULT ''",
     # 1 while an ended sandbox's teardown still holds its disk, cgroup and memory.
     "held": "ALTER TABLE sandboxes ADD COLUMN held INTEGER NOT NULL DEFAULT 0",
+    "artifact_limit_bytes": "ALTER TABLE sandboxes ADD COLUMN artifact_limit_bytes INTEGER",
 }
 INDEXES = (
     "CREATE INDEX IF NOT EXISTS sandboxes_instance ON sandboxes (instance, status)",
@@ -108,11 +112,14 @@ class Store:
         with self._lock:
             self._db.execute("UPDATE sandboxes SET held=0 WHERE instance=? AND held=1", (instance,))
 
-    def _save(self, info: SandboxInfo, *, held: bool = False) -> None:
+    def _save(
+        self, info: SandboxInfo, *, held: bool = False, artifact_limit_bytes: int | None = None
+    ) -> None:
         self._db.execute(
-            "INSERT INTO sandboxes (id, owner, status, created_at, info, instance, held) "
-            "VALUES (?,?,?,?,?,?,?) "
-            # The instance stays the one that made it: recovery saves others' records.
+            "INSERT INTO sandboxes (id, owner, status, created_at, info, instance, held, "
+            "artifact_limit_bytes) VALUES (?,?,?,?,?,?,?,?) "
+            # The instance stays the one that made it: recovery saves others' records. The
+            # artifact limit is the one given when the record was made.
             "ON CONFLICT(id) DO UPDATE SET status=excluded.status, info=excluded.info, "
             "held=excluded.held",
             (
@@ -123,20 +130,33 @@ class Store:
                 info.model_dump_json(),
                 self.instance,
                 int(held),
+                artifact_limit_bytes,
             ),
         )
 
-    def admit(self, decide: Callable[[Elsewhere], SandboxInfo]) -> SandboxInfo:
+    def admit(
+        self, decide: Callable[[Elsewhere], SandboxInfo], *, artifact_limit_bytes: int | None
+    ) -> SandboxInfo:
         """Save the record ``decide`` returns, given the other instances' live records read
-        in the same write transaction (``decide`` raises to refuse: nothing is saved).
+        in the same write transaction (``decide`` raises to refuse: nothing is saved), with
+        its owner's ``artifact_limit_bytes`` (None: no limit).
 
         Processes admitting at once are serialized by SQLite's write lock, so the second
         one's check sees the first one's new sandbox: with a read, then a separate save, two
         processes on one data directory could each admit a tenant's last allowed sandbox."""
         with self._lock, write_transaction(self._db):
             info = decide(self._live_elsewhere())
-            self._save(info)
+            self._save(info, artifact_limit_bytes=artifact_limit_bytes)
         return info
+
+    def artifact_limit(self, sandbox_id: str) -> int | None:
+        """The artifact quota (bytes) of the sandbox's owner, as given when it was admitted;
+        None for no limit (or no record)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT artifact_limit_bytes FROM sandboxes WHERE id=?", (sandbox_id,)
+            ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
 
     def get(self, sandbox_id: str) -> SandboxInfo | None:
         with self._lock:

@@ -25,7 +25,7 @@ from sandlot.config import Settings
 from sandlot.core import SandboxManager, admission
 from sandlot.core.live import set_node_name
 from sandlot.errors import ConfigError, SandboxError, SandboxStartError
-from sandlot.models import ExecResult, Result
+from sandlot.models import ExecResult, Quota, Result
 from sandlot.ray import wall
 from sandlot.requests import RunCode, RunCommand, SandboxSpec
 
@@ -170,12 +170,17 @@ class NodeAgent:
                 _awaited(self._ledger.release.remote(sandbox_id))
             )
 
-    async def create(self, spec: SandboxSpec, owner: str, ticket: str, counted: bool) -> Envelope:
-        """Create a sandbox; a ``counted`` ticket (the quota reservation) is bound to it before
-        this answers, so it counts even if the caller is gone by then."""
+    async def create(
+        self, spec: SandboxSpec, owner: str, ticket: str, quota: Quota | None
+    ) -> Envelope:
+        """Create a sandbox; the ticket of a create under a ``quota`` (its reservation in the
+        ledger) is bound to it before this answers, so it counts even if the caller is gone by
+        then. This node's manager checks ``quota`` again (its sandboxes are some of the
+        ledger's) and keeps the sandbox's artifacts within it."""
         self._forget_old_creates()
+        counted = quota is not None
         try:
-            info = await self.manager.create(spec, owner=owner)
+            info = await self.manager.create(spec, owner=owner, quota=quota)
         except SandboxError as exc:
             self._abandoned.pop(ticket, None)
             return ("err", exc.code, exc.message)

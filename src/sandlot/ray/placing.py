@@ -52,16 +52,18 @@ class CreateVerbs:
                 # The reservation lands anyway; this caller's next call to the ledger undoes it.
                 self._ledger.release.remote(ticket)
                 raise
-        info = await self._place(spec, owner, limits.memory_mb, ticket, quota is not None)
+        info = await self._place(spec, owner, limits.memory_mb, ticket, quota)
         self._remember_timeout(info)
         self._emit("created", info=info)
         return info
 
     async def _place(
-        self, spec: SandboxSpec, owner: str, memory_mb: float, ticket: str, counted: bool
+        self, spec: SandboxSpec, owner: str, memory_mb: float, ticket: str, quota: Quota | None
     ) -> SandboxInfo:
         """Create on the chosen node; the agent binds ``ticket`` to the sandbox before it
-        answers, so the sandbox counts whatever becomes of this caller."""
+        answers, so the sandbox counts whatever becomes of this caller. The node is given
+        ``quota`` too: its manager keeps the sandbox's artifacts within the artifact quota
+        (each node's store counts its own, so a tenant keeps at most that on every node)."""
         default_shape = not (spec.backend or spec.runtime or spec.environment or spec.env)
         default_shape = default_shape and spec.limits() == SandboxLimits() and spec.network is None
         warm_key = f"{self.settings.backend}/{self.settings.environment}"
@@ -81,7 +83,7 @@ class CreateVerbs:
             load.memory_free_mb - memory_mb,
             {k: max(0, n - 1) for k, n in load.warm.items()},
         )
-        ref = agent.create.remote(spec, owner, ticket, counted)
+        ref = agent.create.remote(spec, owner, ticket, quota)
         call_s = self.settings.ray_call_timeout_s
         try:
             envelope = await settle(awaited(ref), agent, bound_s=CREATE_BOUND_S, every_s=call_s)
