@@ -140,6 +140,29 @@ async def test_recall_finds_the_similar_task_first(memory: AgentMemory) -> None:
     assert await memory.recall("draw a red circle on a canvas") == []
 
 
+async def test_recall_is_the_tenants_own(memory: AgentMemory) -> None:
+    # Failed before (red team, 2026-11-25): one collection for all of a server's tenants, and
+    # tenant B's prompt carried tenant A's task and code, a secret in it included.
+    await memory.remember(solved(CSV_TASK, "SECRET_OF_A = 1", tenant="a"))
+    await memory.remember(solved(CSV_TASK, "local code"))
+    # A point an older version wrote has no tenant field: it is nobody's but the local runs'.
+    old = solved(CSV_TASK, "old code").model_dump(mode="json")
+    del old["tenant"]
+    vector = HashingEmbedder().embed([CSV_TASK])[0]
+    from qdrant_client import models
+
+    memory._client.upsert(
+        COLLECTION_NAME, points=[models.PointStruct(id=1, vector=vector, payload=old)], wait=True
+    )
+
+    def codes(hits: list[tuple[MemoryRecord, float]]) -> list[str]:
+        return sorted(record.code for record, _ in hits)
+
+    assert codes(await memory.recall(CSV_TASK, tenant="a")) == ["SECRET_OF_A = 1"]
+    assert await memory.recall(CSV_TASK, tenant="b") == []
+    assert codes(await memory.recall(CSV_TASK)) == ["local code", "old code"]
+
+
 async def test_recall_prefers_solved_and_skips_failures_without_a_fix(
     memory: AgentMemory,
 ) -> None:

@@ -170,6 +170,52 @@ def test_post_execute_task_runs_the_loop(
     assert listed["sandboxes"] == [] if isinstance(listed, dict) else listed == []
 
 
+def test_the_agents_memory_never_carries_one_tenants_task_into_anothers_prompt(
+    data_root: Path, model: tuple[WireServer, Script]
+) -> None:
+    # Failed before (red team, 2026-11-25): with AGENT_MEMORY on, the server's one memory
+    # recalled tenant A's solved task, secret and all, into tenant B's prompt.
+    pytest.importorskip("qdrant_client")
+    from sandlot.server.auth import AuthStore
+
+    server, script = model
+    data_dir = data_root / "agent-server-memory"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    keys = {t: store.create_key(t, "user")[1] for t in ("tenant-a", "tenant-b")}
+    store.close()
+    secret = "```python\nSECRET_OF_A = 'hunter2'\nprint(SECRET_OF_A)\n```"
+    env = {**model_env(server, "single"), "AGENT_MEMORY": "true"}
+    process, url, _log = start_server(data_dir, env)
+    try:
+
+        def execute(tenant: str, task: str, **fields: Any) -> dict[str, Any]:
+            headers = {"Authorization": f"Bearer {keys[tenant]}"}
+            body = {"task": task, **fields}
+            response = httpx.post(url + "/execute", json=body, headers=headers, timeout=60)
+            assert response.status_code == 200, response.text
+            result: dict[str, Any] = response.json()
+            return result
+
+        task = "print the database password of the reporting service"
+        script.load(secret, GOOD, GOOD)
+        assert execute("tenant-a", task)["status"] == "solved"
+        server.clear()
+        # Another tenant's similar task: nothing of A's in its prompt; with its own
+        # max_attempts too (that once made a second runtime and a second memory).
+        assert execute("tenant-b", task + " please", max_attempts=2)["status"] == "solved"
+        (call,) = [r for r in server.requests if r.path == "/v1/chat/completions"]
+        prompt = json.dumps(call.json["messages"])
+        assert "SECRET_OF_A" not in prompt and "Similar past tasks" not in prompt
+        # A's own next task recalls A's.
+        server.clear()
+        assert execute("tenant-a", task + " again")["status"] == "solved"
+        (call,) = [r for r in server.requests if r.path == "/v1/chat/completions"]
+        assert "SECRET_OF_A" in json.dumps(call.json["messages"])
+    finally:
+        stop_server(process)
+
+
 def test_post_execute_bad_task_is_a_typed_4xx(agent_server: str) -> None:
     response = httpx.post(agent_server + "/execute", json={"task": ""}, timeout=10)
     assert response.status_code == 422

@@ -91,6 +91,11 @@ class MemoryRecord(BaseModel):
     created_at: AwareDatetime = Field(
         default_factory=lambda: datetime.now(UTC), description="When the task finished (UTC)."
     )
+    tenant: str | None = Field(
+        default=None,
+        description="Whose task it was (the server's tenant); None for the SDK's and CLI's "
+        "own runs. Recalled only for the same tenant.",
+    )
 
 
 def _import_qdrant() -> Any:
@@ -212,9 +217,18 @@ class AgentMemory:
         return point_id
 
     async def recall(
-        self, task: str, limit: int = 3, min_score: float | None = None
+        self,
+        task: str,
+        limit: int = 3,
+        min_score: float | None = None,
+        *,
+        tenant: str | None = None,
     ) -> list[tuple[MemoryRecord, float]]:
         """The records most like ``task``, best first, with their cosine score.
+
+        Only ``tenant``'s records are recalled (with None, only those remembered with no
+        tenant): one server's memory holds every tenant's tasks and code, which another
+        tenant's prompt must never carry (a red team's find, 2026-11-25).
 
         Solved records rank first at similar scores (``SOLVED_BONUS``); failures count only
         when they carry a fix. Records scoring below ``min_score`` are left out; by default
@@ -230,7 +244,7 @@ class AgentMemory:
             self._client.query_points,
             COLLECTION_NAME,
             query=vector,
-            query_filter=_useful_records_filter(),
+            query_filter=_useful_records_filter(tenant),
             limit=limit * CANDIDATES_PER_HIT,
             score_threshold=min_score,
             with_payload=True,
@@ -238,10 +252,13 @@ class AgentMemory:
         hits: list[tuple[MemoryRecord, float]] = []
         for point in response.points:
             try:
-                hits.append((MemoryRecord.model_validate(point.payload), point.score))
+                record = MemoryRecord.model_validate(point.payload)
             except ValidationError:
                 # A shared server may hold points another version wrote; skip, do not fail.
                 log.warning("memory_point_unreadable", point_id=str(point.id))
+                continue
+            if record.tenant == tenant:  # the filter's word, checked again here
+                hits.append((record, point.score))
         hits.sort(
             key=lambda hit: hit[1] + (SOLVED_BONUS if hit[0].outcome == "solved" else 0.0),
             reverse=True,
@@ -328,17 +345,25 @@ def _default_memory_dir() -> Path:
     return get_settings().data_dir / "memory"
 
 
-def _useful_records_filter() -> models.Filter:
+def _useful_records_filter(tenant: str | None) -> models.Filter:
     from qdrant_client import models
 
-    # Solved records, or failures that at least say what fixed an error.
+    # The tenant's own records (records from before tenants, with no such field, count as
+    # the tenantless ones) ...
+    owner: models.Condition = (
+        models.IsEmptyCondition(is_empty=models.PayloadField(key="tenant"))
+        if tenant is None
+        else models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))
+    )
+    # ... that are solved, or failures that at least say what fixed an error.
     return models.Filter(
+        must=[owner],
         should=[
             models.FieldCondition(key="outcome", match=models.MatchValue(value="solved")),
             models.Filter(
                 must_not=[models.IsNullCondition(is_null=models.PayloadField(key="fix"))]
             ),
-        ]
+        ],
     )
 
 

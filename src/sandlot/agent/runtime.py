@@ -73,17 +73,22 @@ class AgentRuntime:
         on_event: EventSink | None = None,
         timeout_s: float | None = None,
         sandbox: AsyncSandbox | None = None,
+        tenant: str | None = None,
+        max_attempts: int | None = None,
     ) -> AgentResult:
         """Solve ``task``; the result records every attempt. A failure of the generated code
         is ``status="failed"``; a provider failure is ``status="error"``.
 
         Runs in a new sandbox (destroyed after), or in ``sandbox`` if given (left running).
+        The memory recalls, and keeps this task under, ``tenant`` only (a server passes the
+        caller's). ``max_attempts`` overrides the runtime's for this task.
         """
         spec = TaskSpec(task=task) if isinstance(task, str) else task
         if not spec.task.strip():
             raise ConfigError("the task is empty: say what the code should do")
+        attempts = max_attempts or self.max_attempts
         memory = await self.memory()
-        recalled = await self._recall(memory, spec)
+        recalled = await self._recall(memory, spec, tenant)
         options = {"sandbox": sandbox} if sandbox is not None else self.sandbox_options
         async with SandboxExecutor(timeout_s=timeout_s, **options) as executor:
             if mode == "swarm":
@@ -93,7 +98,7 @@ class AgentRuntime:
                     self.provider,
                     executor,
                     max_rounds=self.settings.swarm_rounds,
-                    max_attempts=self.max_attempts,
+                    max_attempts=attempts,
                     on_event=on_event,
                 )
                 result = await swarm.run(spec, recalled=recalled)
@@ -104,15 +109,13 @@ class AgentRuntime:
                     self.provider,
                     spec,
                     executor,
-                    options=StrategyOptions.from_settings(
-                        self.settings, max_attempts=self.max_attempts
-                    ),
+                    options=StrategyOptions.from_settings(self.settings, max_attempts=attempts),
                     # A sandbox the caller holds is the only one: candidates take turns in it.
                     sandbox_options=None if sandbox is not None else self.sandbox_options,
                     recalled=recalled,
                     on_event=on_event,
                 )
-        await self._remember(memory, result)
+        await self._remember(memory, result, tenant)
         return result
 
     def _strategy(self, mode: Mode) -> Strategy:
@@ -122,15 +125,15 @@ class AgentRuntime:
             return self.settings.agent_strategy
         return check_strategy(mode)
 
-    async def _recall(self, memory: Any | None, spec: TaskSpec) -> str:
+    async def _recall(self, memory: Any | None, spec: TaskSpec, tenant: str | None) -> str:
         if memory is None:
             return ""
         from sandlot.agent.memory import format_recall
 
-        hits = await memory.recall(spec.prompt or spec.task)
+        hits = await memory.recall(spec.prompt or spec.task, tenant=tenant)
         return str(format_recall(hits)) if hits else ""
 
-    async def _remember(self, memory: Any | None, result: AgentResult) -> None:
+    async def _remember(self, memory: Any | None, result: AgentResult, tenant: str | None) -> None:
         if memory is None or result.status == "error" or not result.code:
             return
         from sandlot.agent.memory import MemoryRecord
@@ -146,6 +149,7 @@ class AgentRuntime:
                 errors=result.errors[-3:],
                 fix=fix,
                 attempts=len(result.attempts),
+                tenant=tenant,
             )
         )
 

@@ -42,20 +42,16 @@ class AgentTaskRequest(_Body):
     max_attempts: int | None = Field(default=None, ge=1, le=10)
 
 
-def _runtime(state: ServerState, max_attempts: int | None) -> Any:
+def _runtime(state: ServerState) -> Any:
     from sandlot.agent.runtime import AgentRuntime
 
-    # One runtime (and so one loaded model) per server; attempts are per request.
+    # One runtime (and so one loaded model, one memory) per server; attempts are per
+    # request. A second runtime for a request's max_attempts opened a second embedded
+    # memory, which its folder's lock refuses.
     runtime = state.agent_runtime
     if runtime is None:
         runtime = state.agent_runtime = AgentRuntime()
-    if max_attempts is None:
-        return runtime
-    return AgentRuntime(
-        runtime._provider or runtime.provider,
-        settings=runtime.settings,
-        max_attempts=max_attempts,
-    )
+    return runtime
 
 
 async def run_task(
@@ -68,13 +64,19 @@ async def run_task(
     from sandlot.sandbox import AsyncSandbox
 
     who.require_write()
-    runtime = _runtime(state, body.max_attempts)
+    runtime = _runtime(state)
     info = await state.manager.create(owner=who.tenant, quota=state.quota_for(who))
     try:
         # A Ray routing manager has the manager's verbs too (the SDK needs no more).
         sandbox = await AsyncSandbox.connect(info.id, manager=state.manager)  # type: ignore[arg-type]
+        # The memory recalls and keeps the caller's own tasks only.
         result: AgentResult = await runtime.execute(
-            body.task, mode=body.mode, on_event=on_event, sandbox=sandbox
+            body.task,
+            mode=body.mode,
+            on_event=on_event,
+            sandbox=sandbox,
+            tenant=who.tenant,
+            max_attempts=body.max_attempts,
         )
         return result
     finally:
