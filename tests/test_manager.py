@@ -21,7 +21,7 @@ from sandlot import (
     SandboxStatus,
 )
 from sandlot.core import live as live_module
-from sandlot.errors import SandboxHeldElsewhere
+from sandlot.errors import SandboxFileNotFound, SandboxHeldElsewhere
 from sandlot.requests import RunCode, RunCommand, SandboxSpec, SetTimeout, WriteFile, build
 from tests.conftest import make_settings
 
@@ -323,6 +323,37 @@ async def _until(predicate: object, timeout_s: float = 10.0) -> None:
     while not predicate():  # type: ignore[operator]
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+# Names a sandbox may give its artifacts that look like the host's own: a copy once went
+# through ".<name>.partial" beside the kept files, and replaced an artifact of that name.
+TRICKY_ARTIFACTS = {
+    ".a.partial": b"the partial-named file",
+    "a": b"I am a",
+    "artifacts/b": b"nested b",
+    "b": b"top b",
+    ".staging": b"not the host's staging",
+}
+
+
+async def test_every_kept_artifact_is_its_own_file(data_dir: Path) -> None:
+    # Failed before (red team, 2026-11-25): ".a.partial" was listed, but its file had been
+    # renamed to "a", and its download was a 500.
+    settings = make_settings(data_dir, backend="unsafe-local")
+    async with SandboxManager(settings) as mgr:
+        info = await mgr.create()
+        for name, data in TRICKY_ARTIFACTS.items():
+            await mgr.write_file(info.id, WriteFile(path=f"artifacts/{name}"), data)
+        await mgr.destroy(info.id)
+        kept = {a.path: a.size_bytes for a in await mgr.list_artifacts(info.id)}
+        assert kept == {name: len(data) for name, data in TRICKY_ARTIFACTS.items()}
+        for name, data in TRICKY_ARTIFACTS.items():
+            assert await mgr.read_artifact(info.id, name) == data
+        assert list((data_dir / "artifacts" / ".staging").iterdir()) == []
+        # A record whose file is gone (removed by hand, say) is a 404, not a 500.
+        (data_dir / "artifacts" / info.id / "a").unlink()
+        with pytest.raises(SandboxFileNotFound):
+            await mgr.read_artifact(info.id, "a")
 
 
 async def test_kept_artifacts_expire(data_dir: Path) -> None:

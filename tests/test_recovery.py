@@ -187,6 +187,31 @@ async def test_an_orphans_artifacts_are_kept_within_its_owners_quota(
 
 
 @pytest.mark.asyncio
+async def test_an_orphans_artifacts_are_kept_under_their_own_names(
+    data_root: Path, isolated_backend: str
+) -> None:
+    # Failed before (red team, 2026-11-25): the host-side walk recorded a nested
+    # "artifacts/b" but wrote its bytes to "b", and copied through ".<name>.partial" beside
+    # the kept files: records with no file, or another file's bytes.
+    from tests.test_manager import TRICKY_ARTIFACTS
+
+    if isolated_backend != "bubblewrap":
+        pytest.skip("bubblewrap's recovery reads the workspace on the host")
+    data_dir = data_root / "crash-names"
+    data_dir.mkdir()
+    write = "import os\nos.makedirs('artifacts/artifacts', exist_ok=True)\n"
+    for name, data in TRICKY_ARTIFACTS.items():
+        write += f"open('artifacts/{name}', 'wb').write({data!r})\n"
+    (sandbox,) = crash_a_manager(data_dir, count=1, extra=write)
+
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        kept = {a.path for a in await mgr.list_artifacts(sandbox["id"])}
+        assert kept == {"out.txt", *TRICKY_ARTIFACTS}
+        for name, data in TRICKY_ARTIFACTS.items():
+            assert await mgr.read_artifact(sandbox["id"], name) == data
+
+
+@pytest.mark.asyncio
 async def test_warm_pool_never_exceeds_its_size_after_a_crash(
     data_root: Path, isolated_backend: str
 ) -> None:

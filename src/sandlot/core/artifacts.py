@@ -7,10 +7,12 @@ sizes come from inside the sandbox and are treated as hostile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -19,7 +21,7 @@ import structlog
 
 from sandlot.core.files import read_through
 from sandlot.core.live import Live
-from sandlot.core.store import Store
+from sandlot.core.store import PENDING_ARTIFACT_TTL_S, Store
 from sandlot.errors import SandboxError, SandboxFileNotFound
 from sandlot.guest.ops import Op
 from sandlot.models import ArtifactInfo, Quota, SandboxInfo
@@ -27,6 +29,10 @@ from sandlot.models import ArtifactInfo, Quota, SandboxInfo
 log = structlog.get_logger(__name__)
 
 ARTIFACTS_DIR = "artifacts"
+# Copies under way, beside the sandboxes' directories (whose names are sandbox ids): a name
+# next to the kept files (``.<name>.partial``) could be an artifact's own, and the copy
+# replaced that artifact, leaving its record with no file (red team, 2026-11-25).
+STAGING_DIR = ".staging"
 MIB = 1 << 20
 # Artifacts are read through the guest, which sandboxed code can slow down: bound the wait.
 EXPORT_TIMEOUT_S = 60.0
@@ -110,11 +116,10 @@ class Artifacts:
         """
         assert live.conn is not None
         _private_dirs(self.root, target.parent)
-        partial = target.with_name(f".{target.name}.partial")
+        fd, partial = self._staged()
         digest = hashlib.sha256()
         size = 0
         try:
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as out:
                 async for data in read_through(live.conn, rel, budget):
                     out.write(data)
@@ -125,6 +130,14 @@ class Artifacts:
             partial.unlink(missing_ok=True)
             raise
         return size, digest.hexdigest()
+
+    def _staged(self) -> tuple[int, Path]:
+        """A new private file to copy into (open for writing), on the artifacts' file system,
+        under a name no artifact can have."""
+        staging = self.root / STAGING_DIR
+        _private_dirs(self.root, staging)
+        fd, name = tempfile.mkstemp(prefix="copy-", dir=staging)
+        return fd, Path(name)
 
     async def export_from_host(self, info: SandboxInfo, workspace: Path) -> None:
         """Keep the artifacts of an orphan (a crashed manager's sandbox, its guest gone) by
@@ -163,7 +176,10 @@ class Artifacts:
         """
         if path not in {a.path for a in self.list(sandbox_id)}:
             raise SandboxFileNotFound(f"sandbox {sandbox_id} kept no artifact {path!r}")
-        return self._dir(sandbox_id) / path
+        kept = self._dir(sandbox_id) / path
+        if not kept.is_file():  # a record must name a file; a 404, not a 500, if it does not
+            raise SandboxFileNotFound(f"sandbox {sandbox_id}'s artifact {path!r} is gone")
+        return kept
 
     async def delete(self, sandbox_id: str) -> int:
         count = self.store.delete_artifacts(sandbox_id)
@@ -173,6 +189,19 @@ class Artifacts:
     async def delete_older_than(self, cutoff: float) -> None:
         for sandbox_id in self.store.sandboxes_with_artifacts_before(cutoff):
             await self.delete(sandbox_id)
+        # And copies a process that died mid-copy left (a live one writes within the export's
+        # timeout, and any process of the data directory may run this).
+        await asyncio.to_thread(self._sweep_staging, time.time() - PENDING_ARTIFACT_TTL_S)
+
+    def _sweep_staging(self, cutoff: float) -> None:
+        try:
+            entries = list(os.scandir(self.root / STAGING_DIR))
+        except OSError:
+            return
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    Path(entry.path).unlink()
 
 
 def _listed_size(entry: dict[str, Any]) -> int:
@@ -260,11 +289,12 @@ class _HostWalk:
                 )
 
     def file(self, dir_fd: int, name: str, rel: PurePosixPath) -> None:
-        target = _target(self.dest_root, {"path": str(rel), "type": "file"})
+        # ``rel`` is below the artifacts directory; _target takes a path below the workspace.
+        target = _target(self.dest_root, {"path": str(ARTIFACTS_DIR / rel), "type": "file"})
         if target is None:
             return
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        store, kept = self.artifacts.store, str(rel)
+        store, kept = self.artifacts.store, str(target.relative_to(self.dest_root))
         src = os.open(name, flags, dir_fd=dir_fd)
         try:
             st = os.fstat(src)
@@ -280,10 +310,14 @@ class _HostWalk:
                     "artifact not kept: over the owner's quota", sandbox=self.info.id, path=kept
                 )
                 return
-            partial = target.with_name(f".{target.name}.partial")
             try:
                 _private_dirs(self.artifacts.root, target.parent)
-                size, digest = _copy_bounded(src, partial, reserved)
+                out, partial = self.artifacts._staged()
+            except BaseException:
+                store.drop_artifact(self.info.id, kept)
+                raise
+            try:
+                size, digest = _copy_bounded(src, out, reserved)
                 partial.replace(target)
             except BaseException:
                 partial.unlink(missing_ok=True)
@@ -303,15 +337,15 @@ class _HostWalk:
         )
 
 
-def _copy_bounded(src: int, dest: Path, budget: int) -> tuple[int, str]:
-    """Copy the open file ``src`` into ``dest`` (created 0600); return its size and sha256.
+def _copy_bounded(src: int, out: int, budget: int) -> tuple[int, str]:
+    """Copy the open file ``src`` into the open file ``out`` (closed here); return its size
+    and sha256.
 
     Raises:
         OSError: it is bigger than ``budget``, or could not be read or written.
     """
     digest = hashlib.sha256()
     size = 0
-    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(out, "wb") as sink:
         while chunk := os.read(src, 1 << 20):
             size += len(chunk)
