@@ -318,6 +318,35 @@ def test_bad_input_is_a_typed_4xx(
         assert "memory_mb" in response.text if body == {"memory_mb": 1} else True
 
 
+def test_lone_surrogates_are_a_typed_422(
+    http: httpx.Client, live_server: LiveServer, alice_box: str
+) -> None:
+    # Failed before (red team, 2026-11-25): JSON's "\ud800" escape is valid JSON but no
+    # text UTF-8 can carry; in metadata it was a 500, in a command's env a 502 from the guest.
+    headers = {**live_server.headers("alice"), "content-type": "application/json"}
+    box = f"/v1/sandboxes/{alice_box}"
+    cases = [
+        ("/v1/sandboxes", '{"metadata": {"k": "LONE"}}'),
+        ("/v1/sandboxes", '{"metadata": {"kLONE": "v"}}'),
+        (f"{box}/commands", '{"command": "true", "env": {"K": "LONE"}}'),
+        (f"{box}/commands", '{"command": "true", "env": {"KLONE": "v"}}'),
+        (f"{box}/commands", '{"command": "true", "cwd": "aLONE"}'),
+        (f"{box}/pty", '{"command": "true", "env": {"K": "LONE"}}'),
+    ]
+    for path, body in cases:
+        raw = body.replace("LONE", "\\ud800").encode()
+        response = http.post(path, content=raw, headers=headers)
+        assert (response.status_code, _error_code(response)) == (422, "invalid_request"), (
+            body,
+            response.text,
+        )
+        assert "surrogate" in response.text
+    ran = http.post(
+        f"/v1/sandboxes/{alice_box}/commands", json={"command": "echo ok"}, headers=headers
+    )
+    assert ran.json()["stdout"] == "ok\n"
+
+
 def test_destroyed_sandbox_is_409(http: httpx.Client, live_server: LiveServer) -> None:
     headers = live_server.headers("alice")
     sandbox_id = http.post("/v1/sandboxes", json={}, headers=headers).json()["id"]

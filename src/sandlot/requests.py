@@ -37,9 +37,22 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _utf8(value: str) -> bool:
+    """Whether ``value`` is text UTF-8 can carry: JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which failed later, inside the server or the guest, as a 500 or a 502
+    instead of this 422 (red team, 2026-11-25)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _no_nul(value: str) -> str:
     if "\0" in value:
         raise ValueError("must not contain a NUL byte")
+    if not _utf8(value):
+        raise ValueError("must be valid Unicode (no lone surrogate)")
     return value
 
 
@@ -50,10 +63,22 @@ def _env_ok(env: dict[str, str] | None) -> dict[str, str] | None:
     for key, value in (env or {}).items():
         if not key or "=" in key or "\0" in key or "\0" in value:
             raise ValueError("env names must be non-empty, without '=' or NUL; values no NUL")
+        if not (_utf8(key) and _utf8(value)):
+            raise ValueError("env names and values must be valid Unicode (no lone surrogate)")
     return env
 
 
 Env = Annotated[dict[str, str] | None, AfterValidator(_env_ok)]
+
+
+def _labels_ok(labels: dict[str, str] | None) -> dict[str, str] | None:
+    for key, value in (labels or {}).items():
+        if not (_utf8(key) and _utf8(value)):
+            raise ValueError("labels must be valid Unicode (no lone surrogate)")
+    return labels
+
+
+Labels = Annotated[dict[str, str] | None, AfterValidator(_labels_ok)]
 
 
 class SandboxSpec(SandboxLimits):
@@ -75,7 +100,7 @@ class SandboxSpec(SandboxLimits):
     env: Env = Field(
         default=None, max_length=MAX_ENV_VARS, description="Environment of its processes."
     )
-    metadata: dict[str, str] | None = Field(
+    metadata: Labels = Field(
         default=None, max_length=MAX_METADATA_KEYS, description="Free-form labels."
     )
     ttl_s: float | None = Field(
