@@ -50,6 +50,7 @@ class ExecGuest:
         writer: asyncio.StreamWriter,
         exec_id: str,
         api: Any,
+        watch: StopWatch | None = None,
     ) -> None:
         self.reader = asyncio.StreamReader(limit=STREAM_LIMIT_BYTES)
         self.writer = writer
@@ -58,6 +59,14 @@ class ExecGuest:
         self._raw = raw
         self._stderr_tail = bytearray()
         self._demux_task = asyncio.create_task(self._demux())
+        # The container's stop ends the stream: under gVisor an exec's stream outlived a
+        # sandbox whose sentry the OOM killer took, and a call in flight waited out its
+        # timeout and the backstop (15 s) before the restart.
+        self._watch = watch
+        self._watch_task: asyncio.Task[None] | None = None  # held: the loop keeps weak refs
+        if watch is not None:
+            self._watch_task = asyncio.create_task(watch.stopped())
+            self._watch_task.add_done_callback(lambda _: self.kill())
 
     async def _demux(self) -> None:
         try:
@@ -74,6 +83,8 @@ class ExecGuest:
             pass
         finally:
             self.reader.feed_eof()
+            if self._watch is not None:
+                self._watch.close()  # its wait ends with its connection
 
     @property
     def ended(self) -> bool:
@@ -123,8 +134,54 @@ async def start_exec(
     except Exception as exc:
         raise SandboxStartError(f"docker could not start the guest: {exc}") from exc
     exec_id = created["Id"]
-    raw, writer = await _hijack(exec_id, client.api.api_version)
-    return ExecGuest(raw, writer, exec_id, client.api)
+    api_version = client.api.api_version
+    watch = await StopWatch.open(container_id, api_version)
+    try:
+        raw, writer = await _hijack(exec_id, api_version)
+    except BaseException:
+        watch.close()
+        raise
+    return ExecGuest(raw, writer, exec_id, client.api, watch)
+
+
+class StopWatch:
+    """The daemon's answer, on a connection of our own, to ``POST /containers/{id}/wait``:
+    it comes when the container is no longer running (a thread blocked in the SDK's ``wait``
+    per sandbox would hold the event loop's workers). The request is sent when this is
+    made, so a stop that comes later is never missed."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def open(cls, container_id: str, api_version: str) -> StopWatch:
+        """Raises:
+        SandboxStartError: the daemon cannot be reached."""
+        try:
+            reader, writer = await asyncio.open_unix_connection(socket_path())
+        except OSError as exc:
+            raise SandboxStartError(f"docker's socket: {exc}") from exc
+        writer.write(
+            (
+                f"POST /v{api_version}/containers/{container_id}/wait?condition=not-running "
+                "HTTP/1.1\r\nHost: docker\r\nContent-Length: 0\r\n\r\n"
+            ).encode()
+        )
+        return cls(reader, writer)
+
+    async def stopped(self) -> None:
+        """Return once the container has stopped (or the daemon closed the connection)."""
+        try:
+            # The daemon sends the headers at once and the body (the exit status) at the
+            # stop; a connection it closes means the container is gone too.
+            await self._reader.readuntil(b"\r\n\r\n")
+            await self._reader.read(1)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            pass
+
+    def close(self) -> None:
+        self._writer.transport.abort()
 
 
 async def _hijack(
