@@ -36,7 +36,8 @@ log = structlog.get_logger(__name__)
 
 # File descriptors the manager holds for each live sandbox, counted in /proc/self/fd before
 # and after 20 creates: bubblewrap 5 (the guest's stdin, stdout and stderr pipes, its pidfd,
-# its uid lock), unsafe-local 4, docker 2.5 (exec sockets; docker-py pools its connections).
+# its uid lock), unsafe-local 4, docker 2.85 (the exec's socket and the wait for the
+# container's stop; docker-py pools its connections).
 FDS_PER_SANDBOX = {"bubblewrap": 5, "unsafe-local": 4, "docker": 3}
 # Held at once while one sandbox starts (the pipes of mkfs, mount and the spawn itself).
 FDS_TO_START = 16
