@@ -32,25 +32,30 @@ def escape_controls(
     return event
 
 
-def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
-    """Route structlog and stdlib logging to stderr at ``level``."""
-    numeric = logging.getLevelName(level.upper())
-    if not isinstance(numeric, int):
-        numeric = logging.INFO
+def processors(fmt: str = "console") -> list[structlog.types.Processor]:
+    """The chain every log event goes through, rendered as JSON or for the console."""
     # JSON escapes control characters itself (and keeps the value exact for machines).
     rendering: list[structlog.types.Processor] = (
         [structlog.processors.JSONRenderer()]
         if fmt == "json"
         else [escape_controls, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
     )
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        *rendering,
+    ]
+
+
+def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
+    """Route structlog and stdlib logging to stderr at ``level``."""
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        numeric = logging.INFO
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            *rendering,
-        ],
+        processors=processors(fmt),
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
