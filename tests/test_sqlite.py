@@ -8,6 +8,8 @@ test_instances.py do the same through the whole start.
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -145,7 +147,42 @@ def test_a_companion_file_deleted_by_another_process_is_no_error(
     def journal_there(self: Path, **kwargs: bool) -> bool:
         return self.name.endswith("-journal") or real_exists(self, **kwargs)
 
+    sqlite3.connect(path).close()
     monkeypatch.setattr(Path, "chmod", chmod_then_vanish)
     monkeypatch.setattr(Path, "exists", journal_there)  # seen, then gone before the chmod
     _sqlite.private(path)
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_another_process_closing_never_removes_the_files_a_connection_uses(
+    tmp_path: Path,
+) -> None:
+    # Failed before (red team, 2026-11-25): each open made the file private by opening and
+    # closing it, which dropped the POSIX locks of the process's first connection. Another
+    # process's close then checkpointed and deleted the WAL and shared memory still in use:
+    # the rows written after it were lost to every other process.
+    path = tmp_path / "shared.db"
+    first = connect_shared(path, busy_timeout_s=5)
+    first.execute("CREATE TABLE t (x)")
+    first.execute("INSERT INTO t VALUES (1)")
+    second = connect_shared(path, busy_timeout_s=5)  # as a server opens the store, then keys
+    first.execute("INSERT INTO t VALUES (2)")
+    src = Path(__file__).resolve().parent.parent / "src"
+    opens_and_closes = (
+        f"import sys; sys.path.insert(0, {str(src)!r}); from pathlib import Path; "
+        "from sandlot._sqlite import connect_shared; "
+        f"db = connect_shared(Path({str(path)!r}), 5); db.execute('SELECT 1'); db.close()"
+    )
+    subprocess.run([sys.executable, "-c", opens_and_closes], check=True, timeout=60)
+    assert (tmp_path / "shared.db-wal").exists() and (tmp_path / "shared.db-shm").exists()
+    first.execute("INSERT INTO t VALUES (3)")
+    counts = (
+        f"import sqlite3; print(sqlite3.connect({str(path)!r}).execute("
+        "'SELECT COUNT(*) FROM t').fetchone()[0])"
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", counts], check=True, timeout=60, capture_output=True, text=True
+    )
+    assert seen.stdout.strip() == "3"
+    second.close()
+    first.close()

@@ -7,7 +7,6 @@ connection to the same files, and any of them may be the first to open a new one
 from __future__ import annotations
 
 import contextlib
-import os
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,11 +27,13 @@ def connect_shared(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
         sqlite3.OperationalError: the file stayed locked past ``busy_timeout_s``, or is not a
             database.
     """
-    private(path)
+    # A new file is made here, empty, with the umask's mode, and made private at once,
+    # before anything is written to it or its companions exist.
     db = sqlite3.connect(
         path, timeout=busy_timeout_s, check_same_thread=False, isolation_level=None
     )
     try:
+        private(path)
         _enter_wal(db, busy_timeout_s)
         # WAL + NORMAL: a committed row survives a crash of the process; only a power loss
         # can take the last few. FULL would fsync on every write.
@@ -115,9 +116,15 @@ def write_transaction(db: sqlite3.Connection) -> Iterator[None]:
 
 def private(path: Path) -> None:
     """Make the SQLite file (and its WAL companions) readable by this user alone: it holds
-    API key hashes and the audit log. SQLite gives new companions the file's own mode."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    os.close(fd)
+    API key hashes and the audit log. SQLite gives new companions the file's own mode.
+
+    By their names, never by opening the file: closing any descriptor of it drops every
+    POSIX lock this process's connections hold on it (locks are the process's, per file),
+    and another process closing its connection then took itself for the file's last user,
+    checkpointed, and deleted the WAL and shared memory this one was still writing to:
+    committed rows were lost, and every later statement failed with "database disk image is
+    malformed" (red team, 2026-11-25; the server opens two connections, the store's and the
+    keys', and each open made the file private)."""
     for suffix in ("", "-wal", "-shm", "-journal"):
         # Another process's connection may delete a companion at any moment (its journal at
         # commit, the WAL at its last close): one that is gone needs no mode.
