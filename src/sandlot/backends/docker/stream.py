@@ -12,11 +12,15 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from sandlot.backends.base import STDERR_TAIL_BYTES
 from sandlot.errors import BackendUnavailable, SandboxStartError
 
 if TYPE_CHECKING:
     import docker
+
+log = structlog.get_logger(__name__)
 
 STREAM_LIMIT_BYTES = 1 << 20
 UPGRADE_TIMEOUT_S = 30.0
@@ -85,6 +89,8 @@ class ExecGuest:
             self.reader.feed_eof()
             if self._watch is not None:
                 self._watch.close()  # its wait ends with its connection
+            if self._watch_task is not None:
+                self._watch_task.cancel()
 
     @property
     def ended(self) -> bool:
@@ -171,11 +177,16 @@ class StopWatch:
         return cls(reader, writer)
 
     async def stopped(self) -> None:
-        """Return once the container has stopped (or the daemon closed the connection)."""
+        """Return once the container has stopped (or the daemon closed the connection); never,
+        where the daemon refused the wait itself (the guest's stream then ends as before)."""
         try:
             # The daemon sends the headers at once and the body (the exit status) at the
             # stop; a connection it closes means the container is gone too.
-            await self._reader.readuntil(b"\r\n\r\n")
+            head = await self._reader.readuntil(b"\r\n\r\n")
+            status = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+            if status not in (b"200", b"404"):  # 404: no such container, so it is not running
+                log.warning("docker refused the wait on a container", status=status.decode())
+                await asyncio.Future()  # cancelled with the guest's stream
             await self._reader.read(1)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
             pass
