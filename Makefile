@@ -26,7 +26,8 @@ DOCKER_TARGETS := docker,docker+runsc
 
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
-	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust
+	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
+	bench-walls
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -132,6 +133,11 @@ bench-trust: venv
 
 bench-throughput: venv
 	$(PY) bench/bench_throughput.py --rounds 3 --workers 1 --output BENCHMARKS.md
+
+# What each wall of a sandbox (bwrap's namespaces and binds, the guest's interpreter) costs
+# the machine by itself, whole-machine CPU per start; prints a table. Design input, root.
+bench-walls: venv
+	$(PY) bench/profile_walls.py --starts 100 --rounds 3
 
 # 30 minutes (at most 10,000 lifecycles) of 20 clients against one real server, a hostile
 # program in every 10th lifecycle; fails on any 5xx, wrong result, leak or RSS growth over
