@@ -240,9 +240,15 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unexpected error", path=request.url.path)
+    request_id = _request_id(request)
+    # Starlette answers an unexpected error from its outermost layer, outside the one that
+    # adds the request id to every response: it is added here, so that the id the body
+    # names is in the headers too.
+    headers = {"x-request-id": request_id} if request_id else {}
     return error_response(
         500,
         "internal_error",
         "internal error; the request id is in the server log",
-        _request_id(request),
+        request_id,
+        **headers,
     )
