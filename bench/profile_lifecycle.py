@@ -122,7 +122,9 @@ def _cpuacct_s(cgroup: Any) -> float:
 
 
 async def profile(args: argparse.Namespace, data_dir: Path) -> None:
-    settings = Settings(_env_file=None, data_dir=data_dir, log_level="ERROR")  # type: ignore[call-arg]
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None, data_dir=data_dir, log_level="ERROR", guest_template=args.template
+    )
     spec = SandboxSpec(cpu_cores=args.cpu_cores) if args.cpu_cores else None
     async with SandboxManager(settings) as manager:
         info = await manager.create(spec)  # untimed: first-use costs
@@ -183,6 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--lifecycles", type=int, default=15)
     parser.add_argument("--cpu-cores", type=float, help="instead of the default quota")
+    parser.add_argument(
+        "--no-template",
+        dest="template",
+        action="store_false",
+        help="start every guest afresh (SANDBOX_GUEST_TEMPLATE=false) instead of forking it "
+        "from the template",
+    )
     args = parser.parse_args(argv)
     instrument()
     root = Path(tempfile.mkdtemp(prefix="agsb-prof-", dir="/tmp"))

@@ -267,6 +267,13 @@ class Settings(BaseSettings):
         description="Refuse to start sandboxes without a cgroup (rootless with no delegated "
         "cgroup v2 subtree) instead of falling back to per-process rlimits.",
     )
+    guest_template: bool = Field(
+        default=True,
+        validation_alias=_env("SANDBOX_GUEST_TEMPLATE", "guest_template"),
+        description="bubblewrap as root: fork each new guest from a template interpreter per "
+        "system, already imported, instead of starting one (~10 ms of CPU less a create); "
+        "false starts every guest afresh (as rootless always does).",
+    )
     api_host: str = Field(
         default="127.0.0.1",
         validation_alias=_env("API_HOST", "api_host"),

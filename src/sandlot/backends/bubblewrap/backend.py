@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import stat
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from sandlot.backends import mountns
 from sandlot.backends.base import (
     GUEST_PIDS_HEADROOM,
     Check,
+    Guest,
     GuestProcess,
     GuestSpec,
     instance_of,
@@ -56,6 +58,15 @@ from sandlot.backends.bubblewrap.rootless import (
     warn_degraded_once,
 )
 from sandlot.backends.bubblewrap.seccomp import build_filter
+from sandlot.backends.bubblewrap.template import (
+    LAUNCHER as TEMPLATE_LAUNCHER,
+)
+from sandlot.backends.bubblewrap.template import (
+    Template,
+    TemplateGone,
+    TemplateGuest,
+    namespace_fds,
+)
 from sandlot.backends.bubblewrap.uids import UidAllocator, unlock
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from sandlot.backends.delegation import find_delegated, prepare
@@ -75,6 +86,8 @@ from sandlot.backends.disk import (
 )
 from sandlot.backends.launch import (
     GUEST_DIR_INSIDE,
+    GUEST_PYTHON,
+    SANDBOX_PATH,
     WORKSPACE_INSIDE,
     guest_argv,
     guest_env,
@@ -139,6 +152,9 @@ START_TIMEOUT_S = 15.0
 # site or workspace code), and at most START_TIMEOUT_S.
 START_CPU_CORES = 1.0
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+# What bwrap runs where a template's guest joins the namespaces (template.py): it holds them
+# until the guest is in, and ends at the EOF of its stdin, which the manager closes then.
+PLACEHOLDER = ("/bin/sh", "-c", "read -r _")
 
 
 def _setenv(env: dict[str, str]) -> list[str]:
@@ -157,7 +173,7 @@ class _Box:
     uid_lock_fd: int | None  # None rootless: every sandbox has the user's uid
     cgroup: Cgroup | NoCgroup
     disk_capped: bool
-    guest: GuestProcess | None = None
+    guest: Guest | None = None
     net: netns.SandboxNet | None = None
     net_lock_fd: int | None = None  # holds net's /30 host-wide while the sandbox lives
     system: Path | None = None  # the environment's tree bound as /; None: the host's /usr
@@ -168,6 +184,24 @@ class _Box:
     def tmp(self) -> Path:
         """Its /tmp on the host: beside the workspace, on the same volume (volume_paths)."""
         return self.workspace.parent / "tmp"
+
+
+async def _kill_all(*guests: Guest | None) -> None:
+    for guest in guests:
+        if guest is not None:
+            guest.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(guest.wait(), 5.0)
+
+
+def _notified(fd: int, timeout_s: float) -> bool:
+    """Whether a byte came on ``fd`` within ``timeout_s`` (False: EOF, or nothing); closes it."""
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout_s * 1000)) and os.read(fd, 1) == b"1"
+    finally:
+        os.close(fd)
 
 
 def _traversable_by_others(path: Path) -> Path | None:
@@ -206,6 +240,11 @@ class BubblewrapBackend:
         self._launch_ns: Path | None = None  # launchns.py's pin, once made
         self._launch_ns_failed = False
         self._routing_lock = asyncio.Lock()
+        # One template per system ("host", or a tree's path), started on first use
+        # (template.py); a system whose template would not start starts guests afresh.
+        self._templates: dict[str, Template] = {}
+        self._templates_failed: set[str] = set()
+        self._template_lock = asyncio.Lock()
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -300,7 +339,7 @@ class BubblewrapBackend:
 
     # -- contract
 
-    async def start(self, spec: GuestSpec) -> GuestProcess:
+    async def start(self, spec: GuestSpec) -> Guest:
         self._check()
         box = self._boxes.get(spec.sandbox_id)
         if box is None:
@@ -420,11 +459,20 @@ class BubblewrapBackend:
         info_fd: int | None = None,
         *,
         manager_mounts: bool = False,
+        templated: bool = False,
     ) -> list[str]:
         """bwrap's argv; with ``manager_mounts`` the manager attaches /proc's masks and the
         volume (/workspace, /tmp) once bwrap has made the namespace (:meth:`_mount_inside`),
-        and bwrap only makes their mount points."""
-        argv = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns"]
+        and bwrap only makes their mount points. ``templated`` (with ``manager_mounts``): no
+        pid namespace and no /proc (the template's guest makes both: template.py), and a
+        placeholder instead of the guest."""
+        if templated:
+            # --unshare-all less the pid namespace.
+            argv = [BWRAP, "--unshare-user", "--unshare-ipc", "--unshare-uts"]
+            argv += ["--unshare-cgroup-try", "--disable-userns"]
+            argv += [] if spec.network else ["--unshare-net"]
+        else:
+            argv = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns"]
         if info_fd is not None:
             argv += ["--info-fd", str(info_fd)]  # the sandbox's first pid, for devpts.py
         if spec.network:
@@ -442,11 +490,11 @@ class BubblewrapBackend:
             "--new-session",
             # The guest is pid 1 itself: bwrap's own init would run as the sandbox uid, hold
             # the pipes to the host and be dumpable, so sandboxed code could write to its
-            # memory and forge results. The guest makes itself non-dumpable instead.
-            "--as-pid-1",
+            # memory and forge results. The guest makes itself non-dumpable instead. (A
+            # template's guest is pid 1 of a pid namespace of its own.)
+            *([] if templated else ["--as-pid-1"]),
             *self._system_binds(box),
-            "--proc",
-            "/proc",
+            *(["--dir", "/proc"] if templated else ["--proc", "/proc"]),
             "--dev",
             "/dev",
             # Where it can, the manager puts the masks in itself, cheaper (_finish_namespace).
@@ -482,7 +530,7 @@ class BubblewrapBackend:
         if self.rootless:
             # Set inside the sandbox's user namespace: there RLIMIT_NPROC counts this sandbox.
             argv += rlimit_argv(spec.limits, degraded=self.degraded, nproc=self._nproc)
-        return argv + guest_argv()
+        return argv + (list(PLACEHOLDER) if templated else guest_argv())
 
     def _system_binds(self, box: _Box) -> list[str]:
         """The sandbox's system: its environment's whole tree as ``/``, or the host's /usr
@@ -519,9 +567,10 @@ class BubblewrapBackend:
         info_fd: int | None,
         *,
         manager_mounts: bool,
+        templated: bool = False,
     ) -> list[str]:
         """sh (into the cgroup, then the wait for "go"), nsenter or setpriv (to the sandbox's
-        uid), bwrap and the guest."""
+        uid), bwrap and the guest (``templated``: bwrap's placeholder)."""
         # The host-side chain (sh as root, nsenter or setpriv, bwrap) runs with a fixed
         # environment and absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a
         # root process would run code of their choosing as root. Their env is set inside the
@@ -548,7 +597,9 @@ class BubblewrapBackend:
         pin = self._launch_pin() if manager_mounts else None
         if pin is not None:
             enter.append(f"--mount={pin}")
-        bwrap = self._bwrap_argv(box, spec, seccomp_fd, info_fd, manager_mounts=manager_mounts)
+        bwrap = self._bwrap_argv(
+            box, spec, seccomp_fd, info_fd, manager_mounts=manager_mounts, templated=templated
+        )
         if enter:
             # nsenter drops to the sandbox's uid itself once inside (setgroups(0), setgid,
             # setuid, as setpriv does): one exec fewer per create (~1.5 ms of CPU). Its
@@ -574,11 +625,13 @@ class BubblewrapBackend:
         *,
         before_go: Callable[[], Awaitable[None]] | None = None,
         files: Callable[[], Awaitable[None]] | None = None,
-    ) -> GuestProcess:
+    ) -> Guest:
         """Start the chain (sh into the cgroup, nsenter or setpriv, bwrap, the guest); it waits
         after the cgroup until ``before_go`` has run. ``files`` makes the sandbox's volume and
         /proc files: while bwrap starts, where the manager mounts them itself (root, with the
-        mount API), else before "go" (bwrap binds them)."""
+        mount API), else before "go" (bwrap binds them). Where the system has a template
+        (:meth:`_template`), bwrap runs a placeholder and the guest is the template's fork,
+        joined into the namespaces bwrap made (:meth:`_join`)."""
         read_fd, write_fd = os.pipe()
         try:
             os.write(write_fd, build_filter(spec.network))
@@ -592,7 +645,10 @@ class BubblewrapBackend:
         # Without the mount API (Linux < 5.12) bwrap makes the masks and binds the volume
         # itself; the terminal cap is the manager's either way.
         manager_mounts = info_fd is not None and mountns.supported()
-        argv = self._chain_argv(box, spec, read_fd, info_fd, manager_mounts=manager_mounts)
+        template = await self._template(box) if manager_mounts else None
+        argv = self._chain_argv(
+            box, spec, read_fd, info_fd, manager_mounts=manager_mounts, templated=bool(template)
+        )
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -621,18 +677,128 @@ class BubblewrapBackend:
         # Where the manager mounts, the files are made while bwrap starts; else bwrap binds
         # them, so they are made first.
         before = (before_go,) if manager_mounts else (before_go, files)
+        joined: TemplateGuest | None = None
+
+        async def join(pid: int) -> None:
+            nonlocal joined
+            assert template is not None
+            joined = await self._join(template, box, spec, guest, pid)
+
         try:
             await self._go_after(before, process, guest, None if info_fd is None else info_r)
             if manager_mounts:
-                await self._mount_while_bwrap_starts(process, guest, info_r, box, files)
+                await self._mount_while_bwrap_starts(
+                    process, guest, info_r, box, files, join if template else None
+                )
             elif info_fd is not None:
                 await asyncio.to_thread(self._finish_namespace, info_r, process.pid, box)
         except BaseException:
+            await _kill_all(joined, guest)
+            raise
+        if joined is not None:
+            joined.end_placeholder()  # the guest holds every namespace now
+            return joined
+        return guest
+
+    async def _template(self, box: _Box) -> Template | None:
+        """The running template of the box's system, started on its first use; None where
+        guests start afresh: rootless, ``SANDBOX_GUEST_TEMPLATE=false``, or a template that
+        would not start here (said once, in the log)."""
+        if self.rootless or not self.settings.guest_template:
+            return None
+        key = str(box.system) if box.system is not None else "host"
+        if key in self._templates_failed:
+            return None
+        async with self._template_lock:
+            template = self._templates.pop(key, None)
+            if template is not None:
+                if template.alive:
+                    self._templates[key] = template
+                    return template
+                await template.close()  # ended: its process is collected, a new one starts
+            template = Template(key)
+            try:
+                await template.start(self._template_argv(box), START_TIMEOUT_S)
+            except (TemplateGone, OSError) as exc:
+                log.warning("no guest template: guests start afresh", system=key, error=str(exc))
+                self._templates_failed.add(key)
+                return None
+            self._templates[key] = template
+            return template
+
+    def _template_argv(self, box: _Box) -> list[str]:
+        """bwrap as root for a template (template.py): no user namespace, every capability,
+        the sandbox's system read-only and the guest at the path sandboxes see; the fd of its
+        socket follows (Template.start)."""
+        argv = [BWRAP, "--die-with-parent", "--new-session", "--cap-add", "ALL"]
+        argv += [*self._system_binds(box), "--proc", "/proc", "--dev", "/dev"]
+        if box.system is None:
+            argv += ["--dir", "/etc"]
+            for path in ETC_BINDS:
+                if Path(path).exists():
+                    argv += ["--ro-bind", path, path]
+        argv += ["--ro-bind", str(self._guest_dir), GUEST_DIR_INSIDE, "--chdir", "/"]
+        argv += ["--clearenv", *_setenv({"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"})]
+        return [*argv, "--", GUEST_PYTHON, "-I", "-S", "-c", TEMPLATE_LAUNCHER % GUEST_DIR_INSIDE]
+
+    async def _join(
+        self, template: Template, box: _Box, spec: GuestSpec, chain: GuestProcess, pid: int
+    ) -> TemplateGuest:
+        """Ask ``template`` for the sandbox's guest, joined into the namespaces of bwrap's
+        placeholder ``pid``; return once it has attached its /proc (the masks go over it
+        next). Its stdio are pipes made here."""
+        assert isinstance(box.cgroup, Cgroup)
+        mine: list[int] = []  # the ends the manager keeps, until a guest object owns them
+        theirs: list[int] = []  # the ends the guest gets, closed here once sent
+        try:
+            theirs += namespace_fds(pid, chain.pid)
+            stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+            mine.append(stdin_w)
+            theirs.append(stdin_r)
+            for _ in range(3):  # stdout, stderr, notify: the guest writes, we read
+                r, w = os.pipe2(os.O_CLOEXEC)
+                mine.append(r)
+                theirs.append(w)
+            theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in box.cgroup.enter_files]
+            request = {
+                "uid": SANDBOX_UID,
+                "gid": SANDBOX_UID,
+                "env": guest_env(spec.env),
+                "seccomp": build_filter(spec.network).hex(),
+                "workspace": WORKSPACE_INSIDE,
+            }
+            guest_pid, pidfd = await template.spawn(request, theirs)
+        except BaseException:
+            for fd in mine:
+                os.close(fd)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        stdin_w, stdout_r, stderr_r, notify_r = mine
+        guest = TemplateGuest(template, guest_pid, pidfd, stdin_w, stdout_r, stderr_r, chain)
+        try:
+            await guest.connect()
+            await self._joined(guest, notify_r)
+        except BaseException:
             guest.kill()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(guest.wait(), 5.0)
             raise
         return guest
+
+    @staticmethod
+    async def _joined(guest: TemplateGuest, notify_r: int) -> None:
+        """Wait for the guest's byte on ``notify_r``: it is in the sandbox's namespaces and
+        its /proc is attached.
+
+        Raises:
+            SandboxStartError: it ended first; the reason it gave on stderr.
+        """
+        if await asyncio.to_thread(_notified, notify_r, START_TIMEOUT_S):
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(guest.wait(), 2.0)
+        why = guest.stderr_tail() or "it ended"
+        raise SandboxStartError(f"the sandbox's guest could not join it: {why}")
 
     async def _go_after(
         self,
@@ -660,11 +826,14 @@ class BubblewrapBackend:
         info_r: int,
         box: _Box,
         files: Callable[[], Awaitable[None]] | None,
+        join: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         """Make the volume while bwrap makes the namespace (the ~4 ms of the volume were on
         every create's path), then attach it and the masks there. The guest starts its
         interpreter meanwhile; it runs nothing of the sandbox's before the host's key, which
-        comes after this returns, and it enters /workspace only then (supervisor.py)."""
+        comes after this returns, and it enters /workspace only then (supervisor.py). With
+        ``join``, bwrap runs a placeholder, and a template's guest joins it (given its pid)
+        and makes the /proc the masks go over, before they are attached."""
         first = asyncio.ensure_future(asyncio.to_thread(self._first_pid, info_r))
         try:
             if files is not None:
@@ -684,6 +853,8 @@ class BubblewrapBackend:
             if process.returncode is None:
                 raise
             raise self._launcher_failed(process, guest) from None
+        if join is not None:
+            await join(pid)
         await asyncio.to_thread(self._mount_inside, pid, process.pid, box, manager_mounts=True)
 
     @staticmethod
@@ -902,6 +1073,9 @@ class BubblewrapBackend:
                 if fd is not None:
                     unlock(fd)
         self._boxes.clear()
+        for template in self._templates.values():
+            await template.close()
+        self._templates.clear()
         if self._launch_ns is not None:
             await asyncio.to_thread(self._drop_launch_ns)
         if self._checked:

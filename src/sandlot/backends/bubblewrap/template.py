@@ -1,0 +1,318 @@
+"""The host's side of the template guest (:mod:`sandlot.guest.template`, whose docstring says
+what a forked guest keeps of the walls): one template process per system (the host's ``/usr``
+or an environment's tree), asked for a guest per sandbox, and the guest it gives.
+
+A template is started as root by bwrap, without a user namespace (it must be able to join
+the sandboxes' and make a procfs for each one's pid namespace) and with every capability,
+in a mount namespace that holds only the sandbox's system, read-only, and the guest's files
+at the path sandboxes see them: the modules it imports are the ones a guest started by bwrap
+would import, and the paths they know (``/opt/sandlot``) are the sandbox's. It dies with the
+manager (bwrap's ``--die-with-parent``, and the EOF of its socket), and its guests with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import select
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from sandlot.backends.base import STDERR_TAIL_BYTES, GuestProcess
+from sandlot.errors import SandboxStartError
+from sandlot.guest.template import MAX_FDS, MAX_MESSAGE, NS_NAMES
+
+log = structlog.get_logger(__name__)
+
+# The template's program: its socket is the fd named in argv[1].
+LAUNCHER = (
+    "import sys, socket; sys.path.insert(0, %r); import template; "
+    "template.serve(socket.socket(fileno=int(sys.argv[1])))"
+)
+
+
+class TemplateGone(SandboxStartError):
+    """The template process ended (or never said ready): its system starts guests afresh."""
+
+
+class Template:
+    """One running template process and the requests in flight to it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # for logs: the system it serves
+        self._process: asyncio.subprocess.Process | None = None
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+        self._replies: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
+        self._exits: dict[int, asyncio.Future[int]] = {}
+        self._ready: asyncio.Future[None] | None = None
+        self.alive = False
+
+    async def start(self, argv_before_fd: list[str], timeout_s: float) -> None:
+        """Start ``argv_before_fd`` + [its socket's fd] and wait for it to say ready.
+
+        Raises:
+            TemplateGone: it did not start or say ready within ``timeout_s``.
+        """
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *argv_before_fd,
+                str(theirs.fileno()),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(theirs.fileno(),),
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        loop.add_reader(ours.fileno(), self._on_readable)
+        self.alive = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        except BaseException as exc:
+            why = await self._stderr()
+            await self.close()
+            raise TemplateGone(f"the guest template did not start: {why or exc!r}") from None
+
+    async def _stderr(self) -> str:
+        if self._process is None or self._process.stderr is None:
+            return ""
+        with contextlib.suppress(Exception):
+            if self._process.returncode is None:
+                self._process.kill()
+            data = await asyncio.wait_for(self._process.stderr.read(STDERR_TAIL_BYTES), 2.0)
+            return data.decode("utf-8", "replace").strip()
+        return ""
+
+    def _on_readable(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, MAX_FDS)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                self._gone()
+                return
+            try:
+                message = json.loads(data)
+            except ValueError:
+                message = {}
+            self._dispatch(message, fds)
+
+    def _dispatch(self, message: dict[str, Any], fds: list[int]) -> None:
+        if message.get("ready") and self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+        elif "exit" in message:
+            future = self._exits.pop(int(message["exit"]), None)
+            if future is not None and not future.done():
+                future.set_result(int(message.get("status", -1)))
+        elif "id" in message:
+            reply = self._replies.pop(int(message["id"] or 0), None)
+            if reply is not None and not reply.done():
+                reply.set_result((message, fds))
+                return
+        for fd in fds:  # nobody is waiting for them
+            os.close(fd)
+
+    def _gone(self) -> None:
+        """The template ended: every request and every guest's wait is answered."""
+        if not self.alive:
+            return
+        self.alive = False
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        error = TemplateGone(f"the guest template ({self.name}) ended")
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(error)
+        self._replies.clear()
+        # Its guests died with it (their death signal).
+        for future in self._exits.values():
+            if not future.done():
+                future.set_result(-signal.SIGKILL)
+        self._exits.clear()
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+
+    async def spawn(self, request: dict[str, Any], fds: list[int]) -> tuple[int, int]:
+        """Ask for one guest; return its pid and a pidfd of it (the caller closes it).
+
+        Raises:
+            TemplateGone: the template ended.
+            SandboxStartError: the template could not fork the guest.
+        """
+        if not self.alive or self._sock is None:
+            raise TemplateGone(f"the guest template ({self.name}) ended")
+        call_id = next(self._ids)
+        reply: asyncio.Future[tuple[dict[str, Any], list[int]]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._replies[call_id] = reply
+        try:
+            socket.send_fds(self._sock, [json.dumps({**request, "id": call_id}).encode()], fds)
+        except OSError as exc:
+            self._replies.pop(call_id, None)
+            self._gone()
+            raise TemplateGone(f"the guest template ({self.name}) is gone: {exc}") from exc
+        message, got = await reply
+        if "error" in message or len(got) != 1 or not isinstance(message.get("pid"), int):
+            for fd in got:
+                os.close(fd)
+            raise SandboxStartError(f"the guest template could not fork: {message.get('error')}")
+        pid = message["pid"]
+        self._exits[pid] = asyncio.get_running_loop().create_future()
+        return pid, got[0]
+
+    def exit_of(self, pid: int) -> asyncio.Future[int]:
+        future = self._exits.get(pid)
+        if future is None:  # reported already, or the template is gone
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(-signal.SIGKILL)
+        return future
+
+    async def close(self) -> None:
+        self._gone()
+        if self._process is not None:
+            if self._process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._process.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._process.wait(), 5.0)
+
+
+class TemplateGuest:
+    """A guest forked by a template: its stdio are pipes the manager made, its end is told
+    by the template (its parent), and it is killed through a pidfd the template opened."""
+
+    def __init__(
+        self,
+        template: Template,
+        pid: int,
+        pidfd: int,
+        stdin_w: int,
+        stdout_r: int,
+        stderr_r: int,
+        chain: GuestProcess,
+    ) -> None:
+        self.pid = pid
+        self._template = template
+        self._pidfd: int | None = pidfd
+        self._exit = template.exit_of(pid)
+        self._chain = chain  # sh, nsenter, bwrap and its placeholder
+        self._stdin_w, self._stdout_r, self._stderr_r = stdin_w, stdout_r, stderr_r
+        self._stderr_tail = bytearray()
+        self._stderr_task: asyncio.Task[None] | None = None
+        self.reader: asyncio.StreamReader
+        self.writer: asyncio.StreamWriter
+
+    async def connect(self) -> None:
+        """The stream pair over the guest's pipes, and its stderr's collector."""
+        loop = asyncio.get_running_loop()
+        self.reader = asyncio.StreamReader(limit=1 << 20)
+        await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(self.reader), os.fdopen(self._stdout_r, "rb", 0)
+        )
+        transport, protocol = await loop.connect_write_pipe(
+            asyncio.streams.FlowControlMixin, os.fdopen(self._stdin_w, "wb", 0)
+        )
+        self.writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        stderr = asyncio.StreamReader(limit=1 << 16)
+        await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stderr), os.fdopen(self._stderr_r, "rb", 0)
+        )
+        self._stderr_task = asyncio.create_task(self._collect_stderr(stderr))
+
+    async def _collect_stderr(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(4096):
+            self._stderr_tail += chunk
+            del self._stderr_tail[:-STDERR_TAIL_BYTES]
+
+    def stderr_tail(self) -> str:
+        return self._stderr_tail.decode("utf-8", "replace").strip()
+
+    def kill(self) -> None:
+        if self._pidfd is not None:
+            # A pidfd cannot name another process once the guest is gone.
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._chain.kill()
+
+    def end_placeholder(self) -> None:
+        """bwrap's placeholder ends (EOF on its stdin): the guest holds the namespaces now."""
+        if not self._chain.writer.is_closing():
+            self._chain.writer.close()
+
+    async def wait(self) -> int:
+        code = await asyncio.shield(self._exit)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        self.end_placeholder()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._chain.wait(), 5.0)
+        if self._stderr_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._stderr_task, 1.0)
+        return code
+
+
+def namespace_fds(pid: int, parent: int) -> list[int]:
+    """Open ``pid``'s namespaces (:data:`NS_NAMES` order); ``pid`` must be ``parent``'s child
+    and still alive once they are open, so the files are its and not a reused pid's.
+
+    Raises:
+        SandboxStartError: it is not, or is gone.
+    """
+    pidfd = os.pidfd_open(pid)
+    fds: list[int] = []
+    try:
+        _check_parent(pid, parent)
+        for name in NS_NAMES:
+            fds.append(os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
+        _check_alive(pidfd, pid)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    finally:
+        os.close(pidfd)
+    return fds
+
+
+def _check_parent(pid: int, parent: int) -> None:
+    status = Path(f"/proc/{pid}/status").read_text()
+    ppid = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("PPid:")), "")
+    if ppid != str(parent):
+        raise SandboxStartError(f"process {pid} is not the sandbox's first process")
+
+
+def _check_alive(pidfd: int, pid: int) -> None:
+    """A pidfd is readable once its process has exited."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    if poller.poll(0):
+        raise SandboxStartError(f"the sandbox's first process {pid} exited")

@@ -1,0 +1,387 @@
+"""The template guest: one interpreter per system, imported once, forked into each new sandbox.
+
+Standard library only, Python >= 3.9 (shipped with the guest). A guest started by bwrap pays
+an interpreter's start and the supervisor's imports, ~10 ms of CPU of a ~30 ms lifecycle
+(BENCHMARKS.md, issue 13). The template pays them once: the backend starts it as root, in a
+mount namespace that looks like the sandbox's system (the same ``/usr`` or tree, this
+directory at ``/opt/sandlot``), and for each new sandbox it forks a child that *joins* the
+namespaces bwrap made and becomes that sandbox's guest. bwrap still builds the sandbox (user,
+mount, network, ipc, uts and cgroup namespaces, the root file system, ``--disable-userns``) and
+execs a placeholder; it no longer makes the pid namespace.
+
+What the child keeps of the walls, in order (each step needs the one before):
+
+1. The sandbox's cgroup, entered while the child is still root and alone (every process it
+   will ever start is counted there).
+2. No supplementary groups, then the network, ipc, uts and cgroup namespaces.
+3. A pid namespace of its own, made by the template before the fork: the child is its pid 1,
+   as bwrap's ``--as-pid-1`` guest was (``kill -9 -1`` spares it; no other process can open
+   its memory). Its ``/proc`` is made by the child (the pid namespace a procfs shows is its
+   maker's) while it is still in the template's mount namespace, where the host's user
+   namespace allows it, then attached in the sandbox's, with bwrap's read-only covers over
+   ``sys``, ``sysrq-trigger``, ``irq`` and ``bus``. The host's masks go over it next (the
+   manager, told by one byte on ``notify``), before the guest is given its key.
+4. bwrap's innermost user namespace, uid and gid 65534 there (the sandbox's host uid), then no
+   capability at all: effective, permitted, inheritable, ambient and the bounding set.
+5. A new session, death with the template, no_new_privs and the sandbox's seccomp filter,
+   the same bytes bwrap loads.
+6. Only its stdio left open, the guest's environment, and the supervisor's ``main``.
+
+A failure at any step ends the child (exit 125) with the reason on the guest's stderr, which
+the host reports; it never runs the supervisor half-joined.
+
+What a forked guest shares with the other sandboxes of its template, unlike a fresh start:
+its address-space layout (ASLR) and Python's string-hash secret. Neither is reachable from
+another sandbox (SECURITY.md). ``random`` is reseeded by every fork (``os.register_at_fork``).
+
+The protocol with the host (``sandlot.backends.bubblewrap.template``): one SOCK_SEQPACKET
+socket on fd 3. The host sends ``{"id", "uid", "gid", "env", "seccomp", "workspace"}`` with
+the fds ``NS_NAMES``, stdin, stdout, stderr, notify, then the cgroup's files to write "0" to;
+the template answers ``{"id", "pid"}`` with a pidfd of the guest (or ``{"id", "error"}``),
+and ``{"exit": pid, "status": code}`` when a guest has ended. ``{"ready": true}`` comes first.
+"""
+
+import _signal as signal
+import ctypes
+import gc
+import json
+import os
+import select
+import socket
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+# The namespace fds a request carries, in this order.
+NS_NAMES = ("user", "mnt", "net", "ipc", "uts", "cgroup")
+# Joined before the mount namespace, as root (the user namespace comes last: once in it, the
+# child has no capability over the namespaces bwrap made outside it).
+JOINED_FIRST = (
+    ("net", CLONE_NEWNET),
+    ("ipc", CLONE_NEWIPC),
+    ("uts", CLONE_NEWUTS),
+    ("cgroup", CLONE_NEWCGROUP),
+)
+STDIO_FDS = 4  # stdin, stdout, stderr, notify
+MAX_FDS = len(NS_NAMES) + STDIO_FDS + 4  # + the cgroup's files (one per v1 hierarchy in use)
+MAX_MESSAGE = 1 << 20
+# bwrap's covers over /proc after its mount (its SETUP_MOUNT_PROC): read-only binds.
+PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")
+# The same on every architecture (the syscalls after 424 share one table).
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+SYS_FSOPEN = 430
+SYS_FSCONFIG = 431
+SYS_FSMOUNT = 432
+SYS_MOUNT_SETATTR = 442
+FSOPEN_CLOEXEC = 1
+FSCONFIG_CMD_CREATE = 6
+FSMOUNT_CLOEXEC = 1
+OPEN_TREE_CLONE = 1
+AT_FDCWD = -100
+AT_EMPTY_PATH = 0x1000
+AT_SYMLINK_NOFOLLOW = 0x100
+MOVE_MOUNT_F_EMPTY_PATH = 4
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
+MS_PRIVATE = 1 << 18
+PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP = 22
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+SECCOMP_MODE_FILTER = 2
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+SIGKILL = 9
+SIGCHLD = 17
+FAILED = 125  # the child's exit status when it could not become the guest
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class JoinFailed(Exception):
+    """A step of becoming the guest failed: the child must end, not run the supervisor."""
+
+
+def _check(result, what):
+    if result < 0:
+        err = ctypes.get_errno()
+        raise JoinFailed("%s: %s" % (what, os.strerror(err)))
+    return result
+
+
+def _syscall(number, *args):
+    return _libc.syscall(number, *args)
+
+
+def _setns(fd, flag, name):
+    _check(_libc.setns(fd, flag), "setns into the sandbox's %s namespace" % name)
+
+
+def new_proc():
+    """A detached procfs of this process's pid namespace (nosuid, nodev, noexec, as bwrap's)."""
+    fs = _check(_syscall(SYS_FSOPEN, b"proc", FSOPEN_CLOEXEC), "fsopen(proc)")
+    try:
+        _check(_syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig(proc)")
+        flags = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
+        return _check(_syscall(SYS_FSMOUNT, fs, FSMOUNT_CLOEXEC, flags), "fsmount(proc)")
+    finally:
+        os.close(fs)
+
+
+def _attach(fd, target):
+    _check(
+        _syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, os.fsencode(target), MOVE_MOUNT_F_EMPTY_PATH),
+        "move_mount onto %s" % target,
+    )
+
+
+def _cover_read_only(path):
+    """A read-only bind of ``path`` over itself; a path this kernel lacks is left alone."""
+    flags = OPEN_TREE_CLONE | os.O_CLOEXEC | AT_SYMLINK_NOFOLLOW
+    fd = _syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(path), flags)
+    if fd < 0:
+        if ctypes.get_errno() == 2:  # ENOENT
+            return
+        _check(fd, "open_tree(%s)" % path)
+    try:
+        sealed = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
+        attr = _MountAttr(sealed, 0, MS_PRIVATE, 0)
+        _check(
+            _syscall(
+                SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)
+            ),
+            "mount_setattr(%s)" % path,
+        )
+        _attach(fd, path)
+    finally:
+        os.close(fd)
+
+
+def drop_capabilities(last_cap):
+    """No capability left in any set, the bounding set included (it needs CAP_SETPCAP, so
+    it goes first)."""
+    for cap in range(last_cap + 1):
+        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "dropping capability %d" % cap)
+    _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clearing ambient")
+    header = _CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def load_seccomp(program):
+    """no_new_privs, then the filter (a BPF program, as bwrap's ``--seccomp`` takes it)."""
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if not program:
+        raise JoinFailed("no seccomp filter given")
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
+    _check(
+        _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0),
+        "loading the seccomp filter",
+    )
+
+
+def join(request, fds, last_cap):
+    """Become the sandbox's guest (the steps in this module's docstring); returns only as
+    the guest, with stdio on 0-2 and nothing else open."""
+    ns = dict(zip(NS_NAMES, fds))
+    stdin, stdout, stderr, notify = fds[len(NS_NAMES) : len(NS_NAMES) + STDIO_FDS]
+    os.dup2(stderr, 2)  # every failure from here is told on the guest's stderr
+    for enter in fds[len(NS_NAMES) + STDIO_FDS :]:
+        try:
+            os.write(enter, b"0")
+        except OSError as exc:
+            raise JoinFailed("entering the sandbox's cgroup: %s" % exc) from None
+    os.setgroups([])
+    for name, flag in JOINED_FIRST:
+        _setns(ns[name], flag, name)
+    # Made here, in the template's mount namespace (the host's user namespace owns it, so a
+    # new procfs is allowed), then attached in the sandbox's, which has none.
+    proc = new_proc()
+    _setns(ns["mnt"], CLONE_NEWNS, "mount")
+    _attach(proc, "/proc")
+    os.close(proc)
+    for name in PROC_COVERS:
+        _cover_read_only("/proc/" + name)
+    os.write(notify, b"1")  # the host puts its masks over /proc now
+    _setns(ns["user"], CLONE_NEWUSER, "user")
+    gid, uid = int(request["gid"]), int(request["uid"])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    drop_capabilities(last_cap)
+    os.setsid()
+    # After the uid change, which clears it: the guest dies with the template, which dies
+    # with the manager (its bwrap's --die-with-parent).
+    _check(_libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "the death signal")
+    load_seccomp(bytes.fromhex(request["seccomp"]))
+    os.dup2(stdin, 0)
+    os.dup2(stdout, 1)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 65536)
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+    try:
+        os.chdir(request["workspace"])
+    except OSError:
+        os.chdir("/")  # the host attaches the volume there before the key (supervisor.py)
+
+
+def child(request, fds, last_cap):
+    """The forked child: join, then run the supervisor; never returns."""
+    status = FAILED
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(SIGCHLD, signal.SIG_DFL)
+        join(request, fds, last_cap)
+        import supervisor
+
+        supervisor.main([sys.argv[0]])
+        status = 0
+    except BaseException as exc:  # told on the guest's stderr (fd 2 once join began)
+        try:
+            os.write(2, ("sandlot template: %s\n" % (exc,)).encode("utf-8", "replace"))
+        except OSError:
+            pass
+    finally:
+        os._exit(status)
+
+
+def preload():
+    """Import everything a guest imports at its start or on its first calls."""
+    import resource  # noqa: F401
+    import shutil  # noqa: F401
+    import subprocess  # noqa: F401
+    import tempfile  # noqa: F401
+    import traceback  # noqa: F401
+
+    import calls  # noqa: F401
+    import cells  # noqa: F401
+    import files  # noqa: F401
+    import kernel  # noqa: F401
+    import ptys  # noqa: F401
+    import shells  # noqa: F401
+    import supervisor  # noqa: F401
+
+
+def spawn(sock, request, fds, own_pid_ns, last_cap):
+    """Fork one guest into a pid namespace of its own; answer with its pid and a pidfd."""
+    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    try:
+        pid = os.fork()
+        if pid == 0:
+            child(request, fds, last_cap)
+    finally:
+        # Back to our own for the next fork (a second unshare would be refused).
+        _setns(own_pid_ns, CLONE_NEWPID, "template's pid")
+    pidfd = os.pidfd_open(pid)
+    try:
+        socket.send_fds(sock, [json.dumps({"id": request["id"], "pid": pid}).encode()], [pidfd])
+    finally:
+        os.close(pidfd)
+
+
+def serve(sock):
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(SIGCHLD, lambda signum, frame: None)
+    preload()
+    # Every object so far to the permanent generation: a collection in a guest would write
+    # into each one's header and copy the page it shares with us.
+    gc.freeze()
+    sock.sendall(json.dumps({"ready": True}).encode())
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        for ready, _ in poller.poll():
+            if ready == wake_r:
+                _drain(wake_r)
+                _reap(sock)
+                continue
+            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+            if not message:
+                return  # the host is gone; its guests die with us
+            try:
+                request = json.loads(message)
+                spawn(sock, request, fds, own_pid_ns, last_cap)
+            except Exception as exc:  # one bad request never ends the template
+                reply = {"id": _request_id(message), "error": "%s" % (exc,)}
+                sock.sendall(json.dumps(reply).encode())
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+
+def _request_id(message):
+    try:
+        return json.loads(message).get("id")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _drain(fd):
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _reap(sock):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        sock.sendall(json.dumps({"exit": pid, "status": code}).encode())
+
+
+def main(argv):
+    sock = socket.socket(fileno=3)
+    sock.setblocking(True)
+    serve(sock)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

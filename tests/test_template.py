@@ -1,0 +1,205 @@
+"""The template guest (guest/template.py, backends/bubblewrap/template.py): as root with the
+mount API, each new guest is forked from one imported interpreter per system and joins the
+namespaces bwrap made. Each test here fails on the path it guards: a guest started afresh
+(it would not be the template's child), a join that keeps a capability or the host's /proc,
+a failed join that ran anyway, random state shared between sandboxes."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from sandlot import SandboxManager
+from sandlot.backends.base import GuestProcess
+from sandlot.backends.bubblewrap import backend as bubblewrap_backend
+from sandlot.backends.bubblewrap.template import TemplateGuest
+from sandlot.errors import SandboxStartError
+from sandlot.requests import RunCode, RunCommand, SandboxSpec
+from tests import leaks
+from tests.conftest import make_settings
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("root_bubblewrap")]
+
+# What the guest sees of itself, its /proc and its walls, from a shell command in it.
+INSIDE = r"""
+grep -E '^(Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs|Seccomp):' \
+  /proc/1/status /proc/self/status
+echo "procs: $(ls /proc | grep -E '^[0-9]+$' | sort -n | tr '\n' ' ')"
+echo "pid1: $(tr '\0' ' ' < /proc/1/cmdline)"
+for f in /proc/sys/kernel/hostname /proc/sysrq-trigger; do
+  ( echo x > "$f" ) 2>/dev/null && echo "writable: $f"
+done
+echo "cmdline bytes: $(wc -c < /proc/cmdline)"
+echo "hostname: $(hostname)"
+"""
+
+
+def _fields(text: str) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("/proc/"):
+            _, key, value = line.split(":", 2)
+            found.setdefault(key, set()).add(" ".join(value.split()))
+    return found
+
+
+@pytest.mark.parametrize("system", ["tree", "host"])
+async def test_a_template_guest_is_pid_1_of_its_own_proc_without_any_capability(
+    data_root: Path, system: str
+) -> None:
+    """The forked guest keeps every wall a guest started by bwrap had: pid 1 (``--as-pid-1``)
+    of a pid namespace whose /proc shows only the sandbox, the sandbox's uid with no group
+    and no capability in any set (bounding included), no_new_privs and the seccomp filter,
+    bwrap's read-only covers and the host's masks over that /proc; and it is the template's
+    child, not bwrap's (the path under test)."""
+    data_dir = data_root / f"template-walls-{system}"
+    data_dir.mkdir()
+    extra = {} if system == "tree" else {"rootfs_dir": data_root / "no-trees"}
+    async with SandboxManager(make_settings(data_dir, **extra)) as mgr:
+        info = await mgr.create(SandboxSpec())
+        backend = mgr._backend("bubblewrap")
+        guest = backend._boxes[info.id].guest
+        assert isinstance(guest, TemplateGuest), guest
+        # From the host: the guest is the template's child, as the sandbox's uid.
+        tree = backend._boxes[info.id].system
+        assert (tree is None) == (system == "host"), tree
+        key = "host" if tree is None else str(tree)
+        monitor = backend._templates[key]._process.pid  # bwrap's, whose child is the template
+        host_view = leaks.read_proc(guest.pid)
+        assert host_view is not None
+        parent = leaks.read_proc(host_view.ppid)
+        assert parent is not None and parent.ppid == monitor, (host_view, parent, monitor)
+        host_status = leaks.status_fields(guest.pid)
+        assert host_status is not None
+        uid = leaks.host_uid(mgr, info.id)
+        assert set(host_view.uids) == {uid} and host_view.groups == (), host_view
+        assert host_status["CapBnd"] == "0000000000000000", host_status
+        ran = await mgr.run_command(info.id, RunCommand(command=INSIDE))
+        assert ran.exit_code == 0, ran
+        fields = _fields(ran.stdout)
+        assert fields["Uid"] == {"65534 65534 65534 65534"}, fields
+        assert fields["Groups"] == {""}, fields
+        for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert fields[cap] == {"0000000000000000"}, (cap, fields)
+        assert fields["NoNewPrivs"] == {"1"} and fields["Seccomp"] == {"2"}, fields
+        lines = dict(line.split(": ", 1) for line in ran.stdout.splitlines() if ": " in line)
+        procs = [int(p) for p in lines["procs"].split()]
+        # Only the sandbox's: pid 1, its kernel, the shell and what it ran (a host /proc would
+        # list hundreds, with the manager's pid among them).
+        assert procs[0] == 1 and max(procs) < 100 and os.getpid() not in procs, procs
+        assert "import template" in lines["pid1"], lines["pid1"]
+        assert "writable" not in ran.stdout, ran.stdout
+        assert lines["cmdline bytes"] == "0"  # the host's mask
+        assert lines["hostname"] == "sandbox"
+        ping = await mgr.run_code(info.id, RunCode(code="import os; os.getppid(), os.getpid()"))
+        assert ping.text == "(1, 2)", ping  # the kernel, forked by pid 1
+        await mgr.destroy(info.id)
+
+
+async def test_sandboxes_forked_from_one_template_do_not_share_random_state(
+    data_root: Path,
+) -> None:
+    """A fork copies the template's memory: ``random``'s state must be drawn again in each
+    guest's kernel (``os.register_at_fork``), or every fresh sandbox would draw the same
+    numbers (and make the same temporary names)."""
+    data_dir = data_root / "template-random"
+    data_dir.mkdir()
+    code = (
+        "import random, tempfile, uuid, os\n"
+        "(random.getrandbits(64), uuid.uuid4().hex, os.urandom(8).hex(),"
+        " next(tempfile._get_candidate_names()))"
+    )
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        drawn = []
+        for _ in range(3):
+            info = await mgr.create(SandboxSpec())
+            assert isinstance(mgr._backend("bubblewrap")._boxes[info.id].guest, TemplateGuest)
+            got = await mgr.run_code(info.id, RunCode(code=code))
+            assert got.error is None and got.text is not None, got
+            drawn.append(ast.literal_eval(got.text))
+            await mgr.destroy(info.id)
+    for column in zip(*drawn, strict=True):
+        assert len(set(column)) == len(column), drawn
+
+
+async def test_a_guest_that_cannot_join_never_runs_and_says_why(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A join step that fails ends the child before the supervisor: here the user namespace
+    it is given is the host's own (which setns refuses), the one step that would otherwise
+    leave a guest as host root. The create fails with the child's reason, and nothing of
+    the sandbox is left."""
+    data_dir = data_root / "template-join-fails"
+    data_dir.mkdir()
+    real = bubblewrap_backend.namespace_fds
+
+    def hosts_user_namespace(pid: int, parent: int) -> list[int]:
+        fds = real(pid, parent)
+        os.close(fds[0])
+        fds[0] = os.open("/proc/self/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        return fds
+
+    monkeypatch.setattr(bubblewrap_backend, "namespace_fds", hosts_user_namespace)
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        baseline = leaks.snapshot(mgr)
+        with pytest.raises(SandboxStartError, match="user namespace"):
+            await mgr.create(SandboxSpec())
+        await mgr.settle()
+        assert leaks.wait_for_baseline(mgr, baseline) == {}
+
+
+async def test_guests_die_with_their_template_and_the_next_one_is_started(
+    data_root: Path,
+) -> None:
+    """A template that dies takes its guests with it (their death signal): a sandbox's next
+    call finds its guest gone and restarts it, from a new template; new creates work."""
+    data_dir = data_root / "template-dies"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        info = await mgr.create(SandboxSpec())
+        backend = mgr._backend("bubblewrap")
+        system = backend._boxes[info.id].system
+        first = backend._templates["host" if system is None else str(system)]
+        guest = backend._boxes[info.id].guest
+        assert isinstance(guest, TemplateGuest)
+        # The template itself is bwrap's child: kill the python under it.
+        template_python = next(p.pid for p in leaks.all_procs() if p.ppid == first._process.pid)
+        os.kill(template_python, signal.SIGKILL)
+        assert await asyncio.wait_for(guest.wait(), 10) != 0
+        again = await mgr.run_code(info.id, RunCode(code="6 * 7"))
+        assert again.text == "42" or again.error is not None, again
+        after = await mgr.run_code(info.id, RunCode(code="6 * 7"))
+        assert after.text == "42", after
+        assert backend._boxes[info.id].guest is not guest
+        other = await mgr.create(SandboxSpec())
+        assert (await mgr.run_code(other.id, RunCode(code="1 + 1"))).text == "2"
+        assert not first.alive
+        await mgr.destroy(info.id)
+        await mgr.destroy(other.id)
+
+
+async def test_without_the_template_guests_start_afresh(data_root: Path) -> None:
+    """``SANDBOX_GUEST_TEMPLATE=false``, and a template that will not start, both start each
+    guest as bwrap's own (the path rootless always takes)."""
+    data_dir = data_root / "template-off"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir, guest_template=False)) as mgr:
+        info = await mgr.create(SandboxSpec())
+        assert isinstance(mgr._backend("bubblewrap")._boxes[info.id].guest, GuestProcess)
+        assert (await mgr.run_code(info.id, RunCode(code="import os; os.getpid()"))).text == "2"
+        await mgr.destroy(info.id)
+    broken = data_root / "template-broken"
+    broken.mkdir()
+    async with SandboxManager(make_settings(broken)) as mgr:
+        backend = mgr._backend("bubblewrap")
+        backend._template_argv = lambda box: ["/bin/false"]
+        info = await mgr.create(SandboxSpec())
+        assert isinstance(backend._boxes[info.id].guest, GuestProcess)
+        assert backend._templates_failed
+        assert (await mgr.run_code(info.id, RunCode(code="1 + 1"))).text == "2"
+        await mgr.destroy(info.id)
