@@ -40,14 +40,22 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
     async with SandboxManager(make_settings(data_dir)) as mgr:
         pin = mgr.instance_dir / launchns.PIN
         assert not launchns.pinned(pin)  # made by the first create, not at start
+        # Where each sandbox's bwrap runs, read while it does: a template's guest (the
+        # default as root) joins bwrap's namespaces, and bwrap ends right after.
+        backend = mgr._backend("bubblewrap")
+        seen: list[int] = []
+        join = backend._join
+
+        async def recorded(template: Any, box: Any, spec: Any, chain: Any, pid: int) -> Any:
+            seen.append(os.stat(f"/proc/{chain.pid}/ns/mnt").st_ino)
+            return await join(template, box, spec, chain, pid)
+
+        backend._join = recorded
         first, second = await asyncio.gather(*(mgr.create(SandboxSpec()) for _ in range(2)))
         assert launchns.pinned(pin)
         # Both bwraps started in it, the first create's too (failed before: the launcher
         # was built before the first create made the pin, and ran in the host's namespace).
-        boxes = mgr._backend("bubblewrap")._boxes
-        for info in (first, second):
-            bwrap_ns = os.stat(f"/proc/{boxes[info.id].guest.pid}/ns/mnt").st_ino
-            assert bwrap_ns == pin.stat().st_ino
+        assert seen == [pin.stat().st_ino] * 2, seen
         volumes = [str(mgr.instance_dir / "sandboxes" / i.id / "volume") for i in (first, second)]
         # On the host, as before; in the launch namespace, never.
         assert all(os.path.ismount(v) for v in volumes)

@@ -153,6 +153,26 @@ async def test_a_guest_that_cannot_join_never_runs_and_says_why(
         assert leaks.wait_for_baseline(mgr, baseline) == {}
 
 
+async def test_a_request_whose_fds_were_cut_short_is_refused(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel cuts a message's fds past what the receiver takes (MSG_CTRUNC): a guest
+    sent more cgroup files than the template takes must not start outside the hierarchies
+    whose files were cut (on cgroup v1 the fifth, pids, was, before the template checked)."""
+    data_dir = data_root / "template-cut-short"
+    data_dir.mkdir()
+    from sandlot.backends.cgroups import Cgroup
+
+    real = Cgroup.enter_files
+    monkeypatch.setattr(Cgroup, "enter_files", property(lambda self: real.fget(self) * 20))
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        baseline = leaks.snapshot(mgr)
+        with pytest.raises(SandboxStartError, match=r"cut short|carries"):
+            await mgr.create(SandboxSpec())
+        await mgr.settle()
+        assert leaks.wait_for_baseline(mgr, baseline) == {}
+
+
 async def test_guests_die_with_their_template_and_the_next_one_is_started(
     data_root: Path,
 ) -> None:

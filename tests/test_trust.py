@@ -26,6 +26,7 @@ import pytest
 from sandlot import ExecResult, Sandbox, SandboxError, SandboxManager
 from sandlot._portal import get_portal
 from sandlot.backends import mountns
+from sandlot.backends.bubblewrap.template import Template, TemplateGuest
 from sandlot.errors import SandboxStartError
 from sandlot.requests import ListFiles, RunCommand, SandboxSpec
 from tests import leaks
@@ -371,8 +372,16 @@ HOSTILE_ENV = {
 }
 
 
-def _supervisor_environ(manager: SandboxManager, sb: Sandbox) -> dict[str, str]:
-    """The guest supervisor's own environment, read from the host's /proc (as root)."""
+def _supervisor_environ(
+    manager: SandboxManager, sb: Sandbox, asked: list[dict[str, str]]
+) -> dict[str, str]:
+    """The guest supervisor's own environment: read from the host's /proc (as root); for a
+    template's guest (bubblewrap as root), whose /proc shows the template's exec-time block,
+    the whole environment the template was asked to give it (``asked``, recorded)."""
+    box = getattr(manager._backend(sb.info.backend), "_boxes", {}).get(sb.id)
+    if box is not None and isinstance(box.guest, TemplateGuest):
+        assert asked, "a template's guest whose request was not recorded"
+        return asked[-1]
     from pathlib import Path
 
     from tests.leaks import docker_container, pids_cgroup_dir, procs_of_container
@@ -393,7 +402,9 @@ def _supervisor_environ(manager: SandboxManager, sb: Sandbox) -> dict[str, str]:
         argv = cmdline.split(b"\0")
         # The python process itself, not bwrap (whose arguments carry the same launcher).
         is_python = b"python" in argv[0].rsplit(b"/", 1)[-1]
-        if is_python and b"supervisor.main" in cmdline and b"--kernel" not in cmdline:
+        # A template's guest (bubblewrap as root) shows the template's command line.
+        launched = b"supervisor.main" in cmdline or b"import template" in cmdline
+        if is_python and launched and b"--kernel" not in cmdline:
             pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
             return {k.decode(): v.decode(errors="replace") for k, v in pairs}
     raise AssertionError(f"no guest supervisor among {[c[:80] for c, _ in found]}")
@@ -401,7 +412,7 @@ def _supervisor_environ(manager: SandboxManager, sb: Sandbox) -> dict[str, str]:
 
 @pytest.mark.hostile
 def test_the_callers_env_reaches_commands_but_never_the_supervisor(
-    manager: SandboxManager, isolated_backend: str
+    manager: SandboxManager, isolated_backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Failed before: the caller's env was the supervisor's own, so LD_LIBRARY_PATH pointed the
     # next guest start at libraries sandboxed code could plant in /workspace/lib.
@@ -410,11 +421,21 @@ def test_the_callers_env_reaches_commands_but_never_the_supervisor(
             "gVisor's processes live inside its sentry, not on the host: no /proc to read the "
             "supervisor's environment from (the env takes the same path, backends/launch.py)"
         )
+    asked: list[dict[str, str]] = []
+    spawn = Template.spawn
+
+    async def recorded(self: Template, request: dict[str, Any], fds: list[int]) -> Any:
+        asked.append(dict(request["env"]))
+        return await spawn(self, request, fds)
+
+    monkeypatch.setattr(Template, "spawn", recorded)
     with Sandbox.create(manager=manager, **placement(isolated_backend), env=HOSTILE_ENV) as sb:
         seen = sb.commands.run("echo $LD_LIBRARY_PATH $PYTHONPATH")
         assert seen.stdout == "/workspace/lib /workspace/evil\n", describe(seen)
         assert sb.run_code("import os; os.environ['LD_LIBRARY_PATH']").text == "'/workspace/lib'"
-        own = _supervisor_environ(manager, sb)
+        own = _supervisor_environ(manager, sb, asked)
+        # The caller's env travels as one JSON value the guest applies to what it starts.
+        assert isolated_backend != "bubblewrap" or "SANDLOT_USER_ENV" in own, own
         assert not set(HOSTILE_ENV) & set(own), own
 
 

@@ -35,16 +35,17 @@ its address-space layout (ASLR) and Python's string-hash secret. Neither is reac
 another sandbox (SECURITY.md). ``random`` is reseeded by every fork (``os.register_at_fork``).
 
 The protocol with the host (``sandlot.backends.bubblewrap.template``): one SOCK_SEQPACKET
-socket on fd 3. The host sends ``{"id", "uid", "gid", "env", "seccomp", "workspace"}`` with
-the fds ``NS_NAMES``, stdin, stdout, stderr, notify, then the cgroup's files to write "0" to;
-the template answers ``{"id", "pid"}`` with a pidfd of the guest (or ``{"id", "error"}``),
-and ``{"exit": pid, "status": code}`` when a guest has ended. ``{"ready": true}`` comes first.
+socket, whose fd the template's argv names. The host sends ``{"id", "uid", "gid", "env",
+"seccomp", "workspace", "cgroup_files"}`` with the fds ``NS_NAMES``, stdin, stdout, stderr,
+notify, then ``cgroup_files`` files of the cgroup to write "0" to (a request whose fds are
+fewer, more, or were cut short is refused). The template answers ``{"id", "pid"}`` with a
+pidfd of the guest (or ``{"id", "error"}``), and ``{"exit": pid, "status": code}`` once a
+guest has ended. ``{"ready": true}`` comes first.
 """
 
 import _signal as signal
 import ctypes
 import gc
-import json
 import os
 import select
 import socket
@@ -68,7 +69,11 @@ JOINED_FIRST = (
     ("cgroup", CLONE_NEWCGROUP),
 )
 STDIO_FDS = 4  # stdin, stdout, stderr, notify
-MAX_FDS = len(NS_NAMES) + STDIO_FDS + 4  # + the cgroup's files (one per v1 hierarchy in use)
+# + the cgroup's files, one per v1 hierarchy (the host sends 5 on a v1 host, 1 on v2). A
+# message with more fds than this arrives cut short (MSG_CTRUNC): it is refused, never run
+# with a cgroup missing.
+MAX_CGROUP_FILES = 16
+MAX_FDS = len(NS_NAMES) + STDIO_FDS + MAX_CGROUP_FILES
 MAX_MESSAGE = 1 << 20
 # bwrap's covers over /proc after its mount (its SETUP_MOUNT_PROC): read-only binds.
 PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")
@@ -105,6 +110,24 @@ SIGCHLD = 17
 FAILED = 125  # the child's exit status when it could not become the guest
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _dumps(value):
+    """The guest's own JSON codec, from ``wire`` (a sibling module here, in the template):
+    ``json`` would be in every guest's and kernel's ``sys.modules``, which a fresh guest's
+    never holds. Imported where it is used: the host imports this module for its
+    constants, and has no top-level ``wire``."""
+    import wire
+
+    return wire.dumps(value)
+
+
+def _loads(text):
+    import wire
+
+    return wire.loads(text)
+
+
 _libc.syscall.restype = ctypes.c_long
 
 
@@ -252,6 +275,8 @@ def join(request, fds, last_cap):
     os.dup2(stdin, 0)
     os.dup2(stdout, 1)
     os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 65536)
+    # The whole environment: what the host's /proc/<pid>/environ shows of a fork is the
+    # template's own exec-time block (PATH, LANG), never this.
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in request["env"].items()})
     try:
@@ -286,7 +311,6 @@ def preload():
     import shutil  # noqa: F401
     import subprocess  # noqa: F401
     import tempfile  # noqa: F401
-    import traceback  # noqa: F401
 
     import calls  # noqa: F401
     import cells  # noqa: F401
@@ -309,7 +333,7 @@ def spawn(sock, request, fds, own_pid_ns, last_cap):
         _setns(own_pid_ns, CLONE_NEWPID, "template's pid")
     pidfd = os.pidfd_open(pid)
     try:
-        socket.send_fds(sock, [json.dumps({"id": request["id"], "pid": pid}).encode()], [pidfd])
+        socket.send_fds(sock, [_dumps({"id": request["id"], "pid": pid}).encode()], [pidfd])
     finally:
         os.close(pidfd)
 
@@ -325,7 +349,7 @@ def serve(sock):
     # Every object so far to the permanent generation: a collection in a guest would write
     # into each one's header and copy the page it shares with us.
     gc.freeze()
-    sock.sendall(json.dumps({"ready": True}).encode())
+    sock.sendall(_dumps({"ready": True}).encode())
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     poller.register(wake_r, select.POLLIN)
@@ -335,23 +359,34 @@ def serve(sock):
                 _drain(wake_r)
                 _reap(sock)
                 continue
-            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+            message, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
             if not message:
                 return  # the host is gone; its guests die with us
             try:
-                request = json.loads(message)
+                request = _loads(message)
+                _check_fds(request, fds, flags)
                 spawn(sock, request, fds, own_pid_ns, last_cap)
             except Exception as exc:  # one bad request never ends the template
                 reply = {"id": _request_id(message), "error": "%s" % (exc,)}
-                sock.sendall(json.dumps(reply).encode())
+                sock.sendall(_dumps(reply).encode())
             finally:
                 for fd in fds:
                     os.close(fd)
 
 
+def _check_fds(request, fds, flags):
+    """Every fd the request says it carries arrived: a guest that missed one of its cgroup's
+    files would run outside that hierarchy (no pids or memory limit)."""
+    if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+        raise JoinFailed("the request was cut short (%d fds arrived)" % len(fds))
+    wanted = len(NS_NAMES) + STDIO_FDS + int(request["cgroup_files"])
+    if len(fds) != wanted or not 0 < int(request["cgroup_files"]) <= MAX_CGROUP_FILES:
+        raise JoinFailed("the request carries %d fds, not %d" % (len(fds), wanted))
+
+
 def _request_id(message):
     try:
-        return json.loads(message).get("id")
+        return _loads(message).get("id")
     except (ValueError, AttributeError):
         return None
 
@@ -373,7 +408,7 @@ def _reap(sock):
         if pid == 0:
             return
         code = os.waitstatus_to_exitcode(status)
-        sock.sendall(json.dumps({"exit": pid, "status": code}).encode())
+        sock.sendall(_dumps({"exit": pid, "status": code}).encode())
 
 
 def main(argv):

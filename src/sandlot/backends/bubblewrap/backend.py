@@ -759,8 +759,10 @@ class BubblewrapBackend:
                 r, w = os.pipe2(os.O_CLOEXEC)
                 mine.append(r)
                 theirs.append(w)
-            theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in box.cgroup.enter_files]
+            enter = box.cgroup.enter_files
+            theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in enter]
             request = {
+                "cgroup_files": len(enter),
                 "uid": SANDBOX_UID,
                 "gid": SANDBOX_UID,
                 "env": guest_env(spec.env),
