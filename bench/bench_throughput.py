@@ -160,15 +160,15 @@ async def run_block(
     series: str,
     programs: list[tuple[str, str]],
     workers: int,
-    cold: SandboxManager,
-    pool: SandboxManager,
+    managers: dict[str, SandboxManager],
 ) -> Block:
+    """One series over every program; ``managers`` by series ("cold", "pool", "afresh")."""
     block = Block()
+    pool = managers["pool"]
     if series == "pool":
         await _wait_pool_full(pool)
     queue = list(reversed(programs))
-    managers = (cold, pool)
-    cpu0, cg0 = _cpu(), _cgroup_usage_s(managers)
+    cpu0, cg0 = _cpu(), _cgroup_usage_s(tuple(managers.values()))
     started = time.perf_counter()
 
     async def worker() -> None:
@@ -179,14 +179,14 @@ async def run_block(
             elif series == "docker":
                 seconds = await asyncio.to_thread(_docker_one, program)
             else:
-                seconds = await _sandbox_one(cold if series == "cold" else pool, task_id, program)
+                seconds = await _sandbox_one(managers[series], task_id, program)
             block.per_task_ms.append(seconds * 1000)
 
     await asyncio.gather(*(worker() for _ in range(workers)))
     block.wall_s = time.perf_counter() - started
     if series == "pool":
         await _wait_pool_full(pool)
-    cpu1, cg1 = _cpu(), _cgroup_usage_s(managers)
+    cpu1, cg1 = _cpu(), _cgroup_usage_s(tuple(managers.values()))
     block.self_cpu_s = cpu1[0] - cpu0[0]
     block.children_cpu_s = cpu1[1] - cpu0[1]
     block.cgroup_cpu_s = cg1 - cg0
@@ -197,13 +197,18 @@ LABELS = {
     "floor": f"floor: `subprocess.run([{FLOOR_PYTHON!r}, '-c', program])`",
     "cold": "sandlot cold: `Sandbox.create()`, `run_code`, `kill()`",
     "pool": f"sandlot, warm pool (`SANDBOX_POOL_SIZE={POOL_SIZE}`)",
+    "afresh": "sandlot cold, every guest started afresh (`SANDBOX_GUEST_TEMPLATE=false`)",
     "docker": "peer: hardened `docker run --rm` (no network, no caps, read-only, 256 MB, "
     "0.5 CPU, uid 65534)",
 }
 
 
 def series_of(args: argparse.Namespace) -> tuple[str, ...]:
-    return (*SERIES, "docker") if args.docker_peer else SERIES
+    return (
+        *SERIES,
+        *(["afresh"] if args.afresh else []),
+        *(["docker"] if args.docker_peer else []),
+    )
 
 
 def render(
@@ -262,15 +267,26 @@ async def bench(args: argparse.Namespace, data_dir: Path) -> tuple[dict[str, lis
     )
     series_run = series_of(args)
     blocks: dict[str, list[Block]] = {s: [] for s in series_run}
-    async with SandboxManager(settings) as cold, SandboxManager(pool_settings) as pool:
-        # Untimed: first-use costs (host checks, guest file copies) are not per-sandbox costs.
+    afresh_settings = settings.model_copy(
+        update={"data_dir": data_dir / "afresh", "guest_template": False}
+    )
+    async with (
+        SandboxManager(settings) as cold,
+        SandboxManager(pool_settings) as pool,
+        SandboxManager(afresh_settings) as afresh,
+    ):
+        managers = {"cold": cold, "pool": pool, "afresh": afresh}
+        # Untimed: first-use costs (host checks, guest file copies, the guest template's
+        # start) are not per-sandbox costs.
         await _sandbox_one(cold, "warm-up", "1")
+        if args.afresh:
+            await _sandbox_one(afresh, "warm-up", "1")
         await _wait_pool_full(pool)
         for index in range(args.rounds):
             turn = index % len(series_run)
             order = series_run[turn:] + series_run[:turn]
             for series in order:
-                block = await run_block(series, programs, args.workers, cold, pool)
+                block = await run_block(series, programs, args.workers, managers)
                 blocks[series].append(block)
                 print(
                     f"round {index + 1}/{args.rounds} {series}: {block.wall_s:.1f} s",
@@ -298,6 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--docker-peer",
         action="store_true",
         help=f"also a hardened `docker run` per program (needs docker and {DOCKER_IMAGE})",
+    )
+    parser.add_argument(
+        "--afresh",
+        action="store_true",
+        help="also cold sandboxes whose guests start afresh instead of from the template "
+        "(SANDBOX_GUEST_TEMPLATE=false), interleaved in the same rounds",
     )
     args = parser.parse_args(argv)
     started_at = dt.datetime.now(dt.UTC)

@@ -223,3 +223,94 @@ async def test_without_the_template_guests_start_afresh(data_root: Path) -> None
         assert backend._templates_failed
         assert (await mgr.run_code(info.id, RunCode(code="1 + 1"))).text == "2"
         await mgr.destroy(info.id)
+
+
+# A later sandbox's own code reads every byte of its own memory (no permission needed).
+SCAN_OWN_MEMORY = r"""
+import ctypes, re
+hits = set()
+with open("/proc/self/maps") as maps:
+    for line in maps:
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if "r" not in fields[1] or (len(fields) > 5 and fields[5].startswith("[v")):
+            continue
+        for found in re.finditer(rb"sk-tenant-a-[A-Za-z0-9]{20,}", ctypes.string_at(lo, hi - lo)):
+            hits.add(found.group()[:40])
+sorted(hits)
+"""
+
+
+def _memory_of(pid: int, needle: bytes) -> bool:
+    """Whether ``needle`` is anywhere in ``pid``'s readable memory (root reads it all)."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if "r" not in fields[1] or (len(fields) > 5 and fields[5].startswith("[v")):
+                continue
+            try:
+                mem.seek(lo)
+                if needle in mem.read(hi - lo):
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+async def test_a_callers_env_never_reaches_the_template_nor_a_later_sandbox(
+    data_root: Path,
+) -> None:
+    """The template must never hold a sandbox's data: every later guest is a fork of its
+    memory. Failed before (the red team's find): the template parsed each request, env
+    included, and a later tenant's code read an earlier caller's API key in its own memory,
+    in each of twelve sandboxes made after the first was gone."""
+    data_dir = data_root / "template-no-secrets"
+    data_dir.mkdir()
+    secrets = {
+        "OPENAI_API_KEY": "sk-tenant-a-" + "Q" * 150,
+        "DB_PASSWORD": "sk-tenant-a-" + "Z" * 400,
+        "SHORT": "sk-tenant-a-" + "W" * 30,
+    }
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        first = await mgr.create(SandboxSpec(env=secrets))
+        seen = await mgr.run_command(first.id, RunCommand(command="echo ${#DB_PASSWORD}"))
+        assert seen.stdout == "412\n", seen  # it did reach the sandbox it was given to
+        await mgr.destroy(first.id)
+        backend = mgr._backend("bubblewrap")
+        (template,) = backend._templates.values()
+        template_python = next(p.pid for p in leaks.all_procs() if p.ppid == template._process.pid)
+        for value in secrets.values():
+            assert not _memory_of(template_python, value.encode()), "the template holds it"
+        for _ in range(3):
+            later = await mgr.create(SandboxSpec())
+            assert isinstance(backend._boxes[later.id].guest, TemplateGuest)
+            got = await mgr.run_code(later.id, RunCode(code=SCAN_OWN_MEMORY))
+            assert got.text == "[]", got
+            await mgr.destroy(later.id)
+
+
+async def test_a_create_too_large_for_one_message_fails_or_runs_alone(data_root: Path) -> None:
+    """A caller's env travels in a memfd, never in the template's message: an env of any
+    size the API admits starts its own sandbox and nobody else's is touched. Failed before
+    (the red team's find): 65,000 backslashes made a ~260 KB message, its send failed with
+    EMSGSIZE, the host took that for a dead template and closed it, and every sandbox forked
+    from it died."""
+    data_dir = data_root / "template-large-env"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        victim = await mgr.create(SandboxSpec())
+        await mgr.run_code(victim.id, RunCode(code="state = 'kept'"))
+        backend = mgr._backend("bubblewrap")
+        (template,) = backend._templates.values()
+        large = await mgr.create(SandboxSpec(env={"X": "\\" * 65_000}))
+        got = await mgr.run_command(large.id, RunCommand(command='echo "${#X}"'))
+        assert got.stdout == "65000\n", got
+        # A request that cannot be sent at all (a closed fd) fails alone, too.
+        with pytest.raises(SandboxStartError):
+            await template.spawn({"cgroup_files": 1}, [12345])
+        assert template.alive
+        kept = await mgr.run_code(victim.id, RunCode(code="state"))
+        assert kept.text == "'kept'" and not kept.state_lost, kept
+        await mgr.destroy(large.id)
+        await mgr.destroy(victim.id)

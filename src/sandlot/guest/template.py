@@ -35,12 +35,14 @@ its address-space layout (ASLR) and Python's string-hash secret. Neither is reac
 another sandbox (SECURITY.md). ``random`` is reseeded by every fork (``os.register_at_fork``).
 
 The protocol with the host (``sandlot.backends.bubblewrap.template``): one SOCK_SEQPACKET
-socket, whose fd the template's argv names. The host sends ``{"id", "uid", "gid", "env",
-"seccomp", "workspace", "cgroup_files"}`` with the fds ``NS_NAMES``, stdin, stdout, stderr,
-notify, then ``cgroup_files`` files of the cgroup to write "0" to (a request whose fds are
-fewer, more, or were cut short is refused). The template answers ``{"id", "pid"}`` with a
-pidfd of the guest (or ``{"id", "error"}``), and ``{"exit": pid, "status": code}`` once a
-guest has ended. ``{"ready": true}`` comes first.
+socket, whose fd the template's argv names. The host sends ``{"id", "cgroup_files"}`` with
+the fds ``NS_NAMES``, stdin, stdout, stderr, notify, config (a sealed memfd: ``uid``, ``gid``,
+``env``, ``seccomp``, ``workspace``, read by the child alone), then ``cgroup_files`` files of
+the cgroup to write "0" to (a request whose fds are fewer, more, or were cut short is
+refused). The template answers ``{"id", "pid"}`` with a pidfd of the guest (or ``{"id",
+"error"}``), and ``{"exit": pid, "status": code}`` once a guest has ended. ``{"ready":
+true}`` comes first. Nothing of a sandbox's ever enters the template's memory (every later
+fork would carry it): it reads ids and counts, and passes fds on.
 """
 
 import _signal as signal
@@ -68,13 +70,13 @@ JOINED_FIRST = (
     ("uts", CLONE_NEWUTS),
     ("cgroup", CLONE_NEWCGROUP),
 )
-STDIO_FDS = 4  # stdin, stdout, stderr, notify
+STDIO_FDS = 5  # stdin, stdout, stderr, notify, config
 # + the cgroup's files, one per v1 hierarchy (the host sends 5 on a v1 host, 1 on v2). A
 # message with more fds than this arrives cut short (MSG_CTRUNC): it is refused, never run
 # with a cgroup missing.
 MAX_CGROUP_FILES = 16
 MAX_FDS = len(NS_NAMES) + STDIO_FDS + MAX_CGROUP_FILES
-MAX_MESSAGE = 1 << 20
+MAX_MESSAGE = 4096  # ids and counts: a longer message arrives cut short, and is refused
 # bwrap's covers over /proc after its mount (its SETUP_MOUNT_PROC): read-only binds.
 PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")
 # The same on every architecture (the syscalls after 424 share one table).
@@ -239,12 +241,28 @@ def load_seccomp(program):
     )
 
 
-def join(request, fds, last_cap):
+def read_config(fd):
+    """The guest's config (``uid``, ``gid``, ``env``, ``seccomp``, ``workspace``): a sealed
+    memfd the host wrote, read here in the child, after the fork. The template never reads
+    it: whatever its heap ever held, every later guest would inherit (a caller's env, read
+    back from a later tenant's sandbox by its own code: the red team's find)."""
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, size, 0) if size else b""
+    if len(data) != size:
+        raise JoinFailed("the guest's config was cut short")
+    config = _loads(data)
+    if not isinstance(config, dict):
+        raise JoinFailed("the guest's config is not an object")
+    return config
+
+
+def join(fds, last_cap):
     """Become the sandbox's guest (the steps in this module's docstring); returns only as
     the guest, with stdio on 0-2 and nothing else open."""
     ns = dict(zip(NS_NAMES, fds))
-    stdin, stdout, stderr, notify = fds[len(NS_NAMES) : len(NS_NAMES) + STDIO_FDS]
+    stdin, stdout, stderr, notify, config_fd = fds[len(NS_NAMES) : len(NS_NAMES) + STDIO_FDS]
     os.dup2(stderr, 2)  # every failure from here is told on the guest's stderr
+    request = read_config(config_fd)
     for enter in fds[len(NS_NAMES) + STDIO_FDS :]:
         try:
             os.write(enter, b"0")
@@ -285,13 +303,13 @@ def join(request, fds, last_cap):
         os.chdir("/")  # the host attaches the volume there before the key (supervisor.py)
 
 
-def child(request, fds, last_cap):
+def child(fds, last_cap):
     """The forked child: join, then run the supervisor; never returns."""
     status = FAILED
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(SIGCHLD, signal.SIG_DFL)
-        join(request, fds, last_cap)
+        join(fds, last_cap)
         import supervisor
 
         supervisor.main([sys.argv[0]])
@@ -327,7 +345,7 @@ def spawn(sock, request, fds, own_pid_ns, last_cap):
     try:
         pid = os.fork()
         if pid == 0:
-            child(request, fds, last_cap)
+            child(fds, last_cap)
     finally:
         # Back to our own for the next fork (a second unshare would be refused).
         _setns(own_pid_ns, CLONE_NEWPID, "template's pid")

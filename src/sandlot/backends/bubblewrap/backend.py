@@ -66,6 +66,7 @@ from sandlot.backends.bubblewrap.template import (
     TemplateGone,
     TemplateGuest,
     namespace_fds,
+    sealed_config,
 )
 from sandlot.backends.bubblewrap.uids import UidAllocator, unlock
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
@@ -759,17 +760,17 @@ class BubblewrapBackend:
                 r, w = os.pipe2(os.O_CLOEXEC)
                 mine.append(r)
                 theirs.append(w)
-            enter = box.cgroup.enter_files
-            theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in enter]
-            request = {
-                "cgroup_files": len(enter),
+            config = {
                 "uid": SANDBOX_UID,
                 "gid": SANDBOX_UID,
                 "env": guest_env(spec.env),
                 "seccomp": build_filter(spec.network).hex(),
                 "workspace": WORKSPACE_INSIDE,
             }
-            guest_pid, pidfd = await template.spawn(request, theirs)
+            theirs.append(sealed_config(config))
+            enter = box.cgroup.enter_files
+            theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in enter]
+            guest_pid, pidfd = await template.spawn({"cgroup_files": len(enter)}, theirs)
         except BaseException:
             for fd in mine:
                 os.close(fd)

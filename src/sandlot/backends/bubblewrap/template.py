@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -171,11 +172,10 @@ class Template:
         )
         self._replies[call_id] = reply
         try:
-            socket.send_fds(self._sock, [json.dumps({**request, "id": call_id}).encode()], fds)
-        except OSError as exc:
+            await self._send(json.dumps({**request, "id": call_id}).encode(), fds)
+        except BaseException:
             self._replies.pop(call_id, None)
-            self._gone()
-            raise TemplateGone(f"the guest template ({self.name}) is gone: {exc}") from exc
+            raise
         message, got = await reply
         if "error" in message or len(got) != 1 or not isinstance(message.get("pid"), int):
             for fd in got:
@@ -184,6 +184,42 @@ class Template:
         pid = message["pid"]
         self._exits[pid] = asyncio.get_running_loop().create_future()
         return pid, got[0]
+
+    async def _send(self, message: bytes, fds: list[int]) -> None:
+        """Send one request; a full socket is waited out. Only an error that says the
+        template is gone ends it: one request that cannot be sent (too large, bad fds) fails
+        alone (a create whose message was too long once took every sandbox of the system
+        down with the template: the red team's find)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.alive or self._sock is None:
+                raise TemplateGone(f"the guest template ({self.name}) ended")
+            try:
+                socket.send_fds(self._sock, [message], fds)
+            except BlockingIOError:
+                await self._writable(loop)
+                continue
+            except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:
+                self._gone()
+                raise TemplateGone(f"the guest template ({self.name}) is gone: {exc}") from exc
+            except OSError as exc:
+                raise SandboxStartError(f"could not ask the guest template: {exc}") from exc
+            return
+
+    async def _writable(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._sock is not None
+        writable: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not writable.done():
+                writable.set_result(None)
+
+        fd = self._sock.fileno()
+        loop.add_writer(fd, ready)
+        try:
+            await writable
+        finally:
+            loop.remove_writer(fd)
 
     def exit_of(self, pid: int) -> asyncio.Future[int]:
         future = self._exits.get(pid)
@@ -278,6 +314,24 @@ class TemplateGuest:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._stderr_task, 1.0)
         return code
+
+
+def sealed_config(config: dict[str, Any]) -> int:
+    """A memfd holding ``config`` as JSON, sealed against any change: the guest's config
+    travels beside the request, never in it, so the template never holds it (template.py).
+    The caller closes the fd."""
+    fd = os.memfd_create("sandlot-guest-config", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        data = json.dumps(config).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def namespace_fds(pid: int, parent: int) -> list[int]:
