@@ -314,3 +314,35 @@ async def test_a_create_too_large_for_one_message_fails_or_runs_alone(data_root:
         assert kept.text == "'kept'" and not kept.state_lost, kept
         await mgr.destroy(large.id)
         await mgr.destroy(victim.id)
+
+
+async def test_a_template_of_a_changed_system_is_retired_once_its_guests_end(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuilt tree (or an upgraded python) gets a new template: the old one imported the
+    old files, and holds the old tree, which the store removes only once nothing runs on it
+    (test_rootfs.py's rebuild test failed on that). It is not killed under its guests: it
+    closes when the last one ends."""
+    data_dir = data_root / "template-retired"
+    data_dir.mkdir()
+    identity = ["before"]
+    monkeypatch.setattr(bubblewrap_backend, "system_identity", lambda *_: identity[0])
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        backend = mgr._backend("bubblewrap")
+        old = await mgr.create(SandboxSpec())
+        await mgr.run_code(old.id, RunCode(code="state = 'kept'"))
+        (first,) = backend._templates.values()
+        identity[0] = "after"
+        new = await mgr.create(SandboxSpec())
+        (second,) = backend._templates.values()
+        assert second is not first and first.retired and first.alive
+        assert (await mgr.run_code(old.id, RunCode(code="state"))).text == "'kept'"
+        await mgr.destroy(old.id)
+        await mgr.settle()
+        for _ in range(100):
+            if not first.alive:
+                break
+            await asyncio.sleep(0.05)
+        assert not first.alive and second.alive
+        assert (await mgr.run_code(new.id, RunCode(code="1 + 1"))).text == "2"
+        await mgr.destroy(new.id)

@@ -67,6 +67,7 @@ from sandlot.backends.bubblewrap.template import (
     TemplateGuest,
     namespace_fds,
     sealed_config,
+    system_identity,
 )
 from sandlot.backends.bubblewrap.uids import UidAllocator, unlock
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
@@ -244,6 +245,7 @@ class BubblewrapBackend:
         # One template per system ("host", or a tree's path), started on first use
         # (template.py); a system whose template would not start starts guests afresh.
         self._templates: dict[str, Template] = {}
+        self._retired: list[Template] = []  # superseded, closing once their guests end
         self._templates_failed: set[str] = set()
         self._template_lock = asyncio.Lock()
 
@@ -704,25 +706,32 @@ class BubblewrapBackend:
     async def _template(self, box: _Box) -> Template | None:
         """The running template of the box's system, started on its first use; None where
         guests start afresh: rootless, ``SANDBOX_GUEST_TEMPLATE=false``, or a template that
-        would not start here (said once, in the log)."""
+        would not start here (said once, in the log). A template whose system changed since
+        its start (a rebuilt tree, an upgraded python) is retired and a new one started."""
         if self.rootless or not self.settings.guest_template:
             return None
         key = str(box.system) if box.system is not None else "host"
-        if key in self._templates_failed:
+
+        def identity_now() -> str:
+            return system_identity(box.system, GUEST_PYTHON)
+
+        identity = identity_now()
+        if not identity or f"{key}@{identity}" in self._templates_failed:
             return None
         async with self._template_lock:
             template = self._templates.pop(key, None)
             if template is not None:
-                if template.alive:
+                if template.alive and template.identity == identity:
                     self._templates[key] = template
                     return template
-                await template.close()  # ended: its process is collected, a new one starts
-            template = Template(key)
+                template.retire()  # closed once its last guest has ended
+                self._retired = [t for t in self._retired if t.alive] + [template]
+            template = Template(key, identity, identity_now)
             try:
                 await template.start(self._template_argv(box), START_TIMEOUT_S)
             except (TemplateGone, OSError) as exc:
                 log.warning("no guest template: guests start afresh", system=key, error=str(exc))
-                self._templates_failed.add(key)
+                self._templates_failed.add(f"{key}@{identity}")
                 return None
             self._templates[key] = template
             return template
@@ -1076,9 +1085,10 @@ class BubblewrapBackend:
                 if fd is not None:
                     unlock(fd)
         self._boxes.clear()
-        for template in self._templates.values():
+        for template in [*self._templates.values(), *self._retired]:
             await template.close()
         self._templates.clear()
+        self._retired.clear()
         if self._launch_ns is not None:
             await asyncio.to_thread(self._drop_launch_ns)
         if self._checked:

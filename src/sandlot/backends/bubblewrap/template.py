@@ -21,6 +21,7 @@ import os
 import select
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,22 @@ class TemplateGone(SandboxStartError):
 
 
 class Template:
-    """One running template process and the requests in flight to it."""
+    """One running template process and the requests in flight to it.
 
-    def __init__(self, name: str) -> None:
+    ``identity`` names what it was started from (the tree's directory, or the host's python
+    binary, as :func:`system_identity` reads them); once ``identity_now()`` says otherwise (a
+    rebuilt tree, an upgraded python) it is stale: it forks no more guests, and it closes
+    when its last guest has ended (closing kills them), so that it no longer holds the old
+    tree, which the rootfs store removes once nothing runs on it."""
+
+    def __init__(
+        self, name: str, identity: str = "", identity_now: Callable[[], str] | None = None
+    ) -> None:
         self.name = name  # for logs: the system it serves
+        self.identity = identity
+        self._identity_now = identity_now
+        self.retired = False
+        self._closing: asyncio.Task[None] | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
@@ -126,6 +139,7 @@ class Template:
             future = self._exits.pop(int(message["exit"]), None)
             if future is not None and not future.done():
                 future.set_result(int(message.get("status", -1)))
+            self._close_if_done()
         elif "id" in message:
             reply = self._replies.pop(int(message["id"] or 0), None)
             if reply is not None and not reply.done():
@@ -156,6 +170,19 @@ class Template:
         self._exits.clear()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
+
+    def retire(self) -> None:
+        """Fork no more guests; close once the last one has ended."""
+        self.retired = True
+        self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        if self._exits or self._replies or not self.alive or self._closing is not None:
+            return
+        if not self.retired and self._identity_now is not None:
+            self.retired = self._identity_now() != self.identity
+        if self.retired:
+            self._closing = asyncio.ensure_future(self.close())
 
     async def spawn(self, request: dict[str, Any], fds: list[int]) -> tuple[int, int]:
         """Ask for one guest; return its pid and a pidfd of it (the caller closes it).
@@ -314,6 +341,17 @@ class TemplateGuest:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._stderr_task, 1.0)
         return code
+
+
+def system_identity(tree: Path | None, python: str) -> str:
+    """What a template of this system was started from: the tree's directory (a rebuild
+    puts a new one in its place), or, for the host's ``/usr``, its python binary (an
+    upgrade replaces it). "" where it cannot be read (no template is then started)."""
+    try:
+        st = tree.stat() if tree is not None else Path(python).resolve().stat()
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}"
 
 
 def sealed_config(config: dict[str, Any]) -> int:
