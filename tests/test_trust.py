@@ -26,7 +26,8 @@ import pytest
 from sandlot import ExecResult, Sandbox, SandboxError, SandboxManager
 from sandlot._portal import get_portal
 from sandlot.backends import mountns
-from sandlot.backends.bubblewrap.template import Template, TemplateGuest
+from sandlot.backends.bubblewrap import backend as bubblewrap_backend
+from sandlot.backends.bubblewrap.template import TemplateGuest
 from sandlot.errors import SandboxStartError
 from sandlot.requests import ListFiles, RunCommand, SandboxSpec
 from tests import leaks
@@ -421,14 +422,16 @@ def test_the_callers_env_reaches_commands_but_never_the_supervisor(
             "gVisor's processes live inside its sentry, not on the host: no /proc to read the "
             "supervisor's environment from (the env takes the same path, backends/launch.py)"
         )
+    # A template's guest gets its whole environment from the config the manager seals for
+    # it (the child installs it and nothing else): recorded there.
     asked: list[dict[str, str]] = []
-    spawn = Template.spawn
+    seal = bubblewrap_backend.sealed_config
 
-    async def recorded(self: Template, request: dict[str, Any], fds: list[int]) -> Any:
-        asked.append(dict(request["env"]))
-        return await spawn(self, request, fds)
+    def recorded(config: dict[str, Any]) -> int:
+        asked.append(dict(config["env"]))
+        return seal(config)
 
-    monkeypatch.setattr(Template, "spawn", recorded)
+    monkeypatch.setattr(bubblewrap_backend, "sealed_config", recorded)
     with Sandbox.create(manager=manager, **placement(isolated_backend), env=HOSTILE_ENV) as sb:
         seen = sb.commands.run("echo $LD_LIBRARY_PATH $PYTHONPATH")
         assert seen.stdout == "/workspace/lib /workspace/evil\n", describe(seen)

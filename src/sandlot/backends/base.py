@@ -73,6 +73,22 @@ class Guest(Protocol):
         ...
 
 
+class StderrTail:
+    """The last :data:`STDERR_TAIL_BYTES` a guest wrote to stderr: why it failed to start,
+    if it did (kept small: for that only)."""
+
+    def __init__(self) -> None:
+        self._tail = bytearray()
+
+    async def collect(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(4096):
+            self._tail += chunk
+            del self._tail[:-STDERR_TAIL_BYTES]
+
+    def text(self) -> str:
+        return self._tail.decode("utf-8", "replace").strip()
+
+
 class GuestProcess:
     """A running guest reached through a local subprocess's stdio (bwrap, docker exec, ...).
 
@@ -89,21 +105,15 @@ class GuestProcess:
         self.reader: asyncio.StreamReader = process.stdout
         self.writer: asyncio.StreamWriter = process.stdin
         self._pidfd = _open_pidfd(process.pid)
-        self._stderr_tail = bytearray()
+        self._stderr = StderrTail()
         self._stderr_task = (
-            asyncio.create_task(self._collect_stderr(process.stderr))
+            asyncio.create_task(self._stderr.collect(process.stderr))
             if process.stderr is not None
             else None
         )
 
-    async def _collect_stderr(self, stream: asyncio.StreamReader) -> None:
-        # Kept small: this is for "why did the sandbox fail to start" messages only.
-        while chunk := await stream.read(4096):
-            self._stderr_tail += chunk
-            del self._stderr_tail[:-STDERR_TAIL_BYTES]
-
     def stderr_tail(self) -> str:
-        return self._stderr_tail.decode("utf-8", "replace").strip()
+        return self._stderr.text()
 
     @property
     def pid(self) -> int:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from sandlot.guest.template import MountAttr
+
 CLONE_FS = 0x00000200
 CLONE_NEWNS = 0x00020000
 AT_FDCWD = -100
@@ -47,15 +49,6 @@ SYS_MOUNT_SETATTR = 442
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-
-
-class _MountAttr(ctypes.Structure):
-    _fields_ = [
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    ]
 
 
 class Mask(NamedTuple):
@@ -89,7 +82,7 @@ def _clone(source: str, attr_set: int, what: str) -> int:
     # Private: a clone of a path on a shared mount (systemd's default for /) joins that
     # mount's peer group, so a mount made later on either side would reach the other
     # (bwrap's binds were receive-only slaves; a red team found the clones two-way peers).
-    attr = _MountAttr(attr_set, 0, MS_PRIVATE, 0)
+    attr = MountAttr(attr_set, 0, MS_PRIVATE, 0)
     if (
         _libc.syscall(
             SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)

@@ -133,7 +133,9 @@ def _loads(text):
 _libc.syscall.restype = ctypes.c_long
 
 
-class _MountAttr(ctypes.Structure):
+class MountAttr(ctypes.Structure):
+    """``struct mount_attr`` (mount_setattr(2)); the host's mountns.py uses it too."""
+
     _fields_ = [
         ("attr_set", ctypes.c_uint64),
         ("attr_clr", ctypes.c_uint64),
@@ -205,7 +207,7 @@ def _cover_read_only(path):
         _check(fd, "open_tree(%s)" % path)
     try:
         sealed = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
-        attr = _MountAttr(sealed, 0, MS_PRIVATE, 0)
+        attr = MountAttr(sealed, 0, MS_PRIVATE, 0)
         _check(
             _syscall(
                 SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from sandlot.backends.base import STDERR_TAIL_BYTES, GuestProcess
+from sandlot.backends.base import STDERR_TAIL_BYTES, GuestProcess, StderrTail
 from sandlot.errors import SandboxStartError
 from sandlot.guest.template import MAX_FDS, MAX_MESSAGE, NS_NAMES
 
@@ -285,7 +285,7 @@ class TemplateGuest:
         self._exit = template.exit_of(pid)
         self._chain = chain  # sh, nsenter, bwrap and its placeholder
         self._stdin_w, self._stdout_r, self._stderr_r = stdin_w, stdout_r, stderr_r
-        self._stderr_tail = bytearray()
+        self._stderr = StderrTail()
         self._stderr_task: asyncio.Task[None] | None = None
         self.reader: asyncio.StreamReader
         self.writer: asyncio.StreamWriter
@@ -305,15 +305,10 @@ class TemplateGuest:
         await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(stderr), os.fdopen(self._stderr_r, "rb", 0)
         )
-        self._stderr_task = asyncio.create_task(self._collect_stderr(stderr))
-
-    async def _collect_stderr(self, stream: asyncio.StreamReader) -> None:
-        while chunk := await stream.read(4096):
-            self._stderr_tail += chunk
-            del self._stderr_tail[:-STDERR_TAIL_BYTES]
+        self._stderr_task = asyncio.create_task(self._stderr.collect(stderr))
 
     def stderr_tail(self) -> str:
-        return self._stderr_tail.decode("utf-8", "replace").strip()
+        return self._stderr.text()
 
     def kill(self) -> None:
         if self._pidfd is not None:
