@@ -17,6 +17,7 @@ import pytest
 from sandlot import SandboxManager
 from sandlot.backends.base import GuestProcess
 from sandlot.backends.bubblewrap import backend as bubblewrap_backend
+from sandlot.backends.bubblewrap import template as bubblewrap_template
 from sandlot.backends.bubblewrap.template import TemplateGuest
 from sandlot.errors import SandboxStartError
 from sandlot.requests import RunCode, RunCommand, SandboxSpec
@@ -69,7 +70,8 @@ async def test_a_template_guest_is_pid_1_of_its_own_proc_without_any_capability(
         tree = backend._boxes[info.id].system
         assert (tree is None) == (system == "host"), tree
         key = "host" if tree is None else str(tree)
-        monitor = backend._templates[key]._process.pid  # bwrap's, whose child is the template
+        # bwrap's, whose child is the template.
+        monitor = backend._templates.running[key]._process.pid
         host_view = leaks.read_proc(guest.pid)
         assert host_view is not None
         parent = leaks.read_proc(host_view.ppid)
@@ -136,7 +138,7 @@ async def test_a_guest_that_cannot_join_never_runs_and_says_why(
     the sandbox is left."""
     data_dir = data_root / "template-join-fails"
     data_dir.mkdir()
-    real = bubblewrap_backend.namespace_fds
+    real = bubblewrap_template.namespace_fds
 
     def hosts_user_namespace(pid: int, parent: int) -> list[int]:
         fds = real(pid, parent)
@@ -144,7 +146,7 @@ async def test_a_guest_that_cannot_join_never_runs_and_says_why(
         fds[0] = os.open("/proc/self/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         return fds
 
-    monkeypatch.setattr(bubblewrap_backend, "namespace_fds", hosts_user_namespace)
+    monkeypatch.setattr(bubblewrap_template, "namespace_fds", hosts_user_namespace)
     async with SandboxManager(make_settings(data_dir)) as mgr:
         baseline = leaks.snapshot(mgr)
         with pytest.raises(SandboxStartError, match="user namespace"):
@@ -184,7 +186,7 @@ async def test_guests_die_with_their_template_and_the_next_one_is_started(
         info = await mgr.create(SandboxSpec())
         backend = mgr._backend("bubblewrap")
         system = backend._boxes[info.id].system
-        first = backend._templates["host" if system is None else str(system)]
+        first = backend._templates.running["host" if system is None else str(system)]
         guest = backend._boxes[info.id].guest
         assert isinstance(guest, TemplateGuest)
         # The template itself is bwrap's child: kill the python under it.
@@ -220,7 +222,7 @@ async def test_without_the_template_guests_start_afresh(data_root: Path) -> None
         backend._template_argv = lambda box: ["/bin/false"]
         info = await mgr.create(SandboxSpec())
         assert isinstance(backend._boxes[info.id].guest, GuestProcess)
-        assert backend._templates_failed
+        assert backend._templates.failed
         assert (await mgr.run_code(info.id, RunCode(code="1 + 1"))).text == "2"
         await mgr.destroy(info.id)
 
@@ -278,7 +280,7 @@ async def test_a_callers_env_never_reaches_the_template_nor_a_later_sandbox(
         assert seen.stdout == "412\n", seen  # it did reach the sandbox it was given to
         await mgr.destroy(first.id)
         backend = mgr._backend("bubblewrap")
-        (template,) = backend._templates.values()
+        (template,) = backend._templates.running.values()
         template_python = next(p.pid for p in leaks.all_procs() if p.ppid == template._process.pid)
         for value in secrets.values():
             assert not _memory_of(template_python, value.encode()), "the template holds it"
@@ -302,7 +304,7 @@ async def test_a_create_too_large_for_one_message_fails_or_runs_alone(data_root:
         victim = await mgr.create(SandboxSpec())
         await mgr.run_code(victim.id, RunCode(code="state = 'kept'"))
         backend = mgr._backend("bubblewrap")
-        (template,) = backend._templates.values()
+        (template,) = backend._templates.running.values()
         large = await mgr.create(SandboxSpec(env={"X": "\\" * 65_000}))
         got = await mgr.run_command(large.id, RunCommand(command='echo "${#X}"'))
         assert got.stdout == "65000\n", got
@@ -331,10 +333,10 @@ async def test_a_template_of_a_changed_system_is_retired_once_its_guests_end(
         backend = mgr._backend("bubblewrap")
         old = await mgr.create(SandboxSpec())
         await mgr.run_code(old.id, RunCode(code="state = 'kept'"))
-        (first,) = backend._templates.values()
+        (first,) = backend._templates.running.values()
         identity[0] = "after"
         new = await mgr.create(SandboxSpec())
-        (second,) = backend._templates.values()
+        (second,) = backend._templates.running.values()
         assert second is not first and first.retired and first.alive
         assert (await mgr.run_code(old.id, RunCode(code="state"))).text == "'kept'"
         await mgr.destroy(old.id)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import select
 import stat
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -63,10 +62,9 @@ from sandlot.backends.bubblewrap.template import (
 )
 from sandlot.backends.bubblewrap.template import (
     Template,
-    TemplateGone,
     TemplateGuest,
-    namespace_fds,
-    sealed_config,
+    Templates,
+    join_guest,
     system_identity,
 )
 from sandlot.backends.bubblewrap.uids import UidAllocator, unlock
@@ -196,16 +194,6 @@ async def _kill_all(*guests: Guest | None) -> None:
                 await asyncio.wait_for(guest.wait(), 5.0)
 
 
-def _notified(fd: int, timeout_s: float) -> bool:
-    """Whether a byte came on ``fd`` within ``timeout_s`` (False: EOF, or nothing); closes it."""
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(timeout_s * 1000)) and os.read(fd, 1) == b"1"
-    finally:
-        os.close(fd)
-
-
 def _traversable_by_others(path: Path) -> Path | None:
     """The first ancestor of ``path`` that other uids cannot enter, if any."""
     for parent in [path, *path.parents]:
@@ -244,10 +232,7 @@ class BubblewrapBackend:
         self._routing_lock = asyncio.Lock()
         # One template per system ("host", or a tree's path), started on first use
         # (template.py); a system whose template would not start starts guests afresh.
-        self._templates: dict[str, Template] = {}
-        self._retired: list[Template] = []  # superseded, closing once their guests end
-        self._templates_failed: set[str] = set()
-        self._template_lock = asyncio.Lock()
+        self._templates = Templates(START_TIMEOUT_S)
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -704,37 +689,16 @@ class BubblewrapBackend:
         return guest
 
     async def _template(self, box: _Box) -> Template | None:
-        """The running template of the box's system, started on its first use; None where
-        guests start afresh: rootless, ``SANDBOX_GUEST_TEMPLATE=false``, or a template that
-        would not start here (said once, in the log). A template whose system changed since
-        its start (a rebuilt tree, an upgraded python) is retired and a new one started."""
+        """The running template of the box's system (``Templates.get``); None where guests
+        start afresh: rootless, ``SANDBOX_GUEST_TEMPLATE=false``, or no template here."""
         if self.rootless or not self.settings.guest_template:
             return None
         key = str(box.system) if box.system is not None else "host"
-
-        def identity_now() -> str:
-            return system_identity(box.system, GUEST_PYTHON)
-
-        identity = identity_now()
-        if not identity or f"{key}@{identity}" in self._templates_failed:
-            return None
-        async with self._template_lock:
-            template = self._templates.pop(key, None)
-            if template is not None:
-                if template.alive and template.identity == identity:
-                    self._templates[key] = template
-                    return template
-                template.retire()  # closed once its last guest has ended
-                self._retired = [t for t in self._retired if t.alive] + [template]
-            template = Template(key, identity, identity_now)
-            try:
-                await template.start(self._template_argv(box), START_TIMEOUT_S)
-            except (TemplateGone, OSError) as exc:
-                log.warning("no guest template: guests start afresh", system=key, error=str(exc))
-                self._templates_failed.add(f"{key}@{identity}")
-                return None
-            self._templates[key] = template
-            return template
+        return await self._templates.get(
+            key,
+            lambda: system_identity(box.system, GUEST_PYTHON),
+            lambda: self._template_argv(box),
+        )
 
     def _template_argv(self, box: _Box) -> list[str]:
         """bwrap as root for a template (template.py): no user namespace, every capability,
@@ -754,63 +718,19 @@ class BubblewrapBackend:
     async def _join(
         self, template: Template, box: _Box, spec: GuestSpec, chain: GuestProcess, pid: int
     ) -> TemplateGuest:
-        """Ask ``template`` for the sandbox's guest, joined into the namespaces of bwrap's
-        placeholder ``pid``; return once it has attached its /proc (the masks go over it
-        next). Its stdio are pipes made here."""
+        """The sandbox's guest, from ``template``, joined into the namespaces of bwrap's
+        placeholder ``pid`` (template.py's ``join_guest``)."""
         assert isinstance(box.cgroup, Cgroup)
-        mine: list[int] = []  # the ends the manager keeps, until a guest object owns them
-        theirs: list[int] = []  # the ends the guest gets, closed here once sent
-        try:
-            theirs += namespace_fds(pid, chain.pid)
-            stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
-            mine.append(stdin_w)
-            theirs.append(stdin_r)
-            for _ in range(3):  # stdout, stderr, notify: the guest writes, we read
-                r, w = os.pipe2(os.O_CLOEXEC)
-                mine.append(r)
-                theirs.append(w)
-            config = {
-                "uid": SANDBOX_UID,
-                "gid": SANDBOX_UID,
-                "env": guest_env(spec.env),
-                "seccomp": build_filter(spec.network).hex(),
-                "workspace": WORKSPACE_INSIDE,
-            }
-            theirs.append(sealed_config(config))
-            enter = box.cgroup.enter_files
-            theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in enter]
-            guest_pid, pidfd = await template.spawn({"cgroup_files": len(enter)}, theirs)
-        except BaseException:
-            for fd in mine:
-                os.close(fd)
-            raise
-        finally:
-            for fd in theirs:
-                os.close(fd)
-        stdin_w, stdout_r, stderr_r, notify_r = mine
-        guest = TemplateGuest(template, guest_pid, pidfd, stdin_w, stdout_r, stderr_r, chain)
-        try:
-            await guest.connect()
-            await self._joined(guest, notify_r)
-        except BaseException:
-            guest.kill()
-            raise
-        return guest
-
-    @staticmethod
-    async def _joined(guest: TemplateGuest, notify_r: int) -> None:
-        """Wait for the guest's byte on ``notify_r``: it is in the sandbox's namespaces and
-        its /proc is attached.
-
-        Raises:
-            SandboxStartError: it ended first; the reason it gave on stderr.
-        """
-        if await asyncio.to_thread(_notified, notify_r, START_TIMEOUT_S):
-            return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(guest.wait(), 2.0)
-        why = guest.stderr_tail() or "it ended"
-        raise SandboxStartError(f"the sandbox's guest could not join it: {why}")
+        config = {
+            "uid": SANDBOX_UID,
+            "gid": SANDBOX_UID,
+            "env": guest_env(spec.env),
+            "seccomp": build_filter(spec.network).hex(),
+            "workspace": WORKSPACE_INSIDE,
+        }
+        return await join_guest(
+            template, chain, pid, config, box.cgroup.enter_files, START_TIMEOUT_S
+        )
 
     async def _go_after(
         self,
@@ -1085,10 +1005,7 @@ class BubblewrapBackend:
                 if fd is not None:
                     unlock(fd)
         self._boxes.clear()
-        for template in [*self._templates.values(), *self._retired]:
-            await template.close()
-        self._templates.clear()
-        self._retired.clear()
+        await self._templates.close()
         if self._launch_ns is not None:
             await asyncio.to_thread(self._drop_launch_ns)
         if self._checked:

@@ -291,20 +291,33 @@ class TemplateGuest:
         self.writer: asyncio.StreamWriter
 
     async def connect(self) -> None:
-        """The stream pair over the guest's pipes, and its stderr's collector."""
+        """The stream pair over the guest's pipes, and its stderr's collector. Each pipe is
+        owned by its transport once made, and closed here if the rest fails."""
         loop = asyncio.get_running_loop()
-        self.reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(self.reader), os.fdopen(self._stdout_r, "rb", 0)
-        )
-        transport, protocol = await loop.connect_write_pipe(
-            asyncio.streams.FlowControlMixin, os.fdopen(self._stdin_w, "wb", 0)
-        )
-        self.writer = asyncio.StreamWriter(transport, protocol, None, loop)
-        stderr = asyncio.StreamReader(limit=1 << 16)
-        await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(stderr), os.fdopen(self._stderr_r, "rb", 0)
-        )
+        stdout = os.fdopen(self._stdout_r, "rb", 0)
+        stdin = os.fdopen(self._stdin_w, "wb", 0)
+        stderr_file = os.fdopen(self._stderr_r, "rb", 0)
+        transports: list[asyncio.BaseTransport] = []
+        try:
+            self.reader = asyncio.StreamReader(limit=1 << 20)
+            read, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(self.reader), stdout
+            )
+            transports.append(read)
+            write, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, stdin)
+            transports.append(write)
+            self.writer = asyncio.StreamWriter(write, protocol, None, loop)
+            stderr = asyncio.StreamReader(limit=1 << 16)
+            errors, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(stderr), stderr_file
+            )
+            transports.append(errors)
+        except BaseException:
+            for transport in transports:
+                transport.close()
+            for file in (stdout, stdin, stderr_file)[len(transports) :]:
+                file.close()
+            raise
         self._stderr_task = asyncio.create_task(self._stderr.collect(stderr))
 
     def stderr_tail(self) -> str:
@@ -336,6 +349,127 @@ class TemplateGuest:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._stderr_task, 1.0)
         return code
+
+
+class Templates:
+    """The running template of each system (``key``: a tree's path, or "host"), started on
+    its first use; one whose system changed since (``identity_now``) is retired and a new
+    one started; one that would not start is not tried again for that identity (said once,
+    in the log: guests start afresh)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.running: dict[str, Template] = {}
+        self.retired: list[Template] = []  # superseded, closing once their guests end
+        self.failed: set[str] = set()
+        self._lock = asyncio.Lock()
+        self._timeout_s = timeout_s
+
+    async def get(
+        self, key: str, identity_now: Callable[[], str], argv: Callable[[], list[str]]
+    ) -> Template | None:
+        identity = identity_now()
+        if not identity or f"{key}@{identity}" in self.failed:
+            return None
+        async with self._lock:
+            template = self.running.pop(key, None)
+            if template is not None:
+                if template.alive and template.identity == identity:
+                    self.running[key] = template
+                    return template
+                template.retire()  # closed once its last guest has ended
+                self.retired = [t for t in self.retired if t.alive] + [template]
+            template = Template(key, identity, identity_now)
+            try:
+                await template.start(argv(), self._timeout_s)
+            except (TemplateGone, OSError) as exc:
+                log.warning("no guest template: guests start afresh", system=key, error=str(exc))
+                self.failed.add(f"{key}@{identity}")
+                return None
+            self.running[key] = template
+            return template
+
+    async def close(self) -> None:
+        for template in [*self.running.values(), *self.retired]:
+            await template.close()
+        self.running.clear()
+        self.retired.clear()
+
+
+async def join_guest(
+    template: Template,
+    chain: GuestProcess,
+    pid: int,
+    config: dict[str, Any],
+    enter_files: list[Path],
+    timeout_s: float,
+) -> TemplateGuest:
+    """Ask ``template`` for a sandbox's guest, joined into the namespaces of bwrap's
+    placeholder ``pid`` (the child of ``chain``'s bwrap), given ``config`` (sealed in a
+    memfd) and the cgroup's ``enter_files``; return once it has attached its /proc (the
+    host's masks go over it next). Its stdio are pipes made here.
+
+    Raises:
+        SandboxStartError: it could not be asked, or ended before it joined (the reason it
+            gave on stderr).
+    """
+    mine: list[int] = []  # the ends the manager keeps: stdin_w, stdout_r, stderr_r, notify_r
+    theirs: list[int] = []  # the ends the guest gets, closed here once sent
+    try:
+        theirs += namespace_fds(pid, chain.pid)
+        stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+        mine.append(stdin_w)
+        theirs.append(stdin_r)
+        for _ in range(3):  # stdout, stderr, notify: the guest writes, the manager reads
+            r, w = os.pipe2(os.O_CLOEXEC)
+            mine.append(r)
+            theirs.append(w)
+        theirs.append(sealed_config(config))
+        theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in enter_files]
+        guest_pid, pidfd = await template.spawn({"cgroup_files": len(enter_files)}, theirs)
+    except BaseException:
+        for fd in mine:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    stdin_w, stdout_r, stderr_r, notify_r = mine
+    guest = TemplateGuest(template, guest_pid, pidfd, stdin_w, stdout_r, stderr_r, chain)
+    try:
+        try:
+            await guest.connect()
+        except BaseException:
+            os.close(notify_r)
+            raise
+        await _joined(guest, notify_r, timeout_s)
+    except BaseException:
+        guest.kill()
+        raise
+    return guest
+
+
+async def _joined(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None:
+    """Wait for the guest's byte on ``notify_r`` (closed here, whatever comes).
+
+    Raises:
+        SandboxStartError: it ended first; the reason it gave on stderr.
+    """
+    if await asyncio.to_thread(_notified, notify_r, timeout_s):
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(guest.wait(), 2.0)
+    why = guest.stderr_tail() or "it ended"
+    raise SandboxStartError(f"the sandbox's guest could not join it: {why}")
+
+
+def _notified(fd: int, timeout_s: float) -> bool:
+    """Whether a byte came on ``fd`` within ``timeout_s`` (False: EOF, or nothing); closes it."""
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout_s * 1000)) and os.read(fd, 1) == b"1"
+    finally:
+        os.close(fd)
 
 
 def system_identity(tree: Path | None, python: str) -> str:
