@@ -42,6 +42,23 @@ def test_doctor_reports_every_feature(cli_data_dir: Path) -> None:
         assert feature in out.stdout
 
 
+def test_doctor_says_whether_guests_come_from_a_template(
+    cli_data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the guest template is root's")
+    report = _json_of(["doctor"], cli_data_dir)
+    assert isinstance(report, dict)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["guest template"]["ok"] is True, checks["guest template"]
+    monkeypatch.setenv("SANDBOX_GUEST_TEMPLATE", "false")
+    report = _json_of(["doctor"], cli_data_dir)
+    assert isinstance(report, dict)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["guest template"]["ok"] is False
+    assert "SANDBOX_GUEST_TEMPLATE=false" in checks["guest template"]["detail"]
+
+
 def _json_of(args: list[str], data_dir: Path) -> object:
     """The command's stdout, which must be one JSON document and nothing else."""
     out = _run([*args, "--json"], data_dir)
