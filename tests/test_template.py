@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import os
 import signal
+import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +21,7 @@ from sandlot import SandboxManager
 from sandlot.backends.base import GuestProcess
 from sandlot.backends.bubblewrap import backend as bubblewrap_backend
 from sandlot.backends.bubblewrap import template as bubblewrap_template
-from sandlot.backends.bubblewrap.template import TemplateGuest
+from sandlot.backends.bubblewrap.template import Template, TemplateGuest
 from sandlot.errors import SandboxStartError
 from sandlot.requests import RunCode, RunCommand, SandboxSpec
 from tests import leaks
@@ -348,3 +351,77 @@ async def test_a_template_of_a_changed_system_is_retired_once_its_guests_end(
         assert not first.alive and second.alive
         assert (await mgr.run_code(new.id, RunCode(code="1 + 1"))).text == "2"
         await mgr.destroy(new.id)
+
+
+async def test_a_guest_that_ends_right_behind_its_reply_is_seen_to_end() -> None:
+    """The template reports a guest killed at once right behind the reply that named it,
+    often in the same read. Failed before (the red team's find): the report was dispatched
+    before the create had registered the pid, dropped, and the guest's end never came (a
+    retired template then never closed)."""
+    template = Template("unit")
+    ours, theirs = socket.socketpair()
+    template.alive, template._sock = True, ours
+    pidfd, other = os.pipe()
+
+    async def one_read(message: bytes, fds: list[int]) -> None:
+        call_id = json.loads(message)["id"]
+        template._dispatch({"id": call_id, "pid": 4242}, [pidfd])
+        template._dispatch({"exit": 4242, "status": -9}, [])
+
+    template._send = one_read  # type: ignore[method-assign]
+    try:
+        pid, got = await template.spawn({"cgroup_files": 1}, [])
+        assert (pid, got) == (4242, pidfd)
+        ended = template.exit_of(pid)
+        assert ended.done() and ended.result() == -9
+        assert not template._exits
+    finally:
+        for fd in (pidfd, other):
+            os.close(fd)
+        theirs.close()
+        template._gone()
+
+
+async def test_a_retired_template_waits_for_the_creates_that_hold_it() -> None:
+    """A create takes its template, then starts bwrap (milliseconds) before it asks for the
+    guest. Failed before (the red team's find): another create that retired the template in
+    that window closed it, and the first failed with TemplateGone."""
+    template = Template("unit", "before", lambda: "after")
+    ours, theirs = socket.socketpair()
+    template.alive, template._sock = True, ours
+    try:
+        template.hold()
+        template.retire()
+        assert template._closing is None and template.alive
+        template.release()
+        assert template._closing is not None
+        await template._closing
+        assert not template.alive
+    finally:
+        theirs.close()
+
+
+async def test_the_callers_env_is_on_no_host_command_line(data_root: Path) -> None:
+    """bwrap's argv is every host user's to read in /proc: a template's placeholder gets no
+    env of the caller's (its guest's comes in a sealed memfd). Failed before: the env's JSON
+    stood on bwrap's command line while the sandbox started."""
+    data_dir = data_root / "template-argv"
+    data_dir.mkdir()
+    marker = "sk-tenant-marker-" + "M" * 40
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        backend = mgr._backend("bubblewrap")
+        seen: list[bytes] = []
+        join = backend._join
+
+        async def read_cmdlines(template: Any, box: Any, spec: Any, chain: Any, pid: int) -> Any:
+            for alive in (chain.pid, pid):  # bwrap and its placeholder, both running now
+                seen.append(Path(f"/proc/{alive}/cmdline").read_bytes())
+            return await join(template, box, spec, chain, pid)
+
+        backend._join = read_cmdlines
+        info = await mgr.create(SandboxSpec(env={"TOKEN": marker}))
+        assert len(seen) == 2 and all(b"bwrap" in c or b"sh" in c for c in seen), seen
+        assert not any(marker.encode() in cmdline for cmdline in seen), seen
+        got = await mgr.run_command(info.id, RunCommand(command="echo $TOKEN"))
+        assert got.stdout == marker + "\n"
+        await mgr.destroy(info.id)

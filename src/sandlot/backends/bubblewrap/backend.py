@@ -509,7 +509,9 @@ class BubblewrapBackend:
             "--chdir",
             WORKSPACE_INSIDE,
             "--clearenv",
-            *_setenv(guest_env(spec.env)),
+            # A template's guest gets its environment in a sealed memfd (template.py): the
+            # placeholder needs none, and an argv is every host user's to read in /proc.
+            *_setenv({"PATH": SANDBOX_PATH} if templated else guest_env(spec.env)),
             "--seccomp",
             str(seccomp_fd),
             "--remount-ro",
@@ -619,7 +621,26 @@ class BubblewrapBackend:
         /proc files: while bwrap starts, where the manager mounts them itself (root, with the
         mount API), else before "go" (bwrap binds them). Where the system has a template
         (:meth:`_template`), bwrap runs a placeholder and the guest is the template's fork,
-        joined into the namespaces bwrap made (:meth:`_join`)."""
+        joined into the namespaces bwrap made (:meth:`_join`); the template is held until
+        then, so that a retirement does not close it under this create."""
+        manager_mounts = not self.rootless and mountns.supported()
+        template = await self._template(box) if manager_mounts else None
+        try:
+            return await self._launch(box, spec, template, before_go=before_go, files=files)
+        finally:
+            if template is not None:
+                template.release()
+
+    async def _launch(
+        self,
+        box: _Box,
+        spec: GuestSpec,
+        template: Template | None,
+        *,
+        before_go: Callable[[], Awaitable[None]] | None,
+        files: Callable[[], Awaitable[None]] | None,
+    ) -> Guest:
+        """:meth:`_spawn`'s work, with the template it took (or none)."""
         read_fd, write_fd = os.pipe()
         try:
             os.write(write_fd, build_filter(spec.network))
@@ -633,7 +654,6 @@ class BubblewrapBackend:
         # Without the mount API (Linux < 5.12) bwrap makes the masks and binds the volume
         # itself; the terminal cap is the manager's either way.
         manager_mounts = info_fd is not None and mountns.supported()
-        template = await self._template(box) if manager_mounts else None
         argv = self._chain_argv(
             box, spec, read_fd, info_fd, manager_mounts=manager_mounts, templated=bool(template)
         )

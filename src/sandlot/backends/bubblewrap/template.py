@@ -60,6 +60,7 @@ class Template:
         self.identity = identity
         self._identity_now = identity_now
         self.retired = False
+        self._holders = 0  # creates between Templates.get and the end of their spawn
         self._closing: asyncio.Task[None] | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
@@ -141,6 +142,12 @@ class Template:
                 future.set_result(int(message.get("status", -1)))
             self._close_if_done()
         elif "id" in message:
+            # Its exit is watched from here, before the next message is read: the template
+            # reports a guest killed at once right behind its reply, often in the same read,
+            # and a report with no future waiting for it was dropped (a retired template
+            # then never closed: the red team's find).
+            if isinstance(message.get("pid"), int):
+                self._exits[message["pid"]] = asyncio.get_running_loop().create_future()
             reply = self._replies.pop(int(message["id"] or 0), None)
             if reply is not None and not reply.done():
                 reply.set_result((message, fds))
@@ -177,7 +184,8 @@ class Template:
         self._close_if_done()
 
     def _close_if_done(self) -> None:
-        if self._exits or self._replies or not self.alive or self._closing is not None:
+        busy = self._exits or self._replies or self._holders
+        if busy or not self.alive or self._closing is not None:
             return
         if not self.retired and self._identity_now is not None:
             self.retired = self._identity_now() != self.identity
@@ -200,17 +208,31 @@ class Template:
         self._replies[call_id] = reply
         try:
             await self._send(json.dumps({**request, "id": call_id}).encode(), fds)
+            message, got = await reply
         except BaseException:
+            # Cancelled, say: a reply still to come finds nobody waiting, and _dispatch
+            # closes its pidfd; one already here is closed now. (The guest it names ends by
+            # itself: its stdin is closed with the cancelled join.)
             self._replies.pop(call_id, None)
+            if reply.done() and not reply.cancelled() and reply.exception() is None:
+                for fd in reply.result()[1]:
+                    os.close(fd)
             raise
-        message, got = await reply
         if "error" in message or len(got) != 1 or not isinstance(message.get("pid"), int):
             for fd in got:
                 os.close(fd)
             raise SandboxStartError(f"the guest template could not fork: {message.get('error')}")
-        pid = message["pid"]
-        self._exits[pid] = asyncio.get_running_loop().create_future()
-        return pid, got[0]
+        return message["pid"], got[0]
+
+    def hold(self) -> None:
+        """A create is on its way to :meth:`spawn`: not closed on retirement before it is
+        done (:meth:`release`). A create that took a template moments before another one
+        retired it failed, the template closed under it (the red team's find)."""
+        self._holders += 1
+
+    def release(self) -> None:
+        self._holders -= 1
+        self._close_if_done()
 
     async def _send(self, message: bytes, fds: list[int]) -> None:
         """Send one request; a full socket is waited out. Only an error that says the
@@ -367,6 +389,8 @@ class Templates:
     async def get(
         self, key: str, identity_now: Callable[[], str], argv: Callable[[], list[str]]
     ) -> Template | None:
+        """The template, held (:meth:`Template.hold`): the caller releases it once its
+        spawn is done, whatever happened."""
         identity = identity_now()
         if not identity or f"{key}@{identity}" in self.failed:
             return None
@@ -375,6 +399,7 @@ class Templates:
             if template is not None:
                 if template.alive and template.identity == identity:
                     self.running[key] = template
+                    template.hold()
                     return template
                 template.retire()  # closed once its last guest has ended
                 self.retired = [t for t in self.retired if t.alive] + [template]
@@ -386,6 +411,7 @@ class Templates:
                 self.failed.add(f"{key}@{identity}")
                 return None
             self.running[key] = template
+            template.hold()
             return template
 
     async def close(self) -> None:
