@@ -425,3 +425,39 @@ async def test_the_callers_env_is_on_no_host_command_line(data_root: Path) -> No
         got = await mgr.run_command(info.id, RunCommand(command="echo $TOKEN"))
         assert got.stdout == marker + "\n"
         await mgr.destroy(info.id)
+
+
+async def test_a_guest_whose_end_is_never_reported_is_still_seen_to_end() -> None:
+    """A guest's wait ends when its pidfd says it is gone, even if the template's report of
+    its end is lost: the create that waits for a killed guest has no deadline of its own
+    (core/live.py), and a report dropped by the race above hung it (the red team saw two
+    creates hang before that fix)."""
+    template = Template("unit")
+    victim = await asyncio.create_subprocess_exec("sleep", "30")
+    placeholder = await asyncio.create_subprocess_exec(
+        "sleep",
+        "30",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    template._exits[victim.pid] = asyncio.get_running_loop().create_future()  # never told
+    (in_r, in_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
+    guest = TemplateGuest(
+        template,
+        victim.pid,
+        os.pidfd_open(victim.pid),
+        in_w,
+        out_r,
+        err_r,
+        GuestProcess(placeholder),
+    )
+    try:
+        await guest.connect()
+        guest.kill()
+        assert await asyncio.wait_for(guest.wait(), 5.0) == -signal.SIGKILL
+    finally:
+        guest.writer.close()  # the guest's connection closes it, in the manager
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        await victim.wait()

@@ -347,12 +347,33 @@ class TemplateGuest:
 
     def kill(self) -> None:
         if self._pidfd is not None:
-            # A pidfd cannot name another process once the guest is gone.
+            # A pidfd cannot name another process once the guest is gone. Kept open: wait()
+            # watches it, and closes it.
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            os.close(self._pidfd)
-            self._pidfd = None
         self._chain.kill()
+
+    async def _gone(self) -> None:
+        if self._exit.done() or self._pidfd is None:
+            if not self._exit.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._exit), 1.0)
+            return
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[int] = loop.create_future()
+
+        def readable() -> None:
+            if not ended.done():
+                ended.set_result(0)
+
+        loop.add_reader(self._pidfd, readable)
+        try:
+            await asyncio.wait({self._exit, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(self._pidfd)
+        if not self._exit.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._exit), 1.0)
 
     def end_placeholder(self) -> None:
         """bwrap's placeholder ends (EOF on its stdin): the guest holds the namespaces now."""
@@ -360,10 +381,17 @@ class TemplateGuest:
             self._chain.writer.close()
 
     async def wait(self) -> int:
-        code = await asyncio.shield(self._exit)
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        """Its exit status, as the template (its parent) reports it; once the guest is gone
+        by its pidfd, the report is given a second more, and -SIGKILL stands in if it never
+        comes: a report lost would otherwise hang a create that waits for its guest with no
+        deadline (``core/live.py``)."""
+        try:
+            await self._gone()
+        finally:
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+        code = self._exit.result() if self._exit.done() else -signal.SIGKILL
         self.end_placeholder()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._chain.wait(), 5.0)
