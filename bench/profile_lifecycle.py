@@ -99,6 +99,9 @@ def instrument() -> None:
     timed(bw.BubblewrapBackend, "_go", "create: 'go' to the launcher")
     timed(bw.BubblewrapBackend, "_first_pid", "create: bwrap's namespace, until the guest's exec")
     timed(bw.BubblewrapBackend, "_mount_inside", "create: the manager's mounts inside")
+    # The template guest's (absent from a tree without it, and from a --no-template run).
+    timed(bw.BubblewrapBackend, "_template", "create: the template, taken")
+    timed(bw.BubblewrapBackend, "_join", "create: the template's guest forked and joined")
     timed(guest_link.GuestConnection, "wait_ready", "create: the guest's ready")
     timed(bw.BubblewrapBackend, "stop", "destroy: backend.stop")
     timed(bw.BubblewrapBackend, "_end_guest", "destroy: end the guest")
