@@ -137,7 +137,8 @@ def supported() -> bool:
     return _supported
 
 
-def _parent_of(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
+    """``pid``'s parent, from /proc (None if /proc names none)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("PPid:"):
             return int(line.split()[1])
@@ -181,7 +182,7 @@ def run_inside(pid: int, work: Callable[[], None], *, parent: int | None = None)
             # fails this).
             pidfd = os.pidfd_open(pid)
             try:
-                if parent is not None and _parent_of(pid) != parent:
+                if parent is not None and parent_of(pid) != parent:
                     raise OSError(errno.ESRCH, f"process {pid} is not the sandbox's first process")
                 # A pidfd names the process, not its pid.
                 enter(pidfd, f"/proc/{pid}/ns/mnt")

@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from sandlot.backends.base import STDERR_TAIL_BYTES, GuestProcess, StderrTail
+from sandlot.backends.mountns import parent_of
 from sandlot.errors import SandboxStartError
 from sandlot.guest.template import MAX_FDS, MAX_MESSAGE, NS_NAMES
 
@@ -579,9 +580,7 @@ def namespace_fds(pid: int, parent: int) -> list[int]:
 
 
 def _check_parent(pid: int, parent: int) -> None:
-    status = Path(f"/proc/{pid}/status").read_text()
-    ppid = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("PPid:")), "")
-    if ppid != str(parent):
+    if parent_of(pid) != parent:
         raise SandboxStartError(f"process {pid} is not the sandbox's first process")
 
 
