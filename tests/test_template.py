@@ -197,7 +197,8 @@ async def test_guests_die_with_their_template_and_the_next_one_is_started(
         os.kill(template_python, signal.SIGKILL)
         assert await asyncio.wait_for(guest.wait(), 10) != 0
         again = await mgr.run_code(info.id, RunCode(code="6 * 7"))
-        assert again.text == "42" or again.error is not None, again
+        # Answered by a guest restarted first, or told the guest died under it.
+        assert again.text == "42" or again.error is not None or again.state_lost, again
         after = await mgr.run_code(info.id, RunCode(code="6 * 7"))
         assert after.text == "42", after
         assert backend._boxes[info.id].guest is not guest
