@@ -281,6 +281,18 @@ def all_procs() -> list[Proc]:
     return found
 
 
+def cmdlines_holding(needle: bytes) -> dict[int, bytes]:
+    """Every host process whose command line holds ``needle``: what any host user can read."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+                if needle in cmdline:
+                    found[int(name)] = cmdline
+    return found
+
+
 def procs_of_uid(uid: int) -> list[Proc]:
     """Every process (zombies included) with ``uid`` as any of its uids."""
     return [p for p in all_procs() if uid in p.uids]

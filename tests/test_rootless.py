@@ -99,9 +99,12 @@ host_marker = subprocess.Popen(
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    a = Sandbox.create()
+    a = Sandbox.create(env={"SECRET_ENV": "env-marker-" + TOKEN})
     b = Sandbox.create(pids=64)
     c = Sandbox.create(pids=64, memory_mb=256, disk_mb=64)
+# bwrap lives as long as A: its command line is every host user's to read.
+out["env_on_host"] = host_pids("env-marker-" + TOKEN)
+out["env_in_a"] = a.commands.run("echo $SECRET_ENV").stdout.strip()
 out["warnings"] = [
     str(w.message) for w in caught if issubclass(w.category, DegradedIsolationWarning)
 ]
@@ -417,6 +420,12 @@ def test_a_cannot_see_or_read_b_or_the_users_files(run: dict[str, Any]) -> None:
         assert got in ("FileNotFoundError", "PermissionError"), (path, got)
     assert probe["home_dirs"] in ([], "FileNotFoundError")
     assert "HOME-SECRET" not in run["a_leak_read"]  # a planted symlink leads nowhere
+
+
+def test_the_callers_env_is_on_no_host_command_line(run: dict[str, Any]) -> None:
+    """Failed before: A's env (its JSON) stood on bwrap's argv for A's whole life."""
+    assert run["env_on_host"] == []
+    assert run["env_in_a"].startswith("env-marker-")
 
 
 def test_a_cannot_write_outside_its_workspace(run: dict[str, Any]) -> None:

@@ -306,6 +306,15 @@ def test_bad_input_is_a_typed_4xx(
             422,
             "invalid_request",
         ),
+        # Past the kernel's limit on one environment string: refused here, not at the start.
+        ("POST", "/v1/sandboxes", {"env": {"X": "\\" * 70_000}}, 422, "invalid_request"),
+        (
+            "POST",
+            f"/v1/sandboxes/{alice_box}/commands",
+            {"command": "x", "env": {"X": "\x01" * 30_000}},
+            422,
+            "invalid_request",
+        ),
         ("GET", "/v1/sandboxes/sb-missing", None, 404, "sandbox_not_found"),
         ("GET", "/no/such/route", None, 404, "not_found"),
     ]
@@ -316,6 +325,7 @@ def test_bad_input_is_a_typed_4xx(
             response.text,
         )
         assert "memory_mb" in response.text if body == {"memory_mb": 1} else True
+        assert "as JSON; at most" in response.text if "env" in (body or {}) else True
 
 
 def test_lone_surrogates_are_a_typed_422(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from sandlot import SandboxManager
 from sandlot.backends.base import GuestProcess
@@ -23,7 +24,7 @@ from sandlot.backends.bubblewrap import backend as bubblewrap_backend
 from sandlot.backends.bubblewrap import template as bubblewrap_template
 from sandlot.backends.bubblewrap.template import Template, TemplateGuest
 from sandlot.errors import SandboxStartError
-from sandlot.requests import RunCode, RunCommand, SandboxSpec
+from sandlot.requests import MAX_ENV_JSON_CHARS, RunCode, RunCommand, SandboxSpec
 from tests import leaks
 from tests.conftest import make_settings
 
@@ -426,6 +427,29 @@ async def test_the_callers_env_is_on_no_host_command_line(data_root: Path) -> No
         got = await mgr.run_command(info.id, RunCommand(command="echo $TOKEN"))
         assert got.stdout == marker + "\n"
         await mgr.destroy(info.id)
+
+
+async def test_a_guest_started_afresh_has_the_callers_env_on_no_host_command_line(
+    data_root: Path,
+) -> None:
+    """Where a guest starts afresh (here the template off; rootless: test_rootless.py) bwrap
+    lives as long as the sandbox, and reads the guest's environment from a memfd. Failed
+    before: the env's JSON stood on bwrap's argv for the sandbox's whole life, and the
+    largest env the API admits failed the create with E2BIG there."""
+    data_dir = data_root / "template-off-argv"
+    data_dir.mkdir()
+    marker = "sk-tenant-marker-" + "A" * 40
+    # As large as the API admits, in escapes that double (requests.MAX_ENV_JSON_CHARS).
+    large = "\\" * ((MAX_ENV_JSON_CHARS - 100) // 2)
+    async with SandboxManager(make_settings(data_dir, guest_template=False)) as mgr:
+        info = await mgr.create(SandboxSpec(env={"TOKEN": marker, "LARGE": large}))
+        assert isinstance(mgr._backend("bubblewrap")._boxes[info.id].guest, GuestProcess)
+        assert leaks.cmdlines_holding(marker.encode()) == {}
+        got = await mgr.run_command(info.id, RunCommand(command='echo "$TOKEN ${#LARGE}"'))
+        assert got.stdout == f"{marker} {len(large)}\n", got
+        await mgr.destroy(info.id)
+    with pytest.raises(ValidationError, match="as JSON; at most"):
+        SandboxSpec(env={"LARGE": large + "\\" * 100})
 
 
 async def test_a_guest_whose_end_is_never_reported_is_still_seen_to_end() -> None:

@@ -12,6 +12,7 @@ to do with it.
 from __future__ import annotations
 
 import base64
+import json
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
@@ -23,6 +24,10 @@ from sandlot.models import SandboxLimits
 MAX_SOURCE_CHARS = 1 << 20
 MAX_PATH_CHARS = 4096
 MAX_ENV_VARS = 256
+# A sandbox's env reaches its guest as one JSON value in the guest's environment
+# (launch.guest_env), and the kernel refuses an execve with any one string over 128 KiB
+# (MAX_ARG_STRLEN, E2BIG): past this a create failed at the guest's start, not at the edge.
+MAX_ENV_JSON_CHARS = 128 * 1024 - 1024
 MAX_METADATA_KEYS = 64
 MAX_TTL_S = 30 * 86_400
 SESSION_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -65,6 +70,12 @@ def _env_ok(env: dict[str, str] | None) -> dict[str, str] | None:
             raise ValueError("env names must be non-empty, without '=' or NUL; values no NUL")
         if not (_utf8(key) and _utf8(value)):
             raise ValueError("env names and values must be valid Unicode (no lone surrogate)")
+    # Measured as it travels: json.dumps's default escapes (a control character is 6 chars).
+    if env and (size := len(json.dumps(env))) > MAX_ENV_JSON_CHARS:
+        raise ValueError(
+            f"env is {size} characters as JSON; at most {MAX_ENV_JSON_CHARS} (the kernel's "
+            "limit on one environment string, less the guest's own)"
+        )
     return env
 
 

@@ -99,6 +99,7 @@ def guest_env(
     next guest start would load, and so forge every later result.
     """
     env = {"PATH": path, "HOME": workspace, "LANG": "C.UTF-8"}
+    # The default escapes: requests.MAX_ENV_JSON_CHARS bounds exactly this string.
     env["SANDLOT_USER_ENV"] = json.dumps(dict(user_env))
     env["SANDLOT_WORKSPACE"] = workspace
     if shell_state is not None:

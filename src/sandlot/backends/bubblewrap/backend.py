@@ -65,6 +65,7 @@ from sandlot.backends.bubblewrap.template import (
     TemplateGuest,
     Templates,
     join_guest,
+    sealed_memfd,
     system_identity,
 )
 from sandlot.backends.bubblewrap.uids import UidAllocator, unlock
@@ -162,6 +163,12 @@ def _setenv(env: dict[str, str]) -> list[str]:
     for key, value in env.items():
         args += ["--setenv", key, value]
     return args
+
+
+def _env_args(env: dict[str, str]) -> int:
+    """A sealed memfd with ``env`` as bwrap's ``--setenv`` options, NUL-separated, for its
+    ``--args``: off every command line. The caller closes it."""
+    return sealed_memfd("sandlot-guest-env", b"".join(a.encode() + b"\0" for a in _setenv(env)))
 
 
 @dataclass
@@ -446,10 +453,12 @@ class BubblewrapBackend:
         seccomp_fd: int,
         info_fd: int | None = None,
         *,
+        env_fd: int | None = None,
         manager_mounts: bool = False,
         templated: bool = False,
     ) -> list[str]:
-        """bwrap's argv; with ``manager_mounts`` the manager attaches /proc's masks and the
+        """bwrap's argv; the guest's environment is read from ``env_fd`` (:func:`_env_args`).
+        With ``manager_mounts`` the manager attaches /proc's masks and the
         volume (/workspace, /tmp) once bwrap has made the namespace (:meth:`_mount_inside`),
         and bwrap only makes their mount points. ``templated`` (with ``manager_mounts``): no
         pid namespace and no /proc (the template's guest makes both: template.py), and a
@@ -509,9 +518,10 @@ class BubblewrapBackend:
             "--chdir",
             WORKSPACE_INSIDE,
             "--clearenv",
-            # A template's guest gets its environment in a sealed memfd (template.py): the
-            # placeholder needs none, and an argv is every host user's to read in /proc.
-            *_setenv({"PATH": SANDBOX_PATH} if templated else guest_env(spec.env)),
+            # An argv is every host user's to read in /proc, for bwrap's whole life: the
+            # guest's environment (the caller's env in it) is read from a memfd instead, and a
+            # template's guest gets its own in one (template.py), so its placeholder needs none.
+            *(_setenv({"PATH": SANDBOX_PATH}) if templated else ["--args", str(env_fd)]),
             "--seccomp",
             str(seccomp_fd),
             "--remount-ro",
@@ -556,6 +566,7 @@ class BubblewrapBackend:
         seccomp_fd: int,
         info_fd: int | None,
         *,
+        env_fd: int | None,
         manager_mounts: bool,
         templated: bool = False,
     ) -> list[str]:
@@ -578,7 +589,7 @@ class BubblewrapBackend:
                 SETPRIV,
                 "--pdeathsig=SIGKILL",
                 "--",
-                *self._bwrap_argv(box, spec, seccomp_fd),
+                *self._bwrap_argv(box, spec, seccomp_fd, env_fd=env_fd),
             ]
         enter = [f"--net={box.net.path}"] if box.net is not None else []
         # Made here on the first create: a launcher built before the pin existed started bwrap
@@ -588,7 +599,13 @@ class BubblewrapBackend:
         if pin is not None:
             enter.append(f"--mount={pin}")
         bwrap = self._bwrap_argv(
-            box, spec, seccomp_fd, info_fd, manager_mounts=manager_mounts, templated=templated
+            box,
+            spec,
+            seccomp_fd,
+            info_fd,
+            env_fd=env_fd,
+            manager_mounts=manager_mounts,
+            templated=templated,
         )
         if enter:
             # nsenter drops to the sandbox's uid itself once inside (setgroups(0), setgid,
@@ -654,16 +671,24 @@ class BubblewrapBackend:
         # Without the mount API (Linux < 5.12) bwrap makes the masks and binds the volume
         # itself; the terminal cap is the manager's either way.
         manager_mounts = info_fd is not None and mountns.supported()
+        env_fd = None if template else _env_args(guest_env(spec.env))
         argv = self._chain_argv(
-            box, spec, read_fd, info_fd, manager_mounts=manager_mounts, templated=bool(template)
+            box,
+            spec,
+            read_fd,
+            info_fd,
+            env_fd=env_fd,
+            manager_mounts=manager_mounts,
+            templated=bool(template),
         )
+        passed = [fd for fd in (read_fd, info_fd, env_fd) if fd is not None]
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                pass_fds=(read_fd,) if info_fd is None else (read_fd, info_fd),
+                pass_fds=passed,
                 env=HOST_ENV,
                 limit=1 << 20,
             )
@@ -672,9 +697,8 @@ class BubblewrapBackend:
                 os.close(info_r)  # nobody will read it: bwrap never ran
             raise
         finally:
-            os.close(read_fd)
-            if info_fd is not None:
-                os.close(info_fd)
+            for fd in passed:
+                os.close(fd)
         try:
             guest = GuestProcess(process)
         except BaseException:

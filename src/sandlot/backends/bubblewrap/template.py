@@ -539,17 +539,22 @@ def system_identity(tree: Path | None, python: str) -> str:
 
 
 def sealed_config(config: dict[str, Any]) -> int:
-    """A memfd holding ``config`` as JSON, sealed against any change: the guest's config
-    travels beside the request, never in it, so the template never holds it (template.py).
-    The caller closes the fd."""
-    fd = os.memfd_create("sandlot-guest-config", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    """A memfd holding ``config`` as JSON (:func:`sealed_memfd`): the guest's config travels
+    beside the request, never in it, so the template never holds it (template.py)."""
+    return sealed_memfd("sandlot-guest-config", json.dumps(config).encode())
+
+
+def sealed_memfd(name: str, data: bytes) -> int:
+    """A memfd holding ``data``, sealed against any change, read from its start by whoever
+    gets it. The caller closes the fd."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        data = json.dumps(config).encode()
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
         seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        os.lseek(fd, 0, os.SEEK_SET)  # the offset is shared with the fd's receivers
     except BaseException:
         os.close(fd)
         raise
