@@ -382,12 +382,14 @@ def serve(sock):
             message, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
             if not message:
                 return  # the host is gone; its guests die with us
+            request = None
             try:
                 request = _loads(message)
                 _check_fds(request, fds, flags)
                 spawn(sock, request, fds, own_pid_ns, last_cap)
             except Exception as exc:  # one bad request never ends the template
-                reply = {"id": _request_id(message), "error": "%s" % (exc,)}
+                request_id = request.get("id") if isinstance(request, dict) else None
+                reply = {"id": request_id, "error": "%s" % (exc,)}
                 sock.sendall(_dumps(reply).encode())
             finally:
                 for fd in fds:
@@ -402,13 +404,6 @@ def _check_fds(request, fds, flags):
     wanted = len(NS_NAMES) + STDIO_FDS + int(request["cgroup_files"])
     if len(fds) != wanted or not 0 < int(request["cgroup_files"]) <= MAX_CGROUP_FILES:
         raise JoinFailed("the request carries %d fds, not %d" % (len(fds), wanted))
-
-
-def _request_id(message):
-    try:
-        return _loads(message).get("id")
-    except (ValueError, AttributeError):
-        return None
 
 
 def _drain(fd):
@@ -429,14 +424,3 @@ def _reap(sock):
             return
         code = os.waitstatus_to_exitcode(status)
         sock.sendall(_dumps({"exit": pid, "status": code}).encode())
-
-
-def main(argv):
-    sock = socket.socket(fileno=3)
-    sock.setblocking(True)
-    serve(sock)
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main(sys.argv)

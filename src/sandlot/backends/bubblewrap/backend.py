@@ -640,10 +640,15 @@ class BubblewrapBackend:
         (:meth:`_template`), bwrap runs a placeholder and the guest is the template's fork,
         joined into the namespaces bwrap made (:meth:`_join`); the template is held until
         then, so that a retirement does not close it under this create."""
+        # As root, the manager masks /proc and bounds the sandbox's terminals once bwrap has
+        # made its own mounts; where this kernel has the mount API (Linux >= 5.12) it also
+        # attaches the volume then. Else bwrap makes the masks and binds the volume itself.
         manager_mounts = not self.rootless and mountns.supported()
         template = await self._template(box) if manager_mounts else None
         try:
-            return await self._launch(box, spec, template, before_go=before_go, files=files)
+            return await self._launch(
+                box, spec, template, manager_mounts, before_go=before_go, files=files
+            )
         finally:
             if template is not None:
                 template.release()
@@ -653,6 +658,7 @@ class BubblewrapBackend:
         box: _Box,
         spec: GuestSpec,
         template: Template | None,
+        manager_mounts: bool,
         *,
         before_go: Callable[[], Awaitable[None]] | None,
         files: Callable[[], Awaitable[None]] | None,
@@ -663,14 +669,9 @@ class BubblewrapBackend:
             os.write(write_fd, build_filter(spec.network))
         finally:
             os.close(write_fd)
-        # As root, the manager masks /proc and bounds the sandbox's terminals once bwrap has
-        # made its own mounts (where this kernel has the mount API, it also attaches the
-        # volume then): bwrap says on this pipe which pid is the sandbox's first.
+        # As root, bwrap says on this pipe which pid is the sandbox's first (_spawn).
         info_r, info_w = (-1, -1) if self.rootless else os.pipe()
         info_fd = None if self.rootless else info_w
-        # Without the mount API (Linux < 5.12) bwrap makes the masks and binds the volume
-        # itself; the terminal cap is the manager's either way.
-        manager_mounts = info_fd is not None and mountns.supported()
         env_fd = None if template else _env_args(guest_env(spec.env))
         argv = self._chain_argv(
             box,
