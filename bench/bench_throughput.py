@@ -10,7 +10,10 @@ so that the background load of a shared machine falls on all of them alike:
   ``kill()``, per task, through a manager with no warm pool;
 * pool: the same through a second manager with ``SANDBOX_POOL_SIZE=2``, which starts full;
   its CPU block ends once the pool has refilled after the last task, so the refills it
-  caused are charged to it and not to the next block;
+  caused are charged to it and not to the next block (its guests start afresh: a pooled
+  sandbox has no owner yet, and the default scope forks guests per owner);
+* with ``--pool-system``, the same pool with ``SANDBOX_GUEST_TEMPLATE_SCOPE=system``, whose
+  guests fork from one template for every owner;
 * with ``--docker-peer``, docker: a hardened ``docker run --rm`` of the same program per task
   (no network, all capabilities dropped, no-new-privileges, read-only root, uid 65534, 256 MB,
   0.5 CPU) on the docker backend's image, the peer the issue names.
@@ -64,6 +67,7 @@ from sandlot.sandbox import AsyncSandbox  # noqa: E402
 FLOOR_PYTHON = "/usr/bin/python3"
 POOL_SIZE = 2
 SERIES = ("floor", "cold", "pool")
+POOLED = ("pool", "pool_system")
 # The peer: a hardened `docker run` per program, limits like a default sandbox's, on the image
 # `make image` builds for the docker backend.
 DOCKER_IMAGE = "sandlot/python3:bookworm"
@@ -162,10 +166,10 @@ async def run_block(
     workers: int,
     managers: dict[str, SandboxManager],
 ) -> Block:
-    """One series over every program; ``managers`` by series ("cold", "pool", "afresh")."""
+    """One series over every program; ``managers`` by series ("cold", "pool", ...)."""
     block = Block()
-    pool = managers["pool"]
-    if series == "pool":
+    pool = managers[series] if series in POOLED else None
+    if pool is not None:
         await _wait_pool_full(pool)
     queue = list(reversed(programs))
     cpu0, cg0 = _cpu(), _cgroup_usage_s(tuple(managers.values()))
@@ -184,7 +188,7 @@ async def run_block(
 
     await asyncio.gather(*(worker() for _ in range(workers)))
     block.wall_s = time.perf_counter() - started
-    if series == "pool":
+    if pool is not None:
         await _wait_pool_full(pool)
     cpu1, cg1 = _cpu(), _cgroup_usage_s(tuple(managers.values()))
     block.self_cpu_s = cpu1[0] - cpu0[0]
@@ -198,6 +202,8 @@ LABELS = {
     "cold": "sandlot cold: `Sandbox.create()`, `run_code`, `kill()`",
     "pool": f"sandlot, warm pool (`SANDBOX_POOL_SIZE={POOL_SIZE}`)",
     "afresh": "sandlot cold, every guest started afresh (`SANDBOX_GUEST_TEMPLATE=false`)",
+    "pool_system": f"sandlot, warm pool of {POOL_SIZE}, one guest template for every owner "
+    "(`SANDBOX_GUEST_TEMPLATE_SCOPE=system`)",
     "docker": "peer: hardened `docker run --rm` (no network, no caps, read-only, 256 MB, "
     "0.5 CPU, uid 65534)",
 }
@@ -207,6 +213,7 @@ def series_of(args: argparse.Namespace) -> tuple[str, ...]:
     return (
         *SERIES,
         *(["afresh"] if args.afresh else []),
+        *(["pool_system"] if args.pool_system else []),
         *(["docker"] if args.docker_peer else []),
     )
 
@@ -270,18 +277,28 @@ async def bench(args: argparse.Namespace, data_dir: Path) -> tuple[dict[str, lis
     afresh_settings = settings.model_copy(
         update={"data_dir": data_dir / "afresh", "guest_template": False}
     )
+    pool_system_settings = pool_settings.model_copy(
+        update={
+            "data_dir": data_dir / "pool-system",
+            "guest_template_scope": "system",
+            "pool_size": POOL_SIZE if args.pool_system else 0,
+        }
+    )
     async with (
         SandboxManager(settings) as cold,
         SandboxManager(pool_settings) as pool,
         SandboxManager(afresh_settings) as afresh,
+        SandboxManager(pool_system_settings) as pool_system,
     ):
-        managers = {"cold": cold, "pool": pool, "afresh": afresh}
+        managers = {"cold": cold, "pool": pool, "afresh": afresh, "pool_system": pool_system}
         # Untimed: first-use costs (host checks, guest file copies, the guest template's
         # start) are not per-sandbox costs.
         await _sandbox_one(cold, "warm-up", "1")
         if args.afresh:
             await _sandbox_one(afresh, "warm-up", "1")
         await _wait_pool_full(pool)
+        if args.pool_system:
+            await _wait_pool_full(pool_system)
         for index in range(args.rounds):
             turn = index % len(series_run)
             order = series_run[turn:] + series_run[:turn]
@@ -320,6 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also cold sandboxes whose guests start afresh instead of from the template "
         "(SANDBOX_GUEST_TEMPLATE=false), interleaved in the same rounds",
+    )
+    parser.add_argument(
+        "--pool-system",
+        action="store_true",
+        help="also a warm pool whose guests fork from one template for every owner "
+        "(SANDBOX_GUEST_TEMPLATE_SCOPE=system; the default pool's start afresh)",
     )
     args = parser.parse_args(argv)
     started_at = dt.datetime.now(dt.UTC)

@@ -51,6 +51,12 @@ def test_doctor_says_whether_guests_come_from_a_template(
     assert isinstance(report, dict)
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["guest template"]["ok"] is True, checks["guest template"]
+    assert "per system and owner" in checks["guest template"]["detail"]
+    monkeypatch.setenv("SANDBOX_GUEST_TEMPLATE_SCOPE", "system")
+    report = _json_of(["doctor"], cli_data_dir)
+    assert isinstance(report, dict)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert "share its memory layout" in checks["guest template"]["detail"]
     monkeypatch.setenv("SANDBOX_GUEST_TEMPLATE", "false")
     report = _json_of(["doctor"], cli_data_dir)
     assert isinstance(report, dict)

@@ -73,7 +73,8 @@ async def test_a_template_guest_is_pid_1_of_its_own_proc_without_any_capability(
         # From the host: the guest is the template's child, as the sandbox's uid.
         tree = backend._boxes[info.id].system
         assert (tree is None) == (system == "host"), tree
-        key = "host" if tree is None else str(tree)
+        # The template of the sandbox's system and owner (the tenant scope, the default).
+        key = f"{'host' if tree is None else tree} for local"
         # bwrap's, whose child is the template.
         monitor = backend._templates.running[key]._process.pid
         host_view = leaks.read_proc(guest.pid)
@@ -190,7 +191,7 @@ async def test_guests_die_with_their_template_and_the_next_one_is_started(
         info = await mgr.create(SandboxSpec())
         backend = mgr._backend("bubblewrap")
         system = backend._boxes[info.id].system
-        first = backend._templates.running["host" if system is None else str(system)]
+        first = backend._templates.running[f"{'host' if system is None else system} for local"]
         guest = backend._boxes[info.id].guest
         assert isinstance(guest, TemplateGuest)
         # The template itself is bwrap's child: kill the python under it.
@@ -486,3 +487,118 @@ async def test_a_guest_whose_end_is_never_reported_is_still_seen_to_end() -> Non
         for fd in (in_r, out_w, err_w):
             os.close(fd)
         await victim.wait()
+
+
+# What forks of one template have in common: Python's hash secret and the memory layout.
+SHARED_PROBE = """
+import os
+libc = next(line.split("-")[0] for line in open("/proc/self/maps") if "libc.so" in line)
+(hash("sandlot"), libc)
+"""
+
+
+async def _shared_state(mgr: SandboxManager, sandbox_id: str) -> tuple[int, str]:
+    got = await mgr.run_code(sandbox_id, RunCode(code=SHARED_PROBE))
+    value: tuple[int, str] = ast.literal_eval(got.text)
+    return value
+
+
+async def test_two_tenants_never_fork_from_one_template(data_root: Path) -> None:
+    """In the tenant scope (the default) each owner's guests fork from a template of their
+    own: a tenant can read its own hash secret and memory layout, and must learn nothing of
+    another tenant's from them. Failed before: one template per system served every owner,
+    and alice's sandbox held bob's hash secret and libc address; the system scope still
+    shares them, as documented."""
+    data_dir = data_root / "template-tenants"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        alice = [await mgr.create(SandboxSpec(), owner="alice") for _ in range(2)]
+        bob = await mgr.create(SandboxSpec(), owner="bob")
+        backend = mgr._backend("bubblewrap")
+        for info in (*alice, bob):
+            assert isinstance(backend._boxes[info.id].guest, TemplateGuest)
+        first, second = [await _shared_state(mgr, info.id) for info in alice]
+        assert first == second  # the probe sees what one template's forks share
+        theirs = await _shared_state(mgr, bob.id)
+        assert theirs[0] != first[0] and theirs[1] != first[1], (first, theirs)
+        assert {k.rsplit(" for ", 1)[1] for k in backend._templates.running} == {"alice", "bob"}
+        for info in (*alice, bob):
+            await mgr.destroy(info.id)
+    shared = data_root / "template-system-scope"
+    shared.mkdir()
+    async with SandboxManager(make_settings(shared, guest_template_scope="system")) as mgr:
+        alice_box = await mgr.create(SandboxSpec(), owner="alice")
+        bob_box = await mgr.create(SandboxSpec(), owner="bob")
+        assert await _shared_state(mgr, alice_box.id) == await _shared_state(mgr, bob_box.id)
+        await mgr.destroy(alice_box.id)
+        await mgr.destroy(bob_box.id)
+
+
+@pytest.mark.parametrize("scope", ["tenant", "system"])
+async def test_a_pooled_sandbox_forks_from_no_tenants_template(data_root: Path, scope: str) -> None:
+    """A pooled sandbox is started before anyone owns it: in the tenant scope it starts
+    afresh (forked from a template, it would share it with whoever gets the pool's next
+    one), and once claimed a restarted guest forks from its owner's template. The system
+    scope forks pooled guests too."""
+    data_dir = data_root / f"template-pool-{scope}"
+    data_dir.mkdir()
+    settings = make_settings(data_dir, pool_size=1, guest_template_scope=scope)
+    async with SandboxManager(settings) as mgr:
+        for _ in range(200):
+            if mgr.pooled_count():
+                break
+            await asyncio.sleep(0.05)
+        assert mgr.pooled_count() == 1
+        info = await mgr.create(SandboxSpec(), owner="alice")
+        backend = mgr._backend("bubblewrap")
+        guest = backend._boxes[info.id].guest
+        assert isinstance(guest, GuestProcess if scope == "tenant" else TemplateGuest), guest
+        # Its guest killed: the next call restarts it, as its owner's.
+        guest.kill()
+        again = await mgr.run_code(info.id, RunCode(code="6 * 7"))
+        if again.state_lost and again.text != "42":
+            again = await mgr.run_code(info.id, RunCode(code="6 * 7"))
+        assert again.text == "42", again
+        assert isinstance(backend._boxes[info.id].guest, TemplateGuest)
+        if scope == "tenant":
+            assert list(backend._templates.running) == [
+                f"{_system_key(backend, info.id)} for alice"
+            ]
+        await mgr.destroy(info.id)
+
+
+def _system_key(backend: Any, sandbox_id: str) -> str:
+    system = backend._boxes[sandbox_id].system
+    return "host" if system is None else str(system)
+
+
+async def test_running_templates_are_capped_and_the_idle_ones_go_first(data_root: Path) -> None:
+    """``SANDBOX_MAX_GUEST_TEMPLATES`` bounds the templates (each a few MB of host memory) a
+    host keeps for its tenants: a new tenant's template closes the least recently used
+    idle one; with every template holding live guests, the new tenant's guests start
+    afresh, and nobody's create fails."""
+    data_dir = data_root / "template-cap"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir, max_guest_templates=2)) as mgr:
+        backend = mgr._backend("bubblewrap")
+        templates = backend._templates
+        for owner in ("a", "b"):
+            info = await mgr.create(SandboxSpec(), owner=owner)
+            await mgr.destroy(info.id)
+        await mgr.settle()
+        a_template = next(t for k, t in templates.running.items() if k.endswith(" for a"))
+        c = await mgr.create(SandboxSpec(), owner="c")  # a's is the oldest idle one
+        assert sorted(k.rsplit(" ", 1)[1] for k in templates.running) == ["b", "c"]
+        for _ in range(100):
+            if not a_template.alive:
+                break
+            await asyncio.sleep(0.05)
+        assert not a_template.alive  # closed, not kept beside the cap
+        b = await mgr.create(SandboxSpec(), owner="b")
+        d = await mgr.create(SandboxSpec(), owner="d")  # b and c both hold live guests
+        assert isinstance(backend._boxes[d.id].guest, GuestProcess)
+        assert isinstance(backend._boxes[b.id].guest, TemplateGuest)
+        assert len(templates.running) == 2
+        assert (await mgr.run_code(d.id, RunCode(code="6 * 7"))).text == "42"
+        for info in (b, c, d):
+            await mgr.destroy(info.id)

@@ -274,6 +274,23 @@ class Settings(BaseSettings):
         "system, already imported, instead of starting one (~10 ms of CPU less a create); "
         "false starts every guest afresh (as rootless always does).",
     )
+    guest_template_scope: Literal["tenant", "system"] = Field(
+        default="tenant",
+        validation_alias=_env("SANDBOX_GUEST_TEMPLATE_SCOPE", "guest_template_scope"),
+        description="What a guest template's forks have in common (its memory layout and "
+        "Python's hash secret): tenant, one template per system and owner, where a pooled "
+        "sandbox (no owner yet) starts afresh; system, one per system for every owner, the "
+        "pool included (faster refills, for one trust domain).",
+    )
+    max_guest_templates: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        validation_alias=_env("SANDBOX_MAX_GUEST_TEMPLATES", "max_guest_templates"),
+        description="Guest templates kept running at once (each a few MB of host memory): "
+        "past it, the one used least recently with no live guest is closed, and with none "
+        "such a guest starts afresh.",
+    )
     api_host: str = Field(
         default="127.0.0.1",
         validation_alias=_env("API_HOST", "api_host"),

@@ -52,6 +52,9 @@ class GuestSpec:
     env: dict[str, str] = field(default_factory=dict)
     environment: str = "python3"  # a name from the YAML registry (sandlot.environments)
     runtime: str | None = None  # the OCI runtime, for backends that have a choice (docker)
+    # Whose sandbox it is: its owner, or None for a pooled one not yet claimed. What it may
+    # share with other sandboxes is bounded by it (the bubblewrap backend's guest templates).
+    tenant: str | None = None
 
 
 class Guest(Protocol):

@@ -43,6 +43,9 @@ RESTART_WINDOW_S = 20.0
 NODE_NAME_PATTERN = r"^[A-Za-z0-9_]{1,24}$"
 _id_prefix = "sb-"
 
+# The owner of a sandbox started for a pool, until a create claims it.
+POOL_OWNER = "__pool__"
+
 
 def set_node_name(node: str | None) -> None:
     """Make this process's sandbox ids name ``node`` (None: plain "sb-<hex>" ids).
@@ -131,6 +134,7 @@ class Live:
             dict(env or {}),
             environment=key.environment,
             runtime=key.runtime,
+            tenant=None if owner == POOL_OWNER else owner,
         )
         return cls(info=info, spec=spec, backend=backend)
 

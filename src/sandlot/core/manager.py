@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import dataclasses
 import sqlite3
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
@@ -26,7 +27,7 @@ from sandlot.core import admission, execution, files, instances, placement, reco
 from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts, artifact_limit_bytes
 from sandlot.core.background import BackgroundCommands
-from sandlot.core.live import Live, PoolKey
+from sandlot.core.live import POOL_OWNER, Live, PoolKey
 from sandlot.core.pools import Pools, discard
 from sandlot.core.store import LIVE, Elsewhere, Store
 from sandlot.core.teardown import WAIT_FOR_ROOM_S, Teardowns
@@ -71,7 +72,6 @@ from sandlot.requests import (
 
 log = structlog.get_logger(__name__)
 
-POOL_OWNER = "__pool__"
 # How often a refused create looks again at other processes' teardowns (a teardown takes
 # a few ms; other processes do not tell us when theirs end).
 HELD_ELSEWHERE_POLL_S = 0.02
@@ -365,6 +365,8 @@ class SandboxManager:
         now = time.time()
         info = live.info
         info.owner = owner
+        # A guest restarted later (state_lost) is the owner's from then on.
+        live.spec = dataclasses.replace(live.spec, tenant=owner)
         info.metadata = spec.metadata or {}
         live.quota = quota
         info.created_at = info.last_active_at = now

@@ -239,7 +239,7 @@ class BubblewrapBackend:
         self._routing_lock = asyncio.Lock()
         # One template per system ("host", or a tree's path), started on first use
         # (template.py); a system whose template would not start starts guests afresh.
-        self._templates = Templates(START_TIMEOUT_S)
+        self._templates = Templates(START_TIMEOUT_S, settings.max_guest_templates)
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -644,7 +644,7 @@ class BubblewrapBackend:
         # made its own mounts; where this kernel has the mount API (Linux >= 5.12) it also
         # attaches the volume then. Else bwrap makes the masks and binds the volume itself.
         manager_mounts = not self.rootless and mountns.supported()
-        template = await self._template(box) if manager_mounts else None
+        template = await self._template(box, spec) if manager_mounts else None
         try:
             return await self._launch(
                 box, spec, template, manager_mounts, before_go=before_go, files=files
@@ -733,14 +733,23 @@ class BubblewrapBackend:
             return joined
         return guest
 
-    async def _template(self, box: _Box) -> Template | None:
-        """The running template of the box's system (``Templates.get``); None where guests
-        start afresh: rootless, ``SANDBOX_GUEST_TEMPLATE=false``, or no template here."""
+    async def _template(self, box: _Box, spec: GuestSpec) -> Template | None:
+        """The running template of the box's system, in the tenant scope (the default) the
+        one of the sandbox's owner too (``Templates.get``); None where guests start afresh:
+        rootless, ``SANDBOX_GUEST_TEMPLATE=false``, a pooled sandbox in the tenant scope (its
+        owner is not known yet), or no template here. Forks of one template share its
+        memory layout and Python's hash secret (SECURITY.md): never two tenants'."""
         if self.rootless or not self.settings.guest_template:
             return None
-        key = str(box.system) if box.system is not None else "host"
+        system = str(box.system) if box.system is not None else "host"
+        key = system
+        if self.settings.guest_template_scope == "tenant":
+            if spec.tenant is None:
+                return None
+            key = f"{system} for {spec.tenant}"
         return await self._templates.get(
             key,
+            system,
             lambda: system_identity(box.system, GUEST_PYTHON),
             lambda: self._template_argv(box),
         )

@@ -160,7 +160,15 @@ def _guest_template(settings: Settings) -> tuple[bool, str]:
         return False, "off (SANDBOX_GUEST_TEMPLATE=false): every guest starts afresh"
     if not mountns.supported():
         return False, "this kernel has no mount API (Linux 5.12): every guest starts afresh"
-    return True, "on: one template per system, started by the first create"
+    if settings.guest_template_scope == "system":
+        return True, (
+            "on, one template per system for every owner (SANDBOX_GUEST_TEMPLATE_SCOPE="
+            "system): tenants' sandboxes share its memory layout and hash secret"
+        )
+    return True, (
+        f"on, one template per system and owner, at most {settings.max_guest_templates} "
+        "running; pooled sandboxes start afresh"
+    )
 
 
 ROOTFS_WHY = (

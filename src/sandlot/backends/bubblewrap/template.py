@@ -21,6 +21,7 @@ import os
 import select
 import signal
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ class Template:
         self.identity = identity
         self._identity_now = identity_now
         self.retired = False
+        self.used_at_s = time.monotonic()  # its last Templates.get: the cap closes the oldest
         self._holders = 0  # creates between Templates.get and the end of their spawn
         self._closing: asyncio.Task[None] | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -185,8 +187,7 @@ class Template:
         self._close_if_done()
 
     def _close_if_done(self) -> None:
-        busy = self._exits or self._replies or self._holders
-        if busy or not self.alive or self._closing is not None:
+        if not self.idle or not self.alive or self._closing is not None:
             return
         if not self.retired and self._identity_now is not None:
             self.retired = self._identity_now() != self.identity
@@ -224,6 +225,11 @@ class Template:
                 os.close(fd)
             raise SandboxStartError(f"the guest template could not fork: {message.get('error')}")
         return message["pid"], got[0]
+
+    @property
+    def idle(self) -> bool:
+        """No guest of its alive, no request under way, no create holding it."""
+        return not (self._exits or self._replies or self._holders)
 
     def hold(self) -> None:
         """A create is on its way to :meth:`spawn`: not closed on retirement before it is
@@ -403,45 +409,74 @@ class TemplateGuest:
 
 
 class Templates:
-    """The running template of each system (``key``: a tree's path, or "host"), started on
-    its first use; one whose system changed since (``identity_now``) is retired and a new
-    one started; one that would not start is not tried again for that identity (said once,
-    in the log: guests start afresh)."""
+    """The running templates, each started on its first use for its ``key`` (a system, a
+    tree's path or "host", and in the tenant scope an owner: backend.py); one whose system
+    changed since (``identity_now``) is retired and a new one started; a system whose
+    template would not start is not tried again for that identity (said once, in the log:
+    guests start afresh). At most ``max_running`` run at once: past it the least recently
+    used idle one is closed, and with none idle the caller's guest starts afresh."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, max_running: int = 16) -> None:
         self.running: dict[str, Template] = {}
         self.retired: list[Template] = []  # superseded, closing once their guests end
         self.failed: set[str] = set()
+        self.max_running = max_running
         self._lock = asyncio.Lock()
         self._timeout_s = timeout_s
+        self._said_full = False
 
     async def get(
-        self, key: str, identity_now: Callable[[], str], argv: Callable[[], list[str]]
+        self,
+        key: str,
+        system: str,
+        identity_now: Callable[[], str],
+        argv: Callable[[], list[str]],
     ) -> Template | None:
-        """The template, held (:meth:`Template.hold`): the caller releases it once its
-        spawn is done, whatever happened."""
+        """The template for ``key``, of ``system``, held (:meth:`Template.hold`): the caller
+        releases it once its spawn is done, whatever happened."""
         identity = identity_now()
-        if not identity or f"{key}@{identity}" in self.failed:
+        if not identity or f"{system}@{identity}" in self.failed:
             return None
         async with self._lock:
             template = self.running.pop(key, None)
             if template is not None:
                 if template.alive and template.identity == identity:
                     self.running[key] = template
+                    template.used_at_s = time.monotonic()
                     template.hold()
                     return template
-                template.retire()  # closed once its last guest has ended
-                self.retired = [t for t in self.retired if t.alive] + [template]
+                self._retire(template)
+            if not self._room():
+                return None
             template = Template(key, identity, identity_now)
             try:
                 await template.start(argv(), self._timeout_s)
             except (TemplateGone, OSError) as exc:
                 log.warning("no guest template: guests start afresh", system=key, error=str(exc))
-                self.failed.add(f"{key}@{identity}")
+                self.failed.add(f"{system}@{identity}")
                 return None
             self.running[key] = template
             template.hold()
             return template
+
+    def _retire(self, template: Template) -> None:
+        template.retire()  # closed once its last guest has ended
+        self.retired = [t for t in self.retired if t.alive] + [template]
+
+    def _room(self) -> bool:
+        """Room for one more running template: the least recently used idle one is closed
+        if need be. Without any, False (said once until there is room again)."""
+        while len(self.running) >= self.max_running:
+            idle = [k for k, t in self.running.items() if t.idle or not t.alive]
+            if not idle:
+                if not self._said_full:
+                    log.info("guest templates all busy: guests start afresh", max=self.max_running)
+                    self._said_full = True
+                return False
+            oldest = min(idle, key=lambda k: self.running[k].used_at_s)
+            self._retire(self.running.pop(oldest))
+        self._said_full = False
+        return True
 
     async def close(self) -> None:
         for template in [*self.running.values(), *self.retired]:
