@@ -98,19 +98,23 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("root_bubblewrap")
-@pytest.mark.parametrize("failing", ["wait_for_exec", "clone_writable", "make_volume"])
+@pytest.mark.parametrize(
+    "failing", ["wait_for_block", "wait_for_exec", "clone_writable", "make_volume"]
+)
 async def test_a_create_that_fails_while_its_volume_is_made_or_attached_leaves_nothing(
     data_root: Path, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
     """The volume is made while bwrap starts, and attached once bwrap has made the sandbox's
     namespace: a start that fails at any of the three must leave no mount and no loop
-    device, whichever of the two ends first."""
+    device, whichever of the two ends first. (bwrap's child is waited for at its block-fd
+    where a template's guest joins it, and at its exec where the guest starts afresh.)"""
     import sandlot.backends.bubblewrap.backend as module
     from sandlot.backends import mountns
 
     data_dir = data_root / f"launchns-fail-{failing}"
     data_dir.mkdir()
-    async with SandboxManager(make_settings(data_dir)) as mgr:
+    afresh = failing == "wait_for_exec"
+    async with SandboxManager(make_settings(data_dir, guest_template=not afresh)) as mgr:
         await mgr.destroy((await mgr.create(SandboxSpec())).id)  # the namespace exists
         pin = mgr.instance_dir / launchns.PIN
 

@@ -10,6 +10,7 @@ import ast
 import asyncio
 import json
 import os
+import select
 import signal
 import socket
 from pathlib import Path
@@ -453,6 +454,39 @@ async def test_a_guest_started_afresh_has_the_callers_env_on_no_host_command_lin
         SandboxSpec(env={"LARGE": large + "\\" * 100})
 
 
+async def test_bwraps_child_waits_at_its_block_fd_and_never_execs(data_root: Path) -> None:
+    """bwrap's child makes the namespaces and waits at its --block-fd, with no capability
+    left: the guest joins it there, and it is killed once the guest is in, never having
+    exec'd anything (a placeholder `sh` it once exec'd cost ~2.5 ms of CPU a create)."""
+    data_dir = data_root / "template-block"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        backend = mgr._backend("bubblewrap")
+        seen: dict[str, Any] = {}
+        join = backend._join
+
+        async def record(template: Any, box: Any, spec: Any, chain: Any, pid: int) -> Any:
+            seen["pid"] = pid
+            seen["comm"] = Path(f"/proc/{pid}/comm").read_text().strip()
+            status = leaks.status_fields(pid) or {}
+            seen["caps"] = {status.get(k) for k in ("CapPrm", "CapEff", "CapInh", "CapAmb")}
+            seen["pidfd"] = os.pidfd_open(pid)
+            return await join(template, box, spec, chain, pid)
+
+        backend._join = record
+        info = await mgr.create(SandboxSpec())
+        try:
+            assert seen["comm"] == "bwrap" and seen["caps"] == {"0000000000000000"}, seen
+            # Killed once the guest was in: gone by the time the create returned, or soon.
+            ready = await asyncio.to_thread(select.select, [seen["pidfd"]], [], [], 5.0)
+            assert ready[0], f"bwrap's child {seen['pid']} still alive"
+            got = await mgr.run_code(info.id, RunCode(code="6 * 7"))
+            assert got.text == "42", got
+        finally:
+            os.close(seen["pidfd"])
+        await mgr.destroy(info.id)
+
+
 async def test_a_guest_whose_end_is_never_reported_is_still_seen_to_end() -> None:
     """A guest's wait ends when its pidfd says it is gone, even if the template's report of
     its end is lost: the create that waits for a killed guest has no deadline of its own
@@ -467,6 +501,7 @@ async def test_a_guest_whose_end_is_never_reported_is_still_seen_to_end() -> Non
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+    blocked = await asyncio.create_subprocess_exec("sleep", "30")  # bwrap's blocked child
     template._exits[victim.pid] = asyncio.get_running_loop().create_future()  # never told
     (in_r, in_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
     guest = TemplateGuest(
@@ -477,11 +512,13 @@ async def test_a_guest_whose_end_is_never_reported_is_still_seen_to_end() -> Non
         out_r,
         err_r,
         GuestProcess(placeholder),
+        os.pidfd_open(blocked.pid),
     )
     try:
         await guest.connect()
         guest.kill()
         assert await asyncio.wait_for(guest.wait(), 5.0) == -signal.SIGKILL
+        assert await asyncio.wait_for(blocked.wait(), 5.0) == -signal.SIGKILL
     finally:
         guest.writer.close()  # the guest's connection closes it, in the manager
         for fd in (in_r, out_w, err_w):

@@ -117,11 +117,37 @@ def wait_for_exec(pid: int, launcher: str, timeout_s: float) -> None:
         SandboxStartError: it did not exec within ``timeout_s``, or exited.
     """
     comm = Path(f"/proc/{pid}/comm")
+    _poll(pid, lambda: comm.read_text().strip() != launcher, timeout_s)
+
+
+# What /proc/<pid>/status says of a task with no capability left.
+_NO_CAPS = (b"CapPrm:\t0000000000000000\n", b"CapEff:\t0000000000000000\n")
+
+
+def wait_for_block(pid: int, timeout_s: float) -> None:
+    """Wait until bwrap's child ``pid`` is at its ``--block-fd`` (its namespaces, mounts and
+    nested user namespace made). Blocking, polls ``/proc/<pid>/status``: the child has every
+    capability in its user namespaces from its clone on, and drops them all (bwrap's
+    ``drop_privs``) only as its last step before it blocks.
+
+    Raises:
+        SandboxStartError: it did not get there within ``timeout_s``, or exited.
+    """
+    status = Path(f"/proc/{pid}/status")
+
+    def dropped() -> bool:
+        data = status.read_bytes()
+        return all(line in data for line in _NO_CAPS)
+
+    _poll(pid, dropped, timeout_s)
+
+
+def _poll(pid: int, done: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     delay_s = 0.0005
     while True:
         try:
-            if comm.read_text().strip() != launcher:
+            if done():
                 return
         except OSError as exc:
             raise SandboxStartError(f"the sandbox's first process {pid} exited: {exc}") from exc

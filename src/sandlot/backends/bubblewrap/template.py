@@ -307,12 +307,14 @@ class TemplateGuest:
         stdout_r: int,
         stderr_r: int,
         chain: GuestProcess,
+        blocked: int,
     ) -> None:
         self.pid = pid
         self._template = template
         self._pidfd: int | None = pidfd
         self._exit = template.exit_of(pid)
-        self._chain = chain  # sh, nsenter, bwrap and its placeholder
+        self._chain = chain  # sh, nsenter, bwrap
+        self._blocked: int | None = blocked  # a pidfd of bwrap's child, at its --block-fd
         self._stdin_w, self._stdout_r, self._stderr_r = stdin_w, stdout_r, stderr_r
         self._stderr = StderrTail()
         self._stderr_task: asyncio.Task[None] | None = None
@@ -359,6 +361,7 @@ class TemplateGuest:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         self._chain.kill()
+        self.end_placeholder()
 
     async def _gone(self) -> None:
         if self._exit.done() or self._pidfd is None:
@@ -383,7 +386,13 @@ class TemplateGuest:
                 await asyncio.wait_for(asyncio.shield(self._exit), 1.0)
 
     def end_placeholder(self) -> None:
-        """bwrap's placeholder ends (EOF on its stdin): the guest holds the namespaces now."""
+        """bwrap's child, blocked since it made the namespaces, is killed (and bwrap ends with
+        it): the guest holds them now. Its stdin is closed too."""
+        if self._blocked is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._blocked, signal.SIGKILL)
+            os.close(self._blocked)
+            self._blocked = None
         if not self._chain.writer.is_closing():
             self._chain.writer.close()
 
@@ -506,6 +515,8 @@ async def join_guest(
     theirs: list[int] = []  # the ends the guest gets, closed here once sent
     try:
         theirs += namespace_fds(pid, chain.pid)
+        # bwrap's child, checked to be chain's: killed by this once the guest is in.
+        mine.append(os.pidfd_open(pid))
         stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
         mine.append(stdin_w)
         theirs.append(stdin_r)
@@ -523,8 +534,8 @@ async def join_guest(
     finally:
         for fd in theirs:
             os.close(fd)
-    stdin_w, stdout_r, stderr_r, notify_r = mine
-    guest = TemplateGuest(template, guest_pid, pidfd, stdin_w, stdout_r, stderr_r, chain)
+    blocked, stdin_w, stdout_r, stderr_r, notify_r = mine
+    guest = TemplateGuest(template, guest_pid, pidfd, stdin_w, stdout_r, stderr_r, chain, blocked)
     try:
         try:
             await guest.connect()
