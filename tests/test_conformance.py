@@ -8,6 +8,8 @@ import pytest
 
 import sandlot.guest.ops
 from sandlot import (
+    ConfigError,
+    InvalidRequest,
     PathOutsideWorkspace,
     Sandbox,
     SandboxFileNotFound,
@@ -16,6 +18,7 @@ from sandlot import (
     SandboxNotRunning,
 )
 from sandlot._portal import get_portal
+from sandlot.requests import RunCommand
 from tests.conftest import placement
 
 GUEST_DIR = Path(sandlot.guest.ops.__file__).parent
@@ -139,6 +142,28 @@ def test_shell_session_keeps_cwd_and_env(sandbox: Sandbox) -> None:
     sandbox.commands.run("mkdir -p sub/dir && cd sub/dir && export GREETING=hello")
     result = sandbox.commands.run("pwd; echo $GREETING")
     assert result.stdout == f"{home}/sub/dir\nhello\n"
+
+
+def test_a_command_past_the_kernels_limit_is_refused_and_loses_nothing(
+    manager: SandboxManager, backend_name: str
+) -> None:
+    """A command reaches the shell as one argument, and the kernel refuses one past 128 KiB
+    (E2BIG): such a command is refused at the edge, naming the limit, without echoing it
+    whole; and should one reach the guest anyway, it fails alone, as the caller's error.
+    Failed before (red team): the guest took the E2BIG for its own failure and was
+    restarted, its Python state and background commands lost, and the caller saw a 502."""
+    sandbox = Sandbox.create(manager=manager, **placement(backend_name))
+    assert sandbox.run_code("kept = 'yes'").ok
+    with pytest.raises(ConfigError, match="at most 131071") as refused:
+        sandbox.commands.run("echo " + "x" * (128 * 1024))
+    assert len(str(refused.value)) < 1000  # the command is not echoed whole
+    unchecked = RunCommand.model_construct(command="echo " + "x" * (128 * 1024), session="s")
+    with pytest.raises(InvalidRequest, match="E2BIG"):
+        get_portal().call(manager.run_command(sandbox.id, unchecked))
+    after = sandbox.run_code("kept")
+    assert after.text == "'yes'" and not after.state_lost, after
+    assert sandbox.commands.run("echo fine", session="s").stdout == "fine\n"
+    sandbox.kill()
 
 
 def test_shell_sessions_are_independent(sandbox: Sandbox) -> None:

@@ -315,6 +315,14 @@ def test_bad_input_is_a_typed_4xx(
             422,
             "invalid_request",
         ),
+        # One argument past the kernel's limit: refused here, not as a 502 and a restart.
+        (
+            "POST",
+            f"/v1/sandboxes/{alice_box}/commands",
+            {"command": "x" * 140_000},
+            422,
+            "invalid_request",
+        ),
         ("GET", "/v1/sandboxes/sb-missing", None, 404, "sandbox_not_found"),
         ("GET", "/no/such/route", None, 404, "not_found"),
     ]

@@ -572,5 +572,12 @@ def explain_invalid(exc: ValidationError, what: str) -> str:
         field = Settings.model_fields.get(name)
         alias = field.validation_alias if field is not None else None
         env = f" (default from {alias.choices[-1]})" if isinstance(alias, AliasChoices) else ""
-        problems.append(f"{name}={error.get('input')!r}: {error['msg']}{env}")
+        given = repr(error.get("input"))
+        if len(given) > MAX_ECHOED_CHARS:  # a 1 MiB command was echoed whole, in every log
+            given = f"{given[:MAX_ECHOED_CHARS]}... ({len(given)} characters)"
+        problems.append(f"{name}={given}: {error['msg']}{env}")
     return f"{what}: " + "; ".join(problems)
+
+
+# How much of a refused value an error message repeats.
+MAX_ECHOED_CHARS = 200

@@ -28,6 +28,8 @@ MAX_ENV_VARS = 256
 # (launch.guest_env), and the kernel refuses an execve with any one string over 128 KiB
 # (MAX_ARG_STRLEN, E2BIG): past this a create failed at the guest's start, not at the edge.
 MAX_ENV_JSON_CHARS = 128 * 1024 - 1024
+# The kernel's limit on one argument or environment string (MAX_ARG_STRLEN), less its NUL.
+MAX_COMMAND_BYTES = 128 * 1024 - 1
 MAX_METADATA_KEYS = 64
 MAX_TTL_S = 30 * 86_400
 SESSION_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -62,6 +64,21 @@ def _no_nul(value: str) -> str:
 
 
 NoNul = Annotated[str, AfterValidator(_no_nul)]
+
+
+def _one_argument(value: str) -> str:
+    """A command reaches the sandbox's shell as one argument: past the kernel's limit on one
+    (E2BIG) the guest could not start it, which a caller learned as a 502 and a guest
+    restarted with its state lost (red team, 2026-11-27)."""
+    if (size := len(value.encode("utf-8"))) > MAX_COMMAND_BYTES:
+        raise ValueError(
+            f"command is {size} bytes; at most {MAX_COMMAND_BYTES} (the kernel's limit on one "
+            "argument): write it to a file in the workspace and run that"
+        )
+    return value
+
+
+Command = Annotated[str, AfterValidator(_no_nul), AfterValidator(_one_argument)]
 
 
 def _env_ok(env: dict[str, str] | None) -> dict[str, str] | None:
@@ -138,7 +155,7 @@ class RunCode(Request):
 class RunCommand(Request):
     """Run a bash command; ``cd`` and ``export`` persist within ``session``."""
 
-    command: NoNul = Field(max_length=MAX_SOURCE_CHARS)
+    command: Command = Field(max_length=MAX_SOURCE_CHARS)
     session: str = Field(default="default", pattern=SESSION_PATTERN)
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
     env: Env = Field(default=None, max_length=MAX_ENV_VARS)
@@ -175,7 +192,7 @@ class OpenPty(Request):
 
     cols: int = Field(default=80, ge=1, le=MAX_PTY_SIZE)
     rows: int = Field(default=24, ge=1, le=MAX_PTY_SIZE)
-    command: NoNul | None = Field(default=None, max_length=MAX_SOURCE_CHARS)
+    command: Command | None = Field(default=None, max_length=MAX_SOURCE_CHARS)
     env: Env = Field(default=None, max_length=MAX_ENV_VARS)
     cwd: NoNul | None = Field(default=None, max_length=MAX_PATH_CHARS)
     timeout_s: float | None = Field(

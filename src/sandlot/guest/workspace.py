@@ -292,4 +292,12 @@ def os_error_code(exc):
     }
     name = exc.filename if exc.filename is not None else ""
     where = display(name) if isinstance(name, str) and name.startswith(WORKSPACE) else name
+    if exc.errno == errno.E2BIG:
+        # A program the guest starts, with an argument or an environment variable (one the
+        # session exported, say) past the kernel's 128 KiB: the request's fault, and the
+        # guest is fine (as "file_error" it was restarted, and its state lost).
+        return "invalid_request", (
+            "%s: an argument or environment variable is past the kernel's limit of 128 KiB "
+            "on one (E2BIG): put it in a file" % (where or "exec")
+        )
     return codes.get(exc.errno, "file_error"), "%s: %s" % (exc.strerror or exc, where)
