@@ -611,9 +611,11 @@ def _system_key(backend: Any, sandbox_id: str) -> str:
 
 async def test_running_templates_are_capped_and_the_idle_ones_go_first(data_root: Path) -> None:
     """``SANDBOX_MAX_GUEST_TEMPLATES`` bounds the templates (each a few MB of host memory) a
-    host keeps for its tenants: a new tenant's template closes the least recently used
-    idle one; with every template holding live guests, the new tenant's guests start
-    afresh, and nobody's create fails."""
+    host keeps for its tenants: a new tenant's template closes the least recently used one
+    idle for ``evict_idle_s``; with none such, the new tenant's guests start afresh, and
+    nobody's create fails. Failed before (the red team's find): one idle a moment was closed
+    at once, so that more busy tenants than the cap started a template a create, each
+    costing three times the CPU of starting afresh."""
     data_dir = data_root / "template-cap"
     data_dir.mkdir()
     async with SandboxManager(make_settings(data_dir, max_guest_templates=2)) as mgr:
@@ -623,8 +625,15 @@ async def test_running_templates_are_capped_and_the_idle_ones_go_first(data_root
             info = await mgr.create(SandboxSpec(), owner=owner)
             await mgr.destroy(info.id)
         await mgr.settle()
+        # Both idle, but used a moment ago: c starts afresh and closes neither.
+        c = await mgr.create(SandboxSpec(), owner="c")
+        assert isinstance(backend._boxes[c.id].guest, GuestProcess)
+        assert sorted(k.rsplit(" ", 1)[1] for k in templates.running) == ["a", "b"]
+        await mgr.destroy(c.id)
+        templates.evict_idle_s = 0.0  # as if both had been idle long enough
         a_template = next(t for k, t in templates.running.items() if k.endswith(" for a"))
-        c = await mgr.create(SandboxSpec(), owner="c")  # a's is the oldest idle one
+        c = await mgr.create(SandboxSpec(), owner="c")  # a's is the least recently used
+        assert isinstance(backend._boxes[c.id].guest, TemplateGuest)
         assert sorted(k.rsplit(" ", 1)[1] for k in templates.running) == ["b", "c"]
         for _ in range(100):
             if not a_template.alive:
@@ -638,4 +647,56 @@ async def test_running_templates_are_capped_and_the_idle_ones_go_first(data_root
         assert len(templates.running) == 2
         assert (await mgr.run_code(d.id, RunCode(code="6 * 7"))).text == "42"
         for info in (b, c, d):
+            await mgr.destroy(info.id)
+
+
+async def test_a_cancelled_or_failed_start_costs_only_its_own_create(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create cancelled while its tenant's template starts is cancelled (not a sandbox
+    started afresh behind the caller's back), and leaves the other tenants' templates in
+    use; a template that fails to start on a system where another runs fails that key
+    alone, for a while. Failed before (the red team's find): the cancel was taken for a
+    failed start, which marked the system failed, and every tenant's guests started afresh
+    from then on, for the manager's life."""
+    data_dir = data_root / "template-cancel"
+    data_dir.mkdir()
+    real_start = Template.start
+
+    async def slow_start(self: Template, argv: list[str], timeout_s: float) -> None:
+        if "mallory" in self.name:
+            await asyncio.sleep(0.5)
+        await real_start(self, argv, timeout_s)
+
+    monkeypatch.setattr(Template, "start", slow_start)
+    async with SandboxManager(make_settings(data_dir)) as mgr:
+        backend = mgr._backend("bubblewrap")
+        templates = backend._templates
+        alice = await mgr.create(SandboxSpec(), owner="alice")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(mgr.create(SandboxSpec(), owner="mallory"), 0.2)
+        await mgr.settle()
+        assert templates.failed == set()
+        bob = await mgr.create(SandboxSpec(), owner="bob")
+        mallory = await mgr.create(SandboxSpec(), owner="mallory")  # tried again, and up
+        for info in (alice, bob, mallory):
+            assert isinstance(backend._boxes[info.id].guest, TemplateGuest), info.owner
+            await mgr.destroy(info.id)
+
+        async def broken_start(self: Template, argv: list[str], timeout_s: float) -> None:
+            if "eve" in self.name:
+                raise bubblewrap_template.TemplateGone("it did not start today")
+            await real_start(self, argv, timeout_s)
+
+        monkeypatch.setattr(Template, "start", broken_start)
+        eve = await mgr.create(SandboxSpec(), owner="eve")
+        assert isinstance(backend._boxes[eve.id].guest, GuestProcess)  # afresh, and working
+        assert (await mgr.run_code(eve.id, RunCode(code="6 * 7"))).text == "42"
+        assert templates.failed == set()
+        alice = await mgr.create(SandboxSpec(), owner="alice")
+        assert isinstance(backend._boxes[alice.id].guest, TemplateGuest)
+        monkeypatch.setattr(Template, "start", real_start)
+        again = await mgr.create(SandboxSpec(), owner="eve")  # not retried at once
+        assert isinstance(backend._boxes[again.id].guest, GuestProcess)
+        for info in (eve, alice, again):
             await mgr.destroy(info.id)

@@ -56,13 +56,19 @@ class Template:
     tree, which the rootfs store removes once nothing runs on it."""
 
     def __init__(
-        self, name: str, identity: str = "", identity_now: Callable[[], str] | None = None
+        self,
+        name: str,
+        identity: str = "",
+        identity_now: Callable[[], str] | None = None,
+        system: str = "",
     ) -> None:
-        self.name = name  # for logs: the system it serves
+        self.name = name  # for logs: the system it serves (and in the tenant scope, whom)
+        self.system = system
         self.identity = identity
         self._identity_now = identity_now
         self.retired = False
-        self.used_at_s = time.monotonic()  # its last Templates.get: the cap closes the oldest
+        # Its last Templates.get or guest's end: the cap closes the one unused the longest.
+        self.used_at_s = time.monotonic()
         self._holders = 0  # creates between Templates.get and the end of their spawn
         self._closing: asyncio.Task[None] | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -103,6 +109,12 @@ class Template:
         self.alive = True
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        except asyncio.CancelledError:
+            # The create that started it was cancelled: that says nothing of the template,
+            # and the cancellation goes on (as a TemplateGone it marked the system failed,
+            # and the cancelled create went on afresh: the red team's find).
+            self._closing = asyncio.ensure_future(self.close())
+            raise
         except BaseException as exc:
             why = await self._stderr()
             await self.close()
@@ -140,6 +152,7 @@ class Template:
         if message.get("ready") and self._ready is not None and not self._ready.done():
             self._ready.set_result(None)
         elif "exit" in message:
+            self.used_at_s = time.monotonic()
             future = self._exits.pop(int(message["exit"]), None)
             if future is not None and not future.done():
                 future.set_result(int(message.get("status", -1)))
@@ -420,18 +433,29 @@ class TemplateGuest:
 class Templates:
     """The running templates, each started on its first use for its ``key`` (a system, a
     tree's path or "host", and in the tenant scope an owner: backend.py); one whose system
-    changed since (``identity_now``) is retired and a new one started; a system whose
-    template would not start is not tried again for that identity (said once, in the log:
-    guests start afresh). At most ``max_running`` run at once: past it the least recently
-    used idle one is closed, and with none idle the caller's guest starts afresh."""
+    changed since (``identity_now``) is retired and a new one started. A template that would
+    not start, of a system none has started on, marks that system failed for its identity
+    (said once, in the log: guests start afresh); where one of its system runs, the failure
+    is taken as passing, and only that key waits ``RETRY_AFTER_S`` before a new try.
+
+    At most ``max_running`` run or start at once: past it, a template idle (no live guest)
+    for ``evict_idle_s`` is closed, the least recently used first, and with none such the
+    caller's guest starts afresh: closing one in use a moment ago to start another cost
+    three times the CPU of starting afresh when more tenants were busy than the cap (the red
+    team's find). Starts of different keys run side by side; a create that finds its key's
+    template starting waits for it."""
+
+    RETRY_AFTER_S = 60.0
 
     def __init__(self, timeout_s: float, max_running: int = 16) -> None:
         self.running: dict[str, Template] = {}
         self.retired: list[Template] = []  # superseded, closing once their guests end
         self.failed: set[str] = set()
         self.max_running = max_running
-        self._lock = asyncio.Lock()
+        self.evict_idle_s = 30.0
         self._timeout_s = timeout_s
+        self._starting: dict[str, asyncio.Future[None]] = {}
+        self._retry_at: dict[str, float] = {}
         self._said_full = False
 
     async def get(
@@ -444,42 +468,70 @@ class Templates:
         """The template for ``key``, of ``system``, held (:meth:`Template.hold`): the caller
         releases it once its spawn is done, whatever happened."""
         identity = identity_now()
+        while (starting := self._starting.get(key)) is not None:
+            await asyncio.shield(starting)  # another create starts it; a cancel ends our wait
         if not identity or f"{system}@{identity}" in self.failed:
             return None
-        async with self._lock:
-            template = self.running.pop(key, None)
-            if template is not None:
-                if template.alive and template.identity == identity:
-                    self.running[key] = template
-                    template.used_at_s = time.monotonic()
-                    template.hold()
-                    return template
-                self._retire(template)
-            if not self._room():
-                return None
-            template = Template(key, identity, identity_now)
-            try:
-                await template.start(argv(), self._timeout_s)
-            except (TemplateGone, OSError) as exc:
-                log.warning("no guest template: guests start afresh", system=key, error=str(exc))
-                self.failed.add(f"{system}@{identity}")
-                return None
-            self.running[key] = template
-            template.hold()
-            return template
+        template = self.running.pop(key, None)
+        if template is not None:
+            if template.alive and template.identity == identity:
+                self.running[key] = template
+                template.used_at_s = time.monotonic()
+                template.hold()
+                return template
+            self._retire(template)
+        if time.monotonic() < self._retry_at.get(key, 0.0) or not self._room():
+            return None
+        return await self._start(Template(key, identity, identity_now, system), argv)
+
+    async def _start(self, template: Template, argv: Callable[[], list[str]]) -> Template | None:
+        key, system = template.name, template.system
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._starting[key] = started
+        try:
+            await template.start(argv(), self._timeout_s)
+        except (TemplateGone, OSError) as exc:
+            proven = any(t.alive and t.system == system for t in self.running.values())
+            log.warning(
+                "no guest template: guests start afresh",
+                system=key,
+                error=str(exc),
+                retry_after_s=self.RETRY_AFTER_S if proven else None,
+            )
+            if proven:
+                self._retry_at[key] = time.monotonic() + self.RETRY_AFTER_S
+            else:
+                self.failed.add(f"{system}@{template.identity}")
+            return None
+        finally:
+            del self._starting[key]
+            started.set_result(None)
+        self._retry_at.pop(key, None)
+        self.running[key] = template
+        template.hold()
+        return template
 
     def _retire(self, template: Template) -> None:
         template.retire()  # closed once its last guest has ended
         self.retired = [t for t in self.retired if t.alive] + [template]
 
     def _room(self) -> bool:
-        """Room for one more running template: the least recently used idle one is closed
-        if need be. Without any, False (said once until there is room again)."""
-        while len(self.running) >= self.max_running:
-            idle = [k for k, t in self.running.items() if t.idle or not t.alive]
+        """Room for one more template: the least recently used of those idle for
+        ``evict_idle_s`` is closed if need be. Without any, False (said once until there is
+        room again)."""
+        while len(self.running) + len(self._starting) >= self.max_running:
+            quiet_since = time.monotonic() - self.evict_idle_s
+            idle = [
+                k
+                for k, t in self.running.items()
+                if not t.alive or (t.idle and t.used_at_s <= quiet_since)
+            ]
             if not idle:
                 if not self._said_full:
-                    log.info("guest templates all busy: guests start afresh", max=self.max_running)
+                    log.info(
+                        "guest templates at their cap, none idle: guests start afresh",
+                        max=self.max_running,
+                    )
                     self._said_full = True
                 return False
             oldest = min(idle, key=lambda k: self.running[k].used_at_s)
