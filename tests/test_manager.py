@@ -268,6 +268,76 @@ async def test_warm_pool_serves_default_creates_and_refills(data_dir: Path) -> N
         assert not (local / sandbox_id).exists()
 
 
+async def test_a_pool_refills_for_the_tenant_that_uses_it_and_never_serves_another() -> None:
+    """Pooled sandboxes started for a tenant (their guests fork from its template) go to
+    that tenant alone; a pool refills for whoever made its last creates, and for anyone
+    while they were several tenants; one that finds only others' ends the oldest of them."""
+    from types import SimpleNamespace
+
+    from sandlot.core.live import PoolKey
+    from sandlot.core.pools import TENANT_AFTER, Pools
+
+    limits = make_settings(Path("/nonexistent")).resolve_limits(None)
+    key = PoolKey("fake", None, "python3")
+    made: list[Any] = []
+    stopped: list[str] = []
+
+    def make(_: PoolKey, tenant: str | None) -> Any:
+        async def close() -> None:
+            pass
+
+        async def stop(sandbox_id: str) -> None:
+            stopped.append(sandbox_id)
+
+        live = SimpleNamespace(
+            id=f"sb-{len(made)}",
+            info=SimpleNamespace(limits=limits),
+            conn=SimpleNamespace(alive=True, close=close),
+            spec=SimpleNamespace(tenant=tenant),
+            backend=SimpleNamespace(stop=stop),
+        )
+        made.append(live)
+        return live
+
+    async def boot(live: Any) -> None:
+        await asyncio.sleep(0)
+
+    pools = Pools(limits, False, make, boot)
+    pools.start({key: 2})
+    try:
+        await _until(lambda: pools.count() == 2)
+        assert [live.spec.tenant for live in made] == [None, None]  # for anyone at first
+        for _ in range(TENANT_AFTER + 1):  # the last takes the last one for anyone
+            taken = pools.take(key, limits, False, None, "alice")
+            assert taken is not None
+            await _until(lambda: pools.count() == 2)
+        assert made[-1].spec.tenant == "alice"
+        held = {live.spec.tenant for pool in pools._pools.values() for live in pool.lives}
+        assert held == {"alice"}
+        # Bob is never handed alice's: the pool ends the oldest, refills for anyone, then
+        # for bob once his creates are the last few.
+        assert pools.take(key, limits, False, None, "bob") is None
+        await _until(lambda: len(stopped) == 1)
+        for _ in range(TENANT_AFTER + 1):
+            await _until(lambda: pools.count() == 2)
+            got = pools.take(key, limits, False, None, "bob")
+            assert got is None or got.spec.tenant in (None, "bob"), got
+        await _until(lambda: pools.count() == 2)
+        assert made[-1].spec.tenant == "bob"
+        alices = pools.take(key, limits, False, None, "alice")
+        assert alices is None or alices.spec.tenant in (None, "alice"), alices
+        # Creates of several tenants: refills are for anyone again.
+        for owner in ("alice", "bob", "carol"):
+            got = pools.take(key, limits, False, None, owner)
+            assert got is None or got.spec.tenant in (None, owner)
+            await _until(lambda: pools.count() == 2)
+        assert made[-1].spec.tenant is None
+    finally:
+        for pool in pools._pools.values():
+            for task in pool.tasks:
+                task.cancel()
+
+
 async def test_a_warm_pool_starts_two_at_once_and_never_more_than_its_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -286,11 +356,13 @@ async def test_a_warm_pool_starts_two_at_once_and_never_more_than_its_size(
     key = PoolKey("fake", None, "python3")
     starting, most_at_once, made = 0, 0, 0
 
-    def make(_: PoolKey) -> Any:
+    def make(_: PoolKey, tenant: str | None) -> Any:
         nonlocal made
         made += 1
         conn = SimpleNamespace(alive=True)
-        return SimpleNamespace(id=f"sb-{made}", info=SimpleNamespace(limits=limits), conn=conn)
+        spec = SimpleNamespace(tenant=tenant)
+        info = SimpleNamespace(limits=limits)
+        return SimpleNamespace(id=f"sb-{made}", info=info, conn=conn, spec=spec)
 
     async def boot(live: Any) -> None:
         nonlocal starting, most_at_once
@@ -305,12 +377,12 @@ async def test_a_warm_pool_starts_two_at_once_and_never_more_than_its_size(
     pools.start({key: 3})
     await _until(lambda: pools.count() == 3)
     assert most_at_once == 2
-    taken = [pools.take(key, limits, False, None) for _ in range(3)]
+    taken = [pools.take(key, limits, False, None, "local") for _ in range(3)]
     assert all(t is not None for t in taken)
     await _until(lambda: pools.count() == 3)
     await asyncio.sleep(0.2)
     assert (pools.count(), made, most_at_once) == (3, 6, 2)  # refilled, never more
-    assert pools.take(key, limits, False, None) is not None
+    assert pools.take(key, limits, False, None, "local") is not None
     await _until(lambda: pools.count() == 3)  # after one failed start (sb-7)
     assert made == 8
     for pool in pools._pools.values():  # no sandbox to stop in this fake

@@ -575,18 +575,20 @@ async def test_two_tenants_never_fork_from_one_template(data_root: Path) -> None
 async def test_a_pooled_sandbox_forks_from_no_tenants_template(data_root: Path, scope: str) -> None:
     """A pooled sandbox is started before anyone owns it: in the tenant scope it starts
     afresh (forked from a template, it would share it with whoever gets the pool's next
-    one), and once claimed a restarted guest forks from its owner's template. The system
-    scope forks pooled guests too."""
+    one) until the pool's last creates were one tenant's, and once claimed a restarted
+    guest forks from its owner's template. The system scope forks pooled guests too."""
     data_dir = data_root / f"template-pool-{scope}"
     data_dir.mkdir()
     settings = make_settings(data_dir, pool_size=1, guest_template_scope=scope)
     async with SandboxManager(settings) as mgr:
-        for _ in range(200):
+        for _ in range(600):
             if mgr.pooled_count():
                 break
             await asyncio.sleep(0.05)
         assert mgr.pooled_count() == 1
+        pooled = mgr._pools.ids() if mgr._pools else set()
         info = await mgr.create(SandboxSpec(), owner="alice")
+        assert {info.id} == pooled, (info.id, pooled)
         backend = mgr._backend("bubblewrap")
         guest = backend._boxes[info.id].guest
         assert isinstance(guest, GuestProcess if scope == "tenant" else TemplateGuest), guest
@@ -602,6 +604,42 @@ async def test_a_pooled_sandbox_forks_from_no_tenants_template(data_root: Path, 
                 f"{_system_key(backend, info.id)} for alice"
             ]
         await mgr.destroy(info.id)
+
+
+async def test_a_pool_refills_for_its_one_tenant_and_serves_nobody_else_from_it(
+    data_root: Path,
+) -> None:
+    """A pool whose last creates were one tenant's refills with sandboxes forked from that
+    tenant's template (as fast as the system scope's: BENCHMARKS.md), handed to that tenant
+    alone: another tenant's create never gets one, and shares nothing with it."""
+    data_dir = data_root / "template-pool-follows"
+    data_dir.mkdir()
+    async with SandboxManager(make_settings(data_dir, pool_size=1)) as mgr:
+        backend = mgr._backend("bubblewrap")
+
+        async def pooled() -> Any:
+            for _ in range(200):
+                if mgr.pooled_count():
+                    return next(iter(mgr._pools.ids())) if mgr._pools else None
+                await asyncio.sleep(0.05)
+            raise AssertionError("the pool did not refill")
+
+        for _ in range(3):  # the pool's last creates: alice's
+            await pooled()
+            await mgr.destroy((await mgr.create(SandboxSpec(), owner="alice")).id)
+        waiting = await pooled()
+        alice = await mgr.create(SandboxSpec(), owner="alice")
+        assert alice.id == waiting  # from the pool, and forked from her template
+        assert isinstance(backend._boxes[alice.id].guest, TemplateGuest)
+        for _ in range(4):  # the pool is alice's again after this many of hers
+            await pooled()
+            await mgr.destroy((await mgr.create(SandboxSpec(), owner="alice")).id)
+        waiting = await pooled()
+        bob = await mgr.create(SandboxSpec(), owner="bob")
+        assert bob.id != waiting  # not alice's pooled one
+        assert await _shared_state(mgr, bob.id) != await _shared_state(mgr, alice.id)
+        await mgr.destroy(bob.id)
+        await mgr.destroy(alice.id)
 
 
 def _system_key(backend: Any, sandbox_id: str) -> str:

@@ -306,7 +306,9 @@ class SandboxManager:
             infos = self._live_infos(instances.alive(elsewhere, gone))
             if quota is not None:
                 admission.check_quota(infos, owner, resolved, quota)
-            taken = self._pools.take(key, resolved, network, spec.env) if self._pools else None
+            taken = (
+                self._pools.take(key, resolved, network, spec.env, owner) if self._pools else None
+            )
             if taken is not None:
                 # Ownership and clocks start now for a sandbox that waited in the pool.
                 self._claim(taken, spec, owner, quota)
@@ -406,7 +408,9 @@ class SandboxManager:
             idle_timeout_s=settings.idle_timeout_s,
         )
 
-    def _new_pooled(self, key: PoolKey) -> Live:
+    def _new_pooled(self, key: PoolKey, tenant: str | None) -> Live:
+        """A sandbox for a pool, started for ``tenant`` (pools.py) where guests fork from a
+        template per tenant; else for anyone."""
         limits = self.settings.resolve_limits(None)
         admission.check_host(
             self._reserved(self._live_infos()),
@@ -414,7 +418,10 @@ class SandboxManager:
             self._capacity,
             held_here=self._held_here(),
         )
-        return self._new_live(key, limits, self.settings.network, None, POOL_OWNER)
+        live = self._new_live(key, limits, self.settings.network, None, POOL_OWNER)
+        if self.settings.guest_template_scope == "tenant":
+            live.spec = dataclasses.replace(live.spec, tenant=tenant)
+        return live
 
     def _reserved(self, infos: builtins.list[SandboxInfo]) -> builtins.list[ResolvedLimits]:
         """The limits of every sandbox the host holds: ``infos`` (the live ones, this

@@ -4,12 +4,20 @@ A pool holds sandboxes of one :class:`PoolKey` with the settings' default limits
 and no extra env; a request for exactly that is served from it, and the pool refills behind.
 Pooled sandboxes belong to nobody and are never stored: the start-up sweep removes a crashed
 run's, so a pool always counts from zero.
+
+A pooled sandbox may be started *for* a tenant (``GuestSpec.tenant``: its guest forks from
+that tenant's template, which it shares with the tenant's other sandboxes, bubblewrap's
+template.py): only that tenant's creates take it. A pool refills for the tenant whose
+creates drew on it the last :data:`TENANT_AFTER` times, and for nobody (started afresh, for
+anyone) when they were several; a create that finds only other tenants' sandboxes takes
+none and ends the oldest of them, so that the pool follows who uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +36,8 @@ POOL_RETRY_S = 1.0
 # floor against 1.60-1.80x, because both starts and the caller's task then compete for the
 # same CPU. A host with cores to spare may gain from more (not measured: no such host here).
 REFILL_PARALLEL = 1
+# How many creates in a row from one tenant make a pool refill for that tenant.
+TENANT_AFTER = 3
 
 
 @dataclass
@@ -39,20 +49,28 @@ class _Pool:
     wanted: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     starting: int = 0
+    # Who asked for the last TENANT_AFTER sandboxes, taken or not.
+    askers: deque[str] = field(default_factory=lambda: deque(maxlen=TENANT_AFTER))
+
+    def tenant(self) -> str | None:
+        """Whom the next refill is for: the one tenant of the last few creates, or nobody."""
+        if len(self.askers) == TENANT_AFTER and len(set(self.askers)) == 1:
+            return self.askers[0]
+        return None
 
 
 class Pools:
     """Every warm pool of one manager.
 
-    ``make`` builds a not-yet-started sandbox of a key; ``boot`` starts it (and on failure
-    removes every trace of it).
+    ``make`` builds a not-yet-started sandbox of a key, for a tenant or for anyone (None);
+    ``boot`` starts it (and on failure removes every trace of it).
     """
 
     def __init__(
         self,
         default_limits: ResolvedLimits,
         default_network: bool,
-        make: Callable[[PoolKey], Live],
+        make: Callable[[PoolKey, str | None], Live],
         boot: Callable[[Live], Awaitable[None]],
     ) -> None:
         self._limits = default_limits
@@ -83,20 +101,31 @@ class Pools:
         return {live.id for pool in self._pools.values() for live in pool.lives}
 
     def take(
-        self, key: PoolKey, limits: ResolvedLimits, network: bool, env: dict[str, str] | None
+        self,
+        key: PoolKey,
+        limits: ResolvedLimits,
+        network: bool,
+        env: dict[str, str] | None,
+        owner: str,
     ) -> Live | None:
-        """A pre-started sandbox, if the request is for exactly what a pool holds."""
+        """A pre-started sandbox, if the request is for exactly what a pool holds and one
+        is there for ``owner`` or for anyone."""
         pool = self._pools.get(key)
-        if pool is None or not pool.lives or env:
+        if pool is None or env or network != self._network or limits != self._limits:
             return None
-        if network != self._network or limits != self._limits:
-            return None
-        while pool.lives:
-            live = pool.lives.pop(0)
+        pool.askers.append(owner)
+        for live in list(pool.lives):
+            if live.spec.tenant not in (None, owner):
+                continue
+            pool.lives.remove(live)
             pool.wanted.set()
             if live.conn is not None and live.conn.alive:
                 return live
             asyncio.create_task(discard(live))  # noqa: RUF006 - fire and forget
+        if pool.lives:
+            # Only other tenants' left: the oldest makes room for whom the pool is for now.
+            asyncio.create_task(discard(pool.lives.pop(0)))  # noqa: RUF006
+            pool.wanted.set()
         return None
 
     async def close(self) -> None:
@@ -121,7 +150,7 @@ class Pools:
                 continue
             pool.starting += 1
             try:
-                live = self._make(key)
+                live = self._make(key, pool.tenant())
                 self._booting.append(live)
                 try:
                     await self._boot(live)
