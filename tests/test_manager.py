@@ -304,31 +304,40 @@ async def test_a_pool_refills_for_the_tenant_that_uses_it_and_never_serves_anoth
 
     pools = Pools(limits, False, make, boot)
     pools.start({key: 2})
+
+    def create(owner: str) -> Any:
+        """What the manager does for an admitted create: take, then say who asked."""
+        taken = pools.take(key, limits, False, None, owner)
+        pools.asked(key, limits, False, None, owner, served=taken is not None)
+        return taken
+
     try:
         await _until(lambda: pools.count() == 2)
         assert [live.spec.tenant for live in made] == [None, None]  # for anyone at first
         for _ in range(TENANT_AFTER + 1):  # the last takes the last one for anyone
-            taken = pools.take(key, limits, False, None, "alice")
-            assert taken is not None
+            assert create("alice") is not None
             await _until(lambda: pools.count() == 2)
         assert made[-1].spec.tenant == "alice"
         held = {live.spec.tenant for pool in pools._pools.values() for live in pool.lives}
         assert held == {"alice"}
+        # A take alone (a create then refused, or decided twice) changes nothing.
+        assert pools.take(key, limits, False, None, "bob") is None
+        assert pools.count() == 2 and stopped == []
         # Bob is never handed alice's: the pool ends the oldest, refills for anyone, then
         # for bob once his creates are the last few.
-        assert pools.take(key, limits, False, None, "bob") is None
+        assert create("bob") is None
         await _until(lambda: len(stopped) == 1)
         for _ in range(TENANT_AFTER + 1):
             await _until(lambda: pools.count() == 2)
-            got = pools.take(key, limits, False, None, "bob")
+            got = create("bob")
             assert got is None or got.spec.tenant in (None, "bob"), got
         await _until(lambda: pools.count() == 2)
         assert made[-1].spec.tenant == "bob"
-        alices = pools.take(key, limits, False, None, "alice")
+        alices = create("alice")
         assert alices is None or alices.spec.tenant in (None, "alice"), alices
         # Creates of several tenants: refills are for anyone again.
         for owner in ("alice", "bob", "carol"):
-            got = pools.take(key, limits, False, None, owner)
+            got = create(owner)
             assert got is None or got.spec.tenant in (None, owner)
             await _until(lambda: pools.count() == 2)
         assert made[-1].spec.tenant is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import gc
 import json
 import os
 import select
@@ -146,11 +147,11 @@ async def test_a_guest_that_cannot_join_never_runs_and_says_why(
     data_dir.mkdir()
     real = bubblewrap_template.namespace_fds
 
-    def hosts_user_namespace(pid: int, parent: int) -> list[int]:
-        fds = real(pid, parent)
+    def hosts_user_namespace(pid: int, parent: int) -> tuple[list[int], int]:
+        fds, pidfd = real(pid, parent)
         os.close(fds[0])
         fds[0] = os.open("/proc/self/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        return fds
+        return fds, pidfd
 
     monkeypatch.setattr(bubblewrap_template, "namespace_fds", hosts_user_namespace)
     async with SandboxManager(make_settings(data_dir)) as mgr:
@@ -700,20 +701,31 @@ async def test_a_cancelled_or_failed_start_costs_only_its_own_create(
     data_dir = data_root / "template-cancel"
     data_dir.mkdir()
     real_start = Template.start
-
-    async def slow_start(self: Template, argv: list[str], timeout_s: float) -> None:
-        if "mallory" in self.name:
-            await asyncio.sleep(0.5)
-        await real_start(self, argv, timeout_s)
-
-    monkeypatch.setattr(Template, "start", slow_start)
     async with SandboxManager(make_settings(data_dir)) as mgr:
         backend = mgr._backend("bubblewrap")
         templates = backend._templates
         alice = await mgr.create(SandboxSpec(), owner="alice")
+        # Templates started from now on say ready half a second late (the cancel lands
+        # while the start waits for it).
+        real_argv = backend._template_argv
+        backend._template_argv = lambda box: [
+            "/bin/sh",
+            "-c",
+            'sleep 0.5; exec "$@"',
+            "sh",
+            *real_argv(box),
+        ]
+        loop_errors: list[dict[str, Any]] = []
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: loop_errors.append(context))
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(mgr.create(SandboxSpec(), owner="mallory"), 0.2)
         await mgr.settle()
+        for _ in range(40):  # the cancelled template's close, then its collection, where
+            await asyncio.sleep(0.05)  # asyncio says if a future's error was never read
+            gc.collect()
+        assert loop_errors == [], loop_errors
+        loop.set_exception_handler(None)
         assert templates.failed == set()
         bob = await mgr.create(SandboxSpec(), owner="bob")
         mallory = await mgr.create(SandboxSpec(), owner="mallory")  # tried again, and up

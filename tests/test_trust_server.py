@@ -510,3 +510,21 @@ def test_websockets_without_a_key_are_closed_and_websockets_count_as_connections
     # Closed sockets leave the count: the address may connect again.
     with connect(url, sock=server.connect(), additional_headers=headers) as ws:
         ws.ping().wait(5)
+
+
+@pytest.mark.parametrize("tenant", ["__pool__", "__readiness__", "__anything"])
+def test_a_tenant_may_not_take_a_name_the_server_owns(data_root: Path, tenant: str) -> None:
+    """Pooled sandboxes and the readiness probe's are owned by "__pool__" and
+    "__readiness__": a tenant of that name would share the probe's guest template, and its
+    creates would look like the pool's (the red team's find)."""
+    from sandlot.errors import ConfigError
+
+    data_dir = data_root / f"reserved-tenant-{tenant.strip('_')}"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    try:
+        with pytest.raises(ConfigError, match="reserved"):
+            store.create_key(tenant, "user")
+        assert store.create_key("team_pool", "user")[1]  # '_' inside a name stays fine
+    finally:
+        store.close()

@@ -273,7 +273,8 @@ class SandboxManager:
         owner: str = "local",
         quota: Quota | None = None,
     ) -> SandboxInfo:
-        """Start a sandbox and return once its guest answers.
+        """Start a sandbox and return once its guest answers (from a warm pool where one holds
+        exactly what is asked for).
 
         Raises:
             ConfigError: an unknown backend or an out-of-range setting.
@@ -345,6 +346,8 @@ class SandboxManager:
                     await discard(chosen)
             raise
         live = self._live[info.id]
+        if self._pools is not None:
+            self._pools.asked(key, resolved, network, spec.env, owner, served=not fresh)
         if fresh:
             await self._boot(live)
             self._claim(live, spec, owner, quota)

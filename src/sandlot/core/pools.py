@@ -109,11 +109,11 @@ class Pools:
         owner: str,
     ) -> Live | None:
         """A pre-started sandbox, if the request is for exactly what a pool holds and one
-        is there for ``owner`` or for anyone."""
-        pool = self._pools.get(key)
-        if pool is None or env or network != self._network or limits != self._limits:
+        is there for ``owner`` or for anyone. Who asked is noted once the create is admitted
+        (:meth:`asked`): a create refused, or decided twice, counts for nothing."""
+        pool = self._pool_for(key, limits, network, env)
+        if pool is None:
             return None
-        pool.askers.append(owner)
         for live in list(pool.lives):
             if live.spec.tenant not in (None, owner):
                 continue
@@ -122,11 +122,36 @@ class Pools:
             if live.conn is not None and live.conn.alive:
                 return live
             asyncio.create_task(discard(live))  # noqa: RUF006 - fire and forget
-        if pool.lives:
-            # Only other tenants' left: the oldest makes room for whom the pool is for now.
-            asyncio.create_task(discard(pool.lives.pop(0)))  # noqa: RUF006
-            pool.wanted.set()
         return None
+
+    def asked(
+        self,
+        key: PoolKey,
+        limits: ResolvedLimits,
+        network: bool,
+        env: dict[str, str] | None,
+        owner: str,
+        *,
+        served: bool,
+    ) -> None:
+        """An admitted create of what a pool holds, by ``owner``: whom the pool refills for.
+        One that was not ``served`` while the pool held only other tenants' sandboxes ends
+        the oldest of them, so that the pool follows who uses it."""
+        pool = self._pool_for(key, limits, network, env)
+        if pool is None:
+            return
+        pool.askers.append(owner)
+        if not served and pool.lives:
+            asyncio.create_task(discard(pool.lives.pop(0)))  # noqa: RUF006 - fire and forget
+            pool.wanted.set()
+
+    def _pool_for(
+        self, key: PoolKey, limits: ResolvedLimits, network: bool, env: dict[str, str] | None
+    ) -> _Pool | None:
+        pool = self._pools.get(key)
+        if pool is None or env or network != self._network or limits != self._limits:
+            return None
+        return pool
 
     async def close(self) -> None:
         """Stop refilling and destroy every pooled sandbox."""

@@ -28,6 +28,9 @@ from sandlot.server.guard import PUBLIC_PATHS, RequestGuard
 from sandlot.server.metrics import Metrics
 from sandlot.server.schemas import Health
 
+# The owner of the readiness probe's sandboxes (a tenant may not take a name starting "__").
+READINESS_OWNER = "__readiness__"
+
 if TYPE_CHECKING:
     from sandlot.ray.cluster import ClusterManager
 
@@ -166,7 +169,10 @@ def _add_operational_routes(app: FastAPI) -> None:
 
 async def _probe(state: ServerState) -> tuple[bool, str]:
     try:
-        info = await state.manager.create(SandboxSpec(ttl_s=60), owner="__readiness__")
+        # An env keeps it out of the warm pools (they hold sandboxes without one), on a cluster
+        # too: it proves a sandbox starts, and it would count as a tenant's create there.
+        probe = SandboxSpec(ttl_s=60, env={"SANDLOT_READINESS_PROBE": "1"})
+        info = await state.manager.create(probe, owner=READINESS_OWNER)
         try:
             result = await state.manager.run_code(info.id, RunCode(code="1 + 1"))
         finally:

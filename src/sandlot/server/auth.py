@@ -122,6 +122,9 @@ class AuthStore:
         """Create a key; returns ``(key_id, key)``. The key is not stored and not shown again."""
         if not tenant or not tenant.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"tenant {tenant!r} must be letters, digits, '-' or '_'")
+        if tenant.startswith("__"):
+            # Ours: the pool's and the readiness probe's owners (core/live.py, server/app.py).
+            raise ConfigError(f"tenant {tenant!r}: names starting '__' are reserved")
         try:
             role = Role(role)
         except ValueError:

@@ -193,6 +193,9 @@ class Template:
         self._exits.clear()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
+            # Read here: a start cancelled or timed out has nobody left waiting on it, and
+            # asyncio logged each such error, traceback and all (the red team's find).
+            self._ready.exception()
 
     def retire(self) -> None:
         """Fork no more guests; close once the last one has ended."""
@@ -566,9 +569,9 @@ async def join_guest(
     mine: list[int] = []  # the ends the manager keeps: stdin_w, stdout_r, stderr_r, notify_r
     theirs: list[int] = []  # the ends the guest gets, closed here once sent
     try:
-        theirs += namespace_fds(pid, chain.pid)
-        # bwrap's child, checked to be chain's: killed by this once the guest is in.
-        mine.append(os.pidfd_open(pid))
+        namespaces, blocked = namespace_fds(pid, chain.pid)
+        theirs += namespaces
+        mine.append(blocked)  # bwrap's child, checked to be chain's: killed once the guest is in
         stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
         mine.append(stdin_w)
         theirs.append(stdin_r)
@@ -659,9 +662,11 @@ def sealed_memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def namespace_fds(pid: int, parent: int) -> list[int]:
+def namespace_fds(pid: int, parent: int) -> tuple[list[int], int]:
     """Open ``pid``'s namespaces (:data:`NS_NAMES` order); ``pid`` must be ``parent``'s child
-    and still alive once they are open, so the files are its and not a reused pid's.
+    and still alive once they are open, so the files are its and not a reused pid's. Also
+    returns the pidfd that check was made through (the caller closes it): a pidfd opened
+    later by pid could name another process.
 
     Raises:
         SandboxStartError: it is not, or is gone.
@@ -676,10 +681,9 @@ def namespace_fds(pid: int, parent: int) -> list[int]:
     except BaseException:
         for fd in fds:
             os.close(fd)
-        raise
-    finally:
         os.close(pidfd)
-    return fds
+        raise
+    return fds, pidfd
 
 
 def _check_parent(pid: int, parent: int) -> None:
