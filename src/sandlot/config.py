@@ -278,18 +278,19 @@ class Settings(BaseSettings):
         default="tenant",
         validation_alias=_env("SANDBOX_GUEST_TEMPLATE_SCOPE", "guest_template_scope"),
         description="What a guest template's forks have in common (its memory layout and "
-        "Python's hash secret): tenant, one template per system and owner, where a pooled "
-        "sandbox (no owner yet) starts afresh; system, one per system for every owner, the "
-        "pool included (faster refills, for one trust domain).",
+        "Python's hash secret): tenant, one template per system and owner, a pooled sandbox "
+        "forked only for the tenant of the pool's last creates (for anyone it starts "
+        "afresh); system, one per system for every owner, the pool included (one trust "
+        "domain).",
     )
     max_guest_templates: int = Field(
         default=16,
         ge=1,
         le=4096,
         validation_alias=_env("SANDBOX_MAX_GUEST_TEMPLATES", "max_guest_templates"),
-        description="Guest templates kept running at once (each a few MB of host memory): "
-        "past it, the one used least recently with no live guest is closed, and with none "
-        "such a guest starts afresh.",
+        description="Guest templates kept running at once by one manager (~4.5 MB of host "
+        "memory each): past it, the least recently used one idle (no live guest) for 30 s is "
+        "closed, and with none such a guest starts afresh.",
     )
     api_host: str = Field(
         default="127.0.0.1",

@@ -6,8 +6,9 @@ an interpreter's start and the supervisor's imports, ~10 ms of CPU of a ~30 ms l
 mount namespace that looks like the sandbox's system (the same ``/usr`` or tree, this
 directory at ``/opt/sandlot``), and for each new sandbox it forks a child that *joins* the
 namespaces bwrap made and becomes that sandbox's guest. bwrap still builds the sandbox (user,
-mount, network, ipc, uts and cgroup namespaces, the root file system, ``--disable-userns``) and
-execs a placeholder; it no longer makes the pid namespace.
+mount, network, ipc, uts and cgroup namespaces, the root file system, ``--disable-userns``), and
+its child waits at ``--block-fd`` until the host kills it once we have joined; it no longer
+makes the pid namespace.
 
 What the child keeps of the walls, in order (each step needs the one before):
 

@@ -464,8 +464,8 @@ class BubblewrapBackend:
         With ``manager_mounts`` the manager attaches /proc's masks and the
         volume (/workspace, /tmp) once bwrap has made the namespace (:meth:`_mount_inside`),
         and bwrap only makes their mount points. ``templated`` (with ``manager_mounts``): no
-        pid namespace and no /proc (the template's guest makes both: template.py), and a
-        placeholder instead of the guest."""
+        pid namespace and no /proc (the template's guest makes both: template.py), and bwrap's
+        child waits at its --block-fd instead of exec'ing the guest (PLACEHOLDER)."""
         if templated:
             # --unshare-all less the pid namespace.
             argv = [BWRAP, "--unshare-user", "--unshare-ipc", "--unshare-uts"]
@@ -525,7 +525,7 @@ class BubblewrapBackend:
             "--clearenv",
             # An argv is every host user's to read in /proc, for bwrap's whole life: the
             # guest's environment (the caller's env in it) is read from a memfd instead, and a
-            # template's guest gets its own in one (template.py), so its placeholder needs none.
+            # template's guest gets its own in one (template.py), so bwrap's child needs none.
             *(_setenv({"PATH": SANDBOX_PATH}) if templated else ["--args", str(env_fd)]),
             "--seccomp",
             str(seccomp_fd),
@@ -576,7 +576,7 @@ class BubblewrapBackend:
         templated: bool = False,
     ) -> list[str]:
         """sh (into the cgroup, then the wait for "go"), nsenter or setpriv (to the sandbox's
-        uid), bwrap and the guest (``templated``: bwrap's placeholder)."""
+        uid), bwrap and the guest (``templated``: bwrap's child, blocked for the guest)."""
         # The host-side chain (sh as root, nsenter or setpriv, bwrap) runs with a fixed
         # environment and absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a
         # root process would run code of their choosing as root. Their env is set inside the
@@ -642,8 +642,9 @@ class BubblewrapBackend:
         after the cgroup until ``before_go`` has run. ``files`` makes the sandbox's volume and
         /proc files: while bwrap starts, where the manager mounts them itself (root, with the
         mount API), else before "go" (bwrap binds them). Where the system has a template
-        (:meth:`_template`), bwrap runs a placeholder and the guest is the template's fork,
-        joined into the namespaces bwrap made (:meth:`_join`); the template is held until
+        (:meth:`_template`), bwrap's child waits at its block-fd and the guest is the
+        template's fork, joined into the namespaces bwrap made (:meth:`_join`); the template
+        is held until
         then, so that a retirement does not close it under this create."""
         # As root, the manager masks /proc and bounds the sandbox's terminals once bwrap has
         # made its own mounts; where this kernel has the mount API (Linux >= 5.12) it also
@@ -734,15 +735,15 @@ class BubblewrapBackend:
             await _kill_all(joined, guest)
             raise
         if joined is not None:
-            joined.end_placeholder()  # the guest holds every namespace now
+            joined.release_bwrap()  # the guest holds every namespace now
             return joined
         return guest
 
     async def _template(self, box: _Box, spec: GuestSpec) -> Template | None:
         """The running template of the box's system, in the tenant scope (the default) the
         one of the sandbox's owner too (``Templates.get``); None where guests start afresh:
-        rootless, ``SANDBOX_GUEST_TEMPLATE=false``, a pooled sandbox in the tenant scope (its
-        owner is not known yet), or no template here. Forks of one template share its
+        rootless, ``SANDBOX_GUEST_TEMPLATE=false``, a sandbox pooled for anyone in the tenant
+        scope (pools.py), or no template here. Forks of one template share its
         memory layout and Python's hash secret (SECURITY.md): never two tenants'."""
         if self.rootless or not self.settings.guest_template:
             return None
@@ -778,7 +779,7 @@ class BubblewrapBackend:
         self, template: Template, box: _Box, spec: GuestSpec, chain: GuestProcess, pid: int
     ) -> TemplateGuest:
         """The sandbox's guest, from ``template``, joined into the namespaces of bwrap's
-        placeholder ``pid`` (template.py's ``join_guest``)."""
+        blocked child ``pid`` (template.py's ``join_guest``)."""
         assert isinstance(box.cgroup, Cgroup)
         config = {
             "uid": SANDBOX_UID,
@@ -823,7 +824,7 @@ class BubblewrapBackend:
         every create's path), then attach it and the masks there. The guest starts its
         interpreter meanwhile; it runs nothing of the sandbox's before the host's key, which
         comes after this returns, and it enters /workspace only then (supervisor.py). With
-        ``join``, bwrap runs a placeholder, and a template's guest joins it (given its pid)
+        ``join``, bwrap's child waits at its block-fd, and a template's guest joins it (its pid)
         and makes the /proc the masks go over, before they are attached."""
         first = asyncio.ensure_future(
             asyncio.to_thread(self._first_pid, info_r, blocked=join is not None)

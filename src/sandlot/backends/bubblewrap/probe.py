@@ -167,7 +167,7 @@ def _guest_template(settings: Settings) -> tuple[bool, str]:
         )
     return True, (
         f"on, one template per system and owner, at most {settings.max_guest_templates} "
-        "running; pooled sandboxes start afresh"
+        "running; a pooled sandbox forks only for the tenant of the pool's last creates"
     )
 
 

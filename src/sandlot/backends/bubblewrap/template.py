@@ -377,7 +377,7 @@ class TemplateGuest:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         self._chain.kill()
-        self.end_placeholder()
+        self.release_bwrap()
 
     async def _gone(self) -> None:
         if self._exit.done() or self._pidfd is None:
@@ -401,7 +401,7 @@ class TemplateGuest:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._exit), 1.0)
 
-    def end_placeholder(self) -> None:
+    def release_bwrap(self) -> None:
         """bwrap's child, blocked since it made the namespaces, is killed (and bwrap ends with
         it): the guest holds them now. Its stdin is closed too."""
         if self._blocked is not None:
@@ -424,7 +424,7 @@ class TemplateGuest:
                 os.close(self._pidfd)
                 self._pidfd = None
         code = self._exit.result() if self._exit.done() else -signal.SIGKILL
-        self.end_placeholder()
+        self.release_bwrap()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._chain.wait(), 5.0)
         if self._stderr_task is not None:
@@ -558,7 +558,7 @@ async def join_guest(
     timeout_s: float,
 ) -> TemplateGuest:
     """Ask ``template`` for a sandbox's guest, joined into the namespaces of bwrap's
-    placeholder ``pid`` (the child of ``chain``'s bwrap), given ``config`` (sealed in a
+    blocked child ``pid`` (the child of ``chain``'s bwrap), given ``config`` (sealed in a
     memfd) and the cgroup's ``enter_files``; return once it has attached its /proc (the
     host's masks go over it next). Its stdio are pipes made here.
 
