@@ -26,8 +26,8 @@ FIB = (
     "```python\ndef fibonacci(n):\n    a, b = 0, 1\n"
     "    for _ in range(n):\n        a, b = b, a + b\n    return a\n```"
 )
-# Passes the visible example (fibonacci(10) == 55) but not the hidden tests (fibonacci(0)).
-FIB_VISIBLE_ONLY = "```python\ndef fibonacci(n):\n    return 55 if n == 10 else 1\n```"
+# Passes every example the prompt gives (fibonacci(0), (1) and (10)), not the hidden tests.
+FIB_VISIBLE_ONLY = "```python\ndef fibonacci(n):\n    return 55 if n == 10 else n\n```"
 PRIME_CRASH = "```python\ndef is_prime(n):\n    return n.is_prime()\n```"
 PRIME = (
     "```python\ndef is_prime(n):\n    if n < 2:\n        return False\n"

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import ast
-import doctest
 import re
 
 from sandlot.agent.checks import SAME, harness_program
+from sandlot.agent.examples import visible_examples
 from sandlot.agent.models import Check, TaskSpec
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -93,58 +93,6 @@ if _failures:
     raise SystemExit(1)
 """
 )
-
-_ARROW = re.compile(
-    r"^\s*(?P<call>{name}\(.*\))\s*(?:==>|==|=>|->|➞|should return|returns?)\s*(?P<want>.+?)\s*$"
-)
-
-
-def visible_examples(prompt: str, entry_point: str) -> list[tuple[str, str]]:
-    """The prompt's examples as (call, expected) source pairs: ``>>>`` doctests, and the
-    ``f(x) == y`` / ``f(x) ➞ y`` / ``f(x) => y`` lines about half of HumanEval uses."""
-    pairs: list[tuple[str, str]] = []
-    try:
-        examples = doctest.DocTestParser().get_examples(prompt)
-    except ValueError:  # inconsistent indentation in a prompt: no usable doctests
-        examples = []
-    for example in examples:
-        want = [
-            line for line in example.want.strip().splitlines() if line.strip() not in ('"""', "'''")
-        ]
-        if entry_point in example.source and want:
-            pairs.append((example.source.strip(), "\n".join(want).strip()))
-    if pairs:
-        return pairs
-    arrow = re.compile(_ARROW.pattern.format(name=re.escape(entry_point)))
-    for line in prompt.splitlines():
-        found = arrow.match(line)
-        if found and not line.lstrip().startswith("def ") and _literal_call(found["call"]):
-            pairs.append((found["call"], _clean_want(found["want"])))
-    return pairs
-
-
-def _literal_call(source: str) -> bool:
-    """A call whose arguments are literals: ``f(a)`` in prose names no value."""
-    try:
-        call = ast.parse(source, mode="eval").body
-    except SyntaxError:
-        return False
-    if not isinstance(call, ast.Call):
-        return False
-    try:
-        for arg in [*call.args, *(k.value for k in call.keywords)]:
-            ast.literal_eval(arg)
-    except ValueError:
-        return False
-    return True
-
-
-def _clean_want(want: str) -> str:
-    """``> True``, ``true``, ``1 + 9 = 10`` and a full stop, as prompts write them."""
-    want = want.strip().lstrip(">").strip().rstrip(".").strip()
-    if " = " in want:
-        want = want.rsplit(" = ", 1)[1].strip()
-    return {"true": "True", "false": "False", "none": "None"}.get(want, want)
 
 
 def example_checks(prompt: str, entry_point: str) -> list[Check]:
