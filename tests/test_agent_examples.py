@@ -10,7 +10,7 @@ import pytest
 
 from sandlot.agent.checks import SAME
 from sandlot.agent.code import example_checks
-from sandlot.agent.examples import visible_examples
+from sandlot.agent.examples import MAX_LINE_CHARS, visible_examples
 
 
 def doc(signature: str, text: str) -> str:
@@ -153,3 +153,12 @@ def test_every_example_read_from_humaneval_holds_for_its_canonical_solution() ->
         check=True,
     )
     assert set(json.loads(done.stdout)) == HUMANEVAL_WRONG_EXAMPLES
+
+
+def test_the_work_a_prompt_can_ask_for_is_bounded() -> None:
+    # A line past MAX_LINE_CHARS is no example, however it reads; each line is read a few
+    # ways at most, so a prompt of repeated near-examples costs lines x a constant.
+    long_value = "[" + ", ".join(["1"] * (MAX_LINE_CHARS // 3)) + "]"
+    assert visible_examples(doc(F, f"f([1]) returns {long_value}"), "f") == []
+    near = "f([1]) is " + "1, " * 150
+    assert visible_examples(doc(F, near[:MAX_LINE_CHARS]), "f") == [("f([1])", "1")]

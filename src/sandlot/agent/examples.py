@@ -6,17 +6,22 @@ Read here:
 
 - ``>>>`` doctests, with the expected value on the next line or in the line itself
   (``>>> f(x) == y``, a tenth of HumanEval);
-- a call with literal arguments followed by a link and a literal, anywhere in the text:
+- a call with literal arguments followed by a link and a literal, anywhere in a line:
   ``f(x) == y``, ``f(x) = y``, ``f(x) ➞ y``, ``f(x) -> y``, ``f(x) # => y``, and in words,
   ``f(x) returns y``, ``f(x) should be y``, ``f(x) is y``, as a sentence writes it
-  ("For example, ``f([1, 2])`` returns 3.").
+  ("For example, ``f([1, 2])`` returns 3.");
+- inputs named rather than called, bound to the ``def``'s parameters: "For s = 'ab', c =
+  'a' the result should be 'b'", "Given [1, 2] the function returns 3", and an "Input: ..."
+  line followed by "Output: ...".
 
 What keeps a misread out, since a prompt's example outranks every test the model writes:
-the arguments must be literals (``f(n) = ...`` is a definition, not an example); the
-expected value must be a literal ending where a clause can end, so "f(2) is 4 times f(1)"
-gives nothing; a call given two different values gives nothing; and when the values read
-in running text have different kinds (``tri(1) = 3`` beside ``tri(3) = [1, 3, 2, 8]``: terms
-of a sequence beside the function's result) none of them is kept.
+the arguments must be literals (``f(n) = ...`` is a definition, not an example) that fill
+the parameters in order; the expected value must be one literal ending where a clause can
+end, so "f(2) is 4 times f(1)" gives nothing; a call given two different values gives
+nothing; and when the values of ``f(x) = y`` lines have different kinds (``tri(1) = 3``
+beside ``tri(3) = [1, 3, 2, 8]``: terms of a sequence beside the function's result) none of
+those is kept. Every HumanEval prompt's examples read so hold for its canonical solution,
+but for the three the dataset itself states wrongly (tests/test_agent_examples.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import ast
 import doctest
 import io
+import itertools
 import re
 import tokenize
 
@@ -41,10 +47,19 @@ _LINK = re.compile(
 # parenthesised aside, a comment, or a word that starts another clause.
 _CLAUSE_END = re.compile(
     r"[ \t]*(?:$|[.,;:!?)\]`]|\(|\#|(?:and|but|because|since|as|so|which|while|whereas|then|"
-    r"since|for|if|when|where)\b)",
+    r"for|if|when|where)\b)",
     re.IGNORECASE,
 )
 _WORDS = {"true": "True", "false": "False", "none": "None"}
+# Bounds on the work a prompt can ask for (it is the caller's text, and a benchmark's task
+# file anyone may write): a longer line is no example, and each line gets a few readings.
+MAX_LINE_CHARS = 500
+MAX_READINGS = 8  # argument lists tried per example, longest first
+MAX_CALLS_PER_LINE = 8
+
+
+def _lines(prompt: str) -> list[str]:
+    return [line for line in prompt.splitlines() if len(line) <= MAX_LINE_CHARS]
 
 
 def visible_examples(prompt: str, entry_point: str) -> list[tuple[str, str]]:
@@ -95,10 +110,11 @@ def _doctests(prompt: str, entry_point: str) -> list[tuple[str, str]]:
 def _inline(prompt: str, entry_point: str) -> list[tuple[str, str, str]]:
     """(call, expected, the link between them) for each call followed by a value."""
     pairs = []
-    for line in prompt.splitlines():
+    calls = re.compile(rf"(?<![\w.]){re.escape(entry_point)}[ \t]*\(")
+    for line in _lines(prompt):
         if line.lstrip().startswith(("def ", "async def ")):
             continue
-        for found in re.finditer(rf"(?<![\w.]){re.escape(entry_point)}[ \t]*\(", line):
+        for found in itertools.islice(calls.finditer(line), MAX_CALLS_PER_LINE):
             end = _closing(line, found.end() - 1)
             if end is None:
                 continue
@@ -153,7 +169,7 @@ def _stated(prompt: str, entry_point: str, params: tuple[list[str], int]) -> lis
     """Examples that name the inputs rather than write the call: "For s = "ab", c = "a"
     the result should be 'b'", and an "Input: ..." line followed by "Output: ..."."""
     pairs = []
-    lines = prompt.splitlines()
+    lines = _lines(prompt)
     for number, line in enumerate(lines):
         stated = _STATED.search(line)
         if stated:
@@ -181,7 +197,7 @@ def _bound(text: str, entry_point: str, params: tuple[list[str], int]) -> str | 
     the parameters, as source; the longest reading that ends at a comma."""
     names, required = params
     cuts = [len(text.rstrip(" \t.:,"))] + [i for i in range(len(text) - 1, 0, -1) if text[i] == ","]
-    for cut in cuts:
+    for cut in cuts[:MAX_READINGS]:
         try:
             call = ast.parse(f"_({text[:cut]})", mode="eval").body
         except SyntaxError:
@@ -230,21 +246,45 @@ def _closing(line: str, opening: int) -> int | None:
     return None
 
 
+_SCALAR = re.compile(
+    r"(?:[-+]?(?:\d[\d_]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?j?|true|false|none)(?!\w)",
+    re.IGNORECASE,
+)
+
+
 def _value_at(text: str) -> str | None:
-    """The literal ``text`` starts with (the longest that ends a clause), as source."""
+    """The literal ``text`` starts with, as source, when its clause ends there: a number or
+    word (True, None), a string, or a bracketed value read to its closing bracket."""
     text = text.lstrip("`> \t")
     head, equals, rest = text.partition(" = ")
     if equals and _arithmetic(head):  # "1 + 9 = 10": the worked sum's result
         return _value_at(rest)
-    for end in range(len(text), 0, -1):
-        if not _CLAUSE_END.match(text, end):
+    if not text:
+        return None
+    end: int | None
+    if text[0] in "([{":
+        end = _closing(text, 0)
+    elif text[0] in "'\"":
+        end = _string_end(text)
+    else:
+        scalar = _SCALAR.match(text)
+        end = scalar.end() if scalar else None
+    if end is None or not _CLAUSE_END.match(text, end):
+        return None
+    source = _WORDS.get(text[:end].lower(), text[:end])
+    return source if _is_literal(source) else None
+
+
+def _string_end(text: str) -> int | None:
+    """The index after the string literal ``text`` starts with."""
+    quote, index = text[0], 1
+    while index < len(text):
+        if text[index] == "\\":
+            index += 2
             continue
-        source = text[:end].strip().rstrip("`").strip()
-        source = _WORDS.get(source.lower(), source)
-        if source.endswith(".") and _is_literal(source[:-1]):
-            source = source[:-1]  # "returns 3." ends a sentence; it is not 3.0
-        if source and _is_literal(source):
-            return source
+        if text[index] == quote:
+            return index + 1
+        index += 1
     return None
 
 
