@@ -11,6 +11,7 @@ there, only the tests the model writes can judge).
 Usage (the rows of the issue-16 run)::
 
     .venv/bin/python bench/agent_paths.py ROWS [--tasks humaneval] [--replay-probe-stop]
+        [--subset LABEL=OTHER_ROWS ...]
 
     ROWS: bench/results/agent/issue16-probe/humaneval-sample_select.jsonl
 """
@@ -50,7 +51,11 @@ def _line(name: str, rows: Sequence[dict[str, Any]]) -> str:
     return f"| {name} | {len(rows)} | {greedy} | {chosen} | {ceiling} | {per_task} | {tokens:,} |"
 
 
-def report(rows: list[dict[str, Any]], no_example: set[str]) -> str:
+def report(
+    rows: list[dict[str, Any]],
+    no_example: set[str],
+    subsets: dict[str, set[str]] | None = None,
+) -> str:
     logged = [r for r in rows if r.get("candidate_log")]
     if not logged:
         return "No row has a candidate log (a sample_select run of 2026-11-24 or later).\n"
@@ -67,6 +72,8 @@ def report(rows: list[dict[str, Any]], no_example: set[str]) -> str:
     words = [r for r in logged if r["task_id"] in no_example]
     if words:
         lines.append(_line("no parsed example (words only)", words))
+    for name, ids in (subsets or {}).items():
+        lines.append(_line(name, [r for r in logged if r["task_id"] in ids]))
     single_tokens = sum(r["single_tokens"] for r in logged)
     single_solved = sum(r["single_pass"] for r in logged)
     solved = sum(r["loop_pass"] for r in logged)
@@ -140,9 +147,22 @@ def main() -> None:
         action="store_true",
         help="also replay the run as if a disagreeing probe had ended the sampling",
     )
+    parser.add_argument(
+        "--subset",
+        action="append",
+        default=[],
+        metavar="LABEL=ROWS",
+        help="also a line for the tasks of another run's rows (or a task file), e.g. the "
+        "tasks an earlier reader found no example in",
+    )
     args = parser.parse_args()
     rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
-    print(report(rows, _no_example(args.tasks)), end="")
+    subsets = {}
+    for given in args.subset:
+        label, _, path = given.partition("=")
+        lines = Path(path).read_text().splitlines()
+        subsets[label] = {json.loads(line)["task_id"] for line in lines if line.strip()}
+    print(report(rows, _no_example(args.tasks), subsets), end="")
     if args.replay_probe_stop:
         print(replay_stop_at_probe(rows), end="")
 

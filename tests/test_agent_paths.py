@@ -76,6 +76,9 @@ def test_paths_recorded_or_guessed() -> None:
     assert "Fixed (1): t/3" in table and "Lost (0): -" in table
     # 4 solved at 1,310 tokens against 3 at 400: (1310 / 4) / (400 / 3)
     assert "2.46x" in table
+    subset = report(ROWS, no_example={"t/1"}, subsets={"earlier words only": {"t/3", "t/4"}})
+    assert "| no parsed example (words only) | 1 | 1 | 1 | 1 | 200 | 200 |" in subset
+    assert "| earlier words only | 2 | 1 | 2 | 2 | 405 | 810 |" in subset
 
 
 def test_replay_stops_at_the_probe() -> None:
