@@ -53,6 +53,14 @@ F = "def f(xs):"
         ("Given [5, 5], the function returns 10.", [("f([5, 5])", "10")]),
         ("Example 1:\n    Input: xs = [4, 2]\n    Output: 6\n", [("f([4, 2])", "6")]),
         ("Input: [7]\n\nOutput: 7 # just the one\n", [("f([7])", "7")]),
+        ("f([4]) --> 4, f([5]) produces 5", [("f([4])", "4"), ("f([5])", "5")]),
+        ("f([6]) is expected to return 6.", [("f([6])", "6")]),
+        ("For example, given [1, 2, 3] the output is 6.", [("f([1, 2, 3])", "6")]),
+        ("If the input is [2] the function returns 2.", [("f([2])", "2")]),
+        ("When called with [3], the result is 3.", [("f([3])", "3")]),
+        ("f([1]) = 1\nf([1, 2]) returns 3", [("f([1])", "1"), ("f([1, 2])", "3")]),
+        # "=" values of a kind no other example gives are a definition's terms, not results.
+        ("f([1]) = 3, f([2]) = 4\nf([3]) returns [1, 3, 2, 8]", [("f([3])", "[1, 3, 2, 8]")]),
     ],
 )
 def test_each_form_a_prompt_writes_an_example_in(text: str, pairs: list[tuple[str, str]]) -> None:
@@ -92,10 +100,60 @@ def test_named_inputs_are_bound_to_the_parameters_in_order() -> None:
         "f([1]) = 3\nf([1, 2]) = [1, 3]",  # terms of a sequence beside a result: neither
         "For example, f([1, 2])\nreturns 3",  # the value on another line
         "Input: [1]\nExplanation: none\nOutput: 1",
+        # Found by the red team (each read a wrong value before its fix):
+        "fib(4) = f([3]) + f([2]) = 3.",  # an operand of the sum
+        "f([1]) + f([2]) is 5",
+        "f([10]) returns 2, 3, 5, 7.",  # a sequence without brackets
+        "f([10]) returns 1,000.",  # a thousands separator
+        "f([1]) returns 0.333... (one third)",
+        "f([5]) is 5! = 120.",
+        "f([2.5]) returns 3 if up is True, otherwise 2.",
+        "Does f([3]) return 6? No.",
+        "A greedy choice gives f([6]) = 3 (4+1+1), but the answer is 2",
+        "A naive version would make f([]) return None.",
+        "Input: 1, 2, 3\nOutput: 6",  # three values for one parameter
+        ">>> print(f([1]))\nHello",
+        ">>> f([0])\nTraceback (most recent call last):\nZeroDivisionError",
     ],
 )
 def test_what_is_not_an_example_is_not_read(text: str) -> None:
     assert visible_examples(doc(F, text), "f") == []
+
+
+def test_a_defaulted_input_given_in_words_is_no_reading_without_it() -> None:
+    sig = "def shift(xs, k=1):"
+    for text in (
+        "Given [1, 2, 3], and k = 2, the function returns [3, 4, 5].",
+        "For xs = [1, 2], with a shift of 3, the result is [4, 5].",
+        "For xs = [5] the result is 8 when k = 3.",
+    ):
+        assert visible_examples(doc(sig, text), "shift") == [], text
+    good = doc(sig, "For xs = [1, 2], k = 2 the result is [3, 4].")
+    assert visible_examples(good, "shift") == [("shift([1, 2], 2)", "[3, 4]")]
+
+
+def test_a_function_that_returns_nothing_has_no_result_to_check() -> None:
+    io = "Input: nums = [1, 2, 3], k = 1\nOutput: [3, 1, 2]"
+    assert visible_examples(doc("def rotate(nums, k) -> None:", io), "rotate") == []
+    in_place = doc("def rotate(nums, k):", "Rotate nums in place.\n" + io)
+    assert visible_examples(in_place, "rotate") == []
+    # "Return None if ..." states a result, and keeps the examples.
+    some = doc(F, "Return None if xs is empty.\nf([]) returns None, f([2]) returns 2.")
+    assert visible_examples(some, "f") == [("f([])", "None"), ("f([2])", "2")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "f('\ud800') returns 1",  # a lone surrogate: ast.parse cannot encode it
+        ">>> f(" + "-" * 1000 + "1)\n2",  # deep enough for a RecursionError in ast
+        "f([1]) returns 1_0_",  # a SyntaxWarning-prone literal
+        "f(" + "[" * 200 + "]" * 200 + ") == 1",
+    ],
+)
+def test_no_text_makes_the_reader_raise(text: str) -> None:
+    visible_examples(doc(F, text), "f")
+    visible_examples(doc("def f(x=" + "not " * 3000 + "1):", text), "f")
 
 
 def test_a_value_never_reads_as_a_bare_tuple() -> None:
@@ -160,5 +218,5 @@ def test_the_work_a_prompt_can_ask_for_is_bounded() -> None:
     # ways at most, so a prompt of repeated near-examples costs lines x a constant.
     long_value = "[" + ", ".join(["1"] * (MAX_LINE_CHARS // 3)) + "]"
     assert visible_examples(doc(F, f"f([1]) returns {long_value}"), "f") == []
-    near = "f([1]) is " + "1, " * 150
-    assert visible_examples(doc(F, near[:MAX_LINE_CHARS]), "f") == [("f([1])", "1")]
+    near = "f([1]) is 1; " * 40
+    assert visible_examples(doc(F, near[: MAX_LINE_CHARS - 4]), "f") == [("f([1])", "1")]

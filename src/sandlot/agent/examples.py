@@ -14,14 +14,18 @@ Read here:
   'a' the result should be 'b'", "Given [1, 2] the function returns 3", and an "Input: ..."
   line followed by "Output: ...".
 
-What keeps a misread out, since a prompt's example outranks every test the model writes:
-the arguments must be literals (``f(n) = ...`` is a definition, not an example) that fill
-the parameters in order; the expected value must be one literal ending where a clause can
-end, so "f(2) is 4 times f(1)" gives nothing; a call given two different values gives
-nothing; and when the values of ``f(x) = y`` lines have different kinds (``tri(1) = 3``
-beside ``tri(3) = [1, 3, 2, 8]``: terms of a sequence beside the function's result) none of
-those is kept. Every HumanEval prompt's examples read so hold for its canonical solution,
-but for the three the dataset itself states wrongly (tests/test_agent_examples.py).
+A prompt's example outranks every test the model writes, so a misread costs more than a
+miss, and these are refused: arguments that are not literals (``f(n) = ...`` is a
+definition) or that would not fill the parameters in order, or leave out an input the text
+names ("with a shift of 3"); a call that is an operand (``fib(3) + fib(2) = 3``); a value
+that is not one literal ending its clause ("4 times f(1)", "2, 3, 5, 7", "0.333...",
+"5! = 120"); a sentence that asks, or takes the value back ("but", "instead", "would",
+"naive"); a call given two values; ``f(x) = y`` values of mixed kinds, or of a kind no
+other example gives (``tri(1) = 3`` beside ``tri(3) = [1, 3, 2, 8]``: a sequence's terms
+beside the function's result); any value but None for a function that returns nothing
+(``-> None``, "in place"); a doctest of ``print(...)`` or one that raises. Every HumanEval
+prompt's examples read so hold for its canonical solution, but for the three the dataset
+itself states wrongly (tests/test_agent_examples.py).
 """
 
 from __future__ import annotations
@@ -32,78 +36,108 @@ import io
 import itertools
 import re
 import tokenize
+import warnings
 
 # The link between a call and its value: symbols first, longest first ("==>" before "==").
+# No bare "return" or "would": "Does f(3) return 6?", "would make f([]) return None".
 _LINK = re.compile(
     r"""[ \t]*`?[ \t]*(?:\#[ \t]*)?
-    (?P<link> ==> | == | => | -> | ➞ | → | =(?![=>])
-      | (?: (?:should|would|will|must)[ \t]+(?:return|be|give|equal|yield|output)
-          | returns | return | gives | equals | is | evaluates[ \t]+to | yields | outputs
+    (?P<link> ==> | --> | == | => | -> | ➞ | → | ⇒ | =(?![=>])
+      | (?: (?:should|will|must)[ \t]+(?:return|be|give|equal|yield|output)
+          | is[ \t]+expected[ \t]+to[ \t]+(?:return|be)
+          | returns | gives | equals | is | evaluates[ \t]+to | yields | outputs | produces
         )(?!\w)
     )[ \t]*:?[ \t]*""",
     re.VERBOSE | re.IGNORECASE,
 )
-# What may follow a value where its clause ends: the line's end, punctuation, a
-# parenthesised aside, a comment, or a word that starts another clause.
+# What may follow a value where its clause ends: the line's end, a full stop (not "..."),
+# a comma, a parenthesised aside, a comment, or a word that starts another clause. Not "!"
+# ("5! = 120"), "?" (a question), "if" or "when" (a value under a condition).
 _CLAUSE_END = re.compile(
-    r"[ \t]*(?:$|[.,;:!?)\]`]|\(|\#|(?:and|but|because|since|as|so|which|while|whereas|then|"
-    r"for|if|when|where)\b)",
+    r"[ \t]*(?:$|\.(?!\.)|[,;:)\]`(\#]|(?:and|because|since|as|so|which|while|whereas|then|"
+    r"for|where)\b)",
+    re.IGNORECASE,
+)
+# Words that make a value in their sentence something other than the function's result.
+_NOT_SO = re.compile(
+    r"\b(?:but|however|instead|otherwise|wrong|incorrect\w*|naive\w*|would|could|might|"
+    r"mistake\w*|bug\w*)\b",
+    re.IGNORECASE,
+)
+# A prompt saying the function returns nothing: its examples show the argument afterwards.
+# ("Return None if ..." is a result, not this.)
+_RETURNS_NOTHING = re.compile(
+    r"in[- ]place|do(?:es)?(?: not|n't) return|returns? nothing",
     re.IGNORECASE,
 )
 _WORDS = {"true": "True", "false": "False", "none": "None"}
+_SCALAR = re.compile(
+    r"(?:[-+]?(?:\d[\d_]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?j?|true|false|none)(?!\w)",
+    re.IGNORECASE,
+)
+# A further value after a comma: "2, 3, 5", "1,000", "[1], [2]".
+_MORE = re.compile(r"\s*,\s*(?:[-+]?\.?\d|['\"\[({])")
 # Bounds on the work a prompt can ask for (it is the caller's text, and a benchmark's task
 # file anyone may write): a longer line is no example, and each line gets a few readings.
 MAX_LINE_CHARS = 500
 MAX_READINGS = 8  # argument lists tried per example, longest first
 MAX_CALLS_PER_LINE = 8
 
+Pair = tuple[str, str]
+Signature = tuple[list[str], int, bool]  # parameter names, how many need a value, -> None
 
-def _lines(prompt: str) -> list[str]:
-    return [line for line in prompt.splitlines() if len(line) <= MAX_LINE_CHARS]
 
-
-def visible_examples(prompt: str, entry_point: str) -> list[tuple[str, str]]:
-    """The prompt's examples of ``entry_point``: doctests first, then calls in the text, a
-    call once (the first reading); see the module's docstring for what is read and what is
-    refused."""
-    pairs = _doctests(prompt, entry_point)
+def visible_examples(prompt: str, entry_point: str) -> list[Pair]:
+    """The prompt's examples of ``entry_point``: doctests first, then calls in the text,
+    then inputs named in the text; a call once; see the module's docstring for what is read
+    and what is refused."""
+    signature = _signature(prompt, entry_point)
+    doctests = _doctests(prompt, entry_point)
     inline = _inline(prompt, entry_point)
-    defined = [(call, want) for call, want, link in inline if link == "="]
-    if len({_kind(want) for _, want in defined} - {"none"}) > 1:
+    stated = _stated(prompt, entry_point, signature) if signature else []
+    # "f(x) = y" lines are often a definition's terms: kept only where their values are of
+    # one kind, and of a kind the other examples also give.
+    defined = {_kind(want) for _, want, link in inline if link == "="} - {"none"}
+    others = [*doctests, *((c, w) for c, w, link in inline if link != "="), *stated]
+    elsewhere = {_kind(want) for _, want in others} - {"none"}
+    if len(defined) > 1 or (defined and elsewhere and not defined <= elsewhere):
         inline = [found for found in inline if found[2] != "="]
-    seen: dict[str, str] = {}
-    conflicted: set[str] = set()
-    read = [*pairs, *((call, want) for call, want, _ in inline)]
-    params = _parameters(prompt, entry_point)
-    if params is not None:
-        read += _stated(prompt, entry_point, params)
+    read = [*doctests, *((call, want) for call, want, _ in inline), *stated]
+    if (signature and signature[2]) or _RETURNS_NOTHING.search(prompt):
+        read = [(call, want) for call, want in read if want == "None"]
+    values: dict[str, set[str]] = {}
+    for call, want in read:
+        values.setdefault(_normal(call), set()).add(_normal(want))
+    out: dict[str, Pair] = {}
     for call, want in read:
         key = _normal(call)
-        if key in seen and _normal(seen[key]) != _normal(want):
-            conflicted.add(key)
-        seen.setdefault(key, want)
-    out: list[tuple[str, str]] = []
-    for call, want in read:
-        key = _normal(call)
-        if key not in conflicted and not any(_normal(c) == key for c, _ in out):
-            out.append((call, want))
-    return out
+        if len(values[key]) == 1:  # a call given two different values gives nothing
+            out.setdefault(key, (call, want))
+    return list(out.values())
 
 
-def _doctests(prompt: str, entry_point: str) -> list[tuple[str, str]]:
-    """``>>>`` examples whose expected value is on the next line (the ``== y`` form is read
-    with the calls in the text)."""
+def _doctests(prompt: str, entry_point: str) -> list[Pair]:
+    """``>>>`` examples of an expression with the expected value on the next line (the
+    ``== y`` form is read with the calls in the text). Not ``print(...)``, whose value is
+    None, nor a traceback."""
     try:
         examples = doctest.DocTestParser().get_examples(prompt)
     except ValueError:  # inconsistent indentation in a prompt: no usable doctests
         return []
+    quotes = ('"""', "'''")
     pairs = []
     for example in examples:
-        want = [
-            line for line in example.want.strip().splitlines() if line.strip() not in ('"""', "'''")
-        ]
-        if entry_point in example.source and want:
-            pairs.append((example.source.strip(), "\n".join(want).strip()))
+        source = example.source.strip()
+        lines = example.want.strip().splitlines()
+        want = "\n".join(line for line in lines if line.strip() not in quotes).strip()
+        if not want or entry_point not in source:
+            continue
+        if max(len(source), len(want)) > MAX_LINE_CHARS or want.startswith("Traceback"):
+            continue
+        node = _parse(source)
+        printed = isinstance(node, ast.Call) and getattr(node.func, "id", "") == "print"
+        if node is not None and not printed:
+            pairs.append((source, want))
     return pairs
 
 
@@ -115,12 +149,16 @@ def _inline(prompt: str, entry_point: str) -> list[tuple[str, str, str]]:
         if line.lstrip().startswith(("def ", "async def ")):
             continue
         for found in itertools.islice(calls.finditer(line), MAX_CALLS_PER_LINE):
+            before = line[: found.start()].rstrip()
+            operand = before[-1:] in set("+-*/%@&|^<>=") and before[:-1].strip()
+            if operand and not before.endswith(">>>"):
+                continue  # "fib(3) + fib(2) = 3": a part of the expression, not all of it
             end = _closing(line, found.end() - 1)
             if end is None:
                 continue
             call = line[found.start() : end]
             link = _LINK.match(line, end)
-            if link is None or not _literal_call(call):
+            if link is None or not _literal_call(call) or _NOT_SO.search(_last_sentence(before)):
                 continue
             want = _value_at(line[link.end() :])
             if want is not None:
@@ -129,8 +167,10 @@ def _inline(prompt: str, entry_point: str) -> list[tuple[str, str, str]]:
 
 
 # "For num = "AB" the output should be 1.", "Given [1, 2] the function returns 3."
+_LEAD = re.compile(r"\b(?:for|given|if|when|with)\b", re.IGNORECASE)
 _STATED = re.compile(
-    r"""\b(?:for|given|if|when|with)[ \t]+(?:the[ \t]+)?(?:inputs?[ \t]+)?(?P<args>\S.*?)
+    r"""(?:for|given|if|when|with)[ \t]+
+    (?:(?:the[ \t]+)?inputs?[ \t]+(?:is[ \t]+)?|called[ \t]+with[ \t]+)?(?P<args>\S.*?)
     [ \t]*,?[ \t]+(?:then[ \t]+)?(?:the[ \t]+)?
     (?: (?:output|result|answer|return(?:ed)?[ \t]+value)(?=[ \t]|:)
       | (?:function|it)[ \t]+(?:should[ \t]+|will[ \t]+|must[ \t]+)?returns?\b
@@ -143,70 +183,75 @@ _INPUT = re.compile(
 _OUTPUT = re.compile(r"^[ \t]*(?:output|result|returns?)[ \t]*:[ \t]*(?P<want>\S.*)$", re.I)
 
 
-def _parameters(prompt: str, entry_point: str) -> tuple[list[str], int] | None:
-    """``entry_point``'s parameter names from its ``def`` in the prompt, and how many of
-    them need a value (those before the first default)."""
+def _signature(prompt: str, entry_point: str) -> Signature | None:
+    """``entry_point``'s parameter names from its ``def`` in the prompt, how many of them
+    need a value (those before the first default), and whether it is annotated ``-> None``."""
     found = re.search(
         rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(entry_point)}[ \t]*\(", prompt, re.M
     )
     if found is None:
         return None
-    end = _closing(prompt.replace("\n", " "), found.end() - 1)
+    header = prompt[found.end() - 1 : found.end() - 1 + 4 * MAX_LINE_CHARS]
+    end = _closing(header.replace("\n", " "), 0)
     if end is None:
         return None
-    try:
-        tree = ast.parse(f"def _{prompt[found.end() - 1 : end]}: pass")
-    except SyntaxError:
+    tree = _parse(f"def _{header[:end]}: pass", mode="exec")
+    if not isinstance(tree, ast.Module) or not isinstance(tree.body[0], ast.FunctionDef):
         return None
-    arguments = tree.body[0].args  # type: ignore[attr-defined]
+    arguments = tree.body[0].args
     if arguments.vararg or arguments.kwarg or arguments.kwonlyargs:
         return None
     names = [a.arg for a in [*arguments.posonlyargs, *arguments.args]]
-    return names, len(names) - len(arguments.defaults)
+    returns = re.match(r"\s*->\s*([^:]*):", header[end:])
+    nothing = returns is not None and returns.group(1).strip() == "None"
+    return names, len(names) - len(arguments.defaults), nothing
 
 
-def _stated(prompt: str, entry_point: str, params: tuple[list[str], int]) -> list[tuple[str, str]]:
+def _stated(prompt: str, entry_point: str, signature: Signature) -> list[Pair]:
     """Examples that name the inputs rather than write the call: "For s = "ab", c = "a"
     the result should be 'b'", and an "Input: ..." line followed by "Output: ..."."""
     pairs = []
     lines = _lines(prompt)
     for number, line in enumerate(lines):
-        stated = _STATED.search(line)
-        if stated:
+        for lead in itertools.islice(_LEAD.finditer(line), MAX_CALLS_PER_LINE):
+            stated = _STATED.match(line, lead.start())
+            if not stated or _NOT_SO.search(_last_sentence(line[: lead.start()])):
+                continue
             tail = stated["tail"]
             link = _LINK.match(tail)
-            want = _value_at(tail[link.end() :] if link else tail)
-            call = _bound(stated["args"], entry_point, params)
-            if call is not None and want is not None:
+            rest = tail[link.end() :] if link else tail
+            want = _value_at(rest)
+            call = _bound(stated["args"], entry_point, signature)
+            if call is not None and want is not None and not _names_any(rest, signature[0]):
                 pairs.append((call, want))
-            continue
+                break
         given = _INPUT.match(line)
         if not given:
             continue
         after = [later for later in lines[number + 1 : number + 3] if later.strip()]
         output = _OUTPUT.match(after[0]) if after else None
         want = _value_at(output["want"]) if output else None
-        call = _bound(given["args"], entry_point, params)
+        call = _bound(given["args"], entry_point, signature)
         if call is not None and want is not None:
             pairs.append((call, want))
     return pairs
 
 
-def _bound(text: str, entry_point: str, params: tuple[list[str], int]) -> str | None:
+def _bound(text: str, entry_point: str, signature: Signature) -> str | None:
     """The call that ``text`` describes ("s = 'ab', k = 2", or literals in order), bound to
-    the parameters, as source; the longest reading that ends at a comma."""
-    names, required = params
-    cuts = [len(text.rstrip(" \t.:,"))] + [i for i in range(len(text) - 1, 0, -1) if text[i] == ","]
+    the parameters, as source: the whole text, or its longest part before a comma when what
+    follows names no further input."""
+    names, required, _ = signature
+    cuts = [len(text.rstrip(" \t.:,"))]
+    cuts += [i for i in range(len(text) - 1, 0, -1) if text[i] == ","]
     for cut in cuts[:MAX_READINGS]:
-        try:
-            call = ast.parse(f"_({text[:cut]})", mode="eval").body
-        except SyntaxError:
+        dropped = text[cut:]
+        if _MORE.match(dropped) or re.match(r"\s*,\s*\w+\s*=(?!=)", dropped):
+            return None  # a further value or named input: this reading would leave it out
+        call = _parse(f"_({text[:cut]})")
+        if not isinstance(call, ast.Call) or len(call.args) > len(names):
             continue
-        if not isinstance(call, ast.Call) or re.match(r"\s*\w+\s*=(?!=)", text[cut + 1 :]):
-            continue  # a shorter reading that leaves out a named input is no reading
         values: dict[str, ast.expr] = dict(zip(names, call.args, strict=False))
-        if len(call.args) > len(names):
-            continue
         for keyword in call.keywords:
             if keyword.arg is None or keyword.arg not in names or keyword.arg in values:
                 break
@@ -215,17 +260,56 @@ def _bound(text: str, entry_point: str, params: tuple[list[str], int]) -> str | 
             given = [name for name in names if name in values]
             if given != names[: len(given)] or len(given) < required:
                 continue  # a gap: the values would land on the wrong parameters
-            try:
-                for value in values.values():
-                    ast.literal_eval(value)
-            except (ValueError, TypeError, MemoryError, RecursionError):
+            words_of_more = re.search(r"\d|['\"]", dropped) or _names_any(dropped, names)
+            if len(given) < len(names) and words_of_more:
+                return None  # "with a shift of 3": a defaulted input given in words
+            if not all(_literal(value) for value in values.values()):
                 continue
             return f"{entry_point}({', '.join(ast.unparse(values[n]) for n in given)})"
     return None
 
 
+def _value_at(text: str) -> str | None:
+    """The literal ``text`` starts with, as source, when its clause ends there and its
+    sentence does not take it back: a number or word (True, None), a string, or a bracketed
+    value read to its closing bracket."""
+    text = text.lstrip("`> \t")
+    head, equals, rest = text.partition(" = ")
+    if equals and _arithmetic(head):  # "1 + 9 = 10": the worked sum's result
+        return _value_at(rest)
+    if not text:
+        return None
+    end: int | None
+    if text[0] in "([{":
+        end = _closing(text, 0)
+    elif text[0] in "'\"":
+        end = _string_end(text)
+    else:
+        scalar = _SCALAR.match(text)
+        end = scalar.end() if scalar else None
+    if end is None or not _CLAUSE_END.match(text, end) or _MORE.match(text, end):
+        return None
+    sentence = re.split(r"(?<=[.!?])\s", text[end:], maxsplit=1)[0]
+    if sentence.rstrip().endswith("?") or _NOT_SO.search(sentence):
+        return None
+    source = _WORDS.get(text[:end].lower(), text[:end])
+    return source if _is_literal(source) else None
+
+
+def _last_sentence(text: str) -> str:
+    return re.split(r"[.!?](?:\s|$)", text)[-1]
+
+
+def _names_any(text: str, names: list[str]) -> bool:
+    return any(re.search(rf"\b{re.escape(name)}\b", text) for name in names)
+
+
+def _lines(prompt: str) -> list[str]:
+    return [line for line in prompt.splitlines() if len(line) <= MAX_LINE_CHARS]
+
+
 def _closing(line: str, opening: int) -> int | None:
-    """The index after the parenthesis that closes ``line[opening]``, skipping strings."""
+    """The index after the bracket that closes ``line[opening]``, skipping strings."""
     depth, quote, index = 0, "", opening
     while index < len(line):
         char = line[index]
@@ -246,35 +330,6 @@ def _closing(line: str, opening: int) -> int | None:
     return None
 
 
-_SCALAR = re.compile(
-    r"(?:[-+]?(?:\d[\d_]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?j?|true|false|none)(?!\w)",
-    re.IGNORECASE,
-)
-
-
-def _value_at(text: str) -> str | None:
-    """The literal ``text`` starts with, as source, when its clause ends there: a number or
-    word (True, None), a string, or a bracketed value read to its closing bracket."""
-    text = text.lstrip("`> \t")
-    head, equals, rest = text.partition(" = ")
-    if equals and _arithmetic(head):  # "1 + 9 = 10": the worked sum's result
-        return _value_at(rest)
-    if not text:
-        return None
-    end: int | None
-    if text[0] in "([{":
-        end = _closing(text, 0)
-    elif text[0] in "'\"":
-        end = _string_end(text)
-    else:
-        scalar = _SCALAR.match(text)
-        end = scalar.end() if scalar else None
-    if end is None or not _CLAUSE_END.match(text, end):
-        return None
-    source = _WORDS.get(text[:end].lower(), text[:end])
-    return source if _is_literal(source) else None
-
-
 def _string_end(text: str) -> int | None:
     """The index after the string literal ``text`` starts with."""
     quote, index = text[0], 1
@@ -288,28 +343,34 @@ def _string_end(text: str) -> int | None:
     return None
 
 
-def _arithmetic(source: str) -> bool:
-    """Numbers and operators only: ``1 + (2 / 2)``."""
+def _parse(source: str, mode: str = "eval") -> ast.AST | None:
+    """``source`` parsed (an expression's body), or None for anything Python would not
+    take: a prompt is any text, and a misfit must cost no exception and no warning."""
     try:
-        tree = ast.parse(source.strip(), mode="eval")
-    except SyntaxError:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source, mode=mode)
+    except (SyntaxError, ValueError, UnicodeError, MemoryError, RecursionError):
+        return None
+    return tree.body if isinstance(tree, ast.Expression) else tree
+
+
+def _literal(node: ast.AST) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False
-    allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
-    return any(isinstance(n, ast.BinOp) for n in ast.walk(tree)) and all(
-        isinstance(n, allowed) or (isinstance(n, ast.Constant) and isinstance(n.value, int | float))
-        for n in ast.walk(tree)
-    )
+    return True
 
 
 def _is_literal(source: str) -> bool:
-    """A Python literal, and not a bare tuple (``3, which`` would read as ``(3,)``)."""
-    try:
-        node = ast.parse(source, mode="eval").body
-        ast.literal_eval(node)
-    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+    """A Python literal, not a bare tuple (``3, which`` would read as ``(3,)``), and no
+    comment (``7 # a note`` parses, as 7 and more)."""
+    node = _parse(source)
+    if node is None or not _literal(node):
         return False
     if "#" in source and _has_comment(source):
-        return False  # "7 # a comment" parses, as 7 and more
+        return False
     return not (isinstance(node, ast.Tuple) and not source.startswith("("))
 
 
@@ -323,24 +384,32 @@ def _has_comment(source: str) -> bool:
 
 def _literal_call(source: str) -> bool:
     """A call whose arguments are literals: ``f(a)`` in prose names no value."""
-    try:
-        call = ast.parse(source, mode="eval").body
-    except SyntaxError:
-        return False
+    call = _parse(source)
     if not isinstance(call, ast.Call):
         return False
-    try:
-        for arg in [*call.args, *(k.value for k in call.keywords)]:
-            ast.literal_eval(arg)
-    except (ValueError, TypeError, MemoryError, RecursionError):
+    return all(_literal(arg) for arg in [*call.args, *(k.value for k in call.keywords)])
+
+
+def _arithmetic(source: str) -> bool:
+    """Numbers and operators only: ``1 + (2 / 2)``."""
+    tree = _parse(source.strip())
+    if tree is None:
         return False
-    return True
+    allowed = (ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
+    nodes = list(ast.walk(tree))
+    return any(isinstance(n, ast.BinOp) for n in nodes) and all(
+        isinstance(n, allowed) or (isinstance(n, ast.Constant) and isinstance(n.value, int | float))
+        for n in nodes
+    )
 
 
 def _kind(want: str) -> str:
     """The kind of a value, for telling a function's results from other numbers: numbers
     are one kind (2 and 2.0), sequences another; None goes with any."""
-    value = ast.literal_eval(want)
+    node = _parse(want)
+    if node is None or not _literal(node):
+        return "other"
+    value = ast.literal_eval(node)
     if value is None:
         return "none"
     if isinstance(value, bool):
@@ -353,7 +422,10 @@ def _kind(want: str) -> str:
 
 
 def _normal(source: str) -> str:
+    node = _parse(source.strip())
+    if node is None:
+        return source.strip()
     try:
-        return ast.dump(ast.parse(source.strip(), mode="eval"))
-    except SyntaxError:
+        return ast.dump(node)
+    except (ValueError, RecursionError):
         return source.strip()
