@@ -11,7 +11,7 @@ there, only the tests the model writes can judge).
 Usage (the rows of the issue-16 run)::
 
     .venv/bin/python bench/agent_paths.py ROWS [--tasks humaneval] [--replay-probe-stop]
-        [--subset LABEL=OTHER_ROWS ...]
+        [--subset LABEL=OTHER_ROWS ...] [--rerun LATER_ROWS]
 
     ROWS: bench/results/agent/issue16-probe/humaneval-sample_select.jsonl
 """
@@ -138,6 +138,16 @@ def _no_example(task_set: str) -> set[str]:
     return {t.task_id for t in humaneval_tasks() if not t.spec.checks}
 
 
+def rerun(rows: list[dict[str, Any]], again: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with the tasks run ``again`` replaced by their later rows, in order."""
+    later = {row["task_id"]: row for row in again}
+    return [later.get(row["task_id"], row) for row in rows]
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rows", type=Path, help="a benchmark's <tasks>-<strategy>.jsonl")
@@ -155,13 +165,20 @@ def main() -> None:
         help="also a line for the tasks of another run's rows (or a task file), e.g. the "
         "tasks an earlier reader found no example in",
     )
+    parser.add_argument(
+        "--rerun",
+        type=Path,
+        help="rows of a later run of some of the tasks, which replace theirs: the whole set "
+        "as it would read with the tasks a change touched run again",
+    )
     args = parser.parse_args()
-    rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
+    rows = _rows(args.rows)
+    if args.rerun:
+        rows = rerun(rows, _rows(args.rerun))
     subsets = {}
     for given in args.subset:
         label, _, path = given.partition("=")
-        lines = Path(path).read_text().splitlines()
-        subsets[label] = {json.loads(line)["task_id"] for line in lines if line.strip()}
+        subsets[label] = {row["task_id"] for row in _rows(Path(path))}
     print(report(rows, _no_example(args.tasks), subsets), end="")
     if args.replay_probe_stop:
         print(replay_stop_at_probe(rows), end="")

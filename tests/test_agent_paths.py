@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.agent_paths import path_of, replay_stop_at_probe, report
+from bench.agent_paths import path_of, replay_stop_at_probe, report, rerun
 
 
 def row(
@@ -87,3 +87,10 @@ def test_replay_stops_at_the_probe() -> None:
     assert "1 tasks change" in replayed and "4 solved" in replayed and "2.34x" in replayed
     assert report([], no_example=set()).startswith("No row has a candidate log")
     assert replay_stop_at_probe([]) == "Nothing to replay.\n"
+
+
+def test_a_rerun_replaces_the_tasks_it_ran_again() -> None:
+    later = row("t/2", True, False, [(0, 100, "000", False)], tokens=100)
+    rows = rerun(ROWS, [later])
+    assert [r["task_id"] for r in rows] == ["t/1", "t/2", "t/3", "t/4"]
+    assert rows[1] is later and rows[0] is ROWS[0]
