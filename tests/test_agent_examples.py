@@ -59,6 +59,18 @@ F = "def f(xs):"
         ("If the input is [2] the function returns 2.", [("f([2])", "2")]),
         ("When called with [3], the result is 3.", [("f([3])", "3")]),
         ("f([1]) = 1\nf([1, 2]) returns 3", [("f([1])", "1"), ("f([1, 2])", "3")]),
+        ("f([1, 2, 3]) returns 6 - the sum of 1, 2 and 3.", [("f([1, 2, 3])", "6")]),
+        ("f([4]) returns 4 \u2014 that is all.\nf([5]) returns 6 - 1", [("f([4])", "4")]),
+        ("Input: xs = [2, 7], Output: [7, 2]", [("f([2, 7])", "[7, 2]")]),
+        ("Input: [5] -> Output: 5", [("f([5])", "5")]),
+        ("Input: [1, 2, 3] (three numbers)\nOutput: 6", [("f([1, 2, 3])", "6")]),
+        (
+            "For xs = [3] the answer is 3, and for xs = [] the answer is 0.",
+            [
+                ("f([3])", "3"),
+                ("f([])", "0"),
+            ],
+        ),
         # "=" values of a kind no other example gives are a definition's terms, not results.
         ("f([1]) = 3, f([2]) = 4\nf([3]) returns [1, 3, 2, 8]", [("f([3])", "[1, 3, 2, 8]")]),
     ],

@@ -51,11 +51,12 @@ _LINK = re.compile(
     re.VERBOSE | re.IGNORECASE,
 )
 # What may follow a value where its clause ends: the line's end, a full stop (not "..."),
-# a comma, a parenthesised aside, a comment, or a word that starts another clause. Not "!"
+# a comma, a parenthesised aside, a comment, a word that starts another clause, or a dash
+# before words ("6 - the sum of 1, 2 and 3"; not "6 - 1"). Not "!"
 # ("5! = 120"), "?" (a question), "if" or "when" (a value under a condition).
 _CLAUSE_END = re.compile(
     r"[ \t]*(?:$|\.(?!\.)|[,;:)\]`(\#]|(?:and|because|since|as|so|which|while|whereas|then|"
-    r"for|where)\b)",
+    r"for|where)\b|(?:-{1,2}|\u2014|\u2013)[ \t]+(?=[a-z]))",
     re.IGNORECASE,
 )
 # Words that make a value in their sentence something other than the function's result.
@@ -178,8 +179,12 @@ _STATED = re.compile(
     re.VERBOSE | re.IGNORECASE,
 )
 _INPUT = re.compile(
-    r"^[ \t]*(?:example[ \t]*\d*[ \t]*:)?[ \t]*inputs?[ \t]*:[ \t]*(?P<args>\S.*)$", re.I
+    r"^[ \t]*(?:example[ \t]*\d*[ \t]*:)?[ \t]*inputs?[ \t]*:[ \t]*(?P<args>\S.*?)[ \t]*"
+    r"(?:(?:,|->|=>|→)?[ \t]*(?:output|result)[ \t]*:[ \t]*(?P<want>\S.*))?$",
+    re.I,
 )
+# "Input: [1, 2, 3] (three numbers)": an aside in words after the input.
+_ASIDE = re.compile(r"[ \t]+\([^()]*[a-z][^()]*\)[ \t]*$", re.I)
 _OUTPUT = re.compile(r"^[ \t]*(?:output|result|returns?)[ \t]*:[ \t]*(?P<want>\S.*)$", re.I)
 
 
@@ -222,16 +227,23 @@ def _stated(prompt: str, entry_point: str, signature: Signature) -> list[Pair]:
             rest = tail[link.end() :] if link else tail
             want = _value_at(rest)
             call = _bound(stated["args"], entry_point, signature)
-            if call is not None and want is not None and not _names_any(rest, signature[0]):
+            # "15 when k = 3": an input named after the value is a condition on it, unless
+            # it starts the next example ("6, and for n = 0 the answer is 1").
+            leads = itertools.islice(_LEAD.finditer(rest), MAX_CALLS_PER_LINE)
+            nxt = next((m for m in leads if _STATED.match(rest, m.start())), None)
+            own = rest[: nxt.start()] if nxt else rest
+            if call is not None and want is not None and not _names_any(own, signature[0]):
                 pairs.append((call, want))
-                break
         given = _INPUT.match(line)
         if not given:
             continue
-        after = [later for later in lines[number + 1 : number + 3] if later.strip()]
-        output = _OUTPUT.match(after[0]) if after else None
-        want = _value_at(output["want"]) if output else None
-        call = _bound(given["args"], entry_point, signature)
+        if given["want"]:  # "Input: 5 -> Output: 120" on one line
+            want = _value_at(given["want"])
+        else:
+            after = [later for later in lines[number + 1 : number + 3] if later.strip()]
+            output = _OUTPUT.match(after[0]) if after else None
+            want = _value_at(output["want"]) if output else None
+        call = _bound(_ASIDE.sub("", given["args"]), entry_point, signature)
         if call is not None and want is not None:
             pairs.append((call, want))
     return pairs
