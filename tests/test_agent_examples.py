@@ -63,6 +63,10 @@ F = "def f(xs):"
         ("f([4]) returns 4 \u2014 that is all.\nf([5]) returns 6 - 1", [("f([4])", "4")]),
         ("Input: xs = [2, 7], Output: [7, 2]", [("f([2, 7])", "[7, 2]")]),
         ("Input: [5] -> Output: 5", [("f([5])", "5")]),
+        ("test.assert_equals(f([4]), 4)\nassertEqual(f([]), 0)", [("f([4])", "4"), ("f([])", "0")]),
+        ("assert f([1]) == 1, 'one'", [("f([1])", "1")]),
+        ('f([1, 2])  # return "1 2"', [("f([1, 2])", '"1 2"')]),
+        ("If xs is [3], the result is 3.", [("f([3])", "3")]),
         ("Input: [1, 2, 3] (three numbers)\nOutput: 6", [("f([1, 2, 3])", "6")]),
         (
             "For xs = [3] the answer is 3, and for xs = [] the answer is 0.",
@@ -135,13 +139,24 @@ def test_what_is_not_an_example_is_not_read(text: str) -> None:
 def test_a_defaulted_input_given_in_words_is_no_reading_without_it() -> None:
     sig = "def shift(xs, k=1):"
     for text in (
-        "Given [1, 2, 3], and k = 2, the function returns [3, 4, 5].",
         "For xs = [1, 2], with a shift of 3, the result is [4, 5].",
         "For xs = [5] the result is 8 when k = 3.",
     ):
         assert visible_examples(doc(sig, text), "shift") == [], text
     good = doc(sig, "For xs = [1, 2], k = 2 the result is [3, 4].")
     assert visible_examples(good, "shift") == [("shift([1, 2], 2)", "[3, 4]")]
+    both = doc(sig, "Given [1, 2, 3], and k = 2, the function returns [3, 4, 5].")
+    assert visible_examples(both, "shift") == [("shift([1, 2, 3], 2)", "[3, 4, 5]")]
+
+
+def test_inputs_joined_by_and_fill_every_parameter_or_none() -> None:
+    add = "def add(a, b):"
+    assert visible_examples(doc(add, "Given 2 and 3 the function returns 5."), "add") == [
+        ("add(2, 3)", "5")
+    ]
+    # One value for two parameters, or three: no reading.
+    assert visible_examples(doc(add, "Given 2 and more, the output is 5."), "add") == []
+    assert visible_examples(doc(add, "Given 1, 2 and 3, the output is 6."), "add") == []
 
 
 def test_a_function_that_returns_nothing_has_no_result_to_check() -> None:

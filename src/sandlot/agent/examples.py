@@ -158,13 +158,30 @@ def _inline(prompt: str, entry_point: str) -> list[tuple[str, str, str]]:
             if end is None:
                 continue
             call = line[found.start() : end]
-            link = _LINK.match(line, end)
-            if link is None or not _literal_call(call) or _NOT_SO.search(_last_sentence(before)):
+            if not _literal_call(call) or _NOT_SO.search(_last_sentence(before)):
                 continue
-            want = _value_at(line[link.end() :])
+            if _ASSERT_EQUAL.search(before):  # test.assert_equals(f(4), 8)
+                comma = re.match(r"[ \t]*,[ \t]*", line[end:])
+                start = end + comma.end() if comma else len(line)
+                want = _value_at(line[start:])
+                if want is not None and re.match(r"[ \t]*\)", line[start + len(want) :]):
+                    pairs.append((call, want, "assert"))
+                continue
+            link = _LINK.match(line, end) or _COMMENT_RETURN.match(line, end)
+            if link is None:
+                continue
+            text = line[link.end() :]
+            if before.lstrip() == "assert":  # "assert f(-1) == 1, 'negative'": its message
+                text = re.sub(r",[ \t]*[fr]?['\"].*$", "", text)
+            want = _value_at(text)
             if want is not None:
                 pairs.append((call, want, link["link"]))
     return pairs
+
+
+_ASSERT_EQUAL = re.compile(r"\bassert_?equals?[ \t]*\([ \t]*$|\bassertEqual[ \t]*\([ \t]*$", re.I)
+# "f(4)  # return 8": a bare "return" reads as an example only in a comment after the call.
+_COMMENT_RETURN = re.compile(r"[ \t]*\#[ \t]*(?P<link>return)[ \t]+", re.I)
 
 
 # "For num = "AB" the output should be 1.", "Given [1, 2] the function returns 3."
@@ -250,8 +267,24 @@ def _stated(prompt: str, entry_point: str, signature: Signature) -> list[Pair]:
 
 
 def _bound(text: str, entry_point: str, signature: Signature) -> str | None:
-    """The call that ``text`` describes ("s = 'ab', k = 2", or literals in order), bound to
-    the parameters, as source: the whole text, or its longest part before a comma when what
+    """The call that ``text`` describes ("s = 'ab', k = 2", "x is 4", "2 and 3", or
+    literals in order), bound to the parameters, as source."""
+    names = signature[0]
+    if names:  # "If x is 4": a parameter named, then its value
+        named = "|".join(re.escape(name) for name in names)
+        text = re.sub(rf"\b({named})[ \t]+is[ \t]+", r"\1 = ", text)
+    call = _bound_reading(text, entry_point, signature)
+    if call is None and re.search(r"[ \t]+and[ \t]+", text):
+        # "Given 2 and 3": one value for each parameter, all of them, or no reading.
+        listed = re.sub(r",?[ \t]+and[ \t]+", ", ", text.rstrip(" \t.:,"))
+        parsed = _parse(f"_({listed})")
+        if isinstance(parsed, ast.Call) and len(parsed.args) + len(parsed.keywords) == len(names):
+            call = _bound_reading(listed, entry_point, signature)
+    return call
+
+
+def _bound_reading(text: str, entry_point: str, signature: Signature) -> str | None:
+    """The whole text bound to the parameters, or its longest part before a comma when what
     follows names no further input."""
     names, required, _ = signature
     cuts = [len(text.rstrip(" \t.:,"))]
