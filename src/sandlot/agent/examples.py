@@ -9,10 +9,11 @@ Read here:
 - a call with literal arguments followed by a link and a literal, anywhere in a line:
   ``f(x) == y``, ``f(x) = y``, ``f(x) ➞ y``, ``f(x) -> y``, ``f(x) # => y``, and in words,
   ``f(x) returns y``, ``f(x) should be y``, ``f(x) is y``, as a sentence writes it
-  ("For example, ``f([1, 2])`` returns 3.");
+  ("For example, ``f([1, 2])`` returns 3."); ``assert f(x) == y, "message"``,
+  ``test.assert_equals(f(x), y)``, ``f(x)  # return y``;
 - inputs named rather than called, bound to the ``def``'s parameters: "For s = 'ab', c =
-  'a' the result should be 'b'", "Given [1, 2] the function returns 3", and an "Input: ..."
-  line followed by "Output: ...".
+  'a' the result should be 'b'", "If x is 4, the result is 8", "Given 2 and 3 the function
+  returns 5", and an "Input: ..." line followed by (or ending in) "Output: ...".
 
 A prompt's example outranks every test the model writes, so a misread costs more than a
 miss, and these are refused: arguments that are not literals (``f(n) = ...`` is a
