@@ -247,3 +247,52 @@ def test_the_work_a_prompt_can_ask_for_is_bounded() -> None:
     assert visible_examples(doc(F, f"f([1]) returns {long_value}"), "f") == []
     near = "f([1]) is 1; " * 40
     assert visible_examples(doc(F, near[: MAX_LINE_CHARS - 4]), "f") == [("f([1])", "1")]
+
+
+@pytest.mark.parametrize(
+    ("signature", "text", "pairs"),
+    [
+        # The second red-team pass: each read a wrong value before its fix.
+        (
+            "def replace(s, old, new):",
+            "If s is 'cats and dogs', old is 'and' and new is 'or', the result is 'cats or dogs'.",
+            [("replace('cats and dogs', 'and', 'or')", "'cats or dogs'")],
+        ),
+        (
+            "def count_char(s, c):",
+            "Given 'black and white' and 'a', the output is 2.",
+            [("count_char('black and white', 'a')", "2")],
+        ),
+        (
+            "def scale(n, k=1):",
+            "For n = 5 the result is 15 for k = 3. For n = 2 the result is 2.",
+            [("scale(2)", "2")],
+        ),
+        ("def round_to(x, mode='down'):", "For x = 2.5, rounding up, the result is 3.", []),
+        ("def power(base, exp=2):", "power(2) returns 8 for exp = 3.", []),
+        (
+            "def power(base, exp=2):",
+            "power(2) returns 4, and power(2, 3) returns 8.",
+            [
+                ("power(2)", "4"),
+                ("power(2, 3)", "8"),
+            ],
+        ),
+        ("def rotate(xs, k=1):", "Input: [1, 2, 3] (with k = 2)\nOutput: [2, 3, 1]", []),
+        ("def rotate(xs, k=1):", "Input: [1, 2, 3]\nOutput: [3, 1, 2] (for k = 2)", []),
+        (
+            "def lookup(s, pair=None):",
+            "Input: 'cat', ('c', 'd')\nOutput: 'dat'",
+            [
+                ("lookup('cat', ('c', 'd'))", "'dat'"),
+            ],
+        ),
+        ("def min_max(xs):", "min_max([3, 1]) returns 1 and 3.", []),
+        ("def num_to_str(n):", "num_to_str(42) returns 42 as a string.", []),
+    ],
+)
+def test_a_value_that_depends_on_more_than_its_reading_is_refused(
+    signature: str, text: str, pairs: list[tuple[str, str]]
+) -> None:
+    entry = signature.split()[1].split("(", maxsplit=1)[0]
+    assert visible_examples(doc(signature, text), entry) == pairs

@@ -33,11 +33,21 @@ from __future__ import annotations
 
 import ast
 import doctest
-import io
 import itertools
 import re
-import tokenize
-import warnings
+
+from sandlot.agent.literals import (
+    arithmetic,
+    closing,
+    is_literal,
+    is_literal_node,
+    kind,
+    literal_call,
+    normal,
+    outside_strings,
+    parse,
+    string_end,
+)
 
 # The link between a call and its value: symbols first, longest first ("==>" before "==").
 # No bare "return" or "would": "Does f(3) return 6?", "would make f([]) return None".
@@ -54,9 +64,10 @@ _LINK = re.compile(
 # What may follow a value where its clause ends: the line's end, a full stop (not "..."),
 # a comma, a parenthesised aside, a comment, a word that starts another clause, or a dash
 # before words ("6 - the sum of 1, 2 and 3"; not "6 - 1"). Not "!"
-# ("5! = 120"), "?" (a question), "if" or "when" (a value under a condition).
+# ("5! = 120"), "?" (a question), "if" or "when" (a value under a condition), "as" ("42 as
+# a string").
 _CLAUSE_END = re.compile(
-    r"[ \t]*(?:$|\.(?!\.)|[,;:)\]`(\#]|(?:and|because|since|as|so|which|while|whereas|then|"
+    r"[ \t]*(?:$|\.(?!\.)|[,;:)\]`(\#]|(?:and|because|since|so|which|while|whereas|then|"
     r"for|where)\b|(?:-{1,2}|\u2014|\u2013)[ \t]+(?=[a-z]))",
     re.IGNORECASE,
 )
@@ -77,8 +88,8 @@ _SCALAR = re.compile(
     r"(?:[-+]?(?:\d[\d_]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?j?|true|false|none)(?!\w)",
     re.IGNORECASE,
 )
-# A further value after a comma: "2, 3, 5", "1,000", "[1], [2]".
-_MORE = re.compile(r"\s*,\s*(?:[-+]?\.?\d|['\"\[({])")
+# A further value after a comma or "and": "2, 3, 5", "1,000", "[1], [2]", "3 and 1".
+_MORE = re.compile(r"\s*(?:,|,?\s+and\b)\s*(?:[-+]?\.?\d|['\"\[({])")
 # Bounds on the work a prompt can ask for (it is the caller's text, and a benchmark's task
 # file anyone may write): a longer line is no example, and each line gets a few readings.
 MAX_LINE_CHARS = 500
@@ -95,13 +106,13 @@ def visible_examples(prompt: str, entry_point: str) -> list[Pair]:
     and what is refused."""
     signature = _signature(prompt, entry_point)
     doctests = _doctests(prompt, entry_point)
-    inline = _inline(prompt, entry_point)
+    inline = _inline(prompt, entry_point, signature)
     stated = _stated(prompt, entry_point, signature) if signature else []
     # "f(x) = y" lines are often a definition's terms: kept only where their values are of
     # one kind, and of a kind the other examples also give.
-    defined = {_kind(want) for _, want, link in inline if link == "="} - {"none"}
+    defined = {kind(want) for _, want, link in inline if link == "="} - {"none"}
     others = [*doctests, *((c, w) for c, w, link in inline if link != "="), *stated]
-    elsewhere = {_kind(want) for _, want in others} - {"none"}
+    elsewhere = {kind(want) for _, want in others} - {"none"}
     if len(defined) > 1 or (defined and elsewhere and not defined <= elsewhere):
         inline = [found for found in inline if found[2] != "="]
     read = [*doctests, *((call, want) for call, want, _ in inline), *stated]
@@ -109,10 +120,10 @@ def visible_examples(prompt: str, entry_point: str) -> list[Pair]:
         read = [(call, want) for call, want in read if want == "None"]
     values: dict[str, set[str]] = {}
     for call, want in read:
-        values.setdefault(_normal(call), set()).add(_normal(want))
+        values.setdefault(normal(call), set()).add(normal(want))
     out: dict[str, Pair] = {}
     for call, want in read:
-        key = _normal(call)
+        key = normal(call)
         if len(values[key]) == 1:  # a call given two different values gives nothing
             out.setdefault(key, (call, want))
     return list(out.values())
@@ -136,14 +147,16 @@ def _doctests(prompt: str, entry_point: str) -> list[Pair]:
             continue
         if max(len(source), len(want)) > MAX_LINE_CHARS or want.startswith("Traceback"):
             continue
-        node = _parse(source)
+        node = parse(source)
         printed = isinstance(node, ast.Call) and getattr(node.func, "id", "") == "print"
         if node is not None and not printed:
             pairs.append((source, want))
     return pairs
 
 
-def _inline(prompt: str, entry_point: str) -> list[tuple[str, str, str]]:
+def _inline(
+    prompt: str, entry_point: str, signature: Signature | None
+) -> list[tuple[str, str, str]]:
     """(call, expected, the link between them) for each call followed by a value."""
     pairs = []
     calls = re.compile(rf"(?<![\w.]){re.escape(entry_point)}[ \t]*\(")
@@ -155,11 +168,11 @@ def _inline(prompt: str, entry_point: str) -> list[tuple[str, str, str]]:
             operand = before[-1:] in set("+-*/%@&|^<>=") and before[:-1].strip()
             if operand and not before.endswith(">>>"):
                 continue  # "fib(3) + fib(2) = 3": a part of the expression, not all of it
-            end = _closing(line, found.end() - 1)
+            end = closing(line, found.end() - 1)
             if end is None:
                 continue
             call = line[found.start() : end]
-            if not _literal_call(call) or _NOT_SO.search(_last_sentence(before)):
+            if not literal_call(call) or _NOT_SO.search(_last_sentence(before)):
                 continue
             if _ASSERT_EQUAL.search(before):  # test.assert_equals(f(4), 8)
                 comma = re.match(r"[ \t]*,[ \t]*", line[end:])
@@ -174,10 +187,21 @@ def _inline(prompt: str, entry_point: str) -> list[tuple[str, str, str]]:
             text = line[link.end() :]
             if before.lstrip() == "assert":  # "assert f(-1) == 1, 'negative'": its message
                 text = re.sub(r",[ \t]*[fr]?['\"].*$", "", text)
-            want = _value_at(text)
-            if want is not None:
+            read = _read_value(text)
+            if read is None:
+                continue
+            want, after = read
+            after = after.split(f"{entry_point}(", 1)[0]  # up to the next example's call
+            if signature is None or not _conditional(
+                after, signature[0], _arity(call) >= len(signature[0])
+            ):
                 pairs.append((call, want, link["link"]))
     return pairs
+
+
+def _arity(call: str) -> int:
+    node = parse(call)
+    return len(node.args) + len(node.keywords) if isinstance(node, ast.Call) else 0
 
 
 _ASSERT_EQUAL = re.compile(r"\bassert_?equals?[ \t]*\([ \t]*$|\bassertEqual[ \t]*\([ \t]*$", re.I)
@@ -196,13 +220,11 @@ _STATED = re.compile(
     )(?P<tail>.*)$""",
     re.VERBOSE | re.IGNORECASE,
 )
-_INPUT = re.compile(
-    r"^[ \t]*(?:example[ \t]*\d*[ \t]*:)?[ \t]*inputs?[ \t]*:[ \t]*(?P<args>\S.*?)[ \t]*"
-    r"(?:(?:,|->|=>|→)?[ \t]*(?:output|result)[ \t]*:[ \t]*(?P<want>\S.*))?$",
-    re.I,
-)
+_INPUT = re.compile(r"^[ \t]*(?:example[ \t]*\d*[ \t]*:)?[ \t]*inputs?[ \t]*:(?P<args>.*)$", re.I)
+# "Input: 5 -> Output: 120" on one line.
+_OUTPUT_AFTER = re.compile(r"(?:,|->|=>|→)?[ \t]*\b(?:output|result)[ \t]*:", re.I)
 # "Input: [1, 2, 3] (three numbers)": an aside in words after the input.
-_ASIDE = re.compile(r"[ \t]+\([^()]*[a-z][^()]*\)[ \t]*$", re.I)
+_ASIDE = re.compile(r"[ \t]\(([^()]*)\)[ \t]*$")
 _OUTPUT = re.compile(r"^[ \t]*(?:output|result|returns?)[ \t]*:[ \t]*(?P<want>\S.*)$", re.I)
 
 
@@ -215,10 +237,10 @@ def _signature(prompt: str, entry_point: str) -> Signature | None:
     if found is None:
         return None
     header = prompt[found.end() - 1 : found.end() - 1 + 4 * MAX_LINE_CHARS]
-    end = _closing(header.replace("\n", " "), 0)
+    end = closing(header.replace("\n", " "), 0)
     if end is None:
         return None
-    tree = _parse(f"def _{header[:end]}: pass", mode="exec")
+    tree = parse(f"def _{header[:end]}: pass", mode="exec")
     if not isinstance(tree, ast.Module) or not isinstance(tree.body[0], ast.FunctionDef):
         return None
     arguments = tree.body[0].args
@@ -240,51 +262,94 @@ def _stated(prompt: str, entry_point: str, signature: Signature) -> list[Pair]:
             stated = _STATED.match(line, lead.start())
             if not stated or _NOT_SO.search(_last_sentence(line[: lead.start()])):
                 continue
-            tail = stated["tail"]
-            link = _LINK.match(tail)
-            rest = tail[link.end() :] if link else tail
-            want = _value_at(rest)
-            call = _bound(stated["args"], entry_point, signature)
-            # "15 when k = 3": an input named after the value is a condition on it, unless
-            # it starts the next example ("6, and for n = 0 the answer is 1").
-            leads = itertools.islice(_LEAD.finditer(rest), MAX_CALLS_PER_LINE)
-            nxt = next((m for m in leads if _STATED.match(rest, m.start())), None)
-            own = rest[: nxt.start()] if nxt else rest
-            if call is not None and want is not None and not _names_any(own, signature[0]):
+            found = _stated_at(stated, entry_point, signature)
+            if found is None:
+                continue
+            (call, complete), (want, after) = found
+            # "15 when k = 3": words after the value are a condition on it, unless they
+            # start the next example ("6, and for n = 0 the answer is 1").
+            leads = itertools.islice(_LEAD.finditer(after), MAX_CALLS_PER_LINE)
+            nxt = next(
+                (
+                    m
+                    for m in leads
+                    if _stated_at(_STATED.match(after, m.start()), entry_point, signature)
+                ),
+                None,
+            )
+            if not _conditional(after[: nxt.start()] if nxt else after, signature[0], complete):
                 pairs.append((call, want))
         given = _INPUT.match(line)
         if not given:
             continue
-        if given["want"]:  # "Input: 5 -> Output: 120" on one line
-            want = _value_at(given["want"])
+        args, read = given["args"], None
+        inline_output = _OUTPUT_AFTER.search(args)
+        if inline_output:  # "Input: 5 -> Output: 120" on one line
+            args, read = args[: inline_output.start()], _read_value(args[inline_output.end() :])
         else:
-            after = [later for later in lines[number + 1 : number + 3] if later.strip()]
-            output = _OUTPUT.match(after[0]) if after else None
-            want = _value_at(output["want"]) if output else None
-        call = _bound(_ASIDE.sub("", given["args"]), entry_point, signature)
-        if call is not None and want is not None:
-            pairs.append((call, want))
+            below = [later for later in lines[number + 1 : number + 3] if later.strip()]
+            output = _OUTPUT.match(below[0]) if below else None
+            read = _read_value(output["want"]) if output else None
+        bound = _bound(_without_aside(args.strip(), signature[0]), entry_point, signature)
+        if bound is not None and read is not None:
+            (call, complete), (want, after_value) = bound, read
+            if not _conditional(after_value, signature[0], complete):
+                pairs.append((call, want))
     return pairs
 
 
-def _bound(text: str, entry_point: str, signature: Signature) -> str | None:
-    """The call that ``text`` describes ("s = 'ab', k = 2", "x is 4", "2 and 3", or
-    literals in order), bound to the parameters, as source."""
+def _without_aside(text: str, names: list[str]) -> str:
+    """``text`` less a parenthesised aside in words at its end ("(three numbers)"); an
+    aside holding a value or a parameter ("(with k = 2)", "('c', 'd')") stays, and refuses
+    the reading."""
+    aside = _ASIDE.search(text)
+    if aside is None:
+        return text
+    inner = aside.group(1)
+    if (
+        re.search(r"[=\d'\"]", inner)
+        or _names_any(inner, names)
+        or not re.search(r"[a-z]", inner, re.I)
+    ):
+        return text
+    return text[: aside.start()]
+
+
+def _stated_at(
+    stated: re.Match[str] | None, entry_point: str, signature: Signature
+) -> tuple[Bound, tuple[str, str]] | None:
+    """The call and value a ``_STATED`` match reads, if both read."""
+    if stated is None:
+        return None
+    tail = stated["tail"]
+    link = _LINK.match(tail)
+    read = _read_value(tail[link.end() :] if link else tail)
+    bound = _bound(stated["args"], entry_point, signature)
+    return (bound, read) if bound is not None and read is not None else None
+
+
+Bound = tuple[str, bool]  # the call's source, and whether every parameter was given
+
+
+def _bound(text: str, entry_point: str, signature: Signature) -> Bound | None:
+    """The call that ``text`` describes ("s = 'ab', k = 2", or literals in order; else "x
+    is 4", "2 and 3"), bound to the parameters. The rewrites stay outside string literals."""
     names = signature[0]
-    if names:  # "If x is 4": a parameter named, then its value
-        named = "|".join(re.escape(name) for name in names)
-        text = re.sub(rf"\b({named})[ \t]+is[ \t]+", r"\1 = ", text)
     call = _bound_reading(text, entry_point, signature)
+    if call is None and names:  # "If x is 4": a parameter named, then its value
+        named = "|".join(re.escape(name) for name in names)
+        text = outside_strings(rf"\b({named})[ \t]+is[ \t]+", r"\1 = ", text)
+        call = _bound_reading(text, entry_point, signature)
     if call is None and re.search(r"[ \t]+and[ \t]+", text):
         # "Given 2 and 3": one value for each parameter, all of them, or no reading.
-        listed = re.sub(r",?[ \t]+and[ \t]+", ", ", text.rstrip(" \t.:,"))
-        parsed = _parse(f"_({listed})")
+        listed = outside_strings(r",?[ \t]+and[ \t]+", ", ", text.rstrip(" \t.:,"))
+        parsed = parse(f"_({listed})")
         if isinstance(parsed, ast.Call) and len(parsed.args) + len(parsed.keywords) == len(names):
             call = _bound_reading(listed, entry_point, signature)
     return call
 
 
-def _bound_reading(text: str, entry_point: str, signature: Signature) -> str | None:
+def _bound_reading(text: str, entry_point: str, signature: Signature) -> Bound | None:
     """The whole text bound to the parameters, or its longest part before a comma when what
     follows names no further input."""
     names, required, _ = signature
@@ -294,7 +359,7 @@ def _bound_reading(text: str, entry_point: str, signature: Signature) -> str | N
         dropped = text[cut:]
         if _MORE.match(dropped) or re.match(r"\s*,\s*\w+\s*=(?!=)", dropped):
             return None  # a further value or named input: this reading would leave it out
-        call = _parse(f"_({text[:cut]})")
+        call = parse(f"_({text[:cut]})")
         if not isinstance(call, ast.Call) or len(call.args) > len(names):
             continue
         values: dict[str, ast.expr] = dict(zip(names, call.args, strict=False))
@@ -306,30 +371,35 @@ def _bound_reading(text: str, entry_point: str, signature: Signature) -> str | N
             given = [name for name in names if name in values]
             if given != names[: len(given)] or len(given) < required:
                 continue  # a gap: the values would land on the wrong parameters
-            words_of_more = re.search(r"\d|['\"]", dropped) or _names_any(dropped, names)
-            if len(given) < len(names) and words_of_more:
-                return None  # "with a shift of 3": a defaulted input given in words
-            if not all(_literal(value) for value in values.values()):
+            complete = len(given) == len(names)
+            if not complete and re.search(r"[^\W_]", dropped):
+                return None  # "with a shift of 3", "rounding up": a defaulted input in words
+            if not all(is_literal_node(value) for value in values.values()):
                 continue
-            return f"{entry_point}({', '.join(ast.unparse(values[n]) for n in given)})"
+            return f"{entry_point}({', '.join(ast.unparse(values[n]) for n in given)})", complete
     return None
 
 
 def _value_at(text: str) -> str | None:
+    read = _read_value(text)
+    return read[0] if read else None
+
+
+def _read_value(text: str) -> tuple[str, str] | None:
     """The literal ``text`` starts with, as source, when its clause ends there and its
-    sentence does not take it back: a number or word (True, None), a string, or a bracketed
-    value read to its closing bracket."""
+    sentence does not take it back (a number or word such as True or None, a string, or a
+    bracketed value read to its closing bracket), and the rest of that sentence."""
     text = text.lstrip("`> \t")
     head, equals, rest = text.partition(" = ")
-    if equals and _arithmetic(head):  # "1 + 9 = 10": the worked sum's result
-        return _value_at(rest)
+    if equals and arithmetic(head):  # "1 + 9 = 10": the worked sum's result
+        return _read_value(rest)
     if not text:
         return None
     end: int | None
     if text[0] in "([{":
-        end = _closing(text, 0)
+        end = closing(text, 0)
     elif text[0] in "'\"":
-        end = _string_end(text)
+        end = string_end(text)
     else:
         scalar = _SCALAR.match(text)
         end = scalar.end() if scalar else None
@@ -339,7 +409,16 @@ def _value_at(text: str) -> str | None:
     if sentence.rstrip().endswith("?") or _NOT_SO.search(sentence):
         return None
     source = _WORDS.get(text[:end].lower(), text[:end])
-    return source if _is_literal(source) else None
+    return (source, sentence) if is_literal(source) else None
+
+
+def _conditional(after: str, names: list[str], complete: bool) -> bool:
+    """Whether the words after a value make it depend on more than the call: a parameter
+    named ("15 when k = 3"), or, where a defaulted parameter was left out, any words at all
+    ("[2, 3, 1] for a shift of 2", "3, rounding up")."""
+    if not complete:  # only a joining word may follow: "f(2) returns 4, and f(2, 3) ..."
+        return not re.fullmatch(r"[\s,.;:]*(?:(?:and|while|whereas|then)\b[\s,.;:]*)?", after)
+    return _names_any(after, names)
 
 
 def _last_sentence(text: str) -> str:
@@ -352,126 +431,3 @@ def _names_any(text: str, names: list[str]) -> bool:
 
 def _lines(prompt: str) -> list[str]:
     return [line for line in prompt.splitlines() if len(line) <= MAX_LINE_CHARS]
-
-
-def _closing(line: str, opening: int) -> int | None:
-    """The index after the bracket that closes ``line[opening]``, skipping strings."""
-    depth, quote, index = 0, "", opening
-    while index < len(line):
-        char = line[index]
-        if quote:
-            if char == "\\":
-                index += 1
-            elif char == quote:
-                quote = ""
-        elif char in "'\"":
-            quote = char
-        elif char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-            if depth == 0:
-                return index + 1
-        index += 1
-    return None
-
-
-def _string_end(text: str) -> int | None:
-    """The index after the string literal ``text`` starts with."""
-    quote, index = text[0], 1
-    while index < len(text):
-        if text[index] == "\\":
-            index += 2
-            continue
-        if text[index] == quote:
-            return index + 1
-        index += 1
-    return None
-
-
-def _parse(source: str, mode: str = "eval") -> ast.AST | None:
-    """``source`` parsed (an expression's body), or None for anything Python would not
-    take: a prompt is any text, and a misfit must cost no exception and no warning."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tree = ast.parse(source, mode=mode)
-    except (SyntaxError, ValueError, UnicodeError, MemoryError, RecursionError):
-        return None
-    return tree.body if isinstance(tree, ast.Expression) else tree
-
-
-def _literal(node: ast.AST) -> bool:
-    try:
-        ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
-    return True
-
-
-def _is_literal(source: str) -> bool:
-    """A Python literal, not a bare tuple (``3, which`` would read as ``(3,)``), and no
-    comment (``7 # a note`` parses, as 7 and more)."""
-    node = _parse(source)
-    if node is None or not _literal(node):
-        return False
-    if "#" in source and _has_comment(source):
-        return False
-    return not (isinstance(node, ast.Tuple) and not source.startswith("("))
-
-
-def _has_comment(source: str) -> bool:
-    try:
-        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-    except (tokenize.TokenError, SyntaxError):
-        return True
-    return any(token.type == tokenize.COMMENT for token in tokens)
-
-
-def _literal_call(source: str) -> bool:
-    """A call whose arguments are literals: ``f(a)`` in prose names no value."""
-    call = _parse(source)
-    if not isinstance(call, ast.Call):
-        return False
-    return all(_literal(arg) for arg in [*call.args, *(k.value for k in call.keywords)])
-
-
-def _arithmetic(source: str) -> bool:
-    """Numbers and operators only: ``1 + (2 / 2)``."""
-    tree = _parse(source.strip())
-    if tree is None:
-        return False
-    allowed = (ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
-    nodes = list(ast.walk(tree))
-    return any(isinstance(n, ast.BinOp) for n in nodes) and all(
-        isinstance(n, allowed) or (isinstance(n, ast.Constant) and isinstance(n.value, int | float))
-        for n in nodes
-    )
-
-
-def _kind(want: str) -> str:
-    """The kind of a value, for telling a function's results from other numbers: numbers
-    are one kind (2 and 2.0), sequences another; None goes with any."""
-    node = _parse(want)
-    if node is None or not _literal(node):
-        return "other"
-    value = ast.literal_eval(node)
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int | float | complex):
-        return "number"
-    if isinstance(value, list | tuple):
-        return "sequence"
-    return type(value).__name__
-
-
-def _normal(source: str) -> str:
-    node = _parse(source.strip())
-    if node is None:
-        return source.strip()
-    try:
-        return ast.dump(node)
-    except (ValueError, RecursionError):
-        return source.strip()
