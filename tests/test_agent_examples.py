@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from sandlot.agent.checks import SAME
 from sandlot.agent.code import example_checks
 from sandlot.agent.examples import MAX_LINE_CHARS, visible_examples
+from sandlot.agent.literals import normal
 
 
 def doc(signature: str, text: str) -> str:
@@ -296,3 +298,59 @@ def test_a_value_that_depends_on_more_than_its_reading_is_refused(
 ) -> None:
     entry = signature.split()[1].split("(", maxsplit=1)[0]
     assert visible_examples(doc(signature, text), entry) == pairs
+
+
+# Two red-team passes' prompts (2026-11-27): task text as people write it, with what a
+# careful reader takes from each and a reference solution.
+RED_TEAM = Path(__file__).parent / "data" / "example_prompts.json"
+MISSED_AT_MOST = 37  # of 187 prompts' readings, when this test was written: lower is better
+
+
+def test_the_red_teams_prompts_read_nothing_wrong() -> None:
+    cases = json.loads(RED_TEAM.read_text())
+    read = [
+        (case["id"], visible_examples(doc(case["signature"], case["text"]), case["entry_point"]))
+        for case in cases
+    ]
+    # Every reading, and every reading a careful reader takes, is checked against the
+    # reference solution: trusted code of this repository, run in a child of its own.
+    program = (
+        "import builtins as _b, json, sys\n"
+        + SAME
+        + (
+            "wrong = []\n"
+            "for case_id, solution, pairs in json.load(sys.stdin):\n"
+            "    space = {}\n"
+            "    exec(solution, space)\n"
+            "    for call, want in pairs:\n"
+            "        try:\n"
+            "            ok, _ = _sandlot_same(eval(call, space), want, space, _b)\n"
+            "        except Exception:\n"
+            "            ok = False\n"
+            "        if not ok:\n"
+            "            wrong.append([case_id, call, want])\n"
+            "print(json.dumps(wrong))\n"
+        )
+    )
+    batches = [
+        [(c["id"], c["solution"], pairs) for c, (_, pairs) in zip(cases, read, strict=True)],
+        [(c["id"], c["solution"], c["expected"]) for c in cases],
+    ]
+    for batch in batches:
+        done = subprocess.run(
+            ["/usr/bin/python3", "-c", program],
+            input=json.dumps(batch),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert json.loads(done.stdout) == []
+    missed = sum(
+        len(
+            {(normal(c), normal(w)) for c, w in case["expected"]}
+            - {(normal(c), normal(w)) for c, w in pairs}
+        )
+        for case, (_, pairs) in zip(cases, read, strict=True)
+    )
+    assert missed <= MISSED_AT_MOST
