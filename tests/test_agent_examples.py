@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,6 +196,41 @@ def test_example_checks_are_trusted_examples() -> None:
     assert check.origin == "example" and check.source == "assert f([1, 2]) == 3"
 
 
+# Each (id, solution source, pairs) run in a child for its own globals: what it returns
+# against what each pair expects, compared as the checks' harness compares.
+WRONG_READINGS = (
+    "import builtins as _b, json, sys\n"
+    + SAME
+    + (
+        "wrong = []\n"
+        "for case_id, solution, pairs in json.load(sys.stdin):\n"
+        "    space = {}\n"
+        "    exec(solution, space)\n"
+        "    for call, want in pairs:\n"
+        "        try:\n"
+        "            ok, _ = _sandlot_same(eval(call, space), want, space, _b)\n"
+        "        except Exception:\n"
+        "            ok = False\n"
+        "        if not ok:\n"
+        "            wrong.append([case_id, call, want])\n"
+        "print(json.dumps(wrong))\n"
+    )
+)
+
+
+def wrong_readings(cases: list[Any]) -> list[tuple[str, str, str]]:
+    """(id, call, expected) of each pair the case's solution does not bear out."""
+    done = subprocess.run(
+        ["/usr/bin/python3", "-c", WRONG_READINGS],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return [tuple(wrong) for wrong in json.loads(done.stdout)]
+
+
 # HumanEval's own prompts state these wrongly; reading them right is reading them.
 HUMANEVAL_WRONG_EXAMPLES = {"HumanEval/47", "HumanEval/116", "HumanEval/148"}
 
@@ -207,39 +243,13 @@ def test_every_example_read_from_humaneval_holds_for_its_canonical_solution() ->
     }
     # Before the forms in words were read (the ``>>>`` and arrow lines only): 124 tasks.
     assert sum(1 for pairs in read.values() if pairs) >= 150
-    program = (
-        "import builtins as _b, json, sys\n"
-        + SAME
-        + (
-            "wrong = []\n"
-            "for task_id, source, pairs in json.load(sys.stdin):\n"
-            "    space = {}\n"
-            "    exec(source, space)\n"
-            "    for call, want in pairs:\n"
-            "        try:\n"
-            "            ok, _ = _sandlot_same(eval(call, space), want, space, _b)\n"
-            "        except Exception:\n"
-            "            ok = False\n"
-            "        if not ok:\n"
-            "            wrong.append(task_id)\n"
-            "print(json.dumps(sorted(set(wrong))))\n"
-        )
-    )
     cases = [
         (task_id, p["prompt"] + p["canonical_solution"], read[task_id])
         for task_id, p in problems.items()
         if read[task_id]
     ]
-    # The dataset's canonical solutions: trusted code, run in a child for its own globals.
-    done = subprocess.run(
-        ["/usr/bin/python3", "-c", program],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert set(json.loads(done.stdout)) == HUMANEVAL_WRONG_EXAMPLES
+    # The dataset's canonical solutions: trusted code.
+    assert {task_id for task_id, _, _ in wrong_readings(cases)} == HUMANEVAL_WRONG_EXAMPLES
 
 
 def test_the_work_a_prompt_can_ask_for_is_bounded() -> None:
@@ -303,7 +313,7 @@ def test_a_value_that_depends_on_more_than_its_reading_is_refused(
 # Two red-team passes' prompts (2026-11-27): task text as people write it, with what a
 # careful reader takes from each and a reference solution.
 RED_TEAM = Path(__file__).parent / "data" / "example_prompts.json"
-MISSED_AT_MOST = 37  # of 187 prompts' readings, when this test was written: lower is better
+MISSED_AT_MOST = 37  # of the 181 readings in 187 prompts, when this test was written
 
 
 def test_the_red_teams_prompts_read_nothing_wrong() -> None:
@@ -313,39 +323,13 @@ def test_the_red_teams_prompts_read_nothing_wrong() -> None:
         for case in cases
     ]
     # Every reading, and every reading a careful reader takes, is checked against the
-    # reference solution: trusted code of this repository, run in a child of its own.
-    program = (
-        "import builtins as _b, json, sys\n"
-        + SAME
-        + (
-            "wrong = []\n"
-            "for case_id, solution, pairs in json.load(sys.stdin):\n"
-            "    space = {}\n"
-            "    exec(solution, space)\n"
-            "    for call, want in pairs:\n"
-            "        try:\n"
-            "            ok, _ = _sandlot_same(eval(call, space), want, space, _b)\n"
-            "        except Exception:\n"
-            "            ok = False\n"
-            "        if not ok:\n"
-            "            wrong.append([case_id, call, want])\n"
-            "print(json.dumps(wrong))\n"
-        )
-    )
+    # reference solution: trusted code of this repository.
     batches = [
         [(c["id"], c["solution"], pairs) for c, (_, pairs) in zip(cases, read, strict=True)],
         [(c["id"], c["solution"], c["expected"]) for c in cases],
     ]
     for batch in batches:
-        done = subprocess.run(
-            ["/usr/bin/python3", "-c", program],
-            input=json.dumps(batch),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        assert json.loads(done.stdout) == []
+        assert wrong_readings(batch) == []
     missed = sum(
         len(
             {(normal(c), normal(w)) for c, w in case["expected"]}

@@ -118,12 +118,12 @@ def visible_examples(prompt: str, entry_point: str) -> list[Pair]:
     read = [*doctests, *((call, want) for call, want, _ in inline), *stated]
     if (signature and signature[2]) or _RETURNS_NOTHING.search(prompt):
         read = [(call, want) for call, want in read if want == "None"]
+    keyed = [(normal(call), call, want) for call, want in read]
     values: dict[str, set[str]] = {}
-    for call, want in read:
-        values.setdefault(normal(call), set()).add(normal(want))
+    for key, _, want in keyed:
+        values.setdefault(key, set()).add(normal(want))
     out: dict[str, Pair] = {}
-    for call, want in read:
-        key = normal(call)
+    for key, call, want in keyed:
         if len(values[key]) == 1:  # a call given two different values gives nothing
             out.setdefault(key, (call, want))
     return list(out.values())
@@ -176,10 +176,9 @@ def _inline(
                 continue
             if _ASSERT_EQUAL.search(before):  # test.assert_equals(f(4), 8)
                 comma = re.match(r"[ \t]*,[ \t]*", line[end:])
-                start = end + comma.end() if comma else len(line)
-                want = _value_at(line[start:])
-                if want is not None and re.match(r"[ \t]*\)", line[start + len(want) :]):
-                    pairs.append((call, want, "assert"))
+                asserted = _read_value(line[end + comma.end() :]) if comma else None
+                if asserted is not None and re.match(r"[ \t]*\)", asserted[1]):
+                    pairs.append((call, asserted[0], "assert"))
                 continue
             link = _LINK.match(line, end) or _COMMENT_RETURN.match(line, end)
             if link is None:
@@ -378,11 +377,6 @@ def _bound_reading(text: str, entry_point: str, signature: Signature) -> Bound |
                 continue
             return f"{entry_point}({', '.join(ast.unparse(values[n]) for n in given)})", complete
     return None
-
-
-def _value_at(text: str) -> str | None:
-    read = _read_value(text)
-    return read[0] if read else None
 
 
 def _read_value(text: str) -> tuple[str, str] | None:
