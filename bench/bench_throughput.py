@@ -21,10 +21,10 @@ so that the background load of a shared machine falls on all of them alike:
 ``--workers N`` runs N tasks at once (a shared queue); the floor then uses N threads. Per
 task: wall ms from before create to after destroy (p50, p95); per block: wall seconds for
 all tasks; CPU per lifecycle in ms from ``os.times()`` (this process, and the children it
-reaped: bwrap and what it reaped) and from the sandboxes' parent cgroup (``cpuacct.usage``
-of the manager's instance cgroup, hierarchical on cgroup v1, so it keeps the CPU of
-sandboxes already removed). The two overlap where a reaped child also ran in a sandbox's
-cgroup, so they are reported apart, not summed.
+reaped: bwrap and what it reaped) and from the sandboxes' parent cgroup (the manager's
+instance cgroup: ``cpuacct.usage`` on cgroup v1, ``cpu.stat``'s ``usage_usec`` on v2, both
+hierarchical, so they keep the CPU of sandboxes already removed). The two overlap where a
+reaped child also ran in a sandbox's cgroup, so they are reported apart, not summed.
 
 Usage::
 
@@ -65,6 +65,9 @@ from sandlot import SandboxManager, Settings  # noqa: E402
 from sandlot.sandbox import AsyncSandbox  # noqa: E402
 
 FLOOR_PYTHON = "/usr/bin/python3"
+# The floor is a bare start: the harness's own import path (PYTHONPATH=src, say) is none of its
+# business, and a long one would slow every import of the floor's programs alone.
+FLOOR_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 POOL_SIZE = 2
 SERIES = ("floor", "cold", "pool")
 POOLED = ("pool", "pool_system")
@@ -111,20 +114,23 @@ def _cpu() -> tuple[float, float]:
 
 
 def _cgroup_usage_s(managers: Sequence[SandboxManager]) -> float:
-    """Summed cpuacct.usage of each manager's instance cgroup (0 where there is none)."""
-    total_ns = 0
+    """Summed CPU of each manager's instance cgroup (0 where there is none): cpuacct.usage on
+    cgroup v1, cpu.stat's usage_usec on v2; both count the descendants already removed."""
+    total_s = 0.0
     for manager in managers:
         with contextlib.suppress(Exception):
             backend = manager._backend("bubblewrap")
             parts = (*backend._cgroup_prefix, backend.instance)  # type: ignore[attr-defined]
             cgroup = backend.cgroups.path(*parts)  # type: ignore[attr-defined]
-            total_ns += int((cgroup.dirs["cpuacct"] / "cpuacct.usage").read_text())
-    return total_ns / 1e9
+            total_s += cgroup.usage().cpu_s
+    return total_s
 
 
 def _floor_one(program: str) -> float:
     started = time.perf_counter()
-    done = subprocess.run([FLOOR_PYTHON, "-c", program], capture_output=True, check=False)
+    done = subprocess.run(
+        [FLOOR_PYTHON, "-c", program], capture_output=True, check=False, env=FLOOR_ENV
+    )
     if done.returncode != 0:
         raise BenchError(f"floor: exit {done.returncode}: {done.stderr[-500:]!r}")
     return time.perf_counter() - started

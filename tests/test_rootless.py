@@ -25,7 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pydantic
+import pyseccomp
 import pytest
+import structlog
 
 from sandlot.backends.bubblewrap.rootless import nproc_per_namespace, rlimit_argv
 from sandlot.backends.bubblewrap.userns import userns_hint
@@ -282,7 +285,7 @@ def _python_for(
     else the system's with this venv's site-packages (``site``: same minor version)."""
     tried = []
     for python, path in (
-        (sys.executable, str(src)),
+        (sys.executable, ":".join([str(src), *site])),
         ("/usr/bin/python3", ":".join([str(src), *site])),
     ):
         check = subprocess.run(
@@ -298,15 +301,22 @@ def _python_for(
     pytest.fail("no python the test user can run imports sandlot: " + " | ".join(tried))
 
 
+# Imported by the user's python besides sandlot: where these live must be on its path.
+DEPENDENCIES = (pydantic, structlog, pyseccomp)
+
+
 def _readable_site(prefix: list[str], scratch: Path, mounts: list[Path]) -> list[str]:
-    """This venv's site-packages, as paths the user can reach. A checkout under a 0700
-    directory (a clone in /root) keeps them out of reach: they are then bound read-only into
-    ``scratch`` (appended to ``mounts``, for the caller to unmount), not copied."""
+    """Where this process finds sandlot's dependencies (this venv's site-packages, or a
+    PYTHONPATH entry such as a ``pip install --target`` folder), as paths the user can reach.
+    A checkout under a 0700 directory (a clone in /root) keeps them out of reach: they are
+    then bound read-only into ``scratch`` (appended to ``mounts``, for the caller to unmount),
+    not copied."""
+    found = [str(Path(module.__file__ or "").parent.parent) for module in DEPENDENCIES]
     paths = []
     for index, site in enumerate(
-        dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+        dict.fromkeys([*found, *(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))])
     ):
-        probe = subprocess.run([*prefix, "test", "-r", str(Path(site) / "pydantic")], check=False)
+        probe = subprocess.run([*prefix, "test", "-r", site, "-a", "-x", site], check=False)
         if probe.returncode == 0:
             paths.append(site)
             continue

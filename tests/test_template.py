@@ -25,6 +25,8 @@ from sandlot.backends.base import GuestProcess
 from sandlot.backends.bubblewrap import backend as bubblewrap_backend
 from sandlot.backends.bubblewrap import template as bubblewrap_template
 from sandlot.backends.bubblewrap.template import Template, TemplateGuest
+from sandlot.backends.rootfs import find_tree
+from sandlot.environments import HOST_ENVIRONMENT, get_environment
 from sandlot.errors import SandboxStartError
 from sandlot.requests import MAX_ENV_JSON_CHARS, RunCode, RunCommand, SandboxSpec
 from tests import leaks
@@ -67,7 +69,13 @@ async def test_a_template_guest_is_pid_1_of_its_own_proc_without_any_capability(
     data_dir = data_root / f"template-walls-{system}"
     data_dir.mkdir()
     extra = {} if system == "tree" else {"rootfs_dir": data_root / "no-trees"}
-    async with SandboxManager(make_settings(data_dir, **extra)) as mgr:
+    settings = make_settings(data_dir, **extra)
+    if (
+        system == "tree"
+        and find_tree(get_environment(HOST_ENVIRONMENT), settings.rootfs_dir) is None
+    ):
+        pytest.skip("no python3 tree is built here (`make image` builds it; `make test` runs that)")
+    async with SandboxManager(settings) as mgr:
         info = await mgr.create(SandboxSpec())
         backend = mgr._backend("bubblewrap")
         guest = backend._boxes[info.id].guest

@@ -1,0 +1,94 @@
+"""How much of a lifecycle the manager's event loop thread spends on CPU, at a concurrency.
+
+With many workers a manager is bound by its one event loop (and the GIL), not by the cores:
+one lifecycle's CPU on the loop's thread caps the lifecycles a second at 1 / that. This runs
+``--lifecycles`` cycles of ``create()``, ``run_code(--code)``, ``destroy()`` from
+``--concurrency`` tasks at once in one manager and prints, per lifecycle: wall, CPU of the
+loop's thread (``time.thread_time``), CPU of the whole process (every thread), and the rate;
+with ``--profile``, cProfile's top functions by own time (the loop's thread only; cProfile
+slows Python code down, so read the ranks, not the absolute times).
+
+Usage::
+
+    .venv/bin/python bench/profile_loop.py [--lifecycles 200] [--concurrency 16] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+for _var in list(os.environ):
+    if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
+        del os.environ[_var]
+
+from sandlot import SandboxManager, Settings  # noqa: E402
+from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
+
+
+async def run(args: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(prefix="sandlot-loop-", dir="/tmp"))
+    root.chmod(0o711)  # sandbox uids must traverse it to reach their workspaces
+    settings = Settings(
+        data_dir=root / "data", uid_base=args.uid_base, cgroup_root="sandlot-profile-loop"
+    )
+    try:
+        async with SandboxManager(settings) as manager:
+
+            async def lifecycle() -> None:
+                info = await manager.create(SandboxSpec())
+                await manager.run_code(info.id, RunCode(code=args.code))
+                await manager.destroy(info.id)
+
+            for _ in range(3):  # warm: the template, the volume template, imports
+                await lifecycle()
+            left = args.lifecycles
+
+            async def worker() -> None:
+                nonlocal left
+                while left > 0:
+                    left -= 1
+                    await lifecycle()
+
+            profile = cProfile.Profile() if args.profile else None
+            thread0, process0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
+            if profile is not None:
+                profile.enable()
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            if profile is not None:
+                profile.disable()
+            thread1, process1, wall1 = time.thread_time(), time.process_time(), time.perf_counter()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    n = args.lifecycles
+    print(
+        f"{n} lifecycles, {args.concurrency} at a time: wall {1000 * (wall1 - wall0) / n:.1f} ms"
+        f" each, loop thread CPU {1000 * (thread1 - thread0) / n:.1f} ms, process CPU"
+        f" {1000 * (process1 - process0) / n:.1f} ms, {n / (wall1 - wall0):.1f} lifecycles/s"
+        + (" (under cProfile)" if profile is not None else "")
+    )
+    if profile is not None:
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--lifecycles", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--code", default="1")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--uid-base", type=int, default=280_000)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
