@@ -13,7 +13,8 @@
 # order, each bounded by what is left of DEADLINE_S (the run's own limit less a margin), each
 # writing its own file under $OUT as it goes, so a run cut short still brings back what it did:
 #   floor       what a bare `python3 -c` costs there (-I -S against site, -X importtime)
-#   profile     bench/profile_loop.py: the event loop thread's CPU per lifecycle, 1 and 16 at once
+#   profile     bench/profile_loop.py: the event loop thread's CPU per lifecycle, 1 and 16 at
+#               once in one manager, and 8 at once in each of two (CPROFILE=1: cProfile's top)
 #   throughput  bench/bench_throughput.py with WORKERS (default 1 2 4 8 16) workers
 #   scale       bench/scale.py (COUNT idle sandboxes) with CONCURRENCY (default 16 1) at a time
 #   walls       the walls suites (hostile, limits, conformance, template, rootless, cgroups) on
@@ -88,15 +89,34 @@ if want floor; then
 fi
 
 if want profile; then
-    for conc in 1 16; do
-        step "profile: the loop thread, $conc at a time" | tee -a "$OUT/profile.txt"
+    # One manager at 1 and 16 at a time, then two managers (two processes) at 8 each: if two
+    # make more lifecycles a second than one at 16, one manager's process (its event loop,
+    # the GIL) is the limit, not the kernel's locks.
+    for conc in ${PROFILE_CONC:-1 16}; do
+        step "profile: one manager, $conc at a time" | tee -a "$OUT/profile.txt"
         [ "$(left)" -gt 40 ] || break
-        timeout "$(left)" "$PY" bench/profile_loop.py --lifecycles 200 --concurrency "$conc" \
-            >> "$OUT/profile.txt" 2>&1
-        timeout "$(left)" "$PY" bench/profile_loop.py --lifecycles 200 --concurrency "$conc" \
-            --profile --top 45 >> "$OUT/profile.txt" 2>&1
-        grep "lifecycles/s" "$OUT/profile.txt" | tail -n 2
+        timeout "$(left)" "$PY" bench/profile_loop.py --lifecycles 300 --concurrency "$conc" \
+            2>&1 | grep "lifecycles/s" | tee -a "$OUT/profile.txt"
     done
+    step "profile: two managers, 8 at a time each" | tee -a "$OUT/profile.txt"
+    if [ "$(left)" -gt 40 ]; then
+        t0=$(date +%s%N)
+        for i in 0 1; do
+            timeout "$(left)" "$PY" bench/profile_loop.py --lifecycles 300 --concurrency 8 \
+                --uid-base $(( 300000 + i * 20000 )) --cgroup-root "sandlot-profile-loop-$i" \
+                > "/tmp/split-$i.txt" 2>&1 &
+            pids="${pids:-} $!"
+        done
+        wait $pids  # not a bare wait: that would wait for the tee behind `exec >` too
+        t1=$(date +%s%N)
+        grep -h "lifecycles/s" /tmp/split-0.txt /tmp/split-1.txt | tee -a "$OUT/profile.txt"
+        echo "both (600, warm-up included): $(( 600 * 1000000000 / (t1 - t0) )) lifecycles/s" \
+            | tee -a "$OUT/profile.txt"
+    fi
+    if [ -n "${CPROFILE:-}" ]; then
+        timeout "$(left)" "$PY" bench/profile_loop.py --lifecycles 200 --concurrency 16 \
+            --profile --top 45 >> "$OUT/profile.txt" 2>&1
+    fi
 fi
 
 if want throughput; then

@@ -10,7 +10,8 @@ slows Python code down, so read the ranks, not the absolute times).
 
 Usage::
 
-    .venv/bin/python bench/profile_loop.py [--lifecycles 200] [--concurrency 16] [--profile]
+    .venv/bin/python bench/profile_loop.py [--lifecycles 200] [--concurrency 16]
+                                           [--profile [--top 40] [--dump FILE]]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ async def run(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="sandlot-loop-", dir="/tmp"))
     root.chmod(0o711)  # sandbox uids must traverse it to reach their workspaces
     settings = Settings(
-        data_dir=root / "data", uid_base=args.uid_base, cgroup_root="sandlot-profile-loop"
+        data_dir=root / "data", uid_base=args.uid_base, cgroup_root=args.cgroup_root
     )
     try:
         async with SandboxManager(settings) as manager:
@@ -77,6 +78,8 @@ async def run(args: argparse.Namespace) -> None:
     )
     if profile is not None:
         pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.top)
+        if args.dump is not None:
+            profile.dump_stats(args.dump)
 
 
 def main() -> None:
@@ -86,7 +89,11 @@ def main() -> None:
     parser.add_argument("--code", default="1")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--dump", type=Path, help="with --profile: also write the raw stats here")
+    # Two at once (one manager each, to compare with one manager at twice the concurrency)
+    # need their own uid ranges and cgroup roots, or each sweeps the other's sandboxes.
     parser.add_argument("--uid-base", type=int, default=280_000)
+    parser.add_argument("--cgroup-root", default="sandlot-profile-loop")
     asyncio.run(run(parser.parse_args()))
 
 
