@@ -27,7 +27,7 @@ DOCKER_TARGETS := docker,docker+runsc
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
 	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
-	bench-walls
+	bench-walls bench-loop
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -138,6 +138,12 @@ bench-throughput: venv
 # the machine by itself, whole-machine CPU per start; prints a table. Design input, root.
 bench-walls: venv
 	$(PY) bench/profile_walls.py --starts 100 --rounds 3
+
+# The manager's own CPU per lifecycle, on its event loop thread and in the whole process, one
+# and 16 at a time: with many workers one manager process (its Python, one GIL) is the limit.
+bench-loop: venv
+	$(PY) bench/profile_loop.py --lifecycles 200 --concurrency 1
+	$(PY) bench/profile_loop.py --lifecycles 200 --concurrency 16
 
 # 30 minutes (at most 10,000 lifecycles) of 20 clients against one real server, a hostile
 # program in every 10th lifecycle; fails on any 5xx, wrong result, leak or RSS growth over
