@@ -154,3 +154,46 @@ def test_a_template_is_copied_whole_where_copy_file_range_is_refused(
     disk._sparse_copy(source, tmp_path / "copy", 16 << 20)
     copy = (tmp_path / "copy").read_bytes()
     assert len(copy) == 16 << 20 and copy[: (9 << 20) + 4] == source.read_bytes()
+
+
+async def test_a_volume_is_removed_without_reading_the_mount_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The mount table grows with every live sandbox (3.7 ms a read with 1,000): a destroy
+    # unmounts the volume by name, busy or not, and reads it only when something else is
+    # mounted below the sandbox's directory.
+    root = tmp_path / "sb-1"
+    await disk.make_volume(root, 8, os.getuid(), capped=True, templates=tmp_path / "t")
+    held = os.open(root / "volume" / "tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def no_table(_root: Path) -> list[Path]:
+        raise AssertionError("the mount table was read")
+
+    monkeypatch.setattr(disk, "mounted_below", no_table)
+    try:
+        await disk.remove_volume(root)  # the open directory makes the plain unmount EBUSY
+        assert not root.exists()
+        assert all(line.split()[1] != str(root / "volume") for line in _mounts())
+    finally:
+        os.close(held)
+    await disk.remove_volume(root)  # idempotent
+    for _ in range(100):
+        if not _devices_backed_by(tmp_path):
+            break
+        await asyncio.sleep(0.02)
+    assert _devices_backed_by(tmp_path) == []
+
+
+async def test_a_mount_below_a_volume_root_is_found_and_removed_too(tmp_path: Path) -> None:
+    root = tmp_path / "sb-2"
+    await disk.make_volume(root, 8, os.getuid(), capped=True, templates=tmp_path / "t")
+    other = root / "other"
+    other.mkdir()
+    await create_loop_disk(tmp_path / "other.img", other, 8, tmp_path / "t")
+    await disk.remove_volume(root)
+    assert not root.exists()
+    assert all(not line.split()[1].startswith(str(root)) for line in _mounts())
+
+
+def _mounts() -> list[str]:
+    return Path("/proc/self/mounts").read_text().splitlines()

@@ -196,6 +196,7 @@ def _loop_config(image_fd: int) -> bytes:
 
 
 @functools.cache
+@functools.cache
 def _libc() -> ctypes.CDLL:
     """The C library, for mount(2) and umount2(2): loaded once, on first use."""
     return ctypes.CDLL(None, use_errno=True)
@@ -397,9 +398,30 @@ def _remove_tree(root: Path) -> None:
 
 async def remove_volume(root: Path) -> None:
     """Unmount everything below ``root`` and delete it (idempotent)."""
-    for mountpoint in mounted_below(root):
+    # The one mount a sandbox's directory holds is its volume's: it is unmounted by name,
+    # without a read of the mount table, which grows with every live sandbox (3.7 ms of the
+    # event loop a destroy with 1,000 live). Nothing else is mounted there by sandlot; a mount
+    # someone else made below ``root`` keeps it from going away (rmdir: EBUSY, after its files
+    # were deleted through it, as they would be with the sandbox's), and only then is the
+    # table read.
+    if await asyncio.to_thread(_unmount_volume_and_remove, root):
+        return
+    for mountpoint in await asyncio.to_thread(mounted_below, root):
         await unmount(mountpoint)
     await asyncio.to_thread(_remove_tree, root)
+
+
+def _unmount_volume_and_remove(root: Path) -> bool:
+    """Unmount the volume of ``root`` if it is mounted (lazily if busy), delete ``root``;
+    whether it is gone."""
+    libc = _libc()
+    volume = os.fsencode(volume_paths(root)[0].parent)
+    if libc.umount2(volume, _UMOUNT_NOFOLLOW) != 0 and ctypes.get_errno() == errno.EBUSY:
+        libc.umount2(volume, _UMOUNT_NOFOLLOW | _MNT_DETACH)
+    # Any other error says nothing is mounted there: EINVAL (not a mount point), ENOENT,
+    # EPERM (not root: nothing of ours was ever mounted).
+    _remove_tree(root)
+    return not os.path.lexists(root)
 
 
 def disk_used_bytes(workspace: Path) -> int | None:
