@@ -1,12 +1,14 @@
 """How much of a lifecycle the manager's event loop thread spends on CPU, at a concurrency.
 
-With many workers a manager is bound by its one event loop (and the GIL), not by the cores:
-one lifecycle's CPU on the loop's thread caps the lifecycles a second at 1 / that. This runs
-``--lifecycles`` cycles of ``create()``, ``run_code(--code)``, ``destroy()`` from
-``--concurrency`` tasks at once in one manager and prints, per lifecycle: wall, CPU of the
-loop's thread (``time.thread_time``), CPU of the whole process (every thread), and the rate;
-with ``--profile``, cProfile's top functions by own time (the loop's thread only; cProfile
-slows Python code down, so read the ranks, not the absolute times).
+With many workers a manager is bound by its one process (its event loop and worker threads
+share one GIL), not by the cores. This runs ``--lifecycles`` cycles of ``create()``,
+``run_code(--code)``, ``destroy()`` from ``--concurrency`` tasks at once in one manager and
+prints, per lifecycle: wall, CPU of the loop's thread (``time.thread_time``), CPU of the whole
+process (every thread), the rate, and the CPU of the children it reaped (the launchers, bwrap)
+and of the sandboxes' cgroups. The last two overlap where a reaped child ran in a sandbox's
+cgroup: the sum of all three bounds the issue's "CPU per lifecycle" from above. With ``--profile``,
+cProfile's top functions by own time (Python 3.11: the loop's thread only; 3.12: every
+thread); cProfile slows Python code down, so read the ranks, not the absolute times.
 
 Usage::
 
@@ -31,6 +33,9 @@ for _var in list(os.environ):
     if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
         del os.environ[_var]
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.` imports
+
+from bench.bench_throughput import _cgroup_usage_s  # noqa: E402
 from sandlot import SandboxManager, Settings  # noqa: E402
 from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
 
@@ -61,25 +66,36 @@ async def run(args: argparse.Namespace) -> None:
 
             profile = cProfile.Profile() if args.profile else None
             thread0, process0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
+            children0, cgroup0 = _children_s(), _cgroup_usage_s([manager])
             if profile is not None:
                 profile.enable()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            # A destroy returns before its cleanup ends: the last ones' is charged here too.
+            await manager.settle()
             if profile is not None:
                 profile.disable()
             thread1, process1, wall1 = time.thread_time(), time.process_time(), time.perf_counter()
+            children1, cgroup1 = _children_s(), _cgroup_usage_s([manager])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     n = args.lifecycles
     print(
         f"{n} lifecycles, {args.concurrency} at a time: wall {1000 * (wall1 - wall0) / n:.1f} ms"
         f" each, loop thread CPU {1000 * (thread1 - thread0) / n:.1f} ms, process CPU"
-        f" {1000 * (process1 - process0) / n:.1f} ms, {n / (wall1 - wall0):.1f} lifecycles/s"
+        f" {1000 * (process1 - process0) / n:.1f} ms, {n / (wall1 - wall0):.1f} lifecycles/s;"
+        f" CPU of reaped children {1000 * (children1 - children0) / n:.1f} ms, of the"
+        f" sandboxes' cgroups {1000 * (cgroup1 - cgroup0) / n:.1f} ms"
         + (" (under cProfile)" if profile is not None else "")
     )
     if profile is not None:
         pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.top)
         if args.dump is not None:
             profile.dump_stats(args.dump)
+
+
+def _children_s() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from sandlot import SandboxManager
+from sandlot.backends.bubblewrap import backend as bubblewrap_backend
 from sandlot.backends.bubblewrap import launchns
 from sandlot.requests import RunCode, RunCommand, SandboxSpec
 from tests import leaks
@@ -71,8 +72,10 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
                 ),
             )
             assert got.error is None and got.text is not None
-            # (Its own host paths show, as the roots of its /proc masks: SECURITY.md.)
-            assert other.id not in got.text and info.id in got.text
+            # (The roots of its /proc masks show: the manager's shared set of files, which
+            # names no sandbox; SECURITY.md.)
+            assert other.id not in got.text and info.id not in got.text
+            assert f"/{bubblewrap_backend.PROC_SETS_DIR}/" in got.text
         # A guest restart starts a new bwrap in the launch namespace, and its volume is
         # attached in the new sandbox namespace (a restart once found no workspace).
         guest = mgr._backend("bubblewrap")._boxes[first.id].guest

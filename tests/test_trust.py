@@ -26,6 +26,7 @@ import pytest
 from sandlot import ExecResult, Sandbox, SandboxError, SandboxManager
 from sandlot._portal import get_portal
 from sandlot.backends import mountns
+from sandlot.backends.bubblewrap import backend as bubblewrap_backend
 from sandlot.backends.bubblewrap import template as bubblewrap_template
 from sandlot.backends.bubblewrap.template import TemplateGuest
 from sandlot.errors import SandboxStartError
@@ -644,6 +645,45 @@ def test_where_the_kernel_has_no_mount_api_bwrap_masks_proc(
         assert pts and all(f"max={manager.settings.max_ptys}" in ln for ln in pts), pts
     finally:
         sb.kill()
+
+
+@pytest.mark.hostile
+def test_sandboxes_of_one_memory_limit_share_one_read_only_set_of_proc_files(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The synthesized /proc files say only the memory limit: root's bubblewrap writes one set
+    # per limit (six files fewer made and deleted a lifecycle), root's own and read-only in
+    # every sandbox; past MAX_PROC_SETS limits a sandbox gets its own set, so asking for many
+    # sizes cannot fill the data directory.
+    reason = skip_reason("bubblewrap")
+    if reason or os.geteuid() != 0:
+        pytest.skip(reason or "root's backend only")
+    backend = manager._backend("bubblewrap")
+    meminfo = "int(open('/proc/meminfo').read().split()[1]) // 1024"
+    boxes = [
+        Sandbox.create(manager=manager, backend="bubblewrap", memory_mb=mb, timeout_s=10)
+        for mb in (128, 128, 96)
+    ]
+    try:
+        a, b, c = (backend._boxes[sb.id] for sb in boxes)
+        assert a.proc_files == b.proc_files != c.proc_files
+        for box in (a, c):
+            assert not (box.root / "proc").exists()
+            directory = Path(box.proc_files)
+            assert directory.stat().st_uid == 0 and directory.stat().st_mode & 0o022 == 0
+            assert (directory / "meminfo").stat().st_mode & 0o777 == 0o644
+        assert [_literal(sb.run_code(meminfo)) for sb in boxes] == [128, 128, 96]
+        _, after, writable = _literal(boxes[0].run_code(PROC_UNMASK))
+        assert writable == [] and b"planted" not in after["meminfo"], (after, writable)
+        assert b"planted" not in (Path(a.proc_files) / "meminfo").read_bytes()
+        monkeypatch.setattr(bubblewrap_backend, "MAX_PROC_SETS", len(backend._proc_sets))
+        own = Sandbox.create(manager=manager, backend="bubblewrap", memory_mb=80, timeout_s=10)
+        boxes.append(own)
+        assert backend._boxes[own.id].proc_files == f"{backend._boxes[own.id].root}/proc/"
+        assert _literal(own.run_code(meminfo)) == 80
+    finally:
+        for sb in boxes:
+            sb.kill()
 
 
 ABSTRACT_CONNECT = """

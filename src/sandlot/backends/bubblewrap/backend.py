@@ -153,6 +153,13 @@ START_TIMEOUT_S = 15.0
 # stretched to ~550 ms of wall per create. Only our guest runs in that window (``-I -S``, no
 # site or workspace code), and at most START_TIMEOUT_S.
 START_CPU_CORES = 1.0
+# The synthesized /proc files say only a sandbox's memory limit (and the host's CPU count): the
+# sandboxes of one limit share one set, written once into the instance's directory and bound
+# read-only, instead of six files made and deleted a lifecycle. Root's backend only (rootless,
+# the files would be the sandboxes' own uid's). Past this many limits a sandbox gets its own
+# set again, so a tenant asking for many sizes cannot fill the data directory.
+PROC_SETS_DIR = "proc-files"
+MAX_PROC_SETS = 16
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 # Where a template's guest joins the namespaces (template.py), bwrap's child waits on its
 # stdin (--block-fd) once it has made them, and is killed once the guest is in: no exec (a
@@ -189,6 +196,7 @@ class _Box:
     system: Path | None = None  # the environment's tree bound as /; None: the host's /usr
     # The sandbox's own CPU quota while its guest starts under START_CPU_CORES; None once set.
     cpu_cores_after_start: float | None = None
+    proc_files: str = ""  # the directory of its synthesized /proc files, with a final "/"
 
     @property
     def tmp(self) -> Path:
@@ -238,6 +246,7 @@ class BubblewrapBackend:
         self._hidden_dirs = present(HIDDEN_DIRS)
         self._routing_ready = False
         self._launch_ns: Path | None = None  # launchns.py's pin, once made
+        self._proc_sets: dict[int, str] = {}  # memory limit in bytes: its shared /proc files
         self._launch_ns_failed = False
         self._routing_lock = asyncio.Lock()
         # One template per system ("host", or a tree's path), started on first use
@@ -405,6 +414,8 @@ class BubblewrapBackend:
             raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         box.system = system
+        shared_proc = self._proc_set(limits.memory_bytes)
+        box.proc_files = shared_proc if shared_proc is not None else f"{root}/proc/"
         if spec.limits.cpu_cores < START_CPU_CORES and isinstance(cgroup, Cgroup):
             box.cpu_cores_after_start = spec.limits.cpu_cores
         self._boxes[spec.sandbox_id] = box
@@ -426,7 +437,8 @@ class BubblewrapBackend:
                 templates=self.data_dir / VOLUME_TEMPLATES,
                 traverse_gid=uid,
             )
-            write_proc_files(root / "proc", limits.memory_bytes)
+            if shared_proc is None:
+                write_proc_files(root / "proc", limits.memory_bytes)
 
         try:
             box.guest = await self._spawn(
@@ -550,10 +562,21 @@ class BubblewrapBackend:
                 argv += ["--ro-bind", str(link), str(link)]
         return argv
 
+    def _proc_set(self, memory_bytes: int) -> str | None:
+        """The shared directory of the synthesized /proc files for ``memory_bytes`` (written
+        on its first use), or None: rootless, or past MAX_PROC_SETS limits."""
+        found = self._proc_sets.get(memory_bytes)
+        if found is None and not self.rootless and len(self._proc_sets) < MAX_PROC_SETS:
+            directory = self.data_dir / PROC_SETS_DIR / str(memory_bytes)
+            directory.parent.mkdir(mode=0o755, exist_ok=True)
+            write_proc_files(directory, memory_bytes)
+            found = self._proc_sets[memory_bytes] = f"{directory}/"
+        return found
+
     def _masks(self, box: _Box) -> list[mountns.Mask]:
         """Binds over the host-wide entries of ``/proc`` (:mod:`sandlot.backends.procfs`)."""
         # Strings, not paths: ~40 of them a create, and pathlib's joins cost ~10 µs each.
-        files = f"{box.root}/proc/"
+        files = box.proc_files
         empty_file, empty_dir = files + EMPTY_FILE, files + EMPTY_DIR
         masks = [mountns.Mask(empty_file, f"/proc/{n}") for n in self._hidden_files]
         masks += [mountns.Mask(empty_dir, f"/proc/{n}") for n in self._hidden_dirs]
