@@ -12,6 +12,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -184,15 +185,23 @@ async def test_a_volume_is_removed_without_reading_the_mount_table(
     assert _devices_backed_by(tmp_path) == []
 
 
-async def test_a_mount_below_a_volume_root_is_found_and_removed_too(tmp_path: Path) -> None:
+async def test_a_mount_someone_else_made_in_a_volume_root_is_unmounted_not_emptied(
+    tmp_path: Path,
+) -> None:
+    # An operator's bind into a sandbox's directory (to look inside): the destroy unmounts it
+    # before deleting anything, so what it shows outside survives (rmtree crosses mounts; a
+    # red team's find).
     root = tmp_path / "sb-2"
     await disk.make_volume(root, 8, os.getuid(), capped=True, templates=tmp_path / "t")
-    other = root / "other"
-    other.mkdir()
-    await create_loop_disk(tmp_path / "other.img", other, 8, tmp_path / "t")
+    outside = tmp_path / "operator"
+    outside.mkdir()
+    (outside / "notes").write_text("keep")
+    (root / "other").mkdir()
+    subprocess.run(["mount", "--bind", str(outside), str(root / "other")], check=True)
     await disk.remove_volume(root)
     assert not root.exists()
     assert all(not line.split()[1].startswith(str(root)) for line in _mounts())
+    assert (outside / "notes").read_text() == "keep"
 
 
 def _mounts() -> list[str]:

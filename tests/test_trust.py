@@ -652,9 +652,10 @@ def test_sandboxes_of_one_memory_limit_share_one_read_only_set_of_proc_files(
     manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The synthesized /proc files say only the memory limit: root's bubblewrap writes one set
-    # per limit (six files fewer made and deleted a lifecycle), root's own and read-only in
-    # every sandbox; past MAX_PROC_SETS limits a sandbox gets its own set, so asking for many
-    # sizes cannot fill the data directory.
+    # per limit and tenant (six files fewer made and deleted a lifecycle), root's own and
+    # read-only in every sandbox. Never two tenants': inotify and flock act on the inode, so
+    # sharers can see each other open it (a red team's find). Past MAX_PROC_SETS sets a
+    # sandbox gets its own, so asking for many sizes cannot fill the data directory.
     reason = skip_reason("bubblewrap")
     if reason or os.geteuid() != 0:
         pytest.skip(reason or "root's backend only")
@@ -667,12 +668,16 @@ def test_sandboxes_of_one_memory_limit_share_one_read_only_set_of_proc_files(
     try:
         a, b, c = (backend._boxes[sb.id] for sb in boxes)
         assert a.proc_files == b.proc_files != c.proc_files
+        stranger = get_portal().call(manager.create(SandboxSpec(memory_mb=128), owner="stranger"))
+        boxes.append(Sandbox.connect(stranger.id, manager=manager))
+        assert backend._boxes[stranger.id].proc_files not in (a.proc_files, c.proc_files)
+        assert "stranger" not in backend._boxes[stranger.id].proc_files  # it shows in mountinfo
         for box in (a, c):
             assert not (box.root / "proc").exists()
             directory = Path(box.proc_files)
             assert directory.stat().st_uid == 0 and directory.stat().st_mode & 0o022 == 0
             assert (directory / "meminfo").stat().st_mode & 0o777 == 0o644
-        assert [_literal(sb.run_code(meminfo)) for sb in boxes] == [128, 128, 96]
+        assert [_literal(sb.run_code(meminfo)) for sb in boxes] == [128, 128, 96, 128]
         _, after, writable = _literal(boxes[0].run_code(PROC_UNMASK))
         assert writable == [] and b"planted" not in after["meminfo"], (after, writable)
         assert b"planted" not in (Path(a.proc_files) / "meminfo").read_bytes()
@@ -684,6 +689,50 @@ def test_sandboxes_of_one_memory_limit_share_one_read_only_set_of_proc_files(
     finally:
         for sb in boxes:
             sb.kill()
+
+
+@pytest.mark.hostile
+def test_a_proc_set_that_cannot_be_written_fails_the_create_and_holds_nothing(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Written before the sandbox's uid and cgroup are taken: a full disk fails the create
+    # with a typed error and leaks no uid lock (a red team's find: it leaked one a try).
+    reason = skip_reason("bubblewrap")
+    if reason or os.geteuid() != 0:
+        pytest.skip(reason or "root's backend only")
+    backend = manager._backend("bubblewrap")
+    monkeypatch.setattr(bubblewrap_backend, "MAX_PROC_SETS", len(backend._proc_sets) + 1)
+    real = bubblewrap_backend.write_proc_files
+
+    def full(directory: Path, memory_bytes: int) -> Any:
+        directory.mkdir()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bubblewrap_backend, "write_proc_files", full)
+    get_portal().call(manager.settle())
+    held = _uid_locks()
+    for _ in range(3):
+        with pytest.raises(SandboxStartError, match="could not write the /proc files"):
+            get_portal().call(manager.create(SandboxSpec(memory_mb=72)))
+    assert _uid_locks() == held
+    assert not [p for p in (backend.data_dir / "proc-files").iterdir() if p.name.startswith(".")]
+    monkeypatch.setattr(bubblewrap_backend, "write_proc_files", real)
+    sb = Sandbox.create(manager=manager, backend="bubblewrap", memory_mb=72, timeout_s=10)
+    try:
+        assert _literal(sb.run_code("int(open('/proc/meminfo').read().split()[1]) // 1024")) == 72
+    finally:
+        sb.kill()
+
+
+def _uid_locks() -> list[str]:
+    """The uid locks this process holds (bubblewrap's uids.py: one open file a sandbox)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if "/uids/" in target:
+                found.append(target)
+    return sorted(found)
 
 
 ABSTRACT_CONNECT = """

@@ -196,7 +196,6 @@ def _loop_config(image_fd: int) -> bytes:
 
 
 @functools.cache
-@functools.cache
 def _libc() -> ctypes.CDLL:
     """The C library, for mount(2) and umount2(2): loaded once, on first use."""
     return ctypes.CDLL(None, use_errno=True)
@@ -400,10 +399,9 @@ async def remove_volume(root: Path) -> None:
     """Unmount everything below ``root`` and delete it (idempotent)."""
     # The one mount a sandbox's directory holds is its volume's: it is unmounted by name,
     # without a read of the mount table, which grows with every live sandbox (3.7 ms of the
-    # event loop a destroy with 1,000 live). Nothing else is mounted there by sandlot; a mount
-    # someone else made below ``root`` keeps it from going away (rmdir: EBUSY, after its files
-    # were deleted through it, as they would be with the sandbox's), and only then is the
-    # table read.
+    # event loop a destroy with 1,000 live). Nothing else is mounted there by sandlot: only
+    # when someone else's mount is found on ``root`` or an entry of it, or ``root`` survives
+    # (a deeper one: rmdir's EBUSY), is the table read.
     if await asyncio.to_thread(_unmount_volume_and_remove, root):
         return
     for mountpoint in await asyncio.to_thread(mounted_below, root):
@@ -412,16 +410,50 @@ async def remove_volume(root: Path) -> None:
 
 
 def _unmount_volume_and_remove(root: Path) -> bool:
-    """Unmount the volume of ``root`` if it is mounted (lazily if busy), delete ``root``;
-    whether it is gone."""
+    """Unmount the volume of ``root`` if it is mounted (lazily if busy), then delete
+    ``root`` unless something else is mounted on it or on an entry of it; whether it is
+    gone."""
     libc = _libc()
     volume = os.fsencode(volume_paths(root)[0].parent)
     if libc.umount2(volume, _UMOUNT_NOFOLLOW) != 0 and ctypes.get_errno() == errno.EBUSY:
         libc.umount2(volume, _UMOUNT_NOFOLLOW | _MNT_DETACH)
     # Any other error says nothing is mounted there: EINVAL (not a mount point), ENOENT,
     # EPERM (not root: nothing of ours was ever mounted).
+    # rmtree crosses mount points: a mount someone else made on the directory or one of its
+    # few entries (an operator's bind, to look inside) is left to the table's path, which
+    # unmounts it before deleting anything.
+    if not os.path.lexists(root):
+        return True
+    try:
+        foreign = _mounts_on(root)
+    except OSError:
+        foreign = True  # cannot tell: the table's path
+    if foreign:
+        return False
     _remove_tree(root)
     return not os.path.lexists(root)
+
+
+def _mounts_on(root: Path) -> bool:
+    """Whether something is mounted on ``root`` or on one of its entries: their mount ids
+    differ from their parent's (``os.path.ismount`` misses a bind from the same filesystem)."""
+    mine = _mount_id(root)
+    if mine != _mount_id(root.parent):
+        return True
+    with os.scandir(root) as entries:
+        return any(_mount_id(Path(entry.path)) != mine for entry in entries)
+
+
+def _mount_id(path: Path) -> int:
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    finally:
+        os.close(fd)
+    raise OSError(errno.ENOTSUP, f"no mnt_id in /proc/self/fdinfo for {path}")
 
 
 def disk_used_bytes(workspace: Path) -> int | None:

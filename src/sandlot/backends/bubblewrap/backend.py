@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
+import shutil
 import stat
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -154,10 +156,14 @@ START_TIMEOUT_S = 15.0
 # site or workspace code), and at most START_TIMEOUT_S.
 START_CPU_CORES = 1.0
 # The synthesized /proc files say only a sandbox's memory limit (and the host's CPU count): the
-# sandboxes of one limit share one set, written once into the instance's directory and bound
-# read-only, instead of six files made and deleted a lifecycle. Root's backend only (rootless,
-# the files would be the sandboxes' own uid's). Past this many limits a sandbox gets its own
-# set again, so a tenant asking for many sizes cannot fill the data directory.
+# sandboxes of one limit and one tenant share one set, written once into the instance's
+# directory and bound read-only, instead of six files made and deleted a lifecycle. One
+# tenant's, never two: inotify and flock act on the inode, not the mount, so sandboxes that
+# share a file can see each other open it and can signal through its locks (a red team's find;
+# as with the guest templates, SANDBOX_GUEST_TEMPLATE_SCOPE=system shares across tenants).
+# Root's backend only (rootless, the files would be the sandboxes' own uid's); none for a
+# pooled sandbox not yet claimed. Past this many sets a sandbox gets its own again, so asking
+# for many sizes cannot fill the data directory.
 PROC_SETS_DIR = "proc-files"
 MAX_PROC_SETS = 16
 HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -246,7 +252,8 @@ class BubblewrapBackend:
         self._hidden_dirs = present(HIDDEN_DIRS)
         self._routing_ready = False
         self._launch_ns: Path | None = None  # launchns.py's pin, once made
-        self._proc_sets: dict[int, str] = {}  # memory limit in bytes: its shared /proc files
+        # (tenant or None in the system scope, memory limit in bytes): its shared /proc files
+        self._proc_sets: dict[tuple[str | None, int], str] = {}
         self._launch_ns_failed = False
         self._routing_lock = asyncio.Lock()
         # One template per system ("host", or a tree's path), started on first use
@@ -381,6 +388,8 @@ class BubblewrapBackend:
 
     async def _provision(self, spec: GuestSpec) -> _Box:
         system = self._system_root(spec.environment)
+        # Before anything is held (a uid, a cgroup): a failed write leaves nothing to undo.
+        shared_proc = self._proc_set(spec.tenant, spec.limits.memory_mb * 1024 * 1024)
         uid: int
         lock_fd: int | None
         if self.rootless:
@@ -414,7 +423,6 @@ class BubblewrapBackend:
             raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         box.system = system
-        shared_proc = self._proc_set(limits.memory_bytes)
         box.proc_files = shared_proc if shared_proc is not None else f"{root}/proc/"
         if spec.limits.cpu_cores < START_CPU_CORES and isinstance(cgroup, Cgroup):
             box.cpu_cores_after_start = spec.limits.cpu_cores
@@ -562,15 +570,29 @@ class BubblewrapBackend:
                 argv += ["--ro-bind", str(link), str(link)]
         return argv
 
-    def _proc_set(self, memory_bytes: int) -> str | None:
-        """The shared directory of the synthesized /proc files for ``memory_bytes`` (written
-        on its first use), or None: rootless, or past MAX_PROC_SETS limits."""
-        found = self._proc_sets.get(memory_bytes)
-        if found is None and not self.rootless and len(self._proc_sets) < MAX_PROC_SETS:
-            directory = self.data_dir / PROC_SETS_DIR / str(memory_bytes)
-            directory.parent.mkdir(mode=0o755, exist_ok=True)
-            write_proc_files(directory, memory_bytes)
-            found = self._proc_sets[memory_bytes] = f"{directory}/"
+    def _proc_set(self, tenant: str | None, memory_bytes: int) -> str | None:
+        """The shared directory of the synthesized /proc files of ``tenant``'s sandboxes of
+        ``memory_bytes`` (written on its first use), or None: rootless, a pooled sandbox not
+        yet claimed, or past MAX_PROC_SETS sets."""
+        scope = None if self.settings.guest_template_scope == "system" else tenant
+        if self.rootless or (scope is None and self.settings.guest_template_scope != "system"):
+            return None
+        key = (scope, memory_bytes)
+        found = self._proc_sets.get(key)
+        if found is None and len(self._proc_sets) < MAX_PROC_SETS:
+            sets = self.data_dir / PROC_SETS_DIR
+            sets.mkdir(mode=0o755, exist_ok=True)
+            # Written under a fresh name and renamed: never a partial set under the real one.
+            # Named by a counter, not the tenant: the path shows in the sandbox's mountinfo.
+            directory = sets / str(len(self._proc_sets))
+            partial = sets / f".{directory.name}-{secrets.token_hex(4)}"
+            try:
+                write_proc_files(partial, memory_bytes)
+                partial.rename(directory)
+            except OSError as exc:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise SandboxStartError(f"could not write the /proc files: {exc}") from exc
+            found = self._proc_sets[key] = f"{directory}/"
         return found
 
     def _masks(self, box: _Box) -> list[mountns.Mask]:
