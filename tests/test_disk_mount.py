@@ -24,11 +24,21 @@ pytestmark = pytest.mark.skipif(not loop_disks_available()[0], reason="needs loo
 
 
 def _mount_of(point: Path) -> tuple[str, str, set[str]]:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
+    for line in _mounts():
         device, where, fstype, options, *_ = line.split()
         if where == str(point):
             return device, fstype, set(options.split(","))
     raise AssertionError(f"{point} is not mounted")
+
+
+async def _no_device_left(root: Path) -> bool:
+    """Whether every loop device backed by a file below ``root`` is gone within 2 s (the
+    autoclear detach runs as the last reference goes)."""
+    for _ in range(100):
+        if not _devices_backed_by(root):
+            return True
+        await asyncio.sleep(0.02)
+    return not _devices_backed_by(root)
 
 
 def _devices_backed_by(root: Path) -> list[str]:
@@ -65,11 +75,7 @@ async def test_racing_creates_get_their_own_devices_nosuid_nodev_and_none_is_lef
     finally:
         for point in points:
             await unmount(point)
-    for _ in range(100):  # the autoclear detach runs as the last reference goes
-        if not _devices_backed_by(tmp_path):
-            break
-        await asyncio.sleep(0.02)
-    assert _devices_backed_by(tmp_path) == []
+    assert await _no_device_left(tmp_path)
 
 
 async def test_a_busy_mount_is_detached_lazily_and_its_device_freed_when_let_go(
@@ -80,16 +86,11 @@ async def test_a_busy_mount_is_detached_lazily_and_its_device_freed_when_let_go(
     held = os.open(point / "held", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
     try:
         await unmount(point)  # the open file makes the plain unmount fail with EBUSY
-        mounts = Path("/proc/self/mounts").read_text().splitlines()
-        assert all(line.split()[1] != str(point) for line in mounts)
+        assert all(line.split()[1] != str(point) for line in _mounts())
         assert len(_devices_backed_by(tmp_path)) == 1  # still held by the open file
     finally:
         os.close(held)
-    for _ in range(100):
-        if not _devices_backed_by(tmp_path):
-            break
-        await asyncio.sleep(0.02)
-    assert _devices_backed_by(tmp_path) == []
+    assert await _no_device_left(tmp_path)
 
 
 async def test_disks_copied_from_one_template_share_nothing_and_leave_it_unchanged(
@@ -178,11 +179,7 @@ async def test_a_volume_is_removed_without_reading_the_mount_table(
     finally:
         os.close(held)
     await disk.remove_volume(root)  # idempotent
-    for _ in range(100):
-        if not _devices_backed_by(tmp_path):
-            break
-        await asyncio.sleep(0.02)
-    assert _devices_backed_by(tmp_path) == []
+    assert await _no_device_left(tmp_path)
 
 
 async def test_a_mount_someone_else_made_in_a_volume_root_is_unmounted_not_emptied(

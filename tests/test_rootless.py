@@ -281,13 +281,12 @@ def _python_for(
     prefix: list[str], env: dict[str, str], src: Path, site: list[str]
 ) -> tuple[str, str]:
     """An interpreter the user can run that imports sandlot (from ``src``) and its
-    dependencies, and the PYTHONPATH it needs: this venv's python if the user can reach it,
-    else the system's with this venv's site-packages (``site``: same minor version)."""
+    dependencies, and the PYTHONPATH it needs (``src`` and ``site``, where this process
+    finds them): this venv's python if the user can reach it, else the system's (``site``
+    must then be of the same minor version)."""
     tried = []
-    for python, path in (
-        (sys.executable, ":".join([str(src), *site])),
-        ("/usr/bin/python3", ":".join([str(src), *site])),
-    ):
+    path = ":".join([str(src), *site])
+    for python in (sys.executable, "/usr/bin/python3"):
         check = subprocess.run(
             [*prefix, python, "-c", "import sandlot, pydantic, structlog, pyseccomp"],
             env=env | {"PYTHONPATH": path},

@@ -568,6 +568,9 @@ async def test_two_tenants_never_fork_from_one_template(data_root: Path) -> None
         theirs = await _shared_state(mgr, bob.id)
         assert theirs[0] != first[0] and theirs[1] != first[1], (first, theirs)
         assert {k.rsplit(" for ", 1)[1] for k in backend._templates.running} == {"alice", "bob"}
+        # The synthesized /proc files follow the same rule (_sharers): a set per tenant.
+        sets = [backend._boxes[info.id].proc_files for info in (*alice, bob)]
+        assert sets[0] == sets[1] != sets[2], sets
         for info in (*alice, bob):
             await mgr.destroy(info.id)
     shared = data_root / "template-system-scope"
@@ -576,6 +579,8 @@ async def test_two_tenants_never_fork_from_one_template(data_root: Path) -> None
         alice_box = await mgr.create(SandboxSpec(), owner="alice")
         bob_box = await mgr.create(SandboxSpec(), owner="bob")
         assert await _shared_state(mgr, alice_box.id) == await _shared_state(mgr, bob_box.id)
+        boxes = mgr._backend("bubblewrap")._boxes
+        assert boxes[alice_box.id].proc_files == boxes[bob_box.id].proc_files
         await mgr.destroy(alice_box.id)
         await mgr.destroy(bob_box.id)
 

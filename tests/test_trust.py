@@ -647,6 +647,15 @@ def test_where_the_kernel_has_no_mount_api_bwrap_masks_proc(
         sb.kill()
 
 
+MEMINFO_MB = "int(open('/proc/meminfo').read().split()[1]) // 1024"
+
+
+def _skip_unless_roots_bubblewrap() -> None:
+    reason = skip_reason("bubblewrap")
+    if reason or os.geteuid() != 0:
+        pytest.skip(reason or "root's backend only")
+
+
 @pytest.mark.hostile
 def test_sandboxes_of_one_memory_limit_share_one_read_only_set_of_proc_files(
     manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
@@ -656,11 +665,8 @@ def test_sandboxes_of_one_memory_limit_share_one_read_only_set_of_proc_files(
     # read-only in every sandbox. Never two tenants': inotify and flock act on the inode, so
     # sharers can see each other open it (a red team's find). Past MAX_PROC_SETS sets a
     # sandbox gets its own, so asking for many sizes cannot fill the data directory.
-    reason = skip_reason("bubblewrap")
-    if reason or os.geteuid() != 0:
-        pytest.skip(reason or "root's backend only")
+    _skip_unless_roots_bubblewrap()
     backend = manager._backend("bubblewrap")
-    meminfo = "int(open('/proc/meminfo').read().split()[1]) // 1024"
     boxes = [
         Sandbox.create(manager=manager, backend="bubblewrap", memory_mb=mb, timeout_s=10)
         for mb in (128, 128, 96)
@@ -677,7 +683,7 @@ def test_sandboxes_of_one_memory_limit_share_one_read_only_set_of_proc_files(
             directory = Path(box.proc_files)
             assert directory.stat().st_uid == 0 and directory.stat().st_mode & 0o022 == 0
             assert (directory / "meminfo").stat().st_mode & 0o777 == 0o644
-        assert [_literal(sb.run_code(meminfo)) for sb in boxes] == [128, 128, 96, 128]
+        assert [_literal(sb.run_code(MEMINFO_MB)) for sb in boxes] == [128, 128, 96, 128]
         _, after, writable = _literal(boxes[0].run_code(PROC_UNMASK))
         assert writable == [] and b"planted" not in after["meminfo"], (after, writable)
         assert b"planted" not in (Path(a.proc_files) / "meminfo").read_bytes()
@@ -685,7 +691,7 @@ def test_sandboxes_of_one_memory_limit_share_one_read_only_set_of_proc_files(
         own = Sandbox.create(manager=manager, backend="bubblewrap", memory_mb=80, timeout_s=10)
         boxes.append(own)
         assert backend._boxes[own.id].proc_files == f"{backend._boxes[own.id].root}/proc/"
-        assert _literal(own.run_code(meminfo)) == 80
+        assert _literal(own.run_code(MEMINFO_MB)) == 80
     finally:
         for sb in boxes:
             sb.kill()
@@ -697,9 +703,7 @@ def test_a_proc_set_that_cannot_be_written_fails_the_create_and_holds_nothing(
 ) -> None:
     # Written before the sandbox's uid and cgroup are taken: a full disk fails the create
     # with a typed error and leaks no uid lock (a red team's find: it leaked one a try).
-    reason = skip_reason("bubblewrap")
-    if reason or os.geteuid() != 0:
-        pytest.skip(reason or "root's backend only")
+    _skip_unless_roots_bubblewrap()
     backend = manager._backend("bubblewrap")
     monkeypatch.setattr(bubblewrap_backend, "MAX_PROC_SETS", len(backend._proc_sets) + 1)
     real = bubblewrap_backend.write_proc_files
@@ -719,7 +723,7 @@ def test_a_proc_set_that_cannot_be_written_fails_the_create_and_holds_nothing(
     monkeypatch.setattr(bubblewrap_backend, "write_proc_files", real)
     sb = Sandbox.create(manager=manager, backend="bubblewrap", memory_mb=72, timeout_s=10)
     try:
-        assert _literal(sb.run_code("int(open('/proc/meminfo').read().split()[1]) // 1024")) == 72
+        assert _literal(sb.run_code(MEMINFO_MB)) == 72
     finally:
         sb.kill()
 

@@ -413,10 +413,9 @@ def _unmount_volume_and_remove(root: Path) -> bool:
     """Unmount the volume of ``root`` if it is mounted (lazily if busy), then delete
     ``root`` unless something else is mounted on it or on an entry of it; whether it is
     gone."""
-    libc = _libc()
-    volume = os.fsencode(volume_paths(root)[0].parent)
-    if libc.umount2(volume, _UMOUNT_NOFOLLOW) != 0 and ctypes.get_errno() == errno.EBUSY:
-        libc.umount2(volume, _UMOUNT_NOFOLLOW | _MNT_DETACH)
+    volume = volume_paths(root)[0].parent
+    if not _umount2(volume, _UMOUNT_NOFOLLOW) and ctypes.get_errno() == errno.EBUSY:
+        _umount2(volume, _UMOUNT_NOFOLLOW | _MNT_DETACH)
     # Any other error says nothing is mounted there: EINVAL (not a mount point), ENOENT,
     # EPERM (not root: nothing of ours was ever mounted).
     # rmtree crosses mount points: a mount someone else made on the directory or one of its

@@ -10,9 +10,9 @@ counters, memory, disks, interrupts, file locks). Each entry is decided on its o
   would fail without it: ``meminfo`` (the sandbox's memory limit as its total, so a runtime
   sizes its heap to what it may use, not to the host's RAM), ``stat`` (one line per CPU,
   which glibc counts when ``/sys`` is absent, and zero counters), ``uptime`` and ``loadavg``.
-  They are written once (by bubblewrap's root backend once per memory limit, shared by the
-  sandboxes of that limit: ``btime`` is then when the set was written, not when the sandbox
-  started): live use is what ``usage()`` is for.
+  They are written once (by bubblewrap's root backend once per tenant and memory limit,
+  shared by that tenant's sandboxes of that limit: ``btime`` is then when the set was
+  written, not when the sandbox started): live use is what ``usage()`` is for.
 
 ``cpuinfo``, ``version``, ``filesystems`` and ``mounts`` stay: programs need them, and they say
 no more than ``uname`` or the sandbox's own mount namespace does.

@@ -252,8 +252,8 @@ class BubblewrapBackend:
         self._hidden_dirs = present(HIDDEN_DIRS)
         self._routing_ready = False
         self._launch_ns: Path | None = None  # launchns.py's pin, once made
-        # (tenant or None in the system scope, memory limit in bytes): its shared /proc files
-        self._proc_sets: dict[tuple[str | None, int], str] = {}
+        # (whose sandboxes share it, _sharers; memory limit in bytes): a shared /proc set
+        self._proc_sets: dict[tuple[str, int], str] = {}
         self._launch_ns_failed = False
         self._routing_lock = asyncio.Lock()
         # One template per system ("host", or a tree's path), started on first use
@@ -570,14 +570,22 @@ class BubblewrapBackend:
                 argv += ["--ro-bind", str(link), str(link)]
         return argv
 
+    def _sharers(self, tenant: str | None) -> str | None:
+        """Whose sandboxes a sandbox of ``tenant`` may share a template or a file with: the
+        tenant's own (its name), everyone's (``""``, SANDBOX_GUEST_TEMPLATE_SCOPE=system), or
+        nobody's (None: a pooled sandbox not yet claimed, in the tenant scope)."""
+        if self.settings.guest_template_scope == "system":
+            return ""
+        return tenant
+
     def _proc_set(self, tenant: str | None, memory_bytes: int) -> str | None:
         """The shared directory of the synthesized /proc files of ``tenant``'s sandboxes of
         ``memory_bytes`` (written on its first use), or None: rootless, a pooled sandbox not
         yet claimed, or past MAX_PROC_SETS sets."""
-        scope = None if self.settings.guest_template_scope == "system" else tenant
-        if self.rootless or (scope is None and self.settings.guest_template_scope != "system"):
+        sharers = self._sharers(tenant)
+        if self.rootless or sharers is None:
             return None
-        key = (scope, memory_bytes)
+        key = (sharers, memory_bytes)
         found = self._proc_sets.get(key)
         if found is None and len(self._proc_sets) < MAX_PROC_SETS:
             sets = self.data_dir / PROC_SETS_DIR
@@ -792,12 +800,11 @@ class BubblewrapBackend:
         memory layout and Python's hash secret (SECURITY.md): never two tenants'."""
         if self.rootless or not self.settings.guest_template:
             return None
+        sharers = self._sharers(spec.tenant)
+        if sharers is None:
+            return None
         system = str(box.system) if box.system is not None else "host"
-        key = system
-        if self.settings.guest_template_scope == "tenant":
-            if spec.tenant is None:
-                return None
-            key = f"{system} for {spec.tenant}"
+        key = f"{system} for {sharers}" if sharers else system
         return await self._templates.get(
             key,
             system,
