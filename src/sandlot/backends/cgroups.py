@@ -171,9 +171,10 @@ class Cgroup:
                 found.update(int(p) for p in procs.read_text().split())
         return sorted(found)
 
-    def _empty(self) -> bool:
+    def empty(self) -> bool:
         """True only if every procs file was read (or is gone with its cgroup) and listed
-        nobody: an unreadable one is no proof of an empty cgroup."""
+        nobody: an unreadable one is no proof of an empty cgroup. A few reads of the
+        cgroup file system: cheap enough for the event loop."""
         for procs in self.procs_files:
             try:
                 if procs.read_text().split():
@@ -193,7 +194,7 @@ class Cgroup:
         # Usually empty already (a destroy kills the guest first, and the sandbox's pid
         # namespace dies with it): v1's freeze and its poll cost ~3 ms for nothing then. An
         # empty cgroup stays empty: only a process inside can fork into it.
-        if self._empty():
+        if self.empty():
             return True
         if self.version == 2:
             kill_file = self.dirs["unified"] / "cgroup.kill"

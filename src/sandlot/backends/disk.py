@@ -87,13 +87,30 @@ async def create_loop_disk(image: Path, mountpoint: Path, size_mb: int, template
     template = await _template(templates, size_mb)
     if template is None:
         await _make_image(image, size_mb)
-    else:
-        await asyncio.to_thread(_sparse_copy, template, image, size_mb * 1024 * 1024)
+    if not await asyncio.to_thread(_copy_and_mount, template, image, mountpoint, size_mb):
+        await _mount_by_mount8(image, mountpoint)
+
+
+def _copy_and_mount(template: Path | None, image: Path, mountpoint: Path, size_mb: int) -> bool:
+    """Copy ``template`` (if any: else ``image`` is made already) and mount the image on
+    ``mountpoint``, in one thread's turn; False where only mount(8) can attach it."""
+    if template is not None:
+        _sparse_copy(template, image, size_mb * 1024 * 1024)
     mountpoint.mkdir(parents=True, exist_ok=True)
     try:
-        await asyncio.to_thread(_loop_mount, image, mountpoint)
+        _loop_mount(image, mountpoint)
     except _NoLoopConfigure:
-        await _run("mount", "-o", f"loop,nosuid,nodev,{MOUNT_DATA}", str(image), str(mountpoint))
+        return False
+    _drop_lost_found(mountpoint)
+    return True
+
+
+async def _mount_by_mount8(image: Path, mountpoint: Path) -> None:
+    await _run("mount", "-o", f"loop,nosuid,nodev,{MOUNT_DATA}", str(image), str(mountpoint))
+    _drop_lost_found(mountpoint)
+
+
+def _drop_lost_found(mountpoint: Path) -> None:
     with contextlib.suppress(OSError):
         (mountpoint / "lost+found").rmdir()
 
@@ -251,9 +268,13 @@ def mounted_below(root: Path) -> list[Path]:
 
 async def unmount(mountpoint: Path) -> None:
     """Unmount (lazily if something still holds it); the loop device is freed with it."""
+    await asyncio.to_thread(_unmount_now, mountpoint)
+
+
+def _unmount_now(mountpoint: Path) -> None:
     # umount2(2) directly: umount(8) is a process (~2 ms of CPU) for the same system call.
-    if not await asyncio.to_thread(_umount2, mountpoint, _UMOUNT_NOFOLLOW):
-        await asyncio.to_thread(_umount2, mountpoint, _UMOUNT_NOFOLLOW | _MNT_DETACH)
+    if not _umount2(mountpoint, _UMOUNT_NOFOLLOW):
+        _umount2(mountpoint, _UMOUNT_NOFOLLOW | _MNT_DETACH)
 
 
 _MNT_DETACH = 2
@@ -301,13 +322,42 @@ async def make_volume(
     backend that mounts as root (docker) passes None. ``templates``: where the empty disk
     images are kept (:func:`create_loop_disk`).
     """
-    workspace, tmp = volume_paths(root)
+    template = await _template(templates, size_mb) if capped else None
+    if capped and template is None:  # past MAX_TEMPLATES sizes: mkfs.ext4, a process
+        _volume_root(root, traverse_gid)
+        await create_loop_disk(root / "disk.img", volume_paths(root)[0].parent, size_mb, templates)
+        _volume_dirs(root, uid, traverse_gid)
+        return
+    # The usual create: every step in one thread's turn (a turn costs the event loop a wakeup
+    # and a future's callbacks; the steps are a dozen system calls).
+    if not await asyncio.to_thread(_make_volume_now, root, size_mb, uid, template, traverse_gid):
+        await _mount_by_mount8(root / "disk.img", volume_paths(root)[0].parent)
+        _volume_dirs(root, uid, traverse_gid)
+
+
+def _make_volume_now(
+    root: Path, size_mb: int, uid: int, template: Path | None, traverse_gid: int | None
+) -> bool:
+    """:func:`make_volume` with the disk copied from ``template`` (None: no disk); False
+    where the disk is copied but only mount(8) can attach it (the rest is then left to do)."""
+    _volume_root(root, traverse_gid)
+    volume = volume_paths(root)[0].parent
+    if template is None:
+        volume.mkdir(mode=0o700)
+    elif not _copy_and_mount(template, root / "disk.img", volume, size_mb):
+        return False
+    _volume_dirs(root, uid, traverse_gid)
+    return True
+
+
+def _volume_root(root: Path, traverse_gid: int | None) -> None:
     root.mkdir(mode=0o700)
     _private_dir(root, traverse_gid)
-    if capped:
-        await create_loop_disk(root / "disk.img", workspace.parent, size_mb, templates)
-    else:
-        workspace.parent.mkdir(mode=0o700)
+
+
+def _volume_dirs(root: Path, uid: int, traverse_gid: int | None) -> None:
+    """The volume's own directory private, /workspace and /tmp in it ``uid``'s."""
+    workspace, tmp = volume_paths(root)
     _private_dir(workspace.parent, traverse_gid)
     for inside in (workspace, tmp):
         inside.mkdir(mode=0o700)
@@ -397,16 +447,21 @@ def _remove_tree(root: Path) -> None:
 
 async def remove_volume(root: Path) -> None:
     """Unmount everything below ``root`` and delete it (idempotent)."""
+    await asyncio.to_thread(remove_volume_now, root)
+
+
+def remove_volume_now(root: Path) -> None:
+    """:func:`remove_volume`, blocking: for a caller already off the event loop."""
     # The one mount a sandbox's directory holds is its volume's: it is unmounted by name,
     # without a read of the mount table, which grows with every live sandbox (3.7 ms of the
     # event loop a destroy with 1,000 live). Nothing else is mounted there by sandlot: only
     # when someone else's mount is found on ``root`` or an entry of it, or ``root`` survives
     # (a deeper one: rmdir's EBUSY), is the table read.
-    if await asyncio.to_thread(_unmount_volume_and_remove, root):
+    if _unmount_volume_and_remove(root):
         return
-    for mountpoint in await asyncio.to_thread(mounted_below, root):
-        await unmount(mountpoint)
-    await asyncio.to_thread(_remove_tree, root)
+    for mountpoint in mounted_below(root):
+        _unmount_now(mountpoint)
+    _remove_tree(root)
 
 
 def _unmount_volume_and_remove(root: Path) -> bool:

@@ -86,6 +86,7 @@ from sandlot.backends.disk import (
     loop_disks_available,
     make_volume,
     remove_volume,
+    remove_volume_now,
     volume_paths,
 )
 from sandlot.backends.launch import (
@@ -989,6 +990,10 @@ class BubblewrapBackend:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(box.guest.wait(), 5.0)
             box.guest = None
+        # Usually empty by now (the guest was pid 1 of the sandbox's pid namespace, which the
+        # kernel empties before its init is gone): a look on the loop, a thread only to kill.
+        if box.cgroup.empty():
+            return True
         return await asyncio.to_thread(box.cgroup.kill_all)
 
     async def started(self, sandbox_id: str) -> None:
@@ -1060,14 +1065,28 @@ class BubblewrapBackend:
             await self._remove_leftovers(sandbox_id)
             return
         await self._end_guest(box)
+        if box.net is None:
+            # The rest in one thread's turn: each turn costs the event loop a wakeup and a
+            # future's callbacks, ~3 of them a destroy before.
+            await asyncio.to_thread(self._release_now, box)
+            return
         await asyncio.to_thread(box.cgroup.remove)
-        if box.net is not None:
-            await netns.remove(box.net.name, box.net.veth)
+        await netns.remove(box.net.name, box.net.veth)
         if box.net_lock_fd is not None:
             unlock(box.net_lock_fd)  # only once the network is gone
-        await remove_volume(box.root)
+        await asyncio.to_thread(self._release_volume_now, box)
+
+    @classmethod
+    def _release_now(cls, box: _Box) -> None:
+        """A stopped box's cgroup, then its volume and uid (blocking)."""
+        box.cgroup.remove()
+        cls._release_volume_now(box)
+
+    @staticmethod
+    def _release_volume_now(box: _Box) -> None:
+        remove_volume_now(box.root)
         if box.uid_lock_fd is not None:
-            unlock(box.uid_lock_fd)
+            unlock(box.uid_lock_fd)  # only once nothing of the sandbox's is left
 
     async def _remove_leftovers(self, sandbox_id: str) -> None:
         cgroup = self.cgroups.path(*self._cgroup_parts(sandbox_id))

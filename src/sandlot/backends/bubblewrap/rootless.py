@@ -130,6 +130,9 @@ class NoCgroup:
     def kill_all(self, timeout_s: float = 5.0) -> bool:
         return True
 
+    def empty(self) -> bool:
+        return True
+
     def wait_for_headroom(self, slots: int, timeout_s: float = 3.0) -> bool:
         return True
 
