@@ -136,7 +136,8 @@ class GuestProcess:
         self._close_pidfd()
         if self._stderr_task is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._stderr_task, 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._stderr_task
         return code
 
     def _close_pidfd(self) -> None:

@@ -127,17 +127,15 @@ async def _attempt(
             asyncio.create_task(_feed_stdin(conn, call_id, stdin)) if stdin is not None else None
         )
         try:
-            raw = await asyncio.wait_for(
-                conn.request(
+            async with asyncio.timeout(timeout + BACKSTOP_S):
+                raw = await conn.request(
                     op,
                     request,
                     on_stdout=on_stdout,
                     on_stderr=on_stderr,
                     on_result=on_result,
                     call_id=call_id,
-                ),
-                timeout + BACKSTOP_S,
-            )
+                )
         except PidsExhausted:
             # Left-over processes hold every slot; only a fresh guest frees them.
             raw = {"exit_code": 137, "kill_reason": "pids", "state_lost": True}

@@ -159,7 +159,9 @@ class GuestConnection:
                     break
                 # The guest writes each frame whole: a body that does not follow its header
                 # is a header someone else wrote (desynchronising the stream), not a slow guest.
-                body = await asyncio.wait_for(self._reader.readexactly(size), BODY_TIMEOUT_S)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for makes a task of every frame.
+                async with asyncio.timeout(BODY_TIMEOUT_S):
+                    body = await self._reader.readexactly(size)
                 self._dispatch(self._open(body))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass

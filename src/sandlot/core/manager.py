@@ -513,7 +513,8 @@ class SandboxManager:
                 await background.close()
             async with live.lock:
                 try:
-                    await asyncio.wait_for(self._artifacts.export(live), EXPORT_TIMEOUT_S)
+                    async with asyncio.timeout(EXPORT_TIMEOUT_S):
+                        await self._artifacts.export(live)
                 except (SandboxError, OSError, TimeoutError) as exc:
                     log.warning("artifacts not kept", sandbox=sandbox_id, error=repr(exc))
                 if live.conn is not None:

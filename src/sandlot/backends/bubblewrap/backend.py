@@ -988,7 +988,8 @@ class BubblewrapBackend:
         if box.guest is not None:
             box.guest.kill()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(box.guest.wait(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await box.guest.wait()
             box.guest = None
         # Usually empty by now (the guest was pid 1 of the sandbox's pid namespace, which the
         # kernel empties before its init is gone): a look on the loop, a thread only to kill.

@@ -426,10 +426,12 @@ class TemplateGuest:
         code = self._exit.result() if self._exit.done() else -signal.SIGKILL
         self.release_bwrap()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._chain.wait(), 5.0)
+            async with asyncio.timeout(5.0):
+                await self._chain.wait()
         if self._stderr_task is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._stderr_task, 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._stderr_task
         return code
 
 
@@ -610,7 +612,7 @@ async def _joined(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None
     Raises:
         SandboxStartError: it ended first; the reason it gave on stderr.
     """
-    if await asyncio.to_thread(_notified, notify_r, timeout_s):
+    if await _notified(notify_r, timeout_s):
         return
     with contextlib.suppress(Exception):
         await asyncio.wait_for(guest.wait(), 2.0)
@@ -618,13 +620,25 @@ async def _joined(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None
     raise SandboxStartError(f"the sandbox's guest could not join it: {why}")
 
 
-def _notified(fd: int, timeout_s: float) -> bool:
-    """Whether a byte came on ``fd`` within ``timeout_s`` (False: EOF, or nothing); closes it."""
+async def _notified(fd: int, timeout_s: float) -> bool:
+    """Whether a byte came on ``fd`` within ``timeout_s`` (False: EOF, or nothing); closes it.
+    Watched by the event loop: a thread's turn to poll it cost more than the wait."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(fd, ready)
     try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(timeout_s * 1000)) and os.read(fd, 1) == b"1"
+        async with asyncio.timeout(timeout_s):
+            await readable
+        return os.read(fd, 1) == b"1"  # readable: a byte, or EOF, at once
+    except TimeoutError:
+        return False
     finally:
+        loop.remove_reader(fd)
         os.close(fd)
 
 
