@@ -21,10 +21,13 @@ so that the background load of a shared machine falls on all of them alike:
 ``--workers N`` runs N tasks at once (a shared queue); the floor then uses N threads. Per
 task: wall ms from before create to after destroy (p50, p95); per block: wall seconds for
 all tasks; CPU per lifecycle in ms from ``os.times()`` (this process, and the children it
-reaped: bwrap and what it reaped) and from the sandboxes' parent cgroup (the manager's
+reaped: bwrap and what it reaped, where no spawner starts them), the own CPU of this
+process's long-lived helpers (the guest templates and the spawner, which fork for every
+create: ``/proc/<pid>/stat``), and from the sandboxes' parent cgroup (the manager's
 instance cgroup: ``cpuacct.usage`` on cgroup v1, ``cpu.stat``'s ``usage_usec`` on v2, both
-hierarchical, so they keep the CPU of sandboxes already removed). The two overlap where a
-reaped child also ran in a sandbox's cgroup, so they are reported apart, not summed.
+hierarchical, so they keep the CPU of sandboxes already removed). Reaped children and the
+cgroups overlap where a reaped child also ran in a sandbox's cgroup, so they are reported
+apart, not summed.
 
 Usage::
 
@@ -105,12 +108,49 @@ class Block:
     wall_s: float = 0.0
     self_cpu_s: float = 0.0
     children_cpu_s: float = 0.0
+    helpers_cpu_s: float = 0.0
     cgroup_cpu_s: float = 0.0
 
 
 def _cpu() -> tuple[float, float]:
     t = os.times()
     return t.user + t.system, t.children_user + t.children_system
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def helpers_cpu_s() -> dict[int, float]:
+    """Own CPU seconds (user + system) of each live descendant of this process, by pid: the
+    guest templates and the spawner fork for every create, and their children are not ours
+    to reap. Summed over the pids alive at both ends of a run (:func:`helpers_delta_s`), it
+    counts those long-lived helpers only (no sandbox is live at either end)."""
+    parents: dict[int, int] = {}
+    own: dict[int, float] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        own[pid] = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+    me = os.getpid()
+    found = {}
+    for pid, seconds in own.items():
+        parent, depth = parents.get(pid), 0
+        while parent not in (None, 0, 1, me) and depth < 64:
+            parent, depth = parents.get(parent), depth + 1
+        if parent == me:
+            found[pid] = seconds
+    return found
+
+
+def helpers_delta_s(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(seconds - before[pid] for pid, seconds in after.items() if pid in before)
 
 
 def _cgroup_usage_s(managers: Sequence[SandboxManager]) -> float:
@@ -179,6 +219,7 @@ async def run_block(
         await _wait_pool_full(pool)
     queue = list(reversed(programs))
     cpu0, cg0 = _cpu(), _cgroup_usage_s(tuple(managers.values()))
+    helpers0 = helpers_cpu_s()
     started = time.perf_counter()
 
     async def worker() -> None:
@@ -197,6 +238,7 @@ async def run_block(
     if pool is not None:
         await _wait_pool_full(pool)
     cpu1, cg1 = _cpu(), _cgroup_usage_s(tuple(managers.values()))
+    block.helpers_cpu_s = helpers_delta_s(helpers0, helpers_cpu_s())
     block.self_cpu_s = cpu1[0] - cpu0[0]
     block.children_cpu_s = cpu1[1] - cpu0[1]
     block.cgroup_cpu_s = cg1 - cg0
@@ -237,7 +279,8 @@ def render(
     floor_wall = med([b.wall_s for b in blocks["floor"]])
     rows = [
         "| series | workers | wall s (median; each round) | ratio to floor | per task p50 / p95 ms "
-        "| CPU ms per lifecycle: this process / reaped children / sandbox cgroups |",
+        "| CPU ms per lifecycle: this process / its helpers / reaped children / sandbox "
+        "cgroups |",
         "|---|---:|---|---:|---|---|",
     ]
     for series, runs in blocks.items():
@@ -246,12 +289,14 @@ def render(
         per = n_tasks * len(runs)
         cpu_self = sum(b.self_cpu_s for b in runs) * 1000 / per
         cpu_children = sum(b.children_cpu_s for b in runs) * 1000 / per
+        cpu_helpers = sum(b.helpers_cpu_s for b in runs) * 1000 / per
         cpu_cgroup = sum(b.cgroup_cpu_s for b in runs) * 1000 / per
         walls = ", ".join(f"{b.wall_s:.1f}" for b in runs)
         rows.append(
             f"| {LABELS[series]} | {args.workers} | **{wall:.1f}** ({walls}) | "
             f"**{wall / floor_wall:.2f}x** | {percentile(tasks, 50):.1f} / "
-            f"{percentile(tasks, 95):.1f} | {cpu_self:.1f} / {cpu_children:.1f} / "
+            f"{percentile(tasks, 95):.1f} | {cpu_self:.1f} / {cpu_helpers:.1f} / "
+            f"{cpu_children:.1f} / "
             f"{cpu_cgroup:.1f} |"
         )
     return "\n".join(

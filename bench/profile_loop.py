@@ -4,9 +4,13 @@ With many workers a manager is bound by its one process (its event loop and work
 share one GIL), not by the cores. This runs ``--lifecycles`` cycles of ``create()``,
 ``run_code(--code)``, ``destroy()`` from ``--concurrency`` tasks at once in one manager and
 prints, per lifecycle: wall, CPU of the loop's thread (``time.thread_time``), CPU of the whole
-process (every thread), the rate, and the CPU of the children it reaped (the launchers, bwrap)
-and of the sandboxes' cgroups. The last two overlap where a reaped child ran in a sandbox's
-cgroup: the sum of all three bounds the issue's "CPU per lifecycle" from above. With ``--profile``,
+process (every thread), the rate, the own CPU of its long-lived helpers (the guest templates
+and the spawner, which fork for every create), the CPU of the children it reaped (the
+launchers, where no spawner starts them) and of the sandboxes' cgroups, and the whole
+machine's busy CPU (``/proc/stat``: kernel workers too, and whatever else runs, so only on a
+quiet machine). Reaped children and the cgroups overlap where a reaped child ran in a
+sandbox's cgroup: the sum of the four bounds the issue's "CPU per lifecycle" from above, short
+of the kernel's own work for them (a network namespace's teardown). With ``--profile``,
 cProfile's top functions by own time (Python 3.11: the loop's thread only; 3.12: every
 thread); cProfile slows Python code down, so read the ranks, not the absolute times.
 
@@ -35,7 +39,7 @@ for _var in list(os.environ):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.` imports
 
-from bench.bench_throughput import _cgroup_usage_s  # noqa: E402
+from bench.bench_throughput import _cgroup_usage_s, helpers_cpu_s, helpers_delta_s  # noqa: E402
 from sandlot import SandboxManager, Settings  # noqa: E402
 from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
 
@@ -67,6 +71,7 @@ async def run(args: argparse.Namespace) -> None:
             profile = cProfile.Profile() if args.profile else None
             thread0, process0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
             children0, cgroup0 = _children_s(), _cgroup_usage_s([manager])
+            helpers0, machine0 = helpers_cpu_s(), _machine_busy_s()
             if profile is not None:
                 profile.enable()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -76,6 +81,8 @@ async def run(args: argparse.Namespace) -> None:
                 profile.disable()
             thread1, process1, wall1 = time.thread_time(), time.process_time(), time.perf_counter()
             children1, cgroup1 = _children_s(), _cgroup_usage_s([manager])
+            helpers_s = helpers_delta_s(helpers0, helpers_cpu_s())
+            machine_s = _machine_busy_s() - machine0
     finally:
         shutil.rmtree(root, ignore_errors=True)
     n = args.lifecycles
@@ -83,14 +90,22 @@ async def run(args: argparse.Namespace) -> None:
         f"{n} lifecycles, {args.concurrency} at a time: wall {1000 * (wall1 - wall0) / n:.1f} ms"
         f" each, loop thread CPU {1000 * (thread1 - thread0) / n:.1f} ms, process CPU"
         f" {1000 * (process1 - process0) / n:.1f} ms, {n / (wall1 - wall0):.1f} lifecycles/s;"
-        f" CPU of reaped children {1000 * (children1 - children0) / n:.1f} ms, of the"
-        f" sandboxes' cgroups {1000 * (cgroup1 - cgroup0) / n:.1f} ms"
-        + (" (under cProfile)" if profile is not None else "")
+        f" CPU of its helpers (templates, spawner) {1000 * helpers_s / n:.1f} ms,"
+        f" of reaped children {1000 * (children1 - children0) / n:.1f} ms, of the"
+        f" sandboxes' cgroups {1000 * (cgroup1 - cgroup0) / n:.1f} ms; whole machine"
+        f" {1000 * machine_s / n:.1f} ms" + (" (under cProfile)" if profile is not None else "")
     )
     if profile is not None:
         pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.top)
         if args.dump is not None:
             profile.dump_stats(args.dump)
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every core has spent busy since boot (all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _children_s() -> float:

@@ -71,9 +71,11 @@ def crash_a_manager(
     pools: dict[str, int] | None = None,
     quota: dict[str, int] | None = None,
     extra: str = "",
+    helpers: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Run a manager in a child process with ``count`` live sandboxes (made with ``quota``,
-    each running ``extra`` last), then kill -9 it."""
+    each running ``extra`` last), then kill -9 it; its children at that moment (the
+    spawner, the templates' bwrap) go in ``helpers``."""
     repo = Path(__file__).resolve().parent.parent
     argv = [str(data_dir), str(count), str(pool_size), target, json.dumps(pools or {})]
     argv += [json.dumps(quota) if quota else "", extra]
@@ -87,12 +89,27 @@ def crash_a_manager(
     try:
         assert proc.stdout is not None
         sandboxes: list[dict[str, Any]] = json.loads(proc.stdout.readline())
+        if helpers is not None:
+            helpers += _children_of(proc.pid)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
     return sandboxes
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
 
 
 def _processes_of(uids: set[int]) -> list[int]:
@@ -124,8 +141,13 @@ async def test_restart_after_kill_9_cleans_every_orphan(
         pytest.skip("bubblewrap's recovery; test_docker crashes a manager of docker sandboxes")
     data_dir = data_root / "crash"
     data_dir.mkdir()
-    sandboxes = crash_a_manager(data_dir, count=3)
+    helpers: list[int] = []
+    sandboxes = crash_a_manager(data_dir, count=3, helpers=helpers)
     assert len(sandboxes) == 3
+    # Its spawner and its templates' bwrap die with it (their death signals, their sockets'
+    # EOF), and the template and guests with them.
+    assert len(helpers) >= 2, helpers
+    assert _wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in helpers)), helpers
     uids = {s["uid"] for s in sandboxes}
     assert len(uids) == 3 and min(uids) >= 200_000  # one unprivileged host uid each
 

@@ -85,8 +85,11 @@ class StderrTail:
 
     async def collect(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(4096):
-            self._tail += chunk
-            del self._tail[:-STDERR_TAIL_BYTES]
+            self.add(chunk)
+
+    def add(self, chunk: bytes) -> None:
+        self._tail += chunk
+        del self._tail[:-STDERR_TAIL_BYTES]
 
     def text(self) -> str:
         return self._tail.decode("utf-8", "replace").strip()
@@ -121,6 +124,14 @@ class GuestProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def close_stdin(self) -> None:
+        if not self.writer.is_closing():
+            self.writer.close()
 
     def kill(self) -> None:
         if self._pidfd is None:

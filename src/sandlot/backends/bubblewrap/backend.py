@@ -59,10 +59,12 @@ from sandlot.backends.bubblewrap.rootless import (
     warn_degraded_once,
 )
 from sandlot.backends.bubblewrap.seccomp import build_filter
+from sandlot.backends.bubblewrap.spawner import Spawner, spawn_chain
 from sandlot.backends.bubblewrap.template import (
     LAUNCHER as TEMPLATE_LAUNCHER,
 )
 from sandlot.backends.bubblewrap.template import (
+    Chain,
     Template,
     TemplateGuest,
     Templates,
@@ -173,6 +175,9 @@ HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 # placeholder `sh` that read its stdin cost ~2.5 ms of CPU a create). Should the manager die
 # first, the EOF of that stdin lets the child go on, and this ends it.
 PLACEHOLDER = ("/bin/true",)
+# The fds a spawned bwrap gets its seccomp filter and says its child's pid on (spawner.py).
+SPAWNED_SECCOMP_FD = 3
+SPAWNED_INFO_FD = 4
 
 
 def _setenv(env: dict[str, str]) -> list[str]:
@@ -180,6 +185,19 @@ def _setenv(env: dict[str, str]) -> list[str]:
     for key, value in env.items():
         args += ["--setenv", key, value]
     return args
+
+
+def _seccomp_pipe(network: bool) -> int:
+    """The read end of a pipe holding the sandbox's seccomp filter, for bwrap's --seccomp."""
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    try:
+        os.write(write_fd, build_filter(network))
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    return read_fd
 
 
 def _env_args(env: dict[str, str]) -> int:
@@ -211,7 +229,7 @@ class _Box:
         return self.workspace.parent / "tmp"
 
 
-async def _kill_all(*guests: Guest | None) -> None:
+async def _kill_all(*guests: Guest | Chain | None) -> None:
     for guest in guests:
         if guest is not None:
             guest.kill()
@@ -260,6 +278,8 @@ class BubblewrapBackend:
         # One template per system ("host", or a tree's path), started on first use
         # (template.py); a system whose template would not start starts guests afresh.
         self._templates = Templates(START_TIMEOUT_S, settings.max_guest_templates)
+        # Starts bwrap for a templated create (spawner.py), on first use.
+        self._spawner = Spawner()
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -724,11 +744,12 @@ class BubblewrapBackend:
         files: Callable[[], Awaitable[None]] | None,
     ) -> Guest:
         """:meth:`_spawn`'s work, with the template it took (or none)."""
-        read_fd, write_fd = os.pipe()
-        try:
-            os.write(write_fd, build_filter(spec.network))
-        finally:
-            os.close(write_fd)
+        spawner = await self._spawner.get() if template is not None else None
+        if template is not None and spawner is not None:
+            return await self._launch_spawned(
+                box, spec, template, spawner, before_go=before_go, files=files
+            )
+        read_fd = _seccomp_pipe(spec.network)
         # As root, bwrap says on this pipe which pid is the sandbox's first (_spawn).
         info_r, info_w = (-1, -1) if self.rootless else os.pipe()
         info_fd = None if self.rootless else info_w
@@ -778,10 +799,10 @@ class BubblewrapBackend:
             joined = await self._join(template, box, spec, guest, pid)
 
         try:
-            await self._go_after(before, process, guest, None if info_fd is None else info_r)
+            await self._go_after(before, guest, None if info_fd is None else info_r)
             if manager_mounts:
                 await self._mount_while_bwrap_starts(
-                    process, guest, info_r, box, files, join if template else None
+                    guest, info_r, box, files, join if template else None
                 )
             elif info_fd is not None:
                 await asyncio.to_thread(self._finish_namespace, info_r, process.pid, box)
@@ -792,6 +813,65 @@ class BubblewrapBackend:
             joined.release_bwrap()  # the guest holds every namespace now
             return joined
         return guest
+
+    async def _launch_spawned(
+        self,
+        box: _Box,
+        spec: GuestSpec,
+        template: Template,
+        spawner: Template,
+        *,
+        before_go: Callable[[], Awaitable[None]] | None,
+        files: Callable[[], Awaitable[None]] | None,
+    ) -> Guest:
+        """:meth:`_launch` through the spawner (spawner.py): ``before_go`` first (the
+        network bwrap starts in), then bwrap, its child blocked for ``template``'s guest."""
+        if before_go is not None:
+            await before_go()
+        argv = self._bwrap_argv(
+            box, spec, SPAWNED_SECCOMP_FD, SPAWNED_INFO_FD, manager_mounts=True, templated=True
+        )
+        namespaces: dict[str, int] = {}
+        passed: dict[int, int] = {}
+        info_r = -1
+        try:
+            passed[SPAWNED_SECCOMP_FD] = _seccomp_pipe(spec.network)
+            info_r, passed[SPAWNED_INFO_FD] = os.pipe2(os.O_CLOEXEC)
+            pin = self._launch_pin()
+            if pin is not None:
+                namespaces["mnt"] = os.open(pin, os.O_RDONLY | os.O_CLOEXEC)
+            if box.net is not None:
+                namespaces["net"] = os.open(box.net.path, os.O_RDONLY | os.O_CLOEXEC)
+            chain = await spawn_chain(
+                spawner,
+                argv,
+                env=HOST_ENV,
+                cgroup_files=box.cgroup.enter_files,
+                namespaces=namespaces,
+                passed=passed,
+                uid=box.uid,
+            )
+        except BaseException:
+            if info_r != -1:
+                os.close(info_r)
+            raise
+        finally:
+            for fd in (*namespaces.values(), *passed.values()):
+                os.close(fd)
+        joined: TemplateGuest | None = None
+
+        async def join(pid: int) -> None:
+            nonlocal joined
+            joined = await self._join(template, box, spec, chain, pid)
+
+        try:
+            await self._mount_while_bwrap_starts(chain, info_r, box, files, join)
+        except BaseException:
+            await _kill_all(joined, chain)
+            raise
+        assert joined is not None
+        joined.release_bwrap()  # the guest holds every namespace now
+        return joined
 
     async def _template(self, box: _Box, spec: GuestSpec) -> Template | None:
         """The running template of the box's system, in the tenant scope (the default) the
@@ -829,7 +909,7 @@ class BubblewrapBackend:
         return [*argv, "--", GUEST_PYTHON, "-I", "-S", "-c", TEMPLATE_LAUNCHER % GUEST_DIR_INSIDE]
 
     async def _join(
-        self, template: Template, box: _Box, spec: GuestSpec, chain: GuestProcess, pid: int
+        self, template: Template, box: _Box, spec: GuestSpec, chain: Chain, pid: int
     ) -> TemplateGuest:
         """The sandbox's guest, from ``template``, joined into the namespaces of bwrap's
         blocked child ``pid`` (template.py's ``join_guest``)."""
@@ -848,7 +928,6 @@ class BubblewrapBackend:
     async def _go_after(
         self,
         steps: tuple[Callable[[], Awaitable[None]] | None, ...],
-        process: asyncio.subprocess.Process,
         guest: GuestProcess,
         info_r: int | None,
     ) -> None:
@@ -858,7 +937,7 @@ class BubblewrapBackend:
             for step in steps:
                 if step is not None:
                     await step()
-            await self._go(process, guest)
+            await self._go(guest)
         except BaseException:
             if info_r is not None:
                 os.close(info_r)
@@ -866,8 +945,7 @@ class BubblewrapBackend:
 
     async def _mount_while_bwrap_starts(
         self,
-        process: asyncio.subprocess.Process,
-        guest: GuestProcess,
+        chain: Chain,
         info_r: int,
         box: _Box,
         files: Callable[[], Awaitable[None]] | None,
@@ -886,7 +964,7 @@ class BubblewrapBackend:
             if files is not None:
                 await files()
         except BaseException:
-            guest.kill()  # bwrap's end closes the pipe the thread reads
+            chain.kill()  # bwrap's end closes the pipe the thread reads
             with contextlib.suppress(BaseException):
                 await first
             raise
@@ -896,32 +974,31 @@ class BubblewrapBackend:
             # A launcher that ended before bwrap named the sandbox's first process (it could
             # not enter its cgroup, say) says why on stderr.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(guest.wait(), 1.0)
-            if process.returncode is None:
+                async with asyncio.timeout(1.0):
+                    await chain.wait()
+            if chain.returncode is None:
                 raise
-            raise self._launcher_failed(process, guest) from None
+            raise self._launcher_failed(chain) from None
         if join is not None:
             await join(pid)
-        await asyncio.to_thread(self._mount_inside, pid, process.pid, box, manager_mounts=True)
+        await asyncio.to_thread(self._mount_inside, pid, chain.pid, box, manager_mounts=True)
 
     @staticmethod
-    async def _go(process: asyncio.subprocess.Process, guest: GuestProcess) -> None:
+    async def _go(guest: GuestProcess) -> None:
         """Let the launcher go on to bwrap; a launcher already gone (it could not enter its
         cgroup, say) says why on stderr, which the error carries."""
-        assert process.stdin is not None
         try:
-            process.stdin.write(b"go\n")
-            await process.stdin.drain()
+            guest.writer.write(b"go\n")
+            await guest.writer.drain()
         except (BrokenPipeError, ConnectionResetError) as exc:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(guest.wait(), 5.0)
-            raise BubblewrapBackend._launcher_failed(process, guest) from exc
+                async with asyncio.timeout(5.0):
+                    await guest.wait()
+            raise BubblewrapBackend._launcher_failed(guest) from exc
 
     @staticmethod
-    def _launcher_failed(
-        process: asyncio.subprocess.Process, guest: GuestProcess
-    ) -> SandboxStartError:
-        why = guest.stderr_tail() or f"exit status {process.returncode}"
+    def _launcher_failed(chain: Chain) -> SandboxStartError:
+        why = chain.stderr_tail() or f"exit status {chain.returncode}"
         return SandboxStartError(f"the sandbox's launcher failed: {why}")
 
     @staticmethod
@@ -1144,6 +1221,7 @@ class BubblewrapBackend:
                     unlock(fd)
         self._boxes.clear()
         await self._templates.close()
+        await self._spawner.close()
         if self._launch_ns is not None:
             await asyncio.to_thread(self._drop_launch_ns)
         if self._checked:

@@ -24,11 +24,11 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
-from sandlot.backends.base import STDERR_TAIL_BYTES, GuestProcess, StderrTail
+from sandlot.backends.base import STDERR_TAIL_BYTES, StderrTail
 from sandlot.backends.mountns import parent_of
 from sandlot.errors import SandboxStartError
 from sandlot.guest.template import MAX_FDS, MAX_MESSAGE, NS_NAMES
@@ -40,6 +40,24 @@ LAUNCHER = (
     "import sys, socket; sys.path.insert(0, %r); import template; "
     "template.serve(socket.socket(fileno=int(sys.argv[1])))"
 )
+
+
+class Chain(Protocol):
+    """A sandbox's launcher (bwrap, and before it sh and nsenter, or the spawner's child)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+    def close_stdin(self) -> None: ...
+
+    def stderr_tail(self) -> str: ...
 
 
 class TemplateGone(SandboxStartError):
@@ -322,14 +340,14 @@ class TemplateGuest:
         stdin_w: int,
         stdout_r: int,
         stderr_r: int,
-        chain: GuestProcess,
+        chain: Chain,
         blocked: int,
     ) -> None:
         self.pid = pid
         self._template = template
         self._pidfd: int | None = pidfd
         self._exit = template.exit_of(pid)
-        self._chain = chain  # sh, nsenter, bwrap
+        self._chain = chain  # bwrap (the spawner's child, or after sh and nsenter)
         self._blocked: int | None = blocked  # a pidfd of bwrap's child, at its --block-fd
         self._stdin_w, self._stdout_r, self._stderr_r = stdin_w, stdout_r, stderr_r
         self._stderr = StderrTail()
@@ -409,8 +427,7 @@ class TemplateGuest:
                 signal.pidfd_send_signal(self._blocked, signal.SIGKILL)
             os.close(self._blocked)
             self._blocked = None
-        if not self._chain.writer.is_closing():
-            self._chain.writer.close()
+        self._chain.close_stdin()
 
     async def wait(self) -> int:
         """Its exit status, as the template (its parent) reports it; once the guest is gone
@@ -553,7 +570,7 @@ class Templates:
 
 async def join_guest(
     template: Template,
-    chain: GuestProcess,
+    chain: Chain,
     pid: int,
     config: dict[str, Any],
     enter_files: list[Path],
