@@ -40,8 +40,14 @@ echo "env: $(env | sort | tr '\n' ' ')"
 
 @pytest.fixture
 async def client() -> AsyncIterator[Template]:
+    """A spawner started with groups of ours, which its children must not keep."""
+    kept = os.getgroups()
+    os.setgroups([0, 4242])
     spawner = Spawner()
-    found = await spawner.get()
+    try:
+        found = await spawner.get()
+    finally:
+        os.setgroups(kept)
     assert found is not None
     try:
         yield found
