@@ -430,18 +430,14 @@ class BubblewrapBackend:
             pids_max=spec.limits.pids,
             cpu_cores=max(spec.limits.cpu_cores, START_CPU_CORES),
         )
-        driver = self.cgroups
-        parts = self._cgroup_parts(spec.sandbox_id)
         try:
-            cgroup: Cgroup | NoCgroup
-            if isinstance(driver, NoCgroupDriver):
-                cgroup = driver.create(parts, limits)
-            else:
-                cgroup = await asyncio.to_thread(driver.create, parts, limits)
-        except OSError as exc:
+            cgroup = await self._make_cgroup(spec.sandbox_id, limits)
+        except BaseException:
+            # A create cancelled here too (it leaked a uid lock a cancellation: the red
+            # team's find); a cgroup made meanwhile goes with the next sweep.
             if lock_fd is not None:
                 unlock(lock_fd)
-            raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
+            raise
         box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         box.system = system
         box.proc_files = shared_proc if shared_proc is not None else f"{root}/proc/"
@@ -481,6 +477,16 @@ class BubblewrapBackend:
             await self.stop(spec.sandbox_id)
             raise
         return box
+
+    async def _make_cgroup(self, sandbox_id: str, limits: CgroupLimits) -> Cgroup | NoCgroup:
+        driver = self.cgroups
+        parts = self._cgroup_parts(sandbox_id)
+        if isinstance(driver, NoCgroupDriver):
+            return driver.create(parts, limits)
+        try:
+            return await asyncio.to_thread(driver.create, parts, limits)
+        except OSError as exc:
+            raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
 
     async def _make_network(self, box: _Box) -> None:
         async with self._routing_lock:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 import structlog
 
 from sandlot.backends.base import StderrTail
+from sandlot.backends.bubblewrap.spawner_server import MAX_MESSAGE
 from sandlot.backends.bubblewrap.template import Template
 from sandlot.errors import SandboxStartError
 
@@ -32,6 +34,8 @@ log = structlog.get_logger(__name__)
 
 SERVER = Path(__file__).with_name("spawner_server.py")
 START_TIMEOUT_S = 15.0
+# The spawner could not be started for now, not for good: the next create tries again.
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
 STDERR_EOF_WAIT_S = 1.0
 
 
@@ -51,15 +55,21 @@ class Spawner:
             if self._failed:
                 return None
             if self._client is None or not self._client.alive:
-                client = Template("spawner")
+                client = Template("spawner", max_message=MAX_MESSAGE, called="the spawner")
+                # -I -S: nothing of the environment's or of site-packages runs as root.
+                argv = [sys.executable, "-I", "-S", str(SERVER), str(os.getpid())]
                 try:
-                    # -I -S: nothing of the environment's or of site-packages runs as root.
-                    await client.start([sys.executable, "-I", "-S", str(SERVER)], START_TIMEOUT_S)
-                except SandboxStartError as exc:
+                    await client.start(argv, START_TIMEOUT_S)
+                except (SandboxStartError, OSError) as exc:
+                    # An interpreter gone (a venv rebuilt under a running manager) or none to
+                    # name (an embedded one) for good; a process or fd short for this create.
+                    transient = isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
                     log.warning(
-                        "no spawner: sandboxes start through sh and nsenter", error=str(exc)
+                        "no spawner: sandboxes start through sh and nsenter",
+                        error=str(exc),
+                        retried=transient,
                     )
-                    self._failed = True
+                    self._failed = not transient
                     return None
                 self._client = client
         return self._client

@@ -1,30 +1,37 @@
 """The spawner: a small root process that starts each sandbox's bwrap for the manager.
 
-Run by the host's ``spawner.py`` as ``python -I -S spawner_server.py FD`` (standard library
-only: it is not imported as part of sandlot). Without it, every create ran ``sh`` (into the
-sandbox's cgroup), then ``nsenter`` (into the launch mount namespace and the sandbox's network
-namespace, down to its uid), then bwrap: two execs of their own, ~4 ms of the machine's CPU a
-create (perf, BENCHMARKS.md), and a subprocess of the manager's, whose asyncio machinery (a
-watcher thread, three pipe transports) ran on the manager's busy event loop. Here the same
-steps are a fork of this small, single-threaded process and a few system calls before the
-exec, off the manager's process.
+Run by the host's ``spawner.py`` as ``python -I -S spawner_server.py MANAGER_PID FD``
+(standard library only: the manager imports it for its constants alone). Without it, every
+create ran ``sh`` (into the sandbox's cgroup), then ``nsenter`` (into the launch mount
+namespace and the sandbox's network namespace, down to its uid), then bwrap, a subprocess of
+the manager's whose asyncio machinery (a watcher thread, three pipe transports) ran on the
+manager's busy event loop. Here the same steps are a fork of this small, single-threaded
+process and a few system calls before the exec, off the manager's process. (The machine's
+CPU is about the same: a fork of a Python process costs about what the two small execs did;
+the manager, one process for every sandbox, spends ~2 ms less a create: BENCHMARKS.md.)
 
 The protocol is the template's (``template.py`` on both sides): one SOCK_SEQPACKET socket whose
 fd the argv names. ``{"ready": true}`` comes first. A request ``{"id", "argv", "env",
 "cgroup_files", "ns", "uid", "gid", "targets"}`` carries the fds stdin, stdout, stderr, one per
 name in ``ns`` ("mnt", "net"), then one per entry of ``targets`` (the fd number bwrap's argv
-gives it). The child, in this order: writes "0" to each of ``cgroup_files`` (the sandbox's
-cgroup, while still root and alone), enters each namespace, drops to ``uid``/``gid`` with no
-supplementary groups, puts its fds in place (every other fd is close-on-exec) and execs
-``argv`` with ``env``. A failed step ends it with status 125 and the reason on its stderr.
-The answer is ``{"id", "pid"}`` with a pidfd of the child (or ``{"id", "error"}``), and
-``{"exit": pid, "status": code}`` once it has ended. The socket's EOF (the manager gone) ends
-this process; bwrap's ``--die-with-parent`` then ends the children.
+gives it). The child, in this order: takes a death signal tied to this process (and ends if
+it is gone already), writes "0" to each of ``cgroup_files`` (the sandbox's cgroup, while still
+root and alone), enters each namespace, drops to ``uid``/``gid`` with no supplementary
+groups, takes the death signal again (the uid change clears it), puts its fds in place (every
+other fd is close-on-exec) and execs ``argv`` with ``env``: a manager killed while its
+children are between fork and exec leaves none of them to exec bwrap (a red team's find: a
+bwrap started then lost its info fd's reader and died of SIGPIPE, its own child left blocked
+in the sandbox's cgroup for good). A failed step ends it with status 125 and the reason on its
+stderr. The answer is ``{"id", "pid"}`` with a pidfd of the child (or ``{"id", "error"}``),
+and ``{"exit": pid, "status": code}`` once it has ended. The socket's EOF (the manager gone)
+kills every child not yet reaped and ends this process; bwrap's ``--die-with-parent`` ends
+what they started.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -41,10 +48,10 @@ CLONE_NEWNET = 0x40000000
 NAMESPACES = {"mnt": CLONE_NEWNS, "net": CLONE_NEWNET}
 STDIO_FDS = 3
 MAX_FDS = 16
-MAX_MESSAGE = 65536  # an argv of a few hundred arguments
-# Above every fd bwrap's argv names: each fd is moved up here first, then down into its place,
-# so that no move overwrites another fd still to be moved.
-HIGH_FD = 512
+# An argv of a few hundred arguments; the manager refuses a longer request before sending it
+# (a longer one arrives cut short, and its id cannot be read to answer it).
+MAX_MESSAGE = 65536
+MAX_TARGET_FD = 64
 FAILED = 125
 PR_SET_PDEATHSIG = 1
 
@@ -56,9 +63,17 @@ def _fail(what: str) -> NoReturn:
     raise OSError(code, f"{what}: {os.strerror(code)}")
 
 
-def exec_child(request: dict[str, Any], fds: list[int]) -> NoReturn:
+def _die_with(parent: int) -> None:
+    """SIGKILL when ``parent`` ends; end now if it has already."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(FAILED)
+
+
+def exec_child(request: dict[str, Any], fds: list[int], parent: int) -> NoReturn:
     """In the forked child: the steps in the module's docstring; never returns."""
     try:
+        _die_with(parent)
         os.dup2(fds[2], 2)  # from here on, every failure is told on the launcher's stderr
         for path in request["cgroup_files"]:
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -74,7 +89,11 @@ def exec_child(request: dict[str, Any], fds: list[int]) -> NoReturn:
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in fds]
+        _die_with(parent)
+        # Each fd moved above every target first, then down into its place: no move then
+        # overwrites an fd still to be moved (and a low open-file limit still holds them).
+        above = max([STDIO_FDS - 1, *(int(t) for t in request["targets"])]) + 1
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in fds]
         for target, fd in enumerate(high[:STDIO_FDS]):
             os.dup2(fd, target)
         for target, fd in zip(request["targets"], high[STDIO_FDS + len(names) :], strict=True):
@@ -95,16 +114,19 @@ def exec_child(request: dict[str, Any], fds: list[int]) -> NoReturn:
     os._exit(FAILED)  # not reached: execve returns only by raising
 
 
-def _check(request: Any, fds: list[int], flags: int) -> None:
-    """The request is whole: every fd it names arrived (a child that missed its cgroup's
-    file would run outside it), and nothing else."""
+def _check_whole(fds: list[int], flags: int) -> None:
     if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
         raise ValueError(f"the request was cut short ({len(fds)} fds arrived)")
+
+
+def _check(request: Any, fds: list[int]) -> None:
+    """The request is whole: every fd it names arrived (a child that missed its cgroup's
+    file would run outside it), and nothing else."""
     if not isinstance(request, dict) or not request.get("argv"):
         raise ValueError("the request names no argv")
     if any(name not in NAMESPACES for name in request["ns"]):
         raise ValueError(f"unknown namespaces {request['ns']!r}")
-    if any(int(t) <= 2 or int(t) >= HIGH_FD for t in request["targets"]):
+    if any(int(t) <= 2 or int(t) > MAX_TARGET_FD for t in request["targets"]):
         raise ValueError(f"fd targets out of range: {request['targets']!r}")
     if int(request["uid"]) <= 0 or int(request["gid"]) <= 0:
         raise ValueError("a launcher never stays root")
@@ -128,10 +150,12 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ())
     socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
 
 
-def spawn(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+def spawn(sock: socket.socket, request: dict[str, Any], fds: list[int], children: set[int]) -> None:
+    me = os.getpid()
     pid = os.fork()
     if pid == 0:
-        exec_child(request, fds)
+        exec_child(request, fds, me)
+    children.add(pid)
     pidfd = os.pidfd_open(pid)
     try:
         _send(sock, {"id": request["id"], "pid": pid}, [pidfd])
@@ -139,7 +163,7 @@ def spawn(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
         os.close(pidfd)
 
 
-def report_exits(sock: socket.socket) -> None:
+def report_exits(sock: socket.socket, children: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -147,7 +171,15 @@ def report_exits(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
+        children.discard(pid)
         _send(sock, {"exit": pid, "status": os.waitstatus_to_exitcode(status)})
+
+
+def _kill(children: set[int]) -> None:
+    """The manager is gone: nobody will let its children's sandboxes go on."""
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def serve(sock: socket.socket) -> None:
@@ -155,6 +187,7 @@ def serve(sock: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     _send(sock, {"ready": True})
+    children: set[int] = set()  # forked, not yet reaped
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     poller.register(wake_r, select.POLLIN)
@@ -167,16 +200,21 @@ def serve(sock: socket.socket) -> None:
                             break
                     except BlockingIOError:
                         break
-                report_exits(sock)
+                report_exits(sock, children)
                 continue
-            data, fds, flags = _receive(sock)
+            try:
+                data, fds, flags = _receive(sock)
+            except ConnectionError:
+                data, fds, flags = b"", [], 0
             if not data:
+                _kill(children)
                 return  # the manager is gone
             request = None
             try:
+                _check_whole(fds, flags)  # a message cut short is not even read
                 request = json.loads(data)
-                _check(request, fds, flags)
-                spawn(sock, request, fds)
+                _check(request, fds)
+                spawn(sock, request, fds, children)
             except Exception as exc:  # one bad request never ends the spawner
                 request_id = request.get("id") if isinstance(request, dict) else None
                 _send(sock, {"id": request_id, "error": str(exc)})
@@ -186,14 +224,17 @@ def serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
+    manager, sock_fd = int(sys.argv[1]), int(sys.argv[2])
     # Dies with the manager's thread that started it (its event loop's), as bwrap did with
-    # the launchers before; the socket's EOF says the same a moment later.
+    # the launchers before; the socket's EOF says the same a moment later. A manager gone
+    # before the signal was set: the parent is someone else already (compared with the
+    # manager's pid, not 1: a container's entrypoint manager is pid 1).
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != manager:
+        return
     os.chdir("/")
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    sock = socket.socket(fileno=sock_fd)
     os.set_inheritable(sock.fileno(), False)
-    if os.getppid() == 1:
-        return  # the manager died before the death signal was set
     serve(sock)
 
 

@@ -13,6 +13,7 @@ manager (bwrap's ``--die-with-parent``, and the EOF of its socket), and its gues
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import itertools
@@ -34,6 +35,8 @@ from sandlot.errors import SandboxStartError
 from sandlot.guest.template import MAX_FDS, MAX_MESSAGE, NS_NAMES
 
 log = structlog.get_logger(__name__)
+
+MAX_REPORTED_EXITS = 256  # kept for exit_of (Template._reported)
 
 # The template's program: its socket is the fd named in argv[1].
 LAUNCHER = (
@@ -79,8 +82,12 @@ class Template:
         identity: str = "",
         identity_now: Callable[[], str] | None = None,
         system: str = "",
+        max_message: int = MAX_MESSAGE,
+        called: str | None = None,
     ) -> None:
         self.name = name  # for logs: the system it serves (and in the tenant scope, whom)
+        # In errors: the process this client speaks to (the spawner shares the protocol).
+        self.called = called or f"the guest template ({name})"
         self.system = system
         self.identity = identity
         self._identity_now = identity_now
@@ -94,6 +101,12 @@ class Template:
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
         self._exits: dict[int, asyncio.Future[int]] = {}
+        # Exits reported before anyone asked for them (exit_of): a child that ends at once is
+        # reported right behind its reply, often in the same read, before its spawn's caller
+        # runs again (its status was lost to a -SIGKILL: the red team's find). Bounded: a
+        # caller cancelled between the two never asks.
+        self._reported: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._max_message = max_message  # what the other side reads of one request
         self._ready: asyncio.Future[None] | None = None
         self.alive = False
 
@@ -136,7 +149,7 @@ class Template:
         except BaseException as exc:
             why = await self._stderr()
             await self.close()
-            raise TemplateGone(f"the guest template did not start: {why or exc!r}") from None
+            raise TemplateGone(f"{self.called} did not start: {why or exc!r}") from None
 
     async def _stderr(self) -> str:
         if self._process is None or self._process.stderr is None:
@@ -171,9 +184,13 @@ class Template:
             self._ready.set_result(None)
         elif "exit" in message:
             self.used_at_s = time.monotonic()
-            future = self._exits.pop(int(message["exit"]), None)
+            pid, status = int(message["exit"]), int(message.get("status", -1))
+            future = self._exits.pop(pid, None)
             if future is not None and not future.done():
-                future.set_result(int(message.get("status", -1)))
+                future.set_result(status)
+            self._reported[pid] = status
+            while len(self._reported) > MAX_REPORTED_EXITS:
+                self._reported.popitem(last=False)
             self._close_if_done()
         elif "id" in message:
             # Its exit is watched from here, before the next message is read: the template
@@ -182,6 +199,7 @@ class Template:
             # then never closed: the red team's find).
             if isinstance(message.get("pid"), int):
                 self._exits[message["pid"]] = asyncio.get_running_loop().create_future()
+                self._reported.pop(message["pid"], None)  # an earlier process of that pid
             reply = self._replies.pop(int(message["id"] or 0), None)
             if reply is not None and not reply.done():
                 reply.set_result((message, fds))
@@ -199,7 +217,7 @@ class Template:
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
-        error = TemplateGone(f"the guest template ({self.name}) ended")
+        error = TemplateGone(f"{self.called} ended")
         for reply in self._replies.values():
             if not reply.done():
                 reply.set_exception(error)
@@ -236,14 +254,21 @@ class Template:
             SandboxStartError: the template could not fork the guest.
         """
         if not self.alive or self._sock is None:
-            raise TemplateGone(f"the guest template ({self.name}) ended")
+            raise TemplateGone(f"{self.called} ended")
         call_id = next(self._ids)
+        encoded = json.dumps({**request, "id": call_id}).encode()
+        if len(encoded) > self._max_message:
+            # Read cut short on the other side, with no id to answer: it would wait forever.
+            raise SandboxStartError(
+                f"the request to the {self.name} is {len(encoded)} bytes, over its "
+                f"{self._max_message}"
+            )
         reply: asyncio.Future[tuple[dict[str, Any], list[int]]] = (
             asyncio.get_running_loop().create_future()
         )
         self._replies[call_id] = reply
         try:
-            await self._send(json.dumps({**request, "id": call_id}).encode(), fds)
+            await self._send(encoded, fds)
             message, got = await reply
         except BaseException:
             # Cancelled, say: a reply still to come finds nobody waiting, and _dispatch
@@ -257,7 +282,7 @@ class Template:
         if "error" in message or len(got) != 1 or not isinstance(message.get("pid"), int):
             for fd in got:
                 os.close(fd)
-            raise SandboxStartError(f"the guest template could not fork: {message.get('error')}")
+            raise SandboxStartError(f"{self.called} could not fork: {message.get('error')}")
         return message["pid"], got[0]
 
     @property
@@ -283,7 +308,7 @@ class Template:
         loop = asyncio.get_running_loop()
         while True:
             if not self.alive or self._sock is None:
-                raise TemplateGone(f"the guest template ({self.name}) ended")
+                raise TemplateGone(f"{self.called} ended")
             try:
                 socket.send_fds(self._sock, [message], fds)
             except BlockingIOError:
@@ -291,9 +316,9 @@ class Template:
                 continue
             except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:
                 self._gone()
-                raise TemplateGone(f"the guest template ({self.name}) is gone: {exc}") from exc
+                raise TemplateGone(f"{self.called} is gone: {exc}") from exc
             except OSError as exc:
-                raise SandboxStartError(f"could not ask the guest template: {exc}") from exc
+                raise SandboxStartError(f"could not ask {self.called}: {exc}") from exc
             return
 
     async def _writable(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -315,7 +340,7 @@ class Template:
         future = self._exits.get(pid)
         if future is None:  # reported already, or the template is gone
             future = asyncio.get_running_loop().create_future()
-            future.set_result(-signal.SIGKILL)
+            future.set_result(self._reported.pop(pid, -signal.SIGKILL))
         return future
 
     async def close(self) -> None:
