@@ -23,7 +23,7 @@ from sandlot import SandboxManager
 from sandlot.core import admission
 from sandlot.core.store import Store
 from sandlot.errors import FileDescriptorsExhausted
-from sandlot.requests import SandboxSpec
+from sandlot.requests import RunCode, SandboxSpec
 from tests import leaks
 from tests.conftest import make_settings, skip_reason, start_server, stop_server
 
@@ -38,7 +38,7 @@ import asyncio, errno, json, resource, sys
 from sandlot import SandboxManager
 from sandlot.core import admission
 from sandlot.errors import SandboxError
-from sandlot.requests import SandboxSpec
+from sandlot.requests import RunCode, SandboxSpec
 from tests.conftest import make_settings
 
 data_dir, count, mode, uid_base = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -262,5 +262,28 @@ def test_manager_refuses_with_the_typed_error_in_process(data_root: Path) -> Non
                 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             assert manager.live_count() == 0
             assert await manager.list(include_ended=True) == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.usefixtures("root_bubblewrap")
+def test_a_live_sandbox_holds_no_more_descriptors_than_admission_counts(
+    data_root: Path,
+) -> None:
+    """``FDS_PER_SANDBOX`` bounds creates by the open-file limit: a sandbox holding more than
+    it says lets creates past the check run out of descriptors instead (the launcher's pidfd
+    was held for a templated sandbox's life: 6 a sandbox against the 5 counted)."""
+
+    async def main() -> None:
+        settings = make_settings(data_root / "fds-held", uid_base=UID_BASE + 500)
+        async with SandboxManager(settings) as manager:
+            first = await manager.create(SandboxSpec(backend="bubblewrap"))
+            await manager.run_code(first.id, RunCode(code="1"))
+            before = admission.open_fds()
+            for _ in range(10):
+                info = await manager.create(SandboxSpec(backend="bubblewrap"))
+                await manager.run_code(info.id, RunCode(code="1"))
+            held = (admission.open_fds() - before) / 10
+            assert held <= admission.FDS_PER_SANDBOX["bubblewrap"], held
 
     asyncio.run(main())

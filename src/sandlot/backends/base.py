@@ -133,6 +133,9 @@ class GuestProcess:
         if not self.writer.is_closing():
             self.writer.close()
 
+    def detach(self) -> None:
+        self._close_pidfd()
+
     def kill(self) -> None:
         if self._pidfd is None:
             return

@@ -138,14 +138,16 @@ class SpawnedChain:
         if self._pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        self.detach()
+
+    def detach(self) -> None:
+        if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
 
     async def wait(self) -> int:
         code = await asyncio.shield(self._exit)
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        self.detach()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(STDERR_EOF_WAIT_S):
                 await asyncio.shield(self._stderr_eof)

@@ -60,6 +60,9 @@ class Chain(Protocol):
 
     def close_stdin(self) -> None: ...
 
+    def detach(self) -> None:
+        """Never to be killed by us again: its pidfd is closed (one fd less a sandbox)."""
+
     def stderr_tail(self) -> str: ...
 
 
@@ -453,6 +456,9 @@ class TemplateGuest:
             os.close(self._blocked)
             self._blocked = None
         self._chain.close_stdin()
+        # bwrap ends with its child; what is left of it is in the sandbox's cgroup, which a
+        # destroy empties: its pidfd is not held for the sandbox's life.
+        self._chain.detach()
 
     async def wait(self) -> int:
         """Its exit status, as the template (its parent) reports it; once the guest is gone
