@@ -21,13 +21,12 @@ so that the background load of a shared machine falls on all of them alike:
 ``--workers N`` runs N tasks at once (a shared queue); the floor then uses N threads. Per
 task: wall ms from before create to after destroy (p50, p95); per block: wall seconds for
 all tasks; CPU per lifecycle in ms from ``os.times()`` (this process, and the children it
-reaped: bwrap and what it reaped, where no spawner starts them), the own CPU of this
-process's long-lived helpers (the guest templates and the spawner, which fork for every
-create: ``/proc/<pid>/stat``), and from the sandboxes' parent cgroup (the manager's
-instance cgroup: ``cpuacct.usage`` on cgroup v1, ``cpu.stat``'s ``usage_usec`` on v2, both
-hierarchical, so they keep the CPU of sandboxes already removed). Reaped children and the
-cgroups overlap where a reaped child also ran in a sandbox's cgroup, so they are reported
-apart, not summed.
+reaped: bwrap and what it reaped), the own CPU of this process's long-lived helpers (the
+guest templates, which fork a guest for every create: ``/proc/<pid>/stat``), and from the
+sandboxes' parent cgroup (the manager's instance cgroup: ``cpuacct.usage`` on cgroup v1,
+``cpu.stat``'s ``usage_usec`` on v2, both hierarchical, so they keep the CPU of sandboxes
+already removed). Reaped children and the cgroups overlap where a reaped child also ran in a
+sandbox's cgroup, so they are reported apart, not summed.
 
 Usage::
 
@@ -122,9 +121,9 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 def helpers_cpu_s() -> dict[int, float]:
     """Own CPU seconds (user + system) of each live descendant of this process, by pid: the
-    guest templates and the spawner fork for every create, and their children are not ours
-    to reap. Summed over the pids alive at both ends of a run (:func:`helpers_delta_s`), it
-    counts those long-lived helpers only (no sandbox is live at either end)."""
+    guest templates fork for every create, and their children are not ours to reap. Summed
+    over the pids alive at both ends of a run (:func:`helpers_delta_s`), it counts those
+    long-lived helpers only (no sandbox is live at either end)."""
     parents: dict[int, int] = {}
     own: dict[int, float] = {}
     for entry in os.scandir("/proc"):

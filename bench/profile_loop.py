@@ -4,9 +4,9 @@ With many workers a manager is bound by its one process (its event loop and work
 share one GIL), not by the cores. This runs ``--lifecycles`` cycles of ``create()``,
 ``run_code(--code)``, ``destroy()`` from ``--concurrency`` tasks at once in one manager and
 prints, per lifecycle: wall, CPU of the loop's thread (``time.thread_time``), CPU of the whole
-process (every thread), the rate, the own CPU of its long-lived helpers (the guest templates
-and the spawner, which fork for every create), the CPU of the children it reaped (the
-launchers, where no spawner starts them) and of the sandboxes' cgroups, and the whole
+process (every thread), the rate, the own CPU of its long-lived helpers (the guest templates,
+which fork for every create), the CPU of the children it reaped (the launchers, bwrap) and
+of the sandboxes' cgroups, and the whole
 machine's busy CPU (``/proc/stat``: kernel workers too, and whatever else runs, so only on a
 quiet machine). Reaped children and the cgroups overlap where a reaped child ran in a
 sandbox's cgroup: the sum of the four bounds the issue's "CPU per lifecycle" from above, short
@@ -90,7 +90,7 @@ async def run(args: argparse.Namespace) -> None:
         f"{n} lifecycles, {args.concurrency} at a time: wall {1000 * (wall1 - wall0) / n:.1f} ms"
         f" each, loop thread CPU {1000 * (thread1 - thread0) / n:.1f} ms, process CPU"
         f" {1000 * (process1 - process0) / n:.1f} ms, {n / (wall1 - wall0):.1f} lifecycles/s;"
-        f" CPU of its helpers (templates, spawner) {1000 * helpers_s / n:.1f} ms,"
+        f" CPU of its helpers (templates) {1000 * helpers_s / n:.1f} ms,"
         f" of reaped children {1000 * (children1 - children0) / n:.1f} ms, of the"
         f" sandboxes' cgroups {1000 * (cgroup1 - cgroup0) / n:.1f} ms; whole machine"
         f" {1000 * machine_s / n:.1f} ms" + (" (under cProfile)" if profile is not None else "")

@@ -213,14 +213,13 @@ async def test_another_data_directorys_volumes_stay_out(data_root: Path) -> None
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("root_bubblewrap")
-@pytest.mark.parametrize("launcher", ["spawner", "nsenter", "setpriv"])
+@pytest.mark.parametrize("launcher", ["nsenter", "setpriv"])
 async def test_sandbox_processes_hold_none_of_the_managers_groups(
     data_root: Path, launcher: str
 ) -> None:
-    """The launcher drops to the sandbox's uid and gid with no supplementary group, through
-    the spawner (spawner.py, started with the manager's groups), nsenter (the launch
-    namespace) and setpriv (none to enter): a group of the manager's kept would open the
-    host's files of that group to sandboxed code."""
+    """The launcher drops to the sandbox's uid and gid with no supplementary group, both
+    through nsenter (the launch namespace) and through setpriv (none to enter): a group
+    of the manager's kept would open the host's files of that group to sandboxed code."""
     data_dir = data_root / f"groups-{launcher}"
     data_dir.mkdir()
     kept = os.getgroups()
@@ -228,8 +227,6 @@ async def test_sandbox_processes_hold_none_of_the_managers_groups(
     try:
         async with SandboxManager(make_settings(data_dir)) as mgr:
             backend = mgr._backend("bubblewrap")
-            if launcher != "spawner":
-                backend._spawner._failed = True  # as where it cannot start: the launchers
             if launcher == "setpriv":
                 backend._launch_ns_failed = True  # as where the mount API is missing
             chains: list[list[str]] = []
@@ -241,12 +238,8 @@ async def test_sandbox_processes_hold_none_of_the_managers_groups(
 
             backend._chain_argv = recorded
             info = await mgr.create(SandboxSpec())
-            if launcher == "spawner":
-                assert chains == []
-                assert backend._spawner._client is not None
-            else:
-                (chain,) = chains
-                assert chain[chain.index("--") + 1] == f"/usr/bin/{launcher}"  # after sh's
+            (chain,) = chains
+            assert chain[chain.index("--") + 1] == f"/usr/bin/{launcher}"  # after sh's args
             code = "import subprocess; subprocess.Popen(['sleep', '30'])"
             await mgr.run_code(info.id, RunCode(code=code))
             uid = leaks.host_uid(mgr, info.id)

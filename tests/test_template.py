@@ -395,6 +395,56 @@ async def test_a_guest_that_ends_right_behind_its_reply_is_seen_to_end() -> None
         template._gone()
 
 
+async def test_an_exit_reported_with_its_reply_keeps_its_status() -> None:
+    """A child that fails at once (125: it could not join) is reported right behind its
+    reply, before its create asks for its end (``exit_of``). Failed before (a red team's
+    find, 2026-11-27): the report resolved a future nobody held yet and was dropped, and
+    ``exit_of`` made up a kill (-9) where the status was 125."""
+    template = Template("unit")
+    ours, theirs = socket.socketpair()
+    template.alive, template._sock = True, ours
+    pidfd, other = os.pipe()
+
+    async def one_read(message: bytes, fds: list[int]) -> None:
+        call_id = json.loads(message)["id"]
+        template._dispatch({"id": call_id, "pid": 4343}, [pidfd])
+        template._dispatch({"exit": 4343, "status": 125}, [])
+
+    template._send = one_read  # type: ignore[method-assign]
+    try:
+        pid, _ = await template.spawn({"cgroup_files": 1}, [])
+        assert template.exit_of(pid).result() == 125
+        assert template.idle
+    finally:
+        for fd in (pidfd, other):
+            os.close(fd)
+        theirs.close()
+        template._gone()
+
+
+async def test_a_request_longer_than_the_template_reads_is_refused_before_it_is_sent() -> None:
+    """The template reads at most MAX_MESSAGE bytes of a request; a longer one arrives cut
+    short and cannot be answered by its id. Failed before (a red team's find, on the
+    same protocol): its caller waited for ever."""
+    template = Template("unit")
+    ours, theirs = socket.socketpair()
+    template.alive, template._sock = True, ours
+    sent: list[bytes] = []
+
+    async def record(message: bytes, fds: list[int]) -> None:
+        sent.append(message)
+
+    template._send = record  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SandboxStartError, match="bytes, over the"):
+            async with asyncio.timeout(5):
+                await template.spawn({"padding": "x" * 5000, "cgroup_files": 1}, [])
+        assert sent == [] and not template._replies
+    finally:
+        theirs.close()
+        template._gone()
+
+
 async def test_a_retired_template_waits_for_the_creates_that_hold_it() -> None:
     """A create takes its template, then starts bwrap (milliseconds) before it asks for the
     guest. Failed before (the red team's find): another create that retired the template in

@@ -59,7 +59,6 @@ from sandlot.backends.bubblewrap.rootless import (
     warn_degraded_once,
 )
 from sandlot.backends.bubblewrap.seccomp import build_filter
-from sandlot.backends.bubblewrap.spawner import Spawner, spawn_chain
 from sandlot.backends.bubblewrap.template import (
     LAUNCHER as TEMPLATE_LAUNCHER,
 )
@@ -175,9 +174,6 @@ HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 # placeholder `sh` that read its stdin cost ~2.5 ms of CPU a create). Should the manager die
 # first, the EOF of that stdin lets the child go on, and this ends it.
 PLACEHOLDER = ("/bin/true",)
-# The fds a spawned bwrap gets its seccomp filter and says its child's pid on (spawner.py).
-SPAWNED_SECCOMP_FD = 3
-SPAWNED_INFO_FD = 4
 
 
 def _setenv(env: dict[str, str]) -> list[str]:
@@ -278,8 +274,6 @@ class BubblewrapBackend:
         # One template per system ("host", or a tree's path), started on first use
         # (template.py); a system whose template would not start starts guests afresh.
         self._templates = Templates(START_TIMEOUT_S, settings.max_guest_templates)
-        # Starts bwrap for a templated create (spawner.py), on first use.
-        self._spawner = Spawner()
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -750,11 +744,6 @@ class BubblewrapBackend:
         files: Callable[[], Awaitable[None]] | None,
     ) -> Guest:
         """:meth:`_spawn`'s work, with the template it took (or none)."""
-        spawner = await self._spawner.get() if template is not None else None
-        if template is not None and spawner is not None:
-            return await self._launch_spawned(
-                box, spec, template, spawner, before_go=before_go, files=files
-            )
         read_fd = _seccomp_pipe(spec.network)
         # As root, bwrap says on this pipe which pid is the sandbox's first (_spawn).
         info_r, info_w = (-1, -1) if self.rootless else os.pipe()
@@ -819,65 +808,6 @@ class BubblewrapBackend:
             joined.release_bwrap()  # the guest holds every namespace now
             return joined
         return guest
-
-    async def _launch_spawned(
-        self,
-        box: _Box,
-        spec: GuestSpec,
-        template: Template,
-        spawner: Template,
-        *,
-        before_go: Callable[[], Awaitable[None]] | None,
-        files: Callable[[], Awaitable[None]] | None,
-    ) -> Guest:
-        """:meth:`_launch` through the spawner (spawner.py): ``before_go`` first (the
-        network bwrap starts in), then bwrap, its child blocked for ``template``'s guest."""
-        if before_go is not None:
-            await before_go()
-        argv = self._bwrap_argv(
-            box, spec, SPAWNED_SECCOMP_FD, SPAWNED_INFO_FD, manager_mounts=True, templated=True
-        )
-        namespaces: dict[str, int] = {}
-        passed: dict[int, int] = {}
-        info_r = -1
-        try:
-            passed[SPAWNED_SECCOMP_FD] = _seccomp_pipe(spec.network)
-            info_r, passed[SPAWNED_INFO_FD] = os.pipe2(os.O_CLOEXEC)
-            pin = self._launch_pin()
-            if pin is not None:
-                namespaces["mnt"] = os.open(pin, os.O_RDONLY | os.O_CLOEXEC)
-            if box.net is not None:
-                namespaces["net"] = os.open(box.net.path, os.O_RDONLY | os.O_CLOEXEC)
-            chain = await spawn_chain(
-                spawner,
-                argv,
-                env=HOST_ENV,
-                cgroup_files=box.cgroup.enter_files,
-                namespaces=namespaces,
-                passed=passed,
-                uid=box.uid,
-            )
-        except BaseException:
-            if info_r != -1:
-                os.close(info_r)
-            raise
-        finally:
-            for fd in (*namespaces.values(), *passed.values()):
-                os.close(fd)
-        joined: TemplateGuest | None = None
-
-        async def join(pid: int) -> None:
-            nonlocal joined
-            joined = await self._join(template, box, spec, chain, pid)
-
-        try:
-            await self._mount_while_bwrap_starts(chain, info_r, box, files, join)
-        except BaseException:
-            await _kill_all(joined, chain)
-            raise
-        assert joined is not None
-        joined.release_bwrap()  # the guest holds every namespace now
-        return joined
 
     async def _template(self, box: _Box, spec: GuestSpec) -> Template | None:
         """The running template of the box's system, in the tenant scope (the default) the
@@ -1227,7 +1157,6 @@ class BubblewrapBackend:
                     unlock(fd)
         self._boxes.clear()
         await self._templates.close()
-        await self._spawner.close()
         if self._launch_ns is not None:
             await asyncio.to_thread(self._drop_launch_ns)
         if self._checked:

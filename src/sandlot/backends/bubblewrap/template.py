@@ -23,7 +23,7 @@ import select
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,7 +46,8 @@ LAUNCHER = (
 
 
 class Chain(Protocol):
-    """A sandbox's launcher (bwrap, and before it sh and nsenter, or the spawner's child)."""
+    """A sandbox's launcher (sh, then nsenter or setpriv, then bwrap): what a templated guest
+    needs of it (:class:`~sandlot.backends.base.GuestProcess` is one)."""
 
     @property
     def pid(self) -> int: ...
@@ -85,12 +86,8 @@ class Template:
         identity: str = "",
         identity_now: Callable[[], str] | None = None,
         system: str = "",
-        max_message: int = MAX_MESSAGE,
-        called: str | None = None,
     ) -> None:
         self.name = name  # for logs: the system it serves (and in the tenant scope, whom)
-        # In errors: the process this client speaks to (the spawner shares the protocol).
-        self.called = called or f"the guest template ({name})"
         self.system = system
         self.identity = identity
         self._identity_now = identity_now
@@ -109,7 +106,6 @@ class Template:
         # runs again (its status was lost to a -SIGKILL: the red team's find). Bounded: a
         # caller cancelled between the two never asks.
         self._reported: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self._max_message = max_message  # what the other side reads of one request
         self._ready: asyncio.Future[None] | None = None
         self.alive = False
 
@@ -152,7 +148,7 @@ class Template:
         except BaseException as exc:
             why = await self._stderr()
             await self.close()
-            raise TemplateGone(f"{self.called} did not start: {why or exc!r}") from None
+            raise TemplateGone(f"the guest template did not start: {why or exc!r}") from None
 
     async def _stderr(self) -> str:
         if self._process is None or self._process.stderr is None:
@@ -220,7 +216,7 @@ class Template:
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
-        error = TemplateGone(f"{self.called} ended")
+        error = TemplateGone(f"the guest template ({self.name}) ended")
         for reply in self._replies.values():
             if not reply.done():
                 reply.set_exception(error)
@@ -257,14 +253,14 @@ class Template:
             SandboxStartError: the template could not fork the guest.
         """
         if not self.alive or self._sock is None:
-            raise TemplateGone(f"{self.called} ended")
+            raise TemplateGone(f"the guest template ({self.name}) ended")
         call_id = next(self._ids)
         encoded = json.dumps({**request, "id": call_id}).encode()
-        if len(encoded) > self._max_message:
-            # Read cut short on the other side, with no id to answer: it would wait forever.
+        if len(encoded) > MAX_MESSAGE:
+            # Read cut short by the template, which could not answer its id: refused here.
             raise SandboxStartError(
-                f"the request to the {self.name} is {len(encoded)} bytes, over its "
-                f"{self._max_message}"
+                f"the request to the guest template is {len(encoded)} bytes, over the "
+                f"{MAX_MESSAGE} it reads"
             )
         reply: asyncio.Future[tuple[dict[str, Any], list[int]]] = (
             asyncio.get_running_loop().create_future()
@@ -285,7 +281,7 @@ class Template:
         if "error" in message or len(got) != 1 or not isinstance(message.get("pid"), int):
             for fd in got:
                 os.close(fd)
-            raise SandboxStartError(f"{self.called} could not fork: {message.get('error')}")
+            raise SandboxStartError(f"the guest template could not fork: {message.get('error')}")
         return message["pid"], got[0]
 
     @property
@@ -311,7 +307,7 @@ class Template:
         loop = asyncio.get_running_loop()
         while True:
             if not self.alive or self._sock is None:
-                raise TemplateGone(f"{self.called} ended")
+                raise TemplateGone(f"the guest template ({self.name}) ended")
             try:
                 socket.send_fds(self._sock, [message], fds)
             except BlockingIOError:
@@ -319,9 +315,9 @@ class Template:
                 continue
             except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:
                 self._gone()
-                raise TemplateGone(f"{self.called} is gone: {exc}") from exc
+                raise TemplateGone(f"the guest template ({self.name}) is gone: {exc}") from exc
             except OSError as exc:
-                raise SandboxStartError(f"could not ask {self.called}: {exc}") from exc
+                raise SandboxStartError(f"could not ask the guest template: {exc}") from exc
             return
 
     async def _writable(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -375,7 +371,7 @@ class TemplateGuest:
         self._template = template
         self._pidfd: int | None = pidfd
         self._exit = template.exit_of(pid)
-        self._chain = chain  # bwrap (the spawner's child, or after sh and nsenter)
+        self._chain = chain  # sh, nsenter, bwrap
         self._blocked: int | None = blocked  # a pidfd of bwrap's child, at its --block-fd
         self._stdin_w, self._stdout_r, self._stderr_r = stdin_w, stdout_r, stderr_r
         self._stderr = StderrTail()
@@ -599,6 +595,21 @@ class Templates:
         self.retired.clear()
 
 
+@contextlib.contextmanager
+def handed_over(mine: list[int], theirs: list[int]) -> Iterator[None]:
+    """The fds made for one request: ``theirs`` (sent with it) are closed once it is sent or
+    has failed; ``mine`` (the ends kept) only if it failed."""
+    try:
+        yield
+    except BaseException:
+        for fd in mine:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+
+
 async def join_guest(
     template: Template,
     chain: Chain,
@@ -618,7 +629,7 @@ async def join_guest(
     """
     mine: list[int] = []  # the ends the manager keeps: stdin_w, stdout_r, stderr_r, notify_r
     theirs: list[int] = []  # the ends the guest gets, closed here once sent
-    try:
+    with handed_over(mine, theirs):
         namespaces, blocked = namespace_fds(pid, chain.pid)
         theirs += namespaces
         mine.append(blocked)  # bwrap's child, checked to be chain's: killed once the guest is in
@@ -632,13 +643,6 @@ async def join_guest(
         theirs.append(sealed_config(config))
         theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in enter_files]
         guest_pid, pidfd = await template.spawn({"cgroup_files": len(enter_files)}, theirs)
-    except BaseException:
-        for fd in mine:
-            os.close(fd)
-        raise
-    finally:
-        for fd in theirs:
-            os.close(fd)
     blocked, stdin_w, stdout_r, stderr_r, notify_r = mine
     guest = TemplateGuest(template, guest_pid, pidfd, stdin_w, stdout_r, stderr_r, chain, blocked)
     try:
