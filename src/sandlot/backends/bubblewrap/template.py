@@ -23,7 +23,7 @@ import select
 import signal
 import socket
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -654,21 +654,8 @@ async def join_guest(
         await _joined(guest, notify_r, timeout_s)
     except BaseException:
         guest.kill()
-        # Nobody else holds it, so nobody would wait() for it: the wait closes its pidfd,
-        # in a task of its own (a cancelled create left one open each time: a red team's
-        # side find, 2026-11-27).
-        _in_background(guest.wait())
         raise
     return guest
-
-
-_BACKGROUND: set[asyncio.Task[int]] = set()  # held until done: the loop keeps weak references
-
-
-def _in_background(wait: Coroutine[Any, Any, int]) -> None:
-    task = asyncio.ensure_future(wait)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
 
 
 async def _joined(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None:
