@@ -366,11 +366,14 @@ async def test_a_template_of_a_changed_system_is_retired_once_its_guests_end(
         await mgr.destroy(new.id)
 
 
-async def test_a_guest_that_ends_right_behind_its_reply_is_seen_to_end() -> None:
-    """The template reports a guest killed at once right behind the reply that named it,
-    often in the same read. Failed before (the red team's find): the report was dispatched
-    before the create had registered the pid, dropped, and the guest's end never came (a
-    retired template then never closed)."""
+@pytest.mark.parametrize("status", [-9, 125])
+async def test_a_guest_that_ends_right_behind_its_reply_is_seen_to_end(status: int) -> None:
+    """The template reports a guest killed at once (-9), or one that failed at once (125: it
+    could not join), right behind the reply that named it, often in the same read. Failed
+    before (the red team's finds): the report was dispatched before the create had
+    registered the pid, dropped, and the guest's end never came (a retired template then
+    never closed); then, once registered, it resolved a future nobody held yet and
+    ``exit_of`` made up a kill (-9) where the status was 125 (2026-11-27)."""
     template = Template("unit")
     ours, theirs = socket.socketpair()
     template.alive, template._sock = True, ours
@@ -379,41 +382,15 @@ async def test_a_guest_that_ends_right_behind_its_reply_is_seen_to_end() -> None
     async def one_read(message: bytes, fds: list[int]) -> None:
         call_id = json.loads(message)["id"]
         template._dispatch({"id": call_id, "pid": 4242}, [pidfd])
-        template._dispatch({"exit": 4242, "status": -9}, [])
+        template._dispatch({"exit": 4242, "status": status}, [])
 
     template._send = one_read  # type: ignore[method-assign]
     try:
         pid, got = await template.spawn({"cgroup_files": 1}, [])
         assert (pid, got) == (4242, pidfd)
         ended = template.exit_of(pid)
-        assert ended.done() and ended.result() == -9
+        assert ended.done() and ended.result() == status
         assert not template._exits
-    finally:
-        for fd in (pidfd, other):
-            os.close(fd)
-        theirs.close()
-        template._gone()
-
-
-async def test_an_exit_reported_with_its_reply_keeps_its_status() -> None:
-    """A child that fails at once (125: it could not join) is reported right behind its
-    reply, before its create asks for its end (``exit_of``). Failed before (a red team's
-    find, 2026-11-27): the report resolved a future nobody held yet and was dropped, and
-    ``exit_of`` made up a kill (-9) where the status was 125."""
-    template = Template("unit")
-    ours, theirs = socket.socketpair()
-    template.alive, template._sock = True, ours
-    pidfd, other = os.pipe()
-
-    async def one_read(message: bytes, fds: list[int]) -> None:
-        call_id = json.loads(message)["id"]
-        template._dispatch({"id": call_id, "pid": 4343}, [pidfd])
-        template._dispatch({"exit": 4343, "status": 125}, [])
-
-    template._send = one_read  # type: ignore[method-assign]
-    try:
-        pid, _ = await template.spawn({"cgroup_files": 1}, [])
-        assert template.exit_of(pid).result() == 125
         assert template.idle
     finally:
         for fd in (pidfd, other):
