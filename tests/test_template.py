@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -790,3 +791,60 @@ async def test_a_cancelled_or_failed_start_costs_only_its_own_create(
         assert isinstance(backend._boxes[again.id].guest, GuestProcess)
         for info in (eve, alice, again):
             await mgr.destroy(info.id)
+
+
+def _pidfds_and_uid_locks() -> tuple[int, int]:
+    pidfds = locks = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        pidfds += target == "anon_inode:[pidfd]"
+        locks += target.startswith("/run/sandlot/uids")
+    return pidfds, locks
+
+
+@pytest.mark.parametrize("where", ["before its guest joins", "while its guest joins"])
+async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing_open(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A create cancelled while bwrap's child waits at its block-fd (an HTTP client gone, a
+    timeout) unwinds at once and leaves nothing open. Both failed before (a red team's side
+    find, 2026-11-27): while the guest joined, the guest was killed but never waited for, and
+    its pidfd stayed open (3-4 in 40 creates cancelled at random points); before it joined,
+    bwrap's blocked child outlived its killed bwrap, holding the launcher's pipes, and the
+    launcher's wait ran to its 5 s deadline."""
+    async with SandboxManager(make_settings(data_root)) as mgr:
+        warm = await mgr.create(SandboxSpec())  # the template is up
+        await mgr.destroy(warm.id)
+        await mgr.settle()
+        before = _pidfds_and_uid_locks()
+        blocked = asyncio.Event()
+
+        async def joins_for_ever(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None:
+            os.close(notify_r)
+            blocked.set()
+            await asyncio.Event().wait()
+
+        async def never_joins(*_: object) -> TemplateGuest:
+            blocked.set()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        if where == "while its guest joins":
+            monkeypatch.setattr(bubblewrap_template, "_joined", joins_for_ever)
+        else:
+            monkeypatch.setattr(bubblewrap_backend.BubblewrapBackend, "_join", never_joins)
+        create = asyncio.ensure_future(mgr.create(SandboxSpec()))
+        async with asyncio.timeout(15):
+            await blocked.wait()
+        loop = asyncio.get_running_loop()
+        cancelled_at = loop.time()
+        create.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await create
+        # Not a speed check: the only way to take this long is the launcher's 5 s deadline.
+        assert loop.time() - cancelled_at < 3.0
+        await mgr.settle()
+        assert _pidfds_and_uid_locks() == before

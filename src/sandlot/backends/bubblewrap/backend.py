@@ -802,6 +802,12 @@ class BubblewrapBackend:
             elif info_fd is not None:
                 await asyncio.to_thread(self._finish_namespace, info_r, process.pid, box)
         except BaseException:
+            # The cgroup is emptied first: bwrap's child, blocked at its --block-fd, outlives a
+            # killed bwrap and holds the launcher's pipes, and the launcher's wait (which
+            # waits for them to close) then ran to its 5 s deadline: a cancelled create took
+            # 5 s to unwind, one in ten.
+            if not box.cgroup.empty():
+                await asyncio.to_thread(box.cgroup.kill_all, 1.0)
             await _kill_all(joined, guest)
             raise
         if joined is not None:
