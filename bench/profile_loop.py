@@ -54,7 +54,7 @@ async def run(args: argparse.Namespace) -> None:
         async with SandboxManager(settings) as manager:
 
             async def lifecycle() -> None:
-                info = await manager.create(SandboxSpec())
+                info = await manager.create(SandboxSpec(environment=args.environment))
                 await manager.run_code(info.id, RunCode(code=args.code))
                 await manager.destroy(info.id)
 
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--lifecycles", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--code", default="1")
+    parser.add_argument("--environment", default="python3", help="a registry environment")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--dump", type=Path, help="with --profile: also write the raw stats here")
