@@ -22,14 +22,29 @@ from workspace import WORKSPACE
 GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+# Set by a guest template once it has imported every guest module (template.py): their
+# names. None in a kernel of a guest started afresh, which looks them up.
+GUEST_MODULES = None
+
+
+def guest_modules():
+    """The names of the guest's modules in ``sys.modules``: a look at every module (~1.2 ms
+    of CPU and ~240 pages copied on write in a kernel forked from a template, which is why
+    the template makes it once, for all its kernels)."""
+    return [
+        name
+        for name, module in list(sys.modules.items())
+        if getattr(module, "__file__", None)
+        and os.path.dirname(os.path.abspath(module.__file__)) == GUEST_DIR
+    ]
+
+
 def hide_guest_modules():
     """Leave the user's imports to the user: their own ``ops.py`` or ``supervisor.py`` in the
     workspace must be what ``import ops`` finds, not the guest's module of that name."""
     sys.path[0] = ""  # the launcher put the guest directory there
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        if path and os.path.dirname(os.path.abspath(path)) == GUEST_DIR:
-            del sys.modules[name]
+    for name in GUEST_MODULES if GUEST_MODULES is not None else guest_modules():
+        sys.modules.pop(name, None)
 
 
 def kernel_main(ctl_in, ctl_out):

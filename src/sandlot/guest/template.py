@@ -373,6 +373,10 @@ def serve(sock):
     signal.set_wakeup_fd(wake_w)
     signal.signal(SIGCHLD, lambda signum, frame: None)
     preload()
+    # Every guest module is imported now, and none can be imported after: each kernel forked
+    # from our guests hides these names from its user's imports without looking at every
+    # module.
+    sys.modules["kernel"].GUEST_MODULES = tuple(sys.modules["kernel"].guest_modules())
     # Every object so far to the permanent generation: a collection in a guest would write
     # into each one's header and copy the page it shares with us.
     gc.freeze()
