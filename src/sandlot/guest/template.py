@@ -101,6 +101,7 @@ MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
 MS_PRIVATE = 1 << 18
 PR_SET_PDEATHSIG = 1
+PR_GET_DUMPABLE = 3
 PR_SET_SECCOMP = 22
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
@@ -377,6 +378,7 @@ def serve(sock):
     # from our guests hides these names from its user's imports without looking at every
     # module.
     sys.modules["kernel"].GUEST_MODULES = tuple(sys.modules["kernel"].guest_modules())
+    sys.modules["procs"].prctl(PR_GET_DUMPABLE)  # made once here, for every guest and kernel
     # Every object so far to the permanent generation: a collection in a guest would write
     # into each one's header and copy the page it shares with us.
     gc.freeze()
