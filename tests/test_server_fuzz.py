@@ -128,7 +128,8 @@ class FuzzServer:
             headers=self.keeper,
             timeout=REQUEST_TIMEOUT_S,
         )
-        assert r.status_code == 201, r.text
+        # With the server's log: an unexpected start failure's traceback is there.
+        assert r.status_code == 201, (r.text, self.log.read_text()[-4000:])
         self.live = r.json()["id"]
         # Something in the workspace for the file routes to find.
         r = httpx.post(

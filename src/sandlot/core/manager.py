@@ -458,6 +458,9 @@ class SandboxManager:
                 raise out_of_fds from exc
             if isinstance(exc, SandboxError | asyncio.CancelledError):
                 raise
+            # Not a failure any backend names: a fault of ours (an EBADF seen twice in CI,
+            # 2026-11-27/28, cause not found), so its traceback goes to the log.
+            log.exception("sandbox start failed unexpectedly", sandbox=live.id)
             raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
 
     # ------------------------------------------------------------------ records and ending
