@@ -27,7 +27,7 @@ DOCKER_TARGETS := docker,docker+runsc
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
 	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
-	bench-walls bench-loop bench-cancel
+	bench-walls bench-loop bench-cancel bench-churn
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -147,6 +147,9 @@ bench-loop: venv
 
 bench-cancel: venv
 	$(PY) bench/cancel_creates.py --creates 80 --seed 2
+
+bench-churn: venv
+	$(PY) bench/churn.py --seconds 90 --workers 4
 
 # 30 minutes (at most 10,000 lifecycles) of 20 clients against one real server, a hostile
 # program in every 10th lifecycle; fails on any 5xx, wrong result, leak or RSS growth over
