@@ -23,6 +23,7 @@ import pytest
 from pydantic import ValidationError
 
 from sandlot import SandboxManager
+from sandlot.backends import launch
 from sandlot.backends.base import GuestProcess
 from sandlot.backends.bubblewrap import backend as bubblewrap_backend
 from sandlot.backends.bubblewrap import template as bubblewrap_template
@@ -851,27 +852,33 @@ async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing
         assert _pidfds_and_uid_locks() == before
 
 
+def _after_preload(probe: str) -> str:
+    """What ``probe`` prints in a ``python3 -I -S`` (the template's flags) that has imported
+    the guest's template and run its ``preload()``."""
+    guest = launch.GUEST_SOURCE_DIR
+    setup = f"import sys; sys.path.insert(0, {str(guest)!r}); import template; template.preload()"
+    out = subprocess.run(
+        ["/usr/bin/python3", "-I", "-S", "-c", f"{setup}\n{probe}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return out.stdout
+
+
 async def test_the_template_runs_nothing_of_the_site_directories() -> None:
     """The template is root outside the sandbox: what it imports before it forks is the
     standard library and the guest's own modules, never a package's (.pth lines,
     sitecustomize, site-packages), which each kernel loads inside its sandbox. Loading them
     once in the template would save 4-6 ms a python-data sandbox (measured, issue 13's
     thirteenth pass) by running a package's code as that root."""
-    guest = Path(bubblewrap_template.__file__).resolve().parents[2] / "guest"
     probe = (
-        f"import sys; sys.path.insert(0, {str(guest)!r}); import template; template.preload(); "
         "import json; print(json.dumps([sorted(m for m, mod in sys.modules.items() "
         "if '-packages' in (getattr(mod, '__file__', None) or '')), "
         "'sitecustomize' in sys.modules, any('-packages' in p for p in sys.path)]))"
     )
-    out = subprocess.run(
-        ["/usr/bin/python3", "-I", "-S", "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert json.loads(out.stdout) == [[], False, False]
+    assert json.loads(_after_preload(probe)) == [[], False, False]
 
 
 async def test_the_template_names_every_guest_module_for_its_kernels_to_hide() -> None:
@@ -879,17 +886,5 @@ async def test_the_template_names_every_guest_module_for_its_kernels_to_hide() -
     imports by the names the template took (``kernel.GUEST_MODULES``): that list must be
     every guest module, none imported later (the kernel then looks at no other module:
     ~1.2 ms and ~240 pages copied on write less a kernel)."""
-    guest = Path(bubblewrap_template.__file__).resolve().parents[2] / "guest"
-    probe = (
-        f"import sys; sys.path.insert(0, {str(guest)!r}); import template; template.preload(); "
-        "import kernel; print(' '.join(sorted(kernel.guest_modules())))"
-    )
-    out = subprocess.run(
-        ["/usr/bin/python3", "-I", "-S", "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    every = sorted(p.stem for p in guest.glob("*.py") if p.name != "__init__.py")
-    assert out.stdout.split() == every
+    names = _after_preload("import kernel; print(' '.join(sorted(kernel.guest_modules())))")
+    assert names.split() == [p.stem for p in launch.guest_sources()]

@@ -806,8 +806,7 @@ class BubblewrapBackend:
             # killed bwrap and holds the launcher's pipes, and the launcher's wait (which
             # waits for them to close) then ran to its 5 s deadline: a cancelled create took
             # 5 s to unwind, one in ten.
-            if not box.cgroup.empty():
-                await asyncio.to_thread(box.cgroup.kill_all, 1.0)
+            await self._empty_cgroup(box, timeout_s=1.0)
             await _kill_all(joined, guest)
             raise
         if joined is not None:
@@ -1011,10 +1010,16 @@ class BubblewrapBackend:
                     await box.guest.wait()
             box.guest = None
         # Usually empty by now (the guest was pid 1 of the sandbox's pid namespace, which the
-        # kernel empties before its init is gone): a look on the loop, a thread only to kill.
+        # kernel empties before its init is gone).
+        return await self._empty_cgroup(box)
+
+    @staticmethod
+    async def _empty_cgroup(box: _Box, timeout_s: float = 5.0) -> bool:
+        """Kill everything in the box's cgroup; False if it did not empty. A look on the
+        loop, a thread only to kill."""
         if box.cgroup.empty():
             return True
-        return await asyncio.to_thread(box.cgroup.kill_all)
+        return await asyncio.to_thread(box.cgroup.kill_all, timeout_s)
 
     async def started(self, sandbox_id: str) -> None:
         box = self._boxes.get(sandbox_id)

@@ -655,8 +655,8 @@ async def join_guest(
     except BaseException:
         # Nobody else holds it: it is waited for here, which closes its pidfd (a create
         # cancelled while its guest joined left one open each time: a red team's side
-        # find). In this task, not one of its own: a task left pending when its loop
-        # closes would close the fd whenever it is collected.
+        # find). In this task, as the launcher is, not in a task of its own that could
+        # outlive the create and its event loop.
         guest.kill()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5.0):
