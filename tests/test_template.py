@@ -554,7 +554,7 @@ async def test_a_guest_whose_end_is_never_reported_is_still_seen_to_end() -> Non
         os.pidfd_open(blocked.pid),
     )
     try:
-        await guest.connect()
+        guest.connect()
         guest.kill()
         assert await asyncio.wait_for(guest.wait(), 5.0) == -signal.SIGKILL
         assert await asyncio.wait_for(blocked.wait(), 5.0) == -signal.SIGKILL

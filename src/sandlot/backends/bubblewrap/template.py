@@ -31,6 +31,7 @@ import structlog
 
 from sandlot.backends.base import STDERR_TAIL_BYTES, StderrTail
 from sandlot.backends.mountns import parent_of
+from sandlot.backends.pipes import PipeReader, PipeWriter
 from sandlot.errors import SandboxStartError
 from sandlot.guest.template import MAX_FDS, MAX_MESSAGE, NS_NAMES
 
@@ -376,38 +377,38 @@ class TemplateGuest:
         self._stdin_w, self._stdout_r, self._stderr_r = stdin_w, stdout_r, stderr_r
         self._stderr = StderrTail()
         self._stderr_task: asyncio.Task[None] | None = None
+        self._pipes: list[PipeReader | PipeWriter] = []
         self.reader: asyncio.StreamReader
         self.writer: asyncio.StreamWriter
 
-    async def connect(self) -> None:
+    def connect(self) -> None:
         """The stream pair over the guest's pipes, and its stderr's collector. Each pipe is
-        owned by its transport once made, and closed here if the rest fails."""
-        loop = asyncio.get_running_loop()
-        stdout = os.fdopen(self._stdout_r, "rb", 0)
-        stdin = os.fdopen(self._stdin_w, "wb", 0)
-        stderr_file = os.fdopen(self._stderr_r, "rb", 0)
-        transports: list[asyncio.BaseTransport] = []
+        owned by its transport once made (:mod:`sandlot.backends.pipes`: closed once, on the
+        loop, whatever the loop), and closed here if the rest fails."""
+        fds = [self._stdout_r, self._stdin_w, self._stderr_r]
         try:
             self.reader = asyncio.StreamReader(limit=1 << 20)
-            read, _ = await loop.connect_read_pipe(
-                lambda: asyncio.StreamReaderProtocol(self.reader), stdout
-            )
-            transports.append(read)
-            write, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, stdin)
-            transports.append(write)
-            self.writer = asyncio.StreamWriter(write, protocol, None, loop)
+            self._pipes.append(PipeReader(self._stdout_r, self.reader))
+            protocol = asyncio.streams.FlowControlMixin()
+            write = PipeWriter(self._stdin_w, protocol)
+            self._pipes.append(write)
+            self.writer = asyncio.StreamWriter(write, protocol, None, asyncio.get_running_loop())
             stderr = asyncio.StreamReader(limit=1 << 16)
-            errors, _ = await loop.connect_read_pipe(
-                lambda: asyncio.StreamReaderProtocol(stderr), stderr_file
-            )
-            transports.append(errors)
+            self._pipes.append(PipeReader(self._stderr_r, stderr))
         except BaseException:
-            for transport in transports:
-                transport.close()
-            for file in (stdout, stdin, stderr_file)[len(transports) :]:
-                file.close()
+            self._close_pipes()
+            for fd in fds[len(self._pipes) :]:
+                os.close(fd)
             raise
         self._stderr_task = asyncio.create_task(self._stderr.collect(stderr))
+
+    def _close_pipes(self) -> None:
+        """Its stdio closed: the guest is gone, and nothing is left for a collector."""
+        for pipe in self._pipes:
+            if isinstance(pipe, PipeWriter):
+                pipe.abort()
+            else:
+                pipe.close()
 
     def stderr_tail(self) -> str:
         return self._stderr.text()
@@ -462,20 +463,23 @@ class TemplateGuest:
         comes: a report lost would otherwise hang a create that waits for its guest with no
         deadline (``core/live.py``)."""
         try:
-            await self._gone()
-        finally:
-            if self._pidfd is not None:
-                os.close(self._pidfd)
-                self._pidfd = None
-        code = self._exit.result() if self._exit.done() else -signal.SIGKILL
-        self.release_bwrap()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(5.0):
-                await self._chain.wait()
-        if self._stderr_task is not None:
+            try:
+                await self._gone()
+            finally:
+                if self._pidfd is not None:
+                    os.close(self._pidfd)
+                    self._pidfd = None
+            code = self._exit.result() if self._exit.done() else -signal.SIGKILL
+            self.release_bwrap()
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await self._stderr_task
+                async with asyncio.timeout(5.0):
+                    await self._chain.wait()
+            if self._stderr_task is not None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await self._stderr_task
+        finally:
+            self._close_pipes()  # a wait cut short by its caller's deadline too
         return code
 
 
@@ -647,7 +651,7 @@ async def join_guest(
     guest = TemplateGuest(template, guest_pid, pidfd, stdin_w, stdout_r, stderr_r, chain, blocked)
     try:
         try:
-            await guest.connect()
+            guest.connect()
         except BaseException:
             os.close(notify_r)
             raise
