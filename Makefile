@@ -27,7 +27,7 @@ DOCKER_TARGETS := docker,docker+runsc
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
 	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
-	bench-walls bench-loop bench-cancel bench-churn
+	bench-walls bench-loop bench-cancel bench-churn bench-server-loop
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -150,6 +150,11 @@ bench-cancel: venv
 
 bench-churn: venv
 	$(PY) bench/churn.py --seconds 90 --workers 4
+
+# The server on asyncio's loop against uvloop (API_EVENT_LOOP), alternated: lifecycles through
+# the API (wall, the server's CPU), the exec round trip, 50 clients at once.
+bench-server-loop: venv
+	$(PY) bench/server_loop.py --rounds 3
 
 # 30 minutes (at most 10,000 lifecycles) of 20 clients against one real server, a hostile
 # program in every 10th lifecycle; fails on any 5xx, wrong result, leak or RSS growth over

@@ -18,6 +18,7 @@ Usage::
 
     .venv/bin/python bench/profile_loop.py [--lifecycles 200] [--concurrency 16]
                                            [--profile [--top 40] [--dump FILE]]
+                                           [--loop asyncio|uvloop]
 """
 
 from __future__ import annotations
@@ -126,7 +127,15 @@ def main() -> None:
     # need their own uid ranges and cgroup roots, or each sweeps the other's sandboxes.
     parser.add_argument("--uid-base", type=int, default=280_000)
     parser.add_argument("--cgroup-root", default="sandlot-profile-loop")
-    asyncio.run(run(parser.parse_args()))
+    # The server runs on uvloop (uvicorn picks it); the SDK and asyncio.run on asyncio's own.
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    args = parser.parse_args()
+    if args.loop == "uvloop":
+        import uvloop
+
+        uvloop.run(run(args))
+    else:
+        asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,14 @@ from tests.conftest import skip_reason
 CLI = [sys.executable, "-m", "sandlot.cli"]
 
 
-def _run(args: list[str], data_dir: Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SANDLOT_DATA_DIR": str(data_dir), "SANDBOX_BACKEND": "bubblewrap"}
+def _run(
+    args: list[str], data_dir: Path, env: dict[str, str] | None = None, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **(env or os.environ),
+        "SANDLOT_DATA_DIR": str(data_dir),
+        "SANDBOX_BACKEND": "bubblewrap",
+    }
     return subprocess.run(
         [*CLI, *args], capture_output=True, text=True, env=env, timeout=120, check=False, **kwargs
     )  # type: ignore[call-overload]
@@ -194,6 +200,22 @@ def test_bad_option_names_the_option(cli_data_dir: Path) -> None:
     out = _run(["exec", "--memory-mb", "1", "true"], cli_data_dir)
     assert out.returncode == 2
     assert "memory_mb" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "field"),
+    [("SANDBOX_POOL_SIZE", "abc", "pool_size"), ("API_EVENT_LOOP", "bogus", "api_event_loop")],
+)
+def test_a_bad_setting_in_the_environment_names_its_variable(
+    tmp_path: Path, variable: str, value: str, field: str
+) -> None:
+    """A typo in a variable is the caller's to fix: the variable and what it takes, exit
+    status 2, and no traceback (it was pydantic's, forty lines of it)."""
+    for command in (["doctor"], ["serve", "--port", "1"]):
+        out = _run(command, tmp_path, env={**os.environ, variable: value})
+        assert out.returncode == 2, out.stderr
+        assert variable in out.stderr and field in out.stderr and value in out.stderr
+        assert "Traceback" not in out.stderr + out.stdout
 
 
 def test_sandbox_commands_against_a_server(live_server: object, tmp_path: Path) -> None:

@@ -440,6 +440,16 @@ class Settings(BaseSettings):
         validation_alias=_env("API_KEEPALIVE_TIMEOUT_SECONDS", "keepalive_timeout_s"),
         description="An idle keep-alive connection is closed after this long.",
     )
+    api_event_loop: Literal["asyncio", "uvloop"] = Field(
+        default="asyncio",
+        validation_alias=_env("API_EVENT_LOOP", "api_event_loop"),
+        description=(
+            "The server's event loop. asyncio's own by default: it starts each sandbox's "
+            "launcher with vfork, where uvloop forks the whole server process, so a sandbox's "
+            "lifecycle through the server costs about a third less of the server's CPU, and "
+            "uvloop measured no faster on calls either (BENCHMARKS.md)."
+        ),
+    )
     max_header_kb: int = Field(
         default=64,
         ge=4,
@@ -559,9 +569,17 @@ class Settings(BaseSettings):
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    """The process-wide settings, read once from the environment and ``.env``."""
+    """The process-wide settings, read once from the environment and ``.env``.
+
+    Raises:
+        ConfigError: a variable's value is not one its setting takes (named, with the
+            variable).
+    """
     warn_old_names()
-    return Settings()
+    try:
+        return Settings()
+    except ValidationError as exc:  # a variable's typo: name it, and what it takes
+        raise ConfigError(explain_invalid(exc, "invalid setting")) from None
 
 
 def explain_invalid(exc: ValidationError, what: str) -> str:

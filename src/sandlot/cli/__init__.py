@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from sandlot.cli import agent, image, keys, local, mcp, sandbox, serve
+from sandlot.cli.common import errors_exit_2
 from sandlot.config import get_settings
 from sandlot.log import configure_logging
 
@@ -18,7 +19,8 @@ app = typer.Typer(
 
 @app.callback()
 def _main() -> None:
-    settings = get_settings()
+    with errors_exit_2():
+        settings = get_settings()
     configure_logging(settings.log_level, settings.log_format)
 
 

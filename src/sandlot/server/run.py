@@ -51,5 +51,6 @@ def serve(settings: Settings) -> None:
         ws="websockets-sansio",
         ws_max_size=settings.ws_max_message_kb * 1024,
         timeout_keep_alive=int(max(1, settings.keepalive_timeout_s)),
+        loop=settings.api_event_loop,  # not uvicorn's "auto", which takes uvloop where installed
     )
     uvicorn.Server(config).run()
