@@ -47,6 +47,13 @@ def ends(fd: int) -> Callable[[], int]:
     return count
 
 
+def stream_writer(fd: int) -> tuple[PipeWriter, asyncio.StreamWriter]:
+    """``fd``'s transport and the StreamWriter over it, as TemplateGuest makes them."""
+    protocol = asyncio.streams.FlowControlMixin()
+    pipe = PipeWriter(fd, protocol)
+    return pipe, asyncio.StreamWriter(pipe, protocol, None, asyncio.get_running_loop())
+
+
 def test_a_reader_feeds_its_stream_and_closes_its_fd_at_eof(run: Any) -> None:
     async def main() -> None:
         r, w = os.pipe2(os.O_CLOEXEC)
@@ -102,9 +109,7 @@ def test_a_writer_writes_what_the_pipe_cannot_take_at_once(run: Any) -> None:
     async def main() -> None:
         r, w = os.pipe2(os.O_CLOEXEC)
         held = ends(w)
-        protocol = asyncio.streams.FlowControlMixin()
-        pipe = PipeWriter(w, protocol)
-        writer = asyncio.StreamWriter(pipe, protocol, None, asyncio.get_running_loop())
+        pipe, writer = stream_writer(w)
         data = os.urandom(1 << 20)  # sixteen times a pipe's buffer
         writer.write(data)
         assert pipe.get_write_buffer_size() > WRITE_HIGH_WATER_BYTES
@@ -123,9 +128,7 @@ def test_a_writer_whose_reader_is_gone_fails_drain_and_closes(run: Any) -> None:
     async def main() -> None:
         r, w = os.pipe2(os.O_CLOEXEC)
         held = ends(w)
-        protocol = asyncio.streams.FlowControlMixin()
-        pipe = PipeWriter(w, protocol)
-        writer = asyncio.StreamWriter(pipe, protocol, None, asyncio.get_running_loop())
+        _, writer = stream_writer(w)
         os.close(r)
         writer.write(b"frame")
         with pytest.raises(ConnectionError):
