@@ -1,9 +1,10 @@
 """Pipe ends on the event loop, each fd owned here and closed exactly once, on the loop.
 
 A templated guest's stdio are pipes the manager makes (``bubblewrap/template.py``). asyncio's
-``connect_read_pipe``/``connect_write_pipe`` take them as file objects, and under uvloop (the
-server's loop: uvicorn picks it) libuv closes the fd and then the file object closes the same
-number again. Between the two a worker thread may be given that number (a cgroup file, a
+``connect_read_pipe``/``connect_write_pipe`` take them as file objects, and under uvloop
+(uvicorn's choice wherever it is installed: the server's loop until ``API_EVENT_LOOP`` made
+asyncio's the default, and a loop anyone embedding the manager may run) libuv closes the fd
+and then the file object closes the same number again. Between the two a worker thread may be given that number (a cgroup file, a
 volume's image), and its descriptor is closed under it: an EBADF in an unrelated create, seen
 in CI. uvloop also keeps a read pipe's transport open past EOF when the protocol asks to
 (``StreamReaderProtocol`` does), so those were left to the garbage collector, which finalized
