@@ -5,11 +5,14 @@ Starts one manager (its own data dir, uid base and cgroup root), warms its templ
 ``--creates`` times starts a create, cancels it after a random 0..``--max-delay-ms`` (a create
 already done is destroyed instead), and times the cancel until the create's task has ended.
 Prints the manager's open descriptors by kind before and after (pidfds, pipes, uid locks,
-others), and the unwind's p50 / p95 / max.
+others), and the unwind's p50 / p95 / max; with ``--backend docker`` (or ``docker+runsc``),
+also the containers of this manager's that are left once the cancels have unwound (a
+cancelled create's container must go with it, not wait for the sweep at close).
 
 Usage::
 
     .venv/bin/python bench/cancel_creates.py [--creates 80] [--max-delay-ms 40] [--seed 2]
+                                             [--backend bubblewrap|docker|docker+runsc]
 """
 
 from __future__ import annotations
@@ -31,7 +34,18 @@ for _var in list(os.environ):
         del os.environ[_var]
 
 from sandlot import SandboxManager, Settings  # noqa: E402
+from sandlot.backends.base import instance_of  # noqa: E402
 from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
+
+
+def containers_left(manager: SandboxManager) -> int:
+    """Containers (running or not) labelled with this manager's instance."""
+    import docker
+
+    from sandlot.backends.docker.dockerd import labelled
+
+    label = f"sandlot.instance={instance_of(manager.instance_dir)}"
+    return len(labelled(docker.from_env(), [label]))
 
 
 def open_fds() -> Counter[str]:
@@ -47,6 +61,8 @@ def open_fds() -> Counter[str]:
             kinds["pipe"] += 1
         elif "/uids" in target:
             kinds["uid lock"] += 1
+        elif target.startswith("socket:"):
+            kinds["socket"] += 1
         else:
             kinds["other"] += 1
     return kinds
@@ -62,16 +78,22 @@ async def run(args: argparse.Namespace) -> None:
         cgroup_root=args.cgroup_root,
         log_level="WARNING",
     )
+    backend, _, runtime = args.backend.partition("+")
+    if backend == "docker":
+        spec = SandboxSpec(backend=backend, runtime=runtime or "runc")
+    else:
+        spec = SandboxSpec(backend=backend)
+    left = None
     try:
         async with SandboxManager(settings) as manager:
-            warm = await manager.create(SandboxSpec())
+            warm = await manager.create(spec)
             await manager.destroy(warm.id)
             await manager.settle()
             before = open_fds()
             unwind_s: list[float] = []
             completed = cancelled = 0
             for _ in range(args.creates):
-                create = asyncio.ensure_future(manager.create(SandboxSpec()))
+                create = asyncio.ensure_future(manager.create(spec))
                 await asyncio.sleep(rng.uniform(0, args.max_delay_ms / 1000))
                 if create.done():
                     completed += 1
@@ -90,7 +112,9 @@ async def run(args: argparse.Namespace) -> None:
             await manager.settle()
             await asyncio.sleep(0.5)
             after = open_fds()
-            check = await manager.create(SandboxSpec())
+            if backend == "docker":
+                left = containers_left(manager)
+            check = await manager.create(spec)
             answer = await manager.run_code(check.id, RunCode(code="6 * 7"))
             await manager.destroy(check.id)
         print(
@@ -99,6 +123,8 @@ async def run(args: argparse.Namespace) -> None:
         )
         print(f"open descriptors before: {dict(sorted(before.items()))}")
         print(f"open descriptors after:  {dict(sorted(after.items()))}")
+        if left is not None:
+            print(f"containers left after the cancels: {left}")
         if unwind_s:
             ms = sorted(1000 * s for s in unwind_s)
             p95 = ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]
@@ -115,6 +141,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--uid-base", type=int, default=290_000)
     parser.add_argument("--cgroup-root", default="sandlot-cancel-creates")
+    parser.add_argument(
+        "--backend", default="bubblewrap", choices=("bubblewrap", "docker", "docker+runsc")
+    )
     asyncio.run(run(parser.parse_args()))
 
 
