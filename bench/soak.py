@@ -45,7 +45,6 @@ from tests import leaks
 from tests.conftest import make_settings, start_server, stop_server
 
 from bench.bench_core import machine_description, write_section
-from sandlot import SandboxManager
 from sandlot.core.store import Store
 from sandlot.server.auth import AuthStore
 
@@ -164,9 +163,13 @@ async def soak(args: argparse.Namespace) -> tuple[Tally, dict[str, float], dict[
     settings = make_settings(
         data_dir, uid_base=260_000, cgroup_root="sandlot-soak", allow_unsafe=False
     )
-    accounting = SandboxManager(settings)  # never started: its settings name what to count
-    baseline = leaks.snapshot(accounting)
     process, url, _ = start_server(data_dir, SERVER_ENV)
+    # The server's own instance, seen from outside (its settings name what to count): a
+    # manager of this process's, never started, has none (the soak failed on it since the
+    # instances came in).
+    (instance_dir,) = leaks.instance_dirs(data_dir)
+    accounting = leaks.Outside(settings, instance_dir)
+    baseline = leaks.snapshot(accounting)  # type: ignore[arg-type]
     tally = Tally()
     figures: dict[str, float] = {}
     deadline = time.monotonic() + args.minutes * 60
@@ -192,9 +195,10 @@ async def soak(args: argparse.Namespace) -> tuple[Tally, dict[str, float], dict[
         async with httpx.AsyncClient(base_url=url, timeout=10) as probe:
             health = await probe.get("/health")
         figures["healthy_after"] = float(health.status_code == 200)
+        # While the server still runs: its close would sweep what a destroy left.
+        leaked = leaks.wait_for_baseline(accounting, baseline, timeout_s=10)  # type: ignore[arg-type]
     finally:
         stop_server(process)
-    leaked = leaks.wait_for_baseline(accounting, baseline, timeout_s=10)
     rows = Store(data_dir / "sandlot.db")  # the store outlives the server: read its rows
     live_rows = rows.list(live_only=True)
     rows.close()
