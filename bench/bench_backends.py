@@ -63,7 +63,7 @@ async def _pooled(rec: Recorder, pool: SandboxManager) -> None:
     while pool.pooled_count() < 1:  # noqa: ASYNC110 - the pool refills in the background
         await asyncio.sleep(0.05)
     started = time.perf_counter()
-    info = await pool.create(backend="docker", runtime="runc")
+    info = await pool.create(SandboxSpec(backend="docker", runtime="runc"))
     rec.add(f"{POOLED}:create", time.perf_counter() - started)
     try:
         await _execs(rec, pool, POOLED, info.id)

@@ -43,17 +43,23 @@ def seal_cost(rounds: int) -> None:
 
 
 def supervisor_pid(sb: Sandbox) -> int:
-    """The host pid of ``sb``'s guest supervisor (bubblewrap: the sandbox's first process)."""
+    """The host pid of ``sb``'s guest supervisor: the process of its cgroup that is pid 1 of
+    its pid namespace (forked from a template, its command line is the template's; started
+    by bwrap, it is bwrap's ``--as-pid-1``)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            argv = (proc / "cmdline").read_bytes()
-            guest = b"supervisor.main" in argv and b"bwrap" not in argv
-            if guest and sb.id in (proc / "cgroup").read_text():
-                return int(proc.name)
+            if sb.id not in (proc / "cgroup").read_text():
+                continue
+            status = (proc / "status").read_text()
         except OSError:
             continue
+        nspid = next(
+            (line.split() for line in status.splitlines() if line.startswith("NSpid:")), []
+        )
+        if len(nspid) > 2 and nspid[-1] == "1":
+            return int(proc.name)
     raise RuntimeError(f"no supervisor of {sb.id} found")
 
 
