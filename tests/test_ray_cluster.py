@@ -373,6 +373,12 @@ def other_netns() -> Iterator[None]:
     holder = subprocess.Popen(["unshare", "--net", "/usr/bin/python3", "-c", LISTENER])
     inside = ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
     try:
+        # Until unshare has made its namespace, the veth's far end would be put in ours (and
+        # not be found in its: a flaky 'ip addr add ... dev rt-b').
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{holder.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            assert time.monotonic() < deadline, "unshare made no network namespace"
+            time.sleep(0.01)
         steps = [
             ["ip", "link", "add", "rt-a", "type", "veth", "peer", "name", "rt-b",
              "netns", str(holder.pid)],
