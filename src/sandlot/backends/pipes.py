@@ -4,13 +4,14 @@ A templated guest's stdio are pipes the manager makes (``bubblewrap/template.py`
 ``connect_read_pipe``/``connect_write_pipe`` take them as file objects, and under uvloop
 (uvicorn's choice wherever it is installed: the server's loop until ``API_EVENT_LOOP`` made
 asyncio's the default, and a loop anyone embedding the manager may run) libuv closes the fd
-and then the file object closes the same number again. Between the two a worker thread may be given that number (a cgroup file, a
-volume's image), and its descriptor is closed under it: an EBADF in an unrelated create, seen
-in CI. uvloop also keeps a read pipe's transport open past EOF when the protocol asks to
-(``StreamReaderProtocol`` does), so those were left to the garbage collector, which finalized
-them in whatever thread it ran: each fd closed twice more, and libuv called off its loop's
-thread. These transports watch the raw fd with ``add_reader``/``add_writer``, which both loops
-implement without taking the fd over, and behave the same on both.
+and then the file object closes the same number again. Between the two a worker thread may be
+given that number (a cgroup file, a volume's image), and its descriptor is closed under it: an
+EBADF in an unrelated create, seen in CI. uvloop also keeps a read pipe's transport open past
+EOF when the protocol asks to (``StreamReaderProtocol`` does), so those were left to the
+garbage collector, which finalized them in whatever thread it ran: each fd closed twice more,
+and libuv called off its loop's thread. These transports watch the raw fd with
+``add_reader``/``add_writer``, which both loops implement without taking the fd over, and
+behave the same on both.
 """
 
 from __future__ import annotations
