@@ -48,10 +48,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 for _var in list(os.environ):
     if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
@@ -83,8 +83,22 @@ BASELINE = "baseline"
 T = TypeVar("T")
 
 
+# Event loops a manager may run on: asyncio's own (the SDK, the server's default) and uvloop
+# (API_EVENT_LOOP=uvloop, or an application embedding the manager on its own uvloop).
+LOOPS = ("asyncio", "uvloop")
+
+
 class BenchError(RuntimeError):
     """A sandbox call did not return what the benchmark asked for."""
+
+
+def run_on(loop: str, main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to its end on a fresh event loop of kind ``loop`` (one of :data:`LOOPS`)."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 # --------------------------------------------------------------------------- statistics

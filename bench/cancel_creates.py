@@ -33,6 +33,10 @@ for _var in list(os.environ):
     if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
         del os.environ[_var]
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `tests.`
+
+from tests.conftest import placement  # noqa: E402
+
 from sandlot import SandboxManager, Settings  # noqa: E402
 from sandlot.backends.base import instance_of  # noqa: E402
 from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
@@ -78,11 +82,7 @@ async def run(args: argparse.Namespace) -> None:
         cgroup_root=args.cgroup_root,
         log_level="WARNING",
     )
-    backend, _, runtime = args.backend.partition("+")
-    if backend == "docker":
-        spec = SandboxSpec(backend=backend, runtime=runtime or "runc")
-    else:
-        spec = SandboxSpec(backend=backend)
+    spec = SandboxSpec(**placement(args.backend))
     left = None
     try:
         async with SandboxManager(settings) as manager:
@@ -112,7 +112,7 @@ async def run(args: argparse.Namespace) -> None:
             await manager.settle()
             await asyncio.sleep(0.5)
             after = open_fds()
-            if backend == "docker":
+            if spec.backend == "docker":
                 left = containers_left(manager)
             check = await manager.create(spec)
             answer = await manager.run_code(check.id, RunCode(code="6 * 7"))

@@ -29,6 +29,7 @@ for _var in list(os.environ):
     if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
         del os.environ[_var]
 
+from bench_core import LOOPS, run_on  # noqa: E402
 from sandlot import SandboxManager, Settings  # noqa: E402
 from sandlot.errors import SandboxError  # noqa: E402
 from sandlot.requests import RunCode, SandboxSpec, SetTimeout  # noqa: E402
@@ -101,14 +102,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--uid-base", type=int, default=330_000)
     parser.add_argument("--cgroup-root", default="sandlot-churn")
-    # The EBADF was uvloop's (a server's loop, through uvicorn): asyncio's loop never showed it.
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    # The EBADF was uvloop's (the server's loop until 2026-11-28): asyncio's never showed it.
+    parser.add_argument("--loop", choices=LOOPS, default="asyncio")
     args = parser.parse_args()
-    if args.loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(run(args))
-    return asyncio.run(run(args))
+    return run_on(args.loop, run(args))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ for _var in list(os.environ):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.` imports
 
+from bench.bench_core import LOOPS, run_on  # noqa: E402
 from bench.bench_throughput import _cgroup_usage_s, helpers_cpu_s, helpers_delta_s  # noqa: E402
 from sandlot import SandboxManager, Settings  # noqa: E402
 from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
@@ -127,15 +128,9 @@ def main() -> None:
     # need their own uid ranges and cgroup roots, or each sweeps the other's sandboxes.
     parser.add_argument("--uid-base", type=int, default=280_000)
     parser.add_argument("--cgroup-root", default="sandlot-profile-loop")
-    # The server runs on uvloop (uvicorn picks it); the SDK and asyncio.run on asyncio's own.
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    parser.add_argument("--loop", choices=LOOPS, default="asyncio")
     args = parser.parse_args()
-    if args.loop == "uvloop":
-        import uvloop
-
-        uvloop.run(run(args))
-    else:
-        asyncio.run(run(args))
+    run_on(args.loop, run(args))
 
 
 if __name__ == "__main__":

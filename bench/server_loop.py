@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from bench.bench_core import Stats, command_line, machine_description  # noqa: E402
+from bench.bench_core import LOOPS, Stats, command_line, machine_description  # noqa: E402
 from bench.bench_server import (  # noqa: E402
     CLOCK_TICKS,
     CONCURRENT,
@@ -55,7 +55,6 @@ from bench.bench_server import (  # noqa: E402
 )
 from sandlot.server.auth import AuthStore  # noqa: E402
 
-LOOPS = ("asyncio", "uvloop")
 SETTLE_S = 1.0  # a DELETE returns before the teardown: its CPU is counted once it is done
 
 
