@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
+from sandlot.backends import devpts
 from sandlot.backends.devpts import read_child_pid
+from sandlot.errors import SandboxStartError
 
 HIGH_FD = 1500  # past select()'s FD_SETSIZE (1024)
 
@@ -30,3 +35,25 @@ def test_bwraps_info_is_read_on_a_descriptor_past_select_s_limit() -> None:
         for fd in (read_end, write_end, HIGH_FD):
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("look", ["wait_for_block", "wait_for_exec"])
+def test_a_zombie_is_seen_to_have_exited_not_waited_for(look: str) -> None:
+    # bwrap's child, killed with its cgroup when a create fails or is cancelled, is a zombie
+    # until the host's init reaps it (never, under an init that does not reap): the looks
+    # that wait for it to block or to exec went on until their deadline (a worker thread
+    # held 15 s after the create had ended). A zombie has exited.
+    child = subprocess.Popen(["/bin/sleep", "0"])
+    try:
+        status = Path(f"/proc/{child.pid}/status")
+        deadline = time.monotonic() + 5.0
+        while "\nState:\tZ" not in status.read_text():
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+        with pytest.raises(SandboxStartError, match="exited"):
+            if look == "wait_for_block":
+                devpts.wait_for_block(child.pid, timeout_s=2.0)
+            else:
+                devpts.wait_for_exec(child.pid, "sleep", timeout_s=2.0)
+    finally:
+        child.wait()

@@ -116,8 +116,14 @@ def wait_for_exec(pid: int, launcher: str, timeout_s: float) -> None:
     Raises:
         SandboxStartError: it did not exec within ``timeout_s``, or exited.
     """
-    comm = Path(f"/proc/{pid}/comm")
-    _poll(pid, lambda: comm.read_text().strip() != launcher, timeout_s)
+    status = Path(f"/proc/{pid}/status")
+    name = f"Name:\t{launcher}\n".encode()
+
+    def execd() -> bool:
+        data = _living(status)
+        return not data.startswith(name)
+
+    _poll(pid, execd, timeout_s)
 
 
 # What /proc/<pid>/status says of a task with no capability left.
@@ -136,10 +142,26 @@ def wait_for_block(pid: int, timeout_s: float) -> None:
     status = Path(f"/proc/{pid}/status")
 
     def dropped() -> bool:
-        data = status.read_bytes()
+        data = _living(status)
         return all(line in data for line in _NO_CAPS)
 
     _poll(pid, dropped, timeout_s)
+
+
+def _living(status: Path) -> bytes:
+    """A process's /proc status, read while it is alive.
+
+    Raises:
+        OSError: it is gone, or a zombie: bwrap's child, killed with its cgroup when a
+            create fails or is cancelled, is left for the host's init to reap, which may be
+            a while (or never: an init that does not reap), and the look went on until its
+            deadline (15 s of a worker thread; 1-2 s of a create's unwind where it was
+            awaited: BENCHMARKS.md, issue 13's fifteenth pass).
+    """
+    data = status.read_bytes()
+    if b"\nState:\tZ" in data:
+        raise ProcessLookupError(errno.ESRCH, "it has exited (a zombie)")
+    return data
 
 
 def _poll(pid: int, done: Callable[[], bool], timeout_s: float) -> None:
