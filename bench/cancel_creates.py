@@ -5,7 +5,9 @@ Starts one manager (its own data dir, uid base and cgroup root), warms its templ
 ``--creates`` times starts a create, cancels it after a random 0..``--max-delay-ms`` (a create
 already done is destroyed instead), and times the cancel until the create's task has ended.
 Prints the manager's open descriptors by kind before and after (pidfds, pipes, uid locks,
-others), and the unwind's p50 / p95 / max; with ``--backend docker`` (or ``docker+runsc``),
+others), the processes of its sandboxes' uids still running once the cancels have unwound
+(a bwrap child orphaned by a launcher killed mid-way waits for ever: issue 13's fifteenth
+pass), and the unwind's p50 / p95 / max; with ``--backend docker`` (or ``docker+runsc``),
 also the containers of this manager's that are left once the cancels have unwound (a
 cancelled create's container must go with it, not wait for the sweep at close).
 
@@ -72,6 +74,23 @@ def open_fds() -> Counter[str]:
     return kinds
 
 
+def processes_of_uids(first: int, count: int) -> list[str]:
+    """Processes (not zombies) running as any uid in ``first .. first + count - 1``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        uid = int(fields.get("Uid", "-1").split()[0])
+        if first <= uid < first + count and not fields.get("State", "").strip().startswith("Z"):
+            found.append(f"{entry.name} {fields['Name'].strip()} (uid {uid})")
+    return found
+
+
 async def run(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="sandlot-cancel-", dir="/tmp"))
@@ -112,6 +131,7 @@ async def run(args: argparse.Namespace) -> None:
             await manager.settle()
             await asyncio.sleep(0.5)
             after = open_fds()
+            running = processes_of_uids(settings.uid_base, settings.uid_count)
             if spec.backend == "docker":
                 left = containers_left(manager)
             check = await manager.create(spec)
@@ -123,6 +143,7 @@ async def run(args: argparse.Namespace) -> None:
         )
         print(f"open descriptors before: {dict(sorted(before.items()))}")
         print(f"open descriptors after:  {dict(sorted(after.items()))}")
+        print(f"processes of its sandboxes' uids left running: {len(running)} {running[:5]}")
         if left is not None:
             print(f"containers left after the cancels: {left}")
         if unwind_s:
