@@ -807,21 +807,37 @@ def _pidfds_and_uid_locks() -> tuple[int, int]:
     return pidfds, locks
 
 
-@pytest.mark.parametrize("where", ["before its guest joins", "while its guest joins"])
+def _running_as_sandboxes(mgr: SandboxManager) -> list[leaks.Proc]:
+    """Processes (not zombies) of any uid the manager gives sandboxes."""
+    first, count = mgr.settings.uid_base, mgr.settings.uid_count
+    return [
+        p
+        for p in leaks.all_procs()
+        if p.state != "Z" and any(first <= uid < first + count for uid in p.uids)
+    ]
+
+
+@pytest.mark.parametrize(
+    "where", ["while bwrap starts", "before its guest joins", "while its guest joins"]
+)
 async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing_open(
     data_root: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """A create cancelled while bwrap's child waits at its block-fd (an HTTP client gone, a
-    timeout) unwinds at once and leaves nothing open. Both failed before (a red team's side
-    find, 2026-11-27): while the guest joined, the guest was killed but never waited for, and
-    its pidfd stayed open (3-4 in 40 creates cancelled at random points); before it joined,
-    bwrap's blocked child outlived its killed bwrap, holding the launcher's pipes, and the
-    launcher's wait ran to its 5 s deadline."""
+    """A create cancelled while bwrap makes the namespaces or while its child waits at its
+    block-fd (an HTTP client gone, a timeout) unwinds at once and leaves nothing open and
+    nothing running. Failed before (a red team's side find, 2026-11-27): while the guest
+    joined, the guest was killed but never waited for, and its pidfd stayed open (3-4 in 40
+    creates cancelled at random points); before it joined, bwrap's blocked child outlived its
+    killed bwrap, holding the launcher's pipes, and the launcher's wait ran to its 5 s
+    deadline. A chain started outside the sandbox's cgroup (tried 2026-11-28) left bwrap's
+    children running for good: nothing running is asserted too."""
     async with SandboxManager(make_settings(data_root)) as mgr:
         warm = await mgr.create(SandboxSpec())  # the template is up
         await mgr.destroy(warm.id)
         await mgr.settle()
         before = _pidfds_and_uid_locks()
+        # Another manager's sandboxes of the same uids (the session's) are not this one's.
+        others = {p.pid for p in _running_as_sandboxes(mgr)}
         blocked = asyncio.Event()
 
         async def joins_for_ever(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None:
@@ -834,10 +850,16 @@ async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing
             await asyncio.Event().wait()
             raise AssertionError("unreachable")
 
+        async def no_volume_yet(*_: object, **__: object) -> None:
+            blocked.set()
+            await asyncio.Event().wait()
+
         if where == "while its guest joins":
             monkeypatch.setattr(bubblewrap_template, "_joined", joins_for_ever)
-        else:
+        elif where == "before its guest joins":
             monkeypatch.setattr(bubblewrap_backend.BubblewrapBackend, "_join", never_joins)
+        else:
+            monkeypatch.setattr(bubblewrap_backend, "make_volume", no_volume_yet)
         create = asyncio.ensure_future(mgr.create(SandboxSpec()))
         async with asyncio.timeout(15):
             await blocked.wait()
@@ -850,6 +872,7 @@ async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing
         assert loop.time() - cancelled_at < 3.0
         await mgr.settle()
         assert _pidfds_and_uid_locks() == before
+        assert [p for p in _running_as_sandboxes(mgr) if p.pid not in others] == []
 
 
 def _after_preload(probe: str) -> str:
