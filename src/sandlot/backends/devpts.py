@@ -111,7 +111,7 @@ def read_child_pid(fd: int, timeout_s: float) -> int:
 
 def wait_for_exec(pid: int, launcher: str, timeout_s: float) -> None:
     """Wait until ``pid`` is no longer ``launcher`` (bwrap has finished the sandbox's
-    mounts and exec'd the guest). Blocking, polls ``/proc/<pid>/comm``.
+    mounts and exec'd the guest). Blocking, polls ``/proc/<pid>/status`` (its name).
 
     Raises:
         SandboxStartError: it did not exec within ``timeout_s``, or exited.
