@@ -37,6 +37,7 @@ for _var in list(os.environ):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `tests.`
 
+from tests import leaks  # noqa: E402
 from tests.conftest import placement  # noqa: E402
 
 from sandlot import SandboxManager, Settings  # noqa: E402
@@ -72,23 +73,6 @@ def open_fds() -> Counter[str]:
         else:
             kinds["other"] += 1
     return kinds
-
-
-def processes_of_uids(first: int, count: int) -> list[str]:
-    """Processes (not zombies) running as any uid in ``first .. first + count - 1``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        uid = int(fields.get("Uid", "-1").split()[0])
-        if first <= uid < first + count and not fields.get("State", "").strip().startswith("Z"):
-            found.append(f"{entry.name} {fields['Name'].strip()} (uid {uid})")
-    return found
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -131,7 +115,10 @@ async def run(args: argparse.Namespace) -> None:
             await manager.settle()
             await asyncio.sleep(0.5)
             after = open_fds()
-            running = processes_of_uids(settings.uid_base, settings.uid_count)
+            running = [
+                f"{p.pid} {p.name} (uids {p.uids})"
+                for p in leaks.running_in_uids(settings.uid_base, settings.uid_count)
+            ]
             if spec.backend == "docker":
                 left = containers_left(manager)
             check = await manager.create(spec)

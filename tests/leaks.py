@@ -298,6 +298,16 @@ def procs_of_uid(uid: int) -> list[Proc]:
     return [p for p in all_procs() if uid in p.uids]
 
 
+def running_in_uids(first: int, count: int) -> list[Proc]:
+    """Every process but a zombie with any of its uids in ``first .. first + count - 1``
+    (a manager's sandbox uids: ``uid_base``, ``uid_count``)."""
+    return [
+        p
+        for p in all_procs()
+        if p.state != "Z" and any(first <= uid < first + count for uid in p.uids)
+    ]
+
+
 OrphanFilter = Callable[[Proc], bool]
 
 

@@ -807,16 +807,6 @@ def _pidfds_and_uid_locks() -> tuple[int, int]:
     return pidfds, locks
 
 
-def _running_as_sandboxes(mgr: SandboxManager) -> list[leaks.Proc]:
-    """Processes (not zombies) of any uid the manager gives sandboxes."""
-    first, count = mgr.settings.uid_base, mgr.settings.uid_count
-    return [
-        p
-        for p in leaks.all_procs()
-        if p.state != "Z" and any(first <= uid < first + count for uid in p.uids)
-    ]
-
-
 @pytest.mark.parametrize(
     "where", ["while bwrap starts", "before its guest joins", "while its guest joins"]
 )
@@ -837,7 +827,8 @@ async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing
         await mgr.settle()
         before = _pidfds_and_uid_locks()
         # Another manager's sandboxes of the same uids (the session's) are not this one's.
-        others = {p.pid for p in _running_as_sandboxes(mgr)}
+        uids = (mgr.settings.uid_base, mgr.settings.uid_count)
+        others = {p.pid for p in leaks.running_in_uids(*uids)}
         blocked = asyncio.Event()
 
         async def joins_for_ever(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None:
@@ -872,7 +863,7 @@ async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing
         assert loop.time() - cancelled_at < 3.0
         await mgr.settle()
         assert _pidfds_and_uid_locks() == before
-        assert [p for p in _running_as_sandboxes(mgr) if p.pid not in others] == []
+        assert [p for p in leaks.running_in_uids(*uids) if p.pid not in others] == []
 
 
 def _after_preload(probe: str) -> str:
