@@ -121,6 +121,25 @@ async def test_disks_copied_from_one_template_share_nothing_and_leave_it_unchang
     assert not [p for p in templates.iterdir() if p.name.startswith(".")]  # no partials left
 
 
+@pytest.mark.parametrize("size_mb", [64, 1024])
+async def test_a_new_disk_holds_little_but_its_file_system(tmp_path: Path, size_mb: int) -> None:
+    # Every create copies its template's written blocks and LOOP_CONFIGURE writes them out
+    # to the host's disk (it fsyncs the backing file): with the resize inode an empty image
+    # held 376 KiB at 64 MB and 656 KiB at 1 GB, without it 116 and 144. Nearly the whole
+    # size stays the sandbox's: no blocks are reserved for root.
+    templates = tmp_path / "t"
+    point = tmp_path / "m"
+    await create_loop_disk(tmp_path / "d.img", point, size_mb, templates)
+    try:
+        (template,) = templates.glob("*.img")
+        for image in (template, tmp_path / "d.img"):
+            assert image.stat().st_blocks * 512 <= 192 * 1024, image
+        fs = os.statvfs(point)
+        assert fs.f_bavail > 0.9 * fs.f_blocks
+    finally:
+        await unmount(point)
+
+
 async def test_past_the_template_cap_a_disk_is_made_by_mkfs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -48,7 +48,11 @@ async def _run(*argv: str) -> None:
 
 # Under the data directory: the empty images new disks are copied from.
 VOLUME_TEMPLATES = "volume-templates"
-# No journal and lazy tables: a scratch disk that dies with the sandbox.
+# No journal and lazy tables: a scratch disk that dies with the sandbox. No resize inode
+# either: nothing grows a sandbox's disk, and its reserved blocks were most of an empty
+# image (a 64 MB one holds 116 KiB without them, 376 with; 1 GB: 144, 656), all of it
+# copied and then written to the host's disk on every create: LOOP_CONFIGURE fsyncs the
+# backing file (Linux 6.x; BENCHMARKS.md, issue 13's sixteenth pass).
 MKFS_ARGV = (
     "mkfs.ext4",
     "-q",
@@ -56,7 +60,7 @@ MKFS_ARGV = (
     "-m",
     "0",
     "-O",
-    "^has_journal",
+    "^has_journal,^resize_inode",
     "-E",
     "root_owner=0:0,lazy_itable_init=1,nodiscard",
 )
