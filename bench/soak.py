@@ -169,7 +169,7 @@ async def soak(args: argparse.Namespace) -> tuple[Tally, dict[str, float], dict[
     # instances came in).
     (instance_dir,) = leaks.instance_dirs(data_dir)
     accounting = leaks.Outside(settings, instance_dir)
-    baseline = leaks.snapshot(accounting)  # type: ignore[arg-type]
+    baseline = leaks.snapshot(accounting)
     tally = Tally()
     figures: dict[str, float] = {}
     deadline = time.monotonic() + args.minutes * 60
@@ -196,7 +196,7 @@ async def soak(args: argparse.Namespace) -> tuple[Tally, dict[str, float], dict[
             health = await probe.get("/health")
         figures["healthy_after"] = float(health.status_code == 200)
         # While the server still runs: its close would sweep what a destroy left.
-        leaked = leaks.wait_for_baseline(accounting, baseline, timeout_s=10)  # type: ignore[arg-type]
+        leaked = leaks.wait_for_baseline(accounting, baseline, timeout_s=10)
     finally:
         stop_server(process)
     rows = Store(data_dir / "sandlot.db")  # the store outlives the server: read its rows

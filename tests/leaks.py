@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from sandlot import SandboxManager
+from sandlot import SandboxManager, Settings
 from sandlot.backends.base import instance_of
 from sandlot.backends.bubblewrap import launchns
 from sandlot.backends.docker.dockerd import labelled
@@ -45,12 +45,23 @@ def boot_time_s() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+class Watched(Protocol):
+    """What the snapshot helpers read of a manager: a live :class:`SandboxManager`, or
+    :class:`Outside` for one in another process."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def instance_dir(self) -> Path: ...
+
+
 @dataclass
 class Outside:
     """A manager of another process (gone, or never in this one), seen from outside: what the
     snapshot helpers read of a manager, for the instance directory that process used."""
 
-    settings: Any
+    settings: Settings
     instance_dir: Path
 
 
@@ -62,7 +73,7 @@ def instance_dirs(data_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def cgroup_instance_dirs(manager: SandboxManager) -> list[Path]:
+def cgroup_instance_dirs(manager: Watched) -> list[Path]:
     """``<hierarchy>/<cgroup_root>/<instance>`` in every hierarchy (v1 controllers or v2)."""
     return cgroup_dirs_of(manager.settings.cgroup_root, manager.instance_dir)
 
@@ -117,13 +128,13 @@ def _docker() -> Any:
     return _DOCKER[0]
 
 
-def our_containers(manager: SandboxManager) -> list[str]:
+def our_containers(manager: Watched) -> list[str]:
     """Names of the containers (running or not) of this manager's data directory."""
     if not DOCKER_TESTED:
         return []
     label = f"sandlot.instance={instance_of(manager.instance_dir)}"
     found = labelled(_docker(), [label])
-    return sorted(c.name for c in found)
+    return sorted(c.name or str(c.id) for c in found)
 
 
 def docker_cgroup(manager: SandboxManager, sandbox_id: str) -> str | None:
@@ -143,7 +154,9 @@ def docker_container(manager: SandboxManager, sandbox_id: str) -> tuple[str, dic
     label = f"sandlot.sandbox={sandbox_id}"
     found = labelled(_docker(), [label])
     assert len(found) == 1, f"{len(found)} containers for {sandbox_id}"
-    return found[0].id, dict(found[0].attrs["State"])
+    container_id = found[0].id
+    assert container_id is not None
+    return container_id, dict(found[0].attrs["State"])
 
 
 def procs_of_container(container_id: str) -> list[Proc]:
@@ -315,7 +328,7 @@ def no_orphans(proc: Proc) -> bool:
     return False
 
 
-def sandbox_procs(manager: SandboxManager, *, orphans: OrphanFilter | None = None) -> list[Proc]:
+def sandbox_procs(manager: Watched, *, orphans: OrphanFilter | None = None) -> list[Proc]:
     """Processes of sandbox uids that may belong to this manager.
 
     Those inside another manager's cgroup subtree are someone else's; live processes outside
@@ -404,7 +417,7 @@ def loop_devices_below(root: Path) -> list[str]:
     return found
 
 
-def snapshot(manager: SandboxManager, *, orphans: OrphanFilter | None = None) -> Snapshot:
+def snapshot(manager: Watched, *, orphans: OrphanFilter | None = None) -> Snapshot:
     data_dir = manager.instance_dir.resolve()
     cgroups = []
     for d in cgroup_instance_dirs(manager):
@@ -424,7 +437,7 @@ def snapshot(manager: SandboxManager, *, orphans: OrphanFilter | None = None) ->
 
 
 def wait_for_baseline(
-    manager: SandboxManager,
+    manager: Watched,
     baseline: Snapshot,
     *,
     orphans: OrphanFilter | None = None,
@@ -440,7 +453,7 @@ def wait_for_baseline(
 
 
 def wait_until_gone(
-    manager: SandboxManager, uid: int, *, started_before_s: float, timeout_s: float = REAP_WAIT_S
+    manager: Watched, uid: int, *, started_before_s: float, timeout_s: float = REAP_WAIT_S
 ) -> list[Proc]:
     """Poll until no process of ``uid`` started before ``started_before_s`` (the moment the
     sandbox was destroyed and its uid freed for reuse) remains, zombies included."""

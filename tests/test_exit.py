@@ -123,7 +123,7 @@ def _assert_all_released(data_dir: Path, script: Script) -> None:
     observer = leaks.Outside(make_settings(data_dir, uid_base=UID_BASE), script.instance_dir)
     # The script is gone, so its sandboxes must be too: every process of a sandbox uid in
     # our cgroups, every cgroup, mount, loop device and sandbox directory, and its instance.
-    left = leaks.wait_for_baseline(observer, leaks.Snapshot(), orphans=leaks.no_orphans)  # type: ignore[arg-type]
+    left = leaks.wait_for_baseline(observer, leaks.Snapshot(), orphans=leaks.no_orphans)
     assert not left, f"left behind after the script ended: {left}"
     assert not script.instance_dir.exists(), "the instance was not released"
     held = [uid for uid in script.uids if _locked(UID_LOCK_DIR / f"{uid}.lock")]

@@ -100,7 +100,7 @@ def _create_under(data_dir: Path, nofile: str, count: int, mode: str = "") -> di
 def _assert_nothing_left(data_dir: Path, instance_dir: Path) -> None:
     """The process that used ``instance_dir`` is gone: so must be all it made."""
     observer = leaks.Outside(make_settings(data_dir, uid_base=UID_BASE), instance_dir)
-    left = leaks.wait_for_baseline(observer, leaks.Snapshot(), orphans=leaks.no_orphans)  # type: ignore[arg-type]
+    left = leaks.wait_for_baseline(observer, leaks.Snapshot(), orphans=leaks.no_orphans)
     assert not left, f"left behind: {left}"
     assert not instance_dir.exists(), "the instance was not released"
 
