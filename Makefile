@@ -27,7 +27,7 @@ DOCKER_TARGETS := docker,docker+runsc
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
 	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
-	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume
+	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-faults
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -144,6 +144,10 @@ bench-walls: venv
 bench-loop: venv
 	$(PY) bench/profile_loop.py --lifecycles 200 --concurrency 1
 	$(PY) bench/profile_loop.py --lifecycles 200 --concurrency 16
+
+# Page faults of a templated sandbox's guest and kernel (copy on write after each fork).
+bench-faults: venv
+	$(PY) bench/profile_faults.py --lifecycles 40
 
 bench-cancel: venv
 	$(PY) bench/cancel_creates.py --creates 80 --seed 2
