@@ -90,11 +90,14 @@ for target in $TARGETS; do
   # The status goes through a file: in a pipeline, sh keeps only tee's. The tree's own /tmp
   # (mode 1777) stays: apt hands files to its unprivileged _apt user there. The host's /proc,
   # not a new one (--proc): bwrap masks parts of a proc it mounts, and the kernel refuses a
-  # sandbox's own proc mount where the only proc in sight is partly covered.
+  # sandbox's own proc mount where the only proc in sight is partly covered. The tree is
+  # bound with its device nodes working (--dev-bind; --bind is nodev), as a real root file
+  # system is: `make test` debootstraps the environments' trees, and debootstrap refuses a
+  # target where it cannot use a device node it made ("test-dev-null: Permission denied").
   { status=0
     env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
       LANG=C.UTF-8 $pip_cert \
-      bwrap --bind "$ROOT" / --dev-bind /dev /dev --bind /proc /proc --bind /sys /sys \
+      bwrap --dev-bind "$ROOT" / --dev-bind /dev /dev --bind /proc /proc --bind /sys /sys \
       --unshare-ipc --unshare-uts --die-with-parent --cap-add ALL \
       --chdir /root/sandlot make "$target" 2>&1 || status=$?
     echo "$status" >"$LOG.status"
