@@ -26,6 +26,7 @@ from sandlot.backends.rootfs import (
     bubblewrap_mode,
     build_tree,
     find_tree,
+    pip_env,
     tree_path,
     tree_status,
     trees_in_use,
@@ -110,6 +111,30 @@ def test_spec_hash_covers_pip_and_keeps_older_hashes() -> None:
     }
     assert len(hashes) == 5
     assert _env(PIP_ENV).debootstrap_spec() == plain.debootstrap_spec()
+
+
+def test_the_builds_pip_keeps_how_to_reach_the_index_not_what_to_take() -> None:
+    # Behind a TLS-intercepting proxy pip needs the proxy's CA (PIP_CERT): without it a
+    # pristine machine there could not build a tree with pip requirements (every fetch failed
+    # certificate verification), where this host's system bundle hid it.
+    caller = {
+        "HOME": "/root",
+        "PATH": "/usr/bin",
+        "PIP_CERT": "/etc/proxy-ca.crt",
+        "PIP_PROXY": "http://proxy:3128",
+        "PIP_INDEX_URL": "https://elsewhere.example/simple",
+        "PIP_EXTRA_INDEX_URL": "https://more.example/simple",
+        "PIP_CONFIG_FILE": "/home/me/pip.conf",
+        "PIP_NO_BINARY": ":all:",
+    }
+    env = pip_env(caller)
+    assert env == {
+        "HOME": "/root",
+        "PATH": "/usr/bin",
+        "PIP_CERT": "/etc/proxy-ca.crt",
+        "PIP_PROXY": "http://proxy:3128",
+        "PIP_CONFIG_FILE": os.devnull,
+    }
 
 
 def test_a_tree_without_its_marker_is_never_used(data_root: Path) -> None:

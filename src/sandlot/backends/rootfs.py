@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -293,6 +293,22 @@ def glibc_version(tree: Path) -> str:
     return f"{match[1]}.{match[2]}"
 
 
+# pip's variables that only say how to reach the index, not what to take from it: a proxy,
+# and the CA bundle of a network whose egress goes through a TLS-intercepting proxy, without
+# which no wheel can be fetched there.
+PIP_TRANSPORT = frozenset(
+    {"PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TIMEOUT", "PIP_RETRIES"}
+)
+
+
+def pip_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the build's pip: the caller's, less pip's own variables (an index,
+    a config file: they would change what the spec hash promises), but for
+    :data:`PIP_TRANSPORT`. HOME stays, so that pip's wheel cache is reused."""
+    kept = {k: v for k, v in environ.items() if not k.startswith("PIP_") or k in PIP_TRANSPORT}
+    return kept | {"PIP_CONFIG_FILE": os.devnull}
+
+
 def _pip_install(env: Environment, tree: Path, python: str, progress: Progress) -> None:
     """Binary wheels for the tree's CPython and glibc, by the host's pip, into the tree's
     /usr/local (on the tree's sys.path): no compiler and no pip inside the tree."""
@@ -322,10 +338,7 @@ def _pip_install(env: Environment, tree: Path, python: str, progress: Progress) 
     if env.pip_no_index:
         argv.append("--no-index")
     argv += ["--", *env.pip]
-    # pip's own variables (an index, a config file) from the caller's shell would change what
-    # the spec hash promises; HOME stays so pip's wheel cache is reused.
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    _run(argv, progress, env=clean | {"PIP_CONFIG_FILE": os.devnull})
+    _run(argv, progress, env=pip_env(os.environ))
     _run(["chmod", "-R", "a+rX,go-w", str(target)], progress)
 
 
