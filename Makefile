@@ -19,15 +19,16 @@ RUN_PACKAGES := bubblewrap util-linux mount e2fsprogs libseccomp2 procps python3
 # rich-output tests a figure and a DataFrame inside a bubblewrap sandbox (it sees host /usr);
 # curl is what the README's examples call; iproute2 and iptables make network=True's veth pair
 # and NAT. (A run in a pristine root found the last three missing: this host had them.)
+# debootstrap builds the environments' trees (`make image`, `make trees`).
 TEST_PACKAGES := $(RUN_PACKAGES) build-essential cmake strace python3-matplotlib python3-pandas \
-	curl iproute2 iptables
+	curl iproute2 iptables debootstrap
 
 DOCKER_TARGETS := docker,docker+runsc
 
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
 	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
-	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-faults
+	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-faults trees
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -103,6 +104,11 @@ docker-setup:
 # second); first time here: python3 76 s, python-data 149 s (.debs cached), node ~60 s.
 image: venv docker-setup
 	$(VENV)/bin/sandlot image build
+
+# The trees alone, for the bubblewrap backend, where docker is not wanted: `make image`
+# without its docker half (a pristine root, a machine without dockerd).
+trees: venv
+	$(VENV)/bin/sandlot image build --no-docker
 
 # CI's docker subset: conformance, limits and docker-only tests on docker and docker+runsc,
 # and the hostile suite on docker (runc, about 1.5 minutes; on runsc it is `make test-docker`).
