@@ -52,7 +52,7 @@ VOLUME_TEMPLATES = "volume-templates"
 # either: nothing grows a sandbox's disk, and its reserved blocks were most of an empty
 # image (a 64 MB one holds 116 KiB without them, 376 with; 1 GB: 144, 656), all of it
 # copied and then written to the host's disk on every create: LOOP_CONFIGURE fsyncs the
-# backing file (Linux 6.x; BENCHMARKS.md, issue 13's sixteenth pass).
+# backing file (seen on Linux 6.18; BENCHMARKS.md, issue 13's sixteenth pass).
 MKFS_ARGV = (
     "mkfs.ext4",
     "-q",
