@@ -140,6 +140,26 @@ async def test_a_new_disk_holds_little_but_its_file_system(tmp_path: Path, size_
         await unmount(point)
 
 
+async def test_templates_made_with_other_mkfs_options_are_dropped_not_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A change of MKFS_ARGV (the resize inode left out) gives templates a new tag: the old
+    # ones, never copied again, counted against MAX_TEMPLATES, so an upgraded data directory
+    # fell back to mkfs for every create once enough of them were there (a review's find).
+    monkeypatch.setattr(disk, "MAX_TEMPLATES", 2)
+    templates = tmp_path / "t"
+    templates.mkdir(mode=0o700)
+    stale = [templates / f"ext4-{size}mb-000000000000.img" for size in (8, 9)]
+    for image in stale:
+        image.write_bytes(b"")
+    point = tmp_path / "m"
+    await create_loop_disk(tmp_path / "d.img", point, 10, templates)
+    try:
+        assert [p.name.split("-")[1] for p in templates.glob("*.img")] == ["10mb"]
+    finally:
+        await unmount(point)
+
+
 async def test_past_the_template_cap_a_disk_is_made_by_mkfs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,7 @@ BackendUnavailable, and nothing left open. Runs on every machine, docker or not.
 
 from __future__ import annotations
 
+import errno
 import gc
 import socket
 import threading
@@ -16,18 +17,20 @@ from sandlot.backends.docker import dockerd
 from sandlot.errors import BackendUnavailable
 
 
-def _connect_leaving_nothing_open() -> BackendUnavailable:
-    """The error ``connect()`` raised, checked to have left no socket for the collector."""
+def _connect_leaving_nothing_open() -> str:
+    """The message of the error ``connect()`` raised, checked to have left no socket for the
+    collector. The exception itself is dropped first: its traceback holds the frames that
+    would hold such a socket, which would stay alive (and unreported) with it."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(BackendUnavailable) as raised:
             dockerd.connect()
-        error = raised.value
-        del raised  # its traceback holds the frames that held any socket left open
+        message = str(raised.value)
+        del raised
         gc.collect()
     unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
     assert not unclosed
-    return error
+    return message
 
 
 def test_no_socket_is_a_clear_error_and_opens_nothing(
@@ -38,8 +41,8 @@ def test_no_socket_is_a_clear_error_and_opens_nothing(
     missing = tmp_path / "docker.sock"
     monkeypatch.setenv("DOCKER_HOST", f"unix://{missing}")
     error = _connect_leaving_nothing_open()
-    assert str(missing) in str(error) and "No such file" in str(error)
-    assert "make docker-setup" in str(error)  # what to do about it
+    assert str(missing) in error and "No such file" in error
+    assert "make docker-setup" in error  # what to do about it
 
 
 def test_a_socket_nobody_listens_on_is_a_clear_error_and_opens_nothing(
@@ -51,7 +54,7 @@ def test_a_socket_nobody_listens_on_is_a_clear_error_and_opens_nothing(
         bound.bind(str(stale))
     monkeypatch.setenv("DOCKER_HOST", f"unix://{stale}")
     error = _connect_leaving_nothing_open()
-    assert "Connection refused" in str(error)
+    assert "Connection refused" in error
 
 
 @pytest.fixture
@@ -88,4 +91,42 @@ def test_a_socket_that_is_not_docker_is_a_clear_error_and_opens_nothing(
 ) -> None:
     monkeypatch.setenv("DOCKER_HOST", f"unix://{not_docker}")
     error = _connect_leaving_nothing_open()
-    assert "not reachable" in str(error)
+    assert "not reachable" in error
+
+
+@pytest.mark.parametrize(
+    ("host", "socket_path"),
+    [
+        ("", "/var/run/docker.sock"),  # set but empty: docker-py's default
+        ("unix://", "/var/run/docker.sock"),
+        ("unix:///srv/docker.sock", "/srv/docker.sock"),
+        ("unix://srv/docker.sock", "/srv//docker.sock"),  # docker-py makes it absolute
+        (" unix:///srv/docker.sock/ ", "/srv/docker.sock"),
+        ("tcp://10.0.0.1:2375", None),  # not a unix socket: no knock, docker-py's own look
+        ("ssh://me@build-host", None),
+    ],
+)
+def test_the_socket_knocked_on_is_the_one_docker_py_uses(
+    host: str, socket_path: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", host)
+    assert dockerd.daemon_socket() == socket_path
+
+
+def test_a_host_docker_cannot_use_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_HOST", "bogus://x")
+    with pytest.raises(BackendUnavailable, match="DOCKER_HOST is not an address"):
+        dockerd.connect()
+
+
+def test_a_socket_this_user_may_not_open_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A user outside the docker group: the advice is the group, not starting a daemon.
+    def refuse(self: socket.socket, address: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'docker.sock'}")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    with pytest.raises(BackendUnavailable, match=r"Permission denied.*docker group"):
+        dockerd.connect()

@@ -135,7 +135,14 @@ async def _template(templates: Path, size_mb: int) -> Path | None:
     if template.exists():
         return template
     templates.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if len(list(templates.glob("ext4-*.img"))) >= MAX_TEMPLATES:
+    current = []
+    for image in templates.glob("ext4-*.img"):
+        if image.name.endswith(f"-{_TEMPLATE_TAG}.img"):
+            current.append(image)
+        else:  # made with other mkfs options (an older sandlot): never copied again
+            with contextlib.suppress(FileNotFoundError):
+                image.unlink()
+    if len(current) >= MAX_TEMPLATES:
         return None
     partial = templates / f".{template.name}.{os.getpid()}.{secrets.token_hex(4)}"
     try:

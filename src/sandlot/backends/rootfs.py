@@ -297,7 +297,14 @@ def glibc_version(tree: Path) -> str:
 # and the CA bundle of a network whose egress goes through a TLS-intercepting proxy, without
 # which no wheel can be fetched there.
 PIP_TRANSPORT = frozenset(
-    {"PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TIMEOUT", "PIP_RETRIES"}
+    {
+        "PIP_CERT",
+        "PIP_CLIENT_CERT",
+        "PIP_PROXY",
+        "PIP_TIMEOUT",
+        "PIP_DEFAULT_TIMEOUT",
+        "PIP_RETRIES",
+    }
 )
 
 

@@ -8,6 +8,7 @@ guest's stdio without a ``docker`` CLI process (25 MB RSS each) per sandbox.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from typing import TYPE_CHECKING
@@ -24,8 +25,6 @@ LABEL_SANDBOX = "sandlot.sandbox"
 LABEL_ENVIRONMENT = "sandlot.environment"
 LABEL_SPEC = "sandlot.spec"
 RUNTIMES = frozenset({"runc", "runsc"})  # the OCI runtimes a docker sandbox may ask for
-# Where docker-py looks when DOCKER_HOST is not set.
-DEFAULT_HOST = "unix:///var/run/docker.sock"
 API_TIMEOUT_S = 60
 DAEMON_HINT = (
     "start the Docker daemon (`dockerd &`, or `make docker-setup`), or set DOCKER_HOST to a "
@@ -39,15 +38,12 @@ def connect() -> docker.DockerClient:
     Raises:
         BackendUnavailable: the SDK is not installed or the daemon does not answer.
     """
-    try:
-        import docker  # optional dependency, imported only when used
-    except ImportError as exc:
-        raise BackendUnavailable(
-            "the docker backend needs the Docker SDK: pip install 'sandlot[docker]'"
-        ) from exc
-    host = os.environ.get("DOCKER_HOST") or DEFAULT_HOST
-    if host.startswith("unix://"):
-        _knock(host.removeprefix("unix://"))
+    _require_sdk()
+    import docker
+
+    path = daemon_socket()
+    if path is not None:
+        _knock(path)
     client = None
     try:
         client = docker.from_env(timeout=API_TIMEOUT_S)
@@ -59,6 +55,48 @@ def connect() -> docker.DockerClient:
             f"the Docker daemon is not reachable ({exc}); {DAEMON_HINT}"
         ) from exc
     return client
+
+
+def _require_sdk() -> None:
+    """Check that the ``docker`` package (an optional dependency, imported only where used)
+    is installed.
+
+    Raises:
+        BackendUnavailable: it is not.
+    """
+    try:
+        import docker  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailable(
+            "the docker backend needs the Docker SDK: pip install 'sandlot[docker]'"
+        ) from exc
+
+
+def daemon_socket() -> str | None:
+    """The unix socket docker-py reaches for DOCKER_HOST (its own reading of it: unset or
+    empty is the default socket, ``unix://`` alone too, a relative path is made absolute),
+    or None where the daemon is not on a unix socket (tcp://, ssh://).
+
+    Raises:
+        BackendUnavailable: the SDK is not installed, or DOCKER_HOST is not an address.
+    """
+    _require_sdk()
+    import docker.errors
+    import docker.utils
+
+    try:
+        parsed = docker.utils.parse_host(os.environ.get("DOCKER_HOST") or "")
+    except docker.errors.DockerException as exc:
+        raise BackendUnavailable(f"DOCKER_HOST is not an address docker can use: {exc}") from exc
+    base_url = parsed.decode() if isinstance(parsed, bytes) else parsed  # typed str | bytes
+    if not base_url.startswith(_UNIX_URL):
+        return None
+    path = base_url.removeprefix(_UNIX_URL)
+    return path if path.startswith("/") else "/" + path  # as docker-py's UnixHTTPAdapter
+
+
+# docker-py's name for a unix socket's URL (parse_host's answer)
+_UNIX_URL = "http+unix://"
 
 
 def _knock(socket_path: str) -> None:
@@ -78,8 +116,14 @@ def _knock(socket_path: str) -> None:
             probe.connect(socket_path)
     except OSError as exc:
         why = exc.strerror or str(exc)
+        hint = (
+            "this user may not open it: add the user to the docker group, or set DOCKER_HOST "
+            "to a socket it may open"
+            if exc.errno == errno.EACCES
+            else DAEMON_HINT
+        )
         raise BackendUnavailable(
-            f"the Docker daemon is not reachable ({socket_path}: {why}); {DAEMON_HINT}"
+            f"the Docker daemon is not reachable ({socket_path}: {why}); {hint}"
         ) from exc
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from sandlot.backends.base import STDERR_TAIL_BYTES
+from sandlot.backends.docker.dockerd import daemon_socket
 from sandlot.errors import BackendUnavailable, SandboxStartError
 
 if TYPE_CHECKING:
@@ -32,13 +33,13 @@ def socket_path() -> str:
     Raises:
         BackendUnavailable: DOCKER_HOST is not a unix socket.
     """
-    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-    if not host.startswith("unix://"):
+    path = daemon_socket()
+    if path is None:
         raise BackendUnavailable(
-            f"DOCKER_HOST={host}: the docker backend streams the guest's stdio over the "
-            "daemon's unix socket; point DOCKER_HOST at a unix:// socket"
+            f"DOCKER_HOST={os.environ.get('DOCKER_HOST')}: the docker backend streams the "
+            "guest's stdio over the daemon's unix socket; point DOCKER_HOST at a unix:// socket"
         )
-    return host.removeprefix("unix://")
+    return path
 
 
 class ExecGuest:
