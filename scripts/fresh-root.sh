@@ -14,8 +14,9 @@
 # afresh each time from the debootstrapped $FRESH_ROOT.base, which is kept for the next run
 # unless FRESH_ROOT_REBUILD=1), FRESH_ROOT_SUITE (bookworm), FRESH_ROOT_MIRROR (deb.debian.org), FRESH_ROOT_CACHE
 # (where debootstrap keeps its .debs between runs: /var/cache/apt/archives, apt's own cache),
-# FRESH_ROOT_TARGETS (the make targets to time, "run"; "run test" also times `make test`, whose
-# docker subset starts dockerd inside the tree: untried), FRESH_ROOT_CA_BUNDLE (a CA
+# FRESH_ROOT_TARGETS (the make targets to time, "run"; "run venv check trees pytest" is
+# `make test` without its docker subset, which would start a second dockerd inside the tree,
+# beside the host's, in its network namespace and cgroup tree: not run), FRESH_ROOT_CA_BUNDLE (a CA
 # bundle pip inside should trust; default: the host's PIP_CERT, if any: where egress goes
 # through a TLS-intercepting proxy, its CA is in the host's bundle and in no fresh machine's;
 # on an open network, leave both unset).
