@@ -25,6 +25,8 @@ LABEL_SANDBOX = "sandlot.sandbox"
 LABEL_ENVIRONMENT = "sandlot.environment"
 LABEL_SPEC = "sandlot.spec"
 RUNTIMES = frozenset({"runc", "runsc"})  # the OCI runtimes a docker sandbox may ask for
+# docker-py's name for a unix socket's URL (parse_host's answer)
+_UNIX_URL = "http+unix://"
 API_TIMEOUT_S = 60
 DAEMON_HINT = (
     "start the Docker daemon (`dockerd &`, or `make docker-setup`), or set DOCKER_HOST to a "
@@ -38,10 +40,9 @@ def connect() -> docker.DockerClient:
     Raises:
         BackendUnavailable: the SDK is not installed or the daemon does not answer.
     """
-    _require_sdk()
+    path = daemon_socket()  # first: it also says so where the SDK is missing
     import docker
 
-    path = daemon_socket()
     if path is not None:
         _knock(path)
     client = None
@@ -93,10 +94,6 @@ def daemon_socket() -> str | None:
         return None
     path = base_url.removeprefix(_UNIX_URL)
     return path if path.startswith("/") else "/" + path  # as docker-py's UnixHTTPAdapter
-
-
-# docker-py's name for a unix socket's URL (parse_host's answer)
-_UNIX_URL = "http+unix://"
 
 
 def _knock(socket_path: str) -> None:
