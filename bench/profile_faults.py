@@ -29,6 +29,9 @@ for _var in list(os.environ):
     if _var.startswith(("SANDBOX_", "SANDLOT_", "LOG_")):
         del os.environ[_var]
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.`
+
+from bench.bench_core import percentile  # noqa: E402
 from sandlot import SandboxManager, Settings  # noqa: E402
 from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
 
@@ -53,10 +56,6 @@ def sandbox_faults(cgroup_root: str) -> dict[int, int]:
                 continue
             found[pid] = int(stat[stat.rindex(")") + 2 :].split()[7])  # minflt
     return found
-
-
-def p95(values: list[int]) -> int:
-    return sorted(values)[int(0.95 * (len(values) - 1))]
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -93,10 +92,11 @@ async def run(args: argparse.Namespace) -> None:
     )
     if not counted:
         sys.exit("no sandbox had a guest and one kernel (no template here?)")
+    both = zip(rows["guest after run"], rows["kernel"], strict=True)
+    rows["both, after run"] = [guest + kernel for guest, kernel in both]
     for name, values in rows.items():
-        print(f"  {name:16} p50 {statistics.median(values):6.0f}  p95 {p95(values):6d}")
-    total = [g + k for g, k in zip(rows["guest after run"], rows["kernel"], strict=True)]
-    print(f"  {'both, after run':16} p50 {statistics.median(total):6.0f}  p95 {p95(total):6d}")
+        p50, p95 = statistics.median(values), percentile(values, 95)
+        print(f"  {name:16} p50 {p50:6.0f}  p95 {p95:6.0f}")
 
 
 def main() -> None:

@@ -30,6 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.`
+
+from bench.bench_core import percentile
 from sandlot.backends import disk
 
 
@@ -77,10 +80,6 @@ def device_written_kib(directory: Path) -> int | None:
         return None
 
 
-def p95(values: list[float]) -> float:
-    return sorted(values)[int(0.95 * (len(values) - 1))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=int, default=64)
@@ -123,8 +122,8 @@ def main() -> None:
             total = written[name]
             to_device = "-" if total is None else f"{total / len(rows):.0f}"
             print(
-                f"| {name} | {held} | {statistics.median(make):.2f} / {p95(make):.2f} | "
-                f"{statistics.median(removal):.2f} / {p95(removal):.2f} | "
+                f"| {name} | {held} | {statistics.median(make):.2f} / {percentile(make, 95):.2f} | "
+                f"{statistics.median(removal):.2f} / {percentile(removal, 95):.2f} | "
                 f"{statistics.median(cpu):.2f} | {to_device} |"
             )
     finally:
