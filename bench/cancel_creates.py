@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -47,12 +48,11 @@ from sandlot.requests import RunCode, SandboxSpec  # noqa: E402
 
 def containers_left(manager: SandboxManager) -> int:
     """Containers (running or not) labelled with this manager's instance."""
-    import docker
-
-    from sandlot.backends.docker.dockerd import labelled
+    from sandlot.backends.docker.dockerd import connect, labelled
 
     label = f"sandlot.instance={instance_of(manager.instance_dir)}"
-    return len(labelled(docker.from_env(), [label]))
+    with contextlib.closing(connect()) as client:
+        return len(labelled(client, [label]))
 
 
 def open_fds() -> Counter[str]:
