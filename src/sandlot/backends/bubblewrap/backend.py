@@ -220,6 +220,9 @@ class _Box:
     # The sandbox's own CPU quota while its guest starts under START_CPU_CORES; None once set.
     cpu_cores_after_start: float | None = None
     proc_files: str = ""  # the directory of its synthesized /proc files, with a final "/"
+    # Its cgroup was seen empty with no guest started since: it stays so (only a process
+    # inside can fork into it), so a destroy's stop need not read it again after its halt.
+    emptied: bool = False
 
     @property
     def tmp(self) -> Path:
@@ -383,6 +386,7 @@ class BubblewrapBackend:
             # Only a restart re-enters the cgroup (after a fork bomb, say): leave the fresh
             # guest room to start its interpreter and run a command.
             await asyncio.to_thread(box.cgroup.wait_for_headroom, GUEST_PIDS_HEADROOM)
+            box.emptied = False  # the launch chain enters the cgroup from here on
             box.guest = await self._spawn(box, spec)
         assert box.guest is not None
         return box.guest
@@ -1011,9 +1015,12 @@ class BubblewrapBackend:
                 async with asyncio.timeout(5.0):
                     await box.guest.wait()
             box.guest = None
+        elif box.emptied:
+            return True
         # Usually empty by now (the guest was pid 1 of the sandbox's pid namespace, which the
         # kernel empties before its init is gone).
-        return await self._empty_cgroup(box)
+        box.emptied = await self._empty_cgroup(box)
+        return box.emptied
 
     @staticmethod
     async def _empty_cgroup(box: _Box, timeout_s: float = 5.0) -> bool:
