@@ -257,6 +257,81 @@ def test_a_fresh_command_is_out_of_reach_of_leftover_processes(
     assert kept.text == "'state'" and not kept.state_lost, describe(kept)
 
 
+# The kernel itself, kept stopped during a fresh command, woken by a timer it armed before:
+# SIGCONT undoes SIGSTOP even when the OS kernel sends it to a stopped process. A thread of
+# the cell then rewrites the check's script in its memory (red team, 2026-11-28).
+WAKING_KERNEL = r"""
+import ctypes, os, signal, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+class SigEvent(ctypes.Structure):
+    _fields_ = [("value", ctypes.c_long), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("pad", ctypes.c_byte * 48)]
+class TS(ctypes.Structure):
+    _fields_ = [("s", ctypes.c_long), ("ns", ctypes.c_long)]
+class ITS(ctypes.Structure):
+    _fields_ = [("interval", TS), ("value", TS)]
+timer = ctypes.c_void_p()
+event = SigEvent(0, signal.SIGCONT, 0)  # SIGEV_SIGNAL: SIGCONT to this very process
+assert libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) == 0
+every = ITS(TS(0, 10_000_000), TS(0, 10_000_000))
+assert libc.timer_settime(timer, 0, ctypes.byref(every), None) == 0
+
+def rewrite():
+    done = set()
+    while True:
+        for p in os.listdir('/proc'):
+            if not p.isdigit() or p in done:
+                continue
+            try:
+                if b'THE_CHECK' not in open('/proc/%s/cmdline' % p, 'rb').read():
+                    continue
+                done.add(p)
+                mem = os.open('/proc/%s/mem' % p, os.O_RDWR)
+                for line in open('/proc/%s/maps' % p):
+                    if 'rw-p' not in line:
+                        continue
+                    a, b = (int(x, 16) for x in line.split()[0].split('-'))
+                    try:
+                        data = os.pread(mem, b - a, a)
+                    except OSError:
+                        continue
+                    for old, new in ((b'exit 1', b'exit 0'), (b'=FAIL', b'=PASS')):
+                        i = data.find(old)
+                        while i >= 0:
+                            os.pwrite(mem, new, a + i)
+                            i = data.find(old, i + 1)
+                os.close(mem)
+            except OSError:
+                continue
+        time.sleep(0.002)
+
+threading.Thread(target=rewrite, daemon=True).start()
+"""
+CHECK = "sleep 1.5\necho THE_CHECK result=FAIL\nexit 1"
+
+
+@pytest.mark.hostile
+def test_a_kernel_woken_during_a_fresh_command_cannot_forge_it(
+    manager: SandboxManager, jail: Sandbox
+) -> None:
+    # Failed before (bubblewrap): the fresh check came back exit 0, "result=PASS", state kept.
+    honest = run_fresh(manager, jail, CHECK)
+    assert (honest.exit_code, honest.stdout) == (1, "THE_CHECK result=FAIL\n"), describe(honest)
+    armed = jail.run_code(WAKING_KERNEL)
+    assert armed.exit_code == 0, describe(armed)
+    try:
+        forged = run_fresh(manager, jail, CHECK)
+    except SandboxError as exc:
+        assert exc.code == "guest_error" and "ran meanwhile" in exc.message, exc
+    else:
+        pytest.fail(f"a result came back from a check the kernel could rewrite: {describe(forged)}")
+    # The kernel that ran was ended: its loss is told, and the next check is honest again.
+    after = jail.run_code("1 + 1")
+    assert after.text == "2" and after.state_lost, describe(after)
+    again = run_fresh(manager, jail, CHECK)
+    assert (again.exit_code, again.stdout) == (1, "THE_CHECK result=FAIL\n"), describe(again)
+
+
 # ------------------------------------------- 4. control bytes must not blow up a frame
 
 

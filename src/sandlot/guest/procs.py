@@ -219,6 +219,63 @@ def freeze_all_but(keep_pid):
             time.sleep(0.005)
 
 
+# What each thread of a process has run: its state, its voluntary and involuntary context
+# switches, and its nanoseconds on a CPU (where the OS kernel keeps them).
+_MARK_KEYS = ("State", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+
+
+def thread_marks(pid):
+    """{tid: marks} of every thread of ``pid`` ({} once it is gone).
+
+    A stopped thread's marks change only if it runs again: SIGCONT undoes SIGSTOP, and a
+    process can have one sent to itself while stopped (a POSIX timer, F_SETSIG, mq_notify:
+    the red team's find, 2026-11-28), so a stop alone proves nothing. Its switches count
+    every time it is woken, even to stop again; a thread made or ended shows as a tid
+    added or gone; an exec replaces the threads. Two reads that match mean it ran nothing
+    in between."""
+    marks = {}
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return marks
+    for tid in tids:
+        base = "/proc/%d/task/%s/" % (pid, tid)
+        try:
+            fields = {}
+            with open(base + "status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in _MARK_KEYS:
+                        fields[key] = value.split()[0]
+            try:
+                with open(base + "schedstat") as f:
+                    ran_ns = f.read().split()[0]
+            except (OSError, IndexError):
+                ran_ns = None  # no schedstats in this OS kernel: the switches still count
+        except OSError:
+            marks[tid] = None  # it ended while read
+            continue
+        marks[tid] = (*(fields.get(key) for key in _MARK_KEYS), ran_ns)
+    return marks
+
+
+def stopped_marks(pid, timeout_s=2.0):
+    """:func:`thread_marks` of ``pid`` once every thread of it is stopped (SIGSTOP is
+    delivered to each thread in its own time); None if that is not so within ``timeout_s``
+    (a thread asleep in the OS kernel, or the process gone), or where this OS kernel keeps
+    no counter that would show a run (switches or CPU time: gVisor's /proc may lack both)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        marks = thread_marks(pid)
+        if marks and all(m is not None and m[0] in ("T", "t") for m in marks.values()):
+            if not all(any(v is not None for v in m[1:]) for m in marks.values()):
+                return None
+            return marks
+        if not marks or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.001)
+
+
 def _shared_pids():
     return os.environ.get("SANDLOT_SHARED_PIDS") == "1"
 

@@ -14,7 +14,16 @@ import time
 
 import threads
 from output import Pump, call_sinks, finish_streams
-from procs import forget, freeze_all_but, killpg, set_oom_preferred, signal_exit_code, spawn
+from procs import (
+    forget,
+    freeze_all_but,
+    killpg,
+    set_oom_preferred,
+    signal_exit_code,
+    spawn,
+    stopped_marks,
+    thread_marks,
+)
 from wire import GuestFault
 from workspace import WORKSPACE
 
@@ -90,9 +99,13 @@ class Shells:
 
         Every process the guest and earlier calls started is killed first, except the Python
         kernel, which is stopped (it keeps its state, runs nothing) until the command ends;
-        no cell and no other command runs meanwhile. The command gets the sandbox's own
-        environment and this call's ``env``, not a session's; /workspace as its working
-        directory; and an empty HOME of its own, so no dotfile planted in /workspace is read.
+        no cell and no other command runs meanwhile. A stop can be undone from inside (a
+        timer the kernel armed can send it SIGCONT), so the kernel's threads are read before
+        and after: if it ran at all meanwhile, it could have rewritten the command through
+        /proc, and the call fails (GuestError) with the kernel ended, never a result. The
+        command gets the sandbox's own environment and this call's ``env``, not a session's;
+        /workspace as its working directory; and an empty HOME of its own, so no dotfile
+        planted in /workspace is read.
         """
         call = self.calls.start(request["id"])
         try:
@@ -100,20 +113,44 @@ class Shells:
                 kernel = self.kernel.proc
                 keep = kernel.pid if kernel is not None and kernel.poll() is None else None
                 freeze_all_but(keep)
+                marks = stopped_marks(keep) if keep is not None else None
+                lost = keep is not None and marks is None
+                if lost:
+                    # A kernel that does not stop cannot be vouched for: it goes.
+                    self.kernel.stop()
+                    keep = None
                 home = tempfile.mkdtemp(prefix="sandlot-home-")
                 try:
                     env = dict(self.env, HOME=home)
                     session = {"cwd": WORKSPACE, "env": env, "lock": None}
-                    return self._run_shell(request, session, "fresh", call, time.monotonic())
+                    result = self._run_shell(request, session, "fresh", call, time.monotonic())
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
                     if keep is not None:
-                        try:
-                            os.kill(keep, signal.SIGCONT)
-                        except OSError:
-                            pass
+                        self._resume_untouched(keep, marks)
+                if lost:
+                    self.kernel.loss_reported = True
+                    result["state_lost"] = True
+                return result
         finally:
             self.calls.end(request["id"])
+
+    def _resume_untouched(self, pid, marks):
+        """Let the stopped kernel go on if it ran nothing during the fresh command; else end
+        it and fail the call: the command's result may be its forgery."""
+        if thread_marks(pid) == marks:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+            return
+        self.kernel.stop()  # its loss is reported by the next cell (state_lost)
+        raise GuestFault(
+            "guest_error",
+            "the Python kernel, stopped during this fresh command, ran meanwhile (sandboxed "
+            "code woke it): the command's result cannot be trusted and is withheld; the "
+            "kernel was ended (its state is lost); run the command again",
+        )
 
     def _run_shell(self, request, session, name, call, started):
         os.makedirs(SHELL_STATE_DIR, exist_ok=True)
