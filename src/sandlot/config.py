@@ -527,8 +527,10 @@ class Settings(BaseSettings):
         default=30.0,
         gt=0,
         validation_alias=_renamed("SANDLOT_RAY_CALL_TIMEOUT_SECONDS", "ray_call_timeout_s"),
-        description="How long a short call (not a run) to a node agent may take before its "
-        "node counts as lost.",
+        description="How long a short call (not a run) to a node agent may take: past it the "
+        "call fails alone (node_timeout, HTTP 504) while the agent still answers a 2 s probe; "
+        "the node counts as lost (sandbox_lost) only when the agent answers neither. Also how "
+        "long any call may be silent before that probe.",
     )
     log_level: str = Field(default="INFO", validation_alias=_env("LOG_LEVEL", "log_level"))
     log_format: Literal["console", "json"] = Field(

@@ -34,7 +34,13 @@ RuntimeOpt = Annotated[
 ]
 EnvironmentOpt = Annotated[
     str | None,
-    typer.Option("--environment", "--env-name", help="Registry environment: python3 | node"),
+    typer.Option(
+        "--environment",
+        "--env-name",
+        help="Registry environment or alias: python3, python-data, node, or one of "
+        "SANDLOT_REGISTRY_DIR's (`sandlot image list` lists this machine's). "
+        "Default: SANDBOX_ENVIRONMENT (python3; the server's own for `sandbox create`).",
+    ),
 ]
 UrlOpt = Annotated[
     str | None, typer.Option("--api-url", help="Default: SANDLOT_URL, else localhost.")

@@ -26,8 +26,9 @@ def serve(
         typer.Option(
             "--ray",
             metavar="ADDRESS",
+            # Rich renders the help: an unescaped [ray] is markup and would vanish.
             help="Place sandboxes on this Ray cluster's nodes (e.g. auto, 10.0.0.1:6379; "
-            "default: SANDLOT_RAY_ADDRESS). Needs the [ray] extra.",
+            r"default: SANDLOT_RAY_ADDRESS). Needs the \[ray] extra.",
         ),
     ] = None,
 ) -> None:
