@@ -332,6 +332,49 @@ def test_a_kernel_woken_during_a_fresh_command_cannot_forge_it(
     assert (again.exit_code, again.stdout) == (1, "THE_CHECK result=FAIL\n"), describe(again)
 
 
+# Files the guest writes and reads back at names a command can predict (call ids count up):
+# its spill of a long output, and a command's saved cwd and environment (red team,
+# 2026-11-28). A FIFO there blocked the guest's open for good; a link to /dev/zero, a read
+# without end.
+PLANT_AHEAD = r"""
+id=${__agsb_state##*-}
+mkdir -p /workspace/.sandlot/outputs
+for i in 1 2 3 4 5 6 7; do
+  n=$((id+i))
+  mkfifo /workspace/.sandlot/outputs/$n.stdout
+  touch -h -d 2100-01-01 /workspace/.sandlot/outputs/$n.stdout
+  for session in default fresh; do
+    mkfifo /tmp/.sandlot_shells/$session-$n.cwd
+    ln -s /dev/zero /tmp/.sandlot_shells/$session-$n.env
+  done
+done
+echo planted
+"""
+LONG_OUTPUT = "head -c 3000000 /dev/zero | tr '\\0' x; echo; cd /tmp; echo done"
+
+
+@pytest.mark.hostile
+def test_files_planted_at_a_later_calls_names_neither_hang_nor_flood_the_guest(
+    manager: SandboxManager, jail: Sandbox
+) -> None:
+    # Failed before: the fresh command came back kill_reason=timeout, state_lost, after its
+    # backstop (the guest stuck opening the spill FIFO), the kernel's variables gone.
+    jail.run_code("keep = 'state'")
+    planted = jail.commands.run(PLANT_AHEAD)
+    assert planted.stdout.strip() == "planted", describe(planted)
+    fresh = run_fresh(manager, jail, LONG_OUTPUT, timeout_s=10)
+    assert fresh.exit_code == 0 and fresh.kill_reason is None, describe(fresh)
+    assert fresh.stdout_truncated and fresh.stdout.endswith("done\n"), describe(fresh)
+    assert not fresh.state_lost, describe(fresh)
+    # An ordinary command's saved state is read back as well: still a session that works.
+    ordinary = jail.commands.run("cd /tmp && echo here", timeout_s=10)
+    assert ordinary.exit_code == 0 and ordinary.stdout == "here\n", describe(ordinary)
+    where = jail.commands.run("pwd", timeout_s=10)
+    assert where.exit_code == 0 and where.stdout == "/tmp\n", describe(where)
+    kept = jail.run_code("keep")
+    assert kept.text == "'state'" and not kept.state_lost, describe(kept)
+
+
 # ------------------------------------------- 4. control bytes must not blow up a frame
 
 

@@ -131,8 +131,17 @@ class OutputSink:
             os.makedirs(OUTPUT_DIR, exist_ok=True)
             _prune_spills(KEEP_SPILL_FILES - 1)
             self.path = os.path.join(OUTPUT_DIR, "%s.%s" % (self.call_id, self.stream))
+            # The name is predictable (the call's id), and sandboxed code may have put a FIFO
+            # there, whose open would block this pump (and the call's timeout) for good, or a
+            # symlink: what is there goes, and the file is made anew (O_EXCL follows no link).
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
             self.fd = os.open(
-                self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644
+                self.path,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
             )
         except OSError:
             self.path = None

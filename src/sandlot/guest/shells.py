@@ -8,6 +8,7 @@ to the next (the wrapper saves both when bash exits).
 import _signal as signal  # the C core: `signal` imports enum (~2.5 ms of every start)
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -42,6 +43,35 @@ __agsb_save() {
 trap __agsb_save EXIT
 eval "$__agsb_cmd"
 """
+
+
+# The most of a command's saved cwd and environment the guest reads back (a path is at most
+# 4 KiB; an environment past 1 MiB would not fit a later exec's arguments anyway).
+STATE_CWD_LIMIT = 4096
+STATE_ENV_LIMIT = 1 << 20
+
+
+def _read_state(path, limit):
+    """Up to ``limit`` bytes of the regular file the command's EXIT trap wrote at ``path``.
+
+    The state directory is in the sandbox's /tmp, and its names are predictable: sandboxed
+    code may put a FIFO there (its open would block the guest for good), a symlink to
+    /dev/zero (a read without end), or anything else. Only a regular file, not through a
+    link, is read; anything else raises OSError, and the session keeps its state."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("%s is not a regular file" % path)
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _safe_name(name):
@@ -155,6 +185,13 @@ class Shells:
     def _run_shell(self, request, session, name, call, started):
         os.makedirs(SHELL_STATE_DIR, exist_ok=True)
         state_base = os.path.join(SHELL_STATE_DIR, "%s-%s" % (_safe_name(name), request["id"]))
+        for suffix in (".cwd", ".env"):
+            # A FIFO planted at a later call's name would hang its EXIT trap's write (a fresh
+            # check would come back "timeout"): the command's trap makes new files.
+            try:
+                os.unlink(state_base + suffix)
+            except OSError:
+                pass
         env = dict(session["env"])
         call_env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
         for key, value in call_env.items():
@@ -247,12 +284,11 @@ class Shells:
         try:
             if not keep:
                 return  # a background command's state is its own
-            with open(state_base + ".cwd") as f:
-                cwd = f.read().strip()
+            cwd = _read_state(state_base + ".cwd", STATE_CWD_LIMIT).decode("utf-8", "replace")
+            cwd = cwd.strip()
             if os.path.isdir(cwd):
                 session["cwd"] = cwd
-            with open(state_base + ".env", "rb") as f:
-                raw = f.read()
+            raw = _read_state(state_base + ".env", STATE_ENV_LIMIT)
             env = {}
             for item in raw.split(b"\0"):
                 key, sep, value = item.partition(b"=")
