@@ -2,7 +2,8 @@
 
 Namespaces and a dropped capability set already stop most of these calls; the filter is the
 second wall, and it closes kernel surfaces (bpf, io_uring, perf, keyrings) that no sandboxed
-program needs and that have a history of privilege-escalation bugs.
+program needs and that have a history of privilege-escalation bugs, and Linux AIO, whose one
+host-wide pool a sandbox could drain.
 """
 
 from __future__ import annotations
@@ -68,6 +69,20 @@ DENIED_SYSCALLS = (
     "adjtimex",
 )
 
+# Linux AIO draws from one pool for the whole host (fs.aio-max-nr, 65536 events by default),
+# with no share per namespace, cgroup or uid: one sandbox's io_setup(32768), twice, left
+# every other sandbox and the host's own databases EAGAIN until it was destroyed (red team,
+# 2026-11-28). Refused as missing (ENOSYS), so that libaio's users fall back to plain I/O;
+# glibc's POSIX aio_* runs on threads and never calls these.
+UNSUPPORTED_SYSCALLS = (
+    "io_setup",
+    "io_destroy",
+    "io_submit",
+    "io_cancel",
+    "io_getevents",
+    "io_pgetevents",
+)
+
 CLONE_NAMESPACE_FLAGS = (
     0x00020000,  # CLONE_NEWNS
     0x02000000,  # CLONE_NEWCGROUP
@@ -114,11 +129,12 @@ def build_filter(network: bool) -> bytes:
         ) from exc
 
     flt = sc.SyscallFilter(defaction=sc.ALLOW)
-    for name in DENIED_SYSCALLS:
-        try:
-            flt.add_rule(sc.ERRNO(errno.EPERM), name)
-        except (RuntimeError, ValueError, OSError):
-            continue  # a syscall this architecture does not have
+    for refusal, names in ((errno.EPERM, DENIED_SYSCALLS), (errno.ENOSYS, UNSUPPORTED_SYSCALLS)):
+        for name in names:
+            try:
+                flt.add_rule(sc.ERRNO(refusal), name)
+            except (RuntimeError, ValueError, OSError):
+                continue  # a syscall this architecture does not have
     for flag in CLONE_NAMESPACE_FLAGS:
         flt.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     # clone3 passes flags in memory a filter cannot read; ENOSYS makes libc fall back to clone.
