@@ -1,40 +1,97 @@
-"""A WebSocket's outbox: streamed items queued for one writer, bounded in bytes (a client
-that does not read holds nothing past the cap), shared by runs (``stream.py``) and background
-jobs and terminals (``stream_jobs.py``)."""
+"""A WebSocket's outbox: every frame queued for one writer, bounded in bytes (a client that
+does not read holds nothing past the cap), shared by runs (``stream.py``) and background jobs
+and terminals (``stream_jobs.py``).
+
+Every frame counts against one budget per run, and is paid back once it is written (the runs
+of a socket follow one another, the next once this one's last frame is written: the budget is
+the socket's):
+
+- streamed output (:func:`offer`) past the cap is dropped, with one ``output_dropped``
+  notice: a sandbox that prints faster than its client reads costs the host a bounded amount,
+  and the run goes on;
+- the frames a client's own messages cause (:func:`notify`: a notice for refused stdin, for a
+  bad resize or input) have no such way out: the client sends more of them the less it reads.
+  Past the cap the socket is cut (:func:`cut`, close code :data:`CUT_CODE`): before, a client
+  that never read and sent one-byte stdin to a full backlog grew the server by ~20 MB a
+  second, one queued notice per message;
+- a run's last frame (:func:`final`: its result or error) is counted but always queued: there
+  is one per run, and the next run waits until it has been written.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections import deque
 from typing import Any
 
+import structlog
 from fastapi import WebSocket
 
 from sandlot.errors import SandboxError
 from sandlot.models import Result
 
+log = structlog.get_logger(__name__)
+
 STREAM_QUEUE_MAX_BYTES = 8 << 20
 # What one queued chunk costs the server beyond its bytes (the message dict, the str object):
 # counted so that a flood of 1-byte chunks is bounded like one big chunk.
 CHUNK_OVERHEAD_BYTES = 256
+# Kept free of output for the frames that must still go out once output fills the queue (a
+# few notices, the result), so that a client reading a flood of output slowly is not cut by
+# the first notice its input causes.
+CONTROL_RESERVE_BYTES = 256 << 10
+# The close frame of a cut waits behind what is queued in the transport: a client that reads
+# nothing within this is dropped (its connection aborted) instead.
+CUT_WAIT_S = 5.0
+CUT_CODE = 1008  # policy violation
+CUT_REASON = "stream queue cap reached: the client does not read what it is sent"
+# The ASGI scope extension through which :func:`cut` aborts a connection (``transport.py``).
+ABORT_EXTENSION = "sandlot.abort"
+
+Outbox = asyncio.Queue[dict[str, Any] | None]
+
+
+class QueueCapReached(Exception):
+    """Frames a client's own messages caused reached the queue cap: the socket is to be cut."""
 
 
 class Budget:
-    """Bytes of streamed output queued for a client that has not taken them yet."""
+    """Bytes of frames queued for a client that has not taken them yet."""
 
     def __init__(self) -> None:
         self.queued = 0
         self.dropped = False
+        self.cut = False  # set once: nothing is queued after it, and the socket is cut
+        self._costs: deque[int] = deque()  # of the queued frames, oldest first
+
+    def add(self, outbox: Outbox, item: dict[str, Any], cost: int) -> None:
+        self.queued += cost
+        self._costs.append(cost)
+        outbox.put_nowait(item)
+
+    def taken(self) -> None:
+        """The oldest queued frame has been written."""
+        if self._costs:
+            self.queued -= self._costs.popleft()
+
+    def clear(self, outbox: Outbox) -> None:
+        """Forget everything still queued (a cut socket will never take it)."""
+        while not outbox.empty():
+            outbox.get_nowait()
+        self._costs.clear()
+        self.queued = 0
 
 
-def put_text(outbox: asyncio.Queue[dict[str, Any] | None], stream: str, budget: Budget) -> Any:
+def put_text(outbox: Outbox, stream: str, budget: Budget) -> Any:
     def put(text: str) -> None:
         offer(outbox, budget, {"type": stream, "data": text}, cost(text))
 
     return put
 
 
-def put_result(outbox: asyncio.Queue[dict[str, Any] | None], budget: Budget) -> Any:
+def put_result(outbox: Outbox, budget: Budget) -> Any:
     def put(result: Result) -> None:
         # Bounded per cell by the output cap already; counted against the same queue cap as
         # text so that a client that does not read holds nothing more.
@@ -44,24 +101,44 @@ def put_result(outbox: asyncio.Queue[dict[str, Any] | None], budget: Budget) -> 
     return put
 
 
-def offer(
-    outbox: asyncio.Queue[dict[str, Any] | None], budget: Budget, item: dict[str, Any], cost: int
-) -> None:
+def offer(outbox: Outbox, budget: Budget, item: dict[str, Any], cost: int) -> None:
     """Queue a streamed item unless that would pass the cap. A client that does not read must
     not make the server hold its output: past the cap, items are dropped (the final result
     still carries the output's head and tail, and every rich result), with one notice."""
-    if budget.queued + cost <= STREAM_QUEUE_MAX_BYTES:
-        budget.queued += cost
-        outbox.put_nowait(item)
+    if budget.cut:
+        return
+    if budget.queued + cost <= STREAM_QUEUE_MAX_BYTES - CONTROL_RESERVE_BYTES:
+        budget.add(outbox, item, cost)
     elif not budget.dropped:
         budget.dropped = True
-        outbox.put_nowait(
-            {
-                "type": "notice",
-                "code": "output_dropped",
-                "message": "stream output dropped: the client reads too slowly",
-            }
-        )
+        notice = {
+            "type": "notice",
+            "code": "output_dropped",
+            "message": "stream output dropped: the client reads too slowly",
+        }
+        budget.add(outbox, notice, item_cost(notice))
+
+
+def notify(outbox: Outbox, budget: Budget, item: dict[str, Any], cost: int | None = None) -> None:
+    """Queue a frame that a client's message caused (a notice, its run's "started").
+
+    Raises:
+        QueueCapReached: it would pass the cap; ``budget.cut`` is set and nothing is queued.
+    """
+    if budget.cut:
+        raise QueueCapReached(CUT_REASON)
+    cost = item_cost(item) if cost is None else cost
+    if budget.queued + cost > STREAM_QUEUE_MAX_BYTES:
+        budget.cut = True
+        raise QueueCapReached(CUT_REASON)
+    budget.add(outbox, item, cost)
+
+
+def final(outbox: Outbox, budget: Budget, item: dict[str, Any]) -> None:
+    """Queue a run's last frame (its result or error), counted but never refused: one per run,
+    and the next run waits until it has been written."""
+    if not budget.cut:
+        budget.add(outbox, item, item_cost(item))
 
 
 def item_cost(item: dict[str, Any]) -> int:
@@ -69,17 +146,65 @@ def item_cost(item: dict[str, Any]) -> int:
         return len(item["data_b64"]) + CHUNK_OVERHEAD_BYTES
     if "data" in item:
         return cost(item["data"])
-    return len(json.dumps(item["result"])) + CHUNK_OVERHEAD_BYTES
+    if item.get("type") == "display":
+        return len(json.dumps(item["result"])) + CHUNK_OVERHEAD_BYTES
+    # A notice, an error, a result, "started": counted as the JSON it is sent as.
+    return len(json.dumps(item, separators=(",", ":"))) + CHUNK_OVERHEAD_BYTES
 
 
-async def drain(
-    websocket: WebSocket, outbox: asyncio.Queue[dict[str, Any] | None], budget: Budget
-) -> None:
+async def drain(websocket: WebSocket, outbox: Outbox, budget: Budget) -> None:
     # One writer keeps chunks in the order they were produced, with the result last.
     while (item := await outbox.get()) is not None:
         await websocket.send_json(item)
-        if item.get("type") in ("stdout", "stderr", "display", "output"):
-            budget.queued -= item_cost(item)
+        budget.taken()
+
+
+async def finish(
+    websocket: WebSocket,
+    outbox: Outbox,
+    budget: Budget,
+    sender: asyncio.Task[Any],
+    listener: asyncio.Task[Any],
+) -> None:
+    """End a run's stream: stop reading the client, then let the writer send what is queued
+    (the result last), or cut the socket if its client let the queue reach the cap."""
+    listener.cancel()
+    if listener.done() and not listener.cancelled():
+        listener.exception()  # a disconnect, a revoked key or a cut: the caller's to handle
+    if budget.cut:
+        await cut(websocket, outbox, budget, sender)
+        return
+    outbox.put_nowait(None)
+    with contextlib.suppress(Exception):
+        await sender
+
+
+async def cut(
+    websocket: WebSocket, outbox: Outbox, budget: Budget, sender: asyncio.Task[Any]
+) -> None:
+    """Close the socket of a client that let its queue reach the cap.
+
+    The writer stops and what it had queued is freed at once; the close frame (:data:`CUT_CODE`,
+    :data:`CUT_REASON`) then waits for the transport to take it, at most :data:`CUT_WAIT_S`:
+    a client that still reads nothing is dropped at the transport (it would otherwise hold the
+    connection, and the bytes already in its buffer, for as long as it liked), where the server
+    offers :data:`ABORT_EXTENSION` (``transport.py``; elsewhere the connection closes once the
+    bytes already handed to the transport drain)."""
+    budget.cut = True
+    sender.cancel()
+    await asyncio.wait({sender})  # its end, not its CancelledError: this task goes on
+    if not sender.cancelled():
+        sender.exception()  # a send that failed: the socket is being cut anyway
+    log.warning("stream cut: the client does not read", queued_bytes=budget.queued)
+    budget.clear(outbox)
+    closed = False
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(websocket.close(code=CUT_CODE, reason=CUT_REASON), CUT_WAIT_S)
+        closed = True
+    if not closed:
+        abort = websocket.scope.get("extensions", {}).get(ABORT_EXTENSION)
+        if abort is not None:
+            abort["abort"]()
 
 
 def cost(text: str) -> int:

@@ -16,6 +16,9 @@ Server -> client::
     {"type": "error", "error": {"code": "...", "message": "..."}}
 
 A client that disconnects mid-run does not leak it: the run is cancelled inside the sandbox.
+Everything queued for the client counts against one byte cap (``outbox.py``): output past it
+is dropped, but a client whose own messages (stdin refused, stdin after ``stdin_eof``) keep
+queueing notices it does not read is cut there, as if it had disconnected (close code 1008).
 
 Terminals (``{"type": "pty"}``) and background commands (``"background": true``, or
 ``{"type": "attach", "pid": N}``) stream until they end; see ``stream_jobs.py``.
@@ -68,7 +71,7 @@ async def stream(websocket: WebSocket, sandbox_id: SandboxId) -> None:
 async def _one_run(
     websocket: WebSocket, state: ServerState, who: Principal, sandbox_id: str, message: Any
 ) -> None:
-    outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    outbox: outbox_.Outbox = asyncio.Queue()
     budget = outbox_.Budget()
     stdin: StdinQueue | None = None
     try:
@@ -117,53 +120,85 @@ async def _one_run(
 
     run = asyncio.create_task(call)
     sender = asyncio.create_task(outbox_.drain(websocket, outbox, budget))
-    listener = asyncio.create_task(_listen(websocket, stdin, outbox))
+    listener = asyncio.create_task(_listen(websocket, stdin, outbox, budget))
     try:
         async with state.audited(websocket, who, f"stream.{kind}", sandbox_id):
             done, _ = await asyncio.wait({run, listener}, return_when=asyncio.FIRST_COMPLETED)
             if run not in done:
-                # The client went away mid-run: stop the run inside the sandbox.
+                # The client went away mid-run, or was cut for not reading what its messages
+                # caused: stop the run inside the sandbox.
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError, SandboxError):
                     await run
-                raise WebSocketDisconnect(code=1001)
+                raise WebSocketDisconnect(code=outbox_.CUT_CODE if budget.cut else 1001)
             result: ExecResult = run.result()
-        outbox.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
+        outbox_.final(outbox, budget, {"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
-        outbox.put_nowait(outbox_.error_message(exc))
+        outbox_.final(outbox, budget, outbox_.error_message(exc))
     finally:
-        listener.cancel()
-        outbox.put_nowait(None)
-        with contextlib.suppress(Exception):
-            await sender
+        await outbox_.finish(websocket, outbox, budget, sender, listener)
+    if budget.cut:
+        raise WebSocketDisconnect(code=outbox_.CUT_CODE)
 
 
 async def _listen(
     websocket: WebSocket,
     stdin: StdinQueue | None,
-    outbox: asyncio.Queue[dict[str, Any] | None],
+    outbox: outbox_.Outbox,
+    budget: outbox_.Budget,
 ) -> None:
-    """Read the client's messages during a run: stdin, or its disconnect."""
+    """Read the client's messages during a run: stdin, or its disconnect.
+
+    Raises:
+        QueueCapReached: the notices its messages caused reached the queue cap unread.
+    """
+    closed = False  # stdin_eof was sent: nothing takes from the queue after it
     while True:
         message = await websocket.receive_json()
         if stdin is None or not isinstance(message, dict):
             continue
-        if message.get("type") == "stdin":
-            data = str(message.get("data", "")).encode("utf-8", "surrogatepass")
-            if not stdin.offer(data):
-                # The command is not reading: refuse more instead of holding it for it. A
-                # notice, not an error: the run goes on and its result still comes.
-                outbox.put_nowait(
-                    {
-                        "type": "notice",
-                        "code": "stdin_backlog_full",
-                        "message": f"stdin dropped: {stdin.queued_bytes} bytes already wait "
-                        "for the command to read them; raise API_WS_STDIN_BACKLOG_KB to "
-                        "allow more",
-                    }
-                )
-        elif message.get("type") == "stdin_eof":
+        kind = message.get("type")
+        if kind not in ("stdin", "stdin_eof"):
+            continue
+        if closed:
+            # Queued after the end, it would wait for good: refused, with a notice that
+            # counts against the cap like any other.
+            outbox_.notify(outbox, budget, STDIN_CLOSED)
+            continue
+        if kind == "stdin_eof":
+            closed = True
             stdin.put_nowait(None)
+            continue
+        data = str(message.get("data", "")).encode("utf-8", "surrogatepass")
+        if not data:
+            continue  # nothing to send: not a request to the guest
+        if not _offer_stdin(stdin, data):
+            # The command is not reading: refuse more instead of holding it for it. A
+            # notice, not an error: the run goes on and its result still comes.
+            notice = {
+                "type": "notice",
+                "code": "stdin_backlog_full",
+                "message": f"stdin dropped: {stdin.queued_bytes} bytes already wait "
+                "for the command to read them; raise API_WS_STDIN_BACKLOG_KB to "
+                "allow more",
+            }
+            outbox_.notify(outbox, budget, notice)
+
+
+STDIN_CLOSED = {
+    "type": "notice",
+    "code": "invalid_request",
+    "message": "stdin dropped: stdin_eof was sent already",
+}
+# What one queued stdin chunk costs beyond its bytes (the bytes object, its queue slot):
+# counted against the backlog, so that a flood of one-byte chunks is bounded like one big one.
+STDIN_CHUNK_OVERHEAD_BYTES = 64
+
+
+def _offer_stdin(stdin: StdinQueue, data: bytes) -> bool:
+    """Queue ``data`` unless the backlog, each chunk's overhead counted, would pass its cap."""
+    overhead = (stdin.qsize() + 1) * STDIN_CHUNK_OVERHEAD_BYTES
+    return stdin.has_room(len(data) + overhead) and stdin.offer(data)
 
 
 async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:

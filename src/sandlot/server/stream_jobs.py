@@ -22,7 +22,9 @@ Server -> client::
 
 A client that goes away only detaches: the terminal or command runs on (its pid takes the
 REST verbs; it counts against the sandbox's cap and ends with the sandbox). Output queued for
-a slow client is capped as any run's is (:data:`outbox_.STREAM_QUEUE_MAX_BYTES`).
+a slow client is capped as any run's is (:data:`outbox_.STREAM_QUEUE_MAX_BYTES`), and a client
+whose input, resizes or stdin keep queueing notices it does not read is cut at that cap (close
+code 1008): it only detaches, as a client that goes away does.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from sandlot.server import outbox as outbox_
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState
 
+# A bound on the size of a "started" frame (a CommandInfo), counted against the queue cap
+# before it is known.
+STARTED_COST_BYTES = 4096
 INPUT_WAIT_S = 5.0  # input for a program that does not read is refused after this
 KEY_RECHECK_S = 1.0  # how often a long stream's input checks that its key is still valid
 
@@ -59,7 +64,7 @@ async def run_job(
     message: dict[str, Any],
 ) -> None:
     """Start or attach to a terminal or background command and stream it until it ends."""
-    outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    outbox: outbox_.Outbox = asyncio.Queue()
     budget = outbox_.Budget()
     manager = state.manager
     owner = who.owner_filter
@@ -71,12 +76,14 @@ async def run_job(
         item = {"type": "output", "data_b64": base64.b64encode(data).decode("ascii")}
         outbox_.offer(outbox, budget, item, outbox_.item_cost(item))
 
-    info = await _start(state, who, sandbox_id, message, (on_stdout, on_stderr), on_data, outbox)
+    info = await _start(
+        state, who, sandbox_id, message, (on_stdout, on_stderr), on_data, outbox, budget
+    )
     pid = info.pid
     cut = False
     run = asyncio.create_task(manager.wait_command(sandbox_id, pid, owner=owner))
     sender = asyncio.create_task(outbox_.drain(websocket, outbox, budget))
-    listener = asyncio.create_task(_listen(websocket, state, who, sandbox_id, info, outbox))
+    listener = asyncio.create_task(_listen(websocket, state, who, sandbox_id, info, outbox, budget))
     try:
         async with state.audited(websocket, who, f"stream.{kind}", sandbox_id, pid=pid):
             done, _ = await asyncio.wait({run, listener}, return_when=asyncio.FIRST_COMPLETED)
@@ -87,21 +94,21 @@ async def run_job(
                 revoked = listener.exception()
                 if isinstance(revoked, AuthenticationError):
                     raise revoked
-                raise WebSocketDisconnect(code=1001)  # detached: it runs on
+                # Detached: it runs on (a client cut for not reading is detached too).
+                raise WebSocketDisconnect(code=outbox_.CUT_CODE if budget.cut else 1001)
             result = run.result()
-        outbox.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
+        outbox_.final(outbox, budget, {"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
-        outbox.put_nowait(outbox_.error_message(exc))
+        outbox_.final(outbox, budget, outbox_.error_message(exc))
         if isinstance(exc, AuthenticationError):
             cut = True
     finally:
         if info.pty:
             manager.disconnect_pty(sandbox_id, pid, on_data)
         manager.disconnect_command(sandbox_id, pid, on_stdout, on_stderr)
-        listener.cancel()
-        outbox.put_nowait(None)
-        with contextlib.suppress(Exception):
-            await sender
+        await outbox_.finish(websocket, outbox, budget, sender, listener)
+    if budget.cut:
+        raise WebSocketDisconnect(code=outbox_.CUT_CODE)
     if cut:
         # The key was revoked during the stream: the job runs on, this socket does not.
         with contextlib.suppress(RuntimeError):
@@ -116,12 +123,13 @@ async def _start(
     message: dict[str, Any],
     callbacks: tuple[OutputCallback, OutputCallback],
     on_data: DataCallback,
-    outbox: asyncio.Queue[dict[str, Any] | None],
+    outbox: outbox_.Outbox,
+    budget: outbox_.Budget,
 ) -> CommandInfo:
     """Open, start or attach to what ``message`` names; its "started" message goes first, in
-    a slot queued before anything could produce output."""
+    a slot queued before anything could produce output (counted at a bound of its size)."""
     started: dict[str, Any] = {}
-    outbox.put_nowait(started)
+    outbox_.notify(outbox, budget, started, STARTED_COST_BYTES)
     manager = state.manager
     owner = who.owner_filter
     kind = message["type"]
@@ -162,9 +170,15 @@ async def _listen(
     who: Principal,
     sandbox_id: str,
     info: CommandInfo,
-    outbox: asyncio.Queue[dict[str, Any] | None],
+    outbox: outbox_.Outbox,
+    budget: outbox_.Budget,
 ) -> None:
-    """The client's messages while it runs: input, resize; returns when it disconnects."""
+    """The client's messages while it runs: input, resize; returns when it disconnects.
+
+    Raises:
+        AuthenticationError: its key was revoked meanwhile.
+        QueueCapReached: the notices its messages caused reached the queue cap unread.
+    """
     manager = state.manager
     checked_at = time.monotonic()
     while True:
@@ -180,6 +194,10 @@ async def _listen(
             # Raises AuthenticationError: run_job says so and closes the socket.
             state.recheck(websocket.headers, websocket.query_params.get("api_key"))
             checked_at = time.monotonic()
+        if _empty(message):
+            continue  # nothing to type or send: not a request to the guest
+        # Each notice below counts against the queue cap (outbox_.notify): a client that
+        # sends bad input or resizes in a loop and reads nothing is cut there.
         try:
             if kind == "resize" and info.pty:
                 size = PtySize.model_validate({k: message.get(k) for k in ("cols", "rows")})
@@ -187,16 +205,25 @@ async def _listen(
             elif kind in ("input", "stdin", "stdin_eof"):
                 await asyncio.wait_for(_input(state, who, sandbox_id, info, message), INPUT_WAIT_S)
         except TimeoutError:
-            outbox.put_nowait(
-                {
-                    "type": "notice",
-                    "code": "stdin_backlog_full",
-                    "message": "input dropped: the program has not read what came before",
-                }
-            )
+            notice = {
+                "type": "notice",
+                "code": "stdin_backlog_full",
+                "message": "input dropped: the program has not read what came before",
+            }
+            outbox_.notify(outbox, budget, notice)
         except (SandboxError, ValueError) as exc:
             error = exc if isinstance(exc, SandboxError) else InvalidRequest(str(exc))
-            outbox.put_nowait({"type": "notice", "code": error.code, "message": error.message})
+            notice = {"type": "notice", "code": error.code, "message": error.message}
+            outbox_.notify(outbox, budget, notice)
+
+
+def _empty(message: dict[str, Any]) -> bool:
+    """Input or stdin with no bytes in it (not an end of input): nothing to do."""
+    kind = message.get("type")
+    if kind not in ("input", "stdin"):
+        return False
+    value = message.get("data_b64" if kind == "input" else "data", "")
+    return isinstance(value, str) and not value
 
 
 async def _input(

@@ -13,7 +13,9 @@ server answering anyone. :func:`guarded_protocol` builds uvicorn's httptools pro
 
 Keep-alive idleness is uvicorn's own ``timeout_keep_alive``. A WebSocket stays in the count
 until it closes (every WebSocket route checks the key before it reads a message, and closes
-the socket without one); its frames are bounded by the WebSocket settings.
+the socket without one); its frames are bounded by the WebSocket settings, and
+:func:`_guard_websocket` adds two walls to it: a peer that pings and never reads is dropped,
+and the app may drop a peer that does not read what it is sent (``outbox.cut``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from typing import Any
 import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from sandlot.server.outbox import ABORT_EXTENSION
+
 log = structlog.get_logger(__name__)
+
+# Pongs a WebSocket may owe a peer that does not read before it is dropped (~130 KiB): each is
+# written at once, past the flow control that holds the app's own frames.
+WS_PONGS_UNREAD_MAX = 1024
 
 
 @dataclass
@@ -77,6 +85,41 @@ def _release_when_lost(protocol: Any, release: Any) -> None:
         lost(exc)
 
     protocol.connection_lost = connection_lost
+
+
+def _guard_websocket(protocol: Any) -> None:
+    """Walls on an upgraded WebSocket (uvicorn's websockets-sansio protocol):
+
+    - the scope's :data:`ABORT_EXTENSION` (``{"abort": callable}``) drops the connection at
+      once, for a client that reads nothing (a close frame would wait behind its buffer);
+    - uvicorn answers every ping at once, written whatever the transport already holds: a
+      client that sent pings and never read grew the server by 506 MiB in 15 s. Past
+      :data:`WS_PONGS_UNREAD_MAX` pings answered while the transport holds back (its buffer
+      over the high-water mark), the connection is dropped.
+    """
+    transport = getattr(protocol, "transport", None)
+    if transport is None:
+        return
+    scope = getattr(protocol, "scope", None)
+    if isinstance(scope, dict):
+        scope.setdefault("extensions", {})[ABORT_EXTENSION] = {"abort": transport.abort}
+    handle_ping = getattr(protocol, "handle_ping", None)
+    writable = getattr(protocol, "writable", None)
+    if handle_ping is None or not isinstance(writable, asyncio.Event):
+        return
+    unread = 0
+
+    def guarded_ping() -> None:
+        nonlocal unread
+        unread = 0 if writable.is_set() else unread + 1
+        if unread > WS_PONGS_UNREAD_MAX:
+            if not transport.is_closing():
+                log.warning("websocket dropped: its client pings and does not read")
+                transport.abort()
+            return
+        handle_ping()
+
+    protocol.handle_ping = guarded_ping
 
 
 def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
@@ -152,6 +195,8 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             ip = self._admitted_ip
             super().handle_websocket_upgrade()
             upgraded = self.transport.get_protocol()
+            if upgraded is not self:
+                _guard_websocket(upgraded)
             if ip is not None and upgraded is not self:
                 # The WebSocket stays counted until it closes: left out of the count, 1,150
                 # sockets with no key held 1,150 of the server's file descriptors.
