@@ -42,3 +42,55 @@ def test_environment_help_names_every_shipped_environment(command: str) -> None:
     for name in names:
         assert name in text, (name, text)
     assert "sandlot image list" in text
+
+
+# ------------------------------------------- .env.example and the .env precedence
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env_names(cls: type) -> set[str]:
+    """Every environment variable a settings class reads (its upper-case aliases)."""
+    from pydantic import AliasChoices
+
+    found: set[str] = set()
+    for field in cls.model_fields.values():  # type: ignore[attr-defined]
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            found |= {c for c in alias.choices if isinstance(c, str) and c.isupper()}
+    return found
+
+
+def test_env_example_names_only_settings_that_exist_at_their_defaults() -> None:
+    from sandlot.agent.config import AgentSettings
+    from sandlot.config import Settings
+
+    known = _env_names(Settings) | _env_names(AgentSettings)
+    lines = (REPO / ".env.example").read_text().splitlines()
+    named = [re.match(r"#\s*([A-Z][A-Z0-9_]+)=", line) for line in lines]
+    names = [m.group(1) for m in named if m]
+    assert len(names) >= 20
+    assert not set(names) - known, set(names) - known
+    # Copied as it is, it changes nothing: every setting line is commented out.
+    assert not [line for line in lines if re.match(r"[A-Z][A-Z0-9_]+=", line)]
+
+
+def test_a_dotenv_file_is_read_under_the_environment_and_explicit_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sandlot.agent.config import AgentSettings
+    from sandlot.config import Settings
+
+    for name in ("SANDBOX_TIMEOUT_SECONDS", "SANDBOX_MEMORY_LIMIT_MB", "LLM_PROVIDER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text(
+        "SANDBOX_TIMEOUT_SECONDS=7\nSANDBOX_MEMORY_LIMIT_MB=300\nLLM_PROVIDER=groq\n"
+    )
+    from_file = Settings()
+    assert (from_file.timeout_s, from_file.memory_mb) == (7, 300)
+    assert AgentSettings().llm_provider == "groq"
+    monkeypatch.setenv("SANDBOX_TIMEOUT_SECONDS", "9")
+    assert Settings().timeout_s == 9  # the environment over .env
+    assert Settings(timeout_s=11).timeout_s == 11  # explicit over both
+    assert Settings().memory_mb == 300
