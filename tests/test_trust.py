@@ -332,6 +332,54 @@ def test_a_kernel_woken_during_a_fresh_command_cannot_forge_it(
     assert (again.exit_code, again.stdout) == (1, "THE_CHECK result=FAIL\n"), describe(again)
 
 
+# A sibling of the woken kernel: a chain of processes that each arm a SIGCONT timer (every
+# 50 us) and fork the next before going, so that a stop never holds and a walk of /proc has a
+# new pid to chase. The guest's walk stops all at once (kill(-1) in the sandbox's own pid
+# namespace), then kills until a look finds nothing new. Held before this test was written
+# (2026-11-28): kept so that it stays so.
+SELF_WAKING_CHAIN = r"""
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+class SigEvent(ctypes.Structure):
+    _fields_ = [("value", ctypes.c_long), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("pad", ctypes.c_byte * 48)]
+class TS(ctypes.Structure):
+    _fields_ = [("s", ctypes.c_long), ("ns", ctypes.c_long)]
+class ITS(ctypes.Structure):
+    _fields_ = [("interval", TS), ("value", TS)]
+event, timer = SigEvent(0, signal.SIGCONT, 0), ctypes.c_void_p()
+every = ITS(TS(0, 50_000), TS(0, 50_000))
+def arm():
+    libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer))
+    libc.timer_settime(timer, 0, ctypes.byref(every), None)
+arm()
+while True:
+    if libc.fork() == 0:
+        arm()
+        try:
+            os.write(os.open("/workspace/chain.alive", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), b"1")
+        except OSError:
+            pass
+        continue
+    libc._exit(0)
+"""
+
+
+@pytest.mark.hostile
+def test_a_self_waking_fork_chain_does_not_outlive_a_fresh_commands_walk(
+    manager: SandboxManager, jail: Sandbox
+) -> None:
+    jail.run_code("keep = 'state'")
+    jail.files.write("chain.py", SELF_WAKING_CHAIN)
+    started = jail.commands.run("(setsid python3 chain.py >/dev/null 2>&1 &); sleep 0.3")
+    assert started.exit_code == 0, describe(started)
+    assert jail.commands.run("cat chain.alive").stdout == "1", "the chain never ran"
+    check = run_fresh(manager, jail, "rm -f chain.alive; sleep 0.5; cat chain.alive 2>&1; true")
+    assert "No such file" in check.stdout, describe(check)
+    kept = jail.run_code("keep")
+    assert kept.text == "'state'" and not kept.state_lost, describe(kept)
+
+
 # Files the guest writes and reads back at names a command can predict (call ids count up):
 # its spill of a long output, and a command's saved cwd and environment (red team,
 # 2026-11-28). A FIFO there blocked the guest's open for good; a link to /dev/zero, a read
