@@ -57,6 +57,63 @@ def test_memory_below_the_limit_is_fine_and_measured(jail: Sandbox) -> None:
     assert usage.oom_kills == 0
 
 
+# Socket buffers a sandbox fills and never reads, on its own loopback: TCP's and UDP's pools
+# (net.ipv4.tcp_mem, udp_mem) are one for the whole host. On cgroup v1 nothing charged them to
+# the sandbox: a 256 MB sandbox queued 2.2 GB of TCP (all of this host's pool, which starves
+# the host's own sockets) and 450 MB of UDP and rising, its memory cgroup at 19 MB.
+UNREAD_SOCKETS = r"""
+import resource, socket
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
+def held(protocol):
+    for line in open("/proc/net/sockstat"):
+        if line.startswith(protocol + ":"):
+            return int(line.split()[-1]) * 4096  # pages of the host-wide pool
+tcp0, udp0 = held("TCP"), held("UDP")
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(1024)
+kept, queued = [], 0
+for _ in range(600):
+    client = socket.create_connection(server.getsockname())
+    kept += [client, server.accept()[0]]
+    client.setblocking(False)
+    while True:
+        try:
+            queued += client.send(b"x" * 65536)
+        except BlockingIOError:
+            break
+for _ in range(200):
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 30)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sender.connect(receiver.getsockname())
+    kept += [receiver, sender]
+    for _ in range(3000):  # a full receiver drops what comes: no error to stop at
+        try:
+            sender.send(b"x" * 1024)
+        except OSError:
+            break
+queued, held("TCP") - tcp0, held("UDP") - udp0
+"""
+
+
+def test_unread_socket_buffers_are_bounded_by_the_sandboxs_memory(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    limit = 256 * 1024 * 1024
+    with Sandbox.create(
+        manager=manager, **placement(isolated_backend), memory_mb=256, timeout_s=60
+    ) as sb:
+        result = sb.run_code(UNREAD_SOCKETS, timeout_s=60)
+        if result.kill_reason == "memory":
+            return  # charged to the sandbox's memory (v2), and ended there: bounded
+        assert result.text is not None, (result.kill_reason, result.stderr[-500:])
+        queued, tcp_held, udp_held = (int(x) for x in result.text.strip("()").split(","))
+        assert queued < limit, f"{queued >> 20} MiB of TCP queued unread"
+        assert tcp_held < limit and udp_held < limit, (tcp_held >> 20, udp_held >> 20)
+
+
 def test_cpu_quota_caps_cpu_time(manager: SandboxManager, isolated_backend: str) -> None:
     with Sandbox.create(manager=manager, **placement(isolated_backend), cpu_cores=0.25) as sb:
         before = sb.usage().cpu_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import signal
 import time
@@ -25,6 +26,30 @@ log = structlog.get_logger(__name__)
 CPU_PERIOD_US = 100_000
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
 REQUIRED = ("memory", "pids", "cpu")
+# The least a sandbox's sockets may buffer on cgroup v1 (tcp_share() of a small sandbox).
+SOCKET_BUFFERS_FLOOR_BYTES = 1 << 20
+
+
+@functools.cache
+def tcp_share() -> float:
+    """The host's TCP buffer pool (``net.ipv4.tcp_mem``'s hard limit, one for the whole host,
+    every network namespace's sockets together) as a fraction of its RAM: ~9% by default.
+
+    A sandbox's socket buffers get that fraction of its memory limit (cgroup v1): the host's
+    admission keeps the sandboxes' memory limits within its RAM, so their buffers together stay
+    within the pool, and the host's own sockets keep theirs."""
+    try:
+        pages = int(Path("/proc/sys/net/ipv4/tcp_mem").read_text().split()[2])
+        with open("/proc/meminfo") as f:
+            total_kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.05
+    return min(1.0, pages * os.sysconf("SC_PAGE_SIZE") / (total_kb * 1024))
+
+
+def socket_buffers_bytes(memory_bytes: int) -> int:
+    """What a sandbox of ``memory_bytes`` may hold in socket buffers on cgroup v1."""
+    return max(SOCKET_BUFFERS_FLOOR_BYTES, int(memory_bytes * tcp_share()))
 
 
 @dataclass(frozen=True)
@@ -111,6 +136,13 @@ class Cgroup:
             memsw.write_text(str(limits.memory_bytes))
         with contextlib.suppress(OSError):
             (mem / "memory.swappiness").write_text("0")
+        # v1 charges a cgroup's socket buffers (TCP and UDP) only once this limit is set (v2
+        # always, to memory.max): without it a 256 MB sandbox queued 2.2 GB unread on its
+        # loopback, all of TCP's host-wide pool (net.ipv4.tcp_mem), which starves every
+        # socket of the host's, the server's included (2026-11-28).
+        tcp = mem / "memory.kmem.tcp.limit_in_bytes"
+        if tcp.exists():
+            tcp.write_text(str(socket_buffers_bytes(limits.memory_bytes)))
         (self.dirs["pids"] / "pids.max").write_text(str(limits.pids_max))
         self.set_cpu(limits.cpu_cores)
 
