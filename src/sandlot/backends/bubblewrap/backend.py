@@ -47,6 +47,7 @@ from sandlot.backends.base import (
     instance_of,
 )
 from sandlot.backends.bubblewrap import launchns, netns
+from sandlot.backends.bubblewrap.hostwide import raise_file_max
 from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.rootless import (
     PRLIMIT,
@@ -303,6 +304,8 @@ class BubblewrapBackend:
             self._choose_rootless_cgroups()
         else:
             self._cgroups = CgroupDriver.detect()
+            if self.settings.raise_file_max:
+                raise_file_max()
             self._loop_ok, why = loop_disks_available()
             if not self._loop_ok:
                 log.warning("disk cap not enforced", reason=why)
