@@ -147,6 +147,14 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_NETWORK", "network"),
         description="Give new sandboxes a network unless the caller says otherwise.",
     )
+    network_max_connections: int = Field(
+        default=1024,
+        ge=16,
+        validation_alias=_env("SANDBOX_NETWORK_MAX_CONNECTIONS", "network_max_connections"),
+        description="bubblewrap as root: connections (TCP, UDP flows) one networked sandbox "
+        "may have tracked by the host at once; past it new ones are refused. All networked "
+        "sandboxes together get at most half of the host's table (nf_conntrack_max).",
+    )
     ttl_s: float = Field(
         default=3600.0,
         gt=0,

@@ -141,7 +141,7 @@ class NodeAgent:
             return
         # The backend's FORWARD chain first, so that the cluster wall goes in ahead of it
         # (the backend only ever adds its jump when it is missing).
-        await netns.ensure_routing()
+        await netns.ensure_routing(self.settings.network_max_connections)
         await self._wall_cluster(extra_cidrs)
         self._walling = asyncio.create_task(self._wall_forever(extra_cidrs))
 

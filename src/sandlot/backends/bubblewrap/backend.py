@@ -494,7 +494,7 @@ class BubblewrapBackend:
     async def _make_network(self, box: _Box) -> None:
         async with self._routing_lock:
             if not self._routing_ready:
-                await netns.ensure_routing()
+                await netns.ensure_routing(self.settings.network_max_connections)
                 self._routing_ready = True
         assert box.net is not None  # planned before the launcher's argv named its path
         await netns.create(box.net)
