@@ -285,9 +285,10 @@ class Settings(BaseSettings):
     raise_file_max: bool = Field(
         default=True,
         validation_alias=_env("SANDBOX_RAISE_FILE_MAX", "raise_file_max"),
-        description="bubblewrap as root: lift the host's open-file cap (fs.file-max) to its "
-        "maximum, as systemd does at boot, so that the files a sandbox opens are bounded by "
-        "its memory alone and sandboxes together cannot fill the host's file table.",
+        description="bubblewrap or docker, as root: lift the host's open-file cap "
+        "(fs.file-max) to its maximum, as systemd does at boot, so that the files a sandbox "
+        "opens are bounded by its memory alone and sandboxes together cannot fill the host's "
+        "file table.",
     )
     guest_template_scope: Literal["tenant", "system"] = Field(
         default="tenant",

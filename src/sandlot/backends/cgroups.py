@@ -136,15 +136,22 @@ class Cgroup:
             memsw.write_text(str(limits.memory_bytes))
         with contextlib.suppress(OSError):
             (mem / "memory.swappiness").write_text("0")
-        # v1 charges a cgroup's socket buffers (TCP and UDP) only once this limit is set (v2
-        # always, to memory.max): without it a 256 MB sandbox queued 2.2 GB unread on its
-        # loopback, all of TCP's host-wide pool (net.ipv4.tcp_mem), which starves every
-        # socket of the host's, the server's included (2026-11-28).
-        tcp = mem / "memory.kmem.tcp.limit_in_bytes"
-        if tcp.exists():
-            tcp.write_text(str(socket_buffers_bytes(limits.memory_bytes)))
+        self.cap_socket_buffers(limits.memory_bytes)
         (self.dirs["pids"] / "pids.max").write_text(str(limits.pids_max))
         self.set_cpu(limits.cpu_cores)
+
+    def cap_socket_buffers(self, memory_bytes: int) -> None:
+        """Charge and cap the cgroup's socket buffers (TCP and UDP) on v1, which charges them
+        only once this limit is set (v2 always does, to memory.max): without it a 256 MB
+        sandbox queued 2.2 GB unread on its loopback, all of TCP's host-wide pool
+        (net.ipv4.tcp_mem), which starves every socket of the host's, the server's included
+        (2026-11-28). Sockets made before it are not charged: set it before the sandbox's
+        code runs."""
+        if self.version == 2:
+            return
+        tcp = self.dirs["memory"] / "memory.kmem.tcp.limit_in_bytes"
+        if tcp.exists():
+            tcp.write_text(str(socket_buffers_bytes(memory_bytes)))
 
     def set_cpu(self, cpu_cores: float) -> None:
         """Set the CPU quota (takes effect at once, for the processes already inside)."""

@@ -47,7 +47,6 @@ from sandlot.backends.base import (
     instance_of,
 )
 from sandlot.backends.bubblewrap import launchns, netns
-from sandlot.backends.bubblewrap.hostwide import raise_file_max
 from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.rootless import (
     PRLIMIT,
@@ -91,6 +90,7 @@ from sandlot.backends.disk import (
     remove_volume_now,
     volume_paths,
 )
+from sandlot.backends.hostwide import raise_file_max
 from sandlot.backends.launch import (
     GUEST_DIR_INSIDE,
     GUEST_PYTHON,

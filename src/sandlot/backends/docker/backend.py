@@ -55,6 +55,7 @@ from sandlot.backends.docker.dockerd import (
 from sandlot.backends.docker.images import ensure_image
 from sandlot.backends.docker.probe import daemon_checks
 from sandlot.backends.docker.stream import ExecGuest, socket_path, start_exec
+from sandlot.backends.hostwide import raise_file_max
 from sandlot.backends.launch import (
     GUEST_DIR_INSIDE,
     WORKSPACE_INSIDE,
@@ -117,6 +118,7 @@ class _Box:
     workspace: Path
     runtime: str
     disk_capped: bool
+    memory_bytes: int
     cgroup: Cgroup | None = None
     guest: ExecGuest | None = None
     # Limit hits of earlier incarnations of the container (a restart resets its cgroup).
@@ -183,6 +185,8 @@ class DockerBackend:
         }
         with contextlib.suppress(BackendUnavailable):
             self._cgroups = CgroupDriver.detect()
+        if os.geteuid() == 0 and self.settings.raise_file_max:
+            raise_file_max()  # containers' open files share the host's table (hostwide.py)
         self._loop_ok, why = loop_disks_available()
         if not self._loop_ok:
             log.warning("disk cap not enforced", reason=why)
@@ -227,7 +231,15 @@ class DockerBackend:
             self._images_ok.add(env.name)
         root = self.sandboxes_dir / spec.sandbox_id
         workspace, _ = volume_paths(root)
-        box = _Box(spec.sandbox_id, "", root, workspace, runtime, self._loop_ok)
+        box = _Box(
+            spec.sandbox_id,
+            "",
+            root,
+            workspace,
+            runtime,
+            self._loop_ok,
+            spec.limits.memory_mb * 1024 * 1024,
+        )
         self._boxes[spec.sandbox_id] = box
         try:
             await make_volume(
@@ -328,6 +340,15 @@ class DockerBackend:
             if not pid:
                 raise SandboxStartError("docker named no process for the sandbox's container")
             await asyncio.to_thread(cap_ptys, pid, self.settings.max_ptys, DOCKER_OPTIONS)
+            # So are its socket buffers on cgroup v1, which Docker leaves uncharged there
+            # (gVisor's sockets are the sentry's own memory).
+            if box.cgroup is not None:
+                try:
+                    box.cgroup.cap_socket_buffers(box.memory_bytes)
+                except OSError as exc:
+                    raise SandboxStartError(
+                        f"could not bound the sandbox's socket buffers: {exc}"
+                    ) from exc
 
     async def _exec_guest(
         self, client: docker.DockerClient, box: _Box, spec: GuestSpec
