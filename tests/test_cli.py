@@ -346,3 +346,42 @@ def test_the_agent_layer_never_imports_the_cli() -> None:
         if imported == "sandlot.cli" or imported.startswith("sandlot.cli.")
     ]
     assert offenders == []
+
+
+def test_keys_create_quota_and_revoke_run_as_commands(cli_data_dir: Path) -> None:
+    from sandlot.errors import SandboxError
+    from sandlot.models import Quota
+    from sandlot.server.auth import AuthStore, Principal
+
+    made = _run(["keys", "create", "--tenant", "acme", "--name", "ci"], cli_data_dir)
+    assert made.returncode == 0, made.stderr
+    # The key alone on stdout (for a pipe), what it is on stderr.
+    key, key_id = made.stdout.strip(), made.stderr.split()[1]
+    assert key.startswith("asb_") and key_id.startswith("key_"), (made.stdout, made.stderr)
+    quota = ["keys", "quota", "acme", "--max-sandboxes", "2", "--max-memory-mb", "512"]
+    set_quota = _run(quota, cli_data_dir)
+    assert set_quota.returncode == 0, set_quota.stderr
+    store = AuthStore(cli_data_dir / "sandlot.db")
+    try:
+        assert isinstance(store.authenticate(key), Principal)
+        defaults = Quota(max_sandboxes=10, max_memory_mb=4096, max_pids=4096, max_disk_mb=8192)
+        own = store.quota("acme", defaults)
+        assert (own.max_sandboxes, own.max_memory_mb, own.max_pids) == (2, 512, 4096)
+        revoked = _run(["keys", "revoke", key_id], cli_data_dir)
+        assert revoked.returncode == 0, revoked.stderr
+        with pytest.raises(SandboxError):
+            store.authenticate(key)
+        again = _run(["keys", "revoke", "key_nonexistent"], cli_data_dir)
+        assert again.returncode != 0 and "key_nonexistent" in again.stdout + again.stderr
+    finally:
+        store.close()
+
+
+def test_serve_refuses_more_than_one_worker_and_says_why(cli_data_dir: Path) -> None:
+    # Sandboxes live in the process that made them: a second worker would not find them.
+    flag = _run(["serve", "--workers", "2", "--port", "1"], cli_data_dir)
+    assert flag.returncode == 2 and "--workers must be 1" in flag.stdout + flag.stderr
+    env = {**os.environ, "API_WORKERS": "3"}
+    setting = _run(["serve", "--port", "1"], cli_data_dir, env=env)
+    assert setting.returncode != 0, setting.stdout
+    assert "API_WORKERS" in setting.stdout + setting.stderr
