@@ -528,3 +528,41 @@ def test_a_tenant_may_not_take_a_name_the_server_owns(data_root: Path, tenant: s
         assert store.create_key("team_pool", "user")[1]  # '_' inside a name stays fine
     finally:
         store.close()
+
+
+def test_the_websocket_message_cap_and_keepalive_follow_their_settings(data_root: Path) -> None:
+    """API_WS_MAX_MESSAGE_KB and API_KEEPALIVE_TIMEOUT_SECONDS, set as an operator would."""
+    from websockets.sync.client import connect
+
+    reason = skip_reason("bubblewrap")
+    if reason:
+        pytest.skip(reason)
+    data_dir = data_root / "ws-cap"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    key = store.create_key("acme", "user")[1]
+    store.close()
+    settings = {"API_WS_MAX_MESSAGE_KB": "64", "API_KEEPALIVE_TIMEOUT_SECONDS": "1"}
+    process, url, log = start_server(data_dir, settings)
+    try:
+        server = Server(url, process.pid, key, log)
+        sandbox_id = _sandbox(server)
+        headers = {"Authorization": f"Bearer {key}"}
+        with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+            ws.send(json.dumps({"type": "command", "command": "echo " + "y" * 40_000}))
+            while json.loads(ws.recv(timeout=30))["type"] not in ("result", "error"):
+                pass  # under the cap: served
+            ws.send(json.dumps({"type": "command", "command": "echo " + "y" * 80_000}))
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+        # An idle keep-alive connection is let go after 1 s (the default is 5).
+        sock = server.connect("127.0.0.1")
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {server.address[0]}\r\n\r\n".encode())
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(2.5)
+        assert sock.recv(1) == b"", "the idle connection was kept past its timeout"
+        sock.close()
+        httpx.delete(f"{url}/v1/sandboxes/{sandbox_id}", headers=headers)
+    finally:
+        stop_server(process)
