@@ -535,6 +535,27 @@ def test_seed_004_flow(http: httpx.Client, live_server: LiveServer) -> None:
     )
 
 
+def test_seed_004_client_library(live_server: LiveServer) -> None:
+    from sandlot import InvalidRequest, SandboxNotRunning
+    from sandlot.seed_client import SandboxClient
+
+    with SandboxClient(live_server.url, api_key=live_server.keys["alice"]) as client:
+        session_id = client.create_session()
+        out = client.execute("echo hello; echo oops >&2; exit 3")
+        assert (out["exit_code"], out["output"]) == (3, "hello\noops\n"), out
+        slow = client.execute("sleep 5", timeout_s=0.5)
+        assert slow["kill_reason"] == "timeout", slow
+        with pytest.raises(InvalidRequest):
+            client.execute("true", timeout_s=-1)
+        client.cleanup()
+        assert client.session_id is None
+    with SandboxClient(live_server.url, api_key=live_server.keys["alice"]) as again:
+        again.session_id = session_id  # the one cleaned up: destroyed, its record kept
+        with pytest.raises(SandboxNotRunning):
+            again.execute("true")
+        again.session_id = None
+
+
 def test_seed_001_flow(http: httpx.Client, live_server: LiveServer) -> None:
     headers = live_server.headers("alice")
     created = http.post(

@@ -118,7 +118,7 @@ class RemoteService:
             with attempt:
                 response = await self._http.request(method, url, **kwargs)
         if response.status_code >= 400:
-            raise _error(response)
+            raise response_error(response)
         return response
 
     async def _json(self, method: str, url: str, *, idempotent: bool, **kwargs: Any) -> Any:
@@ -406,7 +406,7 @@ class RemoteService:
         async with self._http.stream("GET", url, params={"path": path}, timeout=None) as response:
             if response.status_code >= 400:
                 await response.aread()
-                raise _error(response)
+                raise response_error(response)
             with dest.open("wb") as out:
                 async for chunk in response.aiter_bytes(STREAM_CHUNK_BYTES):
                     out.write(chunk)
@@ -452,7 +452,8 @@ def _query_value(value: Any) -> Any:
     return str(value).lower() if isinstance(value, bool) else value
 
 
-def _error(response: httpx.Response) -> SandboxError:
+def response_error(response: httpx.Response) -> SandboxError:
+    """Our exception for a server's error response (its typed body), or a plain one."""
     try:
         detail = response.json()["error"]
         return error_from_code(str(detail["code"]), str(detail["message"]))
