@@ -278,7 +278,9 @@ def test_a_fresh_command_is_out_of_reach_of_leftover_processes(
 # The kernel itself, kept stopped during a fresh command, woken by a timer it armed before:
 # SIGCONT undoes SIGSTOP even when the OS kernel sends it to a stopped process. A thread of
 # the cell then rewrites the check's script in its memory (red team, 2026-11-28).
-WAKING_KERNEL = r"""
+# A POSIX timer that sends SIGCONT to its own process every ``every`` (SIGEV_SIGNAL): the OS
+# kernel delivers it even while the process is stopped, and it undoes the stop.
+SIGCONT_TIMER = r"""
 import ctypes, os, signal, threading, time
 libc = ctypes.CDLL(None, use_errno=True)
 class SigEvent(ctypes.Structure):
@@ -288,11 +290,14 @@ class TS(ctypes.Structure):
     _fields_ = [("s", ctypes.c_long), ("ns", ctypes.c_long)]
 class ITS(ctypes.Structure):
     _fields_ = [("interval", TS), ("value", TS)]
-timer = ctypes.c_void_p()
-event = SigEvent(0, signal.SIGCONT, 0)  # SIGEV_SIGNAL: SIGCONT to this very process
-assert libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) == 0
-every = ITS(TS(0, 10_000_000), TS(0, 10_000_000))
-assert libc.timer_settime(timer, 0, ctypes.byref(every), None) == 0
+event, timer = SigEvent(0, signal.SIGCONT, 0), ctypes.c_void_p()
+def arm(every_ns):
+    assert libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) == 0
+    every = ITS(TS(0, every_ns), TS(0, every_ns))
+    assert libc.timer_settime(timer, 0, ctypes.byref(every), None) == 0
+"""
+WAKING_KERNEL = SIGCONT_TIMER + r"""
+arm(10_000_000)
 
 def rewrite():
     done = set()
@@ -361,25 +366,11 @@ def test_a_kernel_woken_during_a_fresh_command_cannot_forge_it(
 # new pid to chase. The guest's walk stops all at once (kill(-1) in the sandbox's own pid
 # namespace), then kills until a look finds nothing new. Held before this test was written
 # (2026-11-28): kept so that it stays so.
-SELF_WAKING_CHAIN = r"""
-import ctypes, os, signal
-libc = ctypes.CDLL(None, use_errno=True)
-class SigEvent(ctypes.Structure):
-    _fields_ = [("value", ctypes.c_long), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
-                ("pad", ctypes.c_byte * 48)]
-class TS(ctypes.Structure):
-    _fields_ = [("s", ctypes.c_long), ("ns", ctypes.c_long)]
-class ITS(ctypes.Structure):
-    _fields_ = [("interval", TS), ("value", TS)]
-event, timer = SigEvent(0, signal.SIGCONT, 0), ctypes.c_void_p()
-every = ITS(TS(0, 50_000), TS(0, 50_000))
-def arm():
-    libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer))
-    libc.timer_settime(timer, 0, ctypes.byref(every), None)
-arm()
+SELF_WAKING_CHAIN = SIGCONT_TIMER + r"""
+arm(50_000)
 while True:
     if libc.fork() == 0:
-        arm()
+        arm(50_000)
         try:
             os.write(os.open("/workspace/chain.alive", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), b"1")
         except OSError:
