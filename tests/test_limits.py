@@ -442,3 +442,37 @@ async def test_a_networked_sandbox_cannot_fill_the_hosts_connection_table(
         finally:
             # The rules are the host's: back to the default for the rest of the session.
             await netns.ensure_routing(Settings.model_fields["network_max_connections"].default)
+
+
+NO_IPV6_OUT = r"""
+import socket
+addresses = [l.split()[-1] for l in open("/proc/net/if_inet6").read().splitlines()]
+index = socket.if_nametoindex("eth0")
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+refused = 0
+for n in range(50):
+    try:
+        s.sendto(b"x", ("fe80::dead:%x" % (n + 1), 9, 0, index))
+    except OSError:
+        refused += 1
+sorted(set(addresses)), refused
+"""
+
+
+def _neighbours_v6() -> int:
+    return int(Path("/proc/net/stat/ndisc_cache").read_text().splitlines()[1].split()[0], 16)
+
+
+def test_a_networked_sandbox_has_no_ipv6_on_its_link(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    # Failed before: eth0 had a link-local address, so the sandbox reached the host's [::]
+    # services past the IPv4 walls, and each datagram to a new fe80:: address took an entry
+    # of the host-wide IPv6 neighbour table (50 here; 1,024 fill it).
+    if isolated_backend != "bubblewrap" or os.geteuid() != 0:
+        pytest.skip("the veth networks are root's bubblewrap's")
+    with Sandbox.create(manager=manager, backend="bubblewrap", network=True) as sb:
+        before = _neighbours_v6()
+        result = sb.run_code(NO_IPV6_OUT)
+        assert result.text == "(['lo'], 50)", result
+        assert _neighbours_v6() - before < 5

@@ -170,13 +170,20 @@ async def create(net: SandboxNet) -> None:
         await _run(IP, "link", "del", net.veth, check=False)
     await _run(IP, "netns", "add", net.name)
     try:
+        # No IPv6 on the link, either end (addrgenmode none: no link-local address is made,
+        # and without CAP_NET_ADMIN the sandbox cannot add one). The walls are IPv4's; with
+        # a link-local address a sandbox reached the host's [::] services past them, and
+        # every fe80:: address is on the link, so each datagram to a new one took an entry
+        # of the host-wide IPv6 neighbour table (1,024 at most; red team, 2026-11-28).
         host_side = (
             f"link add {net.veth} type veth peer name eth0 netns {net.name}\n"
+            f"link set {net.veth} addrgenmode none\n"
             f"addr add {net.gateway}/30 dev {net.veth}\n"
             f"link set {net.veth} up\n"
         )
         await _run(IP, "-batch", "-", stdin=host_side)
         inside = (
+            "link set eth0 addrgenmode none\n"
             f"addr add {net.address}/30 dev eth0\n"
             "link set eth0 up\n"
             "link set lo up\n"
