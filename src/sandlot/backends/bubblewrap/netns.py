@@ -143,22 +143,42 @@ async def ensure_routing(max_connections: int) -> None:
     await _limit_connections(net, max_connections)
 
 
+# How long the host keeps a closed TCP connection's entry (nf_conntrack_tcp_timeout_time_wait's
+# default): connlimit counts open connections only, so closed ones are bounded by a rate.
+TIME_WAIT_S = 120
+
+
 async def _limit_connections(net: str, per_sandbox: int) -> None:
-    """New connections from a networked sandbox past ``per_sandbox`` of its own tracked at
-    once, or past half of the host's table for all of them together, are refused, to the
-    host itself as well as through it. One chain, jumped to first from FORWARD and INPUT,
-    so that each connlimit rule counts a sandbox's flows on both paths together (each rule
-    counts only what it has seen). A refused packet takes no slot: an entry joins the table
-    only once its first packet has passed."""
+    """A networked sandbox's entries in the host's connection-tracking table, bounded.
+
+    New connections are refused past ``per_sandbox`` open at once (``connlimit``), or past
+    half of the table for all networked sandboxes together. ``connlimit`` does not count a
+    closed TCP connection, whose entry the host keeps :data:`TIME_WAIT_S` more: 20,000
+    connects and closes in 1.1 s left 11,000 entries past a cap of 1,024 (red team,
+    2026-11-28). So new connections are also rate-limited (``hashlimit``): a 32nd of the cap
+    a second for one sandbox, past a burst of the cap (its closed ones then hold ~4-8 times
+    its cap at most: 32 a second for 1,024 let ~65 through a second, measured), and
+    a quarter of the table per :data:`TIME_WAIT_S` for all together. One chain, jumped to
+    first from FORWARD and INPUT, so that each rule counts a sandbox's flows on both paths
+    (a rule counts only what it has seen). A refused packet takes no entry: one joins the
+    table only once its first packet has passed."""
     table = int(CONNTRACK_MAX.read_text()) if CONNTRACK_MAX.exists() else 65536
     await _run(IPTABLES, "-w", "-N", LIMIT_CHAIN, check=False)
     await _run(IPTABLES, "-w", "-F", LIMIT_CHAIN)
-    new = ("-m", "conntrack", "--ctstate", "NEW", "-m", "connlimit")
-    for above, mask in ((per_sandbox, "32"), (max(per_sandbox, table // 2), "0")):
-        await _run(
-            IPTABLES, "-w", "-A", LIMIT_CHAIN, *new,
-            "--connlimit-above", str(above), "--connlimit-mask", mask, "-j", "REJECT",
-        )  # fmt: skip
+    new = ("-m", "conntrack", "--ctstate", "NEW")
+    per_second = max(8, per_sandbox // 32)
+    all_per_second = max(per_second, table // 4 // TIME_WAIT_S)
+    limits = (
+        ("connlimit", "--connlimit-above", str(per_sandbox), "--connlimit-mask", "32"),
+        ("connlimit", "--connlimit-above", str(max(per_sandbox, table // 2)),
+         "--connlimit-mask", "0"),
+        ("hashlimit", "--hashlimit-above", f"{per_second}/sec", "--hashlimit-burst",
+         str(per_sandbox), "--hashlimit-mode", "srcip", "--hashlimit-name", "sandlot-one"),
+        ("hashlimit", "--hashlimit-above", f"{all_per_second}/sec", "--hashlimit-burst",
+         str(max(per_sandbox, table // 16)), "--hashlimit-name", "sandlot-all"),
+    )  # fmt: skip
+    for match, *options in limits:
+        await _run(IPTABLES, "-w", "-A", LIMIT_CHAIN, *new, "-m", match, *options, "-j", "REJECT")
     for chain in ("FORWARD", "INPUT"):
         await _iptables_once("filter", chain, "-s", net, "-j", LIMIT_CHAIN)
 
