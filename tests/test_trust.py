@@ -296,7 +296,9 @@ def arm(every_ns):
     every = ITS(TS(0, every_ns), TS(0, every_ns))
     assert libc.timer_settime(timer, 0, ctypes.byref(every), None) == 0
 """
-WAKING_KERNEL = SIGCONT_TIMER + r"""
+WAKING_KERNEL = (
+    SIGCONT_TIMER
+    + r"""
 arm(10_000_000)
 
 def rewrite():
@@ -330,6 +332,7 @@ def rewrite():
 
 threading.Thread(target=rewrite, daemon=True).start()
 """
+)
 CHECK = "sleep 1.5\necho THE_CHECK result=FAIL\nexit 1"
 
 
@@ -366,7 +369,9 @@ def test_a_kernel_woken_during_a_fresh_command_cannot_forge_it(
 # new pid to chase. The guest's walk stops all at once (kill(-1) in the sandbox's own pid
 # namespace), then kills until a look finds nothing new. Held before this test was written
 # (2026-11-28): kept so that it stays so.
-SELF_WAKING_CHAIN = SIGCONT_TIMER + r"""
+SELF_WAKING_CHAIN = (
+    SIGCONT_TIMER
+    + r"""
 arm(50_000)
 while True:
     if libc.fork() == 0:
@@ -378,6 +383,7 @@ while True:
         continue
     libc._exit(0)
 """
+)
 
 
 @pytest.mark.hostile
