@@ -364,6 +364,27 @@ def test_a_kernel_woken_during_a_fresh_command_cannot_forge_it(
     assert (again.exit_code, again.stdout) == (1, "THE_CHECK result=FAIL\n"), describe(again)
 
 
+KILL_THE_STOPPED = (
+    "for p in /proc/[0-9]*; do grep -q '^State:.*(stopped)' $p/status 2>/dev/null"
+    " && kill -9 ${p#/proc/}; done; echo done"
+)
+
+
+@pytest.mark.hostile
+def test_a_kernel_killed_during_a_fresh_command_withholds_its_result(
+    manager: SandboxManager, jail: Sandbox
+) -> None:
+    # Killed (by the command here; the OOM killer alike), the kernel leaves no way to tell
+    # whether it ran first: the result is withheld, and the message says it was killed.
+    jail.run_code("keep = 'state'")
+    if not kernel_kept_through_fresh(jail):
+        pytest.skip("gVisor: the kernel is ended before a fresh command")
+    with pytest.raises(SandboxError, match="ended during this fresh command"):
+        run_fresh(manager, jail, KILL_THE_STOPPED)
+    after = jail.run_code("1 + 1")
+    assert after.text == "2" and after.state_lost, describe(after)
+
+
 # A sibling of the woken kernel: a chain of processes that each arm a SIGCONT timer (every
 # 50 us) and fork the next before going, so that a stop never holds and a walk of /proc has a
 # new pid to chase. The guest's walk stops all at once (kill(-1) in the sandbox's own pid

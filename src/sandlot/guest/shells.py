@@ -168,13 +168,22 @@ class Shells:
     def _resume_untouched(self, pid, marks):
         """Let the stopped kernel go on if it ran nothing during the fresh command; else end
         it and fail the call: the command's result may be its forgery."""
-        if thread_marks(pid) == marks:
+        now = thread_marks(pid)
+        if now == marks:
             try:
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
             return
         self.kernel.stop()  # its loss is reported by the next cell (state_lost)
+        if not any(m is not None and m[0] not in ("Z", "X") for m in now.values()):
+            # Killed (out of memory, or by the command): whether it ran first cannot be told.
+            why = "ended during this fresh command (killed), and whether it ran first"
+            raise GuestFault(
+                "guest_error",
+                "the Python kernel %s cannot be told: the command's result is withheld; "
+                "its state is lost; run the command again" % why,
+            )
         raise GuestFault(
             "guest_error",
             "the Python kernel, stopped during this fresh command, ran meanwhile (sandboxed "
