@@ -65,7 +65,9 @@ def test_container_carries_the_seed_hardening(
     attrs = _container(client, docker_sb.id).attrs
     host, config = attrs["HostConfig"], attrs["Config"]
     limits = docker_sb.info.limits
-    assert config["User"] == "65534:65534"
+    uid = leaks.host_uid(manager, docker_sb.id)
+    # Its own host uid, from the pool bubblewrap's sandboxes draw from: not root, not shared.
+    assert uid >= manager.settings.uid_base and config["User"] == f"{uid}:{uid}"
     assert host["ReadonlyRootfs"] is True
     assert host["CapDrop"] == ["ALL"]
     assert "no-new-privileges" in host["SecurityOpt"]
@@ -82,14 +84,13 @@ def test_container_carries_the_seed_hardening(
         "touch /etc/x 2>&1; touch /usr/x 2>&1; touch /workspace/ok /tmp/ok && echo writable"
     )
     lines = inside.stdout.splitlines()
-    assert lines[0] == "65534"
+    assert lines[0] == str(uid)
     status = dict(line.split(":\t") for line in lines[1:4])
     assert status == {"CapEff": "0000000000000000", "NoNewPrivs": "1", "Seccomp": "2"}
     assert "Read-only file system" in lines[4] and "Read-only file system" in lines[5]
     assert lines[6] == "writable"
     workspace = leaks.sandbox_root(manager, docker_sb.id) / "workspace"
-    assert workspace.stat().st_uid == 65534  # never root on the host either
-    assert (workspace / "ok").stat().st_uid == 65534
+    assert (workspace / "ok").stat().st_uid == uid  # never root on the host either
 
 
 def test_runsc_sandbox_runs_on_gvisor(manager: SandboxManager, client: Any) -> None:
@@ -241,3 +242,29 @@ def test_image_list_shows_built_environments(data_root: Path) -> None:
     assert built.returncode == 0 and "up to date" in built.stderr, built.stderr
     unknown = run_cli(["image", "build", "cobol"], data_root)
     assert unknown.returncode == 2 and "unknown environment" in unknown.stderr
+
+
+INOTIFY_HOG = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+held = []
+while len(held) < 1000:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    held.append(fd)
+len(held)
+"""
+
+
+def test_one_containers_per_uid_limits_are_not_anothers(
+    manager: SandboxManager, docker_sb: Sandbox
+) -> None:
+    # Failed before (red team, 2026-11-28): every runc container ran as uid 65534, so the
+    # kernel's per-uid limits were one for all: A's 127 inotify instances left B none.
+    hog = docker_sb.run_code(INOTIFY_HOG)
+    assert hog.text is not None and 0 < int(hog.text) < 1000, hog  # A is at its own limit
+    with Sandbox.create(manager=manager, backend="docker", runtime="runc", timeout_s=10) as other:
+        assert leaks.host_uid(manager, other.id) != leaks.host_uid(manager, docker_sb.id)
+        fresh = other.run_code("import ctypes\nctypes.CDLL(None).inotify_init1(0) >= 0")
+        assert fresh.text == "True", fresh

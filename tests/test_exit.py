@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from sandlot import SandboxManager, SandboxStatus
-from sandlot.backends.bubblewrap.backend import UID_LOCK_DIR
+from sandlot.backends.uids import UID_LOCK_DIR
 from sandlot.core.store import Store
 from tests import leaks
 from tests.conftest import make_settings, skip_reason

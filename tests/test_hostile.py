@@ -253,7 +253,7 @@ def assert_contained(manager: SandboxManager, sb: Sandbox) -> None:
     """Every live process of the sandbox's uid is in its cgroup, runs as that uid only, and
     the cgroup is within its pids limit.
 
-    A docker sandbox's uid (65534) is not its own, so there the cgroup is the whole story;
+    A docker sandbox has a host uid of its own too, but its cgroup is the whole story there;
     under gVisor the host processes are runsc's (its gofer runs as root, its sentry as 65534),
     and :func:`assert_gvisor_walls` checks those. A limit can end a whole gVisor sandbox (the
     sentry OOM-killed, or refused a host thread by the pids limit): then nothing of it may be
@@ -970,8 +970,7 @@ def test_other_sandbox_workspace_is_not_reachable(
     data_dir = manager.settings.data_dir.resolve()
     # On the host, the other workspace belongs to another uid and is closed to others.
     other_stat = other.stat()
-    if jail.info.backend != "docker":  # docker sandboxes share uid 65534; mounts divide them
-        assert other_stat.st_uid != leaks.host_uid(manager, jail.id)
+    assert other_stat.st_uid != leaks.host_uid(manager, jail.id)
     assert other_stat.st_mode & 0o077 == 0
 
     guesses = [
@@ -1497,7 +1496,10 @@ def test_setuid_binaries_do_not_grant_root(
     # Seen from inside (under gVisor, by gVisor's kernel, which honours no-new-privileges),
     # the ones still running kept the sandbox's uid and gained no capability.
     assert inside, "no setuid binary still running to inspect from inside"
-    sandbox_creds = {"Uid": ["65534"] * 4, "Gid": ["65534"] * 4, "CapEff": ["0" * 16]}
+    # Inside, a bubblewrap sandbox is 65534 (its user namespace maps its host uid there); a
+    # docker sandbox has no user namespace: its host uid of its own.
+    me = str(leaks.host_uid(manager, jail.id)) if docker else "65534"
+    sandbox_creds = {"Uid": [me] * 4, "Gid": [me] * 4, "CapEff": ["0" * 16]}
     assert {p: c for p, c in inside.items() if c != sandbox_creds} == {}
     # While they run (several wait for a password on stdin), look at them from the host.
     running = [p for p in leaks.sandbox_processes(manager, jail.id) if p.state != "Z"]
@@ -1516,7 +1518,7 @@ def test_setuid_binaries_do_not_grant_root(
     assert root == [], f"root processes in the sandbox's cgroup: {root}"
 
     su = jail.commands.run("su root -c 'id -u' </dev/null; id -u")
-    assert su.stdout.split() == ["65534"], describe(su)  # only the second id -u ran
+    assert su.stdout.split() == [me], describe(su)  # only the second id -u ran
     assert jail.run_code("for p in setuid_procs.values():\n    p.kill()\n    p.wait()").ok
     assert_unaffected(host, bystander)
 

@@ -71,7 +71,6 @@ from sandlot.backends.bubblewrap.template import (
     sealed_memfd,
     system_identity,
 )
-from sandlot.backends.bubblewrap.uids import UidAllocator, unlock
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from sandlot.backends.delegation import find_delegated, prepare
 from sandlot.backends.devpts import (
@@ -110,6 +109,7 @@ from sandlot.backends.procfs import (
     write_proc_files,
 )
 from sandlot.backends.rootfs import bubblewrap_mode, missing_tree_error
+from sandlot.backends.uids import UidAllocator, unlock
 from sandlot.config import Settings
 from sandlot.environments import get_environment
 from sandlot.errors import BackendUnavailable, SandboxStartError
@@ -118,7 +118,6 @@ from sandlot.models import ResourceUsage
 log = structlog.get_logger(__name__)
 
 SANDBOX_UID = 65534  # "nobody" inside; the host uid behind it differs per sandbox
-UID_LOCK_DIR = Path("/run/sandlot/uids")
 NET_LOCK_DIR = Path("/run/sandlot/nets")  # a networked sandbox's /30, host-wide (netns.py)
 HOST_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 ETC_BINDS = (
@@ -321,8 +320,9 @@ class BubblewrapBackend:
                     f"reach their workspace under {self.sandboxes_dir}; set SANDLOT_DATA_DIR "
                     "to a directory whose parents are mode o+x (such as /var/lib/sandlot)"
                 )
-            lock_dir = UID_LOCK_DIR if Path("/run").is_dir() else self.data_dir / "uids"
-            self._uids = UidAllocator(lock_dir, self.settings.uid_base, self.settings.uid_count)
+            self._uids = UidAllocator.for_host(
+                self.data_dir, self.settings.uid_base, self.settings.uid_count
+            )
         self._install_guest_files()
         self._checked = True
 

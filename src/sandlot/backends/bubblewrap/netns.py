@@ -30,7 +30,7 @@ from pathlib import Path
 
 import structlog
 
-from sandlot.backends.bubblewrap.uids import lock_first_free
+from sandlot.backends.uids import lock_first_free
 from sandlot.errors import SandboxStartError
 
 log = structlog.get_logger(__name__)

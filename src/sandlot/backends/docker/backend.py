@@ -3,8 +3,8 @@
 Each sandbox is a container made from its environment's image (built offline, see
 :mod:`sandlot.backends.docker.images`) with the seeds' hardening: no network, memory with
 swap equal to it, a CPU quota, a pids limit, a read-only root with only /workspace and /tmp
-writable, uid 65534, every capability dropped, ``no-new-privileges`` and Docker's default
-seccomp profile.
+writable, a host uid of its own (from ``SANDBOX_UID_BASE``, as a bubblewrap sandbox's), every
+capability dropped, ``no-new-privileges`` and Docker's default seccomp profile.
 /workspace and /tmp live on the same size-capped ext4 image as in the bubblewrap backend.
 
 The container's pid 1 is a tiny shell loop that only reaps orphans; the guest agent, installed
@@ -64,6 +64,7 @@ from sandlot.backends.launch import (
     install_guest,
 )
 from sandlot.backends.procfs import HIDDEN_DIRS, HIDDEN_FILES, SYNTHESIZED, write_proc_files
+from sandlot.backends.uids import UidAllocator, unlock
 from sandlot.config import Settings
 from sandlot.environments import Environment, get_environment
 from sandlot.errors import BackendUnavailable, ConfigError, SandboxError, SandboxStartError
@@ -75,8 +76,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-SANDBOX_UID = 65534
-SANDBOX_USER = f"{SANDBOX_UID}:{SANDBOX_UID}"
 # pid 1 of every container: reaps the orphans reparented to it (dash's `wait` reaps any
 # child), and being pid 1 it ignores every signal from inside the container.
 REAPER = 'trap "" HUP INT TERM; while :; do sleep 2147483647 & wait; done'
@@ -119,6 +118,8 @@ class _Box:
     runtime: str
     disk_capped: bool
     memory_bytes: int
+    uid: int  # its own host uid (uids.py's pool), held by uid_lock_fd until it is gone
+    uid_lock_fd: int | None = None
     cgroup: Cgroup | None = None
     guest: ExecGuest | None = None
     # Limit hits of earlier incarnations of the container (a restart resets its cgroup).
@@ -140,6 +141,11 @@ class _Box:
     def pids_limit_hits(self) -> int:
         return self.pids_base + self.pids_seen + int(self.end_cause == "pids")
 
+    @property
+    def user(self) -> str:
+        """Docker's ``user`` for its processes: the sandbox's own uid and group."""
+        return f"{self.uid}:{self.uid}"
+
 
 class DockerBackend:
     name: ClassVar[str] = "docker"
@@ -158,6 +164,11 @@ class DockerBackend:
         self._images_ok: set[str] = set()
         self._cgroups: CgroupDriver | None = None
         self._loop_ok = False
+        # Each runc container runs as its own host uid, from the pool bubblewrap's sandboxes
+        # draw from: the kernel counts some limits per uid (inotify instances, epoll watches,
+        # message-queue bytes), and with one uid for all, one container's 127 inotify
+        # instances left every other without one (red team, 2026-11-28).
+        self._uids = UidAllocator.for_host(self.data_dir, settings.uid_base, settings.uid_count)
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -231,6 +242,7 @@ class DockerBackend:
             self._images_ok.add(env.name)
         root = self.sandboxes_dir / spec.sandbox_id
         workspace, _ = volume_paths(root)
+        uid, lock_fd = self._uids.acquire()
         box = _Box(
             spec.sandbox_id,
             "",
@@ -239,13 +251,15 @@ class DockerBackend:
             runtime,
             self._loop_ok,
             spec.limits.memory_mb * 1024 * 1024,
+            uid,
+            lock_fd,
         )
         self._boxes[spec.sandbox_id] = box
         try:
             await make_volume(
                 root,
                 spec.limits.disk_mb,
-                SANDBOX_UID,
+                uid,
                 capped=self._loop_ok,
                 templates=self.data_dir / VOLUME_TEMPLATES,
             )
@@ -305,7 +319,7 @@ class DockerBackend:
                 command=["/bin/sh", "-c", REAPER],
                 name=f"sandlot-{spec.sandbox_id}",
                 hostname="sandbox",
-                user=SANDBOX_USER,
+                user=box.user,
                 working_dir=WORKSPACE_INSIDE,
                 environment={"LANG": "C.UTF-8"},
                 labels={
@@ -357,7 +371,7 @@ class DockerBackend:
             client,
             box.container_id,
             guest_argv(),
-            user=SANDBOX_USER,
+            user=box.user,
             environment=guest_env(spec.env),
             workdir=WORKSPACE_INSIDE,
         )
@@ -393,7 +407,7 @@ class DockerBackend:
         container = client.containers.get(box.container_id)
         if container.status != "running":
             raise SandboxError(f"container is {container.status}")
-        created = client.api.exec_create(box.container_id, KILL_ALL, user=SANDBOX_USER)
+        created = client.api.exec_create(box.container_id, KILL_ALL, user=box.user)
         client.api.exec_start(created["Id"])
         code = client.api.exec_inspect(created["Id"]).get("ExitCode")
         if code not in (0, None):
@@ -425,6 +439,9 @@ class DockerBackend:
         if box is None or not box.removed:
             await self._remove(box, sandbox_id)
         await remove_volume(box.root if box is not None else self.sandboxes_dir / sandbox_id)
+        if box is not None and box.uid_lock_fd is not None:
+            unlock(box.uid_lock_fd)  # only once nothing of the sandbox's is left
+            box.uid_lock_fd = None
 
     async def _remove(self, box: _Box | None, sandbox_id: str) -> None:
         if box is not None and box.guest is not None:

@@ -15,8 +15,17 @@ from pathlib import Path
 
 from sandlot.errors import SandboxStartError
 
+# Host-wide, so that every manager and backend on the host draws from one pool.
+UID_LOCK_DIR = Path("/run/sandlot/uids")
+
 
 class UidAllocator:
+    @classmethod
+    def for_host(cls, data_dir: Path, base: int, count: int) -> UidAllocator:
+        """The host's pool (:data:`UID_LOCK_DIR`), or the data directory's without /run."""
+        lock_dir = UID_LOCK_DIR if Path("/run").is_dir() else data_dir / "uids"
+        return cls(lock_dir, base, count)
+
     def __init__(self, lock_dir: Path, base: int, count: int) -> None:
         self.lock_dir = lock_dir
         self.base = base
