@@ -57,8 +57,10 @@ class SandboxClient:
         body: dict[str, Any] = {"session_id": self._session(), "command": command}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
-        wait_s = (timeout_s or self._http.timeout.read or 60.0) + EXEC_MARGIN_S
-        return self._post("/execute", body, timeout_s=wait_s)
+        # The server ends the command at its timeout (the server's default without one):
+        # wait for its answer past that, however long it is.
+        wait_s = None if timeout_s is None else timeout_s + EXEC_MARGIN_S
+        return self._post("/execute", body, timeout=httpx.Timeout(10.0, read=wait_s))
 
     def cleanup(self) -> None:
         """Destroy the session's sandbox (nothing to do without one)."""
@@ -90,11 +92,11 @@ class SandboxClient:
         return self.session_id
 
     def _post(
-        self, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+        self, path: str, body: dict[str, Any] | None = None, timeout: httpx.Timeout | None = None
     ) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"json": body or {}}
-        if timeout_s is not None:
-            kwargs["timeout"] = timeout_s
+        if timeout is not None:
+            kwargs["timeout"] = timeout
         response = self._http.post(path, **kwargs)
         if response.status_code >= 400:
             raise response_error(response)

@@ -47,6 +47,14 @@ def tcp_share() -> float:
     return min(1.0, pages * os.sysconf("SC_PAGE_SIZE") / (total_kb * 1024))
 
 
+@functools.cache
+def _warn_uncapped_sockets() -> None:
+    log.warning(
+        "this kernel's cgroup v1 has no memory.kmem.tcp.limit_in_bytes: sandboxes' socket "
+        "buffers are not charged to them, and together can fill the host's TCP pool"
+    )
+
+
 def socket_buffers_bytes(memory_bytes: int) -> int:
     """What a sandbox of ``memory_bytes`` may hold in socket buffers on cgroup v1."""
     return max(SOCKET_BUFFERS_FLOOR_BYTES, int(memory_bytes * tcp_share()))
@@ -152,6 +160,8 @@ class Cgroup:
         tcp = self.dirs["memory"] / "memory.kmem.tcp.limit_in_bytes"
         if tcp.exists():
             tcp.write_text(str(socket_buffers_bytes(memory_bytes)))
+        else:
+            _warn_uncapped_sockets()
 
     def set_cpu(self, cpu_cores: float) -> None:
         """Set the CPU quota (takes effect at once, for the processes already inside)."""

@@ -267,13 +267,31 @@ def stopped_marks(pid, timeout_s=2.0):
     deadline = time.monotonic() + timeout_s
     while True:
         marks = thread_marks(pid)
-        if marks and all(m is not None and m[0] in ("T", "t") for m in marks.values()):
+        if not marks:
+            return None
+        if all(m is not None and m[0] in ("T", "t") for m in marks.values()):
             if not all(any(v is not None for v in m[1:]) for m in marks.values()):
                 return None
-            return marks
-        if not marks or time.monotonic() >= deadline:
-            return None
+            if settled_marks(pid) == marks:
+                return marks
+        if time.monotonic() >= deadline:
+            return None  # it does not stay stopped (woken again and again, say)
         time.sleep(0.001)
+
+
+# A thread shows "T" as soon as it has set its state, but its switch counts only once it is
+# switched out, microseconds later (or longer, preempted): marks read in between change
+# without it running again. Read again after this: what the thread was finishing is done.
+SETTLE_S = 0.0005
+
+
+def settled_marks(pid):
+    """:func:`thread_marks` of ``pid``, read twice :data:`SETTLE_S` apart; None unless the
+    two reads agree (a thread was still being switched out, or it runs)."""
+    first = thread_marks(pid)
+    time.sleep(SETTLE_S)
+    second = thread_marks(pid)
+    return first if first == second else None
 
 
 def _shared_pids():

@@ -20,6 +20,7 @@ from procs import (
     freeze_all_but,
     killpg,
     set_oom_preferred,
+    settled_marks,
     signal_exit_code,
     spawn,
     stopped_marks,
@@ -45,14 +46,15 @@ eval "$__agsb_cmd"
 """
 
 
-# The most of a command's saved cwd and environment the guest reads back (a path is at most
-# 4 KiB; an environment past 1 MiB would not fit a later exec's arguments anyway).
+# The most of a command's saved cwd and environment the guest takes back; past it the file is
+# refused whole and the session keeps its state (a path is at most 4 KiB; 1 MiB of
+# environment is half of what an exec takes for its arguments and environment together).
 STATE_CWD_LIMIT = 4096
 STATE_ENV_LIMIT = 1 << 20
 
 
 def _read_state(path, limit):
-    """Up to ``limit`` bytes of the regular file the command's EXIT trap wrote at ``path``.
+    """The regular file the command's EXIT trap wrote at ``path``, if at most ``limit`` bytes.
 
     The state directory is in the sandbox's /tmp, and its names are predictable: sandboxed
     code may put a FIFO there (its open would block the guest for good), a symlink to
@@ -62,13 +64,15 @@ def _read_state(path, limit):
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError("%s is not a regular file" % path)
-        chunks, left = [], limit
+        chunks, left = [], limit + 1
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 16))
             if not chunk:
                 break
             chunks.append(chunk)
             left -= len(chunk)
+        if left <= 0:
+            raise OSError("%s is over %d bytes" % (path, limit))  # not cut: refused whole
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -153,7 +157,9 @@ class Shells:
                 try:
                     env = dict(self.env, HOME=home)
                     session = {"cwd": WORKSPACE, "env": env, "lock": None}
-                    result = self._run_shell(request, session, "fresh", call, time.monotonic())
+                    result = self._run_shell(
+                        request, session, "fresh", call, time.monotonic(), state_dir=home
+                    )
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
                     if keep is not None:
@@ -168,13 +174,13 @@ class Shells:
     def _resume_untouched(self, pid, marks):
         """Let the stopped kernel go on if it ran nothing during the fresh command; else end
         it and fail the call: the command's result may be its forgery."""
-        now = thread_marks(pid)
-        if now == marks:
+        if settled_marks(pid) == marks:
             try:
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
             return
+        now = thread_marks(pid)
         self.kernel.stop()  # its loss is reported by the next cell (state_lost)
         if not any(m is not None and m[0] not in ("Z", "X") for m in now.values()):
             # Killed (out of memory, or by the command): whether it ran first cannot be told.
@@ -191,9 +197,14 @@ class Shells:
             "kernel was ended (its state is lost); run the command again",
         )
 
-    def _run_shell(self, request, session, name, call, started):
-        os.makedirs(SHELL_STATE_DIR, exist_ok=True)
-        state_base = os.path.join(SHELL_STATE_DIR, "%s-%s" % (_safe_name(name), request["id"]))
+    def _run_shell(self, request, session, name, call, started, state_dir=None):
+        """Run one command; ``state_dir`` holds its saved cwd and env (default: the shared
+        SHELL_STATE_DIR; a fresh command's is a new private one: sandboxed code can make the
+        shared one unwritable, and a FIFO it planted there then outlives our unlink)."""
+        if state_dir is None:
+            state_dir = SHELL_STATE_DIR
+            os.makedirs(state_dir, exist_ok=True)
+        state_base = os.path.join(state_dir, "%s-%s" % (_safe_name(name), request["id"]))
         for suffix in (".cwd", ".env"):
             # A FIFO planted at a later call's name would hang its EXIT trap's write (a fresh
             # check would come back "timeout"): the command's trap makes new files.

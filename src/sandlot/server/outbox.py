@@ -201,10 +201,16 @@ async def cut(
     with contextlib.suppress(Exception):
         await asyncio.wait_for(websocket.close(code=CUT_CODE, reason=CUT_REASON), CUT_WAIT_S)
         closed = True
-    if not closed:
-        abort = websocket.scope.get("extensions", {}).get(ABORT_EXTENSION)
-        if abort is not None:
-            abort["abort"]()
+    abort = websocket.scope.get("extensions", {}).get(ABORT_EXTENSION)
+    if abort is None:
+        return
+    if closed:
+        # The close frame was handed over, but it waits behind what the transport holds: a
+        # client that reads nothing would keep the connection. Dropped if still there then
+        # (an abort of a connection already closed does nothing).
+        asyncio.get_running_loop().call_later(CUT_WAIT_S, abort["abort"])
+    else:
+        abort["abort"]()
 
 
 def cost(text: str) -> int:

@@ -164,11 +164,12 @@ class DockerBackend:
         self._images_ok: set[str] = set()
         self._cgroups: CgroupDriver | None = None
         self._loop_ok = False
-        # Each runc container runs as its own host uid, from the pool bubblewrap's sandboxes
-        # draw from: the kernel counts some limits per uid (inotify instances, epoll watches,
+        # Each container runs as its own host uid, from the pool bubblewrap's sandboxes draw
+        # from: the kernel counts some limits per uid (inotify instances, epoll watches,
         # message-queue bytes), and with one uid for all, one container's 127 inotify
-        # instances left every other without one (red team, 2026-11-28).
-        self._uids = UidAllocator.for_host(self.data_dir, settings.uid_base, settings.uid_count)
+        # instances left every other without one (red team, 2026-11-28). Made once root is
+        # known (_connect): the pool's lock directory is root's.
+        self._uids: UidAllocator | None = None
 
     @classmethod
     def probe(cls, settings: Settings, runtime: str | None = None) -> list[Check]:
@@ -196,7 +197,9 @@ class DockerBackend:
         }
         with contextlib.suppress(BackendUnavailable):
             self._cgroups = CgroupDriver.detect()
-        if os.geteuid() == 0 and self.settings.raise_file_max:
+        settings = self.settings
+        self._uids = UidAllocator.for_host(self.data_dir, settings.uid_base, settings.uid_count)
+        if settings.raise_file_max:
             raise_file_max()  # containers' open files share the host's table (hostwide.py)
         self._loop_ok, why = loop_disks_available()
         if not self._loop_ok:
@@ -242,6 +245,7 @@ class DockerBackend:
             self._images_ok.add(env.name)
         root = self.sandboxes_dir / spec.sandbox_id
         workspace, _ = volume_paths(root)
+        assert self._uids is not None  # made by _connect, which _ready ran
         uid, lock_fd = self._uids.acquire()
         box = _Box(
             spec.sandbox_id,
@@ -574,6 +578,8 @@ class DockerBackend:
         for box in self._boxes.values():
             if box.guest is not None:
                 box.guest.kill()
+            if box.uid_lock_fd is not None:
+                unlock(box.uid_lock_fd)  # as bubblewrap's: the process may live on
         self._boxes.clear()
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
