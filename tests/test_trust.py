@@ -464,6 +464,26 @@ def test_files_planted_at_a_later_calls_names_neither_hang_nor_flood_the_guest(
     assert_kernel_after_fresh(jail, fresh)
 
 
+@pytest.mark.hostile
+def test_a_fresh_commands_state_files_are_out_of_reach_of_planted_ones(
+    manager: SandboxManager, jail: Sandbox
+) -> None:
+    # FIFOs at the next fresh commands' state names, in a directory then made unwritable so
+    # that the guest's unlink fails (review, 2026-11-28): the trap's write would wait there
+    # until the timeout. A fresh command's state now goes to a new directory of its own.
+    plant = (
+        "id=${__agsb_state##*-}; for i in 1 2 3 4 5; do "
+        "mkfifo /tmp/.sandlot_shells/fresh-$((id+i)).cwd; done; chmod 555 /tmp/.sandlot_shells"
+    )
+    assert jail.commands.run(plant).exit_code == 0
+    try:
+        check = run_fresh(manager, jail, "pwd; exit 4", timeout_s=10)
+        assert (check.exit_code, check.kill_reason) == (4, None), describe(check)
+        assert check.stdout == "/workspace\n" and check.duration_ms < 5000, describe(check)
+    finally:
+        jail.commands.run("chmod 755 /tmp/.sandlot_shells")
+
+
 # ------------------------------------------- 4. control bytes must not blow up a frame
 
 
