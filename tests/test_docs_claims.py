@@ -94,3 +94,36 @@ def test_a_dotenv_file_is_read_under_the_environment_and_explicit_arguments(
     assert Settings().timeout_s == 9  # the environment over .env
     assert Settings(timeout_s=11).timeout_s == 11  # explicit over both
     assert Settings().memory_mb == 300
+
+
+def test_the_readme_documents_every_setting_and_only_real_ones() -> None:
+    """Each variable in the README's tables is read by a settings class, and each setting's
+    variable is named somewhere in the README: neither drifts from the other."""
+    from sandlot.agent.config import AgentSettings
+    from sandlot.config import OLD_PREFIX, Settings
+
+    text = (REPO / "README.md").read_text()
+    documented: set[str] = set()
+    for line in text.splitlines():
+        row = re.match(r"\| (`[A-Z][A-Z0-9_]*`(?:, `[A-Z][A-Z0-9_]*`)*) \|", line)
+        if row:
+            documented |= set(re.findall(r"`([A-Z][A-Z0-9_]*)`", row.group(1)))
+    known = _env_names(Settings) | _env_names(AgentSettings)
+    assert len(documented) > 40 and documented <= known, documented - known
+    # Each setting's own name (the first; the rest are aliases: GEMINI_API_KEY, old names).
+    primary = {_env_names_in_order(f)[0] for f in _fields(Settings) + _fields(AgentSettings)}
+    assert not {n for n in primary if f"`{n}`" not in text and not n.startswith(OLD_PREFIX)}
+
+
+def _fields(cls: type) -> list[object]:
+    fields: dict[str, object] = cls.model_fields  # type: ignore[attr-defined]
+    return [f for f in fields.values() if _env_names_in_order(f)]
+
+
+def _env_names_in_order(field: object) -> list[str]:
+    from pydantic import AliasChoices
+
+    alias = getattr(field, "validation_alias", None)
+    if not isinstance(alias, AliasChoices):
+        return []
+    return [c for c in alias.choices if isinstance(c, str) and c.isupper()]
