@@ -397,8 +397,8 @@ arm(50_000)
 while True:
     if libc.fork() == 0:
         arm(50_000)
-        try:
-            os.write(os.open("/workspace/chain.alive", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), b"1")
+        try:  # no O_TRUNC: a reader between a truncation and its write saw it empty (CI)
+            os.write(os.open("/workspace/chain.alive", os.O_WRONLY | os.O_CREAT), b"1")
         except OSError:
             pass
         continue
