@@ -272,7 +272,8 @@ def stopped_marks(pid, timeout_s=2.0):
         if all(m is not None and m[0] in ("T", "t") for m in marks.values()):
             if not all(any(v is not None for v in m[1:]) for m in marks.values()):
                 return None
-            if settled_marks(pid) == marks:
+            time.sleep(SETTLE_S)  # settled: the same again once any switch-out is done
+            if thread_marks(pid) == marks:
                 return marks
         if time.monotonic() >= deadline:
             return None  # it does not stay stopped (woken again and again, say)

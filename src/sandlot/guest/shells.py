@@ -184,11 +184,11 @@ class Shells:
         self.kernel.stop()  # its loss is reported by the next cell (state_lost)
         if not any(m is not None and m[0] not in ("Z", "X") for m in now.values()):
             # Killed (out of memory, or by the command): whether it ran first cannot be told.
-            why = "ended during this fresh command (killed), and whether it ran first"
             raise GuestFault(
                 "guest_error",
-                "the Python kernel %s cannot be told: the command's result is withheld; "
-                "its state is lost; run the command again" % why,
+                "the Python kernel ended during this fresh command (killed), and whether it "
+                "ran first cannot be told: the command's result is withheld; its state is "
+                "lost; run the command again",
             )
         raise GuestFault(
             "guest_error",
