@@ -51,10 +51,13 @@ class StdinQueue(asyncio.Queue[bytes | None]):
     """Input for a running command, counting the bytes not yet taken by the command (the
     foreground WebSocket run and background commands share it)."""
 
-    def __init__(self, max_bytes: int, maxsize: int = 0) -> None:
+    def __init__(self, max_bytes: int, maxsize: int = 0, chunk_overhead_bytes: int = 0) -> None:
         super().__init__(maxsize)
         self.max_bytes = max_bytes
         self.queued_bytes = 0
+        # What each queued chunk costs beyond its bytes, counted against ``max_bytes``: with
+        # no ``maxsize``, a flood of one-byte chunks is then bounded like one big chunk.
+        self.chunk_overhead_bytes = chunk_overhead_bytes
 
     def _put(self, item: bytes | None) -> None:
         self.queued_bytes += len(item or b"")
@@ -66,7 +69,9 @@ class StdinQueue(asyncio.Queue[bytes | None]):
         return item
 
     def has_room(self, size: int) -> bool:
-        return self.queued_bytes + size <= self.max_bytes
+        """Whether ``size`` more bytes, in one more chunk, stay within the cap."""
+        overhead = (self.qsize() + 1) * self.chunk_overhead_bytes
+        return self.queued_bytes + size + overhead <= self.max_bytes
 
     def offer(self, data: bytes) -> bool:
         """Queue ``data`` unless that would pass the backlog cap; say whether it was."""

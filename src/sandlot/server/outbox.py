@@ -111,12 +111,8 @@ def offer(outbox: Outbox, budget: Budget, item: dict[str, Any], cost: int) -> No
         budget.add(outbox, item, cost)
     elif not budget.dropped:
         budget.dropped = True
-        notice = {
-            "type": "notice",
-            "code": "output_dropped",
-            "message": "stream output dropped: the client reads too slowly",
-        }
-        budget.add(outbox, notice, item_cost(notice))
+        dropped = notice("output_dropped", "stream output dropped: the client reads too slowly")
+        budget.add(outbox, dropped, item_cost(dropped))
 
 
 def notify(outbox: Outbox, budget: Budget, item: dict[str, Any], cost: int | None = None) -> None:
@@ -215,6 +211,11 @@ async def cut(
 
 def cost(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass")) + CHUNK_OVERHEAD_BYTES
+
+
+def notice(code: str, message: str) -> dict[str, Any]:
+    """A notice frame: something was dropped or refused, and the stream goes on."""
+    return {"type": "notice", "code": code, "message": message}
 
 
 def error_message(exc: SandboxError) -> dict[str, Any]:

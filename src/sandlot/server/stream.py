@@ -98,7 +98,11 @@ async def _one_run(
         elif kind == "command":
             command = RunCommand.model_validate(fields)
             backlog = state.settings.ws_stdin_backlog_kb * 1024
-            stdin = StdinQueue(backlog) if message.get("stdin") else None
+            stdin = (
+                StdinQueue(backlog, chunk_overhead_bytes=STDIN_CHUNK_OVERHEAD_BYTES)
+                if message.get("stdin")
+                else None
+            )
             call = state.manager.run_command(
                 sandbox_id,
                 command,
@@ -172,33 +176,22 @@ async def _listen(
         data = str(message.get("data", "")).encode("utf-8", "surrogatepass")
         if not data:
             continue  # nothing to send: not a request to the guest
-        if not _offer_stdin(stdin, data):
+        if not stdin.offer(data):
             # The command is not reading: refuse more instead of holding it for it. A
             # notice, not an error: the run goes on and its result still comes.
-            notice = {
-                "type": "notice",
-                "code": "stdin_backlog_full",
-                "message": f"stdin dropped: {stdin.queued_bytes} bytes already wait "
-                "for the command to read them; raise API_WS_STDIN_BACKLOG_KB to "
-                "allow more",
-            }
-            outbox_.notify(outbox, budget, notice)
+            full = outbox_.notice(
+                "stdin_backlog_full",
+                f"stdin dropped: {stdin.queued_bytes} bytes already wait for the command to "
+                "read them; raise API_WS_STDIN_BACKLOG_KB to allow more",
+            )
+            outbox_.notify(outbox, budget, full)
 
 
-STDIN_CLOSED = {
-    "type": "notice",
-    "code": "invalid_request",
-    "message": "stdin dropped: stdin_eof was sent already",
-}
+STDIN_CLOSED = outbox_.notice("invalid_request", "stdin dropped: stdin_eof was sent already")
 # What one queued stdin chunk costs beyond its bytes (the bytes object, its queue slot):
-# counted against the backlog, so that a flood of one-byte chunks is bounded like one big one.
+# counted against the backlog (StdinQueue), so that a flood of one-byte chunks is bounded
+# like one big one.
 STDIN_CHUNK_OVERHEAD_BYTES = 64
-
-
-def _offer_stdin(stdin: StdinQueue, data: bytes) -> bool:
-    """Queue ``data`` unless the backlog, each chunk's overhead counted, would pass its cap."""
-    overhead = (stdin.qsize() + 1) * STDIN_CHUNK_OVERHEAD_BYTES
-    return stdin.has_room(len(data) + overhead) and stdin.offer(data)
 
 
 async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:

@@ -205,16 +205,11 @@ async def _listen(
             elif kind in ("input", "stdin", "stdin_eof"):
                 await asyncio.wait_for(_input(state, who, sandbox_id, info, message), INPUT_WAIT_S)
         except TimeoutError:
-            notice = {
-                "type": "notice",
-                "code": "stdin_backlog_full",
-                "message": "input dropped: the program has not read what came before",
-            }
-            outbox_.notify(outbox, budget, notice)
+            unread = "input dropped: the program has not read what came before"
+            outbox_.notify(outbox, budget, outbox_.notice("stdin_backlog_full", unread))
         except (SandboxError, ValueError) as exc:
             error = exc if isinstance(exc, SandboxError) else InvalidRequest(str(exc))
-            notice = {"type": "notice", "code": error.code, "message": error.message}
-            outbox_.notify(outbox, budget, notice)
+            outbox_.notify(outbox, budget, outbox_.notice(error.code, error.message))
 
 
 def _empty(message: dict[str, Any]) -> bool:
