@@ -168,9 +168,13 @@ def _free_port() -> int:
 
 
 def start_server(
-    data_dir: Path, extra_env: dict[str, str] | None = None, *args: str
+    data_dir: Path,
+    extra_env: dict[str, str] | None = None,
+    *args: str,
+    launcher: tuple[str, ...] = ("-m", "sandlot.cli"),
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
-    """`sandlot serve` as a real process on a free port; returns once /health answers."""
+    """`sandlot serve` as a real process on a free port; returns once /health answers.
+    ``launcher``: how this Python runs the CLI (``("-c", code)`` for a patched one)."""
     port = _free_port()
     log_path = data_dir / "server.log"
     env = {
@@ -184,7 +188,7 @@ def start_server(
     }
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "sandlot.cli", "serve", "--port", str(port), *args],
+            [sys.executable, *launcher, "serve", "--port", str(port), *args],
             env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,

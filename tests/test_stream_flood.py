@@ -21,8 +21,6 @@ import os
 import select
 import socket
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ import httpx
 import pytest
 
 from sandlot.server.auth import AuthStore
-from tests.conftest import _free_port, skip_reason, stop_server
+from tests.conftest import skip_reason, start_server, stop_server
 
 pytestmark = pytest.mark.hostile
 
@@ -117,35 +115,10 @@ def server(data_root: Path) -> Iterator[Server]:
     store = AuthStore(data_dir / "sandlot.db")
     key = store.create_key("acme", "user")[1]
     store.close()
-    port = _free_port()
-    log = data_dir / "server.log"
     count = data_dir / "empty-stdin-requests"
-    env = {
-        **os.environ,
-        "SANDLOT_DATA_DIR": str(data_dir),
-        "SANDBOX_TIMEOUT_SECONDS": "10",
-        "SANDBOX_DISK_LIMIT_MB": "64",
-        "LOG_LEVEL": "WARNING",
-        "FLOOD_EMPTY_STDIN_COUNT": str(count),
-    }
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-c", WRAPPER, "serve", "--port", str(port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
+    env = {"FLOOD_EMPTY_STDIN_COUNT": str(count)}
+    process, url, log = start_server(data_dir, env, launcher=("-c", WRAPPER))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "the server did not answer /health in 30 s"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         yield Server(url, process.pid, key, log, count)
     finally:
         stop_server(process)

@@ -80,15 +80,21 @@ class Server:
 
 @pytest.fixture
 def server(data_root: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    with _serving(data_root / f"trust-{request.node.name}", LIMITS) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def _serving(data_dir: Path, env: dict[str, str]) -> Iterator[Server]:
+    """A real server with ``env`` on a new data directory, and one user key of tenant acme."""
     reason = skip_reason("bubblewrap")
     if reason:
         pytest.skip(reason)
-    data_dir = data_root / f"trust-{request.node.name}"
     data_dir.mkdir()
     store = AuthStore(data_dir / "sandlot.db")
     key = store.create_key("acme", "user")[1]
     store.close()
-    process, url, log = start_server(data_dir, LIMITS)
+    process, url, log = start_server(data_dir, env)
     try:
         yield Server(url, process.pid, key, log)
     finally:
@@ -534,18 +540,9 @@ def test_the_websocket_message_cap_and_keepalive_follow_their_settings(data_root
     """API_WS_MAX_MESSAGE_KB and API_KEEPALIVE_TIMEOUT_SECONDS, set as an operator would."""
     from websockets.sync.client import connect
 
-    reason = skip_reason("bubblewrap")
-    if reason:
-        pytest.skip(reason)
-    data_dir = data_root / "ws-cap"
-    data_dir.mkdir()
-    store = AuthStore(data_dir / "sandlot.db")
-    key = store.create_key("acme", "user")[1]
-    store.close()
     settings = {"API_WS_MAX_MESSAGE_KB": "64", "API_KEEPALIVE_TIMEOUT_SECONDS": "1"}
-    process, url, log = start_server(data_dir, settings)
-    try:
-        server = Server(url, process.pid, key, log)
+    with _serving(data_root / "ws-cap", settings) as server:
+        url, key = server.url, server.key
         sandbox_id = _sandbox(server)
         headers = {"Authorization": f"Bearer {key}"}
         with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
@@ -564,5 +561,3 @@ def test_the_websocket_message_cap_and_keepalive_follow_their_settings(data_root
         assert sock.recv(1) == b"", "the idle connection was kept past its timeout"
         sock.close()
         httpx.delete(f"{url}/v1/sandboxes/{sandbox_id}", headers=headers)
-    finally:
-        stop_server(process)
