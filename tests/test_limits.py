@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -419,29 +420,38 @@ def _tracked() -> int:
     return int(Path("/proc/sys/net/netfilter/nf_conntrack_count").read_text())
 
 
+@contextlib.asynccontextmanager
+async def _capped_manager(
+    data_dir: Path, isolated_backend: str, max_connections: int
+) -> AsyncIterator[SandboxManager]:
+    """A manager whose networked sandboxes may each have ``max_connections`` tracked; the
+    host's rules go back to the default after (they are the host's, for the whole session)."""
+    if isolated_backend != "bubblewrap" or os.geteuid() != 0:
+        pytest.skip("the veth networks are root's bubblewrap's")
+    from sandlot.backends.bubblewrap import netns
+    from sandlot.config import Settings
+
+    settings = make_settings(data_dir, network_max_connections=max_connections)
+    async with SandboxManager(settings) as mgr:
+        try:
+            yield mgr
+        finally:
+            await netns.ensure_routing(Settings.model_fields["network_max_connections"].default)
+
+
 async def test_a_networked_sandbox_cannot_fill_the_hosts_connection_table(
     data_root: Path, isolated_backend: str
 ) -> None:
     # Failed before: one networked sandbox added 255,744 entries to this host's table of
     # 262,144 in 4.5 s (UDP to many addresses): a full table drops every new connection of
     # the host's, the server's included. Here 1,500 flows against a cap of 100.
-    if isolated_backend != "bubblewrap" or os.geteuid() != 0:
-        pytest.skip("the veth networks are root's bubblewrap's")
-    from sandlot.backends.bubblewrap import netns
-    from sandlot.config import Settings
-
-    settings = make_settings(data_root / "conntrack", network_max_connections=100)
-    async with SandboxManager(settings) as mgr:
-        try:
-            info = await mgr.create(SandboxSpec(network=True))
-            before = _tracked()
-            result = await mgr.run_code(info.id, RunCode(code=SPRAY_FLOWS))
-            grown = _tracked() - before
-            assert result.text is not None, result
-            assert grown <= 100 + 20, f"{grown} connections tracked for one sandbox: {result.text}"
-        finally:
-            # The rules are the host's: back to the default for the rest of the session.
-            await netns.ensure_routing(Settings.model_fields["network_max_connections"].default)
+    async with _capped_manager(data_root / "conntrack", isolated_backend, 100) as mgr:
+        info = await mgr.create(SandboxSpec(network=True))
+        before = _tracked()
+        result = await mgr.run_code(info.id, RunCode(code=SPRAY_FLOWS))
+        grown = _tracked() - before
+        assert result.text is not None, result
+        assert grown <= 100 + 20, f"{grown} connections tracked for one sandbox: {result.text}"
 
 
 NO_IPV6_OUT = r"""
@@ -508,25 +518,16 @@ async def test_closed_connections_count_against_the_connection_table_too(
     # counts open ones only. Failed before: one sandbox made ~40,000 connections in 4 s
     # past a cap of 100, each an entry. Now new ones are also rate-limited, and the limit
     # remembers an idle sandbox (it gave a whole new burst after 1 s idle: review).
-    if isolated_backend != "bubblewrap" or os.geteuid() != 0:
-        pytest.skip("the veth networks are root's bubblewrap's")
-    from sandlot.backends.bubblewrap import netns
-    from sandlot.config import Settings
-
-    settings = make_settings(data_root / "time-wait", network_max_connections=100)
-    async with SandboxManager(settings) as mgr:
-        try:
-            info = await mgr.create(SandboxSpec(network=True, cpu_cores=1.0))
-            before = _tracked()
-            code = CONNECT_AND_CLOSE.replace("PORT", str(host_server))
-            result = await mgr.run_code(info.id, RunCode(code=code))
-            grown = _tracked() - before
-            assert result.text is not None, result
-            first, second = (int(n) for n in result.text.strip("()").split(","))
-            # A burst of 100, then 8 a second (doubled: a refused SYN is sent again) ...
-            assert first <= 100 + 8 * 2 * 2 + 20, result.text
-            # ... and after 3 s idle, what 5 s at that rate refill, not a new burst.
-            assert second <= 8 * 5 * 2 + 10, result.text
-            assert grown <= 300, f"{grown} entries for one sandbox: {result.text}"
-        finally:
-            await netns.ensure_routing(Settings.model_fields["network_max_connections"].default)
+    async with _capped_manager(data_root / "time-wait", isolated_backend, 100) as mgr:
+        info = await mgr.create(SandboxSpec(network=True, cpu_cores=1.0))
+        before = _tracked()
+        code = CONNECT_AND_CLOSE.replace("PORT", str(host_server))
+        result = await mgr.run_code(info.id, RunCode(code=code))
+        grown = _tracked() - before
+        assert result.text is not None, result
+        first, second = (int(n) for n in result.text.strip("()").split(","))
+        # A burst of 100, then 8 a second (doubled: a refused SYN is sent again) ...
+        assert first <= 100 + 8 * 2 * 2 + 20, result.text
+        # ... and after 3 s idle, what 5 s at that rate refill, not a new burst.
+        assert second <= 8 * 5 * 2 + 10, result.text
+        assert grown <= 300, f"{grown} entries for one sandbox: {result.text}"
