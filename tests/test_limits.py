@@ -204,8 +204,9 @@ def _host_address(sb: Sandbox) -> str:
         assert gateway is not None and gateway != "None", gateway
         return gateway.strip("'")
     from sandlot.backends.docker.dockerd import connect
+    from sandlot.backends.docker.network import NETWORK
 
-    bridge = connect().networks.get("bridge").attrs["IPAM"]["Config"][0]
+    bridge = connect().networks.get(NETWORK).attrs["IPAM"]["Config"][0]
     # Docker leaves "Gateway" out of the IPAM config when it picked it itself: the subnet's first.
     return str(bridge.get("Gateway") or next(ipaddress.ip_network(bridge["Subnet"]).hosts()))
 
@@ -425,10 +426,11 @@ async def _capped_manager(
     data_dir: Path, isolated_backend: str, max_connections: int
 ) -> AsyncIterator[SandboxManager]:
     """A manager whose networked sandboxes may each have ``max_connections`` tracked; the
-    host's rules go back to the default after (they are the host's, for the whole session)."""
-    if isolated_backend != "bubblewrap" or os.geteuid() != 0:
-        pytest.skip("the veth networks are root's bubblewrap's")
-    from sandlot.backends.bubblewrap import netns
+    host's rules go back to the default after (they are the host's, for the whole session).
+    Root's bubblewrap (its veth pairs) and docker on runc (its own bridge: network.py)."""
+    if isolated_backend not in ("bubblewrap", "docker") or os.geteuid() != 0:
+        pytest.skip("the capped networks are root's bubblewrap's and docker's bridge")
+    from sandlot.backends import hostnet
     from sandlot.config import Settings
 
     settings = make_settings(data_dir, network_max_connections=max_connections)
@@ -436,7 +438,7 @@ async def _capped_manager(
         try:
             yield mgr
         finally:
-            await netns.ensure_routing(Settings.model_fields["network_max_connections"].default)
+            await hostnet.ensure_walls(Settings())
 
 
 async def test_a_networked_sandbox_cannot_fill_the_hosts_connection_table(
@@ -446,7 +448,7 @@ async def test_a_networked_sandbox_cannot_fill_the_hosts_connection_table(
     # 262,144 in 4.5 s (UDP to many addresses): a full table drops every new connection of
     # the host's, the server's included. Here 1,500 flows against a cap of 100.
     async with _capped_manager(data_root / "conntrack", isolated_backend, 100) as mgr:
-        info = await mgr.create(SandboxSpec(network=True))
+        info = await mgr.create(SandboxSpec(**placement(isolated_backend), network=True))
         before = _tracked()
         result = await mgr.run_code(info.id, RunCode(code=SPRAY_FLOWS))
         grown = _tracked() - before
@@ -519,7 +521,8 @@ async def test_closed_connections_count_against_the_connection_table_too(
     # past a cap of 100, each an entry. Now new ones are also rate-limited, and the limit
     # remembers an idle sandbox (it gave a whole new burst after 1 s idle: review).
     async with _capped_manager(data_root / "time-wait", isolated_backend, 100) as mgr:
-        info = await mgr.create(SandboxSpec(network=True, cpu_cores=1.0))
+        spec = SandboxSpec(**placement(isolated_backend), network=True, cpu_cores=1.0)
+        info = await mgr.create(spec)
         before = _tracked()
         code = CONNECT_AND_CLOSE.replace("PORT", str(host_server))
         result = await mgr.run_code(info.id, RunCode(code=code))

@@ -74,6 +74,9 @@ def _ray_env(root: Path) -> dict[str, str]:
         "LOG_LEVEL": "WARNING",
         # An address in a second network namespace, reached through the node (FORWARD).
         "SANDLOT_RAY_WALL_EXTRA_CIDRS": f"{WALLED_IP}/32",
+        # Private ranges are refused by default (hostnet.py): this test's second namespace
+        # sits in one, to show the cluster wall's own refusals next to an open address.
+        "SANDBOX_NETWORK_DENY_CIDRS": "169.254.0.0/16",
     }
 
 

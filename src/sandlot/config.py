@@ -8,6 +8,7 @@ Names follow the seeds where they give one (``SANDBOX_TIMEOUT_SECONDS``,
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import warnings
 from collections.abc import Mapping
@@ -15,11 +16,18 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sandlot.errors import ConfigError
 from sandlot.models import ResolvedLimits, SandboxLimits
+
+# Where a networked sandbox may not go by default: "this network", the private ranges, the
+# carrier-grade NAT range (some clouds' internal services), link-local (every cloud's
+# metadata service: the host's credentials), multicast and the reserved range above it.
+DEFAULT_DENY_CIDRS = (
+    "0.0.0.0/8,10.0.0.0/8,100.64.0.0/10,169.254.0.0/16,172.16.0.0/12,192.168.0.0/16,224.0.0.0/3"
+)
 
 
 def _default_data_dir() -> Path:
@@ -154,6 +162,14 @@ class Settings(BaseSettings):
         description="bubblewrap as root: connections (TCP, UDP flows) one networked sandbox "
         "may have tracked by the host at once; past it new ones are refused. All networked "
         "sandboxes together get at most half of the host's table (nf_conntrack_max).",
+    )
+    network_deny_cidrs: str = Field(
+        default=DEFAULT_DENY_CIDRS,
+        validation_alias=_env("SANDBOX_NETWORK_DENY_CIDRS", "network_deny_cidrs"),
+        description="Comma-separated IPv4 CIDRs a networked sandbox may not reach through "
+        "the host (DNS to the host's resolvers excepted). By default link-local (cloud "
+        "metadata services, 169.254.169.254) and the private ranges (the host's LAN); set "
+        "it to 169.254.0.0/16 to let sandboxes reach the LAN. Root's bubblewrap and docker.",
     )
     ttl_s: float = Field(
         default=3600.0,
@@ -552,6 +568,21 @@ class Settings(BaseSettings):
     log_format: Literal["console", "json"] = Field(
         default="console", validation_alias=_env("LOG_FORMAT", "log_format")
     )
+
+    @field_validator("network_deny_cidrs")
+    @classmethod
+    def _ipv4_networks(cls, value: str) -> str:
+        for entry in filter(None, (part.strip() for part in value.split(","))):
+            try:
+                ipaddress.IPv4Network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IPv4 address or CIDR") from None
+        return value
+
+    def network_deny_list(self) -> list[str]:
+        """``network_deny_cidrs`` as normalized networks (``10.0.0.5`` -> ``10.0.0.5/32``)."""
+        entries = filter(None, (part.strip() for part in self.network_deny_cidrs.split(",")))
+        return [str(ipaddress.IPv4Network(entry, strict=False)) for entry in entries]
 
     def resolve_limits(self, limits: SandboxLimits | None) -> ResolvedLimits:
         """Fill every unset field of ``limits`` from these settings."""

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 import structlog
 
-from sandlot.backends.bubblewrap import netns
+from sandlot.backends import hostnet
 from sandlot.config import Settings
 from sandlot.core import SandboxManager, admission
 from sandlot.core.live import set_node_name
@@ -141,7 +141,7 @@ class NodeAgent:
             return
         # The backend's FORWARD chain first, so that the cluster wall goes in ahead of it
         # (the backend only ever adds its jump when it is missing).
-        await netns.ensure_routing(self.settings.network_max_connections)
+        await hostnet.ensure_walls(self.settings)
         await self._wall_cluster(extra_cidrs)
         self._walling = asyncio.create_task(self._wall_forever(extra_cidrs))
 

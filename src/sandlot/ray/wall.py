@@ -21,7 +21,9 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from sandlot.backends.bubblewrap.netns import IPTABLES, SANDBOX_NET
+from sandlot.backends import hostnet
+from sandlot.backends.hostnet import BUBBLEWRAP_NET as SANDBOX_NET
+from sandlot.backends.hostnet import IPTABLES
 from sandlot.errors import ConfigError
 
 CHAIN = "SANDLOT-RAY-INPUT"
@@ -68,17 +70,7 @@ def parse_cidrs(text: str) -> list[str]:
     Raises:
         ConfigError: an entry that is not an IPv4 address or network.
     """
-    found = []
-    for entry in (part.strip() for part in text.split(",")):
-        if not entry:
-            continue
-        try:
-            found.append(str(ipaddress.IPv4Network(entry, strict=False)))
-        except ValueError as exc:
-            raise ConfigError(
-                f"SANDLOT_RAY_WALL_EXTRA_CIDRS: {entry!r} is not an IPv4 address or CIDR"
-            ) from exc
-    return found
+    return hostnet.parse_cidrs(text, "SANDLOT_RAY_WALL_EXTRA_CIDRS")
 
 
 def cluster_targets(node_addresses: Iterable[str], extra_cidrs: Iterable[str]) -> list[str]:

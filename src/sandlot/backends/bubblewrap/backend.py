@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import structlog
 
-from sandlot.backends import mountns
+from sandlot.backends import hostnet, mountns
 from sandlot.backends.base import (
     GUEST_PIDS_HEADROOM,
     Check,
@@ -494,7 +494,7 @@ class BubblewrapBackend:
     async def _make_network(self, box: _Box) -> None:
         async with self._routing_lock:
             if not self._routing_ready:
-                await netns.ensure_routing(self.settings.network_max_connections)
+                await hostnet.ensure_walls(self.settings)
                 self._routing_ready = True
         assert box.net is not None  # planned before the launcher's argv named its path
         await netns.create(box.net)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import structlog
 
+from sandlot.backends import hostnet
 from sandlot.backends.base import GUEST_PIDS_HEADROOM, Check, GuestSpec, instance_of
 from sandlot.backends.cgroups import Cgroup, CgroupDriver
 from sandlot.backends.devpts import DOCKER_OPTIONS, cap_ptys
@@ -53,6 +54,7 @@ from sandlot.backends.docker.dockerd import (
     labelled,
 )
 from sandlot.backends.docker.images import ensure_image
+from sandlot.backends.docker.network import NETWORK, SYSCTLS, ensure_network
 from sandlot.backends.docker.probe import daemon_checks
 from sandlot.backends.docker.stream import ExecGuest, socket_path, start_exec
 from sandlot.backends.hostwide import raise_file_max
@@ -164,6 +166,8 @@ class DockerBackend:
         self._images_ok: set[str] = set()
         self._cgroups: CgroupDriver | None = None
         self._loop_ok = False
+        self._network_lock = asyncio.Lock()
+        self._network_ready = False
         # Each container runs as its own host uid, from the pool bubblewrap's sandboxes draw
         # from: the kernel counts some limits per uid (inotify instances, epoll watches,
         # message-queue bytes), and with one uid for all, one container's 127 inotify
@@ -243,6 +247,8 @@ class DockerBackend:
         if env.name not in self._images_ok:
             await ensure_image(env, client)
             self._images_ok.add(env.name)
+        if spec.network:
+            await self._ensure_network(client)
         root = self.sandboxes_dir / spec.sandbox_id
         workspace, _ = volume_paths(root)
         assert self._uids is not None  # made by _connect, which _ready ran
@@ -277,6 +283,16 @@ class DockerBackend:
             raise
         return box
 
+    async def _ensure_network(self, client: docker.DockerClient) -> None:
+        """The bridge networked sandboxes are attached to, and the host's walls around it
+        (network.py), once per backend: Docker keeps both across its restarts."""
+        async with self._network_lock:
+            if not self._network_ready:
+                await asyncio.to_thread(ensure_network, client)
+                await hostnet.ensure_walls(self.settings)
+                await hostnet.wall_docker_bridge()
+                self._network_ready = True
+
     def _create_container(
         self, client: docker.DockerClient, spec: GuestSpec, env: Environment, box: _Box
     ) -> str:
@@ -302,7 +318,8 @@ class DockerBackend:
                 mounts.append(Mount(f"/proc/{name}", source, type="bind", read_only=True))
         try:
             host_config = client.api.create_host_config(
-                network_mode="bridge" if spec.network else "none",
+                network_mode=NETWORK if spec.network else "none",
+                sysctls=SYSCTLS if spec.network else None,
                 read_only=True,
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],

@@ -1,0 +1,246 @@
+"""Where a networked sandbox may go (``backends/hostnet.py``): out, but not to cloud metadata,
+the private ranges or another sandbox, on bubblewrap and on docker's own bridge.
+
+A "neighbour" network namespace stands in for the places around a host: one veth pair, its
+far end holding a cloud metadata address (169.254.169.254), a private one (10.252.0.2) and
+one the walls leave open (198.18.200.2, the benchmarking range), with one TCP server on all
+three that answers "pong"."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from sandlot import ConfigError, SandboxManager
+from sandlot.config import DEFAULT_DENY_CIDRS, Settings
+from sandlot.requests import RunCode, SandboxSpec
+from tests.conftest import BACKENDS, make_settings, placement, skip_reason
+
+IP = "/usr/sbin/ip"
+METADATA, PRIVATE, OPEN = "169.254.169.254", "10.252.0.2", "198.18.200.2"
+PORT = 18081
+SERVE = r"""
+import socket, sys, threading
+servers = []
+for port in map(int, sys.argv[1:]):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port))
+    s.listen(16)
+    servers.append(s)
+def serve(s):
+    while True:
+        conn, _ = s.accept()
+        conn.sendall(b"pong")
+        conn.close()
+for s in servers[1:]:
+    threading.Thread(target=serve, args=(s,), daemon=True).start()
+print("ready", flush=True)
+serve(servers[0])
+"""
+# What a sandbox sees when it connects: "pong", or the errno's name.
+CONNECT = r"""
+import errno, socket
+def reach(host, port):
+    try:
+        with socket.create_connection((host, port), timeout=2) as s:
+            return s.recv(4).decode()
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc)) if exc.errno else type(exc).__name__
+{{host: reach(host, port) for host, port in {targets!r}}}
+"""
+
+
+def _ip(*argv: str, check: bool = True) -> None:
+    subprocess.run([IP, *argv], check=check, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def neighbour() -> Iterator[None]:
+    if os.geteuid() != 0 or not Path(IP).exists():
+        pytest.skip("a neighbour network namespace needs root and iproute2")
+    name, veth = f"sl-neighbour-{os.getpid()}", f"slnb{os.getpid() % 100000}"
+    _ip("netns", "add", name)
+    server = None
+    try:
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
+        for host_side in ("169.254.169.1/24", "10.252.0.1/24", "198.18.200.1/24"):
+            _ip("addr", "add", host_side, "dev", veth)
+        _ip("link", "set", veth, "up")
+        for far_side in (f"{METADATA}/24", f"{PRIVATE}/24", f"{OPEN}/24"):
+            _ip("-n", name, "addr", "add", far_side, "dev", "eth0")
+        _ip("-n", name, "link", "set", "eth0", "up")
+        _ip("-n", name, "link", "set", "lo", "up")
+        server = subprocess.Popen(
+            [IP, "netns", "exec", name, sys.executable, "-c", SERVE, str(PORT), "53"],
+            stdout=subprocess.PIPE,
+        )
+        assert server.stdout is not None and server.stdout.readline() == b"ready\n"
+        yield
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+            assert server.stdout is not None
+            server.stdout.close()
+        _ip("link", "del", veth, check=False)
+        _ip("netns", "del", name, check=False)
+
+
+def _usable(backend: str) -> bool:
+    """Asked for in this run (docker only where ``TEST_BACKENDS`` names it) and able to run."""
+    return backend in BACKENDS and not skip_reason(backend)
+
+
+@pytest.fixture(params=["bubblewrap", "docker"])
+def networked_backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    if not _usable(name):
+        pytest.skip(f"{name} is not run here (TEST_BACKENDS) or cannot run")
+    if os.geteuid() != 0:
+        pytest.skip("networked sandboxes of their own are root's")
+    return name
+
+
+@contextlib.asynccontextmanager
+async def _manager(data_dir: Path, **overrides: object) -> AsyncIterator[SandboxManager]:
+    """A manager whose settings shape the host's walls; they go back to the defaults after
+    (they are the host's, for every manager of the session)."""
+    from sandlot.backends import hostnet
+
+    async with SandboxManager(make_settings(data_dir, **overrides)) as mgr:
+        try:
+            yield mgr
+        finally:
+            await hostnet.ensure_walls(Settings(_env_file=None))  # type: ignore[call-arg]
+
+
+async def _reach(mgr: SandboxManager, sandbox_id: str, *targets: tuple[str, int]) -> dict[str, str]:
+    result = await mgr.run_code(sandbox_id, RunCode(code=CONNECT.format(targets=list(targets))))
+    assert result.text is not None, result
+    reached: dict[str, str] = ast.literal_eval(result.text)
+    return reached
+
+
+async def test_a_networked_sandbox_reaches_out_but_not_cloud_metadata_nor_private_ranges(
+    data_root: Path, networked_backend: str, neighbour: None
+) -> None:
+    # Failed before (both backends): all three answered "pong". On a cloud VM the metadata
+    # service hands the host's credentials to whoever asks; the private ranges are the
+    # host's LAN and its neighbours' services.
+    async with _manager(data_root / f"egress-{networked_backend}") as mgr:
+        info = await mgr.create(SandboxSpec(**placement(networked_backend), network=True))
+        reached = await _reach(mgr, info.id, (OPEN, PORT), (METADATA, PORT), (PRIVATE, PORT))
+        assert reached[OPEN] == "pong", reached  # the path out works ...
+        # ... and the walls refuse at once (an ICMP error, not a silent drop).
+        assert reached[METADATA] == reached[PRIVATE] == "EHOSTUNREACH", reached
+
+
+async def test_a_networked_sandbox_reaches_the_hosts_resolvers_for_dns_only(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch, neighbour: None, tmp_path: Path
+) -> None:
+    # A resolver in a private range (this VM's is 10.255.255.53) must still answer.
+    if not _usable("bubblewrap") or os.geteuid() != 0:
+        pytest.skip("root's bubblewrap: its sandboxes get the host's resolv.conf")
+    from sandlot.backends import hostnet
+
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text(f"nameserver 127.0.0.53\nnameserver {PRIVATE}\nnameserver ::1\n")
+    monkeypatch.setattr(hostnet, "RESOLV_CONF", resolv)
+    assert hostnet.resolvers() == [PRIVATE]
+    async with _manager(data_root / "resolver") as mgr:
+        info = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+        # DNS's port on the resolver is open; the resolver's other ports are not.
+        assert await _reach(mgr, info.id, (PRIVATE, 53)) == {PRIVATE: "pong"}
+        assert await _reach(mgr, info.id, (PRIVATE, PORT)) == {PRIVATE: "EHOSTUNREACH"}
+
+
+async def test_the_operator_can_open_the_lan_and_metadata_stays_shut(
+    data_root: Path, networked_backend: str, neighbour: None
+) -> None:
+    async with _manager(
+        data_root / f"lan-{networked_backend}", network_deny_cidrs="169.254.0.0/16"
+    ) as mgr:
+        info = await mgr.create(SandboxSpec(**placement(networked_backend), network=True))
+        reached = await _reach(mgr, info.id, (PRIVATE, PORT), (METADATA, PORT))
+        assert reached == {PRIVATE: "pong", METADATA: "EHOSTUNREACH"}, reached
+
+
+PEER_SERVE = r"""
+import socket, threading
+s = socket.socket()
+s.bind(("0.0.0.0", 18082))
+s.listen(4)
+def serve():
+    while True:
+        conn, _ = s.accept()
+        conn.sendall(b"peer")
+        conn.close()
+threading.Thread(target=serve, daemon=True).start()
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect(("198.18.0.1", 9))  # no packet: only the route, and so the source address
+probe.getsockname()[0]
+"""
+
+
+async def test_networked_sandboxes_do_not_reach_each_other(data_root: Path) -> None:
+    # Failed before on docker: the default bridge let every networked container connect to
+    # every other one (another tenant's, and the host's own containers). Both backends,
+    # and across them where both run.
+    backends = [b for b in ("bubblewrap", "docker") if _usable(b)]
+    if os.geteuid() != 0 or not backends:
+        pytest.skip("networked sandboxes of their own are root's")
+    async with _manager(data_root / "peers", network_deny_cidrs="") as mgr:
+        made = {}
+        for backend in backends:
+            for role in ("peer", "attacker"):
+                info = await mgr.create(SandboxSpec(**placement(backend), network=True))
+                made[backend, role] = info.id
+        addresses = {}
+        for backend in backends:
+            served = await mgr.run_code(made[backend, "peer"], RunCode(code=PEER_SERVE))
+            assert served.text is not None, served
+            address = ast.literal_eval(served.text)
+            addresses[backend] = address
+            own = await _reach(mgr, made[backend, "peer"], (address, 18082))
+            assert own == {address: "peer"}, own  # it serves, to itself
+        # With the deny list empty, only the wall between sandboxes stands in the way.
+        for attacker in backends:
+            for target, address in addresses.items():
+                seen = await _reach(mgr, made[attacker, "attacker"], (address, 18082))
+                assert seen[address] != "peer", (attacker, target, seen)
+
+
+def test_a_deny_list_that_is_not_ipv4_networks_is_refused_naming_its_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sandlot.config import get_settings
+
+    monkeypatch.setenv("SANDBOX_NETWORK_DENY_CIDRS", "169.254.0.0/16, metadata.internal")
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"metadata\.internal.*SANDBOX_NETWORK_DENY_CIDRS"):
+            get_settings()
+    finally:
+        get_settings.cache_clear()
+    monkeypatch.delenv("SANDBOX_NETWORK_DENY_CIDRS")
+    assert Settings(_env_file=None).network_deny_list() == DEFAULT_DENY_CIDRS.split(",")  # type: ignore[call-arg]
+    one = Settings(_env_file=None, network_deny_cidrs=" 10.0.0.5 ,")  # type: ignore[call-arg]
+    assert one.network_deny_list() == ["10.0.0.5/32"]
+
+
+async def test_a_networked_docker_sandbox_has_no_ipv6(data_root: Path) -> None:
+    if not _usable("docker") or os.geteuid() != 0:
+        pytest.skip("needs the docker backend (TEST_BACKENDS), as root")
+    async with _manager(data_root / "docker-v6") as mgr:
+        info = await mgr.create(SandboxSpec(backend="docker", runtime="runc", network=True))
+        code = "open('/proc/net/if_inet6').read()"
+        result = await mgr.run_code(info.id, RunCode(code=code))
+        assert result.text == "''", result
