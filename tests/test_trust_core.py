@@ -14,9 +14,15 @@ import pytest
 
 from sandlot import Sandbox, SandboxManager
 from sandlot._portal import get_portal
-from sandlot.errors import CapacityExhausted, ConfigError, QuotaExceeded, SandboxNotFound
+from sandlot.errors import (
+    CapacityExhausted,
+    ConfigError,
+    InvalidRequest,
+    QuotaExceeded,
+    SandboxNotFound,
+)
 from sandlot.models import Quota
-from sandlot.requests import SandboxSpec, WriteFile
+from sandlot.requests import ReadFile, SandboxSpec, WriteFile
 from tests.conftest import make_settings
 
 QUOTA = Quota(
@@ -159,6 +165,19 @@ async def test_artifacts_over_the_tenant_quota_leave_no_partial_copy(data_dir: P
         await mgr.write_file(second.id, WriteFile(path="artifacts/m.bin"), b"y" * (1 << 20))
         await mgr.destroy(second.id)
         assert await mgr.list_artifacts(second.id) == []
+
+
+async def test_a_bounded_read_stops_at_its_bound_whatever_the_size_said(data_dir: Path) -> None:
+    # What MCP's read_file relies on (test_mcp.py races a growing file against it): the
+    # bound is checked on the bytes read, one past it enough to refuse.
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create()
+        await mgr.write_file(info.id, WriteFile(path="f.bin"), b"z" * (3 << 20))
+        exact = await mgr.read_file(info.id, ReadFile(path="f.bin", max_bytes=3 << 20))
+        assert len(exact) == 3 << 20
+        with pytest.raises(InvalidRequest, match="more than 1048576 bytes"):
+            await mgr.read_file(info.id, ReadFile(path="f.bin", max_bytes=1 << 20))
+        assert await mgr.read_file(info.id, ReadFile(path="f.bin")) == exact  # no bound
 
 
 async def test_destroys_at_once_keep_no_more_than_the_tenant_artifact_quota(

@@ -231,6 +231,13 @@ class FilePath(Request):
     path: PathField
 
 
+class ReadFile(FilePath):
+    """A file read whole: ``max_bytes`` bounds the bytes actually read, not a size looked up
+    first (the sandbox's code can grow the file between the two: red team, 2026-12-06)."""
+
+    max_bytes: int | None = Field(default=None, ge=0)
+
+
 class WriteFile(Request):
     """Create or replace a file (its parents are made); the bytes travel beside the request."""
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from sandlot.core.guest_link import GuestConnection
 from sandlot.core.live import Live, guest_broken
-from sandlot.errors import GuestError, PidsExhausted, RequestTooLarge, SandboxError
+from sandlot.errors import GuestError, InvalidRequest, PidsExhausted, RequestTooLarge, SandboxError
 from sandlot.guest.ops import Op
 from sandlot.models import FileInfo
-from sandlot.requests import FilePath, ListFiles, RemoveFile, WriteFile
+from sandlot.requests import FilePath, ListFiles, ReadFile, RemoveFile, WriteFile
 
 FILE_CHUNK_BYTES = 1 << 20
 
@@ -74,7 +74,8 @@ async def read_chunks(live: Live, request: FilePath) -> AsyncIterator[bytes]:
     """Stream a file out of the sandbox in chunks of at most 1 MiB."""
     live.touch()
     conn, _ = await live.connection()
-    async for chunk in read_through(conn, request.path, live.disk_bytes):
+    most = request.max_bytes if isinstance(request, ReadFile) else None
+    async for chunk in read_through(conn, request.path, live.disk_bytes, most):
         yield chunk
 
 
@@ -95,22 +96,32 @@ async def make_dir(live: Live, request: FilePath) -> None:
     await file_op(live, Op.FILE_MKDIR, request.model_dump())
 
 
-async def read_through(conn: GuestConnection, path: str, limit_bytes: int) -> AsyncIterator[bytes]:
+async def read_through(
+    conn: GuestConnection, path: str, limit_bytes: int, max_bytes: int | None = None
+) -> AsyncIterator[bytes]:
     """Read a file through the guest, never trusting it to say when to stop.
 
     The guest shares a uid with sandboxed code, so a reply may lie: a "file" that never reaches
     eof would otherwise stream until the host's disk or memory is full.
 
     Raises:
+        InvalidRequest: the file holds more than the caller's ``max_bytes`` (checked on the
+            bytes read, not on a size looked up before).
         GuestError: the guest sent more bytes than the sandbox's disk can hold.
     """
     offset = 0
     while True:
-        reply = await conn.request(
-            Op.FILE_READ, {"path": path, "offset": offset, "length": FILE_CHUNK_BYTES}
-        )
+        length = FILE_CHUNK_BYTES
+        if max_bytes is not None:  # one byte past the bound is enough to know
+            length = max(1, min(length, max_bytes + 1 - offset))
+        reply = await conn.request(Op.FILE_READ, {"path": path, "offset": offset, "length": length})
         data = base64.b64decode(reply["data"])
         offset += len(data)
+        if max_bytes is not None and offset > max_bytes:
+            raise InvalidRequest(
+                f"{path} holds more than {max_bytes} bytes, the most this read returns: "
+                "read a part of it (head, tail, grep) or download it"
+            )
         if offset > limit_bytes:
             raise GuestError(
                 f"{path} grew past the sandbox's disk size ({limit_bytes} bytes) while read"

@@ -20,6 +20,7 @@ from sandlot.requests import (
     SANDBOX_ID_PATTERN,
     FilePath,
     ListFiles,
+    ReadFile,
     RunCode,
     RunCommand,
     SandboxSpec,
@@ -198,7 +199,11 @@ def _file_tools(server: MCPServer[Any], call: CallMaker) -> None:
                     f"{path} is {info.size_bytes} bytes; read_file returns at most "
                     f"{MAX_READ_BYTES}: read a part with run_command (head, tail, grep)"
                 )
-            data = await this.on(sandbox_id, lambda t: this.service.read_file(t, request))
+            # The size above is a hint: the sandbox's code can grow the file after it (one
+            # call held 256 MiB, 1.4 GiB of the server's memory: red team, 2026-12-06), so
+            # the read itself stops past the bound.
+            bounded = build(ReadFile, path=path, max_bytes=MAX_READ_BYTES)
+            data = await this.on(sandbox_id, lambda t: this.service.read_file(t, bounded))
         return file_content(path, data)
 
     @server.tool(structured_output=False)
