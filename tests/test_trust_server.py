@@ -17,6 +17,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -200,6 +201,34 @@ def test_half_sent_requests_cannot_take_the_server_down(server: Server) -> None:
             sock.close()
 
 
+def test_keyless_connections_at_the_total_cap_give_way_to_a_real_request(
+    server: Server,
+) -> None:
+    """Failed before (red team, 2026-12-06): half-sent requests from a few addresses, each
+    at its per-address cap, held the whole cap (200 here), and every other client was
+    refused until they timed out, which they could renew at no cost by reconnecting."""
+    attackers: list[socket.socket] = []
+    headers = {"Authorization": f"Bearer {server.key}"}
+    try:
+        for n in range(5):  # 5 addresses x 50 > the cap of 200
+            for _ in range(50):
+                with contextlib.suppress(OSError):
+                    sock = server.connect(f"127.0.0.{n + 2}")
+                    sock.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                    attackers.append(sock)
+        filled_at = time.monotonic()
+        served = []
+        for _ in range(10):  # well within the attack's 2 s header deadline
+            with httpx.Client() as client:  # a new connection each time
+                served.append(client.get(server.url + "/v1/sandboxes", headers=headers))
+        assert time.monotonic() - filled_at < 1.5
+        assert [r.status_code for r in served] == [200] * 10
+        assert server.open_connections() <= 200 + 2
+    finally:
+        for sock in attackers:
+            sock.close()
+
+
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
     sock = server.connect()
     try:
@@ -343,7 +372,8 @@ def test_a_revoked_key_stops_typing_into_its_terminal(server: Server) -> None:
             store.close()
         time.sleep(1.2)  # past the recheck interval
         typed = {"type": "input", "data_b64": base64.b64encode(b"after\n").decode()}
-        ws.send(json.dumps(typed))
+        with contextlib.suppress(ConnectionClosed):  # closed by then, since 2026-12-06
+            ws.send(json.dumps(typed))
         events = []
         with contextlib.suppress(ConnectionClosed):
             while True:
@@ -352,6 +382,63 @@ def test_a_revoked_key_stops_typing_into_its_terminal(server: Server) -> None:
     assert events[-1]["error"]["code"] == "unauthenticated"
     echoed = b"".join(base64.b64decode(e["data_b64"]) for e in events if e["type"] == "output")
     assert b"after" not in echoed
+
+
+def _revoke_acme(server: Server) -> None:
+    store = AuthStore(server.log.parent / "sandlot.db")
+    try:
+        (key,) = [k for k in store.list_keys() if k["tenant"] == "acme"]
+        assert store.revoke_key(key["key_id"])
+    finally:
+        store.close()
+
+
+TICKS = "while true; do echo tick; sleep 0.1; done"
+
+
+@pytest.mark.parametrize("kind", ["stdin", "background", "pty"])
+def test_a_revoked_key_ends_its_streams_without_a_word_from_the_client(
+    server: Server, kind: str
+) -> None:
+    """Failed before (red team, 2026-12-06): a foreground command kept taking the revoked
+    key's stdin for as long as it ran (up to a day), and a background command or terminal
+    kept streaming its output to it; the key was checked only on the client's next message
+    (and never, on a foreground run's stdin)."""
+    from websockets.sync.client import connect
+
+    sandbox_id = _sandbox(server)
+    headers = {"Authorization": f"Bearer {server.key}"}
+    if kind == "stdin":
+        start = {"type": "command", "command": "cat", "stdin": True, "timeout_s": 60}
+    elif kind == "background":
+        start = {"type": "command", "command": TICKS, "background": True}
+    else:
+        start = {"type": "pty", "command": TICKS}
+    events: list[dict[str, Any]] = []
+    with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+        ws.send(json.dumps(start))
+        if kind == "stdin":
+            ws.send(json.dumps({"type": "stdin", "data": "before\n"}))
+            while "before" not in json.loads(ws.recv(timeout=30)).get("data", ""):
+                pass
+        else:
+            while json.loads(ws.recv(timeout=30))["type"] != "started":
+                pass
+        _revoke_acme(server)
+        revoked_at = time.monotonic()
+        if kind == "stdin":
+            time.sleep(1.5)
+            with contextlib.suppress(ConnectionClosed):
+                ws.send(json.dumps({"type": "stdin", "data": "after\n"}))
+        # The client says nothing more: the server must end the stream by itself.
+        with contextlib.suppress(ConnectionClosed, TimeoutError):
+            while time.monotonic() - revoked_at < 8:
+                events.append(json.loads(ws.recv(timeout=8)))
+        closed_after_s = time.monotonic() - revoked_at
+    errors = [e for e in events if e["type"] == "error"]
+    assert errors and errors[-1]["error"]["code"] == "unauthenticated", events[-3:]
+    assert closed_after_s < 4, closed_after_s
+    assert not any("after" in e.get("data", "") for e in events), events
 
 
 async def test_output_queued_for_a_slow_client_is_bounded_by_bytes_not_chunks() -> None:

@@ -29,14 +29,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, NamedTuple
 
 import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from sandlot.core.background import StdinQueue
-from sandlot.errors import ConfigError, SandboxError
+from sandlot.errors import AuthenticationError, ConfigError, SandboxError
 from sandlot.models import ExecResult
 from sandlot.requests import RunCode, RunCommand
 from sandlot.server import outbox as outbox_
@@ -73,76 +74,123 @@ async def _one_run(
 ) -> None:
     outbox: outbox_.Outbox = asyncio.Queue()
     budget = outbox_.Budget()
-    stdin: StdinQueue | None = None
     try:
-        if not isinstance(message, dict):
-            raise ConfigError("each message must be a JSON object with a 'type'")
-        # Every run is a request: the key is checked (revoked?) and rate-limited again.
-        who = state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
-        who.require_write()
-        kind = message.get("type")
-        fields = {k: v for k, v in message.items() if k not in ("type", "stdin")}
-        if stream_jobs.is_job(message):
-            # A terminal or a background command: its own loop (stream_jobs.py).
-            await stream_jobs.run_job(websocket, state, who, sandbox_id, message)
-            return
-        if kind == "run_code":
-            call = state.manager.run_code(
-                sandbox_id,
-                RunCode.model_validate(fields),
-                owner=who.owner_filter,
-                on_stdout=outbox_.put_text(outbox, "stdout", budget),
-                on_stderr=outbox_.put_text(outbox, "stderr", budget),
-                on_result=outbox_.put_result(outbox, budget),
-            )
-        elif kind == "command":
-            command = RunCommand.model_validate(fields)
-            backlog = state.settings.ws_stdin_backlog_kb * 1024
-            stdin = (
-                StdinQueue(backlog, chunk_overhead_bytes=STDIN_CHUNK_OVERHEAD_BYTES)
-                if message.get("stdin")
-                else None
-            )
-            call = state.manager.run_command(
-                sandbox_id,
-                command,
-                stdin=stdin,
-                owner=who.owner_filter,
-                on_stdout=outbox_.put_text(outbox, "stdout", budget),
-                on_stderr=outbox_.put_text(outbox, "stderr", budget),
-            )
-        else:
-            raise ConfigError(
-                f"unknown message type {kind!r}; send run_code, command, pty or attach"
-            )
+        prepared = await _prepare(websocket, state, sandbox_id, message, outbox, budget)
     except ValidationError as exc:
         await _send_error(websocket, ConfigError(f"invalid message: {exc.errors()[0]['msg']}"))
         return
     except SandboxError as exc:
         await _send_error(websocket, exc)
         return
+    if prepared is not None:
+        await _stream_run(websocket, state, sandbox_id, prepared, outbox, budget)
 
-    run = asyncio.create_task(call)
+
+class _Run(NamedTuple):
+    who: Principal
+    kind: str
+    call: Coroutine[Any, Any, ExecResult]
+    stdin: StdinQueue | None
+
+
+async def _prepare(
+    websocket: WebSocket,
+    state: ServerState,
+    sandbox_id: str,
+    message: Any,
+    outbox: outbox_.Outbox,
+    budget: outbox_.Budget,
+) -> _Run | None:
+    """The run ``message`` asks for, not started; None for a terminal or a background
+    command, which ``stream_jobs`` has streamed to its end."""
+    if not isinstance(message, dict):
+        raise ConfigError("each message must be a JSON object with a 'type'")
+    # Every run is a request: the key is checked (revoked?) and rate-limited again.
+    who = state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
+    who.require_write()
+    kind = message.get("type")
+    fields = {k: v for k, v in message.items() if k not in ("type", "stdin")}
+    if stream_jobs.is_job(message):
+        # A terminal or a background command: its own loop (stream_jobs.py).
+        await stream_jobs.run_job(websocket, state, who, sandbox_id, message)
+        return None
+    on_stdout = outbox_.put_text(outbox, "stdout", budget)
+    on_stderr = outbox_.put_text(outbox, "stderr", budget)
+    if kind == "run_code":
+        call = state.manager.run_code(
+            sandbox_id,
+            RunCode.model_validate(fields),
+            owner=who.owner_filter,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_result=outbox_.put_result(outbox, budget),
+        )
+        return _Run(who, kind, call, None)
+    if kind == "command":
+        command = RunCommand.model_validate(fields)
+        backlog = state.settings.ws_stdin_backlog_kb * 1024
+        stdin = (
+            StdinQueue(backlog, chunk_overhead_bytes=STDIN_CHUNK_OVERHEAD_BYTES)
+            if message.get("stdin")
+            else None
+        )
+        call = state.manager.run_command(
+            sandbox_id,
+            command,
+            stdin=stdin,
+            owner=who.owner_filter,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+        )
+        return _Run(who, kind, call, stdin)
+    raise ConfigError(f"unknown message type {kind!r}; send run_code, command, pty or attach")
+
+
+async def _stream_run(
+    websocket: WebSocket,
+    state: ServerState,
+    sandbox_id: str,
+    prepared: _Run,
+    outbox: outbox_.Outbox,
+    budget: outbox_.Budget,
+) -> None:
+    """Run it, its output and then its result to the client, its stdin from the client."""
+    run = asyncio.create_task(prepared.call)
     sender = asyncio.create_task(outbox_.drain(websocket, outbox, budget))
-    listener = asyncio.create_task(_listen(websocket, stdin, outbox, budget))
+    listener = asyncio.create_task(_listen(websocket, prepared.stdin, outbox, budget))
+    watcher = asyncio.create_task(stream_jobs.watch_key(state, websocket))
+    cut = False
     try:
-        async with state.audited(websocket, who, f"stream.{kind}", sandbox_id):
-            done, _ = await asyncio.wait({run, listener}, return_when=asyncio.FIRST_COMPLETED)
+        action = f"stream.{prepared.kind}"
+        async with state.audited(websocket, prepared.who, action, sandbox_id):
+            done, _ = await asyncio.wait(
+                {run, listener, watcher}, return_when=asyncio.FIRST_COMPLETED
+            )
             if run not in done:
-                # The client went away mid-run, or was cut for not reading what its messages
-                # caused: stop the run inside the sandbox.
+                # The client went away mid-run, was cut for not reading what its messages
+                # caused, or its key was revoked: stop the run inside the sandbox.
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError, SandboxError):
                     await run
+                error = stream_jobs.revoked(watcher)
+                if error is not None:
+                    raise error
                 raise WebSocketDisconnect(code=outbox_.CUT_CODE if budget.cut else 1001)
             result: ExecResult = run.result()
         outbox_.final(outbox, budget, {"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
         outbox_.final(outbox, budget, outbox_.error_message(exc))
+        cut = isinstance(exc, AuthenticationError)
     finally:
+        watcher.cancel()
         await outbox_.finish(websocket, outbox, budget, sender, listener)
     if budget.cut:
         raise WebSocketDisconnect(code=outbox_.CUT_CODE)
+    if cut:
+        # The key was revoked during the run: it was stopped, and this socket closes.
+        with contextlib.suppress(RuntimeError):
+            await websocket.close(code=1008)
+        raise WebSocketDisconnect(code=1008)
 
 
 async def _listen(

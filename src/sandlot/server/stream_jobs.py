@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import time
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -49,6 +48,30 @@ from sandlot.server.deps import ServerState
 STARTED_COST_BYTES = 4096
 INPUT_WAIT_S = 5.0  # input for a program that does not read is refused after this
 KEY_RECHECK_S = 1.0  # how often a long stream's input checks that its key is still valid
+
+
+async def watch_key(state: ServerState, websocket: WebSocket) -> None:
+    """Return never; raise once the stream's key is revoked (checked every
+    :data:`KEY_RECHECK_S`): a stream's output and input both stop with its key, not only at
+    the client's next message (a revoked key kept typing into a command and reading a
+    background command's output for as long as they ran: red team, 2026-12-06).
+
+    Raises:
+        AuthenticationError: the key is no longer valid.
+    """
+    while True:
+        await asyncio.sleep(KEY_RECHECK_S)
+        state.recheck(websocket.headers, websocket.query_params.get("api_key"))
+
+
+def revoked(*tasks: asyncio.Task[Any]) -> AuthenticationError | None:
+    """The revocation one of ``tasks`` ended with, if any."""
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            error = task.exception()
+            if isinstance(error, AuthenticationError):
+                return error
+    return None
 
 
 def is_job(message: dict[str, Any]) -> bool:
@@ -84,16 +107,19 @@ async def run_job(
     run = asyncio.create_task(manager.wait_command(sandbox_id, pid, owner=owner))
     sender = asyncio.create_task(outbox_.drain(websocket, outbox, budget))
     listener = asyncio.create_task(_listen(websocket, state, who, sandbox_id, info, outbox, budget))
+    watcher = asyncio.create_task(watch_key(state, websocket))
     try:
         async with state.audited(websocket, who, f"stream.{kind}", sandbox_id, pid=pid):
-            done, _ = await asyncio.wait({run, listener}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {run, listener, watcher}, return_when=asyncio.FIRST_COMPLETED
+            )
             if run not in done:
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError, SandboxError):
                     await run
-                revoked = listener.exception()
-                if isinstance(revoked, AuthenticationError):
-                    raise revoked
+                error = revoked(watcher, listener)
+                if error is not None:
+                    raise error
                 # Detached: it runs on (a client cut for not reading is detached too).
                 raise WebSocketDisconnect(code=outbox_.CUT_CODE if budget.cut else 1001)
             result = run.result()
@@ -103,6 +129,7 @@ async def run_job(
         if isinstance(exc, AuthenticationError):
             cut = True
     finally:
+        watcher.cancel()
         if info.pty:
             manager.disconnect_pty(sandbox_id, pid, on_data)
         manager.disconnect_command(sandbox_id, pid, on_stdout, on_stderr)
@@ -176,11 +203,9 @@ async def _listen(
     """The client's messages while it runs: input, resize; returns when it disconnects.
 
     Raises:
-        AuthenticationError: its key was revoked meanwhile.
         QueueCapReached: the notices its messages caused reached the queue cap unread.
     """
     manager = state.manager
-    checked_at = time.monotonic()
     while True:
         try:
             message = await websocket.receive_json()
@@ -189,11 +214,6 @@ async def _listen(
         if not isinstance(message, dict):
             continue
         kind = message.get("type")
-        if time.monotonic() - checked_at >= KEY_RECHECK_S:
-            # A terminal can last a day: a key revoked meanwhile stops typing into it.
-            # Raises AuthenticationError: run_job says so and closes the socket.
-            state.recheck(websocket.headers, websocket.query_params.get("api_key"))
-            checked_at = time.monotonic()
         if _empty(message):
             continue  # nothing to type or send: not a request to the guest
         # Each notice below counts against the queue cap (outbox_.notify): a client that

@@ -5,7 +5,8 @@ connections one address may hold, so 1,100 half-sent requests with no API key st
 server answering anyone. :func:`guarded_protocol` builds uvicorn's httptools protocol with:
 
 - a cap on open HTTP connections, in all and per client address (over it, the connection is
-  closed before a byte is read);
+  closed before a byte is read; at the total cap, a new one takes the place of the
+  connection that has waited longest for its request head, if any does);
 - a header deadline: the request line and headers must arrive within ``header_timeout_s`` of
   the connection (or of the previous response), and be at most ``max_header_bytes``;
 - a body idle timeout: a request body that sends nothing for ``body_idle_timeout_s`` (while
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -46,6 +47,11 @@ class ConnectionLimits:
     max_header_bytes: int
 
 
+class Evictable(Protocol):
+    def evict(self) -> None:
+        """Leave the count and drop the connection."""
+
+
 @dataclass
 class ConnectionCount:
     """Open HTTP connections, in all and by client address (one per server process)."""
@@ -54,15 +60,40 @@ class ConnectionCount:
     total: int = 0
     by_ip: Counter[str] = field(default_factory=Counter)
     refused: int = 0
+    # Admitted connections still waiting for a whole request head (their first, or the next
+    # on a kept-alive connection), oldest first. At the cap, a new connection takes the
+    # oldest one's place: clients with no key from 11 addresses, each at its per-address
+    # cap and reconnecting whenever dropped, held the whole cap and no keyed request got
+    # through in 20 s (red team, 2026-12-06). A connection that has sent its head (a keyed
+    # request, a WebSocket) is never evicted, and the newest is evicted last, so a client
+    # that sends its request at once always gets in.
+    waiting: dict[Evictable, None] = field(default_factory=dict)
+    evicted: int = 0
 
     def admit(self, ip: str) -> bool:
         per_ip = self.limits.max_connections_per_ip
-        if self.total >= self.limits.max_connections or (per_ip and self.by_ip[ip] >= per_ip):
+        if per_ip and self.by_ip[ip] >= per_ip:
             self.refused += 1
             return False
+        if self.total >= self.limits.max_connections:
+            if not self.waiting:
+                self.refused += 1
+                return False
+            oldest = next(iter(self.waiting))
+            del self.waiting[oldest]
+            oldest.evict()  # leaves the count now, before its transport is gone
+            self.evicted += 1
         self.total += 1
         self.by_ip[ip] += 1
         return True
+
+    def await_head(self, connection: Evictable) -> None:
+        """``connection`` waits for a request head: the newest such, evicted last."""
+        self.waiting.pop(connection, None)
+        self.waiting[connection] = None
+
+    def head_received(self, connection: Evictable) -> None:
+        self.waiting.pop(connection, None)
 
     def release(self, ip: str) -> None:
         self.total -= 1
@@ -148,6 +179,11 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self._leave_count()
             super().connection_lost(exc)
 
+        def evict(self) -> None:
+            self._disarm()
+            self._leave_count()
+            self.transport.abort()
+
         def data_received(self, data: bytes) -> None:
             waiting = self._in_headers
             super().data_received(data)
@@ -166,6 +202,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
+            count.head_received(self)
             self._arm(limits.body_idle_timeout_s, self._body_stalled)
             super().on_headers_complete()
 
@@ -207,6 +244,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def _expect_headers(self) -> None:
             self._in_headers = True
+            count.await_head(self)
             self._header_bytes = 0
             self._arm(limits.header_timeout_s, self._headers_late)
 
@@ -220,6 +258,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
                 self._deadline = None
 
         def _leave_count(self) -> None:
+            count.head_received(self)  # no longer waiting, whatever it waited for
             if self._admitted_ip is not None:
                 count.release(self._admitted_ip)
                 self._admitted_ip = None
