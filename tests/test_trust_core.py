@@ -14,6 +14,7 @@ import pytest
 
 from sandlot import Sandbox, SandboxManager
 from sandlot._portal import get_portal
+from sandlot.core.store import artifact_charge
 from sandlot.errors import (
     CapacityExhausted,
     ConfigError,
@@ -21,8 +22,8 @@ from sandlot.errors import (
     QuotaExceeded,
     SandboxNotFound,
 )
-from sandlot.models import Quota
-from sandlot.requests import ReadFile, SandboxSpec, WriteFile
+from sandlot.models import ArtifactInfo, Quota
+from sandlot.requests import ReadFile, RunCode, SandboxSpec, WriteFile
 from tests.conftest import make_settings
 
 QUOTA = Quota(
@@ -197,10 +198,91 @@ async def test_destroys_at_once_keep_no_more_than_the_tenant_artifact_quota(
         await asyncio.gather(*(mgr.destroy(i) for i in ids))
         kept = [a for i in ids for a in await mgr.list_artifacts(i)]
         assert len(kept) == 1 and kept[0].size_bytes == 3 << 19
-        assert mgr._store.artifact_bytes("acme") == 3 << 19
+        assert mgr._store.artifact_bytes("acme") == artifact_charge(3 << 19)
         # The refused copies left nothing on the host, and no reservation behind.
         files = [p for i in ids for p in (data_dir / "artifacts" / i).rglob("*") if p.is_file()]
         assert len(files) == 1
+
+
+async def test_kept_files_cost_their_blocks_and_inodes_and_are_capped_per_sandbox(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Failed before (red team, 2026-12-06): a file was charged its size alone, so 11,000
+    # empty files in 11,000 directories (45 MB of the host's disk, 22,001 inodes) cost a
+    # tenant nothing, sandbox after sandbox.
+    from sandlot.core import artifacts
+
+    quota = Quota(max_sandboxes=5, max_memory_mb=4096, max_artifact_mb=1)
+    plant = (
+        "import os\nfor n in range(400):\n"
+        "    os.makedirs(f'artifacts/d{n}')\n    open(f'artifacts/d{n}/e', 'w').close()"
+    )
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        info = await mgr.create(owner="acme", quota=quota)
+        await mgr.run_code(info.id, RunCode(code=plant))
+        await mgr.destroy(info.id)
+        kept = await mgr.list_artifacts(info.id)
+        # 1 MiB holds 256 charges of 4 KiB: not 400 empty files.
+        assert len(kept) == (1 << 20) // artifact_charge(0) == 256
+        assert mgr._store.artifact_bytes("acme") == 1 << 20
+        # And however large the quota, a sandbox keeps at most MAX_KEPT_FILES files.
+        monkeypatch.setattr(artifacts, "MAX_KEPT_FILES", 30)
+        second = await mgr.create(owner="other")
+        await mgr.run_code(second.id, RunCode(code=plant))
+        await mgr.destroy(second.id)
+        assert len(await mgr.list_artifacts(second.id)) == 30
+
+
+def test_the_artifact_usage_kept_in_step_is_the_sum_of_the_rows(tmp_path: Path) -> None:
+    # A reservation now reads the owner's running total instead of summing its rows (which
+    # made a sandbox of 100,000 files take a restart past 13 minutes): every way a row comes
+    # and goes keeps the total equal to that sum.
+    from sandlot.core.store import PENDING_ARTIFACT_TTL_S, Store
+
+    store = Store(tmp_path / "store.db", "one")
+    try:
+        for sandbox_id, owner in (("a", "acme"), ("b", "acme"), ("c", "beta")):
+            store._db.execute(
+                "INSERT INTO sandboxes (id, owner, status, created_at, info) "
+                "VALUES (?, ?, 'destroyed', 0, '{}')",
+                (sandbox_id, owner),
+            )
+
+        def summed(owner: str) -> int:
+            rows = store._db.execute(
+                "SELECT a.size_bytes FROM artifacts a JOIN sandboxes s ON s.id = a.sandbox_id "
+                "WHERE s.owner = ?",
+                (owner,),
+            ).fetchall()
+            return sum(artifact_charge(size) for (size,) in rows)
+
+        for n in range(20):
+            assert store.reserve_artifact("acme", "ab"[n % 2], f"f{n}", n * 1000, None)
+        for n in range(0, 20, 3):  # copied, smaller than reserved
+            store.add_artifact(
+                ArtifactInfo(
+                    sandbox_id="ab"[n % 2],
+                    path=f"f{n}",
+                    size_bytes=n * 10,
+                    sha256="x",
+                    created_at=0,
+                )
+            )
+        store.drop_artifact("a", "f2")
+        store.drop_artifact("a", "missing")
+        assert store.reserve_artifact("beta", "c", "g", 5000, None)
+        assert store.reserve_artifact("acme", "a", "f4", 99_999, None)  # again: replaced
+        assert store.artifact_bytes("acme") == summed("acme")
+        store.delete_artifacts("b")
+        assert store.artifact_bytes("acme") == summed("acme")
+        store._db.execute(
+            "UPDATE artifacts SET created_at = created_at - ? WHERE sha256 = ''",
+            (PENDING_ARTIFACT_TTL_S + 1,),
+        )
+        assert store.artifact_bytes("acme") == summed("acme") > 0  # the copied ones stay
+        assert store.artifact_bytes("beta") == summed("beta") == 0
+    finally:
+        store.close()
 
 
 def test_artifact_reservations_count_across_processes_sharing_a_store(tmp_path: Path) -> None:
@@ -219,10 +301,11 @@ def test_artifact_reservations_count_across_processes_sharing_a_store(tmp_path: 
         assert one.reserve_artifact("acme", "sb-a", "x", 3 * mib, 4 * mib)
         # The other store (another process's) sees the copy under way: no room for 2 MiB.
         assert not two.reserve_artifact("acme", "sb-b", "y", 2 * mib, 4 * mib)
-        assert two.reserve_artifact("acme", "sb-b", "y", 1 * mib, 4 * mib)
+        # Each file is charged its blocks and one more (artifact_charge): 4 MiB in all.
+        assert two.reserve_artifact("acme", "sb-b", "y", 1 * mib - 8192, 4 * mib)
         assert one.artifacts("sb-a") == []  # under way: listed nowhere
         one.drop_artifact("sb-a", "x")
-        assert two.artifact_bytes("acme") == 1 * mib
+        assert two.artifact_bytes("acme") == 1 * mib - 4096
         # A reservation whose process died mid-copy stops counting after the TTL.
         two._db.execute(
             "UPDATE artifacts SET created_at = created_at - ?", (PENDING_ARTIFACT_TTL_S + 1,)

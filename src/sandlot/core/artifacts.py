@@ -35,7 +35,34 @@ ARTIFACTS_DIR = "artifacts"
 STAGING_DIR = ".staging"
 MIB = 1 << 20
 # Artifacts are read through the guest, which sandboxed code can slow down: bound the wait.
+# A crashed manager's orphans are read on the host, within the same time.
 EXPORT_TIMEOUT_S = 60.0
+# Files one sandbox may leave kept: each is a row, an inode and a file the host serves and
+# expires, whatever its size (red team, 2026-12-06: 11,000 empty files a sandbox).
+MAX_KEPT_FILES = 10_000
+
+
+class _Skips:
+    """Files of one export not kept: the first few logged each, the rest counted in one line
+    at the end (the sandbox chooses how many there are: 11,000 over the quota logged 11,000
+    lines a destroy, red team 2026-12-06)."""
+
+    LOGGED = 5
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.sandbox_id = sandbox_id
+        self.count = 0
+
+    def add(self, why: str, **detail: Any) -> None:
+        self.count += 1
+        if self.count <= self.LOGGED:
+            log.warning(f"artifact not kept: {why}", sandbox=self.sandbox_id, **detail)
+
+    def close(self) -> None:
+        if self.count > self.LOGGED:
+            log.warning(
+                "artifacts not kept", sandbox=self.sandbox_id, more=self.count - self.LOGGED
+            )
 
 
 def artifact_limit_bytes(quota: Quota | None) -> int | None:
@@ -71,12 +98,27 @@ class Artifacts:
             listing = await live.conn.request(Op.FILE_LIST, {"path": ARTIFACTS_DIR, "depth": 32})
         except (SandboxError, OSError):
             return  # no artifacts directory
+        skips = _Skips(live.id)
+        try:
+            await self._export_listed(live, listing, skips)
+        finally:
+            skips.close()
+
+    async def _export_listed(self, live: Live, listing: dict[str, Any], skips: _Skips) -> None:
         for problem in listing.get("errors", []):
-            log.warning("artifact not kept", sandbox=live.id, problem=problem)
+            skips.add("the guest could not list it", problem=problem)
         dest_root = self._dir(live.id).resolve()
         budget, owner = live.disk_bytes, live.info.owner
         limit = artifact_limit_bytes(live.quota)
-        for entry in listing.get("entries", []):
+        files = [entry for entry in listing.get("entries", []) if entry.get("type") == "file"]
+        if len(files) > MAX_KEPT_FILES:
+            log.warning(
+                "artifacts not kept: more files than a sandbox may keep",
+                sandbox=live.id,
+                files=len(files),
+                kept=MAX_KEPT_FILES,
+            )
+        for entry in files[:MAX_KEPT_FILES]:
             target = _target(dest_root, entry)
             if target is None or budget <= 0:
                 continue
@@ -85,7 +127,7 @@ class Artifacts:
             # before the copy, which may read no more than that.
             size_bytes = min(budget, _listed_size(entry))
             if not self.store.reserve_artifact(owner, live.id, kept, size_bytes, limit):
-                log.warning("artifact not kept: over the owner's quota", sandbox=live.id, path=rel)
+                skips.add("over the owner's quota", path=rel)
                 continue
             try:
                 size, digest = await self._copy(live, rel, target, size_bytes)
@@ -93,7 +135,7 @@ class Artifacts:
                 self.store.drop_artifact(live.id, kept)
                 if not isinstance(exc, SandboxError | OSError):
                     raise
-                log.warning("artifact not kept", sandbox=live.id, path=rel, error=repr(exc))
+                skips.add("could not be copied", path=rel, error=repr(exc))
                 continue
             budget -= size
             self.store.add_artifact(
@@ -144,7 +186,8 @@ class Artifacts:
         reading its workspace on the host, as hostile: no symlink is followed at any depth,
         only regular files are read, within the sandbox's disk size and 100,000 entries, and
         within what is left of its owner's artifact quota (the one recorded at its create),
-        as a destroy's export is."""
+        as a destroy's export is: at most :data:`MAX_KEPT_FILES` files, for at most
+        :data:`EXPORT_TIMEOUT_S`."""
         await asyncio.to_thread(self._copy_from_host, info, workspace)
 
     def _copy_from_host(self, info: SandboxInfo, workspace: Path) -> None:
@@ -164,6 +207,7 @@ class Artifacts:
             walk.directory(artifacts, PurePosixPath(), depth=0)
         finally:
             os.close(artifacts)
+            walk.skips.close()
 
     def list(self, sandbox_id: str) -> list[ArtifactInfo]:
         return self.store.artifacts(sandbox_id)
@@ -261,16 +305,20 @@ class _HostWalk:
         self.budget = info.limits.disk_mb * MIB
         self.limit = artifacts.store.artifact_limit(info.id)
         self.entries = 0
+        self.files = 0
+        self.deadline = time.monotonic() + EXPORT_TIMEOUT_S
+        self.stopped = False
+        self.skips = _Skips(info.id)
 
     def directory(self, fd: int, rel: PurePosixPath, depth: int) -> None:
         with os.scandir(fd) as found:
             names = [entry.name for entry in found]
         for name in names:
             self.entries += 1
-            if self.entries > self.MAX_ENTRIES or self.budget <= 0:
+            if self.entries > self.MAX_ENTRIES or self.budget <= 0 or self._spent():
                 return
             if not _utf8(name):
-                log.warning("artifact not kept: its name is not UTF-8", sandbox=self.info.id)
+                self.skips.add("its name is not UTF-8")
                 continue
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -282,11 +330,19 @@ class _HostWalk:
                     finally:
                         os.close(sub)
                 elif stat.S_ISREG(st.st_mode):
+                    self.files += 1
                     self.file(fd, name, rel / name)
             except OSError as exc:
-                log.warning(
-                    "artifact not kept", sandbox=self.info.id, path=str(rel / name), error=repr(exc)
-                )
+                self.skips.add("could not be copied", path=str(rel / name), error=repr(exc))
+
+    def _spent(self) -> bool:
+        """Past the files or the time one sandbox's export may take (said once)."""
+        if self.stopped:
+            return True
+        if self.files >= MAX_KEPT_FILES or time.monotonic() > self.deadline:
+            log.warning("artifacts not kept: the export's file or time cap", sandbox=self.info.id)
+            self.stopped = True
+        return self.stopped
 
     def file(self, dir_fd: int, name: str, rel: PurePosixPath) -> None:
         # ``rel`` is below the artifacts directory; _target takes a path below the workspace.
@@ -306,9 +362,7 @@ class _HostWalk:
             if not store.reserve_artifact(
                 self.info.owner, self.info.id, kept, reserved, self.limit
             ):
-                log.warning(
-                    "artifact not kept: over the owner's quota", sandbox=self.info.id, path=kept
-                )
+                self.skips.add("over the owner's quota", path=kept)
                 return
             try:
                 _private_dirs(self.artifacts.root, target.parent)
