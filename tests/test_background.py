@@ -430,6 +430,30 @@ def test_spill_files_of_background_commands_share_a_quarter_of_the_disk(jail: Sa
     assert jail.commands.run("echo ok").stdout == "ok\n"
 
 
+def test_ended_results_kept_on_the_host_are_bounded_by_their_output(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Failed before (red team, 2026-12-06): the newest 16 ended commands were kept whatever
+    # their output, up to the output cap per stream each, in the server's memory: 417 MiB
+    # for one 128 MiB sandbox. Now their output together is capped (3 MiB here), the newest
+    # kept whatever its size.
+    from sandlot.core import background
+
+    monkeypatch.setattr(background, "ENDED_OUTPUT_CHARS", 3 << 20)
+    done = []
+    for _ in range(5):
+        job = sandbox.commands.run("head -c 1000000 /dev/zero | tr '\\0' x", background=True)
+        assert len(job.wait(timeout_s=30).stdout) == 1_000_000
+        done.append(job)
+    kept = []
+    for job in done:
+        try:
+            kept.append(len(job.wait(timeout_s=5).stdout))
+        except CommandNotFound:
+            kept.append(None)
+    assert kept == [None, None, 1_000_000, 1_000_000, 1_000_000], kept
+
+
 # ---------------------------------------------------------------- REST and the remote SDK
 
 

@@ -45,6 +45,8 @@ STDIN_QUEUE_ITEMS = 64  # input not yet taken by the command: send_stdin waits p
 STDIN_BACKLOG_BYTES = 4 << 20
 KILL_WAIT_S = 5.0
 SCROLLBACK_BYTES = 256 << 10  # a terminal's output kept on the host, newest first
+# Output the results of one sandbox's ended background commands may hold on the host together.
+ENDED_OUTPUT_CHARS = 16 << 20
 
 
 class StdinQueue(asyncio.Queue[bytes | None]):
@@ -98,6 +100,7 @@ class _Job:
     data_listeners: list[DataCallback] = field(default_factory=list)
     scrollback: bytearray = field(default_factory=bytearray)
     written_bytes: int = 0  # a terminal's output so far; the scrollback is its tail
+    kept_chars: int = 0  # the output its result holds, once it has ended
 
     def emit(self, index: int, text: str) -> None:
         for pair in self.listeners:
@@ -250,17 +253,30 @@ class BackgroundCommands:
     def _ended(self, job: _Job, task: asyncio.Task[ExecResult]) -> None:
         job.info.running = False
         if not task.cancelled() and task.exception() is None:
-            job.info.exit_code = task.result().exit_code
+            result = task.result()
+            job.info.exit_code = result.exit_code
+            job.kept_chars = len(result.stdout) + len(result.stderr) + len(result.text or "")
+        self._forget_old()
 
     def _remember(self, job: _Job) -> None:
         old = self._jobs.get(job.info.pid)
         if old is not None and old.task is not None:
             old.task.cancel()  # a pid reused after a guest restart: the old one is gone
         self._jobs[job.info.pid] = job
-        # Ended ones stay for wait(); only the newest `limit` of them are kept.
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Ended ones stay for wait(), the newest first: at most ``limit`` of them, whose
+        results hold at most :data:`ENDED_OUTPUT_CHARS` of output together (the newest is
+        kept whatever its size). Each result holds up to its output cap per stream, in the
+        server's memory, not the sandbox's: 16 of them held 417 MiB for one 128 MiB sandbox
+        (red team, 2026-12-06)."""
         ended = [pid for pid, j in self._jobs.items() if not j.info.running]
-        for pid in ended[: max(0, len(ended) - self.limit)]:
-            del self._jobs[pid]
+        kept_chars = 0
+        for n, pid in enumerate(reversed(ended)):
+            kept_chars += self._jobs[pid].kept_chars
+            if n >= self.limit or (n and kept_chars > ENDED_OUTPUT_CHARS):
+                del self._jobs[pid]
 
     def _job(self, pid: int) -> _Job:
         job = self._jobs.get(pid)
