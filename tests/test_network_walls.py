@@ -144,22 +144,48 @@ async def test_a_networked_sandbox_reaches_out_but_not_cloud_metadata_nor_privat
 
 
 async def test_a_networked_sandbox_reaches_the_hosts_resolvers_for_dns_only(
-    data_root: Path, monkeypatch: pytest.MonkeyPatch, neighbour: None, tmp_path: Path
+    data_root: Path, monkeypatch: pytest.MonkeyPatch, neighbour: None
 ) -> None:
     # A resolver in a private range (this VM's is 10.255.255.53) must still answer.
     if not _usable("bubblewrap") or os.geteuid() != 0:
         pytest.skip("root's bubblewrap: its sandboxes get the host's resolv.conf")
     from sandlot.backends import hostnet
 
-    resolv = tmp_path / "resolv.conf"
+    # Where the sandbox's uid can read it: the sandbox gets this file as its resolv.conf.
+    etc = data_root / "fake-etc"
+    etc.mkdir(mode=0o755)
+    resolv = etc / "resolv.conf"
     resolv.write_text(f"nameserver 127.0.0.53\nnameserver {PRIVATE}\nnameserver ::1\n")
+    resolv.chmod(0o644)
     monkeypatch.setattr(hostnet, "RESOLV_CONF", resolv)
     assert hostnet.resolvers() == [PRIVATE]
     async with _manager(data_root / "resolver") as mgr:
         info = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+        seen = await mgr.run_code(info.id, RunCode(code="open('/etc/resolv.conf').read()"))
+        assert seen.text is not None and PRIVATE in seen.text, seen
         # DNS's port on the resolver is open; the resolver's other ports are not.
         assert await _reach(mgr, info.id, (PRIVATE, 53)) == {PRIVATE: "pong"}
         assert await _reach(mgr, info.id, (PRIVATE, PORT)) == {PRIVATE: "EHOSTUNREACH"}
+
+
+def test_a_host_whose_resolver_is_a_loopback_stub_gives_sandboxes_its_upstream_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ubuntu's /etc/resolv.conf names systemd-resolved's stub (127.0.0.53), which a sandbox
+    # cannot reach (its loopback is its own): networked sandboxes had no DNS there.
+    from sandlot.backends import hostnet
+
+    host, upstream = tmp_path / "resolv.conf", tmp_path / "upstream.conf"
+    monkeypatch.setattr(hostnet, "RESOLV_CONF", host)
+    monkeypatch.setattr(hostnet, "UPSTREAM_RESOLV_CONF", upstream)
+    host.write_text("nameserver 127.0.0.53\noptions edns0 trust-ad\n")
+    assert hostnet.sandbox_resolv_conf() == host  # no upstream list: nothing better to give
+    upstream.write_text("nameserver 10.0.0.2\nnameserver fd00::1\n")
+    assert hostnet.sandbox_resolv_conf() == upstream
+    assert hostnet.resolvers() == ["10.0.0.2"]  # and DNS to it is let through the walls
+    host.write_text("nameserver 192.0.2.53\nnameserver 127.0.0.1\n")  # one reachable
+    assert hostnet.sandbox_resolv_conf() == host
+    assert hostnet.resolvers() == ["192.0.2.53"]
 
 
 async def test_the_operator_can_open_the_lan_and_metadata_stays_shut(

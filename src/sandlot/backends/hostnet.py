@@ -20,6 +20,7 @@ likes; its sandboxes' jumps go in ``DOCKER-USER``, the chain Docker promises to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ IPTABLES = "/usr/sbin/iptables"
 IPTABLES_RESTORE = "/usr/sbin/iptables-restore"
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 RESOLV_CONF = Path("/etc/resolv.conf")
+# systemd-resolved's list of the servers it asks (the host's own file names its stub).
+UPSTREAM_RESOLV_CONF = Path("/run/systemd/resolve/resolv.conf")
 # One /30 per bubblewrap sandbox (netns.py); one address per docker container on its bridge.
 BUBBLEWRAP_NET = ipaddress.IPv4Network("10.231.0.0/16")
 DOCKER_NET = ipaddress.IPv4Network("10.232.0.0/16")
@@ -74,22 +77,36 @@ def parse_cidrs(text: str, setting: str) -> list[str]:
     return found
 
 
-def resolvers(resolv_conf: Path | None = None) -> list[str]:
-    """The host's IPv4 name servers that a sandbox's copy of ``resolv.conf`` sends it to (not
-    the loopback ones: a sandbox's loopback is its own)."""
+def sandbox_resolv_conf() -> Path:
+    """The resolver file a networked sandbox gets: the host's, unless every server it names
+    is on the loopback (systemd-resolved's stub at 127.0.0.53, a local dnsmasq), which a
+    sandbox cannot reach (its loopback is its own): then systemd-resolved's list of the
+    servers it asks, where there is one, as Docker does."""
+    named = _nameservers(RESOLV_CONF)
+    stub_only = bool(named) and all(address.is_loopback for address in named)
+    return UPSTREAM_RESOLV_CONF if stub_only and UPSTREAM_RESOLV_CONF.is_file() else RESOLV_CONF
+
+
+def resolvers() -> list[str]:
+    """The IPv4 name servers a networked sandbox's ``resolv.conf`` sends it to (not the
+    loopback ones: a sandbox's loopback is its own)."""
+    found = []
+    for address in _nameservers(sandbox_resolv_conf()):
+        if not address.is_loopback and str(address) not in found:
+            found.append(str(address))
+    return found
+
+
+def _nameservers(resolv_conf: Path) -> list[ipaddress.IPv4Address]:
     try:
-        lines = (resolv_conf or RESOLV_CONF).read_text(errors="replace").splitlines()
+        lines = resolv_conf.read_text(errors="replace").splitlines()
     except OSError:
         return []
     found = []
     for fields in (line.split() for line in lines):
         if len(fields) >= 2 and fields[0] == "nameserver":
-            try:
-                address = ipaddress.IPv4Address(fields[1])
-            except ValueError:
-                continue  # IPv6: the sandboxes have none
-            if not address.is_loopback and str(address) not in found:
-                found.append(str(address))
+            with contextlib.suppress(ValueError):  # IPv6: the sandboxes have none
+                found.append(ipaddress.IPv4Address(fields[1]))
     return found
 
 

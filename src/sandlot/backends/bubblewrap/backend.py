@@ -134,7 +134,8 @@ ETC_BINDS = (
     "/etc/matplotlibrc",
     "/etc/fonts",
 )
-ETC_NETWORK_BINDS = ("/etc/resolv.conf", "/etc/gai.conf")
+# A networked sandbox's resolver files: resolv.conf is hostnet.sandbox_resolv_conf()'s.
+ETC_NETWORK_BINDS = ("/etc/gai.conf",)
 # Written to (by root, or rootless by the user into a delegated cgroup) before the switch to
 # the sandbox uid, so the process (and everything it will ever fork) is inside the cgroup
 # before a single instruction of sandbox code runs. Then it waits for "go" on stdin (sh's
@@ -562,6 +563,8 @@ class BubblewrapBackend:
         for path in etc_binds + (ETC_NETWORK_BINDS if spec.network else ()):
             if Path(path).exists():
                 argv += ["--ro-bind", path, path]
+        if spec.network and (resolv := hostnet.sandbox_resolv_conf()).exists():
+            argv += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
         if manager_mounts:
             argv += ["--dir", WORKSPACE_INSIDE]
         else:
@@ -1084,6 +1087,8 @@ class BubblewrapBackend:
             *HOST_LINKS,
             *ETC_BINDS,
             *ETC_NETWORK_BINDS,
+            str(hostnet.RESOLV_CONF),
+            str(hostnet.UPSTREAM_RESOLV_CONF),
             str(data_root),
             str(self.settings.rootfs_dir),
         ]
