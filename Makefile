@@ -28,7 +28,7 @@ DOCKER_TARGETS := docker,docker+runsc
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
 	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
-	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-faults trees
+	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-faults bench-artifact-store trees
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -163,6 +163,9 @@ bench-cancel: venv
 bench-volume: venv
 	$(PY) bench/volume_cycle.py --size-mb 64
 	$(PY) bench/volume_cycle.py --size-mb 1024
+
+bench-artifact-store: venv
+	$(PY) bench/bench_artifact_store.py --rows 0 10000 50000 --reserves 200
 
 bench-churn: venv
 	$(PY) bench/churn.py --seconds 90 --workers 4
