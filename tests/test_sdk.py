@@ -49,6 +49,45 @@ def test_list_filters_on_metadata_and_connect_attaches(where: dict[str, Any]) ->
     again.kill()  # the same sandbox, already gone: idempotent, and it closes its client
 
 
+def test_a_list_comes_in_pages_and_the_sdk_reads_them_all(
+    live_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Failed before (red team, 2026-12-06): one GET returned every kept record of a tenant
+    # (7,774 of them: 129 MB, a second of the server's loop). Now at most a page a call.
+    import httpx
+
+    from sandlot import client
+
+    where = {"api_url": live_server.url, "api_key": live_server.keys["alice"]}
+    headers = {"Authorization": f"Bearer {live_server.keys['alice']}"}
+    run = uuid.uuid4().hex
+    made = [Sandbox.create(metadata={"run": run}, **where) for _ in range(3)]
+    for sb in made:
+        sb.kill()
+    pages = []
+    with httpx.Client(base_url=live_server.url, headers=headers) as http:
+        for limit in (0, 1001):
+            refused = http.get("/v1/sandboxes", params={"limit": limit})
+            assert refused.status_code == 422, refused.text
+        offset = 0
+        while True:
+            page = http.get(
+                "/v1/sandboxes", params={"include_ended": "true", "limit": 2, "offset": offset}
+            ).json()
+            assert len(page) <= 2
+            pages.append([info["id"] for info in page])
+            offset += len(page)
+            if len(page) < 2:
+                break
+    listed = [i for page in pages for i in page]
+    assert len(listed) == len(set(listed))  # no record twice
+    assert {sb.id for sb in made} <= set(listed)
+    # The SDK pages on by itself (a page of 2 here, 1,000 against a real server).
+    monkeypatch.setattr(client, "LIST_PAGE", 2)
+    seen = {i.id for i in Sandbox.list(metadata={"run": run}, include_ended=True, **where)}
+    assert seen == {sb.id for sb in made}
+
+
 def test_artifacts_are_read_from_the_sandbox_object_after_it_is_gone(
     where: dict[str, Any],
 ) -> None:

@@ -229,6 +229,40 @@ def test_keyless_connections_at_the_total_cap_give_way_to_a_real_request(
             sock.close()
 
 
+def test_a_body_trickled_after_a_401_holds_no_connection(server: Server) -> None:
+    """Failed before (red team, 2026-12-06): a POST with no key got its 401 at once, but the
+    connection read on as long as the client kept sending its chunked body (8 bytes every
+    3 s), out of reach of the header deadline and of eviction: 200 of them from 5 addresses
+    held the whole cap, and no keyed request got in for the minute measured."""
+    attackers: list[socket.socket] = []
+    headers = {"Authorization": f"Bearer {server.key}"}
+    head = b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    try:
+        for n in range(5):  # 5 addresses x 50 > the cap of 200
+            for _ in range(50):
+                with contextlib.suppress(OSError):
+                    sock = server.connect(f"127.0.0.{n + 2}")
+                    sock.sendall(head + b"8\r\nxxxxxxxx\r\n")
+                    attackers.append(sock)
+        # Each got its 401 ...
+        assert _read_response(attackers[0]).startswith(b"HTTP/1.1 401")
+        # ... and a keyed client still gets in while they trickle on.
+        for _ in range(5):
+            for sock in attackers:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"8\r\nxxxxxxxx\r\n")
+            with httpx.Client() as client:
+                reply = client.get(server.url + "/v1/sandboxes", headers=headers)
+            assert reply.status_code == 200
+            time.sleep(0.5)
+        # Past the linger (2 s) every one of them is closed, trickling or not.
+        assert _closed_by_peer(attackers[-1], within_s=3)
+        assert server.open_connections() <= 2
+    finally:
+        for sock in attackers:
+            sock.close()
+
+
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
     sock = server.connect()
     try:

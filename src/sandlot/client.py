@@ -65,6 +65,7 @@ EXEC_MARGIN_S = 30.0  # on top of the run's own timeout: the server answers afte
 RETRY_ATTEMPTS = 3
 WAIT_SLICE_S = 60.0  # a wait with no timeout asks the server again after each slice
 STREAM_CHUNK_BYTES = 1 << 20
+LIST_PAGE = 1000  # the most the server returns a list call (routes.MAX_LISTED)
 
 
 class RemoteService:
@@ -155,9 +156,18 @@ class RemoteService:
         return SandboxInfo.model_validate(data)
 
     async def list(self, include_ended: bool = False) -> builtins.list[SandboxInfo]:
-        params = {"include_ended": str(include_ended).lower()}
-        data = await self._json("GET", "/v1/sandboxes", idempotent=True, params=params)
-        return [SandboxInfo.model_validate(item) for item in data]
+        """Every one, page by page (the server returns at most a page a call)."""
+        found: builtins.list[SandboxInfo] = []
+        while True:
+            params = {
+                "include_ended": str(include_ended).lower(),
+                "limit": str(LIST_PAGE),
+                "offset": str(len(found)),
+            }
+            data = await self._json("GET", "/v1/sandboxes", idempotent=True, params=params)
+            found += [SandboxInfo.model_validate(item) for item in data]
+            if len(data) < LIST_PAGE:
+                return found
 
     async def destroy(self, sandbox_id: str) -> SandboxInfo:
         data = await self._json("DELETE", f"/v1/sandboxes/{sandbox_id}", idempotent=True)

@@ -478,15 +478,27 @@ class SandboxManager:
         return info.model_copy()
 
     async def list(
-        self, *, owner: str | None = None, include_ended: bool = False
+        self,
+        *,
+        owner: str | None = None,
+        include_ended: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
     ) -> builtins.list[SandboxInfo]:
+        """Sandboxes, oldest first: the live ones, or every kept record; ``limit`` of them
+        from the ``offset``-th (None: all)."""
         if include_ended:
-            return self._store.list(owner=owner)
-        return [
+            # Off the event loop: a tenant may keep many ended records (each up to its
+            # metadata cap), and reading them held the loop (red team, 2026-12-06).
+            return await asyncio.to_thread(
+                self._store.list, owner=owner, limit=limit, offset=offset
+            )
+        found = [
             live.info.model_copy()
             for live in self._live.values()
             if owner is None or live.info.owner == owner
         ]
+        return found[offset : None if limit is None else offset + limit]
 
     async def destroy(
         self, sandbox_id: str, *, owner: str | None = None, reason: str = "user"

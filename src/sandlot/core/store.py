@@ -201,8 +201,15 @@ class Store:
         return str(row[0]) if row else None
 
     def list(
-        self, owner: str | None = None, live_only: bool = False, instance: str | None = None
+        self,
+        owner: str | None = None,
+        live_only: bool = False,
+        instance: str | None = None,
+        *,
+        limit: int | None = None,
+        offset: int = 0,
     ) -> builtins.list[SandboxInfo]:
+        """Records, oldest first; ``limit`` of them from the ``offset``-th (None: all)."""
         query = "SELECT info FROM sandboxes WHERE 1=1"
         args: list[str] = []
         if owner is not None:
@@ -214,8 +221,11 @@ class Store:
         if live_only:
             query += f" AND status IN ({','.join('?' * len(LIVE))})"
             args.extend(LIVE)
+        query += " ORDER BY created_at, id"
+        if limit is not None:
+            query += f" LIMIT {int(limit)} OFFSET {int(offset)}"
         with self._lock:
-            rows = self._db.execute(query + " ORDER BY created_at", args).fetchall()
+            rows = self._db.execute(query, args).fetchall()
         return [SandboxInfo.model_validate_json(r[0]) for r in rows]
 
     def live_elsewhere(self) -> Elsewhere:

@@ -258,11 +258,19 @@ class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs):
         return info
 
     async def list(
-        self, *, owner: str | None = None, include_ended: bool = False
+        self,
+        *,
+        owner: str | None = None,
+        include_ended: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
     ) -> builtins.list[SandboxInfo]:
-        """Every node's sandboxes (a lost node's are left out: they are gone)."""
+        """Every node's sandboxes (a lost node's are left out: they are gone), oldest first;
+        ``limit`` of them from the ``offset``-th (None: all)."""
         nodes = list(self._agents.items())
-        kwargs = {"owner": owner, "include_ended": include_ended}
+        kwargs: dict[str, Any] = {"owner": owner, "include_ended": include_ended}
+        if limit is not None:  # each node's first offset + limit; the merge takes the page
+            kwargs["limit"] = offset + limit
         results = await asyncio.gather(
             *(
                 asyncio.wait_for(
@@ -279,7 +287,8 @@ class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs):
                 log.warning("node left out of a list", node=node, error=repr(result))
                 continue
             infos.extend(unwrap(result))
-        return infos
+        infos.sort(key=lambda info: (info.created_at, info.id))
+        return infos[offset : None if limit is None else offset + limit]
 
     async def destroy(
         self, sandbox_id: str, *, owner: str | None = None, reason: str = "user"

@@ -36,6 +36,14 @@ log = structlog.get_logger(__name__)
 # Pongs a WebSocket may owe a peer that does not read before it is dropped (~130 KiB): each is
 # written at once, past the flow control that holds the app's own frames.
 WS_PONGS_UNREAD_MAX = 1024
+# A request answered before its body was all in (a 401 with no key, a 413, a 404 for an
+# upload): the rest of the body is read and dropped for at most this long and this many bytes,
+# so that the client can read the answer before the connection closes (closing with unread
+# bytes sends a reset), and then the connection closes. Read on with no bound, a client with
+# no key that trickled a chunked body after its 401 held its connection for good, and 200 of
+# them held the whole cap (red team, 2026-12-06).
+LINGER_S = 2.0
+LINGER_BYTES = 256 * 1024
 
 
 @dataclass
@@ -163,6 +171,8 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         _header_bytes = 0
         _in_headers = False
         _message_done = True  # the parser has the whole current request, body included
+        _lingering = False  # answered; the rest of its body is being dropped
+        _lingered_bytes = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -207,6 +217,11 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
+            if self._lingering:
+                self._lingered_bytes += len(body)
+                if self._lingered_bytes > LINGER_BYTES:
+                    self.transport.close()
+                return  # nobody reads it: its request has been answered
             self._arm(limits.body_idle_timeout_s, self._body_stalled)
             super().on_body(body)
 
@@ -224,8 +239,12 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             # A pipelined request already parsed is being served, or the body of this one is
             # still arriving (a response sent before it was read): no headers to wait for yet.
             idle = self.cycle is None or self.cycle.response_complete
-            if idle and self._message_done and not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if idle and self._message_done:
                 self._expect_headers()
+            elif not self._message_done:
+                self._linger()
 
         def handle_websocket_upgrade(self) -> None:
             self._disarm()
@@ -242,7 +261,16 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         # -- helpers
 
+        def _linger(self) -> None:
+            """Its request is answered and its body still comes: drop the rest for a moment,
+            then close; evictable meanwhile, as a connection waiting for a head is."""
+            self._lingering = True
+            self._lingered_bytes = 0
+            self._arm(LINGER_S, self.transport.close)
+            count.await_head(self)
+
         def _expect_headers(self) -> None:
+            self._lingering = False
             self._in_headers = True
             count.await_head(self)
             self._header_bytes = 0
