@@ -13,6 +13,8 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -55,6 +57,18 @@ def reach(host, port):
     except OSError as exc:
         return errno.errorcode.get(exc.errno, str(exc)) if exc.errno else type(exc).__name__
 {{host: reach(host, port) for host, port in {targets!r}}}
+"""
+
+
+HTTP_GET = r"""
+import errno, socket
+try:
+    with socket.create_connection(({host!r}, {port}), timeout=3) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        seen = s.recv(12).decode()
+except OSError as exc:
+    seen = errno.errorcode.get(exc.errno, repr(exc)) if exc.errno else repr(exc)
+seen
 """
 
 
@@ -242,6 +256,50 @@ async def test_networked_sandboxes_do_not_reach_each_other(data_root: Path) -> N
             for target, address in addresses.items():
                 seen = await _reach(mgr, made[attacker, "attacker"], (address, 18082))
                 assert seen[address] != "peer", (attacker, target, seen)
+
+
+async def test_a_bubblewrap_sandbox_reaches_no_docker_container_whatever_the_rule_order(
+    data_root: Path,
+) -> None:
+    # Failed before (red team, 2026-12-06): a dockerd started after the walls puts its rules
+    # above SANDLOT-FORWARD, and its DOCKER chain accepted a bubblewrap sandbox's connection
+    # to a container whose port was published on the host's loopback alone, past the deny
+    # list and the connection cap. Docker runs DOCKER-USER first, so the chain is there too.
+    if not (_usable("docker") and _usable("bubblewrap")) or os.geteuid() != 0:
+        pytest.skip("needs bubblewrap and the docker backend (TEST_BACKENDS), as root")
+    from sandlot.backends import hostnet
+    from sandlot.backends.docker.dockerd import connect
+    from sandlot.environments import get_environment
+
+    client = connect()
+    image = get_environment("python3", make_settings(data_root / "img").registry_dir).image
+    web = client.containers.run(
+        image,
+        ["python3", "-m", "http.server", "8000"],
+        detach=True,
+        remove=True,
+        ports={"8000/tcp": ("127.0.0.1", None)},
+        labels={"sandlot-test": "1"},
+    )
+    try:
+        web.reload()
+        address = web.attrs["NetworkSettings"]["IPAddress"]
+        async with _manager(data_root / "docker-order") as mgr:
+            info = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+            # As after a dockerd restart: Docker's rules first, the backend's jump last.
+            for verb in ("-D", "-A"):
+                jump = [hostnet.IPTABLES, "-w", verb, "FORWARD", "-j", hostnet.FORWARD_CHAIN]
+                subprocess.run(jump, check=True)
+            for _ in range(100):  # the server in the container answers the host
+                with contextlib.suppress(OSError):
+                    urllib.request.urlopen(f"http://{address}:8000/", timeout=1).close()
+                    break
+                time.sleep(0.1)
+            get = HTTP_GET.format(host=address, port=8000)
+            seen = await mgr.run_code(info.id, RunCode(code=get))
+            assert seen.text == "'EHOSTUNREACH'", seen  # before: 'HTTP/1.0 200'
+    finally:
+        web.remove(force=True)
 
 
 def test_a_deny_list_that_is_not_ipv4_networks_is_refused_naming_its_setting(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +47,7 @@ BUBBLEWRAP_NET = ipaddress.IPv4Network("10.231.0.0/16")
 DOCKER_NET = ipaddress.IPv4Network("10.232.0.0/16")
 SANDBOX_NETS = (BUBBLEWRAP_NET, DOCKER_NET)
 FORWARD_CHAIN = "SANDLOT-FORWARD"
+RAY_FORWARD_CHAIN = "SANDLOT-RAY-FORWARD"  # a Ray node's cluster wall (ray/wall.py)
 EGRESS_CHAIN = "SANDLOT-EGRESS"
 LIMIT_CHAIN = "SANDLOT-LIMIT"
 DOCKER_USER = "DOCKER-USER"
@@ -167,28 +169,77 @@ async def ensure_walls(settings: Settings) -> None:
     bubblewrap = str(BUBBLEWRAP_NET)
     nets = [str(net) for net in SANDBOX_NETS]
     between = [("-s", a, "-d", b, "-j", "DROP") for a in nets for b in nets]
+    # Every packet from a bubblewrap sandbox gets its verdict in this chain (so it is counted
+    # once, wherever the chain is reached from): the Ray cluster's wall, the limit, nothing
+    # to another sandbox, the egress wall, then out.
     forward = [
+        ("-s", bubblewrap, "-j", RAY_FORWARD_CHAIN),
+        ("-s", bubblewrap, "-j", LIMIT_CHAIN),
         *between,
         ("-s", bubblewrap, "-j", EGRESS_CHAIN),
         ("-s", bubblewrap, "-j", "ACCEPT"),
         ("-d", bubblewrap, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"),
         ("-d", bubblewrap, "-j", "DROP"),
     ]  # fmt: skip
+    # Ray's node agent fills its chain (ray/wall.py); made empty here where it is not.
+    await run_tool(IPTABLES, "-w", "-N", RAY_FORWARD_CHAIN, check=False)
+    limit = _limit_rules(settings.network_max_connections)
+    egress = _egress_rules(settings.network_deny_list())
+    # The host has one set of walls for every manager on it: say so when this one's differ
+    # from those in place (another manager's limit or deny list is replaced by this one's).
+    mark = "sandlot-walls-" + hashlib.sha256(repr((limit, egress)).encode()).hexdigest()[:12]
+    before = await _marks(EGRESS_CHAIN)
+    if before and mark not in before:
+        log.warning(
+            "networked sandboxes' walls replaced by this manager's: the host has one set, "
+            "and another manager's connection cap or deny list differed "
+            "(SANDBOX_NETWORK_MAX_CONNECTIONS, SANDBOX_NETWORK_DENY_CIDRS)"
+        )
     await _replace_chains(
         {
-            LIMIT_CHAIN: _limit_rules(settings.network_max_connections),
-            EGRESS_CHAIN: _egress_rules(settings.network_deny_list()),
+            LIMIT_CHAIN: limit,
+            EGRESS_CHAIN: [("-m", "comment", "--comment", mark), *egress],
             FORWARD_CHAIN: forward,
         }
     )
-    # First in FORWARD: Docker's FORWARD policy is DROP, and its own rules know no sandbox.
+    # First in FORWARD, where it is missing: Docker's FORWARD policy is DROP, and its own
+    # rules know no sandbox. But a dockerd started later puts its rules above it, and its
+    # DOCKER chain accepted a bubblewrap sandbox's connection to a container whose port was
+    # published on the host's loopback alone, past the deny list and the limit (red team,
+    # 2026-12-06): so the chain is also first in DOCKER-USER, which Docker runs ahead of its
+    # own rules however it rewrites them (made here where Docker has not made it yet: it
+    # keeps what it finds).
+    await run_tool(IPTABLES, "-w", "-N", DOCKER_USER, check=False)
+    await iptables_once("filter", DOCKER_USER, "-j", FORWARD_CHAIN)
     await iptables_once("filter", "FORWARD", "-j", FORWARD_CHAIN)
+    await _drop_rule("FORWARD", "-s", bubblewrap, "-j", LIMIT_CHAIN)  # now in the chain
     await iptables_once(
         "nat", "POSTROUTING", "-s", bubblewrap, "!", "-d", bubblewrap, "-j", "MASQUERADE"
     )
-    # Ahead of the forward chain (each rule counts only the flows it has seen).
-    for chain in ("FORWARD", "INPUT"):
-        await iptables_once("filter", chain, "-s", bubblewrap, "-j", LIMIT_CHAIN)
+    await iptables_once("filter", "INPUT", "-s", bubblewrap, "-j", LIMIT_CHAIN)
+
+
+async def _marks(chain: str) -> list[str]:
+    """The ``sandlot-walls-*`` comments in ``chain`` (none where it is missing)."""
+    proc = await asyncio.create_subprocess_exec(
+        IPTABLES, "-w", "-S", chain,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    return [word for word in out.decode(errors="replace").split() if "sandlot-walls-" in word]
+
+
+async def _drop_rule(chain: str, *rule: str) -> None:
+    """Delete every copy of ``rule`` from ``chain`` (one a version before put there)."""
+    for _ in range(16):
+        probe = await asyncio.create_subprocess_exec(
+            IPTABLES, "-w", "-D", chain, *rule,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        if await probe.wait() != 0:
+            return
 
 
 async def wall_docker_bridge() -> None:
@@ -196,7 +247,6 @@ async def wall_docker_bridge() -> None:
     :func:`ensure_walls` first), from ``DOCKER-USER``, which Docker runs ahead of its own
     rules however it rewrites them, and from INPUT (their connections to the host)."""
     net, bubblewrap = str(DOCKER_NET), str(BUBBLEWRAP_NET)
-    await run_tool(IPTABLES, "-w", "-N", DOCKER_USER, check=False)  # Docker makes it at start
     # Each goes in first: the last one added runs first. Nothing to a bubblewrap sandbox
     # (Docker's own rules, ahead of SANDLOT-FORWARD once dockerd has started, accept
     # whatever leaves its bridge: a container reached a bubblewrap sandbox's server, tests),

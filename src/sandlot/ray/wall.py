@@ -27,7 +27,7 @@ from sandlot.backends.hostnet import IPTABLES
 from sandlot.errors import ConfigError
 
 CHAIN = "SANDLOT-RAY-INPUT"
-FORWARD_CHAIN = "SANDLOT-RAY-FORWARD"
+FORWARD_CHAIN = hostnet.RAY_FORWARD_CHAIN  # also jumped to first from the backend's own chain
 
 
 def _iptables(*rule: str, check: bool = True) -> subprocess.CompletedProcess[str]:
