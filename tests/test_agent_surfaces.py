@@ -9,6 +9,7 @@ bubblewrap sandboxes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from .conftest import skip_reason, start_server, stop_server
@@ -362,3 +364,42 @@ def test_cli_benchmark_runs_a_strategy_on_a_task_file(
         check=False,
     )
     assert bad.returncode == 2 and "unknown strategy" in bad.stderr
+
+
+def test_a_revoked_key_ends_its_agent_task_on_the_stream(data_root: Path) -> None:
+    """Failed before (red team, 2026-12-06): the key of ``WS /stream`` was checked when a
+    task began, and the task (up to ten attempts of model calls and sandbox time) went on
+    to its end for a key revoked meanwhile. Here the model takes 30 s to answer."""
+    import asyncio
+
+    from sandlot.server.auth import AuthStore
+
+    async def slow(request: Request) -> JSONResponse:
+        await asyncio.sleep(30)
+        return JSONResponse({"error": {"message": "too late"}}, status_code=500)
+
+    data_dir = data_root / "agent-revoked"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    key_id, key = store.create_key("acme", "user")
+    store.close()
+    app = Starlette(routes=[Route("/v1/chat/completions", slow, methods=["POST"])])
+    with serve(app) as model_server:
+        process, url, _log = start_server(data_dir, model_env(model_server))
+        try:
+            ws_url = url.replace("http://", "ws://") + "/stream"
+            headers = {"Authorization": f"Bearer {key}"}
+            events: list[dict[str, Any]] = []
+            with connect(ws_url, open_timeout=10, additional_headers=headers) as ws:
+                ws.send(json.dumps({"task": "print 6", "max_attempts": 1}))
+                events.append(json.loads(ws.recv(timeout=30)))  # "start": the task runs
+                store = AuthStore(data_dir / "sandlot.db")
+                assert store.revoke_key(key_id)
+                store.close()
+                with contextlib.suppress(ConnectionClosed):
+                    while True:
+                        events.append(json.loads(ws.recv(timeout=5)))
+        finally:
+            stop_server(process)
+    assert events[-1]["type"] == "error", events
+    assert events[-1]["error"]["code"] == "unauthenticated"

@@ -439,7 +439,7 @@ def test_ended_results_kept_on_the_host_are_bounded_by_their_output(
     # kept whatever its size.
     from sandlot.core import background
 
-    monkeypatch.setattr(background, "ENDED_OUTPUT_CHARS", 3 << 20)
+    monkeypatch.setattr(background, "ENDED_OUTPUT_BYTES", 3 << 20)
     done = []
     for _ in range(5):
         job = sandbox.commands.run("head -c 1000000 /dev/zero | tr '\\0' x", background=True)

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import ipaddress
+import os
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,9 +59,36 @@ DOCKER_USER = "DOCKER-USER"
 # connection of the host's, the server's included. One networked sandbox filled 255,744 of
 # this host's 262,144 in 4.5 s with UDP to many addresses (2026-11-28).
 CONNTRACK_MAX = Path("/proc/sys/net/netfilter/nf_conntrack_max")
+# Every sandlot process that edits the host's chains (managers, Ray node agents) holds this
+# lock for the whole edit: iptables -w makes each command atomic, not a read, then a write
+# by position (three Ray agents on one host deleted each other's rule numbers, tests).
+WALLS_LOCK = Path("/run/sandlot/walls.lock")
 # How long the host keeps a closed TCP connection's entry (nf_conntrack_tcp_timeout_time_wait's
 # default): connlimit counts open connections only, so closed ones are bounded by a rate.
 TIME_WAIT_S = 120
+
+
+@contextlib.contextmanager
+def walls_locked() -> Iterator[None]:
+    """Hold :data:`WALLS_LOCK` (blocking)."""
+    WALLS_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(WALLS_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
+@contextlib.asynccontextmanager
+async def _walls_locked() -> AsyncIterator[None]:
+    """:func:`walls_locked` for the event loop: the wait in a thread."""
+    lock = walls_locked()
+    await asyncio.to_thread(lock.__enter__)
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def parse_cidrs(text: str, setting: str) -> list[str]:
@@ -159,6 +189,12 @@ def check_tools() -> None:
 
 
 async def ensure_walls(settings: Settings) -> None:
+    """Under the host's walls lock: :func:`_ensure_walls`."""
+    async with _walls_locked():
+        await _ensure_walls(settings)
+
+
+async def _ensure_walls(settings: Settings) -> None:
     """The chains every networked sandbox's traffic goes through, made or remade in one
     transaction (idempotent); the jumps to them from FORWARD and INPUT where missing. The
     last manager to call it sets the host's limits and the places denied."""
@@ -243,6 +279,12 @@ async def _drop_rule(chain: str, *rule: str) -> None:
 
 
 async def wall_docker_bridge() -> None:
+    """Under the host's walls lock: :func:`_wall_docker_bridge`."""
+    async with _walls_locked():
+        await _wall_docker_bridge()
+
+
+async def _wall_docker_bridge() -> None:
     """The docker bridge's containers through the same limit and egress chains (made by
     :func:`ensure_walls` first), from ``DOCKER-USER``, which Docker runs ahead of its own
     rules however it rewrites them, and from INPUT (their connections to the host)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ STDIN_BACKLOG_BYTES = 4 << 20
 KILL_WAIT_S = 5.0
 SCROLLBACK_BYTES = 256 << 10  # a terminal's output kept on the host, newest first
 # Output the results of one sandbox's ended background commands may hold on the host together.
-ENDED_OUTPUT_CHARS = 16 << 20
+ENDED_OUTPUT_BYTES = 16 << 20
 
 
 class StdinQueue(asyncio.Queue[bytes | None]):
@@ -100,7 +101,7 @@ class _Job:
     data_listeners: list[DataCallback] = field(default_factory=list)
     scrollback: bytearray = field(default_factory=bytearray)
     written_bytes: int = 0  # a terminal's output so far; the scrollback is its tail
-    kept_chars: int = 0  # the output its result holds, once it has ended
+    kept_bytes: int = 0  # the memory its result's output holds, once it has ended
 
     def emit(self, index: int, text: str) -> None:
         for pair in self.listeners:
@@ -255,7 +256,10 @@ class BackgroundCommands:
         if not task.cancelled() and task.exception() is None:
             result = task.result()
             job.info.exit_code = result.exit_code
-            job.kept_chars = len(result.stdout) + len(result.stderr) + len(result.text or "")
+            # Bytes held, not characters: a string with one character past U+FFFF is stored
+            # at 4 bytes each (review, 2026-12-06).
+            held = (result.stdout, result.stderr, result.text or "")
+            job.kept_bytes = sum(sys.getsizeof(text) for text in held)
         self._forget_old()
 
     def _remember(self, job: _Job) -> None:
@@ -267,15 +271,15 @@ class BackgroundCommands:
 
     def _forget_old(self) -> None:
         """Ended ones stay for wait(), the newest first: at most ``limit`` of them, whose
-        results hold at most :data:`ENDED_OUTPUT_CHARS` of output together (the newest is
+        results hold at most :data:`ENDED_OUTPUT_BYTES` of output together (the newest is
         kept whatever its size). Each result holds up to its output cap per stream, in the
         server's memory, not the sandbox's: 16 of them held 417 MiB for one 128 MiB sandbox
         (red team, 2026-12-06)."""
         ended = [pid for pid, j in self._jobs.items() if not j.info.running]
-        kept_chars = 0
+        kept_bytes = 0
         for n, pid in enumerate(reversed(ended)):
-            kept_chars += self._jobs[pid].kept_chars
-            if n >= self.limit or (n and kept_chars > ENDED_OUTPUT_CHARS):
+            kept_bytes += self._jobs[pid].kept_bytes
+            if n >= self.limit or (n and kept_bytes > ENDED_OUTPUT_BYTES):
                 del self._jobs[pid]
 
     def _job(self, pid: int) -> _Job:

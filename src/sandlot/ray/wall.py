@@ -54,6 +54,12 @@ def wall_off_node() -> bool:
     """
     if not _can_wall():
         return False
+    with hostnet.walls_locked():
+        _wall_node()
+    return True
+
+
+def _wall_node() -> None:
     net = str(SANDBOX_NET)
     _iptables("-N", CHAIN, check=False)  # fails when it exists already
     _iptables("-F", CHAIN)
@@ -61,7 +67,6 @@ def wall_off_node() -> bool:
     _iptables("-A", CHAIN, "-j", "REJECT")
     if _iptables("-C", "INPUT", "-s", net, "-j", CHAIN, check=False).returncode != 0:
         _iptables("-I", "INPUT", "1", "-s", net, "-j", CHAIN)
-    return True
 
 
 def parse_cidrs(text: str) -> list[str]:
@@ -98,6 +103,12 @@ def wall_off_cluster(targets: list[str]) -> bool:
     """
     if not _can_wall():
         return False
+    with hostnet.walls_locked():
+        _wall_cluster(targets)
+    return True
+
+
+def _wall_cluster(targets: list[str]) -> None:
     net = str(SANDBOX_NET)
     _iptables("-N", FORWARD_CHAIN, check=False)
     listed = _iptables("-S", FORWARD_CHAIN).stdout.splitlines()
@@ -115,4 +126,3 @@ def wall_off_cluster(targets: list[str]) -> bool:
         rules = _iptables("-S", "FORWARD").stdout.splitlines()  # [0] is the policy
         for number in reversed([n for n, line in enumerate(rules) if line == mine and n > 1]):
             _iptables("-D", "FORWARD", str(number))
-    return True

@@ -16,8 +16,10 @@ execute, critique, vote), then ``{"type": "result", "result": {AgentResult}}``, 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
+from collections.abc import Coroutine
 from typing import Any, Literal
 
 import structlog
@@ -25,7 +27,8 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
 from sandlot.agent.models import AgentEvent, AgentResult
-from sandlot.errors import ConfigError, SandboxError
+from sandlot.errors import AuthenticationError, ConfigError, SandboxError
+from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, state_of
 from sandlot.server.outbox import error_message
@@ -137,7 +140,37 @@ async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> N
             body = AgentTaskRequest.model_validate(message)
         except ValidationError as exc:
             raise ConfigError(f"invalid task message: {exc.errors(include_url=False)}") from exc
-        result = await run_task(state, who, body, on_event=send_event)
+        result = await _watched(websocket, state, run_task(state, who, body, on_event=send_event))
         await websocket.send_json({"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
         await websocket.send_json(error_message(exc))
+        if isinstance(exc, AuthenticationError):
+            with contextlib.suppress(RuntimeError, OSError):
+                await websocket.close(code=1008)
+            raise WebSocketDisconnect(1008) from exc
+
+
+async def _watched(
+    websocket: WebSocket, state: ServerState, work: Coroutine[Any, Any, AgentResult]
+) -> AgentResult:
+    """``work``, ended (and its sandbox with it) if the key is revoked meanwhile: a task
+    runs up to ten attempts of model calls and sandbox time, and went on to its end for a
+    revoked key (red team, 2026-12-06).
+
+    Raises:
+        AuthenticationError: the key was revoked.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(stream_jobs.watch_key(state, websocket))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        error = stream_jobs.revoked(watcher)
+        if error is not None:
+            raise error
+        return await task
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SandboxError, WebSocketDisconnect):
+                await task
