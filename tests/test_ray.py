@@ -424,6 +424,34 @@ async def test_a_run_without_a_timeout_on_a_hung_node_is_bounded(ray_node: Path)
             await asyncio.sleep(0.2)
 
 
+async def test_files_and_artifacts_cross_the_cluster_in_ranged_reads(
+    cluster: ClusterManager,
+) -> None:
+    # Failed before (red team, 2026-12-06): a download through the cluster read the whole file
+    # (up to the sandbox's disk size, 512 MiB by default) into the API server in one Ray call,
+    # an artifact likewise (up to the tenant's artifact quota).
+    from sandlot.requests import RANGE_MAX_BYTES
+
+    size = 2 * RANGE_MAX_BYTES + 1000
+    info = await cluster.create(SandboxSpec())
+    made = (
+        "import os\nos.makedirs('artifacts')\n"
+        f"data = bytes(range(256)) * {size // 256} + bytes({size % 256})\n"
+        "open('artifacts/big.bin', 'wb').write(data)"
+    )
+    assert (await cluster.run_code(info.id, RunCode(code=made))).exit_code == 0
+    expected = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    chunks = [
+        c async for c in cluster.read_file_chunks(info.id, FilePath(path="artifacts/big.bin"))
+    ]
+    assert [len(c) for c in chunks] == [RANGE_MAX_BYTES, RANGE_MAX_BYTES, 1000]
+    assert b"".join(chunks) == expected
+    await cluster.destroy(info.id)
+    kept = [c async for c in cluster.read_artifact_chunks(info.id, "big.bin")]
+    assert [len(c) for c in kept] == [RANGE_MAX_BYTES, RANGE_MAX_BYTES, 1000]
+    assert b"".join(kept) == expected
+
+
 def test_an_artifact_through_the_cluster_leaves_no_copy_on_the_server(ray_node: Path) -> None:
     from fastapi.testclient import TestClient
 

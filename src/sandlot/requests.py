@@ -40,6 +40,10 @@ SANDBOX_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 R = TypeVar("R", bound=BaseModel)
 
 
+# The most one ranged read returns (ReadRange): what a Ray call moves at once.
+RANGE_MAX_BYTES = 4 << 20
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -236,6 +240,14 @@ class ReadFile(FilePath):
     first (the sandbox's code can grow the file between the two: red team, 2026-12-06)."""
 
     max_bytes: int | None = Field(default=None, ge=0)
+
+
+class ReadRange(FilePath):
+    """Part of a file: at most ``length`` bytes from ``offset`` (fewer at its end, none past
+    it). How a file crosses a Ray cluster in pieces, where one call moves its object whole."""
+
+    offset: int = Field(default=0, ge=0)
+    length: int = Field(default=RANGE_MAX_BYTES, ge=1, le=RANGE_MAX_BYTES)
 
 
 class WriteFile(Request):

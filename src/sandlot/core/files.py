@@ -16,7 +16,7 @@ from sandlot.core.live import Live, guest_broken
 from sandlot.errors import GuestError, InvalidRequest, PidsExhausted, RequestTooLarge, SandboxError
 from sandlot.guest.ops import Op
 from sandlot.models import FileInfo
-from sandlot.requests import FilePath, ListFiles, ReadFile, RemoveFile, WriteFile
+from sandlot.requests import FilePath, ListFiles, ReadFile, ReadRange, RemoveFile, WriteFile
 
 FILE_CHUNK_BYTES = 1 << 20
 
@@ -77,6 +77,24 @@ async def read_chunks(live: Live, request: FilePath) -> AsyncIterator[bytes]:
     most = request.max_bytes if isinstance(request, ReadFile) else None
     async for chunk in read_through(conn, request.path, live.disk_bytes, most):
         yield chunk
+
+
+async def read_range(live: Live, request: ReadRange) -> bytes:
+    """At most ``request.length`` bytes of a file from ``request.offset`` (none past its end).
+
+    Raises:
+        GuestError: the guest sent more than asked, or bytes past the sandbox's disk size
+            (it shares a uid with sandboxed code: a reply may lie).
+    """
+    live.touch()
+    conn, _ = await live.connection()
+    reply = await conn.request(
+        Op.FILE_READ, {"path": request.path, "offset": request.offset, "length": request.length}
+    )
+    data = base64.b64decode(reply["data"])
+    if len(data) > request.length or request.offset + len(data) > live.disk_bytes:
+        raise GuestError(f"{request.path}: the guest sent more than the read could hold")
+    return data
 
 
 async def list_dir(live: Live, request: ListFiles) -> list[FileInfo]:

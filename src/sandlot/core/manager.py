@@ -58,10 +58,12 @@ from sandlot.models import (
     SandboxStatus,
 )
 from sandlot.requests import (
+    RANGE_MAX_BYTES,
     FilePath,
     ListFiles,
     OpenPty,
     PtySize,
+    ReadRange,
     RemoveFile,
     RunCode,
     RunCommand,
@@ -799,6 +801,12 @@ class SandboxManager:
         chunks = self.read_file_chunks(sandbox_id, request, owner=owner)
         return b"".join([chunk async for chunk in chunks])
 
+    async def read_file_range(
+        self, sandbox_id: str, request: ReadRange, *, owner: str | None = None
+    ) -> bytes:
+        """Part of a file (``b""`` past its end)."""
+        return await files.read_range(self._get_live(sandbox_id, owner), request)
+
     async def list_files(
         self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
     ) -> builtins.list[FileInfo]:
@@ -846,6 +854,19 @@ class SandboxManager:
         """
         host_path = await self.artifact_path(sandbox_id, path, owner=owner)
         return await asyncio.to_thread(host_path.read_bytes)
+
+    async def read_artifact_range(
+        self, sandbox_id: str, path: str, offset: int, *, owner: str | None = None
+    ) -> bytes:
+        """At most :data:`RANGE_MAX_BYTES` of a kept artifact from ``offset``."""
+        host_path = await self.artifact_path(sandbox_id, path, owner=owner)
+
+        def read() -> bytes:
+            with host_path.open("rb") as f:
+                f.seek(offset)
+                return f.read(RANGE_MAX_BYTES)
+
+        return await asyncio.to_thread(read)
 
     async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
         await self.get(sandbox_id, owner=owner)

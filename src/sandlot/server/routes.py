@@ -298,18 +298,18 @@ async def download_file(
     chunks = state_of(request).manager.read_file_chunks(sandbox_id, query, owner=who.owner_filter)
     # Pull the first chunk now, so a missing file is a 404 rather than a broken stream.
     first = await anext(chunks, b"")
-
-    async def body() -> AsyncIterator[bytes]:
-        if first:
-            yield first
-        async for chunk in chunks:
-            yield chunk
-
     return StreamingResponse(
-        body(),
+        _prepend(first, chunks),
         media_type="application/octet-stream",
         headers={"Content-Disposition": _attachment(query.path.rsplit("/", 1)[-1])},
     )
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
 
 
 def _attachment(name: str) -> str:
@@ -430,19 +430,15 @@ async def download_artifact(
     manager = state_of(request).manager
     name = path.rsplit("/", 1)[-1]
     if not isinstance(manager, SandboxManager):
-        # On a Ray cluster the artifact lives on its node and comes over whole: served from
-        # those bytes, never copied to this host's disk (which holds the key store).
-        data = await manager.read_artifact(sandbox_id, path, owner=who.owner_filter)
-        quoted = urllib.parse.quote(name)
-        disposition = (
-            f'attachment; filename="{name}"'
-            if quoted == name
-            else f"attachment; filename*=utf-8''{quoted}"
-        )
-        return Response(
-            data,
+        # On a Ray cluster the artifact lives on its node and comes over in ranged reads:
+        # streamed on, never copied to this host's disk (which holds the key store) nor held
+        # here whole (a tenant's artifact quota is 1 GiB by default).
+        chunks = manager.read_artifact_chunks(sandbox_id, path, owner=who.owner_filter)
+        first = await anext(chunks, b"")  # a missing artifact is a 404, not a broken stream
+        return StreamingResponse(
+            _prepend(first, chunks),
             media_type="application/octet-stream",
-            headers={"content-disposition": disposition},
+            headers={"content-disposition": _attachment(name)},
         )
     host_path = await manager.artifact_path(sandbox_id, path, owner=who.owner_filter)
     return FileResponse(host_path, filename=name)
