@@ -171,7 +171,9 @@ __sandlot_checks(__sandlot_keep, {cases!r}, {harness_line}, {check_s!r}, {mark!r
 
 
 def new_marker() -> str:
-    """A verdict marker for one run, made on the host: the candidate cannot know it."""
+    """A verdict marker for one run, made on the host: the candidate cannot guess it, but
+    it runs in the same process as the checks, so code that reads its own program can learn
+    it (the checks are advisory; the hidden tests' judge, bench/judge.py, is the wall)."""
     return f"{VERDICTS_MARK}{secrets.token_hex(8)}__"
 
 

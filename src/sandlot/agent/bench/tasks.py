@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from sandlot.agent.bench.judge import judge_program
 from sandlot.agent.code import candidate_program, function_task
 from sandlot.agent.models import TaskSpec
 from sandlot.errors import ConfigError
@@ -31,16 +32,19 @@ class BenchTask:
         return self.spec.task_id or ""
 
     def scoring_program(self, code: str, marker: str) -> str:
-        """The candidate, its hidden tests, then ``marker`` printed: the run passes only when
-        the marker is out (the tests ran to their end; a candidate that exits 0 at import,
-        ``os._exit(0)`` or ``sys.exit(0)`` under ``__main__``, never prints it) and the exit
-        code is 0. ``marker`` is made on the host for this run: the candidate cannot know it
-        (unless it reads its own program file: hidden tests are a scorer, not a wall)."""
-        return (
-            candidate_program(self.spec, code)
-            + "\n\n"
-            + self.hidden_tests
-            + f"\n\n__import__('sys').stdout.write('\\n' + {marker!r} + '\\n')\n"
+        """The judge of ``code``: the hidden tests run in the judge's process against the
+        candidate's entry point in a child process (:mod:`.judge`), and ``marker`` printed
+        once they all returned. The run passes only with the marker out and exit code 0.
+        ``marker`` is made on the host for this run, and the candidate's process never has
+        it: neither its file (deleted first) nor the judge's memory (not dumpable)."""
+        spec = self.spec
+        assert spec.entry_point is not None  # every benchmark task is a function's
+        return judge_program(
+            candidate_program(spec, code),
+            spec.prompt or spec.task,
+            self.hidden_tests,
+            spec.entry_point,
+            marker,
         )
 
 
