@@ -410,3 +410,20 @@ def test_http_sessions_are_capped_per_key(data_root: Path) -> None:
         assert again.status_code == 200, again.text
     finally:
         stop_server(process)
+
+
+async def test_a_session_whose_sandbox_could_not_be_made_leaves_nothing_behind() -> None:
+    # Failed before (red team, 2026-12-06): a session whose first call's create failed (its
+    # tenant at quota) kept its lock in the server for good; no end is registered for it.
+    from sandlot.errors import QuotaExceeded
+    from sandlot.mcp.sessions import DefaultSandboxes
+
+    class AtQuota:
+        async def create(self, spec: Any) -> Any:
+            raise QuotaExceeded("at quota")
+
+    defaults = DefaultSandboxes()
+    for n in range(100):
+        with pytest.raises(QuotaExceeded):
+            await defaults.get(("acme", f"session-{n}"), AtQuota())  # type: ignore[arg-type]
+    assert defaults._locks == {} and defaults._entries == {}

@@ -59,14 +59,21 @@ class DefaultSandboxes:
         """The session's sandbox id, and whether it was made by this call. Two first calls
         of one session at once make one sandbox, not two."""
         lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.sandbox_id is not None:
-                return entry.sandbox_id, False
-            info = await service.create(SandboxSpec(metadata={"made_by": "mcp"}))
-            self._entries[key] = _Entry(service, info.id)
-            log.info("mcp default sandbox made", sandbox_id=info.id, caller=key[0])
-            return info.id, True
+        try:
+            async with lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry.sandbox_id is not None:
+                    return entry.sandbox_id, False
+                info = await service.create(SandboxSpec(metadata={"made_by": "mcp"}))
+                self._entries[key] = _Entry(service, info.id)
+                log.info("mcp default sandbox made", sandbox_id=info.id, caller=key[0])
+                return info.id, True
+        finally:
+            # A session whose create failed (its tenant at quota) has no end registered to
+            # drop its lock: dropped here once nobody waits on it, or each such session
+            # left one behind for the server's life (red team, 2026-12-06).
+            if key not in self._entries and not getattr(lock, "_waiters", None):
+                self._locks.pop(key, None)
 
     def forget(self, key: SessionKey, sandbox_id: str) -> None:
         """The sandbox is gone (destroyed by a tool, or expired): the next call makes one."""
