@@ -337,3 +337,27 @@ def test_a_guest_whose_limits_code_lowered_is_restarted(jail: Sandbox) -> None:
     assert jail.commands.run("echo hi").stdout == "hi\n"
     jail.files.write("still.txt", "ok")
     assert jail.files.read("still.txt") == "ok"
+
+
+def test_a_tenants_ended_records_are_capped(tmp_path: Path) -> None:
+    # Failed before (red team, 2026-12-06): nothing capped them but the retention period.
+    from sandlot.core.store import Store
+
+    store = Store(tmp_path / "store.db", "one")
+    try:
+        rows = [(f"a-{n}", "acme", "destroyed", float(n)) for n in range(30)]
+        rows += [(f"b-{n}", "beta", "destroyed", float(n)) for n in range(5)]
+        rows += [("a-live", "acme", "running", 0.0)]
+        for sandbox_id, owner, status, created_at in rows:
+            store._db.execute(
+                "INSERT INTO sandboxes (id, owner, status, created_at, info) "
+                "VALUES (?, ?, ?, ?, '{}')",
+                (sandbox_id, owner, status, created_at),
+            )
+        assert store.reserve_artifact("acme", "a-0", "kept.txt", 1, None)  # the oldest
+        assert store.forget_beyond(10) == 19
+        left = {r[0] for r in store._db.execute("SELECT id FROM sandboxes").fetchall()}
+        newest = {f"a-{n}" for n in range(20, 30)}
+        assert left == newest | {"a-0", "a-live"} | {f"b-{n}" for n in range(5)}
+    finally:
+        store.close()

@@ -440,6 +440,13 @@ class Settings(BaseSettings):
         description="How long the record of an ended sandbox is kept (one with kept "
         "artifacts stays as long as they do).",
     )
+    max_ended_records: int = Field(
+        default=10_000,
+        ge=1,
+        validation_alias=_env("SANDBOX_MAX_ENDED_RECORDS", "max_ended_records"),
+        description="Ended sandboxes' records kept per tenant, newest first (those with kept "
+        "artifacts aside): older ones are forgotten before their retention ends.",
+    )
     max_upload_mb: int = Field(
         default=100,
         ge=1,

@@ -900,7 +900,11 @@ class SandboxManager:
             with contextlib.suppress(SandboxNotFound):
                 await self.destroy(sandbox_id, reason=reason)
         await self._artifacts.delete_older_than(now - self.settings.artifact_retention_s)
-        self._store.forget_ended_before(now - self.settings.record_retention_s)
+        # Off the event loop: both read every ended record.
+        await asyncio.to_thread(
+            self._store.forget_ended_before, now - self.settings.record_retention_s
+        )
+        await asyncio.to_thread(self._store.forget_beyond, self.settings.max_ended_records)
         return [sid for sid, _ in doomed]
 
     # ------------------------------------------------------------------ helpers

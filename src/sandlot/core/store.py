@@ -391,6 +391,21 @@ class Store:
             )
         return cursor.rowcount
 
+    def forget_beyond(self, keep: int) -> int:
+        """Delete each owner's ended records past its newest ``keep`` (those that keep
+        artifacts aside); return how many went. A tenant that made and destroyed sandboxes
+        in a loop, each with its metadata cap, kept 7,774 records (106 MB of the store) in
+        four minutes, for the whole retention period (red team, 2026-12-06)."""
+        with self._lock:
+            query = (  # placeholders only
+                "DELETE FROM sandboxes WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() "  # noqa: S608
+                "OVER (PARTITION BY owner ORDER BY created_at DESC) AS n FROM sandboxes "
+                f"WHERE status NOT IN ({_LIVE_SLOTS}) AND held = 0) WHERE n > ?) "
+                "AND id NOT IN (SELECT sandbox_id FROM artifacts)"
+            )
+            cursor = self._db.execute(query, (*LIVE, keep))
+        return cursor.rowcount
+
     def delete_artifacts(self, sandbox_id: str) -> int:
         with self._lock, write_transaction(self._db):
             (charged,) = self._db.execute(
