@@ -385,6 +385,15 @@ def test_input_to_a_background_job_that_never_reads_is_bounded(server: Server, k
     httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
 
 
+def _revoke_acme(server: Server) -> None:
+    store = AuthStore(server.log.parent / "sandlot.db")
+    try:
+        (key,) = [k for k in store.list_keys() if k["tenant"] == "acme"]
+        assert store.revoke_key(key["key_id"])
+    finally:
+        store.close()
+
+
 def test_a_revoked_key_stops_typing_into_its_terminal(server: Server) -> None:
     """A terminal can outlive its key: input after the revocation closes the socket.
     Failed before: the key was checked when the terminal opened, and never again."""
@@ -398,12 +407,7 @@ def test_a_revoked_key_stops_typing_into_its_terminal(server: Server) -> None:
         ws.send(json.dumps({"type": "pty", "command": "cat"}))
         while json.loads(ws.recv(timeout=30))["type"] != "started":
             pass
-        store = AuthStore(server.log.parent / "sandlot.db")
-        try:
-            (key,) = [k for k in store.list_keys() if k["tenant"] == "acme"]
-            assert store.revoke_key(key["key_id"])
-        finally:
-            store.close()
+        _revoke_acme(server)
         time.sleep(1.2)  # past the recheck interval
         typed = {"type": "input", "data_b64": base64.b64encode(b"after\n").decode()}
         with contextlib.suppress(ConnectionClosed):  # closed by then, since 2026-12-06
@@ -416,15 +420,6 @@ def test_a_revoked_key_stops_typing_into_its_terminal(server: Server) -> None:
     assert events[-1]["error"]["code"] == "unauthenticated"
     echoed = b"".join(base64.b64decode(e["data_b64"]) for e in events if e["type"] == "output")
     assert b"after" not in echoed
-
-
-def _revoke_acme(server: Server) -> None:
-    store = AuthStore(server.log.parent / "sandlot.db")
-    try:
-        (key,) = [k for k in store.list_keys() if k["tenant"] == "acme"]
-        assert store.revoke_key(key["key_id"])
-    finally:
-        store.close()
 
 
 TICKS = "while true; do echo tick; sleep 0.1; done"
