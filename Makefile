@@ -111,11 +111,13 @@ trees: venv
 	$(VENV)/bin/sandlot image build --no-docker
 
 # CI's docker subset: conformance, limits and docker-only tests on docker and docker+runsc,
-# and the hostile suite on docker (runc, about 1.5 minutes; on runsc it is `make test-docker`).
+# the hostile suite on docker (runc, about 1.5 minutes; on runsc it is `make test-docker`),
+# and the network walls with both backends at once (across them, and docker's bridge).
 pytest-docker: venv image
 	TEST_BACKENDS=$(DOCKER_TARGETS) $(VENV)/bin/pytest -q -k docker \
 	  tests/test_conformance.py tests/test_limits.py tests/test_docker.py
 	TEST_BACKENDS=docker $(VENV)/bin/pytest -q -k "docker and not runsc" tests/test_hostile.py
+	TEST_BACKENDS=docker $(VENV)/bin/pytest -q tests/test_network_walls.py
 
 # Everything on docker and docker+runsc, the hostile suite included (~10 minutes).
 test-docker: venv image
