@@ -263,6 +263,92 @@ def test_a_body_trickled_after_a_401_holds_no_connection(server: Server) -> None
             sock.close()
 
 
+def _pipelining_holders(server: Server, pipelined: int) -> list[socket.socket]:
+    """250 connections from 5 addresses (past the cap of 200), each with ``pipelined``
+    requests for a public page (/openapi.json, 96 KB, no key) sent and nothing read."""
+    page = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+    holders = []
+    for n in range(5):
+        for _ in range(50):
+            with contextlib.suppress(OSError):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.settimeout(5)
+                sock.bind((f"127.0.0.{n + 2}", 0))
+                sock.connect(server.address)
+                sock.sendall(page * pipelined)
+                holders.append(sock)
+    return holders
+
+
+def _keyed_requests_get_in(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {server.key}"}
+    served = []
+    for _ in range(10):
+        with httpx.Client() as client:  # a new connection each time
+            served.append(client.get(server.url + "/v1/sandboxes", headers=headers))
+    assert [r.status_code for r in served] == [200] * 10
+
+
+def test_deep_pipelining_is_refused(server: Server) -> None:
+    """Failed before (red team, 2026-12-06): 200 requests pipelined on each connection and
+    nothing read held the whole cap for the minute measured, and 20,000 pipelined in one
+    send took the server from 98 to 503 MiB. Past 16 queued, the connection is dropped."""
+    holders = _pipelining_holders(server, 200)
+    try:
+        time.sleep(0.5)
+        _keyed_requests_get_in(server)
+    finally:
+        for sock in holders:
+            sock.close()
+
+
+def test_clients_that_do_not_read_their_answers_give_way_to_a_real_request(
+    data_root: Path,
+) -> None:
+    """A client the server waits on to read is evictable at the cap, as one it waits on for
+    a request head is. Failed before: downloads of a kept artifact (16 MiB: past what the
+    kernel buffers), none read, held the cap for as long as their clients liked: no deadline
+    ran while the server waited to write. Now they are evictable, and dropped after the body
+    idle time."""
+    env = {
+        **LIMITS,
+        "API_BODY_IDLE_TIMEOUT_SECONDS": "30",
+        "API_MAX_CONNECTIONS": "40",
+        "API_MAX_CONNECTIONS_PER_IP": "10",
+    }
+    with _serving(data_root / "trust-unread", env) as server:
+        headers = {"Authorization": f"Bearer {server.key}"}
+        sandbox_id = _sandbox(server)
+        make = {"command": "mkdir -p artifacts && head -c 16777216 /dev/zero > artifacts/big.bin"}
+        made = httpx.post(
+            f"{server.url}/v1/sandboxes/{sandbox_id}/commands", json=make, headers=headers
+        )
+        assert made.json()["exit_code"] == 0, made.text
+        httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+        request = (
+            f"GET /v1/sandboxes/{sandbox_id}/artifacts/big.bin HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {server.key}\r\n\r\n"
+        ).encode()
+        holders = []
+        try:
+            for n in range(5):  # 5 addresses x 10 > the cap of 40
+                for _ in range(10):
+                    with contextlib.suppress(OSError):
+                        sock = socket.socket()
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                        sock.settimeout(5)
+                        sock.bind((f"127.0.0.{n + 2}", 0))
+                        sock.connect(server.address)
+                        sock.sendall(request)
+                        holders.append(sock)
+            time.sleep(3)  # the server has written what it could: it waits on them now
+            _keyed_requests_get_in(server)
+        finally:
+            for sock in holders:
+                sock.close()
+
+
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
     sock = server.connect()
     try:

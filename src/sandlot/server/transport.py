@@ -44,6 +44,8 @@ WS_PONGS_UNREAD_MAX = 1024
 # them held the whole cap (red team, 2026-12-06).
 LINGER_S = 2.0
 LINGER_BYTES = 256 * 1024
+# Requests one connection may have queued behind the one being served (HTTP/1.1 pipelining).
+MAX_PIPELINED = 16
 
 
 @dataclass
@@ -68,13 +70,15 @@ class ConnectionCount:
     total: int = 0
     by_ip: Counter[str] = field(default_factory=Counter)
     refused: int = 0
-    # Admitted connections still waiting for a whole request head (their first, or the next
-    # on a kept-alive connection), oldest first. At the cap, a new connection takes the
-    # oldest one's place: clients with no key from 11 addresses, each at its per-address
-    # cap and reconnecting whenever dropped, held the whole cap and no keyed request got
-    # through in 20 s (red team, 2026-12-06). A connection that has sent its head (a keyed
-    # request, a WebSocket) is never evicted, and the newest is evicted last, so a client
-    # that sends its request at once always gets in.
+    # Admitted connections the server is waiting on the client for, oldest first: a whole
+    # request head (its first, or the next on a kept-alive connection), the rest of a body
+    # after its answer, or reading what it was sent. At the cap, a new connection takes the
+    # oldest one's place: clients with no key from 11 addresses, each at its per-address cap
+    # and reconnecting whenever dropped, held the whole cap and no keyed request got through
+    # in 20 s; so did 40 that pipelined requests for a public page and read nothing (red
+    # team, 2026-12-06). A connection being served (a request under way, a WebSocket) is
+    # never evicted, and the newest is evicted last, so a client that sends its request at
+    # once always gets in.
     waiting: dict[Evictable, None] = field(default_factory=dict)
     evicted: int = 0
 
@@ -95,12 +99,13 @@ class ConnectionCount:
         self.by_ip[ip] += 1
         return True
 
-    def await_head(self, connection: Evictable) -> None:
-        """``connection`` waits for a request head: the newest such, evicted last."""
+    def waits_on_client(self, connection: Evictable) -> None:
+        """The server waits on ``connection``'s client: the newest such, evicted last."""
         self.waiting.pop(connection, None)
         self.waiting[connection] = None
 
-    def head_received(self, connection: Evictable) -> None:
+    def served(self, connection: Evictable) -> None:
+        """``connection`` is being served (or gone): not evictable."""
         self.waiting.pop(connection, None)
 
     def release(self, ip: str) -> None:
@@ -173,6 +178,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         _message_done = True  # the parser has the whole current request, body included
         _lingering = False  # answered; the rest of its body is being dropped
         _lingered_bytes = 0
+        _write_deadline: asyncio.TimerHandle | None = None  # while the client reads nothing
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -186,11 +192,13 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._cancel_write_deadline()
             self._leave_count()
             super().connection_lost(exc)
 
         def evict(self) -> None:
             self._disarm()
+            self._cancel_write_deadline()
             self._leave_count()
             self.transport.abort()
 
@@ -212,9 +220,37 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
-            count.head_received(self)
+            count.served(self)
             self._arm(limits.body_idle_timeout_s, self._body_stalled)
             super().on_headers_complete()
+            if len(self.pipeline) > MAX_PIPELINED:
+                # Each queued request holds its parsed head until its turn: 20,000 pipelined
+                # in one send took the server from 98 to 503 MiB (red team, 2026-12-06).
+                log.warning("connection dropped: too many pipelined requests", client=self.client)
+                self.transport.abort()
+
+        def pause_writing(self) -> None:
+            # The client does not read what it was sent: the server waits on it, so it is
+            # evictable, and dropped if it reads nothing for the body idle time.
+            super().pause_writing()
+            count.waits_on_client(self)
+            self._cancel_write_deadline()
+            self._write_deadline = self.loop.call_later(limits.body_idle_timeout_s, self._unread)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._cancel_write_deadline()
+            if not self._in_headers and not self._lingering:
+                count.served(self)
+
+        def _cancel_write_deadline(self) -> None:
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
+
+        def _unread(self) -> None:
+            log.warning("connection dropped: its client reads nothing", client=self.client)
+            self.transport.abort()
 
         def on_body(self, body: bytes) -> None:
             if self._lingering:
@@ -267,12 +303,12 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self._lingering = True
             self._lingered_bytes = 0
             self._arm(LINGER_S, self.transport.close)
-            count.await_head(self)
+            count.waits_on_client(self)
 
         def _expect_headers(self) -> None:
             self._lingering = False
             self._in_headers = True
-            count.await_head(self)
+            count.waits_on_client(self)
             self._header_bytes = 0
             self._arm(limits.header_timeout_s, self._headers_late)
 
@@ -286,7 +322,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
                 self._deadline = None
 
         def _leave_count(self) -> None:
-            count.head_received(self)  # no longer waiting, whatever it waited for
+            count.served(self)  # no longer waiting, whatever it waited for
             if self._admitted_ip is not None:
                 count.release(self._admitted_ip)
                 self._admitted_ip = None
