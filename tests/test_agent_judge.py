@@ -125,3 +125,85 @@ def test_every_humaneval_canonical_solution_passes_the_judge(manager: SandboxMan
     assert failed == []
     # And the builtin twelve's hidden tests still run (an empty body fails every one).
     assert not any(_judged(manager, t, ["pass"])[0] for t in BUILTIN_TASKS)
+
+
+# Plants a hard link to the file the next judge program is written to, then the next
+# answer (wrong) reads its tests and pass line through it and answers from what they expect.
+PLANTER = r"""
+import os
+def add_one(n):
+    return n
+open("/workspace/hidden_check.py", "w").close()
+os.link("/workspace/hidden_check.py", "/workspace/.stash")
+"""
+READER = r"""
+import ast
+table = {}
+def add_one(n):
+    return table.get(repr((n,)), n - 7)
+try:
+    source = open("/workspace/.stash").read()
+    line = [l for l in source.splitlines() if l.startswith("CANDIDATE, PROMPT, TESTS")][0]
+    _, prompt, tests, entry, *_ = ast.literal_eval(line.split(" = ", 1)[1])
+    class Recorder:
+        def __init__(self, args):
+            self.args = args
+        def __eq__(self, other):
+            table[repr(self.args)] = other
+            return True
+    found = {"__name__": "__main__"}
+    exec(prompt, found)
+    found[entry] = lambda *args: Recorder(args)
+    exec(tests, found)
+except Exception:
+    pass
+"""
+
+
+def test_one_answer_cannot_prepare_the_next_ones_judgement(
+    manager: SandboxManager, tmp_path: Path
+) -> None:
+    # Failed before (red team, 2026-12-06): the answers of one task were judged in one
+    # sandbox, and the second here passed 5 times of 5. Each is judged in its own now.
+    tests = "def check(candidate):\n    assert candidate(41) == 42\n"
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"prompt": ADD_ONE, "entry_point": "add_one", "test": tests}))
+    [task] = task_file(path)
+    assert _judged(manager, task, [PLANTER, READER]) == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("code", "tests"),
+    [
+        (
+            "from collections import Counter\ndef f(s):\n    return Counter(s.split())\n",
+            "assert f('a b b') == {'a': 1, 'b': 2}",
+        ),
+        (
+            "from collections import defaultdict\ndef f(s):\n    d = defaultdict(int)\n"
+            "    for w in s.split():\n        d[w] += 1\n    return d\n",
+            "assert f('a b b') == {'a': 1, 'b': 2}",
+        ),
+        (
+            "import enum\nclass E(enum.IntEnum):\n    A = 3\ndef f(s):\n    return E.A\n",
+            "assert f('x') == 3",
+        ),
+        ("def f(l):\n    l.sort()\n", "x = [3, 1, 2]\nf(x)\nassert x == [1, 2, 3]"),
+        ("def f(l):\n    return map(abs, l)\n", "assert list(f([-1])) == [1]"),
+        ("def f(l):\n    return map(abs, l)\n", "assert f([-1]) != [1]  # an iterator is no list"),
+        (
+            "def f(s):\n    return [-0.0, float('inf')]\n",
+            "import math\nassert f('') == [0.0, math.inf]",
+        ),
+    ],
+)
+def test_answers_judged_as_they_would_be_in_one_process(
+    manager: SandboxManager, tmp_path: Path, code: str, tests: str
+) -> None:
+    # A review of the judge (2026-12-06) found right answers failed: subclasses of the plain
+    # types (Counter, defaultdict, IntEnum), an argument sorted in place, a map object.
+    path = tmp_path / "tasks.jsonl"
+    prompt = 'def f(x):\n    """The answer."""\n'
+    path.write_text(json.dumps({"prompt": prompt, "entry_point": "f", "test": tests}))
+    [task] = task_file(path)
+    assert _judged(manager, task, [code]) == [True]

@@ -28,19 +28,27 @@ CODEC = r"""
 def encode(value, depth=0):
     if depth > 64:
         raise TypeError("nested too deep")
-    if value is None or isinstance(value, (bool, str)) or type(value) is int:
-        return value
-    if type(value) is float:
-        return {"f": repr(value)}
-    if type(value) is complex:
+    if value is None or isinstance(value, (bool, str)):
+        return str(value) if isinstance(value, str) else value
+    if isinstance(value, int):  # an IntEnum, a bool subclass aside: its value
+        return int(value)
+    if isinstance(value, float):
+        return {"f": repr(float(value))}
+    if isinstance(value, complex):
         return {"c": [repr(value.real), repr(value.imag)]}
-    if type(value) is bytes:
-        return {"b": value.hex()}
-    if type(value) in (list, tuple, set, frozenset):
-        tag = {list: "l", tuple: "t", set: "s", frozenset: "z"}[type(value)]
-        return {tag: [encode(v, depth + 1) for v in value]}
-    if type(value) is dict:
+    if isinstance(value, (bytes, bytearray)):
+        return {"b": bytes(value).hex()}
+    if isinstance(value, dict):  # a Counter, a defaultdict: their items
         return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    for kind, tag in ((list, "l"), (tuple, "t"), (frozenset, "z"), (set, "s")):
+        if isinstance(value, kind):
+            return {tag: [encode(v, depth + 1) for v in value]}
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return encode(value.tolist(), depth + 1)  # a numpy scalar or array: its plain value
+    if (hasattr(value, "__iter__") and hasattr(value, "__next__")) or isinstance(value, range):
+        # An iterator (map, filter, a generator) or a range: its items, given back as an
+        # iterator, so that list() of it works and it equals no list, as in one process.
+        return {"i": [encode(v, depth + 1) for v in value]}
     raise TypeError("a value of type " + type(value).__name__ + " cannot be judged")
 
 def decode(value):
@@ -55,6 +63,8 @@ def decode(value):
         return bytes.fromhex(item)
     if tag == "d":
         return {decode(k): decode(v) for k, v in item}
+    if tag == "i":
+        return iter([decode(v) for v in item])
     return {"l": list, "t": tuple, "s": set, "z": frozenset}[tag](decode(v) for v in item)
 """
 
@@ -77,10 +87,15 @@ except BaseException as exc:
 reply({"load": None})
 for line in calls:
     call = json.loads(line)
+    args = decode(call["args"])
     try:
-        answer = {"ok": encode(entry(*decode(call["args"]), **decode(call["kwargs"])))}
+        answer = {"ok": encode(entry(*args, **decode(call["kwargs"])))}
     except BaseException as exc:
         answer = {"raised": type(exc).__name__}
+    try:
+        answer["args"] = encode(args)  # as the call left them: it may change them in place
+    except TypeError:
+        pass
     reply(answer)
 """
 )
@@ -119,10 +134,20 @@ loaded = answer()["load"]
 if loaded is not None:
     raise RuntimeError("the candidate did not load: " + loaded)
 
+def changed_in_place(args, after):
+    for given, now in zip(args, after):
+        if isinstance(given, list) and isinstance(now, list):
+            given[:] = now
+        elif isinstance(given, (dict, set)) and type(now) is type(given):
+            given.clear()
+            given.update(now)
+
 def entry(*args, **kwargs):
     calls.write(json.dumps({"args": encode(list(args)), "kwargs": encode(kwargs)}) + "\n")
     calls.flush()
     reply = answer()
+    if "args" in reply:
+        changed_in_place(args, decode(reply["args"]))
     if "raised" in reply:
         error = getattr(builtins, reply["raised"], None)
         if isinstance(error, type) and issubclass(error, Exception):

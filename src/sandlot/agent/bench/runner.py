@@ -111,17 +111,20 @@ def hidden_passed(run: Execution, marker: str) -> bool:
 async def _hidden_passes(
     task: BenchTask, codes: list[str], options: dict[str, Any]
 ) -> list[tuple[bool, str]]:
-    """Each code against the hidden tests, in one fresh sandbox (not the loop's), each run a
-    new process; the same code is run once (the loop's answer is usually its first)."""
+    """Each code against the hidden tests, each in a fresh sandbox of its own (not the
+    loop's); the same code is judged once (the loop's answer is usually its first). One
+    sandbox for all let an earlier answer plant a hard link to the next one's judge program
+    (the tests and the pass line) and the next, wrong, pass (red team, 2026-12-06)."""
     verdicts: dict[str, tuple[bool, str]] = {"": (False, "no code")}
-    async with SandboxExecutor(timeout_s=HIDDEN_TIMEOUT_S, **options) as executor:
-        for code in codes:
-            if code.strip() not in verdicts:
-                marker = f"__SANDLOT_HIDDEN_PASSED_{secrets.token_hex(16)}__"
-                run = await executor.run(task.scoring_program(code, marker), name="hidden_check.py")
-                passed = hidden_passed(run, marker)
-                summary = run.failure_summary(300) or "exited 0 before the hidden tests ended"
-                verdicts[code.strip()] = (passed, "" if passed else summary)
+    for code in codes:
+        if code.strip() in verdicts:
+            continue
+        marker = f"__SANDLOT_HIDDEN_PASSED_{secrets.token_hex(16)}__"
+        async with SandboxExecutor(timeout_s=HIDDEN_TIMEOUT_S, **options) as executor:
+            run = await executor.run(task.scoring_program(code, marker), name="hidden_check.py")
+        passed = hidden_passed(run, marker)
+        summary = run.failure_summary(300) or "exited 0 before the hidden tests ended"
+        verdicts[code.strip()] = (passed, "" if passed else summary)
     return [verdicts[code.strip()] for code in codes]
 
 
