@@ -269,6 +269,10 @@ async def test_http_runs_code_as_the_keys_tenant(live_server: LiveServer) -> Non
     import httpx
 
     url = live_server.url + "/mcp"
+    # Other tests' sandboxes of alice's may be live on the shared server: this session's are
+    # the ones that were not there before it.
+    before = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("alice"))
+    others = {s["id"] for s in before.json()}
     async with http_session(url, live_server.headers("alice")) as session:
         listed = await session.list_tools()
         assert {tool.name for tool in listed.tools} == TOOLS
@@ -276,7 +280,7 @@ async def test_http_runs_code_as_the_keys_tenant(live_server: LiveServer) -> Non
         result = await session.call_tool("run_code", {"code": "x + 1"})
         assert "42" in texts(result), result.content
         mine = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("alice"))
-        ids = {s["id"] for s in mine.json()}
+        ids = {s["id"] for s in mine.json()} - others
         assert len(ids) >= 1
         theirs = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("bob"))
         assert not ids & {s["id"] for s in theirs.json()}

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 from sandlot import Sandbox, SandboxManager
@@ -252,8 +253,10 @@ def test_websocket_pty_mode(live_server: LiveServer) -> None:
                 ws.send(json.dumps({"type": "input", "data_b64": _b64(b"exit 3\r")}))
                 result, _ = _until(ws, "result")
                 assert result["result"]["exit_code"] == 3
-            with _ws(live_server, sandbox_id, "bob") as ws:
-                assert json.loads(ws.recv(timeout=20))["type"] == "error"
+            # Another tenant's handshake is refused: its sandbox does not exist for it.
+            with pytest.raises(InvalidStatus) as refused, _ws(live_server, sandbox_id, "bob"):
+                pass
+            assert refused.value.response.status_code == 404
         finally:
             http.delete(f"/v1/sandboxes/{sandbox_id}")
 

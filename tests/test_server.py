@@ -510,11 +510,18 @@ def test_stream_disconnect_mid_run_stops_the_run(
 
 
 def test_stream_refuses_bad_key_and_other_tenant(live_server: LiveServer, alice_box: str) -> None:
-    for who in ("bob", "revoked"):
-        with _ws(live_server, alice_box, who) as ws:
-            event = json.loads(ws.recv(timeout=10))
-            assert event["type"] == "error"
-            assert event["error"]["code"] in ("sandbox_not_found", "unauthenticated")
+    # Refused at the handshake, with the typed body of the same error over HTTP: nothing is
+    # upgraded, so nothing is held (red team, 2026-12-06).
+    from websockets.exceptions import InvalidStatus
+
+    for who, status, code in (
+        ("bob", 404, "sandbox_not_found"),
+        ("revoked", 401, "unauthenticated"),
+    ):
+        with pytest.raises(InvalidStatus) as refused, _ws(live_server, alice_box, who):
+            pass
+        assert refused.value.response.status_code == status
+        assert json.loads(refused.value.response.body)["error"]["code"] == code
 
 
 # ------------------------------------------------------------------ seed compatibility

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -303,31 +304,30 @@ def test_deep_pipelining_is_refused(server: Server) -> None:
             sock.close()
 
 
-def test_clients_that_do_not_read_their_answers_give_way_to_a_real_request(
-    data_root: Path,
-) -> None:
-    """A client the server waits on to read is evictable at the cap, as one it waits on for
-    a request head is. Failed before: downloads of a kept artifact (16 MiB: past what the
-    kernel buffers), none read, held the cap for as long as their clients liked: no deadline
-    ran while the server waited to write. Now they are evictable, and dropped after the body
-    idle time."""
-    env = {
-        **LIMITS,
-        "API_BODY_IDLE_TIMEOUT_SECONDS": "30",
-        "API_MAX_CONNECTIONS": "40",
-        "API_MAX_CONNECTIONS_PER_IP": "10",
-    }
-    with _serving(data_root / "trust-unread", env) as server:
-        headers = {"Authorization": f"Bearer {server.key}"}
-        sandbox_id = _sandbox(server)
-        make = {"command": "mkdir -p artifacts && head -c 16777216 /dev/zero > artifacts/big.bin"}
-        made = httpx.post(
-            f"{server.url}/v1/sandboxes/{sandbox_id}/commands", json=make, headers=headers
-        )
-        assert made.json()["exit_code"] == 0, made.text
-        httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+SMALL_CAP = {**LIMITS, "API_MAX_CONNECTIONS": "40", "API_MAX_CONNECTIONS_PER_IP": "10"}
+
+
+def _big_artifact(server: Server) -> str:
+    """A sandbox's kept 16 MiB artifact (past what the kernel buffers for one connection);
+    its download's request."""
+    headers = {"Authorization": f"Bearer {server.key}"}
+    sandbox_id = _sandbox(server)
+    make = {"command": "mkdir -p artifacts && head -c 16777216 /dev/zero > artifacts/big.bin"}
+    made = httpx.post(
+        f"{server.url}/v1/sandboxes/{sandbox_id}/commands", json=make, headers=headers
+    )
+    assert made.json()["exit_code"] == 0, made.text
+    httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+    return f"/v1/sandboxes/{sandbox_id}/artifacts/big.bin"
+
+
+def test_clients_that_read_nothing_of_their_answers_are_dropped(data_root: Path) -> None:
+    """Failed before (red team, 2026-12-06): downloads none of whose bytes were read held
+    the cap for as long as their clients liked: no deadline ran while the server waited to
+    write. Now they are dropped after the body idle time (2 s here)."""
+    with _serving(data_root / "trust-unread", SMALL_CAP) as server:
         request = (
-            f"GET /v1/sandboxes/{sandbox_id}/artifacts/big.bin HTTP/1.1\r\nHost: x\r\n"
+            f"GET {_big_artifact(server)} HTTP/1.1\r\nHost: x\r\n"
             f"Authorization: Bearer {server.key}\r\n\r\n"
         ).encode()
         holders = []
@@ -342,11 +342,58 @@ def test_clients_that_do_not_read_their_answers_give_way_to_a_real_request(
                         sock.connect(server.address)
                         sock.sendall(request)
                         holders.append(sock)
-            time.sleep(3)  # the server has written what it could: it waits on them now
+            time.sleep(4)  # past the body idle time, with nothing read
             _keyed_requests_get_in(server)
         finally:
             for sock in holders:
                 sock.close()
+
+
+def test_a_keyed_download_is_not_cut_by_keyless_newcomers_at_the_cap(data_root: Path) -> None:
+    """A keyed client reading a large answer at a modest pace pauses the server's writes
+    again and again. Failed before (red team, 2026-12-06): each pause made it evictable, and
+    keyless connections opened at the cap (half a request head each) cut it at 5.4 MB of
+    16. A connection answering a keyed request is never evicted for a newcomer."""
+    with _serving(
+        data_root / "trust-download", {**SMALL_CAP, "API_BODY_IDLE_TIMEOUT_SECONDS": "30"}
+    ) as server:
+        path = _big_artifact(server)
+        stop = threading.Event()
+
+        def churn() -> None:
+            sockets: list[socket.socket] = []
+            while not stop.is_set():
+                for n in range(4):
+                    with contextlib.suppress(OSError):
+                        sock = socket.socket()
+                        sock.settimeout(1)
+                        sock.bind((f"127.0.0.{n + 2}", 0))
+                        sock.connect(server.address)
+                        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                        sockets.append(sock)
+                if len(sockets) > 60:
+                    for sock in sockets[:20]:
+                        sock.close()
+                    del sockets[:20]
+                time.sleep(0.02)
+            for sock in sockets:
+                sock.close()
+
+        attacker = threading.Thread(target=churn, daemon=True)
+        received = 0
+        headers = {"Authorization": f"Bearer {server.key}"}
+        try:
+            with httpx.stream("GET", server.url + path, headers=headers, timeout=30) as reply:
+                for chunk in reply.iter_bytes(65536):
+                    received += len(chunk)
+                    if received > 1 << 20 and not attacker.is_alive():
+                        attacker.start()  # once the download is under way
+                    time.sleep(0.02)
+        finally:
+            stop.set()
+            if attacker.is_alive():
+                attacker.join()
+        assert received == 16 << 20
 
 
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
@@ -687,16 +734,23 @@ def test_websockets_without_a_key_are_closed_and_websockets_count_as_connections
     """Failed before (red team, 2026-11-25): the agent's ``/stream`` accepted a socket with
     no key, answered "unauthenticated" to each message and kept it open, and an upgraded
     WebSocket left the connection count: one address held 1,150 such sockets, every one a
-    file descriptor of the server's, until creates failed with ``fds_exhausted``."""
+    file descriptor of the server's, until creates failed with ``fds_exhausted``. Then
+    (2026-12-06) a socket closed after its upgrade was held ~10 s for the client's close
+    reply: 40 renewed held the cap. Now a handshake with no key is refused with a 401."""
+    from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
     url = server.url.replace("http://", "ws://") + "/stream"
-    with connect(url, sock=server.connect()) as ws:
-        reply = json.loads(ws.recv(timeout=10))
-        assert reply["type"] == "error" and reply["error"]["code"] == "unauthenticated"
-        with pytest.raises(ConnectionClosed) as closed:
-            ws.recv(timeout=10)
-    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    for path in ("/stream", "/v1/sandboxes/sb-0123456789abcdef/stream"):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(server.url.replace("http://", "ws://") + path, sock=server.connect())
+        assert refused.value.response.status_code == 401
+        assert json.loads(refused.value.response.body)["error"]["code"] == "unauthenticated"
+    # Nothing held after the refusals (it was ~10 s each).
+    deadline = time.monotonic() + 1
+    while server.open_connections() > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.open_connections() == 0
     # With a key, a socket is held, and counted: one address holds at most its 50.
     headers = {"Authorization": f"Bearer {server.key}"}
     from websockets.exceptions import WebSocketException

@@ -14,7 +14,7 @@ import contextlib
 import json
 from typing import Any
 
-from sandlot.errors import error_from_code
+from sandlot.errors import SandboxError, error_from_code
 from sandlot.models import CommandInfo, DataCallback, OutputCallback
 
 MAX_MESSAGE_BYTES = 16 << 20
@@ -44,9 +44,13 @@ class JobStreams:
             SandboxError: the server refused it (its typed error: the cap, no such pid).
         """
         from websockets.asyncio.client import connect
+        from websockets.exceptions import InvalidStatus
 
         url = f"{self._ws_base}/v1/sandboxes/{sandbox_id}/stream"
-        ws = await connect(url, additional_headers=self._headers, max_size=MAX_MESSAGE_BYTES)
+        try:
+            ws = await connect(url, additional_headers=self._headers, max_size=MAX_MESSAGE_BYTES)
+        except InvalidStatus as exc:
+            raise upgrade_refused(exc) from None
         try:
             await ws.send(json.dumps(message))
             first = json.loads(await ws.recv())
@@ -91,3 +95,16 @@ class JobStreams:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def upgrade_refused(exc: Exception) -> SandboxError:
+    """Our exception for a WebSocket handshake the server answered with an HTTP error (a
+    bad key, a sandbox not found: refused before the upgrade, with its typed body)."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", "?")
+    body = getattr(response, "body", b"") or b""
+    try:
+        detail = json.loads(body)["error"]
+        return error_from_code(str(detail["code"]), str(detail["message"]))
+    except (ValueError, KeyError, TypeError):
+        return SandboxError(f"HTTP {status}: {body[:500]!r}")

@@ -29,7 +29,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from sandlot._remote_jobs import JobStreams
+from sandlot._remote_jobs import JobStreams, upgrade_refused
 from sandlot._version import __version__
 from sandlot.errors import CommandStillRunning, ConfigError, SandboxError, error_from_code
 from sandlot.models import (
@@ -230,7 +230,13 @@ class RemoteService:
         url = self.base_url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/stream"
         headers = {k: v for k, v in self._headers.items() if k == "Authorization"}
         message = {"type": kind, **request.model_dump(mode="json", exclude_none=True)}
-        async with connect(url, additional_headers=headers, max_size=16 << 20) as ws:
+        from websockets.exceptions import InvalidStatus
+
+        try:
+            ws = await connect(url, additional_headers=headers, max_size=16 << 20)
+        except InvalidStatus as exc:
+            raise upgrade_refused(exc) from None
+        async with ws:
             await ws.send(json.dumps(message))
             async for raw in ws:
                 event = json.loads(raw)

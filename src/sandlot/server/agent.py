@@ -30,7 +30,7 @@ from sandlot.agent.models import AgentEvent, AgentResult
 from sandlot.errors import AuthenticationError, ConfigError, SandboxError
 from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
-from sandlot.server.deps import ServerState, state_of
+from sandlot.server.deps import ServerState, refuse_upgrade, state_of
 from sandlot.server.outbox import error_message
 from sandlot.server.schemas import _Body
 
@@ -99,12 +99,17 @@ async def execute_task(body: AgentTaskRequest, request: Request, who: Principal)
 async def stream(websocket: WebSocket) -> None:
     state: ServerState = websocket.app.state.sandbox
     websocket.state.request_id = websocket.headers.get("x-request-id") or uuid.uuid4().hex
+    try:
+        state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
+    except SandboxError as exc:
+        # The key before the upgrade: a socket without one was kept open, answered
+        # "unauthenticated" per message (a client with no key held thousands), and later,
+        # closed after the upgrade, held for ~10 s waiting for the client's close reply
+        # (red team, 2026-11-25 and 2026-12-06).
+        await refuse_upgrade(websocket, exc)
+        return
     await websocket.accept()
     try:
-        # The key before anything is read: a socket without one is closed at once (it was
-        # kept open, answered "unauthenticated" per message, and a client with no key could
-        # hold thousands, each a file descriptor of the server's).
-        await _authenticate(websocket, state)
         while True:
             message = await websocket.receive_json()
             await _one_task(websocket, state, message)

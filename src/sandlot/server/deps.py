@@ -115,6 +115,13 @@ def sandbox_error_response(exc: SandboxError, request_id: str | None) -> JSONRes
     return error_response(status, exc.code, exc.message, request_id, **headers)
 
 
+async def refuse_upgrade(websocket: WebSocket, exc: SandboxError) -> None:
+    """Answer a WebSocket handshake with ``exc``'s typed HTTP error instead of upgrading it:
+    nothing of it is held once the answer is out."""
+    request_id = getattr(websocket.state, "request_id", None)
+    await websocket.send_denial_response(sandbox_error_response(exc, request_id))
+
+
 @dataclass
 class ServerState:
     settings: Settings

@@ -43,7 +43,7 @@ from sandlot.requests import RunCode, RunCommand
 from sandlot.server import outbox as outbox_
 from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
-from sandlot.server.deps import SandboxId, ServerState
+from sandlot.server.deps import SandboxId, ServerState, refuse_upgrade
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["streaming"])
@@ -53,14 +53,16 @@ router = APIRouter(tags=["streaming"])
 async def stream(websocket: WebSocket, sandbox_id: SandboxId) -> None:
     state: ServerState = websocket.app.state.sandbox
     websocket.state.request_id = websocket.headers.get("x-request-id") or uuid.uuid4().hex
-    await websocket.accept()
     try:
         who = state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
         await state.manager.get(sandbox_id, owner=who.owner_filter)
     except SandboxError as exc:
-        await _send_error(websocket, exc)
-        await websocket.close(code=1008)
+        # Refused before the upgrade, as a typed HTTP error: an upgraded socket with no key
+        # was held ~10 s waiting for the client's close reply, out of reach of eviction, and
+        # 40 of them renewed held the whole connection cap (red team, 2026-12-06).
+        await refuse_upgrade(websocket, exc)
         return
+    await websocket.accept()
     try:
         while True:
             message = await websocket.receive_json()

@@ -230,10 +230,13 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
                 self.transport.abort()
 
         def pause_writing(self) -> None:
-            # The client does not read what it was sent: the server waits on it, so it is
-            # evictable, and dropped if it reads nothing for the body idle time.
+            # The client does not read what it was sent yet: dropped if it reads nothing for
+            # the body idle time, and meanwhile evictable, unless its request carried a key
+            # (every large answer pauses: keyless newcomers at the cap cut a keyed client's
+            # download that read at 1.3 MB/s, red team 2026-12-06).
             super().pause_writing()
-            count.waits_on_client(self)
+            if not self._keyed():
+                count.waits_on_client(self)
             self._cancel_write_deadline()
             self._write_deadline = self.loop.call_later(limits.body_idle_timeout_s, self._unread)
 
@@ -242,6 +245,12 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self._cancel_write_deadline()
             if not self._in_headers and not self._lingering:
                 count.served(self)
+
+        def _keyed(self) -> bool:
+            """The request being answered was authenticated (guard.py put its principal in
+            the scope)."""
+            state = self.cycle.scope.get("state") if self.cycle is not None else None
+            return isinstance(state, dict) and "principal" in state
 
         def _cancel_write_deadline(self) -> None:
             if self._write_deadline is not None:
