@@ -524,6 +524,22 @@ def test_stream_refuses_bad_key_and_other_tenant(live_server: LiveServer, alice_
         assert json.loads(refused.value.response.body)["error"]["code"] == code
 
 
+async def test_the_sdk_raises_the_typed_error_of_a_refused_stream(
+    live_server: LiveServer, alice_box: str
+) -> None:
+    from sandlot.client import RemoteService
+    from sandlot.errors import AuthenticationError, SandboxNotFound
+    from sandlot.requests import RunCode
+
+    for who, error in (("revoked", AuthenticationError), ("bob", SandboxNotFound)):
+        service = RemoteService(live_server.url, live_server.keys[who])
+        try:
+            with pytest.raises(error):
+                await service.run_code(alice_box, RunCode(code="1"), on_stdout=print)
+        finally:
+            await service.aclose()
+
+
 # ------------------------------------------------------------------ seed compatibility
 
 
