@@ -39,11 +39,13 @@ WS_PONGS_UNREAD_MAX = 1024
 # A request answered before its body was all in (a 401 with no key, a 413, a 404 for an
 # upload): the rest of the body is read and dropped for at most this long and this many bytes,
 # so that the client can read the answer before the connection closes (closing with unread
-# bytes sends a reset), and then the connection closes. Read on with no bound, a client with
-# no key that trickled a chunked body after its 401 held its connection for good, and 200 of
-# them held the whole cap (red team, 2026-12-06).
+# bytes sends a reset, and a client still sending loses the answer: a 2 MiB upload with no
+# key got a reset instead of its 401 under load, with a cap of 256 KiB), and then the
+# connection closes. Read on with no bound, a client with no key that trickled a chunked body
+# after its 401 held its connection for good, and 200 of them held the whole cap (red team,
+# 2026-12-06).
 LINGER_S = 2.0
-LINGER_BYTES = 256 * 1024
+LINGER_BYTES = 64 << 20
 # Requests one connection may have queued behind the one being served (HTTP/1.1 pipelining).
 MAX_PIPELINED = 16
 
