@@ -268,16 +268,22 @@ def _pipelining_holders(server: Server, pipelined: int) -> list[socket.socket]:
     """250 connections from 5 addresses (past the cap of 200), each with ``pipelined``
     requests for a public page (/openapi.json, 96 KB, no key) sent and nothing read."""
     page = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+    return _non_readers(server, page * pipelined, per_address=50)
+
+
+def _non_readers(server: Server, request: bytes, per_address: int) -> list[socket.socket]:
+    """``per_address`` connections from each of 127.0.0.2-6 that send ``request`` and read
+    nothing (a 4 KiB receive buffer: the server's writes back up at once)."""
     holders = []
     for n in range(5):
-        for _ in range(50):
+        for _ in range(per_address):
             with contextlib.suppress(OSError):
                 sock = socket.socket()
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 sock.settimeout(5)
                 sock.bind((f"127.0.0.{n + 2}", 0))
                 sock.connect(server.address)
-                sock.sendall(page * pipelined)
+                sock.sendall(request)
                 holders.append(sock)
     return holders
 
@@ -330,18 +336,8 @@ def test_clients_that_read_nothing_of_their_answers_are_dropped(data_root: Path)
             f"GET {_big_artifact(server)} HTTP/1.1\r\nHost: x\r\n"
             f"Authorization: Bearer {server.key}\r\n\r\n"
         ).encode()
-        holders = []
+        holders = _non_readers(server, request, per_address=10)  # 50 > the cap of 40
         try:
-            for n in range(5):  # 5 addresses x 10 > the cap of 40
-                for _ in range(10):
-                    with contextlib.suppress(OSError):
-                        sock = socket.socket()
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                        sock.settimeout(5)
-                        sock.bind((f"127.0.0.{n + 2}", 0))
-                        sock.connect(server.address)
-                        sock.sendall(request)
-                        holders.append(sock)
             time.sleep(4)  # past the body idle time, with nothing read
             _keyed_requests_get_in(server)
         finally:
