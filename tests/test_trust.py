@@ -354,11 +354,13 @@ def test_a_kernel_woken_during_a_fresh_command_cannot_forge_it(
         after = jail.run_code("1 + 1")
         assert after.text == "2" and after.state_lost, describe(after)
     else:
-        # gVisor: the kernel was ended before the command, which ran alone.
-        assert not kernel_kept_through_fresh(jail), (
+        # The kernel was ended before the command, which ran alone: always on gVisor, and
+        # on any backend when the kernel did not stop in time (a CI run on a machine whose
+        # both cores were busy took this path once). Then the result says the state was
+        # lost, and it is the honest one.
+        assert forged.state_lost, (
             f"a result came back from a check the kernel could rewrite: {describe(forged)}"
         )
-        assert forged.state_lost, describe(forged)
         assert (forged.exit_code, forged.stdout) == (1, "THE_CHECK result=FAIL\n")
     again = run_fresh(manager, jail, CHECK)
     assert (again.exit_code, again.stdout) == (1, "THE_CHECK result=FAIL\n"), describe(again)
