@@ -30,6 +30,22 @@ DEFAULT_DENY_CIDRS = (
 )
 
 
+def ipv4_networks(text: str) -> list[str]:
+    """A comma-separated list of IPv4 networks (``"10.0.0.5, 169.254.0.0/16"``), each
+    normalized (``10.0.0.5/32``); empty entries skipped.
+
+    Raises:
+        ValueError: an entry that is not an IPv4 address or network, named.
+    """
+    found = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            found.append(str(ipaddress.IPv4Network(entry, strict=False)))
+        except ValueError:
+            raise ValueError(f"{entry!r} is not an IPv4 address or CIDR") from None
+    return found
+
+
 def _default_data_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/sandlot")
@@ -579,17 +595,12 @@ class Settings(BaseSettings):
     @field_validator("network_deny_cidrs")
     @classmethod
     def _ipv4_networks(cls, value: str) -> str:
-        for entry in filter(None, (part.strip() for part in value.split(","))):
-            try:
-                ipaddress.IPv4Network(entry, strict=False)
-            except ValueError:
-                raise ValueError(f"{entry!r} is not an IPv4 address or CIDR") from None
+        ipv4_networks(value)
         return value
 
     def network_deny_list(self) -> list[str]:
         """``network_deny_cidrs`` as normalized networks (``10.0.0.5`` -> ``10.0.0.5/32``)."""
-        entries = filter(None, (part.strip() for part in self.network_deny_cidrs.split(",")))
-        return [str(ipaddress.IPv4Network(entry, strict=False)) for entry in entries]
+        return ipv4_networks(self.network_deny_cidrs)
 
     def resolve_limits(self, limits: SandboxLimits | None) -> ResolvedLimits:
         """Fill every unset field of ``limits`` from these settings."""

@@ -27,14 +27,11 @@ import ipaddress
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 
+from sandlot.config import Settings, ipv4_networks
 from sandlot.errors import ConfigError, SandboxStartError
-
-if TYPE_CHECKING:
-    from sandlot.config import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -98,15 +95,10 @@ def parse_cidrs(text: str, setting: str) -> list[str]:
     Raises:
         ConfigError: an entry that is not an IPv4 address or network, naming ``setting``.
     """
-    found = []
-    for entry in (part.strip() for part in text.split(",")):
-        if not entry:
-            continue
-        try:
-            found.append(str(ipaddress.IPv4Network(entry, strict=False)))
-        except ValueError as exc:
-            raise ConfigError(f"{setting}: {entry!r} is not an IPv4 address or CIDR") from exc
-    return found
+    try:
+        return ipv4_networks(text)
+    except ValueError as exc:
+        raise ConfigError(f"{setting}: {exc}") from exc
 
 
 def sandbox_resolv_conf() -> Path:
@@ -157,14 +149,22 @@ async def run_tool(*argv: str, stdin: str | None = None, check: bool = True) -> 
         )
 
 
-async def iptables_once(table: str, chain: str, *rule: str) -> None:
-    """Add ``rule`` to ``chain`` where it is missing: first in a filter chain, last in nat."""
-    probe = await asyncio.create_subprocess_exec(
-        IPTABLES, "-w", "-t", table, "-C", chain, *rule,
-        stdout=asyncio.subprocess.DEVNULL,
+async def _iptables(*args: str) -> tuple[bool, str]:
+    """``iptables -w *args``: whether it succeeded, and what it printed (errors dropped:
+    the callers ask a question, "is this rule there?", that a failure answers)."""
+    proc = await asyncio.create_subprocess_exec(
+        IPTABLES, "-w", *args,
+        stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
-    if await probe.wait() != 0:
+    out, _ = await proc.communicate()
+    return proc.returncode == 0, out.decode(errors="replace")
+
+
+async def iptables_once(table: str, chain: str, *rule: str) -> None:
+    """Add ``rule`` to ``chain`` where it is missing: first in a filter chain, last in nat."""
+    present, _ = await _iptables("-t", table, "-C", chain, *rule)
+    if not present:
         insert = ("-A", chain) if table == "nat" else ("-I", chain, "1")
         await run_tool(IPTABLES, "-w", "-t", table, *insert, *rule)
 
@@ -257,24 +257,15 @@ async def _ensure_walls(settings: Settings) -> None:
 
 async def _marks(chain: str) -> list[str]:
     """The ``sandlot-walls-*`` comments in ``chain`` (none where it is missing)."""
-    proc = await asyncio.create_subprocess_exec(
-        IPTABLES, "-w", "-S", chain,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    out, _ = await proc.communicate()
-    return [word for word in out.decode(errors="replace").split() if "sandlot-walls-" in word]
+    _, out = await _iptables("-S", chain)
+    return [word for word in out.split() if "sandlot-walls-" in word]
 
 
 async def _drop_rule(chain: str, *rule: str) -> None:
     """Delete every copy of ``rule`` from ``chain`` (one a version before put there)."""
     for _ in range(16):
-        probe = await asyncio.create_subprocess_exec(
-            IPTABLES, "-w", "-D", chain, *rule,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        if await probe.wait() != 0:
+        deleted, _ = await _iptables("-D", chain, *rule)
+        if not deleted:
             return
 
 

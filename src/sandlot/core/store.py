@@ -11,6 +11,23 @@ from pathlib import Path
 from sandlot._sqlite import open_schema, write_transaction
 from sandlot.models import ArtifactInfo, SandboxInfo, SandboxStatus
 
+# What one kept file costs its owner's artifact quota: its bytes in whole 4 KiB blocks, and
+# one block more for its inode and its share of the directories the host makes for it. Its
+# size alone let 11,000 empty files in 11,000 directories (45 MB of the host's disk, 22,001
+# inodes) cost nothing, again and again (red team, 2026-12-06).
+BLOCK_BYTES = 4096
+
+
+def artifact_charge(size_bytes: int) -> int:
+    return -(-size_bytes // BLOCK_BYTES) * BLOCK_BYTES + BLOCK_BYTES
+
+
+def _charge_sql(size_column: str) -> str:
+    """:func:`artifact_charge` in SQL, of ``size_column`` (sizes are never negative)."""
+    block = BLOCK_BYTES
+    return f"(({size_column} + {block - 1}) / {block} * {block} + {block})"
+
+
 # ``instance``: the manager instance (core/instances.py) that runs the sandbox; "" for a
 # record of a sandlot from before instances. ``artifact_limit_bytes``: its owner's artifact
 # quota when it was made (NULL: none), for a manager that keeps its artifacts after its own
@@ -62,8 +79,8 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS artifacts_pending ON artifacts (created_at) WHERE sha256 = ''",
     # A file from before the usage table: its owners' usage, from their rows, once (SQL's
     # form of artifact_charge).
-    "INSERT INTO artifact_usage (owner, charged_bytes) "
-    "SELECT s.owner, SUM((a.size_bytes + 4095) / 4096 * 4096 + 4096) FROM artifacts a "
+    "INSERT INTO artifact_usage (owner, charged_bytes) "  # noqa: S608 - a constant
+    f"SELECT s.owner, SUM({_charge_sql('a.size_bytes')}) FROM artifacts a "
     "JOIN sandboxes s ON s.id = a.sandbox_id "
     "WHERE NOT EXISTS (SELECT 1 FROM artifact_usage) GROUP BY s.owner",
 )
@@ -79,17 +96,6 @@ BUSY_TIMEOUT_S = 30.0
 # have died mid-copy (an export is cut after core/artifacts.EXPORT_TIMEOUT_S).
 PENDING = ""
 PENDING_ARTIFACT_TTL_S = 600.0
-
-# What one kept file costs its owner's artifact quota: its bytes in whole 4 KiB blocks, and
-# one block more for its inode and its share of the directories the host makes for it. Its
-# size alone let 11,000 empty files in 11,000 directories (45 MB of the host's disk, 22,001
-# inodes) cost nothing, again and again (red team, 2026-12-06).
-BLOCK_BYTES = 4096
-
-
-def artifact_charge(size_bytes: int) -> int:
-    return -(-size_bytes // BLOCK_BYTES) * BLOCK_BYTES + BLOCK_BYTES
-
 
 # Other instances' live records, by instance.
 Elsewhere = dict[str, list[SandboxInfo]]
@@ -409,7 +415,7 @@ class Store:
     def delete_artifacts(self, sandbox_id: str) -> int:
         with self._lock, write_transaction(self._db):
             (charged,) = self._db.execute(
-                "SELECT COALESCE(SUM((size_bytes + 4095) / 4096 * 4096 + 4096), 0) "
+                f"SELECT COALESCE(SUM({_charge_sql('size_bytes')}), 0) "  # noqa: S608 - a constant
                 "FROM artifacts WHERE sandbox_id=?",
                 (sandbox_id,),
             ).fetchone()

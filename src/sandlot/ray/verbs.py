@@ -4,7 +4,7 @@ commands and artifacts (one call each; ``_call`` routes and maps a lost node).""
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from sandlot.config import Settings
@@ -90,32 +90,28 @@ class ForwardedVerbs:
         whole, and one read of the whole file held up to the sandbox's disk size (512 MiB by
         default) in this server's memory per download (red team, 2026-12-06). The node
         stops a guest that sends more than the disk holds."""
-        offset = 0
-        while True:
-            part = ReadRange(path=request.path, offset=offset)
-            data: bytes = await self._call(sandbox_id, "read_file_range", part, owner=owner)
-            if not data:
-                return
+
+        async def part(offset: int) -> bytes:
+            read = ReadRange(path=request.path, offset=offset, length=RANGE_MAX_BYTES)
+            data: bytes = await self._call(sandbox_id, "read_file_range", read, owner=owner)
+            return data
+
+        async for data in _in_ranges(part):
             yield data
-            offset += len(data)
-            if len(data) < part.length:
-                return
 
     async def read_artifact_chunks(
         self, sandbox_id: str, path: str, *, owner: str | None = None
     ) -> AsyncIterator[bytes]:
         """A kept artifact in ranged reads, as :meth:`read_file_chunks` reads a file."""
-        offset = 0
-        while True:
+
+        async def part(offset: int) -> bytes:
             data: bytes = await self._call(
                 sandbox_id, "read_artifact_range", path, offset, owner=owner
             )
-            if not data:
-                return
+            return data
+
+        async for data in _in_ranges(part):
             yield data
-            offset += len(data)
-            if len(data) < RANGE_MAX_BYTES:
-                return
 
     async def list_files(
         self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
@@ -272,3 +268,17 @@ class ForwardedVerbs:
     async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
         count: int = await self._call(sandbox_id, "delete_artifacts", owner=owner)
         return count
+
+
+async def _in_ranges(part: Callable[[int], Awaitable[bytes]]) -> AsyncIterator[bytes]:
+    """Each ``part(offset)`` (at most :data:`RANGE_MAX_BYTES`) from offset 0 on, until one
+    comes back empty or short: the end of the file."""
+    offset = 0
+    while True:
+        data = await part(offset)
+        if not data:
+            return
+        yield data
+        offset += len(data)
+        if len(data) < RANGE_MAX_BYTES:
+            return
