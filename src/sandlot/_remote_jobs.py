@@ -97,14 +97,18 @@ class JobStreams:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def upgrade_refused(exc: Exception) -> SandboxError:
-    """Our exception for a WebSocket handshake the server answered with an HTTP error (a
-    bad key, a sandbox not found: refused before the upgrade, with its typed body)."""
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", "?")
-    body = getattr(response, "body", b"") or b""
+def typed_error(status: int | str, body: bytes) -> SandboxError:
+    """Our exception for a server's error answer: its typed body (``{"error": {"code",
+    "message"}}``), or a plain one naming the status."""
     try:
         detail = json.loads(body)["error"]
         return error_from_code(str(detail["code"]), str(detail["message"]))
     except (ValueError, KeyError, TypeError):
-        return SandboxError(f"HTTP {status}: {body[:500]!r}")
+        return SandboxError(f"HTTP {status}: {body.decode(errors='replace')[:500]}")
+
+
+def upgrade_refused(exc: Exception) -> SandboxError:
+    """Our exception for a WebSocket handshake the server answered with an HTTP error (a
+    bad key, a sandbox not found: refused before the upgrade, with its typed body)."""
+    response = getattr(exc, "response", None)
+    return typed_error(getattr(response, "status_code", "?"), getattr(response, "body", b"") or b"")

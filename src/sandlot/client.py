@@ -29,7 +29,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from sandlot._remote_jobs import JobStreams, upgrade_refused
+from sandlot._remote_jobs import JobStreams, typed_error, upgrade_refused
 from sandlot._version import __version__
 from sandlot.errors import CommandStillRunning, ConfigError, SandboxError, error_from_code
 from sandlot.models import (
@@ -226,12 +226,11 @@ class RemoteService:
         on_result: ResultCallback | None = None,
     ) -> ExecResult:
         from websockets.asyncio.client import connect
+        from websockets.exceptions import InvalidStatus
 
         url = self.base_url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/stream"
         headers = {k: v for k, v in self._headers.items() if k == "Authorization"}
         message = {"type": kind, **request.model_dump(mode="json", exclude_none=True)}
-        from websockets.exceptions import InvalidStatus
-
         try:
             ws = await connect(url, additional_headers=headers, max_size=16 << 20)
         except InvalidStatus as exc:
@@ -470,8 +469,4 @@ def _query_value(value: Any) -> Any:
 
 def response_error(response: httpx.Response) -> SandboxError:
     """Our exception for a server's error response (its typed body), or a plain one."""
-    try:
-        detail = response.json()["error"]
-        return error_from_code(str(detail["code"]), str(detail["message"]))
-    except (ValueError, KeyError, TypeError):
-        return SandboxError(f"HTTP {response.status_code}: {response.text[:500]}")
+    return typed_error(response.status_code, response.content)

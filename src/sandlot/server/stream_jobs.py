@@ -64,13 +64,12 @@ async def watch_key(state: ServerState, websocket: WebSocket) -> None:
         state.recheck(websocket.headers, websocket.query_params.get("api_key"))
 
 
-def revoked(*tasks: asyncio.Task[Any]) -> AuthenticationError | None:
-    """The revocation one of ``tasks`` ended with, if any."""
-    for task in tasks:
-        if task.done() and not task.cancelled():
-            error = task.exception()
-            if isinstance(error, AuthenticationError):
-                return error
+def revoked(watcher: asyncio.Task[None]) -> AuthenticationError | None:
+    """The revocation :func:`watch_key`'s task ended with, if it has."""
+    if watcher.done() and not watcher.cancelled():
+        error = watcher.exception()
+        if isinstance(error, AuthenticationError):
+            return error
     return None
 
 
@@ -117,7 +116,7 @@ async def run_job(
                 run.cancel()
                 with contextlib.suppress(asyncio.CancelledError, SandboxError):
                     await run
-                error = revoked(watcher, listener)
+                error = revoked(watcher)
                 if error is not None:
                     raise error
                 # Detached: it runs on (a client cut for not reading is detached too).
