@@ -22,9 +22,9 @@ from sandlot.errors import (
     QuotaExceeded,
     SandboxNotFound,
 )
-from sandlot.models import ArtifactInfo, Quota
+from sandlot.models import MAX_RESULT_DEPTH, ArtifactInfo, Quota, nests_within
 from sandlot.requests import ReadFile, RunCode, SandboxSpec, WriteFile
-from tests.conftest import make_settings
+from tests.conftest import make_settings, placement
 
 QUOTA = Quota(
     max_sandboxes=10,
@@ -337,6 +337,162 @@ def test_a_guest_whose_limits_code_lowered_is_restarted(jail: Sandbox) -> None:
     assert jail.commands.run("echo hi").stdout == "hi\n"
     jail.files.write("still.txt", "ok")
     assert jail.files.read("still.txt") == "ok"
+
+
+# A cell answers for itself: from its frames, the kernel's writer and the call's nonce, and a
+# reply whose text and error are each 4 MiB (the default limit is 1 MiB).
+FORGED_BIG_REPLY = """
+import sys, time
+f = sys._getframe()
+while f is not None and 'writer' not in f.f_locals:
+    f = f.f_back
+big = 'A' * (4 << 20)
+f.f_locals['writer'].send({"nonce": f.f_locals['state']["nonce"], "exit_code": 0,
+    "text": big, "error": {"type": big, "message": big, "traceback": big}})
+time.sleep(2)
+"""
+
+
+@pytest.mark.hostile
+def test_a_reply_forged_by_its_cell_is_held_to_the_output_limit(
+    manager: SandboxManager, isolated_backend: str
+) -> None:
+    """Failed before (a red team's find): the kernel clips a reply's text and error, but a
+    cell runs in the kernel's process and can send its own; 20 MiB in each of three fields
+    reached the host (~180 MiB of it for one call), past the 1 MiB limit. The guest's
+    supervisor clips them now, where no cell reaches."""
+    sb = Sandbox.create(manager=manager, **placement(isolated_backend), timeout_s=15)
+    limit = sb.info.limits.output_limit_bytes
+    try:
+        result = sb.run_code(FORGED_BIG_REPLY)
+        assert result.error is not None, result.model_dump(exclude={"text", "error"})
+        fields = [result.text or "", *result.error.model_dump().values()]
+        assert [len(f) <= limit for f in fields] == [True] * 4, [len(f) for f in fields]
+        assert "characters omitted" in (result.text or "")
+        # The kernel's own reply comes after the forged one, out of step: the next cell
+        # says its kernel was lost (the documented cost of a cell that answers for itself).
+        after = sb.run_code("6 * 7")
+        assert after.text == "42" or after.state_lost, after
+        assert sb.run_code("6 * 7").text == "42"
+    finally:
+        sb.kill()
+
+
+DEEP_JSON = """
+class Deep:
+    def _repr_json_(self):
+        v = 0
+        for _ in range(%d):
+            v = [v]
+        return v
+    def __repr__(self):
+        return 'Deep()'
+Deep()
+"""
+
+
+@pytest.mark.hostile
+def test_a_rich_output_nested_past_the_bound_is_left_out_and_the_rest_kept(
+    jail: Sandbox,
+) -> None:
+    """Failed before (a red team's find): a JSON output 900 lists deep came back, and every
+    answer carrying it failed to serialize: the server's 500 for the caller's run_code. Past
+    MAX_RESULT_DEPTH the value is left out; its text is kept, and one just within comes
+    whole."""
+    deep = jail.run_code(DEEP_JSON % 900)
+    [shown] = deep.results
+    assert (shown.json_data, shown.text) == (None, "Deep()")
+    deep.model_dump_json()  # the answer the server sends
+    within = jail.run_code(DEEP_JSON % MAX_RESULT_DEPTH).results[0].json_data
+    depth = 0
+    while isinstance(within, list):
+        within, depth = within[0], depth + 1
+    assert (depth, within) == (MAX_RESULT_DEPTH, 0)
+
+
+# A cell writes a display frame of its own to the kernel's socket, 50,000 lists deep: past
+# the depth the guest's JSON parser takes.
+FORGED_DEEP_FRAME = """
+import os, struct, sys
+f = sys._getframe()
+while 'writer' not in f.f_locals:
+    f = f.f_back
+w, nonce = f.f_locals['writer'], f.f_locals['state']['nonce']
+deep = '[' * 50000 + '0' + ']' * 50000
+frame = ('{"display": {"data": {"application/json": %s}, "is_main_result": false}, '
+         '"nonce": "%s"}' % (deep, nonce)).encode()
+with w.lock:
+    os.write(w.fd, struct.pack('>I', len(frame)) + frame)
+'x'
+"""
+
+
+@pytest.mark.hostile
+def test_a_frame_nested_past_the_parsers_depth_breaks_only_its_own_kernel(
+    jail: Sandbox,
+) -> None:
+    """Failed before (found beside the red team's find above): the guest's parse of that
+    frame raised RecursionError, which the supervisor did not take as the kernel's fault:
+    the call failed with a 502 (GuestError). Now the kernel is restarted and the call
+    returns, as for any reply out of step."""
+    broken = jail.run_code(FORGED_DEEP_FRAME)
+    assert (broken.error and broken.error.type, broken.state_lost) == ("KernelDied", True)
+    assert jail.run_code("6 * 7").text == "42"
+
+
+# A cell writes frames of its own to the kernel's socket, with lone surrogates escaped in
+# its display bundle, its text and its error (the kernel's own writer sends none: it writes
+# them as "?"), and a pair, which is one astral character.
+FORGED_SURROGATES = r"""
+import os, struct, sys, time
+f = sys._getframe()
+while 'writer' not in f.f_locals:
+    f = f.f_back
+w, nonce = f.f_locals['writer'], f.f_locals['state']['nonce']
+frames = [
+    '{"display": {"data": {"text/plain": "\\udcff", "application/json": ["\\ud800"]}, '
+    '"is_main_result": false}, "nonce": "%s"}' % nonce,
+    '{"nonce": "%s", "exit_code": 0, "text": "x\\ud800", "error": {"type": "E", '
+    '"message": "\\udfff", "traceback": "\\ud83d\\ude00"}}' % nonce,
+]
+with w.lock:
+    for frame in frames:
+        os.write(w.fd, struct.pack('>I', len(frame)) + frame.encode())
+time.sleep(2)
+"""
+
+
+@pytest.mark.hostile
+def test_lone_surrogates_a_cell_forges_reach_no_answer(jail: Sandbox) -> None:
+    """Held when tried (beside the red team's finds): the host would read them as lone
+    surrogates, which UTF-8 cannot carry, and every answer serializing the result would fail
+    (the server's 500); the guest's supervisor parses the kernel's frames and writes its own
+    with them as "?" (``wire.encode_body``). A guard on that: a pair (an astral character)
+    is kept."""
+    result = jail.run_code(FORGED_SURROGATES)
+    result.model_dump_json()  # the answer the server sends
+    assert result.error is not None
+    assert (result.text, result.error.message, result.error.traceback) == ("x?", "?", "\U0001f600")
+    [shown] = result.results
+    assert (shown.text, shown.json_data) == ("?", ["?"])
+
+
+@pytest.mark.hostile
+def test_an_exit_code_is_one_every_client_can_read(jail: Sandbox) -> None:
+    """Failed before (a red team's note): ``sys.exit(10**4000)`` came back as a 4,001-digit
+    exit code (into the audit log too), which no client's int64 reads. Outside a C int's
+    range it is 1; codes within it are kept."""
+    codes = [jail.run_code(f"import sys; sys.exit({c})").exit_code for c in ("10**4000", 7, -1)]
+    assert codes == [1, 7, -1]
+
+
+def test_nesting_is_measured_without_recursion() -> None:
+    value: object = 0
+    for _ in range(100_000):
+        value = {"k": [value]}
+    assert not nests_within(value)
+    assert nests_within({"a": [1, {"b": []}]}, depth=3)
+    assert not nests_within({"a": [1, {"b": [2]}]}, depth=3)
 
 
 def test_a_tenants_ended_records_are_capped(tmp_path: Path) -> None:

@@ -46,6 +46,29 @@ RESULT_FORMATS: dict[str, str] = {
 }
 
 
+# How deep a rich output's JSON value may nest (lists and objects within each other). Deeper
+# ones are left out: pydantic refuses to serialize past ~250 levels, so a result of 900 made
+# every answer carrying it a 500 (a red team's find). Real JSON outputs nest a few levels.
+MAX_RESULT_DEPTH = 64
+
+
+def nests_within(value: object, depth: int = MAX_RESULT_DEPTH) -> bool:
+    """Whether ``value``'s lists and dicts nest at most ``depth`` deep (walked without
+    recursion: the value is the sandbox's to shape)."""
+    level: list[object] = [value]
+    for _ in range(depth + 1):
+        inner: list[object] = []
+        for item in level:
+            if isinstance(item, dict):
+                inner.extend(item.values())
+            elif isinstance(item, list):
+                inner.extend(item)
+        if not inner:
+            return True
+        level = inner
+    return False
+
+
 class Result(_Model):
     """One rich output of a Python cell: an object shown by ``display(obj)``, a matplotlib
     figure (``plt.show()`` or left open at the end of the cell), or the value of the cell's
@@ -87,11 +110,13 @@ class Result(_Model):
     @classmethod
     def from_bundle(cls, data: object, is_main_result: object = False) -> Result:
         """The result of a ``{mime: value}`` bundle from the guest. The guest shares a uid
-        with sandboxed code, which can write any bundle: a value of the wrong type is left
-        out, never raised."""
+        with sandboxed code, which can write any bundle: a value of the wrong type, or nested
+        past :data:`MAX_RESULT_DEPTH`, is left out, never raised."""
         fields: dict[str, Any] = {"is_main_result": is_main_result is True, "extra": {}}
         for mime, value in (data if isinstance(data, dict) else {}).items():
             name = RESULT_FORMATS.get(str(mime))
+            if not nests_within(value):
+                continue
             if name == "json":
                 fields["json"] = value
             elif name is not None:
@@ -114,8 +139,11 @@ class ExecResult(_Model):
     """
 
     exit_code: int | None = Field(
+        ge=-(1 << 31),
+        le=(1 << 31) - 1,
         description="0 on success. Python: 1 on an uncaught exception, the SystemExit code "
-        "otherwise. Shell: the command's status; 128+N when killed by signal N."
+        "otherwise (1 for one outside a C int's range). Shell: the command's status; 128+N "
+        "when killed by signal N.",
     )
     stdout: str = ""
     stderr: str = ""

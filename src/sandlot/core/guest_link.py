@@ -175,7 +175,9 @@ class GuestConnection:
                 "the guest's channel to the host failed its check: something in the sandbox "
                 f"wrote into it or read from it ({exc}); the guest is restarted"
             )
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, RecursionError) as exc:
+            # RecursionError: JSON nested past this thread's depth (the guest's parser,
+            # which read it first, has more room): malformed, not our crash.
             error = GuestError(f"guest sent a malformed frame: {exc}")
         finally:
             self._fail_all(self._fatal or error)

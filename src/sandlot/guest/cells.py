@@ -24,7 +24,7 @@ from procs import (
     signal_exit_code,
     spawn,
 )
-from wire import dumps
+from wire import clip_text, dumps
 from workspace import WORKSPACE
 
 PYTHON = sys.executable or "/usr/bin/python3"
@@ -95,6 +95,27 @@ def _checked_reply(reply, nonce):
     ):
         raise ValueError("bad error")
     return reply
+
+
+# The exit codes a result carries (a C int's range; the host's model holds the same).
+EXIT_CODE_MIN, EXIT_CODE_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _clipped(reply, request):
+    """A reply's ``text`` and ``error`` within the call's output limit. The kernel clips them
+    itself, but cell code runs in the kernel's process and can send a reply of its own: 20
+    MiB in each field reached the host, which held ~180 MiB for the call (a red team's
+    find). Clipped here, outside the sandbox code's reach."""
+    limit = int(request.get("output_limit", 1 << 20))
+    error = reply.get("error")
+    if error is not None:
+        error = {k: clip_text(error[k], limit) for k in ("type", "message", "traceback")}
+    code = reply["exit_code"]
+    if not EXIT_CODE_MIN <= code <= EXIT_CODE_MAX:
+        # sys.exit(10**4000) said 4,001 digits, which a client's int64 cannot read: 1, as
+        # Python's own exit for a code it cannot use.
+        code = 1
+    return {"exit_code": code, "text": clip_text(reply.get("text"), limit), "error": error}
 
 
 def _checked_display(frame, nonce):
@@ -344,8 +365,10 @@ class Cells:
             if pump.poll(wait_s, extra=channel.fileno()):
                 try:
                     reply = self._receive(channel, nonce, request, results)
-                except (EOFError, ValueError):
-                    reply = None  # dead, or an out-of-step reply: start afresh
+                except (EOFError, ValueError, RecursionError):
+                    # Dead, or an out-of-step reply, or a frame the cell wrote itself nested
+                    # past the parser's depth (a 502 before): start afresh.
+                    reply = None
                     break
                 if reply is not None:
                     break
@@ -387,7 +410,7 @@ class Cells:
             result["text"] = None
             threads.start(self.rewarm)
         else:
-            result.update(exit_code=reply["exit_code"], text=reply["text"], error=reply["error"])
+            result.update(_clipped(reply, request))
         finish_streams(result, sinks, started)
         return result
 
