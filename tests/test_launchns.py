@@ -213,19 +213,21 @@ async def test_another_data_directorys_volumes_stay_out(data_root: Path) -> None
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("root_bubblewrap")
-@pytest.mark.parametrize("launcher", ["nsenter", "setpriv"])
+@pytest.mark.parametrize("launcher", ["template", "nsenter", "setpriv"])
 async def test_sandbox_processes_hold_none_of_the_managers_groups(
     data_root: Path, launcher: str
 ) -> None:
-    """The launcher drops to the sandbox's uid and gid with no supplementary group, both
-    through nsenter (the launch namespace) and through setpriv (none to enter): a group
-    of the manager's kept would open the host's files of that group to sandboxed code."""
+    """The launcher drops to the sandbox's uid and gid with no supplementary group: the guest
+    template's fork that execs bwrap (the default), nsenter (guests started afresh, the launch
+    namespace) and setpriv (none to enter). A group of the manager's kept would open the
+    host's files of that group to sandboxed code."""
     data_dir = data_root / f"groups-{launcher}"
     data_dir.mkdir()
     kept = os.getgroups()
     os.setgroups([0, 4242])  # every thread's: the launcher is forked with them
     try:
-        async with SandboxManager(make_settings(data_dir)) as mgr:
+        settings = make_settings(data_dir, guest_template=launcher == "template")
+        async with SandboxManager(settings) as mgr:
             backend = mgr._backend("bubblewrap")
             if launcher == "setpriv":
                 backend._launch_ns_failed = True  # as where the mount API is missing
@@ -237,12 +239,28 @@ async def test_sandbox_processes_hold_none_of_the_managers_groups(
                 return chains[-1]
 
             backend._chain_argv = recorded
+            bwraps: list[leaks.Proc | None] = []
+            join = backend._join
+
+            async def seen(template: Any, box: Any, spec: Any, chain: Any, pid: int) -> Any:
+                bwraps.append(leaks.read_proc(chain.pid))  # bwrap, its child made
+                return await join(template, box, spec, chain, pid)
+
+            backend._join = seen
             info = await mgr.create(SandboxSpec())
-            (chain,) = chains
-            assert chain[chain.index("--") + 1] == f"/usr/bin/{launcher}"  # after sh's args
+            uid = leaks.host_uid(mgr, info.id)
+            if launcher == "template":
+                assert chains == []
+                [bwrap] = bwraps
+                assert bwrap is not None and bwrap.name == "bwrap", bwrap
+                assert (set(bwrap.uids), set(bwrap.gids), bwrap.groups) == ({uid}, {uid}, ())
+                # In the sandbox's cgroup before it ran: a destroy's emptying catches it.
+                assert str(leaks.pids_cgroup_dir(mgr, info.id)).endswith(bwrap.cgroup)
+            else:
+                (chain,) = chains
+                assert chain[chain.index("--") + 1] == f"/usr/bin/{launcher}"  # after sh's
             code = "import subprocess; subprocess.Popen(['sleep', '30'])"
             await mgr.run_code(info.id, RunCode(code=code))
-            uid = leaks.host_uid(mgr, info.id)
             pids = (leaks.pids_cgroup_dir(mgr, info.id) / "cgroup.procs").read_text().split()
             procs = [p for p in map(leaks.read_proc, map(int, pids)) if p is not None]
             assert len(procs) >= 3  # the guest, its kernel and the sleep

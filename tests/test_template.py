@@ -808,7 +808,13 @@ def _pidfds_and_uid_locks() -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(
-    "where", ["while bwrap starts", "before its guest joins", "while its guest joins"]
+    "where",
+    [
+        "while its launcher is forked",
+        "while bwrap starts",
+        "before its guest joins",
+        "while its guest joins",
+    ],
 )
 async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing_open(
     data_root: Path, monkeypatch: pytest.MonkeyPatch, where: str
@@ -845,7 +851,21 @@ async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing
             blocked.set()
             await asyncio.Event().wait()
 
-        if where == "while its guest joins":
+        send = bubblewrap_template.Template._send
+
+        async def launcher_asked(
+            self: bubblewrap_template.Template, message: bytes, fds: list[int]
+        ) -> None:
+            # The template forks the launcher (which enters the cgroup and runs bwrap) while
+            # the create is cancelled: its reply comes to nobody.
+            await send(self, message, fds)
+            if b'"launch"' in message:
+                blocked.set()
+                await asyncio.Event().wait()
+
+        if where == "while its launcher is forked":
+            monkeypatch.setattr(bubblewrap_template.Template, "_send", launcher_asked)
+        elif where == "while its guest joins":
             monkeypatch.setattr(bubblewrap_template, "_joined", joins_for_ever)
         elif where == "before its guest joins":
             monkeypatch.setattr(bubblewrap_backend.BubblewrapBackend, "_join", never_joins)

@@ -1172,11 +1172,24 @@ def test_a_cpu_quota_that_cannot_be_set_fails_the_create_and_leaves_nothing(
 
 
 @pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("enter_file", "said"),
+    [
+        # The manager cannot open it to hand it over: the error names it.
+        ("/nonexistent/procs", "nonexistent"),
+        # It opens, and the launcher's write fails: the launcher's own words.
+        ("/dev/full", "No space left on device"),
+    ],
+)
 def test_a_launcher_that_cannot_enter_its_cgroup_says_why(
-    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, bwrap_module: Any
+    manager: SandboxManager,
+    monkeypatch: pytest.MonkeyPatch,
+    bwrap_module: Any,
+    enter_file: str,
+    said: str,
 ) -> None:
-    # It exits before "go": the create fails with the launcher's own words, not "Connection
-    # lost" (a review's find), and nothing runs outside a cgroup.
+    # It exits before bwrap runs: the create fails with the launcher's own words, not
+    # "Connection lost" (a review's find), and nothing runs outside a cgroup.
     from sandlot.backends.cgroups import Cgroup
 
     real_make_volume = bwrap_module.make_volume
@@ -1186,7 +1199,7 @@ def test_a_launcher_that_cannot_enter_its_cgroup_says_why(
         await asyncio.sleep(0.2)  # the launcher has failed and exited by now
 
     monkeypatch.setattr(bwrap_module, "make_volume", slow_disk)
-    monkeypatch.setattr(Cgroup, "enter_files", property(lambda self: [Path("/nonexistent/procs")]))
-    with pytest.raises(SandboxError, match=r"launcher failed.*nonexistent") as failed:
+    monkeypatch.setattr(Cgroup, "enter_files", property(lambda self: [Path(enter_file)]))
+    with pytest.raises(SandboxError, match=rf"launcher failed.*{said}") as failed:
         Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
     assert "Connection lost" not in str(failed.value)

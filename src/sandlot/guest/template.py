@@ -40,14 +40,21 @@ socket, whose fd the template's argv names. The host sends ``{"id", "cgroup_file
 the fds ``NS_NAMES``, stdin, stdout, stderr, notify, config (a sealed memfd: ``uid``, ``gid``,
 ``env``, ``seccomp``, ``workspace``, read by the child alone), then ``cgroup_files`` files of
 the cgroup to write "0" to (a request whose fds are fewer, more, or were cut short is
-refused). The template answers ``{"id", "pid"}`` with a pidfd of the guest (or ``{"id",
-"error"}``), and ``{"exit": pid, "status": code}`` once a guest has ended. ``{"ready":
-true}`` comes first. Nothing of a sandbox's ever enters the template's memory (every later
-fork would carry it): it reads ids and counts, and passes fds on.
+refused). Before that, the sandbox's bwrap: ``{"id", "launch": true, "net", "cgroup_files"}``
+with the ``LAUNCH_FDS`` (the launch mount namespace, bwrap's stdin and stderr, its seccomp and
+info pipes, the launch: a sealed memfd with ``uid``, ``argv`` and ``env``, read by the child
+alone), the network namespace if ``net``, then the cgroup's files: the template forks a
+*launcher* (:func:`launcher`) that enters them and the namespaces, drops to the uid and execs
+bwrap, in place of the host's ``sh`` and ``nsenter``. The template answers ``{"id", "pid"}``
+with a pidfd of the guest or launcher (or ``{"id", "error"}``), and ``{"exit": pid, "status":
+code}`` once one has ended. ``{"ready": true}`` comes first. Nothing of a sandbox's ever
+enters the template's memory (every later fork would carry it): it reads ids, counts and
+whether a sandbox has a network, and passes fds on.
 """
 
 import _signal as signal
 import ctypes
+import fcntl
 import gc
 import os
 import select
@@ -77,6 +84,17 @@ STDIO_FDS = 5  # stdin, stdout, stderr, notify, config
 # with a cgroup missing.
 MAX_CGROUP_FILES = 16
 MAX_FDS = len(NS_NAMES) + STDIO_FDS + MAX_CGROUP_FILES
+# A launcher's request (``{"launch": true, "net", "cgroup_files"}``) carries: the launch mount
+# namespace, bwrap's stdin (its --block-fd), its stderr, the read end of the seccomp pipe, the
+# write end of the info pipe, the launch (a sealed memfd: ``uid``, ``argv``, ``env``), then the
+# sandbox's network namespace where it has one, then the cgroup's files.
+LAUNCH_FDS = 6
+# Where the launcher puts the seccomp and info pipes for bwrap, whose argv names them.
+LAUNCH_SECCOMP_FD = 3
+LAUNCH_INFO_FD = 4
+# bwrap's fds are first copied to numbers from here (free ones), then put in place: putting
+# one at 3 must not close another request fd that happened to be 3.
+_HIGH_FD = 64
 MAX_MESSAGE = 4096  # ids and counts: a longer message arrives cut short, and is refused
 # bwrap's covers over /proc after its mount (its SETUP_MOUNT_PROC): read-only binds.
 PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")
@@ -296,7 +314,7 @@ def join(fds, last_cap):
     load_seccomp(bytes.fromhex(request["seccomp"]))
     os.dup2(stdin, 0)
     os.dup2(stdout, 1)
-    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 65536)
+    os.closerange(3, _open_max())
     # The whole environment: what the host's /proc/<pid>/environ shows of a fork is the
     # template's own exec-time block (PATH, LANG), never this.
     os.environ.clear()
@@ -359,11 +377,77 @@ def spawn(sock, request, fds, own_pid_ns, last_cap):
     finally:
         # Back to our own for the next fork (a second unshare would be refused).
         _setns(own_pid_ns, CLONE_NEWPID, "template's pid")
+    _answer(sock, request, pid)
+
+
+def start_launcher(sock, request, fds):
+    """Fork one sandbox's launcher (:func:`launcher`); answer with its pid and a pidfd."""
+    pid = os.fork()
+    if pid == 0:
+        launcher(fds, bool(request.get("net")))
+    _answer(sock, request, pid)
+
+
+def _answer(sock, request, pid):
     pidfd = os.pidfd_open(pid)
     try:
         socket.send_fds(sock, [_dumps({"id": request["id"], "pid": pid}).encode()], [pidfd])
     finally:
         os.close(pidfd)
+
+
+def launcher(fds, has_net):
+    """The forked child that becomes a sandbox's bwrap, in place of the host's ``sh`` and
+    ``nsenter`` (two execs, ~2 ms of CPU a create: BENCHMARKS.md, issue 13): into the
+    sandbox's cgroup first, while still root and alone (bwrap and every process it makes are
+    counted there, and a destroy's emptying of the cgroup catches them all), then its network
+    namespace if it has one, the launch mount namespace (the host's, less the sandboxes'
+    volumes: launchns.py), no groups and the sandbox's uid (no capability left), a death
+    signal, and bwrap's fds in place; then bwrap. Never returns."""
+    status = FAILED
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(SIGCHLD, signal.SIG_DFL)
+        mnt, stdin, stderr, seccomp, info, launch_fd = fds[:LAUNCH_FDS]
+        rest = list(fds[LAUNCH_FDS:])
+        net = rest.pop(0) if has_net else None
+        os.dup2(stderr, 2)  # every failure from here is told on bwrap's stderr
+        launch = read_config(launch_fd)
+        for enter in rest:
+            try:
+                os.write(enter, b"0")
+            except OSError as exc:
+                raise JoinFailed("entering the sandbox's cgroup: %s" % exc) from None
+        if net is not None:
+            _setns(net, CLONE_NEWNET, "net")
+        _check(_libc.setns(mnt, CLONE_NEWNS), "setns into the launch namespace")
+        os.chdir("/")
+        uid = int(launch["uid"])
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        # After the uid change, which clears it; bwrap's --die-with-parent sets it again.
+        _check(_libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "the death signal")
+        placed = [stdin, stderr, stderr, seccomp, info]
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, _HIGH_FD) for fd in placed]
+        for target, fd in enumerate(high):
+            os.dup2(fd, target)
+        os.closerange(len(placed), _open_max())
+        argv = [str(arg) for arg in launch["argv"]]
+        env = {str(k): str(v) for k, v in launch["env"].items()}
+        os.execve(argv[0], argv, env)
+    except BaseException as exc:
+        try:
+            os.write(2, ("sandlot launcher: %s\n" % (exc,)).encode("utf-8", "replace"))
+        except OSError:
+            pass
+    finally:
+        os._exit(status)
+
+
+def _open_max():
+    limit = os.sysconf("SC_OPEN_MAX")
+    return limit if limit > 0 else 65536
 
 
 def serve(sock):
@@ -398,8 +482,12 @@ def serve(sock):
             request = None
             try:
                 request = _loads(message)
-                _check_fds(request, fds, flags)
-                spawn(sock, request, fds, own_pid_ns, last_cap)
+                if request.get("launch"):
+                    _check_launch_fds(request, fds, flags)
+                    start_launcher(sock, request, fds)
+                else:
+                    _check_fds(request, fds, flags)
+                    spawn(sock, request, fds, own_pid_ns, last_cap)
             except Exception as exc:  # one bad request never ends the template
                 request_id = request.get("id") if isinstance(request, dict) else None
                 reply = {"id": request_id, "error": "%s" % (exc,)}
@@ -412,9 +500,18 @@ def serve(sock):
 def _check_fds(request, fds, flags):
     """Every fd the request says it carries arrived: a guest that missed one of its cgroup's
     files would run outside that hierarchy (no pids or memory limit)."""
+    _check_count(request, fds, flags, len(NS_NAMES) + STDIO_FDS)
+
+
+def _check_launch_fds(request, fds, flags):
+    """The same for a launcher's request, whose network namespace is one fd more."""
+    _check_count(request, fds, flags, LAUNCH_FDS + (1 if request.get("net") else 0))
+
+
+def _check_count(request, fds, flags, before_cgroup):
     if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
         raise JoinFailed("the request was cut short (%d fds arrived)" % len(fds))
-    wanted = len(NS_NAMES) + STDIO_FDS + int(request["cgroup_files"])
+    wanted = before_cgroup + int(request["cgroup_files"])
     if len(fds) != wanted or not 0 < int(request["cgroup_files"]) <= MAX_CGROUP_FILES:
         raise JoinFailed("the request carries %d fds, not %d" % (len(fds), wanted))
 

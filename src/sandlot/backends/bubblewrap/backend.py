@@ -68,6 +68,7 @@ from sandlot.backends.bubblewrap.template import (
     TemplateGuest,
     Templates,
     join_guest,
+    launch_bwrap,
     sealed_memfd,
     system_identity,
 )
@@ -113,6 +114,7 @@ from sandlot.backends.uids import UidAllocator, unlock
 from sandlot.config import Settings
 from sandlot.environments import get_environment
 from sandlot.errors import BackendUnavailable, SandboxStartError
+from sandlot.guest.template import LAUNCH_INFO_FD, LAUNCH_SECCOMP_FD
 from sandlot.models import ResourceUsage
 
 log = structlog.get_logger(__name__)
@@ -659,10 +661,10 @@ class BubblewrapBackend:
         *,
         env_fd: int | None,
         manager_mounts: bool,
-        templated: bool = False,
     ) -> list[str]:
         """sh (into the cgroup, then the wait for "go"), nsenter or setpriv (to the sandbox's
-        uid), bwrap and the guest (``templated``: bwrap's child, blocked for the guest)."""
+        uid), bwrap and the guest: where guests start afresh (a template forks the launcher
+        otherwise: :meth:`_launch_templated`)."""
         # The host-side chain (sh as root, nsenter or setpriv, bwrap) runs with a fixed
         # environment and absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a
         # root process would run code of their choosing as root. Their env is set inside the
@@ -696,7 +698,6 @@ class BubblewrapBackend:
             info_fd,
             env_fd=env_fd,
             manager_mounts=manager_mounts,
-            templated=templated,
         )
         if enter:
             # nsenter drops to the sandbox's uid itself once inside (setgroups(0), setgid,
@@ -756,19 +757,17 @@ class BubblewrapBackend:
         files: Callable[[], Awaitable[None]] | None,
     ) -> Guest:
         """:meth:`_spawn`'s work, with the template it took (or none)."""
+        if template is not None:
+            return await self._launch_templated(
+                box, spec, template, before_go=before_go, files=files
+            )
         read_fd = _seccomp_pipe(spec.network)
         # As root, bwrap says on this pipe which pid is the sandbox's first (_spawn).
         info_r, info_w = (-1, -1) if self.rootless else os.pipe()
         info_fd = None if self.rootless else info_w
-        env_fd = None if template else _env_args(guest_env(spec.env))
+        env_fd = _env_args(guest_env(spec.env))
         argv = self._chain_argv(
-            box,
-            spec,
-            read_fd,
-            info_fd,
-            env_fd=env_fd,
-            manager_mounts=manager_mounts,
-            templated=bool(template),
+            box, spec, read_fd, info_fd, env_fd=env_fd, manager_mounts=manager_mounts
         )
         passed = [fd for fd in (read_fd, info_fd, env_fd) if fd is not None]
         try:
@@ -798,33 +797,83 @@ class BubblewrapBackend:
         # Where the manager mounts, the files are made while bwrap starts; else bwrap binds
         # them, so they are made first.
         before = (before_go,) if manager_mounts else (before_go, files)
-        joined: TemplateGuest | None = None
-
-        async def join(pid: int) -> None:
-            nonlocal joined
-            assert template is not None
-            joined = await self._join(template, box, spec, guest, pid)
-
         try:
             await self._go_after(before, guest, None if info_fd is None else info_r)
             if manager_mounts:
-                await self._mount_while_bwrap_starts(
-                    guest, info_r, box, files, join if template else None
-                )
+                await self._mount_while_bwrap_starts(guest, info_r, box, files)
             elif info_fd is not None:
                 await asyncio.to_thread(self._finish_namespace, info_r, process.pid, box)
         except BaseException:
-            # The cgroup is emptied first: bwrap's child, blocked at its --block-fd, outlives a
-            # killed bwrap and holds the launcher's pipes, and the launcher's wait (which
-            # waits for them to close) then ran to its 5 s deadline: a cancelled create took
-            # 5 s to unwind, one in ten.
+            # The cgroup is emptied first: a killed bwrap's child can outlive it and hold the
+            # launcher's pipes, and the launcher's wait (which waits for them to close) then
+            # ran to its 5 s deadline.
             await self._empty_cgroup(box, timeout_s=1.0)
-            await _kill_all(joined, guest)
+            await _kill_all(guest)
             raise
-        if joined is not None:
-            joined.release_bwrap()  # the guest holds every namespace now
-            return joined
         return guest
+
+    async def _launch_templated(
+        self,
+        box: _Box,
+        spec: GuestSpec,
+        template: Template,
+        *,
+        before_go: Callable[[], Awaitable[None]] | None,
+        files: Callable[[], Awaitable[None]] | None,
+    ) -> Guest:
+        """:meth:`_launch`'s work where ``template`` forks the launcher (``launch_bwrap``: no
+        sh, no nsenter) and then the guest. The network (``before_go``) comes first, as bwrap
+        starts in it; the volume is made while bwrap starts."""
+        if before_go is not None:
+            await before_go()
+        argv = self._bwrap_argv(
+            box, spec, LAUNCH_SECCOMP_FD, LAUNCH_INFO_FD, manager_mounts=True, templated=True
+        )
+        # Where no launch namespace could be made, the manager's own, as setpriv's chain.
+        pin = self._launch_pin()
+        net = str(box.net.path) if box.net is not None else None
+        read_fd = _seccomp_pipe(spec.network)
+        try:
+            info_r, info_w = os.pipe2(os.O_CLOEXEC)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        assert isinstance(box.cgroup, Cgroup)
+        joined: TemplateGuest | None = None
+        chain: Chain | None = None
+
+        async def join(pid: int) -> None:
+            nonlocal joined
+            assert chain is not None
+            joined = await self._join(template, box, spec, chain, pid)
+
+        try:
+            try:
+                chain = await launch_bwrap(
+                    template,
+                    argv,
+                    HOST_ENV,
+                    box.uid,
+                    str(pin) if pin is not None else "/proc/self/ns/mnt",
+                    net,
+                    box.cgroup.enter_files,
+                    read_fd,
+                    info_w,
+                )
+            except BaseException:
+                os.close(info_r)
+                raise
+            await self._mount_while_bwrap_starts(chain, info_r, box, files, join)
+        except BaseException:
+            # The cgroup is emptied first: it holds the launcher, bwrap and its child (the
+            # launcher entered it before bwrap ran), even where the template forked the
+            # launcher after this create gave up on it.
+            await self._empty_cgroup(box, timeout_s=1.0)
+            await _kill_all(joined, chain)
+            raise
+        assert joined is not None
+        joined.release_bwrap()  # the guest holds every namespace now
+        return joined
 
     async def _template(self, box: _Box, spec: GuestSpec) -> Template | None:
         """The running template of the box's system, in the tenant scope (the default) the

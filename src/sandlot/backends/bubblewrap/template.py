@@ -8,6 +8,11 @@ in a mount namespace that holds only the sandbox's system, read-only, and the gu
 at the path sandboxes see them: the modules it imports are the ones a guest started by bwrap
 would import, and the paths they know (``/opt/sandlot``) are the sandbox's. It dies with the
 manager (bwrap's ``--die-with-parent``, and the EOF of its socket), and its guests with it.
+
+It also starts each of its sandboxes' bwrap (:func:`launch_bwrap`): a fork of a process that
+is already running costs less than the manager's spawn of ``sh`` and ``nsenter`` (two execs
+of dynamically linked programs, ~0.5-1.3 ms of CPU each on this VM: BENCHMARKS.md, issue 13),
+and the fork enters the sandbox's cgroup before bwrap runs, as ``sh`` did.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ LAUNCHER = (
 
 
 class Chain(Protocol):
-    """A sandbox's launcher (sh, then nsenter or setpriv, then bwrap): what a templated guest
-    needs of it (:class:`~sandlot.backends.base.GuestProcess` is one)."""
+    """A sandbox's launcher (bwrap, started by a template's launcher, :class:`TemplateChain`;
+    or sh, then nsenter or setpriv, then bwrap: :class:`~sandlot.backends.base.GuestProcess`):
+    what a templated guest needs of it."""
 
     @property
     def pid(self) -> int: ...
@@ -422,28 +428,6 @@ class TemplateGuest:
         self._chain.kill()
         self.release_bwrap()
 
-    async def _gone(self) -> None:
-        if self._exit.done() or self._pidfd is None:
-            if not self._exit.done():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._exit), 1.0)
-            return
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Future[int] = loop.create_future()
-
-        def readable() -> None:
-            if not ended.done():
-                ended.set_result(0)
-
-        loop.add_reader(self._pidfd, readable)
-        try:
-            await asyncio.wait({self._exit, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            loop.remove_reader(self._pidfd)
-        if not self._exit.done():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._exit), 1.0)
-
     def release_bwrap(self) -> None:
         """bwrap's child, blocked since it made the namespaces, is killed (and bwrap ends with
         it): the guest holds them now. Its stdin is closed too."""
@@ -464,7 +448,7 @@ class TemplateGuest:
         deadline (``core/live.py``)."""
         try:
             try:
-                await self._gone()
+                await _ended(self._exit, self._pidfd)
             finally:
                 if self._pidfd is not None:
                     os.close(self._pidfd)
@@ -481,6 +465,96 @@ class TemplateGuest:
         finally:
             self._close_pipes()  # a wait cut short by its caller's deadline too
         return code
+
+
+async def _ended(exit_report: asyncio.Future[int], pidfd: int | None) -> None:
+    """Until a template's child is gone: its exit reported by the template, or its ``pidfd``
+    readable (then the report is given a second more)."""
+    if exit_report.done() or pidfd is None:
+        if not exit_report.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(exit_report), 1.0)
+        return
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[int] = loop.create_future()
+
+    def readable() -> None:
+        if not ended.done():
+            ended.set_result(0)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await asyncio.wait({exit_report, ended}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        loop.remove_reader(pidfd)
+    if not exit_report.done():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(exit_report), 1.0)
+
+
+class TemplateChain:
+    """A sandbox's bwrap, forked by a template as its launcher (``launcher`` in the guest's
+    template.py) instead of started by the manager through sh and nsenter: its end is told
+    by the template (its parent), it is killed through a pidfd the template opened, and its
+    stderr is read only when asked (a failure's reason), not watched."""
+
+    def __init__(
+        self, template: Template, pid: int, pidfd: int, stdin_w: int, stderr_r: int
+    ) -> None:
+        self.pid = pid
+        self._pidfd: int | None = pidfd
+        self._exit = template.exit_of(pid)
+        self._stdin_w: int | None = stdin_w  # bwrap's --block-fd: its child goes on at EOF
+        self._stderr_r: int | None = stderr_r
+        os.set_blocking(stderr_r, False)
+        self._stderr = StderrTail()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exit.result() if self._exit.done() else None
+
+    def kill(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def close_stdin(self) -> None:
+        if self._stdin_w is not None:
+            os.close(self._stdin_w)
+            self._stdin_w = None
+
+    def detach(self) -> None:
+        """Its pidfd and its stderr closed: nothing of it is held for the sandbox's life
+        (admission counts a sandbox's fds)."""
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._stderr_r is not None:
+            os.close(self._stderr_r)
+            self._stderr_r = None
+
+    def stderr_tail(self) -> str:
+        """What it wrote to stderr so far (at most :data:`STDERR_TAIL_BYTES` kept)."""
+        while self._stderr_r is not None:
+            try:
+                chunk = os.read(self._stderr_r, 4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            self._stderr.add(chunk)
+        return self._stderr.text()
+
+    async def wait(self) -> int:
+        try:
+            await _ended(self._exit, self._pidfd)
+            return self._exit.result() if self._exit.done() else -signal.SIGKILL
+        finally:
+            self.stderr_tail()  # kept for a caller that asks after the end
+            self.detach()
+            self.close_stdin()
 
 
 class Templates:
@@ -667,6 +741,57 @@ async def join_guest(
                 await guest.wait()
         raise
     return guest
+
+
+async def launch_bwrap(
+    template: Template,
+    argv: list[str],
+    env: dict[str, str],
+    uid: int,
+    launch_ns: str,
+    net_ns: str | None,
+    enter_files: list[Path],
+    seccomp_r: int,
+    info_w: int,
+) -> TemplateChain:
+    """Start a sandbox's bwrap (``argv``, whose seccomp and info fds are
+    :data:`LAUNCH_SECCOMP_FD` and :data:`LAUNCH_INFO_FD`) from ``template``: its launcher
+    enters the cgroup (``enter_files``), the network namespace ``net_ns`` if any and the mount
+    namespace ``launch_ns``, drops to ``uid`` and execs it with ``env``. ``seccomp_r`` and
+    ``info_w`` are handed over (closed here). bwrap's child waits at its --block-fd until
+    :meth:`TemplateChain.close_stdin`.
+
+    Raises:
+        SandboxStartError: it could not be asked, or could not fork.
+    """
+    mine: list[int] = []  # the ends the manager keeps: bwrap's stdin_w and stderr_r
+    theirs: list[int] = [seccomp_r, info_w]  # closed here once sent
+    with handed_over(mine, theirs):
+        stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+        mine.append(stdin_w)
+        theirs.append(stdin_r)
+        stderr_r, stderr_w = os.pipe2(os.O_CLOEXEC)
+        mine.append(stderr_r)
+        theirs.append(stderr_w)
+        launch = sealed_config({"uid": uid, "argv": argv, "env": env})
+        theirs.append(launch)
+        mnt = os.open(launch_ns, os.O_RDONLY | os.O_CLOEXEC)
+        theirs.append(mnt)
+        # The order the launcher reads (guest/template.py LAUNCH_FDS).
+        fds = [mnt, stdin_r, stderr_w, seccomp_r, info_w, launch]
+        if net_ns is not None:
+            net = os.open(net_ns, os.O_RDONLY | os.O_CLOEXEC)
+            theirs.append(net)
+            fds.append(net)
+        for path in enter_files:
+            try:
+                theirs.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                raise SandboxStartError(f"the sandbox's launcher failed: {exc}") from exc
+            fds.append(theirs[-1])
+        request = {"launch": True, "net": net_ns is not None, "cgroup_files": len(enter_files)}
+        pid, pidfd = await template.spawn(request, fds)
+    return TemplateChain(template, pid, pidfd, stdin_w, stderr_r)
 
 
 async def _joined(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None:
