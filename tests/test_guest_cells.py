@@ -55,3 +55,36 @@ def test_a_lost_kernel_is_reported_once(tmp_path: Path) -> None:
         [True, None, "timeout"],
         [False, "False", None],
     ]
+
+
+# The stream budget with a clock of its own: what each take makes its caller wait.
+BUDGET = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import output
+
+now = [100.0]
+output.time.monotonic = lambda: now[0]
+budget = output.StreamBudget(1000, 1000)
+waits = [budget.take(600), budget.take(600)]  # the burst, then 200 bytes past it
+now[0] += 0.2  # 200 bytes' worth of time: even again
+waits.append(budget.take(0))
+now[0] += 10.0  # a long pause refills no more than the burst
+waits += [budget.take(1000), budget.take(1)]
+print(json.dumps(waits))
+"""
+
+
+def test_the_stream_budget_makes_a_flood_wait_for_its_rate() -> None:
+    """A sandbox's streamed output reaches the host at its rate past its burst (output.py's
+    STREAMED, shared by every stream of one guest): what a flood over the rate waits."""
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", BUDGET, str(GUEST_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    waits = json.loads(out.stdout)
+    assert waits[:3] == [0.0, 0.2, 0.0]
+    assert waits[3] == 0.0 and abs(waits[4] - 0.001) < 1e-9

@@ -102,6 +102,12 @@ class _Job:
     scrollback: bytearray = field(default_factory=bytearray)
     written_bytes: int = 0  # a terminal's output so far; the scrollback is its tail
     kept_bytes: int = 0  # the memory its result's output holds, once it has ended
+    # Whether the guest streams its output: a command's only while someone listens (each
+    # chunk costs this process's one event loop; its result keeps head and tail anyway).
+    streaming: bool = True
+
+    def listened(self) -> bool:
+        return any(cb is not None for pair in self.listeners for cb in pair)
 
     def emit(self, index: int, text: str) -> None:
         for pair in self.listeners:
@@ -163,10 +169,12 @@ class BackgroundCommands:
             raise ConfigError("a background command cannot be fresh (it would kill the others)")
         info = CommandInfo(pid=0, command=request.command, started_at=time.time())
         job = _Job(info, _stdin(), listeners=[(on_stdout, on_stderr)])
+        job.streaming = job.listened()
         op, payload = execution.command_payload(request, streams_stdin=True)
         # Every background command may spill its output: together they keep to the quarter
         # of the disk one call may fill.
         payload.update(background=True, output_spill_limit=live.disk_bytes // 4 // self.limit)
+        payload.update(stream_paused=not job.streaming)
         timeout_s = request.timeout_s or float(MAX_TTL_S)  # destroy or expiry ends it anyway
         return await self._admit(live, job, op, payload, timeout_s)
 
@@ -213,6 +221,10 @@ class BackgroundCommands:
             job.call = (conn, call_id)  # a guest restarted under it: the retry's call
             if not called.done():
                 called.set_result(job.call)
+            elif not info.pty:
+                # The retry went out as the first did: streaming as listeners were then.
+                job.streaming = not payload.get("stream_paused", False)
+                self._sync_stream(job)
 
         on_stdout: OutputCallback = job.emit_data if info.pty else lambda text: job.emit(0, text)
         job.task = asyncio.create_task(
@@ -304,6 +316,7 @@ class BackgroundCommands:
         job = self._job(pid)
         if on_stdout is not None or on_stderr is not None:
             job.listeners.append((on_stdout, on_stderr))
+            self._sync_stream(job)
         return job.info.model_copy()
 
     def unlisten(
@@ -314,6 +327,21 @@ class BackgroundCommands:
         job = self._jobs.get(pid)
         if job is not None and (on_stdout, on_stderr) in job.listeners:
             job.listeners.remove((on_stdout, on_stderr))
+            self._sync_stream(job)
+
+    @staticmethod
+    def _sync_stream(job: _Job) -> None:
+        """Tell the guest to stream a command's output while it has a listener, and only
+        then (a terminal's always streams: its window is kept here)."""
+        wanted = job.listened()
+        if job.info.pty or job.call is None or not job.info.running or wanted == job.streaming:
+            return
+        job.streaming = wanted
+        conn, call_id = job.call
+        # Written before this returns, so before any input a listener sends next: the guest
+        # turns the stream on before it reads that input (supervisor.py), and the output the
+        # input causes reaches the listener.
+        conn.post(Op.STREAM, {"target": call_id, "on": wanted})
 
     def listen_pty(self, pid: int, on_data: DataCallback) -> CommandInfo:
         """Pass a terminal's further output to ``on_data`` too."""

@@ -133,10 +133,21 @@ class GuestConnection:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await self._send({"id": self.new_id(), "op": op, **payload})
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    def post(self, op: Op, payload: dict[str, Any]) -> None:
+        """Write a small request whose answer nobody waits for, now, from the loop's thread:
+        ahead of any request sent after this returns (the guest handles some in its read
+        loop, in order: ``Op.STREAM``). Not waiting for the buffer to drain: for a few bytes
+        at a time only."""
+        if not self._closed and not self._writer.is_closing():
+            self._write({"id": self.new_id(), "op": op, **payload})
+
+    def _write(self, message: dict[str, Any]) -> None:
         # Sealed and written with no await between: frames leave in the order of their tags.
         data = self._to_guest.seal(json.dumps(message, separators=(",", ":")).encode())
         self._writer.write(HEADER.pack(len(data)) + data)
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        self._write(message)
         try:
             await self._writer.drain()
         except (ConnectionError, RuntimeError) as exc:

@@ -18,8 +18,12 @@ ENDED_PIDS_KEPT = 64  # a quick background command may end before its pid is ask
 class Call:
     """One running exec call: can be cancelled and fed stdin by other requests."""
 
-    def __init__(self):
+    def __init__(self, streaming=True):
         self.cancelled = False
+        # Whether its output goes to the host as it comes (when the request asked to stream):
+        # each chunk is a frame the host's one event loop checks and parses, for nothing when
+        # nobody listens (a background command's result keeps its head and tail anyway).
+        self.streaming = streaming
         self.stdin_fd = None
         self.stdin_ready = threads.Event()
         self.stdin_lock = threads.Lock()
@@ -61,9 +65,12 @@ class Calls:
         self.running = {}
         self.ended_pids = {}
         self.ended_lock = threads.Lock()
+        # ``stream`` requests for calls not started yet (their request's thread has not run).
+        self.streaming_asked = {}
 
-    def start(self, call_id):
-        call = Call()
+    def start(self, call_id, request=None):
+        streaming = not (request or {}).get("stream_paused")
+        call = Call(streaming=self.streaming_asked.pop(call_id, streaming))
         self.running[call_id] = call
         return call
 
@@ -90,6 +97,21 @@ class Calls:
         if pid is None:
             raise GuestFault("invalid_request", "no call %r has started" % (target,))
         return {"pid": pid}
+
+    def stream(self, request):
+        """Start or stop streaming call ``target``'s output. Handled in the read loop, in
+        order with the requests around it, so it never waits: a call not started yet (its
+        own request's thread has not run) takes it when it starts."""
+        target = request.get("target")
+        on = bool(request.get("on"))
+        call = self.running.get(target)
+        if call is not None:
+            call.streaming = on
+        elif isinstance(target, int):
+            self.streaming_asked[target] = on
+            while len(self.streaming_asked) > ENDED_PIDS_KEPT:  # ended calls' are never taken
+                self.streaming_asked.pop(next(iter(self.streaming_asked)))
+        return {"streaming": on}
 
     def cancel(self, request):
         call = self.running.get(request.get("target"))

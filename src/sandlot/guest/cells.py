@@ -331,7 +331,7 @@ class Cells:
         proc = kernel.proc
         deadline = started + float(request.get("timeout_s", 30))
         reason = []
-        sinks = call_sinks(request, self.writer, lambda: reason.append("output_limit"))
+        sinks = call_sinks(request, self.writer, lambda: reason.append("output_limit"), call)
         pump = Pump({proc.stdout.fileno(): sinks[0], proc.stderr.fileno(): sinks[1]})
         nonce = os.urandom(16).hex()
         channel = kernel.channel

@@ -73,6 +73,10 @@ class Op(_Name):
     CANCEL: ClassVar[Op]  # stop the call ``target``
     STDIN: ClassVar[Op]  # bytes (base64) for the running command ``target``
     PID: ClassVar[Op]  # the process id of the running (or just ended) command ``target``
+    # Start (``"on": true``) or stop streaming the output of the running command ``target``:
+    # a background command started with ``stream_paused`` streams only while the host has a
+    # listener for it.
+    STREAM: ClassVar[Op]
     EXEC_CODE: ClassVar[Op]
     EXEC_SHELL: ClassVar[Op]
     CLOSE_SESSION: ClassVar[Op]

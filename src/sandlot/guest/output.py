@@ -8,6 +8,7 @@ import os
 import select
 import time
 
+import threads
 from ops import Event
 from wire import encoded_size, write_all
 from workspace import WORKSPACE
@@ -18,11 +19,47 @@ DRAIN_QUIET_S = 0.02
 DRAIN_MAX_S = 0.5
 KEEP_SPILL_FILES = 8
 STREAMS = (("stdout", Event.STDOUT), ("stderr", Event.STDERR))
+# What a sandbox's streamed output (its watched commands' and its terminals') may cost the
+# host: each chunk is a frame the host's one event loop checks, parses and hands on, ~6 ms a
+# MiB for a terminal and ~14 for a command's text, charged to no sandbox (a red team's find,
+# 2026-12-06: a 0.5-core sandbox's flood took 0.75 s of the manager's CPU a second). Past
+# this rate a program writing to a stream that is watched, or to a terminal, waits, as on a
+# slow terminal; nothing is lost.
+STREAM_BYTES_PER_S = 8 << 20
+STREAM_BURST_BYTES = 8 << 20
 
 
-def call_sinks(request, writer, on_overflow):
+class StreamBudget:
+    """A token bucket shared by every stream of one sandbox (one guest)."""
+
+    def __init__(self, rate, burst):
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.at = time.monotonic()
+        self.lock = threads.Lock()
+
+    def take(self, size):
+        """Spend ``size`` bytes; how long the caller waits before it sends them."""
+        with self.lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+            self.at = now
+            self.tokens -= size
+            return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+    def wait(self, size):
+        delay = self.take(size)
+        if delay > 0:
+            time.sleep(delay)
+
+
+STREAMED = StreamBudget(STREAM_BYTES_PER_S, STREAM_BURST_BYTES)
+
+
+def call_sinks(request, writer, on_overflow, call=None):
     """The stdout and stderr sinks of one exec request, streaming through ``writer`` if it
-    asked to ``stream``."""
+    asked to ``stream`` (and while ``call`` is streaming)."""
     call_id = request["id"]
     keep = int(request.get("output_limit", 1 << 20))
     file_limit = int(request.get("output_file_limit", 100 << 20))
@@ -32,7 +69,7 @@ def call_sinks(request, writer, on_overflow):
     for name, event in STREAMS:
         on_text = None
         if stream:
-            on_text = _streamer(writer, call_id, event)
+            on_text = _streamer(writer, call_id, event, call)
         sinks.append(
             OutputSink(
                 call_id,
@@ -47,8 +84,11 @@ def call_sinks(request, writer, on_overflow):
     return sinks
 
 
-def _streamer(writer, call_id, event):
+def _streamer(writer, call_id, event, call):
     def send(text):
+        if call is not None and not call.streaming:
+            return
+        STREAMED.wait(len(text))
         writer.send({"id": call_id, "event": event, "data": text})
 
     return send

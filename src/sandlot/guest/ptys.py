@@ -20,6 +20,7 @@ import subprocess
 import time
 
 from ops import Event
+from output import STREAMED
 from procs import forget, kill_session, set_oom_preferred, signal_exit_code, spawn
 from wire import GuestFault
 from workspace import WORKSPACE
@@ -214,6 +215,7 @@ class Ptys:
                 continue
             total += len(data)
             if stream:
+                STREAMED.wait(len(data))  # a flood waits, as on a slow terminal
                 encoded = base64.b64encode(data).decode("ascii")
                 self.writer.send({"id": call_id, "event": Event.STDOUT, "data": encoded})
 

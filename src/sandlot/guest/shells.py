@@ -107,7 +107,7 @@ class Shells:
             session = self.sessions.setdefault(
                 name, {"cwd": WORKSPACE, "env": dict(self.env), "lock": threads.Lock()}
             )
-        call = self.calls.start(call_id)
+        call = self.calls.start(call_id, request)
         if request.get("background"):
             # A background command (a server, say) may run for hours: it starts from the
             # session's cwd and env but neither holds the session nor changes it.
@@ -258,7 +258,7 @@ class Shells:
         call.stdin_ready.set()
         deadline = started + float(request.get("timeout_s", 30))
         reason = []
-        sinks = call_sinks(request, self.writer, lambda: reason.append("output_limit"))
+        sinks = call_sinks(request, self.writer, lambda: reason.append("output_limit"), call)
         pump = Pump({proc.stdout.fileno(): sinks[0], proc.stderr.fileno(): sinks[1]})
         try:
             while proc.poll() is None:

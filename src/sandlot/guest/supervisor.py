@@ -146,6 +146,7 @@ class Supervisor:
             Op.CANCEL: self.calls.cancel,
             Op.STDIN: self.calls.stdin,
             Op.PID: self.calls.pid,
+            Op.STREAM: self.calls.stream,
             Op.EXEC_CODE: self.cells.exec_code,
             Op.EXEC_SHELL: self.shells.exec_shell,
             Op.CLOSE_SESSION: self.shells.close_session,
@@ -258,6 +259,11 @@ def supervisor_main():
             break
         if request.get("op") == Op.SHUTDOWN:
             break
+        if request.get("op") == Op.STREAM:
+            # Here, not in a thread: before the requests that follow it (a listener's input
+            # whose output it wants streamed). It never blocks.
+            supervisor.handle(request)
+            continue
         try:
             threads.start(supervisor.handle, request)
         except RuntimeError:
