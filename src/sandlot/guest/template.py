@@ -337,12 +337,17 @@ def child(fds, last_cap):
         supervisor.main([sys.argv[0]])
         status = 0
     except BaseException as exc:  # told on the guest's stderr (fd 2 once join began)
-        try:
-            os.write(2, ("sandlot template: %s\n" % (exc,)).encode("utf-8", "replace"))
-        except OSError:
-            pass
+        _tell("sandlot template", exc)
     finally:
         os._exit(status)
+
+
+def _tell(who, exc):
+    """Why a forked child ends, on its stderr (fd 2), as far as that can be written."""
+    try:
+        os.write(2, ("%s: %s\n" % (who, exc)).encode("utf-8", "replace"))
+    except OSError:
+        pass
 
 
 def preload():
@@ -437,10 +442,7 @@ def launcher(fds, has_net):
         env = {str(k): str(v) for k, v in launch["env"].items()}
         os.execve(argv[0], argv, env)
     except BaseException as exc:
-        try:
-            os.write(2, ("sandlot launcher: %s\n" % (exc,)).encode("utf-8", "replace"))
-        except OSError:
-            pass
+        _tell("sandlot launcher", exc)
     finally:
         os._exit(status)
 
