@@ -28,7 +28,7 @@ DOCKER_TARGETS := docker,docker+runsc
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
 	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
-	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-faults bench-artifact-store trees
+	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-faults bench-artifact-store bench-keyless trees
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -168,6 +168,11 @@ bench-volume: venv
 
 bench-artifact-store: venv
 	$(PY) bench/bench_artifact_store.py --rows 0 10000 50000 --reserves 200
+
+# A flood of requests with no API key from one address, the limit on failed authentications
+# per address off and on: the server's CPU, its log's growth, a keyed client's latency.
+bench-keyless: venv
+	$(PY) bench/bench_keyless.py --seconds 5 --clients 4 --rounds 2
 
 bench-churn: venv
 	$(PY) bench/churn.py --seconds 90 --workers 4

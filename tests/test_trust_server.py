@@ -26,6 +26,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from sandlot.server.auth import AuthStore
+from sandlot.server.limits import AuthFailures
 from tests.conftest import skip_reason, start_server, stop_server
 
 pytestmark = pytest.mark.hostile
@@ -228,6 +229,63 @@ def test_keyless_connections_at_the_total_cap_give_way_to_a_real_request(
     finally:
         for sock in attackers:
             sock.close()
+
+
+def _answer_to(server: Server, request: bytes, source_ip: str = ATTACKER_IP) -> bytes:
+    """The status line the server answers ``request`` with on a new connection from
+    ``source_ip``, or b"" if it closed the connection unanswered."""
+    sock = server.connect(source_ip)
+    try:
+        sock.sendall(request)
+        return _read_response(sock).split(b"\r\n", 1)[0]
+    except OSError:
+        return b""
+    finally:
+        sock.close()
+
+
+def test_an_address_that_keeps_failing_to_authenticate_is_closed_unread(
+    data_root: Path,
+) -> None:
+    """Failed before (red team, 2026-12-06): a client with no key had the server answer
+    13,000 401s a second from one address, a whole core of its one event loop, for as long
+    as it liked. Past its burst of failures an address's connections are closed before a
+    byte is read, until it has credit again (2 a second here); a keyed client from another
+    address is served throughout, and one from the refused address once its credit is back
+    (every client behind that address shares it: README)."""
+    env = {**LIMITS, "API_AUTH_FAILURES_BURST": "5", "API_AUTH_FAILURES_PER_SECOND": "2"}
+    keyless = b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n\r\n"
+    with _serving(data_root / "trust-auth-failures", env) as server:
+        keyed = (
+            b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + server.key.encode()
+            + b"\r\n\r\n"
+        )
+        answers = [_answer_to(server, keyless) for _ in range(12)]
+        assert answers[:5] == [b"HTTP/1.1 401 Unauthorized"] * 5, answers
+        assert answers[6:] == [b""] * 6, answers  # the sixth may come as credit comes back
+        assert _answer_to(server, keyed, "127.0.0.1") == b"HTTP/1.1 200 OK"
+        assert _answer_to(server, keyed) == b""  # refused, key or not
+        time.sleep(0.6)  # credit for one more failure: the address is served again
+        assert _answer_to(server, keyed) == b"HTTP/1.1 200 OK"
+        # A kept-alive connection is closed after the 401 that spends the credit.
+        sock = server.connect()
+        try:
+            sock.sendall(keyless)
+            assert _read_response(sock).startswith(b"HTTP/1.1 401")
+            assert _closed_by_peer(sock, within_s=2.0)
+        finally:
+            sock.close()
+        assert server.healthy()
+
+
+def test_failed_authentications_are_counted_per_address_within_a_bound() -> None:
+    failures = AuthFailures(per_s=1.0, burst=3, max_addresses=2)
+    assert [failures.failed("a") for _ in range(3)] == [False, False, True]
+    assert failures.refused("a") and not failures.refused("b")
+    failures.failed("b")
+    failures.failed("c")  # the third address: the least recently failed ("a") is forgotten
+    assert not failures.refused("a") and failures.refusals == 1
 
 
 def test_a_body_trickled_after_a_401_holds_no_connection(server: Server) -> None:

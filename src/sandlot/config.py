@@ -377,6 +377,20 @@ class Settings(BaseSettings):
         validation_alias=_env("API_RATE_LIMIT_BURST", "rate_limit_burst"),
         description="Requests one API key may send at once above the sustained rate.",
     )
+    auth_failures_per_s: float = Field(
+        default=2.0,
+        ge=0,
+        validation_alias=_env("API_AUTH_FAILURES_PER_SECOND", "auth_failures_per_s"),
+        description="Failed authentications (401) one client address may have a second past "
+        "its burst; past them its connections are closed unread until it has credit again "
+        "(0: no limit; none is kept with API_MAX_CONNECTIONS_PER_IP=0).",
+    )
+    auth_failures_burst: int = Field(
+        default=30,
+        ge=1,
+        validation_alias=_env("API_AUTH_FAILURES_BURST", "auth_failures_burst"),
+        description="Failed authentications one client address may have at once.",
+    )
     tenant_max_sandboxes: int = Field(
         default=10,
         ge=0,

@@ -25,6 +25,7 @@ from sandlot.server import agent, compat, mcp, routes, stream
 from sandlot.server.auth import AuthStore
 from sandlot.server.deps import ServerState, error_response, sandbox_error_response, state_of
 from sandlot.server.guard import PUBLIC_PATHS, RequestGuard
+from sandlot.server.limits import AuthFailures
 from sandlot.server.metrics import Metrics
 from sandlot.server.schemas import Health
 
@@ -42,12 +43,20 @@ HTTP_METHODS = frozenset({"get", "put", "post", "delete", "patch", "options", "h
 
 
 def create_app(
-    settings: Settings | None = None, manager: SandboxManager | ClusterManager | None = None
+    settings: Settings | None = None,
+    manager: SandboxManager | ClusterManager | None = None,
+    auth_failures: AuthFailures | None = None,
 ) -> FastAPI:
     """The API, serving ``manager`` (by default a new one for ``settings``: a routing manager
-    over a Ray cluster when ``settings.ray_address`` is set)."""
+    over a Ray cluster when ``settings.ray_address`` is set); failed authentications counted
+    in ``auth_failures`` (by default a new count, :func:`auth_failures_for`), which the
+    connection wall shares when it is given here (run.py)."""
     settings = settings or get_settings()
-    state = ServerState(settings=settings, manager=manager or _default_manager(settings))
+    state = ServerState(
+        settings=settings,
+        manager=manager or _default_manager(settings),
+        auth_failures=auth_failures or auth_failures_for(settings),
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,6 +104,15 @@ def create_app(
     _add_operational_routes(app)
     _document_auth(app)
     return app
+
+
+def auth_failures_for(settings: Settings) -> AuthFailures | None:
+    """The count of failed authentications by address ``settings`` ask for: none behind a
+    reverse proxy (``API_MAX_CONNECTIONS_PER_IP=0``: every client has its address) or with
+    ``API_AUTH_FAILURES_PER_SECOND=0``."""
+    if not settings.max_connections_per_ip or not settings.auth_failures_per_s:
+        return None
+    return AuthFailures(settings.auth_failures_per_s, settings.auth_failures_burst)
 
 
 def _default_manager(settings: Settings) -> SandboxManager | ClusterManager:

@@ -46,7 +46,7 @@ from sandlot.errors import (
 from sandlot.models import Quota
 from sandlot.requests import SANDBOX_ID_PATTERN
 from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore, Principal
-from sandlot.server.limits import RateLimiter
+from sandlot.server.limits import AuthFailures, RateLimiter
 from sandlot.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -117,8 +117,11 @@ def sandbox_error_response(exc: SandboxError, request_id: str | None) -> JSONRes
 
 async def refuse_upgrade(websocket: WebSocket, exc: SandboxError) -> None:
     """Answer a WebSocket handshake with ``exc``'s typed HTTP error instead of upgrading it:
-    nothing of it is held once the answer is out."""
+    nothing of it is held once the answer is out. A failed authentication counts against
+    the client's address (:class:`AuthFailures`)."""
     request_id = getattr(websocket.state, "request_id", None)
+    if isinstance(exc, AuthenticationError):
+        websocket.app.state.sandbox.failed_auth(websocket.client)
     await websocket.send_denial_response(sandbox_error_response(exc, request_id))
 
 
@@ -133,9 +136,18 @@ class ServerState:
     ready_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
     agent_runtime: Any = None  # the agent layer's AgentRuntime, made on the first task
     ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Shared with the connection wall (run.py); None: no limit on failed authentications.
+    auth_failures: AuthFailures | None = None
 
     def __post_init__(self) -> None:
         self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)
+
+    def failed_auth(self, client: Any) -> bool:
+        """Count a failed authentication of ``client`` (a scope's ``(host, port)``); whether
+        its address is refused now, so that the connection closes after the 401."""
+        if self.auth_failures is None or not client:
+            return False
+        return self.auth_failures.failed(str(client[0]))
 
     def default_quota(self) -> Quota:
         settings = self.settings

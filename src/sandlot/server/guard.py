@@ -20,7 +20,7 @@ import re
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sandlot.errors import RequestTooLarge, SandboxError
+from sandlot.errors import AuthenticationError, RequestTooLarge, SandboxError
 from sandlot.server.deps import ServerState, sandbox_error_response
 
 PUBLIC_PATHS = frozenset(
@@ -65,7 +65,12 @@ class RequestGuard:
                 receive = await _buffered(receive, cap, option)
         except SandboxError as exc:
             request_id = scope.get("state", {}).get("request_id")
-            await sandbox_error_response(exc, request_id)(scope, receive, send)
+            response = sandbox_error_response(exc, request_id)
+            if isinstance(exc, AuthenticationError) and self.state.failed_auth(scope.get("client")):
+                # Out of credit: this connection closes after its 401, and the address's next
+                # ones are closed unread (transport.py) until it has credit again.
+                response.headers["connection"] = "close"
+            await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -1,11 +1,17 @@
-"""Per-key rate limiting: a token bucket per API key, in memory (one server process)."""
+"""Per-key rate limiting, and failed authentications per client address: token buckets, in
+memory (one server process)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
+
+import structlog
 
 from sandlot.errors import RateLimited
+
+log = structlog.get_logger(__name__)
 
 
 class RateLimiter:
@@ -34,3 +40,64 @@ class RateLimiter:
                     retry_after_s=retry_after_s,
                 )
             self._buckets[key] = (tokens - 1.0, now)
+
+
+# Addresses whose failed authentications are tracked, the most recent first: an address
+# forgotten starts again with its whole burst.
+MAX_TRACKED_ADDRESSES = 10_000
+SAY_EVERY_S = 10.0
+
+
+class AuthFailures:
+    """Failed authentications by client address. Each may fail ``burst`` times at once and
+    ``per_s`` times a second after that; past it the address is *refused*: its new
+    connections are closed before a byte of them is read (``transport.py``), and the
+    connection its last 401 went out on closes after it, until it has credit for one more
+    failure. A 401 cost the server's one event loop 75-170 us, and a keyless client from one
+    address had it answer 13,000 a second, a whole core (red team, 2026-12-06); a connection
+    closed unread costs a fraction of that. Every client behind one address (a NAT, a proxy)
+    shares its credit: with ``API_MAX_CONNECTIONS_PER_IP=0`` (behind a reverse proxy, where
+    every client has the proxy's address) the server makes none of these."""
+
+    def __init__(
+        self, per_s: float, burst: int, max_addresses: int = MAX_TRACKED_ADDRESSES
+    ) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.max_addresses = max_addresses
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.refusals = 0  # connections closed unread, for the log and the tests
+        self._said_at = -SAY_EVERY_S
+
+    def _credit(self, address: str, now: float) -> float:
+        tokens, last = self._buckets.get(address, (float(self.burst), now))
+        return min(float(self.burst), tokens + (now - last) * self.per_s)
+
+    def failed(self, address: str) -> bool:
+        """Count one failed authentication from ``address``; whether it is refused now."""
+        now = time.monotonic()
+        tokens = self._credit(address, now) - 1.0
+        self._buckets[address] = (tokens, now)
+        self._buckets.move_to_end(address)
+        while len(self._buckets) > self.max_addresses:
+            self._buckets.popitem(last=False)
+        if tokens < 1.0 and now - self._said_at >= SAY_EVERY_S:
+            # At most a line every SAY_EVERY_S: a flood must not fill the log instead.
+            self._said_at = now
+            log.warning(
+                "client address refused: too many failed authentications",
+                client=address,
+                refusals_so_far=self.refusals,
+                per_s=self.per_s,
+                burst=self.burst,
+            )
+        return tokens < 1.0
+
+    def refused(self, address: str) -> bool:
+        """Whether ``address`` has no credit for one more failure (counted as a refusal)."""
+        if address not in self._buckets:
+            return False
+        if self._credit(address, time.monotonic()) >= 1.0:
+            return False
+        self.refusals += 1
+        return True

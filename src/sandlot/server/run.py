@@ -39,15 +39,19 @@ def serve(settings: Settings) -> None:
     """Serve the API on ``settings.api_host:api_port`` until interrupted."""
     import uvicorn
 
-    from sandlot.server.app import create_app
+    from sandlot.server.app import auth_failures_for, create_app
 
     logging.getLogger("uvicorn.access").addFilter(RedactSecrets())
+    # One count of failed authentications by address: the app adds to it, the connection
+    # wall closes the connections of an address out of credit before reading them.
+    failures = auth_failures_for(settings)
+    count = ConnectionCount(connection_limits(settings), auth_failures=failures)
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, auth_failures=failures),
         host=settings.api_host,
         port=settings.api_port,
         log_level=settings.log_level.lower(),
-        http=guarded_protocol(ConnectionCount(connection_limits(settings))),
+        http=guarded_protocol(count),
         ws="websockets-sansio",
         ws_max_size=settings.ws_max_message_kb * 1024,
         timeout_keep_alive=int(max(1, settings.keepalive_timeout_s)),

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from sandlot.server.limits import AuthFailures
 from sandlot.server.outbox import ABORT_EXTENSION
 
 log = structlog.get_logger(__name__)
@@ -83,6 +84,9 @@ class ConnectionCount:
     # once always gets in.
     waiting: dict[Evictable, None] = field(default_factory=dict)
     evicted: int = 0
+    # Addresses out of credit for failed authentications: their connections are closed
+    # before a byte is read (limits.py).
+    auth_failures: AuthFailures | None = None
 
     def admit(self, ip: str) -> bool:
         per_ip = self.limits.max_connections_per_ip
@@ -174,6 +178,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
     class GuardedHttp(HttpToolsProtocol):
         _admitted_ip: str | None = None
+        _refused = False  # closed unread: its address is out of credit (limits.py)
         _deadline: asyncio.TimerHandle | None = None
         _header_bytes = 0
         _in_headers = False
@@ -183,6 +188,15 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         _write_deadline: asyncio.TimerHandle | None = None  # while the client reads nothing
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            failures = count.auth_failures
+            if failures is not None:
+                peer = transport.get_extra_info("peername")
+                if failures.refused(str(peer[0]) if peer else "?"):
+                    # Before uvicorn takes it in (its bookkeeping is most of a refusal's
+                    # cost), and not a line logged each: a flood would fill the log.
+                    self._refused = True
+                    transport.abort()
+                    return
             super().connection_made(transport)
             ip = self.client[0] if self.client else "?"
             if not count.admit(ip):
@@ -193,6 +207,8 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self._expect_headers()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return  # uvicorn never took it in
             self._disarm()
             self._cancel_write_deadline()
             self._leave_count()
