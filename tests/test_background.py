@@ -227,6 +227,21 @@ def test_a_background_command_streams_to_the_host_only_while_someone_listens(
     assert "".join(got) == "got one\n"
 
 
+def test_a_watched_run_ends_as_an_unwatched_one_does(sandbox: Sandbox) -> None:
+    """Streaming past the sandbox's stream budget skips what it cannot send; it never makes
+    the program wait. Failed before (the second red team's find, 2026-12-06): the wait
+    counted against the call's timeout, and a run that wrote 60 MB was killed at its 3 s
+    timeout with a listener (33.6 MB out) where it passed in 0.1 s without one."""
+    flood = "head -c 60000000 /dev/zero | tr '\\0' a; echo done >&2"
+    seen: list[int] = []
+    watched = sandbox.commands.run(flood, timeout_s=3, on_stdout=lambda t: seen.append(len(t)))
+    unwatched = sandbox.commands.run(flood, timeout_s=3)
+    for result in (watched, unwatched):
+        assert (result.exit_code, result.kill_reason) == (0, None), result
+        assert (result.stdout_bytes, result.stderr) == (60_000_000, "done\n")
+    assert 0 < sum(seen) < 60_000_000  # the burst came through, the rest was skipped
+
+
 def test_destroy_kills_every_background_command(
     manager: SandboxManager, isolated_backend: str
 ) -> None:

@@ -88,3 +88,47 @@ def test_the_stream_budget_makes_a_flood_wait_for_its_rate() -> None:
     waits = json.loads(out.stdout)
     assert waits[:3] == [0.0, 0.2, 0.0]
     assert waits[3] == 0.0 and abs(waits[4] - 0.001) < 1e-9
+
+
+# A stream's chunks charged as the frames they make: a control character is 6 bytes in the
+# frame's JSON, and each frame costs FRAME_COST_BYTES besides.
+CHARGED = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import output
+
+class Writer:
+    def __init__(self):
+        self.bodies = []
+    def send_body(self, body):
+        self.bodies.append(body)
+
+writer = Writer()
+output.STREAMED = output.StreamBudget(0.001, 2 * (6100 + output.FRAME_COST_BYTES))
+send = output._streamer(writer, 7, "stdout", None)
+for _ in range(3):
+    send("\\x00" * 1000)  # 1,000 characters, ~6,000 bytes of JSON each
+tiny = output.StreamBudget(0.001, 100 * output.FRAME_COST_BYTES)
+output.STREAMED = tiny
+for _ in range(1000):
+    send("x")
+print(json.dumps([len(writer.bodies), min(len(b) for b in writer.bodies[:2])]))
+"""
+
+
+def test_a_stream_is_charged_its_frames_bytes_and_a_cost_a_frame() -> None:
+    """Failed before (the second red team's finds, 2026-12-06): the budget counted decoded
+    characters, so NUL bytes went out at six times the rate in JSON, and nothing per frame,
+    so one-byte writes cost the host ~5x the CPU of bulk output. Past the budget a command's
+    chunks are skipped (their result keeps head and tail)."""
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", CHARGED, str(GUEST_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    sent, smallest = json.loads(out.stdout)
+    # Two of the three NUL chunks fit the burst; of the 1,000 one-character frames, ~100.
+    assert smallest > 6000
+    assert 2 + 95 <= sent <= 2 + 100

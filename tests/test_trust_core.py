@@ -486,6 +486,23 @@ def test_an_exit_code_is_one_every_client_can_read(jail: Sandbox) -> None:
     assert codes == [1, 7, -1]
 
 
+@pytest.mark.hostile
+def test_a_display_nested_just_under_the_guests_parser_depth_costs_no_restart(
+    jail: Sandbox,
+) -> None:
+    """Failed before (the second red team's find, 2026-12-06): a display frame 985 lists
+    deep passed the guest's parser, but the host's, reading it two levels deeper inside the
+    result, could not: a 502 and the whole guest restarted (the cell's variables gone). The
+    guest now leaves out what the host would (past MAX_RESULT_DEPTH)."""
+    jail.run_code("kept = 41")
+    frame_at = FORGED_DEEP_FRAME.replace("50000", "985")
+    result = jail.run_code(frame_at)
+    assert (result.exit_code, result.error, result.state_lost) == (0, None, False), result
+    # The forged display, its value left out, and the cell's own value ('x').
+    assert [(r.json_data, r.text) for r in result.results] == [(None, None), (None, "'x'")]
+    assert jail.run_code("kept + 1").text == "42"
+
+
 def test_nesting_is_measured_without_recursion() -> None:
     value: object = 0
     for _ in range(100_000):

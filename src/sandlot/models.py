@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sandlot.guest.wire import MAX_JSON_DEPTH, nests_within
+
 KillReason = Literal["timeout", "memory", "pids", "output_limit", "cpu", "killed"]
 
 # Receives each piece of a run's stdout or stderr as it is produced (decoded UTF-8).
@@ -49,24 +51,9 @@ RESULT_FORMATS: dict[str, str] = {
 # How deep a rich output's JSON value may nest (lists and objects within each other). Deeper
 # ones are left out: pydantic refuses to serialize past ~250 levels, so a result of 900 made
 # every answer carrying it a 500 (a red team's find). Real JSON outputs nest a few levels.
-MAX_RESULT_DEPTH = 64
-
-
-def nests_within(value: object, depth: int = MAX_RESULT_DEPTH) -> bool:
-    """Whether ``value``'s lists and dicts nest at most ``depth`` deep (walked without
-    recursion: the value is the sandbox's to shape)."""
-    level: list[object] = [value]
-    for _ in range(depth + 1):
-        inner: list[object] = []
-        for item in level:
-            if isinstance(item, dict):
-                inner.extend(item.values())
-            elif isinstance(item, list):
-                inner.extend(item)
-        if not inner:
-            return True
-        level = inner
-    return False
+# The guest leaves them out too (cells.py), so that none deeper than this process's parser
+# takes ever leaves a sandbox.
+MAX_RESULT_DEPTH = MAX_JSON_DEPTH
 
 
 class Result(_Model):

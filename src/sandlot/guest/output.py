@@ -10,7 +10,7 @@ import time
 
 import threads
 from ops import Event
-from wire import encoded_size, write_all
+from wire import encode_body, encoded_size, write_all
 from workspace import WORKSPACE
 
 OUTPUT_DIR = os.path.join(WORKSPACE, ".sandlot", "outputs")
@@ -22,11 +22,16 @@ STREAMS = (("stdout", Event.STDOUT), ("stderr", Event.STDERR))
 # What a sandbox's streamed output (its watched commands' and its terminals') may cost the
 # host: each chunk is a frame the host's one event loop checks, parses and hands on, ~6 ms a
 # MiB for a terminal and ~14 for a command's text, charged to no sandbox (a red team's find,
-# 2026-12-06: a 0.5-core sandbox's flood took 0.75 s of the manager's CPU a second). Past
-# this rate a program writing to a stream that is watched, or to a terminal, waits, as on a
-# slow terminal; nothing is lost.
+# 2026-12-06: a 0.5-core sandbox's flood took 0.75 s of the manager's CPU a second). Counted
+# in the frames' bytes (a control character is 6 in JSON) and FRAME_COST_BYTES more for each
+# frame (a tiny write a frame cost the host 5x the CPU of bulk output at a fifth of the rate:
+# the second red team's finds). Past it, a terminal's program waits, as on a slow terminal;
+# a command's or a cell's stream skips what it cannot send, since a wait would count against
+# the call's timeout (a watched run was killed where an unwatched one passed: the same
+# review); their results keep head and tail and the spill file, whatever was streamed.
 STREAM_BYTES_PER_S = 8 << 20
 STREAM_BURST_BYTES = 8 << 20
+FRAME_COST_BYTES = 4096
 
 
 class StreamBudget:
@@ -39,12 +44,15 @@ class StreamBudget:
         self.at = time.monotonic()
         self.lock = threads.Lock()
 
+    def _refill(self):
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+
     def take(self, size):
         """Spend ``size`` bytes; how long the caller waits before it sends them."""
         with self.lock:
-            now = time.monotonic()
-            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-            self.at = now
+            self._refill()
             self.tokens -= size
             return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
@@ -52,6 +60,15 @@ class StreamBudget:
         delay = self.take(size)
         if delay > 0:
             time.sleep(delay)
+
+    def spend(self, size):
+        """Spend ``size`` bytes if the credit is there now; False (nothing spent) if not."""
+        with self.lock:
+            self._refill()
+            if self.tokens < size:
+                return False
+            self.tokens -= size
+            return True
 
 
 STREAMED = StreamBudget(STREAM_BYTES_PER_S, STREAM_BURST_BYTES)
@@ -88,8 +105,9 @@ def _streamer(writer, call_id, event, call):
     def send(text):
         if call is not None and not call.streaming:
             return
-        STREAMED.wait(len(text))
-        writer.send({"id": call_id, "event": event, "data": text})
+        body = encode_body({"id": call_id, "event": event, "data": text})
+        if STREAMED.spend(len(body) + FRAME_COST_BYTES):
+            writer.send_body(body)
 
     return send
 

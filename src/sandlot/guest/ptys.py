@@ -20,9 +20,9 @@ import subprocess
 import time
 
 from ops import Event
-from output import STREAMED
+from output import FRAME_COST_BYTES, STREAMED
 from procs import forget, kill_session, set_oom_preferred, signal_exit_code, spawn
-from wire import GuestFault
+from wire import GuestFault, encode_body
 from workspace import WORKSPACE
 
 READ_CHUNK_BYTES = 65536  # per frame: ~88 KiB of base64; the pipe pump reads as much
@@ -215,9 +215,10 @@ class Ptys:
                 continue
             total += len(data)
             if stream:
-                STREAMED.wait(len(data))  # a flood waits, as on a slow terminal
                 encoded = base64.b64encode(data).decode("ascii")
-                self.writer.send({"id": call_id, "event": Event.STDOUT, "data": encoded})
+                body = encode_body({"id": call_id, "event": Event.STDOUT, "data": encoded})
+                STREAMED.wait(len(body) + FRAME_COST_BYTES)  # as on a slow terminal
+                self.writer.send_body(body)
 
     def pty_resize(self, request):
         target = request.get("target")

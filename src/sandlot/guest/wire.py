@@ -121,6 +121,27 @@ def encode_frame(obj):
     return HEADER.pack(len(data)) + data
 
 
+# How deep a rich output's JSON value may nest, in the guest and on the host (models.py).
+MAX_JSON_DEPTH = 64
+
+
+def nests_within(value: object, depth: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value``'s lists and dicts nest at most ``depth`` deep (walked without
+    recursion: the value is the sandbox's to shape)."""
+    level: list[object] = [value]
+    for _ in range(depth + 1):
+        inner: list[object] = []
+        for item in level:
+            if isinstance(item, dict):
+                inner.extend(item.values())
+            elif isinstance(item, list):
+                inner.extend(item)
+        if not inner:
+            return True
+        level = inner
+    return False
+
+
 def encoded_size(text):
     """Bytes ``text`` takes inside a frame (JSON escaping makes a control byte 6 bytes)."""
     return len(dumps(text, ensure_ascii=False).encode("utf-8", "replace")) - 2
@@ -170,7 +191,10 @@ class FrameWriter:
         self.lock = _thread.allocate_lock()
 
     def send(self, obj):
-        body = encode_body(obj)
+        self.send_body(encode_body(obj))
+
+    def send_body(self, body):
+        """Send a frame whose body :func:`encode_body` made (its size known first)."""
         with self.lock:
             if self.seal is not None:
                 body = self.seal.seal(body)
