@@ -286,6 +286,14 @@ def test_failed_authentications_are_counted_per_address_within_a_bound() -> None
     failures.failed("b")
     failures.failed("c")  # the third address: the least recently failed ("a") is forgotten
     assert not failures.refused("a") and failures.refusals == 1
+    # An IPv6 client's whole /64 shares one credit; an IPv4-mapped address is its IPv4's.
+    six = AuthFailures(per_s=1.0, burst=2)
+    six.failed("2001:db8:1:2::1")
+    six.failed("2001:db8:1:2:ffff::9")
+    assert six.refused("2001:db8:1:2::77") and not six.refused("2001:db8:1:3::1")
+    six.failed("::ffff:10.0.0.1")
+    six.failed("10.0.0.1")
+    assert six.refused("10.0.0.1")
 
 
 def test_a_body_trickled_after_a_401_holds_no_connection(server: Server) -> None:

@@ -3,6 +3,7 @@ memory (one server process)."""
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from collections import OrderedDict
@@ -69,12 +70,27 @@ class AuthFailures:
         self.refusals = 0  # connections closed unread, for the log and the tests
         self._said_at = -SAY_EVERY_S
 
+    @staticmethod
+    def _holder(address: str) -> str:
+        """Whose credit ``address`` spends: its own (IPv4), or its /64's (IPv6: a client
+        holds a whole /64 and could otherwise take a fresh burst from each address in it)."""
+        if ":" not in address:
+            return address
+        try:
+            ip = ipaddress.IPv6Address(address.split("%", 1)[0])
+        except ValueError:
+            return address
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+
     def _credit(self, address: str, now: float) -> float:
         tokens, last = self._buckets.get(address, (float(self.burst), now))
         return min(float(self.burst), tokens + (now - last) * self.per_s)
 
     def failed(self, address: str) -> bool:
         """Count one failed authentication from ``address``; whether it is refused now."""
+        address = self._holder(address)
         now = time.monotonic()
         tokens = self._credit(address, now) - 1.0
         self._buckets[address] = (tokens, now)
@@ -95,6 +111,7 @@ class AuthFailures:
 
     def refused(self, address: str) -> bool:
         """Whether ``address`` has no credit for one more failure (counted as a refusal)."""
+        address = self._holder(address)
         if address not in self._buckets:
             return False
         if self._credit(address, time.monotonic()) >= 1.0:
