@@ -75,16 +75,21 @@ print(json.dumps(waits))
 """
 
 
-def test_the_stream_budget_makes_a_flood_wait_for_its_rate() -> None:
-    """A sandbox's streamed output reaches the host at its rate past its burst (output.py's
-    STREAMED, shared by every stream of one guest): what a flood over the rate waits."""
-    out = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", BUDGET, str(GUEST_DIR)],
+def _in_guest_dir(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by this Python with the guest's modules importable, as the guest runs."""
+    return subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script, str(GUEST_DIR)],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
+
+
+def test_the_stream_budget_makes_a_flood_wait_for_its_rate() -> None:
+    """A sandbox's streamed output reaches the host at its rate past its burst (output.py's
+    STREAMED, shared by every stream of one guest): what a flood over the rate waits."""
+    out = _in_guest_dir(BUDGET)
     waits = json.loads(out.stdout)
     assert waits[:3] == [0.0, 0.2, 0.0]
     assert waits[3] == 0.0 and abs(waits[4] - 0.001) < 1e-9
@@ -121,13 +126,7 @@ def test_a_stream_is_charged_its_frames_bytes_and_a_cost_a_frame() -> None:
     characters, so NUL bytes went out at six times the rate in JSON, and nothing per frame,
     so one-byte writes cost the host ~5x the CPU of bulk output. Past the budget a command's
     chunks are skipped (their result keeps head and tail)."""
-    out = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", CHARGED, str(GUEST_DIR)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    out = _in_guest_dir(CHARGED)
     sent, smallest = json.loads(out.stdout)
     # Two of the three NUL chunks fit the burst; of the 1,000 one-character frames, ~100.
     assert smallest > 6000

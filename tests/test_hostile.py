@@ -44,7 +44,7 @@ from sandlot import (
     SandboxManager,
 )
 from sandlot._portal import get_portal
-from sandlot.backends.bubblewrap.template import TemplateGuest
+from sandlot.backends.bubblewrap.forks import TemplateGuest
 from sandlot.backends.docker.backend import MASKED_PATHS, RUNSC_THREAD_EXHAUSTED
 from sandlot.backends.rootfs import find_tree
 from sandlot.environments import get_environment

@@ -26,8 +26,10 @@ from sandlot import SandboxManager
 from sandlot.backends import launch
 from sandlot.backends.base import GuestProcess
 from sandlot.backends.bubblewrap import backend as bubblewrap_backend
+from sandlot.backends.bubblewrap import forks as bubblewrap_forks
 from sandlot.backends.bubblewrap import template as bubblewrap_template
-from sandlot.backends.bubblewrap.template import Template, TemplateGuest
+from sandlot.backends.bubblewrap.forks import TemplateGuest
+from sandlot.backends.bubblewrap.template import Template
 from sandlot.backends.rootfs import find_tree
 from sandlot.environments import HOST_ENVIRONMENT, get_environment
 from sandlot.errors import SandboxStartError
@@ -156,7 +158,7 @@ async def test_a_guest_that_cannot_join_never_runs_and_says_why(
     the sandbox is left."""
     data_dir = data_root / "template-join-fails"
     data_dir.mkdir()
-    real = bubblewrap_template.namespace_fds
+    real = bubblewrap_forks.namespace_fds
 
     def hosts_user_namespace(pid: int, parent: int) -> tuple[list[int], int]:
         fds, pidfd = real(pid, parent)
@@ -164,7 +166,7 @@ async def test_a_guest_that_cannot_join_never_runs_and_says_why(
         fds[0] = os.open("/proc/self/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         return fds, pidfd
 
-    monkeypatch.setattr(bubblewrap_template, "namespace_fds", hosts_user_namespace)
+    monkeypatch.setattr(bubblewrap_forks, "namespace_fds", hosts_user_namespace)
     async with SandboxManager(make_settings(data_dir)) as mgr:
         baseline = leaks.snapshot(mgr)
         with pytest.raises(SandboxStartError, match="user namespace"):
@@ -866,7 +868,7 @@ async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing
         if where == "while its launcher is forked":
             monkeypatch.setattr(bubblewrap_template.Template, "_send", launcher_asked)
         elif where == "while its guest joins":
-            monkeypatch.setattr(bubblewrap_template, "_joined", joins_for_ever)
+            monkeypatch.setattr(bubblewrap_forks, "_joined", joins_for_ever)
         elif where == "before its guest joins":
             monkeypatch.setattr(bubblewrap_backend.BubblewrapBackend, "_join", never_joins)
         else:

@@ -27,8 +27,8 @@ from sandlot import ExecResult, Sandbox, SandboxError, SandboxManager
 from sandlot._portal import get_portal
 from sandlot.backends import mountns
 from sandlot.backends.bubblewrap import backend as bubblewrap_backend
-from sandlot.backends.bubblewrap import template as bubblewrap_template
-from sandlot.backends.bubblewrap.template import TemplateGuest
+from sandlot.backends.bubblewrap import forks as bubblewrap_forks
+from sandlot.backends.bubblewrap.forks import TemplateGuest
 from sandlot.errors import SandboxStartError
 from sandlot.requests import ListFiles, RunCommand, SandboxSpec
 from tests import leaks
@@ -655,13 +655,13 @@ def test_the_callers_env_reaches_commands_but_never_the_supervisor(
     # A template's guest gets its whole environment from the config the manager seals for
     # it (the child installs it and nothing else): recorded there.
     asked: list[dict[str, str]] = []
-    seal = bubblewrap_template.sealed_config
+    seal = bubblewrap_forks.sealed_config
 
     def recorded(config: dict[str, Any]) -> int:
         asked.append(dict(config["env"]))
         return seal(config)
 
-    monkeypatch.setattr(bubblewrap_template, "sealed_config", recorded)
+    monkeypatch.setattr(bubblewrap_forks, "sealed_config", recorded)
     with Sandbox.create(manager=manager, **placement(isolated_backend), env=HOSTILE_ENV) as sb:
         seen = sb.commands.run("echo $LD_LIBRARY_PATH $PYTHONPATH")
         assert seen.stdout == "/workspace/lib /workspace/evil\n", describe(seen)

@@ -1,6 +1,6 @@
 """Pipe ends on the event loop, each fd owned here and closed exactly once, on the loop.
 
-A templated guest's stdio are pipes the manager makes (``bubblewrap/template.py``). asyncio's
+A templated guest's stdio are pipes the manager makes (``bubblewrap/forks.py``). asyncio's
 ``connect_read_pipe``/``connect_write_pipe`` take them as file objects, and under uvloop
 (uvicorn's choice wherever it is installed: the server's loop until ``API_EVENT_LOOP`` made
 asyncio's the default, and a loop anyone embedding the manager may run) libuv closes the fd

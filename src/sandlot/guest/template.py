@@ -35,21 +35,22 @@ What a forked guest shares with the other sandboxes of its template, unlike a fr
 its address-space layout (ASLR) and Python's string-hash secret. Neither is reachable from
 another sandbox (SECURITY.md). ``random`` is reseeded by every fork (``os.register_at_fork``).
 
-The protocol with the host (``sandlot.backends.bubblewrap.template``): one SOCK_SEQPACKET
-socket, whose fd the template's argv names. The host sends ``{"id", "cgroup_files"}`` with
-the fds ``NS_NAMES``, stdin, stdout, stderr, notify, config (a sealed memfd: ``uid``, ``gid``,
-``env``, ``seccomp``, ``workspace``, read by the child alone), then ``cgroup_files`` files of
-the cgroup to write "0" to (a request whose fds are fewer, more, or were cut short is
-refused). Before that, the sandbox's bwrap: ``{"id", "launch": true, "net", "cgroup_files"}``
-with the ``LAUNCH_FDS`` (the launch mount namespace, bwrap's stdin and stderr, its seccomp and
-info pipes, the launch: a sealed memfd with ``uid``, ``argv`` and ``env``, read by the child
-alone), the network namespace if ``net``, then the cgroup's files: the template forks a
-*launcher* (:func:`launcher`) that enters them and the namespaces, drops to the uid and execs
-bwrap, in place of the host's ``sh`` and ``nsenter``. The template answers ``{"id", "pid"}``
-with a pidfd of the guest or launcher (or ``{"id", "error"}``), and ``{"exit": pid, "status":
-code}`` once one has ended. ``{"ready": true}`` comes first. Nothing of a sandbox's ever
-enters the template's memory (every later fork would carry it): it reads ids, counts and
-whether a sandbox has a network, and passes fds on.
+The protocol with the host (``sandlot.backends.bubblewrap.template`` and ``.forks``): one
+SOCK_SEQPACKET socket, whose fd the template's argv names. The host sends ``{"id",
+"cgroup_files"}`` with the fds ``NS_NAMES``, stdin, stdout, stderr, notify, config (a sealed
+memfd: ``uid``, ``gid``, ``env``, ``seccomp``, ``workspace``, read by the child alone), then
+``cgroup_files`` files of the cgroup to write "0" to (a request whose fds are fewer, more,
+or were cut short is refused). Before that, the sandbox's bwrap: ``{"id", "launch": true,
+"net", "cgroup_files"}`` with the ``LAUNCH_FDS`` (the launch mount namespace, bwrap's stdin
+and stderr, its seccomp and info pipes, the launch: a sealed memfd with ``uid``, ``argv``
+and ``env``, read by the child alone), the network namespace if ``net``, then the cgroup's
+files: the template forks a *launcher* (:func:`launcher`) that enters them and the
+namespaces, drops to the uid and execs bwrap, in place of the host's ``sh`` and ``nsenter``.
+The template answers ``{"id", "pid"}`` with a pidfd of the guest or launcher (or ``{"id",
+"error"}``), and ``{"exit": pid, "status": code}`` once one has ended. ``{"ready": true}``
+comes first. Nothing of a sandbox's ever enters the template's memory (every later fork
+would carry it): it reads ids, counts and whether a sandbox has a network, and passes fds
+on.
 """
 
 import _signal as signal

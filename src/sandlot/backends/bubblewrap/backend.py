@@ -47,6 +47,12 @@ from sandlot.backends.base import (
     instance_of,
 )
 from sandlot.backends.bubblewrap import launchns, netns
+from sandlot.backends.bubblewrap.forks import (
+    TemplateGuest,
+    join_guest,
+    launch_bwrap,
+    sealed_memfd,
+)
 from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.rootless import (
     PRLIMIT,
@@ -65,11 +71,7 @@ from sandlot.backends.bubblewrap.template import (
 from sandlot.backends.bubblewrap.template import (
     Chain,
     Template,
-    TemplateGuest,
     Templates,
-    join_guest,
-    launch_bwrap,
-    sealed_memfd,
     system_identity,
 )
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
