@@ -192,8 +192,9 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             if failures is not None:
                 peer = transport.get_extra_info("peername")
                 if failures.refused(str(peer[0]) if peer else "?"):
-                    # Before uvicorn takes it in (its bookkeeping is most of a refusal's
-                    # cost), and not a line logged each: a flood would fill the log.
+                    # Before uvicorn takes it in (nothing of it to undo), and not a line
+                    # logged each: a flood would fill the log. Accepting it was most of
+                    # the cost (BENCHMARKS.md): a limit in front of the server bounds that.
                     self._refused = True
                     transport.abort()
                     return
