@@ -76,6 +76,13 @@ class Guest(Protocol):
         ...
 
 
+def kill_by_pidfd(pidfd: int) -> None:
+    """SIGKILL to the process ``pidfd`` names. One that has exited, collected or not, cannot
+    be signalled, and a pidfd never names another: nothing to do then."""
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+
+
 class StderrTail:
     """The last :data:`STDERR_TAIL_BYTES` a guest wrote to stderr: why it failed to start,
     if it did (kept small: for that only)."""
@@ -139,9 +146,7 @@ class GuestProcess:
     def kill(self) -> None:
         if self._pidfd is None:
             return
-        # A process that has exited, collected or not, cannot be signalled: nothing to do.
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        kill_by_pidfd(self._pidfd)
         # SIGKILL cannot be caught, so one is enough: the fd is not needed any more.
         self._close_pidfd()
 

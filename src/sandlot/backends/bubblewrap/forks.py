@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sandlot.backends.base import StderrTail
+from sandlot.backends.base import StderrTail, kill_by_pidfd
 from sandlot.backends.bubblewrap.template import Chain, Template
 from sandlot.backends.mountns import parent_of
 from sandlot.backends.pipes import PipeReader, PipeWriter
@@ -42,10 +42,9 @@ class TemplateGuest:
         blocked: int,
     ) -> None:
         self.pid = pid
-        self._template = template
         self._pidfd: int | None = pidfd
         self._exit = template.exit_of(pid)
-        self._chain = chain  # sh, nsenter, bwrap
+        self._chain = chain  # bwrap (the template's launcher, or sh and nsenter before it)
         self._blocked: int | None = blocked  # a pidfd of bwrap's child, at its --block-fd
         self._stdin_w, self._stdout_r, self._stderr_r = stdin_w, stdout_r, stderr_r
         self._stderr = StderrTail()
@@ -88,10 +87,7 @@ class TemplateGuest:
 
     def kill(self) -> None:
         if self._pidfd is not None:
-            # A pidfd cannot name another process once the guest is gone. Kept open: wait()
-            # watches it, and closes it.
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            kill_by_pidfd(self._pidfd)  # kept open: wait() watches it, and closes it
         self._chain.kill()
         self.release_bwrap()
 
@@ -99,8 +95,7 @@ class TemplateGuest:
         """bwrap's child, blocked since it made the namespaces, is killed (and bwrap ends with
         it): the guest holds them now. Its stdin is closed too."""
         if self._blocked is not None:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self._blocked, signal.SIGKILL)
+            kill_by_pidfd(self._blocked)
             os.close(self._blocked)
             self._blocked = None
         self._chain.close_stdin()
@@ -115,12 +110,11 @@ class TemplateGuest:
         deadline (``core/live.py``)."""
         try:
             try:
-                await _ended(self._exit, self._pidfd)
+                code = await _ended(self._exit, self._pidfd)
             finally:
                 if self._pidfd is not None:
                     os.close(self._pidfd)
                     self._pidfd = None
-            code = self._exit.result() if self._exit.done() else -signal.SIGKILL
             self.release_bwrap()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5.0):
@@ -134,14 +128,20 @@ class TemplateGuest:
         return code
 
 
-async def _ended(exit_report: asyncio.Future[int], pidfd: int | None) -> None:
-    """Until a template's child is gone: its exit reported by the template, or its ``pidfd``
-    readable (then the report is given a second more)."""
-    if exit_report.done() or pidfd is None:
-        if not exit_report.done():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(exit_report), 1.0)
-        return
+async def _ended(exit_report: asyncio.Future[int], pidfd: int | None) -> int:
+    """A template's child's exit status, once it is gone: as the template reports it, or,
+    once its ``pidfd`` is readable, the report given a second more and -SIGKILL standing in
+    if it never comes."""
+    if not exit_report.done() and pidfd is not None:
+        await _gone(exit_report, pidfd)
+    if not exit_report.done():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(exit_report), 1.0)
+    return exit_report.result() if exit_report.done() else -signal.SIGKILL
+
+
+async def _gone(exit_report: asyncio.Future[int], pidfd: int) -> None:
+    """Until the template reports the child's end or its ``pidfd`` is readable."""
     loop = asyncio.get_running_loop()
     ended: asyncio.Future[int] = loop.create_future()
 
@@ -154,9 +154,6 @@ async def _ended(exit_report: asyncio.Future[int], pidfd: int | None) -> None:
         await asyncio.wait({exit_report, ended}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         loop.remove_reader(pidfd)
-    if not exit_report.done():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(exit_report), 1.0)
 
 
 class TemplateChain:
@@ -182,8 +179,7 @@ class TemplateChain:
 
     def kill(self) -> None:
         if self._pidfd is not None:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            kill_by_pidfd(self._pidfd)
 
     def close_stdin(self) -> None:
         if self._stdin_w is not None:
@@ -216,8 +212,7 @@ class TemplateChain:
 
     async def wait(self) -> int:
         try:
-            await _ended(self._exit, self._pidfd)
-            return self._exit.result() if self._exit.done() else -signal.SIGKILL
+            return await _ended(self._exit, self._pidfd)
         finally:
             self.stderr_tail()  # kept for a caller that asks after the end
             self.detach()
