@@ -727,42 +727,38 @@ class BubblewrapBackend:
         before_go: Callable[[], Awaitable[None]] | None = None,
         files: Callable[[], Awaitable[None]] | None = None,
     ) -> Guest:
-        """Start the chain (sh into the cgroup, nsenter or setpriv, bwrap, the guest); it waits
-        after the cgroup until ``before_go`` has run. ``files`` makes the sandbox's volume and
-        /proc files: while bwrap starts, where the manager mounts them itself (root, with the
-        mount API), else before "go" (bwrap binds them). Where the system has a template
-        (:meth:`_template`), bwrap's child waits at its block-fd and the guest is the
-        template's fork, joined into the namespaces bwrap made (:meth:`_join`); the template
-        is held until
-        then, so that a retirement does not close it under this create."""
+        """Start the sandbox's bwrap and its guest. ``before_go`` runs before bwrap starts
+        (the network it starts in); ``files`` makes the sandbox's volume and /proc files:
+        while bwrap starts, where the manager mounts them itself (root, with the mount API),
+        else before (bwrap binds them). Where the system has a template (:meth:`_template`),
+        the template forks bwrap's launcher and the guest (:meth:`_launch_templated`), and is
+        held until then, so that a retirement does not close it under this create; else the
+        chain of :meth:`_launch` starts the guest afresh."""
         # As root, the manager masks /proc and bounds the sandbox's terminals once bwrap has
         # made its own mounts; where this kernel has the mount API (Linux >= 5.12) it also
         # attaches the volume then. Else bwrap makes the masks and binds the volume itself.
         manager_mounts = not self.rootless and mountns.supported()
         template = await self._template(box, spec) if manager_mounts else None
+        if template is None:
+            return await self._launch(box, spec, manager_mounts, before_go=before_go, files=files)
         try:
-            return await self._launch(
-                box, spec, template, manager_mounts, before_go=before_go, files=files
+            return await self._launch_templated(
+                box, spec, template, before_go=before_go, files=files
             )
         finally:
-            if template is not None:
-                template.release()
+            template.release()
 
     async def _launch(
         self,
         box: _Box,
         spec: GuestSpec,
-        template: Template | None,
         manager_mounts: bool,
         *,
         before_go: Callable[[], Awaitable[None]] | None,
         files: Callable[[], Awaitable[None]] | None,
     ) -> Guest:
-        """:meth:`_spawn`'s work, with the template it took (or none)."""
-        if template is not None:
-            return await self._launch_templated(
-                box, spec, template, before_go=before_go, files=files
-            )
+        """The chain (sh into the cgroup, then the wait for "go" until ``before_go`` has
+        run, nsenter or setpriv, bwrap and the guest), where guests start afresh."""
         read_fd = _seccomp_pipe(spec.network)
         # As root, bwrap says on this pipe which pid is the sandbox's first (_spawn).
         info_r, info_w = (-1, -1) if self.rootless else os.pipe()
@@ -823,7 +819,7 @@ class BubblewrapBackend:
         before_go: Callable[[], Awaitable[None]] | None,
         files: Callable[[], Awaitable[None]] | None,
     ) -> Guest:
-        """:meth:`_launch`'s work where ``template`` forks the launcher (``launch_bwrap``: no
+        """:meth:`_spawn`'s work where ``template`` forks the launcher (``launch_bwrap``: no
         sh, no nsenter) and then the guest. The network (``before_go``) comes first, as bwrap
         starts in it; the volume is made while bwrap starts."""
         if before_go is not None:
