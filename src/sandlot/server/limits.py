@@ -15,6 +15,15 @@ from sandlot.errors import RateLimited
 log = structlog.get_logger(__name__)
 
 
+def _refilled(bucket: tuple[float, float] | None, now: float, per_s: float, burst: int) -> float:
+    """A token bucket's tokens at ``now``: ``bucket`` is (tokens, when last counted), None
+    for a full one."""
+    if bucket is None:
+        return float(burst)
+    tokens, last = bucket
+    return min(float(burst), tokens + (now - last) * per_s)
+
+
 class RateLimiter:
     def __init__(self, rate_per_s: float, burst: int) -> None:
         self.rate_per_s = rate_per_s
@@ -30,8 +39,7 @@ class RateLimiter:
         """
         now = time.monotonic()
         with self._lock:
-            tokens, last = self._buckets.get(key, (float(self.burst), now))
-            tokens = min(float(self.burst), tokens + (now - last) * self.rate_per_s)
+            tokens = _refilled(self._buckets.get(key), now, self.rate_per_s, self.burst)
             if tokens < 1.0:
                 self._buckets[key] = (tokens, now)
                 retry_after_s = (1.0 - tokens) / self.rate_per_s
@@ -54,11 +62,13 @@ class AuthFailures:
     ``per_s`` times a second after that; past it the address is *refused*: its new
     connections are closed before a byte of them is read (``transport.py``), and the
     connection its last 401 went out on closes after it, until it has credit for one more
-    failure. A 401 cost the server's one event loop 75-170 us, and a keyless client from one
-    address had it answer 13,000 a second, a whole core (red team, 2026-12-06); a connection
-    closed unread costs a fraction of that. Every client behind one address (a NAT, a proxy)
-    shares its credit: with ``API_MAX_CONNECTIONS_PER_IP=0`` (behind a reverse proxy, where
-    every client has the proxy's address) the server makes none of these."""
+    failure. A keyless client from one address had the server answer 13,000 401s a second
+    (red team, 2026-12-06), each a line of the access log: refused, it gets ~2 a second. Its
+    connections still cost the server their accept (~45 us each, BENCHMARKS.md), so its CPU
+    does not fall: a per-source limit in front of the server bounds that. Every client
+    behind one address (a NAT, a proxy) shares its credit: with
+    ``API_MAX_CONNECTIONS_PER_IP=0`` (behind a reverse proxy, where every client has the
+    proxy's address) the server makes none of these."""
 
     def __init__(
         self, per_s: float, burst: int, max_addresses: int = MAX_TRACKED_ADDRESSES
@@ -85,8 +95,7 @@ class AuthFailures:
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
 
     def _credit(self, address: str, now: float) -> float:
-        tokens, last = self._buckets.get(address, (float(self.burst), now))
-        return min(float(self.burst), tokens + (now - last) * self.per_s)
+        return _refilled(self._buckets.get(address), now, self.per_s, self.burst)
 
     def failed(self, address: str) -> bool:
         """Count one failed authentication from ``address``; whether it is refused now."""
