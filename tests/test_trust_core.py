@@ -22,7 +22,8 @@ from sandlot.errors import (
     QuotaExceeded,
     SandboxNotFound,
 )
-from sandlot.models import MAX_RESULT_DEPTH, ArtifactInfo, Quota, nests_within
+from sandlot.guest.wire import MAX_JSON_DEPTH, nests_within
+from sandlot.models import ArtifactInfo, Quota
 from sandlot.requests import ReadFile, RunCode, SandboxSpec, WriteFile
 from tests.conftest import make_settings, placement
 
@@ -397,17 +398,17 @@ def test_a_rich_output_nested_past_the_bound_is_left_out_and_the_rest_kept(
 ) -> None:
     """Failed before (a red team's find): a JSON output 900 lists deep came back, and every
     answer carrying it failed to serialize: the server's 500 for the caller's run_code. Past
-    MAX_RESULT_DEPTH the value is left out; its text is kept, and one just within comes
+    MAX_JSON_DEPTH the value is left out; its text is kept, and one just within comes
     whole."""
     deep = jail.run_code(DEEP_JSON % 900)
     [shown] = deep.results
     assert (shown.json_data, shown.text) == (None, "Deep()")
     deep.model_dump_json()  # the answer the server sends
-    within = jail.run_code(DEEP_JSON % MAX_RESULT_DEPTH).results[0].json_data
+    within = jail.run_code(DEEP_JSON % MAX_JSON_DEPTH).results[0].json_data
     depth = 0
     while isinstance(within, list):
         within, depth = within[0], depth + 1
-    assert (depth, within) == (MAX_RESULT_DEPTH, 0)
+    assert (depth, within) == (MAX_JSON_DEPTH, 0)
 
 
 # A cell writes a display frame of its own to the kernel's socket, 50,000 lists deep: past
@@ -493,7 +494,7 @@ def test_a_display_nested_just_under_the_guests_parser_depth_costs_no_restart(
     """Failed before (the second red team's find, 2026-12-06): a display frame 985 lists
     deep passed the guest's parser, but the host's, reading it two levels deeper inside the
     result, could not: a 502 and the whole guest restarted (the cell's variables gone). The
-    guest now leaves out what the host would (past MAX_RESULT_DEPTH)."""
+    guest now leaves out what the host would (past MAX_JSON_DEPTH)."""
     jail.run_code("kept = 41")
     frame_at = FORGED_DEEP_FRAME.replace("50000", "985")
     result = jail.run_code(frame_at)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sandlot.guest.wire import MAX_JSON_DEPTH, nests_within
+from sandlot.guest.wire import EXIT_CODE_MAX, EXIT_CODE_MIN, nests_within
 
 KillReason = Literal["timeout", "memory", "pids", "output_limit", "cpu", "killed"]
 
@@ -46,14 +46,6 @@ RESULT_FORMATS: dict[str, str] = {
     "application/json": "json",
     "application/javascript": "javascript",
 }
-
-
-# How deep a rich output's JSON value may nest (lists and objects within each other). Deeper
-# ones are left out: pydantic refuses to serialize past ~250 levels, so a result of 900 made
-# every answer carrying it a 500 (a red team's find). Real JSON outputs nest a few levels.
-# The guest leaves them out too (cells.py), so that none deeper than this process's parser
-# takes ever leaves a sandbox.
-MAX_RESULT_DEPTH = MAX_JSON_DEPTH
 
 
 class Result(_Model):
@@ -98,7 +90,8 @@ class Result(_Model):
     def from_bundle(cls, data: object, is_main_result: object = False) -> Result:
         """The result of a ``{mime: value}`` bundle from the guest. The guest shares a uid
         with sandboxed code, which can write any bundle: a value of the wrong type, or nested
-        past :data:`MAX_RESULT_DEPTH`, is left out, never raised."""
+        past ``wire.MAX_JSON_DEPTH`` (the guest leaves those out too), is left out, never
+        raised."""
         fields: dict[str, Any] = {"is_main_result": is_main_result is True, "extra": {}}
         for mime, value in (data if isinstance(data, dict) else {}).items():
             name = RESULT_FORMATS.get(str(mime))
@@ -126,8 +119,8 @@ class ExecResult(_Model):
     """
 
     exit_code: int | None = Field(
-        ge=-(1 << 31),
-        le=(1 << 31) - 1,
+        ge=EXIT_CODE_MIN,
+        le=EXIT_CODE_MAX,
         description="0 on success. Python: 1 on an uncaught exception, the SystemExit code "
         "otherwise (1 for one outside a C int's range). Shell: the command's status; 128+N "
         "when killed by signal N.",

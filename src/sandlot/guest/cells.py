@@ -24,7 +24,7 @@ from procs import (
     signal_exit_code,
     spawn,
 )
-from wire import clip_text, dumps, nests_within
+from wire import EXIT_CODE_MAX, EXIT_CODE_MIN, clip_text, dumps, nests_within
 from workspace import WORKSPACE
 
 PYTHON = sys.executable or "/usr/bin/python3"
@@ -97,10 +97,6 @@ def _checked_reply(reply, nonce):
     return reply
 
 
-# The exit codes a result carries (a C int's range; the host's model holds the same).
-EXIT_CODE_MIN, EXIT_CODE_MAX = -(1 << 31), (1 << 31) - 1
-
-
 def _clipped(reply, request):
     """A reply's ``text`` and ``error`` within the call's output limit. The kernel clips them
     itself, but cell code runs in the kernel's process and can send a reply of its own: 20
@@ -112,9 +108,7 @@ def _clipped(reply, request):
         error = {k: clip_text(error[k], limit) for k in ("type", "message", "traceback")}
     code = reply["exit_code"]
     if not EXIT_CODE_MIN <= code <= EXIT_CODE_MAX:
-        # sys.exit(10**4000) said 4,001 digits, which a client's int64 cannot read: 1, as
-        # Python's own exit for a code it cannot use.
-        code = 1
+        code = 1  # as Python's own exit for a code it cannot use
     return {"exit_code": code, "text": clip_text(reply.get("text"), limit), "error": error}
 
 

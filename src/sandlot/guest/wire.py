@@ -121,8 +121,15 @@ def encode_frame(obj):
     return HEADER.pack(len(data)) + data
 
 
-# How deep a rich output's JSON value may nest, in the guest and on the host (models.py).
+# How deep a rich output's JSON value may nest, in the guest and on the host (models.py):
+# pydantic refuses to serialize past ~250 levels (a result of 900 made every answer carrying
+# it a 500), and one deeper than the host's parser takes made the whole answer unreadable (a
+# 502 and a guest restart: red teams, 2026-12-06). Real JSON outputs nest a few levels.
 MAX_JSON_DEPTH = 64
+# The exit codes a result carries: a C int's (sys.exit(10**4000) said 4,001 digits, which a
+# client's int64 cannot read). The supervisor makes a code outside them 1 (cells.py); the
+# host's model refuses one (models.py).
+EXIT_CODE_MIN, EXIT_CODE_MAX = -(1 << 31), (1 << 31) - 1
 
 
 def nests_within(value: object, depth: int = MAX_JSON_DEPTH) -> bool:
