@@ -924,3 +924,27 @@ async def test_the_template_names_every_guest_module_for_its_kernels_to_hide() -
     ~1.2 ms and ~240 pages copied on write less a kernel)."""
     names = _after_preload("import kernel; print(' '.join(sorted(kernel.guest_modules())))")
     assert names.split() == [p.stem for p in launch.guest_sources()]
+
+
+async def test_the_fds_of_a_request_are_closed_when_a_later_one_cannot_be_opened(
+    tmp_path: Path,
+) -> None:
+    """A request's fds go into its hand-over list as each is opened: the guest's request
+    opened its cgroup files in one list first, so a file that could not be opened left the
+    ones before it open, and raised a bare OSError instead of the create's typed error."""
+    opened = tmp_path / "procs"
+    opened.write_text("")
+    mine: list[int] = []
+    theirs: list[int] = []
+    before = sorted(os.listdir("/proc/self/fd"))
+    with (
+        pytest.raises(SandboxStartError, match=r"could not join it: .*missing"),
+        bubblewrap_forks.handed_over(mine, theirs),
+    ):
+        bubblewrap_forks._open_into(
+            theirs,
+            [opened, tmp_path / "missing"],
+            os.O_WRONLY,
+            "the sandbox's guest could not join it",
+        )
+    assert sorted(os.listdir("/proc/self/fd")) == before

@@ -14,7 +14,7 @@ import json
 import os
 import select
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +265,7 @@ async def join_guest(
             mine.append(r)
             theirs.append(w)
         theirs.append(sealed_config(config))
-        theirs += [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in enter_files]
+        _open_into(theirs, enter_files, os.O_WRONLY, "the sandbox's guest could not join it")
         guest_pid, pidfd = await template.spawn({"cgroup_files": len(enter_files)}, theirs)
     blocked, stdin_w, stdout_r, stderr_r, notify_r = mine
     guest = TemplateGuest(template, guest_pid, pidfd, stdin_w, stdout_r, stderr_r, chain, blocked)
@@ -321,23 +321,35 @@ async def launch_bwrap(
         theirs.append(stderr_w)
         launch = sealed_config({"uid": uid, "argv": argv, "env": env})
         theirs.append(launch)
-        mnt = os.open(launch_ns, os.O_RDONLY | os.O_CLOEXEC)
-        theirs.append(mnt)
+        failed = "the sandbox's launcher failed"
+        namespaces = [launch_ns] + ([net_ns] if net_ns is not None else [])
+        mnt, *net = _open_into(theirs, namespaces, os.O_RDONLY, failed)
         # The order the launcher reads (guest/template.py LAUNCH_FDS).
-        fds = [mnt, stdin_r, stderr_w, seccomp_r, info_w, launch]
-        if net_ns is not None:
-            net = os.open(net_ns, os.O_RDONLY | os.O_CLOEXEC)
-            theirs.append(net)
-            fds.append(net)
-        for path in enter_files:
-            try:
-                theirs.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
-            except OSError as exc:
-                raise SandboxStartError(f"the sandbox's launcher failed: {exc}") from exc
-            fds.append(theirs[-1])
+        fds = [mnt, stdin_r, stderr_w, seccomp_r, info_w, launch, *net]
+        fds += _open_into(theirs, enter_files, os.O_WRONLY, failed)
         request = {"launch": True, "net": net_ns is not None, "cgroup_files": len(enter_files)}
         pid, pidfd = await template.spawn(request, fds)
     return TemplateChain(template, pid, pidfd, stdin_w, stderr_r)
+
+
+def _open_into(
+    theirs: list[int], paths: Iterable[str | Path], flags: int, failed: str
+) -> list[int]:
+    """``paths`` opened (``flags``, close-on-exec), each fd put in ``theirs`` as it is
+    opened, so that a later failure closes it (``handed_over``); the fds, in order.
+
+    Raises:
+        SandboxStartError: one could not be opened (``failed``, then why).
+    """
+    opened = []
+    for path in paths:
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SandboxStartError(f"{failed}: {exc}") from exc
+        theirs.append(fd)
+        opened.append(fd)
+    return opened
 
 
 async def _joined(guest: TemplateGuest, notify_r: int, timeout_s: float) -> None:
