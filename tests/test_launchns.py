@@ -232,13 +232,13 @@ async def test_sandbox_processes_hold_none_of_the_managers_groups(
             if launcher == "setpriv":
                 backend._launch_ns_failed = True  # as where the mount API is missing
             chains: list[list[str]] = []
-            build = backend._chain_argv
+            build = backend._argvs.chain
 
             def recorded(*args: Any, **kwargs: Any) -> list[str]:
                 chains.append(build(*args, **kwargs))
                 return chains[-1]
 
-            backend._chain_argv = recorded
+            backend._argvs.chain = recorded
             bwraps: list[leaks.Proc | None] = []
             join = backend._join
 

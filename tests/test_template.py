@@ -240,7 +240,7 @@ async def test_without_the_template_guests_start_afresh(data_root: Path) -> None
     broken.mkdir()
     async with SandboxManager(make_settings(broken)) as mgr:
         backend = mgr._backend("bubblewrap")
-        backend._template_argv = lambda box: ["/bin/false"]
+        backend._argvs.template = lambda system: ["/bin/false"]
         info = await mgr.create(SandboxSpec())
         assert isinstance(backend._boxes[info.id].guest, GuestProcess)
         assert backend._templates.failed
@@ -752,13 +752,13 @@ async def test_a_cancelled_or_failed_start_costs_only_its_own_create(
         alice = await mgr.create(SandboxSpec(), owner="alice")
         # Templates started from now on say ready half a second late (the cancel lands
         # while the start waits for it).
-        real_argv = backend._template_argv
-        backend._template_argv = lambda box: [
+        real_argv = backend._argvs.template
+        backend._argvs.template = lambda system: [
             "/bin/sh",
             "-c",
             'sleep 0.5; exec "$@"',
             "sh",
-            *real_argv(box),
+            *real_argv(system),
         ]
         loop_errors: list[dict[str, Any]] = []
         loop = asyncio.get_running_loop()

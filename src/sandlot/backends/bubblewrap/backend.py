@@ -31,7 +31,6 @@ import secrets
 import shutil
 import stat
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -47,11 +46,23 @@ from sandlot.backends.base import (
     instance_of,
 )
 from sandlot.backends.bubblewrap import launchns, netns
+from sandlot.backends.bubblewrap.argv import (
+    BWRAP,
+    ETC_BINDS,
+    ETC_NETWORK_BINDS,
+    HOST_ENV,
+    HOST_LINKS,
+    NSENTER,
+    Argvs,
+    env_args,
+    mask_binds,
+    seccomp_pipe,
+)
+from sandlot.backends.bubblewrap.box import SANDBOX_UID, Box
 from sandlot.backends.bubblewrap.forks import (
     TemplateGuest,
     join_guest,
     launch_bwrap,
-    sealed_memfd,
 )
 from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.rootless import (
@@ -65,9 +76,6 @@ from sandlot.backends.bubblewrap.rootless import (
     warn_degraded_once,
 )
 from sandlot.backends.bubblewrap.seccomp import build_filter
-from sandlot.backends.bubblewrap.template import (
-    LAUNCHER as TEMPLATE_LAUNCHER,
-)
 from sandlot.backends.bubblewrap.template import (
     Chain,
     Template,
@@ -94,11 +102,8 @@ from sandlot.backends.disk import (
 )
 from sandlot.backends.hostwide import raise_file_max
 from sandlot.backends.launch import (
-    GUEST_DIR_INSIDE,
     GUEST_PYTHON,
-    SANDBOX_PATH,
     WORKSPACE_INSIDE,
-    guest_argv,
     guest_env,
     install_guest,
 )
@@ -121,40 +126,7 @@ from sandlot.models import ResourceUsage
 
 log = structlog.get_logger(__name__)
 
-SANDBOX_UID = 65534  # "nobody" inside; the host uid behind it differs per sandbox
 NET_LOCK_DIR = Path("/run/sandlot/nets")  # a networked sandbox's /30, host-wide (netns.py)
-HOST_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
-ETC_BINDS = (
-    "/etc/ld.so.cache",
-    "/etc/alternatives",
-    "/etc/localtime",
-    "/etc/python3",
-    "/etc/python3.11",
-    "/etc/ssl",
-    "/etc/ca-certificates",
-    "/etc/mime.types",
-    # Debian's matplotlib reads its defaults from /etc and fonts through fontconfig: without
-    # these, `import matplotlib` fails inside the sandbox even where the host has it.
-    "/etc/matplotlibrc",
-    "/etc/fonts",
-)
-# A networked sandbox's resolver files: resolv.conf is hostnet.sandbox_resolv_conf()'s.
-ETC_NETWORK_BINDS = ("/etc/gai.conf",)
-# Written to (by root, or rootless by the user into a delegated cgroup) before the switch to
-# the sandbox uid, so the process (and everything it will ever fork) is inside the cgroup
-# before a single instruction of sandbox code runs. Then it waits for "go" on stdin (sh's
-# `read` takes a pipe a byte at a time in dash, bash and busybox: nothing after it is eaten;
-# EOF, a manager gone, ends it), while the manager makes the sandbox's network (and, where
-# bwrap binds them, its disk and files: otherwise they are made while bwrap starts). It
-# writes "0", itself, to Cgroup.enter_files: on v1 its thread's `tasks`, which the kernel
-# moves without waiting out an RCU grace period (7-20 ms a create through cgroup.procs,
-# BENCHMARKS.md); on v2, cgroup.procs, whose wait the disk's making overlaps.
-PLACE_IN_CGROUP = (
-    'while [ "$1" != "--" ]; do echo 0 > "$1" || exit 125; shift; done; shift; '
-    'read -r go && [ "$go" = go ] || exit 125; exec "$@"'
-)
-BWRAP = "/usr/bin/bwrap"
-NSENTER = "/usr/bin/nsenter"
 # bwrap's set-up before the guest's exec: namespaces and ~60 mounts, a few ms on a quiet host.
 START_TIMEOUT_S = 15.0
 # The CPU quota (cores) a new sandbox's guest starts under when its own is smaller, until it
@@ -173,66 +145,6 @@ START_CPU_CORES = 1.0
 # for many sizes cannot fill the data directory.
 PROC_SETS_DIR = "proc-files"
 MAX_PROC_SETS = 16
-# No LANG: in the C locale sh and nsenter load no locale files (~0.2 ms of CPU a create,
-# BENCHMARKS.md); bwrap clears the environment, and the guest gets its own (guest_env).
-HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-# Where a template's guest joins the namespaces (template.py), bwrap's child waits on its
-# stdin (--block-fd) once it has made them, and is killed once the guest is in: no exec (a
-# placeholder `sh` that read its stdin cost ~2.5 ms of CPU a create). Should the manager die
-# first, the EOF of that stdin lets the child go on, and this ends it.
-PLACEHOLDER = ("/bin/true",)
-
-
-def _setenv(env: dict[str, str]) -> list[str]:
-    args: list[str] = []
-    for key, value in env.items():
-        args += ["--setenv", key, value]
-    return args
-
-
-def _seccomp_pipe(network: bool) -> int:
-    """The read end of a pipe holding the sandbox's seccomp filter, for bwrap's --seccomp."""
-    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-    try:
-        os.write(write_fd, build_filter(network))
-    except BaseException:
-        os.close(read_fd)
-        raise
-    finally:
-        os.close(write_fd)
-    return read_fd
-
-
-def _env_args(env: dict[str, str]) -> int:
-    """A sealed memfd with ``env`` as bwrap's ``--setenv`` options, NUL-separated, for its
-    ``--args``: off every command line. The caller closes it."""
-    return sealed_memfd("sandlot-guest-env", b"".join(a.encode() + b"\0" for a in _setenv(env)))
-
-
-@dataclass
-class _Box:
-    sandbox_id: str
-    root: Path
-    workspace: Path
-    uid: int
-    uid_lock_fd: int | None  # None rootless: every sandbox has the user's uid
-    cgroup: Cgroup | NoCgroup
-    disk_capped: bool
-    guest: Guest | None = None
-    net: netns.SandboxNet | None = None
-    net_lock_fd: int | None = None  # holds net's /30 host-wide while the sandbox lives
-    system: Path | None = None  # the environment's tree bound as /; None: the host's /usr
-    # The sandbox's own CPU quota while its guest starts under START_CPU_CORES; None once set.
-    cpu_cores_after_start: float | None = None
-    proc_files: str = ""  # the directory of its synthesized /proc files, with a final "/"
-    # Its cgroup was seen empty with no guest started since: it stays so (only a process
-    # inside can fork into it), so a destroy's stop need not read it again after its halt.
-    emptied: bool = False
-
-    @property
-    def tmp(self) -> Path:
-        """Its /tmp on the host: beside the workspace, on the same volume (volume_paths)."""
-        return self.workspace.parent / "tmp"
 
 
 async def _kill_all(*guests: Guest | Chain | None) -> None:
@@ -262,7 +174,7 @@ class BubblewrapBackend:
         self.data_dir = settings.data_dir.resolve()
         self.instance = instance_of(self.data_dir)
         self.sandboxes_dir = self.data_dir / "sandboxes"
-        self._boxes: dict[str, _Box] = {}
+        self._boxes: dict[str, Box] = {}
         self._checked = False
         self.rootless = os.geteuid() != 0
         self._cgroups: CgroupDriver | NoCgroupDriver | None = None
@@ -273,6 +185,7 @@ class BubblewrapBackend:
         self._loop_ok = False
         self._guest_dir = self.data_dir / "guest"
         self._etc = self.data_dir / "rootfs" / "etc"
+        self._argvs = Argvs(self._etc, self._guest_dir, self.rootless)
         self._hidden_files = present(HIDDEN_FILES)
         self._hidden_dirs = present(HIDDEN_DIRS)
         self._routing_ready = False
@@ -415,7 +328,7 @@ class BubblewrapBackend:
             raise BackendUnavailable(f"the tree {tree} is not readable by this user")
         return tree
 
-    async def _provision(self, spec: GuestSpec) -> _Box:
+    async def _provision(self, spec: GuestSpec) -> Box:
         system = self._system_root(spec.environment)
         # Before anything is held (a uid, a cgroup): a failed write leaves nothing to undo.
         shared_proc = self._proc_set(spec.tenant, spec.limits.memory_mb * 1024 * 1024)
@@ -446,7 +359,7 @@ class BubblewrapBackend:
             if lock_fd is not None:
                 unlock(lock_fd)
             raise
-        box = _Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
+        box = Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         box.system = system
         box.proc_files = shared_proc if shared_proc is not None else f"{root}/proc/"
         if spec.limits.cpu_cores < START_CPU_CORES and isinstance(cgroup, Cgroup):
@@ -496,116 +409,13 @@ class BubblewrapBackend:
         except OSError as exc:
             raise SandboxStartError(f"could not create the sandbox's cgroup: {exc}") from exc
 
-    async def _make_network(self, box: _Box) -> None:
+    async def _make_network(self, box: Box) -> None:
         async with self._routing_lock:
             if not self._routing_ready:
                 await hostnet.ensure_walls(self.settings)
                 self._routing_ready = True
         assert box.net is not None  # planned before the launcher's argv named its path
         await netns.create(box.net)
-
-    def _bwrap_argv(
-        self,
-        box: _Box,
-        spec: GuestSpec,
-        seccomp_fd: int,
-        info_fd: int | None = None,
-        *,
-        env_fd: int | None = None,
-        manager_mounts: bool = False,
-        templated: bool = False,
-    ) -> list[str]:
-        """bwrap's argv; the guest's environment is read from ``env_fd`` (:func:`_env_args`).
-        With ``manager_mounts`` the manager attaches /proc's masks and the
-        volume (/workspace, /tmp) once bwrap has made the namespace (:meth:`_mount_inside`),
-        and bwrap only makes their mount points. ``templated`` (with ``manager_mounts``): no
-        pid namespace and no /proc (the template's guest makes both: template.py), and bwrap's
-        child waits at its --block-fd instead of exec'ing the guest (PLACEHOLDER)."""
-        if templated:
-            # --unshare-all less the pid namespace.
-            argv = [BWRAP, "--unshare-user", "--unshare-ipc", "--unshare-uts"]
-            argv += ["--unshare-cgroup-try", "--disable-userns"]
-            argv += [] if spec.network else ["--unshare-net"]
-        else:
-            argv = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns"]
-        if info_fd is not None:
-            argv += ["--info-fd", str(info_fd)]  # the sandbox's first pid, for devpts.py
-        if templated:
-            argv += ["--block-fd", "0"]  # its child waits there for the guest (PLACEHOLDER)
-        if spec.network:
-            # The namespace it is started in: the sandbox's own (netns.py), never the host's.
-            assert box.net is not None
-            argv.append("--share-net")
-        argv += [
-            "--uid",
-            str(SANDBOX_UID),
-            "--gid",
-            str(SANDBOX_UID),
-            "--hostname",
-            "sandbox",
-            "--die-with-parent",
-            "--new-session",
-            # The guest is pid 1 itself: bwrap's own init would run as the sandbox uid, hold
-            # the pipes to the host and be dumpable, so sandboxed code could write to its
-            # memory and forge results. The guest makes itself non-dumpable instead. (A
-            # template's guest is pid 1 of a pid namespace of its own.)
-            *([] if templated else ["--as-pid-1"]),
-            *self._system_binds(box),
-            *(["--dir", "/proc"] if templated else ["--proc", "/proc"]),
-            "--dev",
-            "/dev",
-            # Where it can, the manager puts the masks in itself, cheaper (_finish_namespace).
-            *([] if manager_mounts else self._proc_masks(box)),
-            *(["--dir", "/tmp"] if manager_mounts else ["--bind", str(box.tmp), "/tmp"]),
-        ]
-        # The generated identity files over the tree's own (its mount points exist: rootfs.py).
-        argv += [] if box.system is not None else ["--dir", "/etc"]
-        for name in ("passwd", "group", "hosts", "nsswitch.conf"):
-            argv += ["--ro-bind", str(self._etc / name), f"/etc/{name}"]
-        # A tree has its own /etc; the host's resolver files only for network=True.
-        etc_binds = () if box.system is not None else ETC_BINDS
-        for path in etc_binds + (ETC_NETWORK_BINDS if spec.network else ()):
-            if Path(path).exists():
-                argv += ["--ro-bind", path, path]
-        if spec.network and (resolv := hostnet.sandbox_resolv_conf()).exists():
-            argv += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
-        if manager_mounts:
-            argv += ["--dir", WORKSPACE_INSIDE]
-        else:
-            argv += ["--bind", str(box.workspace), WORKSPACE_INSIDE]
-        argv += [
-            "--ro-bind",
-            str(self._guest_dir),
-            GUEST_DIR_INSIDE,
-            "--chdir",
-            WORKSPACE_INSIDE,
-            "--clearenv",
-            # An argv is every host user's to read in /proc, for bwrap's whole life: the
-            # guest's environment (the caller's env in it) is read from a memfd instead, and a
-            # template's guest gets its own in one (template.py), so bwrap's child needs none.
-            *(_setenv({"PATH": SANDBOX_PATH}) if templated else ["--args", str(env_fd)]),
-            "--seccomp",
-            str(seccomp_fd),
-            "--remount-ro",
-            "/",
-        ]
-        if self.rootless:
-            # Set inside the sandbox's user namespace: there RLIMIT_NPROC counts this sandbox.
-            argv += rlimit_argv(spec.limits, degraded=self.degraded, nproc=self._nproc)
-        return argv + (list(PLACEHOLDER) if templated else guest_argv())
-
-    def _system_binds(self, box: _Box) -> list[str]:
-        """The sandbox's system: its environment's whole tree as ``/``, or the host's /usr
-        and the links into it (host mode, :meth:`_system_root`)."""
-        if box.system is not None:
-            return ["--ro-bind", str(box.system), "/"]
-        argv = ["--ro-bind", "/usr", "/usr"]
-        for link in map(Path, HOST_LINKS):
-            if link.is_symlink():
-                argv += ["--symlink", str(link.readlink()), str(link)]
-            elif link.is_dir():
-                argv += ["--ro-bind", str(link), str(link)]
-        return argv
 
     def _sharers(self, tenant: str | None) -> str | None:
         """Whose sandboxes a sandbox of ``tenant`` may share a template or a file with: the
@@ -640,7 +450,13 @@ class BubblewrapBackend:
             found = self._proc_sets[key] = f"{directory}/"
         return found
 
-    def _masks(self, box: _Box) -> list[mountns.Mask]:
+    def _rlimits(self, spec: GuestSpec) -> list[str]:
+        """prlimit's options for a rootless sandbox's bwrap; none as root (its cgroup)."""
+        if not self.rootless:
+            return []
+        return rlimit_argv(spec.limits, degraded=self.degraded, nproc=self._nproc)
+
+    def _masks(self, box: Box) -> list[mountns.Mask]:
         """Binds over the host-wide entries of ``/proc`` (:mod:`sandlot.backends.procfs`)."""
         # Strings, not paths: ~40 of them a create, and pathlib's joins cost ~10 µs each.
         files = box.proc_files
@@ -650,78 +466,9 @@ class BubblewrapBackend:
         masks += [mountns.Mask(files + n, f"/proc/{n}") for n in SYNTHESIZED]
         return masks
 
-    def _proc_masks(self, box: _Box) -> list[str]:
-        """The masks as bwrap's binds, where the manager cannot make them itself."""
-        return [arg for m in self._masks(box) for arg in ("--ro-bind", m.source, m.target)]
-
-    def _chain_argv(
-        self,
-        box: _Box,
-        spec: GuestSpec,
-        seccomp_fd: int,
-        info_fd: int | None,
-        *,
-        env_fd: int | None,
-        manager_mounts: bool,
-    ) -> list[str]:
-        """sh (into the cgroup, then the wait for "go"), nsenter or setpriv (to the sandbox's
-        uid), bwrap and the guest: where guests start afresh (a template forks the launcher
-        otherwise: :meth:`_launch_templated`)."""
-        # The host-side chain (sh as root, nsenter or setpriv, bwrap) runs with a fixed
-        # environment and absolute paths: a caller's env (PATH, LD_PRELOAD, ...) reaching a
-        # root process would run code of their choosing as root. Their env is set inside the
-        # sandbox only.
-        # sh moves itself ("0": the writer) through Cgroup.enter_files, before bwrap.
-        enter_files = [str(p) for p in box.cgroup.enter_files]
-        place = ["/bin/sh", "-c", PLACE_IN_CGROUP, "sh", *enter_files, "--"]
-        if self.rootless:
-            # bwrap runs as this user, unprivileged; into the delegated cgroup if there is one.
-            # Tied to us by a death signal, as the root path is (the sh before it by EOF on
-            # its stdin): without it a killed manager left its sandboxes running, and with no
-            # cgroup no sweep could find them.
-            return [
-                *place,  # no cgroup: no write, but the wait for "go" all the same
-                SETPRIV,
-                "--pdeathsig=SIGKILL",
-                "--",
-                *self._bwrap_argv(box, spec, seccomp_fd, env_fd=env_fd),
-            ]
-        enter = [f"--net={box.net.path}"] if box.net is not None else []
-        # Made here on the first create: a launcher built before the pin existed started bwrap
-        # in the manager's namespace. Only where the manager attaches the volume: the launch
-        # namespace has none for bwrap to bind.
-        pin = self._launch_pin() if manager_mounts else None
-        if pin is not None:
-            enter.append(f"--mount={pin}")
-        bwrap = self._bwrap_argv(
-            box,
-            spec,
-            seccomp_fd,
-            info_fd,
-            env_fd=env_fd,
-            manager_mounts=manager_mounts,
-        )
-        if enter:
-            # nsenter drops to the sandbox's uid itself once inside (setgroups(0), setgid,
-            # setuid, as setpriv does): one exec fewer per create (~1.5 ms of CPU). Its
-            # death signal is bwrap's own --die-with-parent, set at bwrap's start; a manager
-            # gone before it leaves a guest that ends at the EOF of its stdin.
-            drop = [f"--setuid={box.uid}", f"--setgid={box.uid}"]
-            return [*place, NSENTER, *enter, *drop, "--", *bwrap]
-        return [
-            *place,
-            SETPRIV,
-            f"--reuid={box.uid}",
-            f"--regid={box.uid}",
-            "--clear-groups",
-            "--pdeathsig=SIGKILL",
-            "--",
-            *bwrap,
-        ]
-
     async def _spawn(
         self,
-        box: _Box,
+        box: Box,
         spec: GuestSpec,
         *,
         before_go: Callable[[], Awaitable[None]] | None = None,
@@ -750,7 +497,7 @@ class BubblewrapBackend:
 
     async def _launch(
         self,
-        box: _Box,
+        box: Box,
         spec: GuestSpec,
         manager_mounts: bool,
         *,
@@ -759,13 +506,23 @@ class BubblewrapBackend:
     ) -> Guest:
         """The chain (sh into the cgroup, then the wait for "go" until ``before_go`` has
         run, nsenter or setpriv, bwrap and the guest), where guests start afresh."""
-        read_fd = _seccomp_pipe(spec.network)
+        read_fd = seccomp_pipe(spec.network)
         # As root, bwrap says on this pipe which pid is the sandbox's first (_spawn).
         info_r, info_w = (-1, -1) if self.rootless else os.pipe()
         info_fd = None if self.rootless else info_w
-        env_fd = _env_args(guest_env(spec.env))
-        argv = self._chain_argv(
-            box, spec, read_fd, info_fd, env_fd=env_fd, manager_mounts=manager_mounts
+        env_fd = env_args(guest_env(spec.env))
+        argv = self._argvs.chain(
+            box,
+            spec,
+            read_fd,
+            info_fd,
+            env_fd=env_fd,
+            manager_mounts=manager_mounts,
+            # Made here on the first create: a launcher built before the pin existed started
+            # bwrap in the manager's namespace.
+            pin=self._launch_pin() if manager_mounts else None,
+            proc_masks=[] if manager_mounts else mask_binds(self._masks(box)),
+            rlimits=self._rlimits(spec),
         )
         passed = [fd for fd in (read_fd, info_fd, env_fd) if fd is not None]
         try:
@@ -812,7 +569,7 @@ class BubblewrapBackend:
 
     async def _launch_templated(
         self,
-        box: _Box,
+        box: Box,
         spec: GuestSpec,
         template: Template,
         *,
@@ -824,13 +581,13 @@ class BubblewrapBackend:
         starts in it; the volume is made while bwrap starts."""
         if before_go is not None:
             await before_go()
-        argv = self._bwrap_argv(
+        argv = self._argvs.bwrap(
             box, spec, LAUNCH_SECCOMP_FD, LAUNCH_INFO_FD, manager_mounts=True, templated=True
         )
         # Where no launch namespace could be made, the manager's own, as setpriv's chain.
         pin = self._launch_pin()
         net = str(box.net.path) if box.net is not None else None
-        read_fd = _seccomp_pipe(spec.network)
+        read_fd = seccomp_pipe(spec.network)
         try:
             info_r, info_w = os.pipe2(os.O_CLOEXEC)
         except BaseException:
@@ -873,7 +630,7 @@ class BubblewrapBackend:
         joined.release_bwrap()  # the guest holds every namespace now
         return joined
 
-    async def _template(self, box: _Box, spec: GuestSpec) -> Template | None:
+    async def _template(self, box: Box, spec: GuestSpec) -> Template | None:
         """The running template of the box's system, in the tenant scope (the default) the
         one of the sandbox's owner too (``Templates.get``); None where guests start afresh:
         rootless, ``SANDBOX_GUEST_TEMPLATE=false``, a sandbox pooled for anyone in the tenant
@@ -890,26 +647,11 @@ class BubblewrapBackend:
             key,
             system,
             lambda: system_identity(box.system, GUEST_PYTHON),
-            lambda: self._template_argv(box),
+            lambda: self._argvs.template(box.system),
         )
 
-    def _template_argv(self, box: _Box) -> list[str]:
-        """bwrap as root for a template (template.py): no user namespace, every capability,
-        the sandbox's system read-only and the guest at the path sandboxes see; the fd of its
-        socket follows (Template.start)."""
-        argv = [BWRAP, "--die-with-parent", "--new-session", "--cap-add", "ALL"]
-        argv += [*self._system_binds(box), "--proc", "/proc", "--dev", "/dev"]
-        if box.system is None:
-            argv += ["--dir", "/etc"]
-            for path in ETC_BINDS:
-                if Path(path).exists():
-                    argv += ["--ro-bind", path, path]
-        argv += ["--ro-bind", str(self._guest_dir), GUEST_DIR_INSIDE, "--chdir", "/"]
-        argv += ["--clearenv", *_setenv({"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"})]
-        return [*argv, "--", GUEST_PYTHON, "-I", "-S", "-c", TEMPLATE_LAUNCHER % GUEST_DIR_INSIDE]
-
     async def _join(
-        self, template: Template, box: _Box, spec: GuestSpec, chain: Chain, pid: int
+        self, template: Template, box: Box, spec: GuestSpec, chain: Chain, pid: int
     ) -> TemplateGuest:
         """The sandbox's guest, from ``template``, joined into the namespaces of bwrap's
         blocked child ``pid`` (template.py's ``join_guest``)."""
@@ -947,7 +689,7 @@ class BubblewrapBackend:
         self,
         chain: Chain,
         info_r: int,
-        box: _Box,
+        box: Box,
         files: Callable[[], Awaitable[None]] | None,
         join: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
@@ -1015,12 +757,12 @@ class BubblewrapBackend:
             wait_for_exec(pid, "bwrap", START_TIMEOUT_S)
         return pid
 
-    def _finish_namespace(self, info_fd: int, bwrap_pid: int, box: _Box) -> None:
+    def _finish_namespace(self, info_fd: int, bwrap_pid: int, box: Box) -> None:
         """Where bwrap made the masks and bound the volume: bound the terminals only."""
         pid = self._first_pid(info_fd)
         self._mount_inside(pid, bwrap_pid, box, manager_mounts=False)
 
-    def _mount_inside(self, pid: int, bwrap_pid: int, box: _Box, *, manager_mounts: bool) -> None:
+    def _mount_inside(self, pid: int, bwrap_pid: int, box: Box, *, manager_mounts: bool) -> None:
         """In the sandbox's mount namespace (``pid``'s, bwrap's child), attach the volume
         (/workspace and /tmp, nosuid and nodev as bwrap's binds) and /proc's masks, if
         ``manager_mounts``, and cap its devpts instance. The guest runs no code of the sandbox's
@@ -1060,7 +802,7 @@ class BubblewrapBackend:
         finally:
             mountns.close_all(clones)
 
-    async def _end_guest(self, box: _Box) -> bool:
+    async def _end_guest(self, box: Box) -> bool:
         """Kill the guest and everything in the cgroup; False if the cgroup did not empty."""
         if box.guest is not None:
             box.guest.kill()
@@ -1076,7 +818,7 @@ class BubblewrapBackend:
         return box.emptied
 
     @staticmethod
-    async def _empty_cgroup(box: _Box, timeout_s: float = 5.0) -> bool:
+    async def _empty_cgroup(box: Box, timeout_s: float = 5.0) -> bool:
         """Kill everything in the box's cgroup; False if it did not empty. A look on the
         loop, a thread only to kill."""
         if box.cgroup.empty():
@@ -1089,7 +831,7 @@ class BubblewrapBackend:
             self._lower_cpu(box)
 
     @staticmethod
-    def _lower_cpu(box: _Box) -> None:
+    def _lower_cpu(box: Box) -> None:
         """Give the sandbox its own CPU quota, if it still has the start's. One write: on
         the loop, not a thread's round trip."""
         if box.cpu_cores_after_start is None or not isinstance(box.cgroup, Cgroup):
@@ -1166,13 +908,13 @@ class BubblewrapBackend:
         await asyncio.to_thread(self._release_volume_now, box)
 
     @classmethod
-    def _release_now(cls, box: _Box) -> None:
+    def _release_now(cls, box: Box) -> None:
         """A stopped box's cgroup, then its volume and uid (blocking)."""
         box.cgroup.remove()
         cls._release_volume_now(box)
 
     @staticmethod
-    def _release_volume_now(box: _Box) -> None:
+    def _release_volume_now(box: Box) -> None:
         remove_volume_now(box.root)
         if box.uid_lock_fd is not None:
             unlock(box.uid_lock_fd)  # only once nothing of the sandbox's is left
