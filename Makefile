@@ -28,7 +28,7 @@ DOCKER_TARGETS := docker,docker+runsc
 .PHONY: run test check lint typecheck pytest pytest-docker test-docker test-hostile bench soak \
 	doctor system system-test venv venv-run clean docker-setup image models agent-demo \
 	bench-agent bench-agent-builtin fresh-root-run test-scale bench-throughput bench-trust \
-	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-faults bench-artifact-store bench-keyless trees
+	bench-walls bench-loop bench-cancel bench-churn bench-server-loop bench-volume bench-bwrap bench-faults bench-artifact-store bench-keyless trees
 
 run: venv-run
 	$(PY) examples/quickstart.py
@@ -165,6 +165,11 @@ bench-cancel: venv
 bench-volume: venv
 	$(PY) bench/volume_cycle.py --size-mb 64
 	$(PY) bench/volume_cycle.py --size-mb 1024
+
+# A templated sandbox's bwrap by part of its argv (identity binds, --dev, its network
+# namespace), against an exec's floor: CPU of the runs and of the whole machine.
+bench-bwrap: venv
+	$(PY) bench/bwrap_parts.py --runs 150 --rounds 6
 
 bench-artifact-store: venv
 	$(PY) bench/bench_artifact_store.py --rows 0 10000 50000 --reserves 200
