@@ -112,6 +112,7 @@ async def test_a_create_that_fails_while_its_volume_is_made_or_attached_leaves_n
     device, whichever of the two ends first. (bwrap's child is waited for at its block-fd
     where a template's guest joins it, and at its exec where the guest starts afresh.)"""
     import sandlot.backends.bubblewrap.backend as module
+    import sandlot.backends.bubblewrap.launching as launching
     from sandlot.backends import mountns
 
     data_dir = data_root / f"launchns-fail-{failing}"
@@ -128,7 +129,8 @@ async def test_a_create_that_fails_while_its_volume_is_made_or_attached_leaves_n
             await asyncio.sleep(0.05)  # bwrap is under way by then
             fails()
 
-        owner = mountns if failing == "clone_writable" else module
+        owners = {"clone_writable": mountns, "make_volume": module}
+        owner = owners.get(failing, launching)  # wait_for_block, wait_for_exec
         monkeypatch.setattr(owner, failing, fails_later if failing == "make_volume" else fails)
         with pytest.raises(Exception, match="failed today"):
             await mgr.create(SandboxSpec())

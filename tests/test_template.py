@@ -27,6 +27,7 @@ from sandlot.backends import launch
 from sandlot.backends.base import GuestProcess
 from sandlot.backends.bubblewrap import backend as bubblewrap_backend
 from sandlot.backends.bubblewrap import forks as bubblewrap_forks
+from sandlot.backends.bubblewrap import launching
 from sandlot.backends.bubblewrap import template as bubblewrap_template
 from sandlot.backends.bubblewrap.forks import TemplateGuest
 from sandlot.backends.bubblewrap.template import Template
@@ -349,7 +350,7 @@ async def test_a_template_of_a_changed_system_is_retired_once_its_guests_end(
     data_dir = data_root / "template-retired"
     data_dir.mkdir()
     identity = ["before"]
-    monkeypatch.setattr(bubblewrap_backend, "system_identity", lambda *_: identity[0])
+    monkeypatch.setattr(launching, "system_identity", lambda *_: identity[0])
     async with SandboxManager(make_settings(data_dir)) as mgr:
         backend = mgr._backend("bubblewrap")
         old = await mgr.create(SandboxSpec())
