@@ -504,6 +504,32 @@ def test_a_display_nested_just_under_the_guests_parser_depth_costs_no_restart(
     assert jail.run_code("kept + 1").text == "42"
 
 
+@pytest.mark.hostile
+def test_a_kill_reason_names_a_limit_only_where_one_was_hit(jail: Sandbox) -> None:
+    """Failed before (the third red team's find, 2026-12-06): a cell or command that sent
+    itself SIGXCPU came back ``kill_reason="cpu"``, and a process left in the background
+    could send it to a later call's shell. No CPU-time limit is ever set: it is a signal
+    like any other."""
+    cell = jail.run_code("import os, signal; os.kill(os.getpid(), signal.SIGXCPU)")
+    assert (cell.kill_reason, cell.state_lost) == ("killed", True), cell
+    command = jail.commands.run("kill -XCPU $$")
+    assert (command.exit_code, command.kill_reason) == (128 + 24, "killed"), command
+
+
+@pytest.mark.hostile
+def test_displays_streamed_to_a_listener_are_held_to_the_stream_budget(jail: Sandbox) -> None:
+    """Failed before (the third red team's find, 2026-12-06): each display() of a cell with a
+    listener was a frame of its own, outside the sandbox's stream budget (which stdout,
+    stderr and terminals pay: 8 MiB a second, 8 MiB at once, 4 KiB more a frame): ~31,500
+    a second, each parsed on the host's one event loop. Past the budget a display is left
+    out of the stream, never out of the result."""
+    shown: list[object] = []
+    result = jail.run_code("for i in range(10_000): display(i)", on_result=shown.append)
+    assert result.exit_code == 0 and len(result.results) == 10_000, result
+    frames_allowed = (8 << 20) / 4096 * (1 + result.duration_ms / 1000)
+    assert 0 < len(shown) <= frames_allowed, (len(shown), result.duration_ms)
+
+
 def test_nesting_is_measured_without_recursion() -> None:
     value: object = 0
     for _ in range(100_000):

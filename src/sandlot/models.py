@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sandlot.guest.wire import EXIT_CODE_MAX, EXIT_CODE_MIN, nests_within
 
+# "cpu" is no longer produced: no CPU-time limit (RLIMIT_CPU) is set, so a death by SIGXCPU
+# is a signal some process sent ("killed"). Kept in the schema for results made before.
 KillReason = Literal["timeout", "memory", "pids", "output_limit", "cpu", "killed"]
 
 # Receives each piece of a run's stdout or stderr as it is produced (decoded UTF-8).

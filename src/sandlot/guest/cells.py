@@ -14,7 +14,7 @@ import time
 import threads
 from channel import KernelChannel
 from ops import Event
-from output import Pump, call_sinks, finish_streams
+from output import FRAME_COST_BYTES, STREAMED, Pump, call_sinks, finish_streams
 from procs import (
     CHILDREN,
     CHILDREN_LOCK,
@@ -24,7 +24,7 @@ from procs import (
     signal_exit_code,
     spawn,
 )
-from wire import EXIT_CODE_MAX, EXIT_CODE_MIN, clip_text, dumps, nests_within
+from wire import EXIT_CODE_MAX, EXIT_CODE_MIN, clip_text, dumps, encode_body, nests_within
 from workspace import WORKSPACE
 
 PYTHON = sys.executable or "/usr/bin/python3"
@@ -393,7 +393,9 @@ class Cells:
             kernel.loss_reported = True
             result["signal"] = -returncode if returncode < 0 else None
             if not reason and returncode < 0:
-                result["kill_reason"] = "cpu" if -returncode == signal.SIGXCPU else "killed"
+                # SIGXCPU too: no CPU-time limit is set, so it is a signal any process
+                # could send, not a limit hit (a red team forged "cpu" with it, 2026-12-06).
+                result["kill_reason"] = "killed"
             # A cell's os._exit(3) ends the kernel with a status, not a signal: say which.
             how = (
                 "was killed (signal %s)" % -returncode
@@ -429,7 +431,13 @@ class Cells:
             if bundle is None or not results.add(bundle):
                 continue
             if request.get("stream"):
-                self.writer.send({"id": request["id"], "event": Event.DISPLAY, **bundle})
+                # Charged to the sandbox's stream budget as stdout is: a cell of display(0)
+                # calls sent ~31,500 frames a second, each parsed on the host's one event loop
+                # (red team, 2026-12-06). One the budget cannot pay is left out of the stream,
+                # never out of the result.
+                body = encode_body({"id": request["id"], "event": Event.DISPLAY, **bundle})
+                if STREAMED.spend(len(body) + FRAME_COST_BYTES):
+                    self.writer.send_body(body)
 
     def rewarm(self):
         with self.kernel.lock:

@@ -296,7 +296,9 @@ class Shells:
             "state_lost": False,
         }
         if returncode < 0 and not reason:
-            result["kill_reason"] = "cpu" if -returncode == signal.SIGXCPU else "killed"
+            # SIGXCPU too: no CPU-time limit is set, so it is a signal any process
+            # could send, not a limit hit (a red team forged "cpu" with it, 2026-12-06).
+            result["kill_reason"] = "killed"
         finish_streams(result, sinks, started)
         return result
 
