@@ -116,7 +116,13 @@ def server(data_root: Path) -> Iterator[Server]:
     key = store.create_key("acme", "user")[1]
     store.close()
     count = data_dir / "empty-stdin-requests"
-    env = {"FLOOD_EMPTY_STDIN_COUNT": str(count)}
+    env = {
+        "FLOOD_EMPTY_STDIN_COUNT": str(count),
+        # Read as fast as they come (their pace: test_trust_server.py), so that a notice
+        # flood reaches the queue cap here; a tenant's streams share 24 MiB of queue.
+        "API_STREAM_MESSAGES_PER_SECOND": "1000000",
+        "API_STREAM_QUEUE_MB_PER_TENANT": "24",
+    }
     process, url, log = start_server(data_dir, env, launcher=("-c", WRAPPER))
     try:
         yield Server(url, process.pid, key, log, count)
@@ -386,4 +392,34 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_dropped(server: Server) 
     finally:
         ws.close()
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    server.destroy(sandbox_id)
+
+
+def test_a_tenants_streams_together_queue_no_more_than_its_share(server: Server) -> None:
+    """Failed before (the third red team's find, 2026-12-06): each stream may queue 8 MiB
+    for a client that does not read, and nothing bounded them together: 200 sockets that
+    never read, attached to one fast terminal, took the server to 1.78 GB in 3 s. All of a
+    tenant's streams now share API_STREAM_QUEUE_MB_PER_TENANT (24 MiB here; 12 sockets
+    held ~100 MiB before)."""
+    sandbox_id = server.sandbox()
+    first = RawWs(server, sandbox_id)
+    socks = [first]
+    try:
+        first.send({"type": "pty", "command": "cat /dev/zero | base64"})
+        while (event := first.recv_json())["type"] != "started":
+            pass
+        pid = event["info"]["pid"]
+        rss_before = server.rss_mib()
+        for _ in range(11):
+            ws = RawWs(server, sandbox_id)
+            ws.send({"type": "pty", "pid": pid})
+            socks.append(ws)
+        rss_most = rss_before
+        for _ in range(30):  # 3 s: a fast terminal fills any queue many times over
+            time.sleep(0.1)
+            rss_most = max(rss_most, server.rss_mib())
+        assert rss_most - rss_before < 56, (rss_before, rss_most)
+    finally:
+        for ws in socks:
+            ws.close()
     server.destroy(sandbox_id)

@@ -880,3 +880,138 @@ def test_the_websocket_message_cap_and_keepalive_follow_their_settings(data_root
         assert sock.recv(1) == b"", "the idle connection was kept past its timeout"
         sock.close()
         httpx.delete(f"{url}/v1/sandboxes/{sandbox_id}", headers=headers)
+
+
+def test_a_tenant_holds_no_more_than_its_open_requests(data_root: Path) -> None:
+    """Failed before (the third red team's find, 2026-12-06): a request being served is never
+    evicted, and nothing counted them by tenant, so one key's 1,000 long-polls of an hour
+    (from ten addresses) held every connection and locked every other tenant out. Past
+    API_MAX_OPEN_PER_TENANT a tenant's next request or WebSocket is refused at once (429);
+    another tenant is served, and a slot comes back when a request ends."""
+    from websockets.sync.client import connect
+
+    env = {**LIMITS, "API_MAX_OPEN_PER_TENANT": "3"}
+    with _serving(data_root / "trust-open-per-tenant", env) as server:
+        store = AuthStore(server.log.parent / "sandlot.db")
+        other = {"Authorization": f"Bearer {store.create_key('other', 'user')[1]}"}
+        store.close()
+        headers = {"Authorization": f"Bearer {server.key}"}
+        sandbox_id = _sandbox(server)
+        started = httpx.post(
+            f"{server.url}/v1/sandboxes/{sandbox_id}/commands",
+            json={"command": "sleep 30", "background": True},
+            headers=headers,
+        )
+        assert started.status_code == 202, started.text
+        wait_url = f"{server.url}/v1/sandboxes/{sandbox_id}/commands/{started.json()['pid']}"
+        polls = [
+            threading.Thread(
+                target=httpx.get,
+                args=(wait_url + "/wait?timeout_s=4",),
+                kwargs={"headers": headers, "timeout": 30},
+            )
+            for _ in range(3)
+        ]
+        for poll in polls:
+            poll.start()
+        deadline = time.monotonic() + 10
+        while True:  # the three polls are in: the tenant's fourth request is refused
+            refused = httpx.get(server.url + "/v1/sandboxes", headers=headers)
+            if refused.status_code == 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "too_many_open"
+        with pytest.raises(Exception, match="429"):
+            connect(_ws_url(server, sandbox_id), additional_headers=headers, open_timeout=10)
+        assert httpx.get(server.url + "/v1/sandboxes", headers=other).status_code == 200
+        for poll in polls:  # their wait runs out (the command runs on)
+            poll.join(30)
+        assert httpx.get(server.url + "/v1/sandboxes", headers=headers).status_code == 200
+
+
+def test_a_streams_messages_are_read_at_its_tenants_pace(data_root: Path) -> None:
+    """Failed before (the third red team's find, 2026-12-06): a stream's messages had no
+    rate of their own, and one socket sent 14,500 resizes a second, each a round trip to
+    the guest (a core of the server's). They are read at API_STREAM_MESSAGES_PER_SECOND
+    (1,000 here, past a burst of 2,001): 5,000 take at least 3 s, and none is lost."""
+    import base64
+
+    from websockets.sync.client import connect
+
+    env = {**LIMITS, "API_STREAM_MESSAGES_PER_SECOND": "1000"}
+    with _serving(data_root / "trust-stream-pace", env) as server:
+        sandbox_id = _sandbox(server)
+        headers = {"Authorization": f"Bearer {server.key}"}
+        with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+            ws.send(json.dumps({"type": "pty", "command": "cat"}))
+            while json.loads(ws.recv(timeout=30))["type"] != "started":
+                pass
+            began = time.monotonic()
+            for n in range(5000):
+                ws.send(json.dumps({"type": "resize", "cols": 80 + n % 40, "rows": 24}))
+            typed = {"type": "input", "data_b64": base64.b64encode(b"paced\n").decode()}
+            ws.send(json.dumps(typed))
+            echoed = b""
+            while b"paced" not in echoed:
+                event = json.loads(ws.recv(timeout=30))
+                if event["type"] == "output":
+                    echoed += base64.b64decode(event["data_b64"])
+            took_s = time.monotonic() - began
+        assert took_s >= 2.5, took_s
+
+
+@pytest.mark.parametrize(
+    ("frame_kind", "payload"),
+    [("binary", b"\x00\x01"), ("text", "not json"), ("text", "[" * 100_000)],
+)
+def test_a_bad_websocket_message_gets_a_typed_error_and_the_socket_goes_on(
+    server: Server, frame_kind: str, payload: Any
+) -> None:
+    """Failed before (the third red team's find, 2026-12-06): a binary frame, text that is
+    not JSON, or JSON nested 100,000 deep ended the socket with no frame (1006) and an
+    unhandled exception's traceback in the log."""
+    from websockets.sync.client import connect
+
+    sandbox_id = _sandbox(server)
+    headers = {"Authorization": f"Bearer {server.key}"}
+    with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+        ws.send(payload)
+        error = json.loads(ws.recv(timeout=10))
+        assert error["type"] == "error" and error["error"]["code"] == "invalid_request", error
+        ws.send(json.dumps({"type": "run_code", "code": "6 * 7"}))
+        while (event := json.loads(ws.recv(timeout=30)))["type"] != "result":
+            pass
+        assert event["result"]["text"] == "42"
+    assert "Exception in ASGI application" not in server.log.read_text()
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        {"type": "pty", "command": "sleep 60"},
+        {"type": "command", "command": "sleep 60", "background": True},
+    ],
+)
+def test_a_stream_whose_sandbox_is_destroyed_ends_with_a_typed_error(
+    server: Server, start: dict[str, Any]
+) -> None:
+    """Failed before (the third red team's find, 2026-12-06): a terminal's or background
+    command's stream whose sandbox was destroyed closed with no frame, and the log got an
+    unhandled CancelledError."""
+    from websockets.sync.client import connect
+
+    sandbox_id = _sandbox(server)
+    headers = {"Authorization": f"Bearer {server.key}"}
+    with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+        ws.send(json.dumps(start))
+        while json.loads(ws.recv(timeout=30))["type"] != "started":
+            pass
+        gone = httpx.delete(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers)
+        assert gone.status_code == 200, gone.text
+        events = [json.loads(ws.recv(timeout=10))]
+        while events[-1]["type"] not in ("error", "result"):
+            events.append(json.loads(ws.recv(timeout=10)))
+    assert events[-1]["type"] == "error", events
+    assert events[-1]["error"]["code"] == "sandbox_not_found", events
+    assert "Exception in ASGI application" not in server.log.read_text()

@@ -538,6 +538,28 @@ class Settings(BaseSettings):
         description="Open HTTP connections one client address may hold (0: no cap, e.g. "
         "behind a reverse proxy).",
     )
+    max_open_per_tenant: int = Field(
+        default=100,
+        ge=0,
+        validation_alias=_env("API_MAX_OPEN_PER_TENANT", "max_open_per_tenant"),
+        description="Requests and WebSockets one tenant's keys may have open at once "
+        "(long-polls, streams, runs under way); past it, 429 too_many_open (0: no cap).",
+    )
+    stream_queue_mb_per_tenant: int = Field(
+        default=64,
+        ge=1,
+        validation_alias=_env("API_STREAM_QUEUE_MB_PER_TENANT", "stream_queue_mb_per_tenant"),
+        description="Output queued on all of one tenant's WebSockets for clients that have "
+        "not read it yet; past it, streamed output is dropped (each stream also holds at "
+        "most 8 MiB).",
+    )
+    stream_messages_per_s: float = Field(
+        default=500.0,
+        gt=0,
+        validation_alias=_env("API_STREAM_MESSAGES_PER_SECOND", "stream_messages_per_s"),
+        description="Messages (input, stdin, resizes) all of one tenant's WebSocket streams "
+        "are read at, past a burst of twice as many; a client that sends faster waits.",
+    )
     ws_max_message_kb: int = Field(
         default=4096,
         ge=64,

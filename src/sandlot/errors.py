@@ -152,6 +152,13 @@ class McpSessionLimit(QuotaExceeded):
     code = "mcp_session_limit"
 
 
+class TooManyOpen(QuotaExceeded):
+    """The tenant already has its most requests and streams open at once
+    (``API_MAX_OPEN_PER_TENANT``): long-polls, WebSockets, runs under way."""
+
+    code = "too_many_open"
+
+
 class StdinBacklogFull(QuotaExceeded):
     """A command has not read this much of the input sent to it; more is refused until it
     does (the bytes waiting for a command are bounded)."""

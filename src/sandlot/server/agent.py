@@ -27,7 +27,8 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
 from sandlot.agent.models import AgentEvent, AgentResult
-from sandlot.errors import AuthenticationError, ConfigError, SandboxError
+from sandlot.errors import AuthenticationError, ConfigError, InvalidRequest, SandboxError
+from sandlot.server import outbox as outbox_
 from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, refuse_upgrade, state_of
@@ -100,7 +101,9 @@ async def stream(websocket: WebSocket) -> None:
     state: ServerState = websocket.app.state.sandbox
     websocket.state.request_id = websocket.headers.get("x-request-id") or uuid.uuid4().hex
     try:
-        state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
+        who = state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
+        # The socket counts against its tenant's open requests until it closes.
+        state.open_requests.acquire(who.tenant)
     except SandboxError as exc:
         # The key before the upgrade: a socket without one was kept open, answered
         # "unauthenticated" per message (a client with no key held thousands), and later,
@@ -108,13 +111,19 @@ async def stream(websocket: WebSocket) -> None:
         # (red team, 2026-11-25 and 2026-12-06).
         await refuse_upgrade(websocket, exc)
         return
-    await websocket.accept()
     try:
+        await websocket.accept()
         while True:
-            message = await websocket.receive_json()
+            try:
+                message = await outbox_.receive_message(websocket)
+            except InvalidRequest as exc:
+                await websocket.send_json(error_message(exc))
+                continue
             await _one_task(websocket, state, message)
     except WebSocketDisconnect:
         return
+    finally:
+        state.open_requests.release(who.tenant)
 
 
 async def _authenticate(websocket: WebSocket, state: ServerState) -> Principal:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -45,8 +45,9 @@ from sandlot.errors import (
 )
 from sandlot.models import Quota
 from sandlot.requests import SANDBOX_ID_PATTERN
+from sandlot.server import outbox as outbox_
 from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore, Principal
-from sandlot.server.limits import AuthFailures, RateLimiter
+from sandlot.server.limits import AuthFailures, OpenPerTenant, Pace, RateLimiter
 from sandlot.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -138,9 +139,44 @@ class ServerState:
     ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Shared with the connection wall (run.py); None: no limit on failed authentications.
     auth_failures: AuthFailures | None = None
+    open_requests: OpenPerTenant = field(init=False)
+    # Each tenant's queued stream output (outbox.py) and the pace of its streams' messages,
+    # made on its first stream.
+    stream_shares: dict[str, outbox_.Shared] = field(default_factory=dict)
+    stream_paces: dict[str, Pace] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)
+        self.open_requests = OpenPerTenant(self.settings.max_open_per_tenant)
+
+    @contextmanager
+    def held_open(self, principal: Principal) -> Iterator[None]:
+        """One of ``principal``'s tenant's open requests or streams, for as long as it runs.
+
+        Raises:
+            TooManyOpen: the tenant has its most open already.
+        """
+        self.open_requests.acquire(principal.tenant)
+        try:
+            yield
+        finally:
+            self.open_requests.release(principal.tenant)
+
+    def stream_pace(self, principal: Principal) -> Pace:
+        """The pace of ``principal``'s tenant's stream messages (``limits.Pace``)."""
+        pace = self.stream_paces.get(principal.tenant)
+        if pace is None:
+            per_s = self.settings.stream_messages_per_s
+            pace = self.stream_paces[principal.tenant] = Pace(per_s, int(2 * per_s) + 1)
+        return pace
+
+    def stream_budget(self, principal: Principal) -> outbox_.Budget:
+        """A new stream's byte budget, counted in its tenant's share too."""
+        shared = self.stream_shares.get(principal.tenant)
+        if shared is None:
+            cap_bytes = self.settings.stream_queue_mb_per_tenant * 1024 * 1024
+            shared = self.stream_shares[principal.tenant] = outbox_.Shared(cap_bytes)
+        return outbox_.Budget(shared)
 
     def failed_auth(self, client: Any) -> bool:
         """Count a failed authentication of ``client`` (a scope's ``(host, port)``); whether

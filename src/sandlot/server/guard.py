@@ -5,8 +5,9 @@ FastAPI reads and parses a request's body before it runs the route's dependencie
 runs first:
 
 1. every route but the public ones (health, readiness, metrics, the API docs) authenticates
-   and rate-limits from the headers alone; the principal rides on to the route in
-   ``scope["state"]`` (the route's ``caller`` dependency takes it from there);
+   and rate-limits from the headers alone, and counts against its tenant's open requests
+   until its response is sent (``API_MAX_OPEN_PER_TENANT``); the principal rides on to the
+   route in ``scope["state"]`` (the route's ``caller`` dependency takes it from there);
 2. a declared ``Content-Length`` over the cap is refused at once;
 3. a JSON body is read here, up to ``API_MAX_BODY_MB``, and handed on; past the cap the
    request is refused with a typed 413 and the rest is never read. Uploads stream to their
@@ -21,6 +22,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandlot.errors import AuthenticationError, RequestTooLarge, SandboxError
+from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, sandbox_error_response
 
 PUBLIC_PATHS = frozenset(
@@ -43,10 +45,13 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        held: Principal | None = None
         try:
             if scope["path"] not in PUBLIC_PATHS:
                 principal = self.state.authenticate(headers)
                 scope.setdefault("state", {})["principal"] = principal
+                self.state.open_requests.acquire(principal.tenant)
+                held = principal
             upload = scope["method"] in ("PUT", "POST") and UPLOAD_ROUTE.match(scope["path"])
             settings = self.state.settings
             if upload:
@@ -64,6 +69,8 @@ class RequestGuard:
             if not upload and scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
                 receive = await _buffered(receive, cap, option)
         except SandboxError as exc:
+            if held is not None:
+                self.state.open_requests.release(held.tenant)
             request_id = scope.get("state", {}).get("request_id")
             response = sandbox_error_response(exc, request_id)
             if isinstance(exc, AuthenticationError) and self.state.failed_auth(scope.get("client")):
@@ -72,7 +79,11 @@ class RequestGuard:
                 response.headers["connection"] = "close"
             await response(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if held is not None:
+                self.state.open_requests.release(held.tenant)
 
 
 async def _buffered(receive: Receive, cap_bytes: int, option: str) -> Receive:

@@ -1,16 +1,17 @@
-"""Per-key rate limiting, and failed authentications per client address: token buckets, in
-memory (one server process)."""
+"""Per-key rate limiting, failed authentications per client address, each tenant's open
+requests and streams, and the pace of a stream's messages: in memory (one server process)."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import structlog
 
-from sandlot.errors import RateLimited
+from sandlot.errors import RateLimited, TooManyOpen
 
 log = structlog.get_logger(__name__)
 
@@ -22,6 +23,78 @@ def _refilled(bucket: tuple[float, float] | None, now: float, per_s: float, burs
         return float(burst)
     tokens, last = bucket
     return min(float(burst), tokens + (now - last) * per_s)
+
+
+def client_group(address: str) -> str:
+    """Whose share a client address spends, of failed authentications (:class:`AuthFailures`)
+    and of connections (``transport.py``): its own (IPv4), or its /64's (IPv6: a client
+    holds a whole /64, and took a fresh share from each address in it: 1,000 connections of
+    one /64 under a cap of 100 a client, red team, 2026-12-06); an IPv4-mapped address is
+    its IPv4's."""
+    if ":" not in address:
+        return address
+    try:
+        ip = ipaddress.IPv6Address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
+
+
+class OpenPerTenant:
+    """Requests and WebSockets each tenant has open at once, at most ``max_open`` (0: no
+    cap). A connection being served is never evicted (``transport.py``), so one key's 1,000
+    long-polls of an hour, from ten addresses, held every connection the server takes and
+    locked every other tenant out (red team, 2026-12-06): past its cap a tenant's next
+    request is refused at once (429 ``too_many_open``)."""
+
+    def __init__(self, max_open: int) -> None:
+        self.max_open = max_open
+        self.open: Counter[str] = Counter()
+
+    def acquire(self, tenant: str) -> None:
+        """Count one more open request or stream of ``tenant``.
+
+        Raises:
+            TooManyOpen: it has its most open already.
+        """
+        if self.max_open and self.open[tenant] >= self.max_open:
+            raise TooManyOpen(
+                f"this tenant already has {self.open[tenant]} requests and streams open "
+                f"(long-polls, WebSockets, runs under way); end some or raise "
+                f"API_MAX_OPEN_PER_TENANT"
+            )
+        self.open[tenant] += 1
+
+    def release(self, tenant: str) -> None:
+        self.open[tenant] -= 1
+        if self.open[tenant] <= 0:
+            del self.open[tenant]
+
+
+class Pace:
+    """The messages of one tenant's WebSocket streams, ``per_s`` a second past a ``burst``
+    (a leaky bucket, reserved before it waits, so streams waiting at once each get their
+    own turn): a client sending faster is read more slowly (:meth:`wait` holds its next
+    message back), so no input is lost and the flood costs it time, not the server's CPU.
+    A stream's messages are not requests (no rate limit of their own), and one socket sent
+    14,500 resizes a second, each a round trip to the guest: a core of the server's (red
+    team, 2026-12-06)."""
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        self.interval_s = 1.0 / per_s
+        self.tolerance_s = (burst - 1) * self.interval_s
+        self._next_s = 0.0  # when the bucket is empty again (monotonic)
+
+    async def wait(self) -> None:
+        """Take one message's turn, waiting for it past the burst."""
+        now = time.monotonic()
+        due = max(self._next_s, now)
+        self._next_s = due + self.interval_s
+        delay_s = due - now - self.tolerance_s
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
 
 
 class RateLimiter:
@@ -80,26 +153,12 @@ class AuthFailures:
         self.refusals = 0  # connections closed unread, for the log and the tests
         self._said_at = -SAY_EVERY_S
 
-    @staticmethod
-    def _holder(address: str) -> str:
-        """Whose credit ``address`` spends: its own (IPv4), or its /64's (IPv6: a client
-        holds a whole /64 and could otherwise take a fresh burst from each address in it)."""
-        if ":" not in address:
-            return address
-        try:
-            ip = ipaddress.IPv6Address(address.split("%", 1)[0])
-        except ValueError:
-            return address
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-
     def _credit(self, address: str, now: float) -> float:
         return _refilled(self._buckets.get(address), now, self.per_s, self.burst)
 
     def failed(self, address: str) -> bool:
         """Count one failed authentication from ``address``; whether it is refused now."""
-        address = self._holder(address)
+        address = client_group(address)
         now = time.monotonic()
         tokens = self._credit(address, now) - 1.0
         self._buckets[address] = (tokens, now)
@@ -120,7 +179,7 @@ class AuthFailures:
 
     def refused(self, address: str) -> bool:
         """Whether ``address`` has no credit for one more failure (counted as a refusal)."""
-        address = self._holder(address)
+        address = client_group(address)
         if address not in self._buckets:
             return False
         if self._credit(address, time.monotonic()) >= 1.0:

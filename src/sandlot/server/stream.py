@@ -37,13 +37,14 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from sandlot.core.background import StdinQueue
-from sandlot.errors import AuthenticationError, ConfigError, SandboxError
+from sandlot.errors import AuthenticationError, ConfigError, InvalidRequest, SandboxError
 from sandlot.models import ExecResult
 from sandlot.requests import RunCode, RunCommand
 from sandlot.server import outbox as outbox_
 from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, ServerState, refuse_upgrade
+from sandlot.server.limits import Pace
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["streaming"])
@@ -56,26 +57,34 @@ async def stream(websocket: WebSocket, sandbox_id: SandboxId) -> None:
     try:
         who = state.authenticate(websocket.headers, websocket.query_params.get("api_key"))
         await state.manager.get(sandbox_id, owner=who.owner_filter)
+        # The socket counts against its tenant's open requests until it closes.
+        state.open_requests.acquire(who.tenant)
     except SandboxError as exc:
         # Refused before the upgrade, as a typed HTTP error: an upgraded socket with no key
         # was held ~10 s waiting for the client's close reply, out of reach of eviction, and
         # 40 of them renewed held the whole connection cap (red team, 2026-12-06).
         await refuse_upgrade(websocket, exc)
         return
-    await websocket.accept()
     try:
+        await websocket.accept()
         while True:
-            message = await websocket.receive_json()
+            try:
+                message = await outbox_.receive_message(websocket)
+            except InvalidRequest as exc:
+                await _send_error(websocket, exc)
+                continue
             await _one_run(websocket, state, who, sandbox_id, message)
     except WebSocketDisconnect:
         return
+    finally:
+        state.open_requests.release(who.tenant)
 
 
 async def _one_run(
     websocket: WebSocket, state: ServerState, who: Principal, sandbox_id: str, message: Any
 ) -> None:
     outbox: outbox_.Outbox = asyncio.Queue()
-    budget = outbox_.Budget()
+    budget = state.stream_budget(who)
     try:
         prepared = await _prepare(websocket, state, sandbox_id, message, outbox, budget)
     except ValidationError as exc:
@@ -159,7 +168,8 @@ async def _stream_run(
     """Run it, its output and then its result to the client, its stdin from the client."""
     run = asyncio.create_task(prepared.call)
     sender = asyncio.create_task(outbox_.drain(websocket, outbox, budget))
-    listener = asyncio.create_task(_listen(websocket, prepared.stdin, outbox, budget))
+    pace = state.stream_pace(prepared.who)
+    listener = asyncio.create_task(_listen(websocket, prepared.stdin, outbox, budget, pace))
     watcher = asyncio.create_task(stream_jobs.watch_key(state, websocket))
     cut = False
     try:
@@ -200,6 +210,7 @@ async def _listen(
     stdin: StdinQueue | None,
     outbox: outbox_.Outbox,
     budget: outbox_.Budget,
+    pace: Pace,
 ) -> None:
     """Read the client's messages during a run: stdin, or its disconnect.
 
@@ -208,7 +219,12 @@ async def _listen(
     """
     closed = False  # stdin_eof was sent: nothing takes from the queue after it
     while True:
-        message = await websocket.receive_json()
+        try:
+            message = await outbox_.receive_message(websocket)
+        except InvalidRequest as exc:
+            outbox_.notify(outbox, budget, outbox_.notice(exc.code, exc.message))
+            continue
+        await pace.wait()
         if stdin is None or not isinstance(message, dict):
             continue
         kind = message.get("type")

@@ -36,7 +36,13 @@ from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
-from sandlot.errors import AuthenticationError, ConfigError, InvalidRequest, SandboxError
+from sandlot.errors import (
+    AuthenticationError,
+    ConfigError,
+    InvalidRequest,
+    SandboxError,
+    SandboxNotFound,
+)
 from sandlot.models import CommandInfo, DataCallback, OutputCallback
 from sandlot.requests import CommandInput, OpenPty, PtyInput, PtySize, RunCommand
 from sandlot.server import outbox as outbox_
@@ -87,7 +93,7 @@ async def run_job(
 ) -> None:
     """Start or attach to a terminal or background command and stream it until it ends."""
     outbox: outbox_.Outbox = asyncio.Queue()
-    budget = outbox_.Budget()
+    budget = state.stream_budget(who)
     manager = state.manager
     owner = who.owner_filter
     kind = message["type"]
@@ -121,6 +127,11 @@ async def run_job(
                     raise error
                 # Detached: it runs on (a client cut for not reading is detached too).
                 raise WebSocketDisconnect(code=outbox_.CUT_CODE if budget.cut else 1001)
+            if run.cancelled():
+                # Its sandbox was destroyed meanwhile (by its owner, its TTL, an admin): the
+                # wait's CancelledError reached the server as an unhandled exception, and
+                # the socket closed with no frame (red team, 2026-12-06).
+                raise SandboxNotFound(f"sandbox {sandbox_id} ended while this streamed")
             result = run.result()
         outbox_.final(outbox, budget, {"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
@@ -205,11 +216,16 @@ async def _listen(
         QueueCapReached: the notices its messages caused reached the queue cap unread.
     """
     manager = state.manager
+    pace = state.stream_pace(who)
     while True:
         try:
-            message = await websocket.receive_json()
+            message = await outbox_.receive_message(websocket)
         except (WebSocketDisconnect, RuntimeError):
             return
+        except InvalidRequest as exc:
+            outbox_.notify(outbox, budget, outbox_.notice(exc.code, exc.message))
+            continue
+        await pace.wait()
         if not isinstance(message, dict):
             continue
         kind = message.get("type")

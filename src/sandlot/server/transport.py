@@ -4,9 +4,10 @@ uvicorn bounds neither how long a request's headers or body may take to arrive n
 connections one address may hold, so 1,100 half-sent requests with no API key stopped the
 server answering anyone. :func:`guarded_protocol` builds uvicorn's httptools protocol with:
 
-- a cap on open HTTP connections, in all and per client address (over it, the connection is
-  closed before a byte is read; at the total cap, a new one takes the place of the
-  connection that has waited longest for its request head, if any does);
+- a cap on open HTTP connections, in all and per client address (an IPv6 address's /64;
+  over it, the connection is closed before a byte is read; at the total cap, a new one takes
+  the place of the connection that has waited longest for its request head, if any does;
+  what a tenant's keys hold once served is capped by ``limits.OpenPerTenant``);
 - a header deadline: the request line and headers must arrive within ``header_timeout_s`` of
   the connection (or of the previous response), and be at most ``max_header_bytes``;
 - a body idle timeout: a request body that sends nothing for ``body_idle_timeout_s`` (while
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from sandlot.server.limits import AuthFailures
+from sandlot.server.limits import AuthFailures, client_group
 from sandlot.server.outbox import ABORT_EXTENSION
 
 log = structlog.get_logger(__name__)
@@ -89,6 +90,9 @@ class ConnectionCount:
     auth_failures: AuthFailures | None = None
 
     def admit(self, ip: str) -> bool:
+        """Count a new connection from ``ip`` (by its group: an IPv6 address's /64); False
+        if it is over a cap and must be closed."""
+        ip = client_group(ip)
         per_ip = self.limits.max_connections_per_ip
         if per_ip and self.by_ip[ip] >= per_ip:
             self.refused += 1
@@ -115,6 +119,7 @@ class ConnectionCount:
         self.waiting.pop(connection, None)
 
     def release(self, ip: str) -> None:
+        ip = client_group(ip)
         self.total -= 1
         self.by_ip[ip] -= 1
         if self.by_ip[ip] <= 0:
