@@ -1015,3 +1015,17 @@ def test_a_stream_whose_sandbox_is_destroyed_ends_with_a_typed_error(
     assert events[-1]["type"] == "error", events
     assert events[-1]["error"]["code"] == "sandbox_not_found", events
     assert "Exception in ASGI application" not in server.log.read_text()
+
+
+def test_the_connection_cap_of_an_ipv6_client_is_its_64s() -> None:
+    """Failed before (the third red team's find, 2026-12-06): the per-address cap counted
+    each IPv6 address alone, so one client holding a /64 took 1,000 connections of 1,000
+    under a cap of 100 an address. It counts by /64 now, as failed authentications do."""
+    from sandlot.server.transport import ConnectionCount, ConnectionLimits
+
+    count = ConnectionCount(ConnectionLimits(1000, 2, 5.0, 5.0, 65536))
+    admitted = [count.admit(f"2001:db8:1:2::{n:x}") for n in range(1, 4)]
+    assert admitted == [True, True, False]
+    assert count.admit("2001:db8:1:3::1")  # another /64
+    count.release("2001:db8:1:2::1")
+    assert count.admit("2001:db8:1:2::ffff")
