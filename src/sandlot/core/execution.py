@@ -20,6 +20,7 @@ from sandlot.core.guest_link import GuestConnection
 from sandlot.core.live import Live, guest_broken
 from sandlot.errors import ConfigError, GuestDied, GuestError, PidsExhausted, SandboxError
 from sandlot.guest.ops import Op
+from sandlot.guest.wire import Results
 from sandlot.models import ExecResult, OutputCallback, ResourceUsage, Result, ResultCallback
 from sandlot.requests import RunCode, RunCommand
 
@@ -156,7 +157,8 @@ async def _attempt(
         after = live.counters = await live.backend.usage(live.id, full=False)
         try:
             result = ExecResult.model_validate(
-                {k: v for k, v in raw.items() if k in RESULT_FIELDS} | _results(raw)
+                {k: v for k, v in raw.items() if k in RESULT_FIELDS}
+                | _results(raw, limits.output_limit_bytes)
             )
         except ValidationError as exc:
             # The guest shares a uid with sandboxed code: a malformed reply is its failure
@@ -195,16 +197,28 @@ def _call_request(live: Live, payload: dict[str, Any], timeout_s: float) -> dict
     }
 
 
-def _results(raw: dict[str, Any]) -> dict[str, Any]:
+def _results(raw: dict[str, Any], limit_bytes: int) -> dict[str, Any]:
+    """The call's rich outputs as :class:`Result` models, kept by the guest's own rule
+    (``wire.Results``: its count, and its cost against the output limit) before any model is
+    built: the guest shares a uid with sandboxed code, and a reply it forged could otherwise
+    make the manager hold many times the cap."""
     bundles = raw.get("results")
     if not isinstance(bundles, list):
         return {}
+    fitting = Results(limit_bytes)
+    for bundle in bundles:
+        if fitting.full():
+            fitting.dropped += 1
+            break  # the rest would be dropped too: walking them is work for nothing
+        if not isinstance(bundle, dict):
+            continue
+        fitting.add(bundle)
     results = [
         Result.from_bundle(b.get("data"), b.get("is_main_result"))
-        for b in bundles
+        for b in fitting.kept
         if isinstance(b, dict)
     ]
-    return {"results": results}
+    return {"results": results} | ({"results_truncated": True} if fitting.dropped else {})
 
 
 async def _classify(

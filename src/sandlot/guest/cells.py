@@ -24,7 +24,14 @@ from procs import (
     signal_exit_code,
     spawn,
 )
-from wire import EXIT_CODE_MAX, EXIT_CODE_MIN, clip_text, dumps, encode_body, nests_within
+from wire import (
+    EXIT_CODE_MAX,
+    EXIT_CODE_MIN,
+    Results,
+    clip_text,
+    encode_body,
+    nests_within,
+)
 from workspace import WORKSPACE
 
 PYTHON = sys.executable or "/usr/bin/python3"
@@ -133,24 +140,6 @@ def _checked_display(frame, nonce):
     # (a red team's find).
     data = {mime: value for mime, value in bundle["data"].items() if nests_within(value)}
     return True, {"data": data, "is_main_result": bundle["is_main_result"]}
-
-
-class _Results:
-    """A cell's display bundles, at most ``limit_bytes`` of them (JSON-encoded) in all."""
-
-    def __init__(self, limit_bytes):
-        self.left = limit_bytes
-        self.kept = []
-        self.dropped = 0
-
-    def add(self, bundle):
-        size = len(dumps(bundle))  # ASCII: escaped, so its length is its size
-        if size > self.left:
-            self.dropped += 1
-            return False
-        self.left -= size
-        self.kept.append(bundle)
-        return True
 
 
 class Kernel:
@@ -343,8 +332,9 @@ class Cells:
         reply = None
         interrupt_at = None
         # The kernel keeps its bundles within the cap, but cell code runs in the kernel's
-        # process and can write to its socket: the cap is kept here too.
-        results = _Results(int(request.get("output_limit", 1 << 20)))
+        # process and can write to its socket: the cap is kept here too, measured as the host
+        # will hold them (``wire.result_cost``), and so is the count (``wire.MAX_RESULTS``).
+        results = Results(int(request.get("output_limit", 1 << 20)))
         while True:
             now = time.monotonic()
             if reply is None and not reason and call.cancelled:
@@ -428,7 +418,11 @@ class Cells:
             is_display, bundle = _checked_display(frame, nonce)
             if not is_display:
                 return _checked_reply(frame, nonce)
-            if bundle is None or not results.add(bundle):
+            if bundle is None:
+                continue
+            if frame["display"].get("cut") is True:
+                results.dropped += 1  # the kernel kept its text only, or none of it
+            if not results.add(bundle):
                 continue
             if request.get("stream"):
                 # Charged to the sandbox's stream budget as stdout is: a cell of display(0)

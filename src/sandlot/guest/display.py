@@ -11,7 +11,7 @@ passed to ``plt.show()``) are shown and closed, as the notebook's inline backend
 import io
 import sys
 
-from wire import clip_text, dumps
+from wire import MAX_RESULTS, clip_text, result_cost
 
 # (MIME type, method) in the order IPython's formatters try them.
 REPR_METHODS = (
@@ -107,31 +107,49 @@ def _warn(method, exc):
 
 
 class Display:
-    """Sends the bundles of one kernel's cells, within a byte budget per cell."""
+    """Sends the bundles of one kernel's cells, within a budget per cell: the supervisor's
+    measure and count (``wire.Results``)."""
 
     def __init__(self, send):
         self._send = send  # a bundle dict -> the supervisor
         self._budget = 0
+        self._shown = 0
+        self._cut = False
 
     def start_cell(self, budget_bytes):
         self._budget = budget_bytes
+        self._shown = 0
+        self._cut = False
 
     def show(self, obj, is_main_result=False, plain=None):
+        if self._shown > MAX_RESULTS:
+            return  # made for nothing: the supervisor keeps none past the cap
         bundle = {"data": mime_bundle(obj, plain), "is_main_result": is_main_result}
-        # The supervisor's measure (``cells._Results``), on json's C core: ``import json``
-        # (``re`` with it) was ~8 ms of the first shown result's wait.
-        size = len(dumps(bundle))  # ASCII: escaped, so its length is its size
-        if size > self._budget:
+        cost = result_cost(bundle, self._budget)
+        if cost > self._budget:
             sys.stderr.write(
-                "display: a %d-byte output was over the cell's remaining %d bytes; only its "
-                "text is kept\n" % (size, max(0, self._budget))
+                "display: an output costing %d bytes or more was over the cell's remaining %d; "
+                "only its text is kept\n" % (cost, max(0, self._budget))
             )
             plain = clip_text(bundle["data"]["text/plain"], PLAIN_LIMIT_BYTES)
             bundle["data"] = {"text/plain": plain}
-            size = len(dumps(bundle))
-            if size > self._budget:
-                return  # not even its text fits: the supervisor would drop it too
-        self._budget -= size
+            cost = result_cost(bundle, self._budget)
+            if cost > self._budget and self._cut:
+                return  # not even its text fits, and the supervisor knows results were cut
+            # Marked, the supervisor says results_truncated. One whose text does not fit
+            # either is sent all the same, once, to say so: the supervisor, whose budget is
+            # this one, leaves it out.
+            bundle["cut"] = True
+            self._cut = True
+        if cost <= self._budget:
+            self._budget -= cost
+            self._shown += 1
+            if self._shown > MAX_RESULTS:
+                # Sent all the same: the supervisor leaves it out and says results_truncated.
+                sys.stderr.write(
+                    "display: a cell keeps at most %d outputs; later ones are left out\n"
+                    % MAX_RESULTS
+                )
         self._send(bundle)
 
     def display(self, *objs, **kwargs):

@@ -149,6 +149,81 @@ def nests_within(value: object, depth: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
+# What a rich output costs the host to hold, against the call's output limit: its JSON bytes
+# alone undercount it 20-fold (one 1 MiB output of "[{},{},...]" held 26 MiB of the
+# manager's memory, 20,971 display(0) calls 21 MiB: red team, 2026-12-06). Measured on the
+# host (CPython 3.11, pydantic 2, tracemalloc), each node with its slot in the container
+# holding it: an empty dict 73 bytes, an empty list 65, a float 33, a short ASCII string ~63,
+# a short non-ASCII one 85-89 (for ~10 bytes of JSON escapes), a dict entry ~100 with its key
+# counted as a node; 80 a node plus its bytes covers each of them. A ``Result`` model takes
+# ~830 bytes (~950 with an ``extra`` format) before its data, of which even an empty
+# bundle's own nodes pay ~400: each bundle pays the rest on top.
+JSON_NODE_COST_BYTES = 80
+RESULT_COST_BYTES = 512
+# The most rich outputs one call keeps; the rest are left out (``results_truncated``).
+MAX_RESULTS = 1000
+
+
+def json_nodes(value: object, most: int) -> int:
+    """How many containers, dict keys and scalars make up ``value``, or a number over
+    ``most`` as soon as it is known to pass it. Walked without recursion (the value is the
+    sandbox's to shape), and a container's items are counted before they are walked, so a
+    list of millions is refused at the cost of its ``len``."""
+    count = 1
+    pending: list[object] = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            count += 2 * len(item)  # its keys and its values
+            if count > most:
+                return count
+            pending.extend(v for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            count += len(item)
+            if count > most:
+                return count
+            pending.extend(v for v in item if isinstance(v, (dict, list)))
+    return count
+
+
+def result_cost(bundle: object, most: int) -> int:
+    """What the display bundle ``bundle`` costs the host to hold (see JSON_NODE_COST_BYTES),
+    or a number over ``most`` as soon as it is known to pass it. The one measure of the
+    kernel (display.py), the supervisor (cells.py) and the host (core/execution.py)."""
+    fixed = RESULT_COST_BYTES
+    nodes = json_nodes(bundle, max(0, most - fixed) // JSON_NODE_COST_BYTES)
+    cost = fixed + nodes * JSON_NODE_COST_BYTES
+    if cost > most:
+        return cost
+    return cost + len(dumps(bundle))  # ASCII: escaped, so its length is its size
+
+
+class Results:
+    """A call's display bundles, kept in order while they fit: at most MAX_RESULTS of them,
+    costing at most ``limit_bytes`` together (``result_cost``). One that does not fit is
+    counted in ``dropped``; a smaller one after it may still fit."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.left = limit_bytes
+        self.kept: list[object] = []
+        self.dropped = 0
+
+    def full(self) -> bool:
+        return len(self.kept) >= MAX_RESULTS
+
+    def add(self, bundle: object) -> bool:
+        if self.full():
+            self.dropped += 1
+            return False
+        cost = result_cost(bundle, self.left)
+        if cost > self.left:
+            self.dropped += 1
+            return False
+        self.left -= cost
+        self.kept.append(bundle)
+        return True
+
+
 def encoded_size(text):
     """Bytes ``text`` takes inside a frame (JSON escaping makes a control byte 6 bytes)."""
     return len(dumps(text, ensure_ascii=False).encode("utf-8", "replace")) - 2
