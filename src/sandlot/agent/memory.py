@@ -28,7 +28,9 @@ another size is refused with :class:`~sandlot.errors.ConfigError`, never mixed.
 
 The qdrant-client calls are synchronous and run in a worker thread under one lock: embedded
 mode is a SQLite file that must not be written from two threads at once, and the event loop
-must not stall on its disk writes.
+must not stall on its disk writes. Embeddings run on a thread of the memory's own, one at a
+time: a GGUF embedder's forward passes queued in the loop's default executor would hold the
+threads that the sandboxes' lifecycle needs (as the local model's calls did, a red team's F3).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import importlib
 import threading
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -118,6 +121,9 @@ class AgentMemory:
         self.embedder = embedder
         self.location = location
         self._lock = threading.Lock()
+        # Queued embeddings wait in this executor's queue, holding no thread; its one thread
+        # starts with the first embedding.
+        self._embedding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandlot-embed")
         self._closed = False
 
     @classmethod
@@ -208,7 +214,7 @@ class AgentMemory:
         """Store one record; returns its point id (a UUID string)."""
         from qdrant_client import models
 
-        [vector] = await asyncio.to_thread(self.embedder.embed, [record.task])
+        vector = await self._embed(record.task)
         point_id = str(uuid.uuid4())
         point = models.PointStruct(
             id=point_id, vector=vector, payload=record.model_dump(mode="json")
@@ -239,7 +245,7 @@ class AgentMemory:
             raise ConfigError(f"recall needs limit >= 1, got {limit}")
         if min_score is None:
             min_score = float(getattr(self.embedder, "min_score", DEFAULT_MIN_SCORE))
-        [vector] = await asyncio.to_thread(self.embedder.embed, [task])
+        vector = await self._embed(task)
         response = await self._call(
             self._client.query_points,
             COLLECTION_NAME,
@@ -284,6 +290,8 @@ class AgentMemory:
         if self._closed:
             return
         self._closed = True
+        # Embeddings already queued still run; their Qdrant call then finds the memory closed.
+        self._embedding.shutdown(wait=False)
         await asyncio.to_thread(self._locked, self._client.close)
 
     async def __aenter__(self) -> Self:
@@ -297,10 +305,18 @@ class AgentMemory:
     ) -> None:
         await self.close()
 
+    async def _embed(self, text: str) -> list[float]:
+        self._refuse_if_closed()
+        [vector] = await asyncio.wrap_future(self._embedding.submit(self.embedder.embed, [text]))
+        return vector
+
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self._refuse_if_closed()
+        return await asyncio.to_thread(self._locked, function, *args, **kwargs)
+
+    def _refuse_if_closed(self) -> None:
         if self._closed:
             raise ConfigError("this AgentMemory is closed; open another with AgentMemory.open()")
-        return await asyncio.to_thread(self._locked, function, *args, **kwargs)
 
     def _locked(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse

@@ -8,9 +8,12 @@ fetch``, see :mod:`sandlot.agent.weights`). Generation is bounded three ways:
 - ``threads`` (default 1): with both cores of a small machine asked for while a sandbox
   keeps one busy, llama.cpp's threads wait on each other and decoding falls below 1 token/s.
 
-One loaded model is shared per (file, threads, context) in the process and used by one call
-at a time (a llama.cpp context is not thread-safe); calls run in a worker thread so the
-event loop stays free.
+One loaded model is shared per (file, threads, context, instance) in the process and used by
+one call at a time (a llama.cpp context is not thread-safe). Each loaded model has a thread of
+its own that alone decodes with it; calls wait for their turn on the event loop, holding no
+thread. They never run in the loop's default executor: the sandbox lifecycle needs its few
+threads, and 8 agent tasks waiting there for the one model stalled another tenant's sandbox
+create from 0.23 s to 87 s (a red team's find, F3).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from sandlot.agent.providers.base import (
     Completion,
@@ -34,45 +39,113 @@ from sandlot.agent.providers.base import (
 from sandlot.agent.weights import is_fetched, model_path, shipped_model
 from sandlot.errors import ConfigError, ProviderError
 
-_LOADED: dict[tuple[str, int, int, int], tuple[Any, threading.Lock]] = {}
-_LOADING = threading.Lock()
+T = TypeVar("T")
+# A job on a model's thread: given the loaded model and the event set once its caller stops
+# waiting for it.
+Job = Callable[[Any, threading.Event], T]
+ModelKey = tuple[str, int, int, int]  # path, threads, context tokens, instance
+
+
+class _SharedModel:
+    """One llama.cpp context, loaded on first use, and the one thread that decodes with it."""
+
+    def __init__(self, key: ModelKey) -> None:
+        self.key = key
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"sandlot-local-model-{key[3]}"
+        )
+        # Held by whichever thread touches the context: its executor's thread, or a caller of
+        # LocalProvider._llm() from outside the provider's calls. The executor already runs
+        # one job at a time, so in the provider's own calls it is never waited for.
+        self.guard = threading.Lock()
+        self.users = 0  # LocalProviders holding it; under _MODELS_LOCK
+        self._llm: Any = None
+        # Each event loop queues its callers on a lock of its own: an asyncio.Lock belongs to
+        # one loop, and a provider may serve several (asyncio.run per call, a sync wrapper).
+        # Across loops the one-thread executor keeps them in turn.
+        self._turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def turn(self) -> asyncio.Lock:
+        """The running loop's lock on this model, held from before a job is submitted until
+        it ends."""
+        # setdefault is one dict operation under the GIL: two loops never get two locks.
+        return self._turns.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+
+    def llm(self) -> Any:
+        """The loaded model, loaded now if need be. The caller holds ``guard``."""
+        if self._llm is None:
+            self._llm = _new_llama(*self.key)
+        return self._llm
+
+    def run(self, job: Job[T], stop: threading.Event) -> T:
+        """``job`` with the loaded model; on this model's thread."""
+        with self.guard:
+            return job(self.llm(), stop)
+
+    def close(self) -> None:
+        with self.guard:
+            if self._llm is not None:
+                self._llm.close()
+                self._llm = None
+
+
+_MODELS: dict[ModelKey, _SharedModel] = {}
+_MODELS_LOCK = threading.Lock()  # over _MODELS and the users counts; never held for long
+
+
+def _acquire(key: ModelKey) -> _SharedModel:
+    with _MODELS_LOCK:
+        model = _MODELS.get(key)
+        if model is None:
+            model = _MODELS[key] = _SharedModel(key)
+        model.users += 1
+        return model
+
+
+def _release(model: _SharedModel) -> bool:
+    """One user less; True when it was the last, and the model is no longer shared."""
+    with _MODELS_LOCK:
+        model.users -= 1
+        if model.users > 0:
+            return False
+        if _MODELS.get(model.key) is model:
+            del _MODELS[model.key]
+        return True
 
 
 @atexit.register
-def _close_loaded() -> None:
+def _close_models() -> None:
     # Free the models while the interpreter is whole: llama-cpp-python's own __del__ at
-    # shutdown finds its ctypes functions already gone and prints a TypeError.
-    with _LOADING:
-        for llm, lock in _LOADED.values():
-            with lock:
-                llm.close()
-        _LOADED.clear()
+    # shutdown finds its ctypes functions already gone and prints a TypeError. By now
+    # concurrent.futures has joined the models' threads (before any atexit handler), so
+    # they are closed here, on this thread.
+    with _MODELS_LOCK:
+        models = list(_MODELS.values())
+        _MODELS.clear()
+    for model in models:
+        model.executor.shutdown(wait=True)
+        model.close()
 
 
-def _load(
-    path: Path, threads: int, context_tokens: int, instance: int
-) -> tuple[Any, threading.Lock]:
-    key = (str(path), threads, context_tokens, instance)
-    with _LOADING:
-        if key not in _LOADED:
-            try:
-                from llama_cpp import Llama
-            except ImportError as exc:
-                raise ConfigError(
-                    "LLM_PROVIDER=local needs llama-cpp-python: pip install "
-                    "'sandlot[local]' (it builds llama.cpp, about 6 minutes)"
-                ) from exc
-            # Idle OpenMP threads spin by default and steal the core a sandbox needs.
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            llm = Llama(
-                model_path=str(path),
-                n_ctx=context_tokens,
-                n_threads=threads,
-                n_threads_batch=threads,
-                verbose=False,
-            )
-            _LOADED[key] = (llm, threading.Lock())
-        return _LOADED[key]
+def _new_llama(path: str, threads: int, context_tokens: int, _instance: int) -> Any:
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:
+        raise ConfigError(
+            "LLM_PROVIDER=local needs llama-cpp-python: pip install "
+            "'sandlot[local]' (it builds llama.cpp, about 6 minutes)"
+        ) from exc
+    # Idle OpenMP threads spin by default and steal the core a sandbox needs.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return Llama(
+        model_path=path,
+        n_ctx=context_tokens,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
 
 
 class LocalProvider(Provider):
@@ -104,21 +177,57 @@ class LocalProvider(Provider):
         # worker: two calls at once never read the same count.
         self._seeds = itertools.count(seed)
         self.path = model_path or _resolve(model, models_dir)
+        self._model: _SharedModel | None = None  # taken on first use, let go by aclose()
+
+    def _shared(self) -> _SharedModel:
+        if self._model is None:
+            key = (str(self.path), self.threads, self.context_tokens, self.instance)
+            self._model = _acquire(key)
+        return self._model
 
     def _llm(self) -> tuple[Any, threading.Lock]:
-        return _load(self.path, self.threads, self.context_tokens, self.instance)
+        """The loaded model (loaded on this thread if need be) and the lock to hold while
+        using it outside the provider's own calls."""
+        model = self._shared()
+        with model.guard:
+            return model.llm(), model.guard
 
-    def _chunks(
-        self,
-        messages: list[Message],
-        params: GenerationParams,
-        stats: dict[str, Any],
-        seed: int,
-    ) -> Iterator[str]:
-        """Decode in this (worker) thread, token by token, within the time budget."""
-        llm, lock = self._llm()
-        with lock:
-            yield from self._decode(llm, messages, params, stats, seed)
+    async def _submit(self, job: Job[T], stop: threading.Event) -> asyncio.Future[T]:
+        """``job`` queued on the model's own thread, once this loop's calls before it are
+        done; the future of its result.
+
+        The wait for the turn is on the event loop: a waiting call holds no thread, so any
+        number of them leave the default executor to the sandboxes. The turn passes on when
+        the job ends, or as soon as its future is cancelled: a job that is still finishing
+        then delays the next one inside the one-thread executor, still holding no other
+        thread.
+        """
+        model = self._shared()
+        turn = model.turn()
+        await turn.acquire()
+        try:
+            future = asyncio.wrap_future(model.executor.submit(model.run, job, stop))
+        except BaseException:
+            turn.release()
+            raise
+        future.add_done_callback(lambda _: turn.release())
+        return future
+
+    async def _call(self, job: Job[T]) -> T:
+        """``job``'s result, from the model's own thread.
+
+        ``timeout_s`` is kept there, by the decoding, from the start of the job's own
+        decoding (not its wait for a turn): past it the job raises ProviderError. A caller
+        that stops waiting (its task cancelled: the client went away, a timeout around it)
+        does not leave the model decoding a reply nobody reads for up to ``timeout_s``: the
+        job stops at its next token. Cancelled while still queued, the job never runs.
+        """
+        stop = threading.Event()
+        future = await self._submit(job, stop)
+        try:
+            return await future
+        finally:
+            stop.set()  # after a finished job, a no-op
 
     def _decode(
         self,
@@ -127,8 +236,10 @@ class LocalProvider(Provider):
         params: GenerationParams,
         stats: dict[str, Any],
         seed: int,
+        stop: threading.Event,
     ) -> Iterator[str]:
-        """One reply, decoded by ``llm`` (whose lock the caller holds)."""
+        """One reply, decoded by ``llm`` (whose lock the caller holds); it ends early, with
+        no error, once ``stop`` is set."""
         kwargs: dict[str, Any] = {
             "messages": [m.model_dump() for m in messages],
             "max_tokens": params.max_tokens,
@@ -161,6 +272,8 @@ class LocalProvider(Provider):
             if text:
                 output_tokens += 1
                 yield text
+            if stop.is_set():
+                return  # nobody waits for the rest: the model is free for the next call
             if time.monotonic() > deadline:
                 raise ProviderError(
                     f"the local model did not finish within {self.timeout_s:g} s "
@@ -188,69 +301,81 @@ class LocalProvider(Provider):
         stats: dict[str, Any] = {}
         started = time.monotonic()
         seed = next(self._seeds)
-        text = await asyncio.to_thread(lambda: "".join(self._chunks(messages, params, stats, seed)))
+
+        def decode(llm: Any, stop: threading.Event) -> str:
+            return "".join(self._decode(llm, messages, params, stats, seed, stop))
+
+        text = await self._call(decode)
         return self._completion(text, stats, started)
 
     async def _complete_many(
         self, messages: list[Message], params: GenerationParams, count: int
     ) -> list[Completion | ProviderError]:
-        """The replies one after another on one context, its lock held throughout: the
-        prompt stays in the KV cache, so llama.cpp reads it once (each later reply evaluates
-        only its last token) and only the first reply is charged for it."""
+        """The replies one after another on one context, in one turn: the prompt stays in
+        the KV cache, so llama.cpp reads it once (each later reply evaluates only its last
+        token) and only the first reply is charged for it."""
         seeds = [next(self._seeds) for _ in range(count)]
 
-        def decode_all() -> list[Completion | ProviderError]:
-            llm, lock = self._llm()
+        def decode_all(llm: Any, stop: threading.Event) -> list[Completion | ProviderError]:
             replies: list[Completion | ProviderError] = []
             charged = False  # the prompt, to a reply
-            with lock:
-                for seed in seeds:
-                    stats: dict[str, Any] = {}
-                    started = time.monotonic()
-                    try:
-                        text = "".join(self._decode(llm, messages, params, stats, seed))
-                    except ProviderError as exc:
-                        replies.append(exc)
-                        continue
-                    reply = self._completion(text, stats, started)
-                    if charged:
-                        reply.input_tokens = 0  # read once, by the first reply
-                    charged = True
-                    replies.append(reply)
+            for seed in seeds:
+                if stop.is_set():
+                    break
+                stats: dict[str, Any] = {}
+                started = time.monotonic()
+                try:
+                    text = "".join(self._decode(llm, messages, params, stats, seed, stop))
+                except ProviderError as exc:
+                    replies.append(exc)
+                    continue
+                reply = self._completion(text, stats, started)
+                if charged:
+                    reply.input_tokens = 0  # read once, by the first reply
+                charged = True
+                replies.append(reply)
             return replies
 
-        return await asyncio.to_thread(decode_all)
+        return await self._call(decode_all)
 
     async def _stream(
         self, messages: list[Message], params: GenerationParams
     ) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, str | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()  # None: the decoding ended
         seed = next(self._seeds)
+        stop = threading.Event()
 
-        def produce() -> None:
-            try:
-                for text in self._chunks(messages, params, {}, seed):
-                    loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
-            except BaseException as exc:  # handed to the consumer, re-raised there
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
-            else:
-                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+        def produce(llm: Any, stop: threading.Event) -> None:
+            for text in self._decode(llm, messages, params, {}, seed, stop):
+                loop.call_soon_threadsafe(queue.put_nowait, text)
 
-        worker = asyncio.create_task(asyncio.to_thread(produce))
+        worker = await self._submit(produce, stop)
+        # The job's end reaches the loop after every text it queued (both by
+        # call_soon_threadsafe, in order), so the end mark comes last.
+        worker.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            while True:
-                kind, value = await queue.get()
-                if kind == "text":
-                    assert isinstance(value, str)
-                    yield value
-                elif kind == "error":
-                    assert isinstance(value, BaseException)
-                    raise value
-                else:
-                    break
+            while (text := await queue.get()) is not None:
+                yield text
+            await worker  # the error that ended the decoding, if one did
         finally:
-            await worker
+            # A consumer that leaves early stops the decoding at its next token, and the
+            # stream ends with it, as a whole reply's would.
+            stop.set()
+            if not worker.done():
+                await asyncio.wait([worker])
+            if not worker.cancelled():
+                worker.exception()  # seen: a consumer that left has no use for it
+
+    async def aclose(self) -> None:
+        """Let go of the model; the last provider sharing it closes it and its thread,
+        after the jobs already queued there."""
+        model, self._model = self._model, None
+        if model is None or not _release(model):
+            return
+        closing = model.executor.submit(model.close)
+        model.executor.shutdown(wait=False)
+        await asyncio.wrap_future(closing)
 
 
 def _resolve(model: str, models_dir: Path | None) -> Path:
