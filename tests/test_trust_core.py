@@ -22,6 +22,7 @@ from sandlot.errors import (
     ConfigError,
     InvalidRequest,
     QuotaExceeded,
+    SandboxFileBusy,
     SandboxNotFound,
 )
 from sandlot.guest.wire import MAX_JSON_DEPTH, MAX_RESULTS, nests_within
@@ -566,6 +567,33 @@ def test_displays_streamed_to_a_listener_are_held_to_the_stream_budget(jail: San
         kept += len(result.results)
     frames_allowed = (8 << 20) / 4096 * (1 + time.monotonic() - started)
     assert 0 < len(shown) <= frames_allowed < kept, (len(shown), kept, frames_allowed)
+
+
+LEASE_HOLDER = r"""
+import fcntl, os, signal, time
+signal.signal(signal.SIGIO, signal.SIG_IGN)  # a lease's break would end it, and the lease
+fd = os.open("leased.txt", os.O_RDONLY)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+open("lease-taken", "w").close()
+time.sleep(30)
+"""
+
+
+@pytest.mark.hostile
+def test_a_file_leased_in_the_sandbox_is_a_file_error_not_a_restart(jail: Sandbox) -> None:
+    """Failed before (a red team's note, 2026-12-06): a write lease made the guest's open of
+    the file fail with EAGAIN, which the guest reported as the pids limit, so the host
+    restarted the guest (its variables lost) and tried again."""
+    jail.run_code("kept = 41")
+    jail.files.write("leased.txt", "a")
+    jail.files.write("hold.py", LEASE_HOLDER)
+    jail.commands.run("/usr/bin/python3 hold.py", background=True)
+    deadline = time.monotonic() + 20
+    while not jail.files.exists("lease-taken") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(SandboxFileBusy, match="leased"):
+        jail.files.write("leased.txt", "b")
+    assert jail.run_code("kept + 1").text == "42"
 
 
 def test_nesting_is_measured_without_recursion() -> None:

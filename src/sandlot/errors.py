@@ -285,6 +285,12 @@ class SandboxDiskFull(SandboxFileError):
     code = "disk_full"
 
 
+class SandboxFileBusy(SandboxFileError, BlockingIOError):
+    """A process in the sandbox holds a lease on the file: try again once it lets go."""
+
+    code = "file_busy"
+
+
 _BY_CODE: dict[str, type[SandboxError]] = {
     cls.code: cls
     for cls in (
@@ -329,6 +335,8 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxNotADirectory,
         SandboxFileExists,
         SandboxDiskFull,
+        SandboxFileBusy,
+        TooManyOpen,
     )
 }
 

@@ -200,7 +200,17 @@ def open_confined(path, flags, mode=0o644):
     """Open a regular file only, every component without following a symlink (see
     :func:`open_beneath`); O_NONBLOCK keeps a FIFO swapped in by sandboxed code from
     blocking us forever."""
-    fd = open_beneath(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    try:
+        fd = open_beneath(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except BlockingIOError:
+        # A lease (F_SETLEASE) some process of the sandbox holds: a file's fault, not the
+        # pids limit that EAGAIN means elsewhere (a fork), for which the host restarts the
+        # guest, its state lost (a red team's note, 2026-12-06).
+        raise GuestFault(
+            "file_busy",
+            "%s is leased by a process in the sandbox (EAGAIN): try again once it lets go"
+            % display(path),
+        ) from None
     mode_now = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode_now):
         os.close(fd)

@@ -32,6 +32,7 @@ from sandlot.errors import (
     RequestTooLarge,
     SandboxDiskFull,
     SandboxError,
+    SandboxFileBusy,
     SandboxFileError,
     SandboxFileExists,
     SandboxFileNotFound,
@@ -79,6 +80,7 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     SandboxNotADirectory: 409,
     SandboxFileExists: 409,
     SandboxDiskFull: 507,
+    SandboxFileBusy: 409,
     SandboxFileError: 400,  # any other file problem is about the path the client sent
     BackendUnavailable: 503,
     SandboxStartError: 503,
