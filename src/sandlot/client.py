@@ -258,6 +258,11 @@ class RemoteService:
         tail = "" if pid is None else f"/{pid}"
         return f"/v1/sandboxes/{sandbox_id}/commands{tail}"
 
+    @staticmethod
+    def _which(command_id: str | None) -> dict[str, str]:
+        """The query that holds a verb to one command (its pid may be a later one's)."""
+        return {} if command_id is None else {"command_id": command_id}
+
     async def start_command(
         self,
         sandbox_id: str,
@@ -293,17 +298,25 @@ class RemoteService:
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        command_id: str | None = None,
     ) -> CommandInfo:
+        which = self._which(command_id)
         if on_stdout is not None or on_stderr is not None:
-            message = {"type": "attach", "pid": pid}
+            message = {"type": "attach", "pid": pid, **which}
             return await self._jobs.start(
                 sandbox_id, message, on_stdout=on_stdout, on_stderr=on_stderr
             )
-        data = await self._json("GET", self._commands_url(sandbox_id, pid), idempotent=True)
+        url = self._commands_url(sandbox_id, pid)
+        data = await self._json("GET", url, idempotent=True, params=which)
         return CommandInfo.model_validate(data)
 
     async def wait_command(
-        self, sandbox_id: str, pid: int, timeout_s: float | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        timeout_s: float | None = None,
+        *,
+        command_id: str | None = None,
     ) -> ExecResult:
         url = self._commands_url(sandbox_id, pid) + "/wait"
         left_s = timeout_s
@@ -313,7 +326,7 @@ class RemoteService:
                 "GET",
                 url,
                 idempotent=True,
-                params={"timeout_s": slice_s},
+                params={"timeout_s": slice_s, **self._which(command_id)},
                 timeout=slice_s + EXEC_MARGIN_S,
             )
             if response.status_code == 200:
@@ -326,7 +339,13 @@ class RemoteService:
                     )
 
     async def send_command_stdin(
-        self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False
+        self,
+        sandbox_id: str,
+        pid: int,
+        data: bytes,
+        *,
+        eof: bool = False,
+        command_id: str | None = None,
     ) -> None:
         # Not idempotent: input sent twice would reach the command twice.
         try:
@@ -334,10 +353,13 @@ class RemoteService:
         except UnicodeDecodeError as exc:
             raise ConfigError("a remote command's stdin takes UTF-8 text") from exc
         url = self._commands_url(sandbox_id, pid) + "/stdin"
-        await self._send("POST", url, body, idempotent=False)
+        await self._send("POST", url, body, idempotent=False, params=self._which(command_id))
 
-    async def kill_command(self, sandbox_id: str, pid: int) -> bool:
-        data = await self._json("DELETE", self._commands_url(sandbox_id, pid), idempotent=True)
+    async def kill_command(
+        self, sandbox_id: str, pid: int, *, command_id: str | None = None
+    ) -> bool:
+        url = self._commands_url(sandbox_id, pid)
+        data = await self._json("DELETE", url, idempotent=True, params=self._which(command_id))
         return bool(data["killed"])
 
     # -- terminals
@@ -353,21 +375,27 @@ class RemoteService:
         )
         return CommandInfo.model_validate(response.json())
 
-    async def resize_pty(self, sandbox_id: str, pid: int, size: PtySize) -> None:
+    async def resize_pty(
+        self, sandbox_id: str, pid: int, size: PtySize, *, command_id: str | None = None
+    ) -> None:
         url = f"/v1/sandboxes/{sandbox_id}/pty/{pid}/resize"
-        await self._send("POST", url, size, idempotent=True)
+        await self._send("POST", url, size, idempotent=True, params=self._which(command_id))
 
-    async def pty_output(self, sandbox_id: str, pid: int, offset: int = 0) -> PtyOutput:
+    async def pty_output(
+        self, sandbox_id: str, pid: int, offset: int = 0, *, command_id: str | None = None
+    ) -> PtyOutput:
         url = f"/v1/sandboxes/{sandbox_id}/pty/{pid}/output"
-        data = await self._json("GET", url, idempotent=True, params={"offset": offset})
+        params = {"offset": offset, **self._which(command_id)}
+        data = await self._json("GET", url, idempotent=True, params=params)
         return PtyOutput.model_validate(data)
 
-    async def send_pty_input(self, sandbox_id: str, pid: int, data: bytes) -> None:
+    async def send_pty_input(
+        self, sandbox_id: str, pid: int, data: bytes, *, command_id: str | None = None
+    ) -> None:
         body = PtyInput(data_b64=base64.b64encode(data).decode("ascii"))
+        url = f"/v1/sandboxes/{sandbox_id}/pty/{pid}/input"
         # Not idempotent: keystrokes sent twice would be typed twice.
-        await self._send(
-            "POST", f"/v1/sandboxes/{sandbox_id}/pty/{pid}/input", body, idempotent=False
-        )
+        await self._send("POST", url, body, idempotent=False, params=self._which(command_id))
 
     # -- files
 

@@ -177,6 +177,15 @@ class CommandInfo(_Model):
     running: bool = True
     exit_code: int | None = None
     pty: bool = Field(default=False, description="A terminal (``pty.create``), not a command.")
+    # The pid alone does not name one command: pids start again at 1 when the sandbox's guest
+    # restarts (which its code can force) and wrap within one guest, so a handle kept by pid
+    # once got a later command's result (red team, 2026-12-06). Optional on the wire: a server
+    # from before it sends none, and its client then acts by pid as before.
+    command_id: str | None = Field(
+        default=None,
+        description="Drawn by the host at random, unique in its sandbox: pass it with the pid "
+        "(``?command_id=``) to act on this command only, not a later one given its pid.",
+    )
 
 
 class PtyOutput(_Model):

@@ -67,7 +67,12 @@ def default_manager() -> SandboxManager:
 
 
 class AsyncCommandHandle:
-    """A command running in the background (``commands.run(..., background=True)``)."""
+    """A command running in the background (``commands.run(..., background=True)``).
+
+    Every verb names it by pid and ``info.command_id``: its pid may go to a later command
+    (after the sandbox's guest restarts), and a handle must never act on that one; once its
+    own is no longer kept, a verb raises ``CommandNotFound``.
+    """
 
     def __init__(self, sandbox: AsyncSandbox, info: CommandInfo) -> None:
         self._sb = sandbox
@@ -84,23 +89,32 @@ class AsyncCommandHandle:
             CommandStillRunning: it did not end within ``timeout_s`` (it runs on).
         """
         run = self._sb._run
-        return await run(run.background.wait_command(self._sb.id, self.pid, timeout_s))
+        which = self.info.command_id
+        return await run(
+            run.background.wait_command(self._sb.id, self.pid, timeout_s, command_id=which)
+        )
 
     async def kill(self) -> bool:
         """Kill it and what it started; whether it was still running."""
         run = self._sb._run
-        return await run(run.background.kill_command(self._sb.id, self.pid))
+        which = self.info.command_id
+        return await run(run.background.kill_command(self._sb.id, self.pid, command_id=which))
 
     async def send_stdin(self, data: str | bytes) -> None:
         """Write to its stdin (waits while the command does not read)."""
         raw = data.encode() if isinstance(data, str) else data
-        run = self._sb._run
-        await run(run.background.send_command_stdin(self._sb.id, self.pid, raw))
+        await self._send_stdin(raw, eof=False)
 
     async def close_stdin(self) -> None:
         """Close its stdin: the command reads end of file."""
+        await self._send_stdin(b"", eof=True)
+
+    async def _send_stdin(self, raw: bytes, *, eof: bool) -> None:
         run = self._sb._run
-        await run(run.background.send_command_stdin(self._sb.id, self.pid, b"", eof=True))
+        which = self.info.command_id
+        await run(
+            run.background.send_command_stdin(self._sb.id, self.pid, raw, eof=eof, command_id=which)
+        )
 
 
 class AsyncCommands:

@@ -87,7 +87,13 @@ class SandboxService(Protocol):
 
 @runtime_checkable
 class BackgroundService(Protocol):
-    """Background commands: the embedded manager and the remote client run them."""
+    """Background commands: the embedded manager and the remote client run them.
+
+    A verb that takes a pid takes the command's ``command_id`` (from its
+    :class:`~sandlot.models.CommandInfo`) too: given, it acts on that command only, or raises
+    ``CommandNotFound``; a pid alone names the newest command with it (pids are reused once
+    the sandbox's guest restarts). The SDK's handles always pass it.
+    """
 
     async def start_command(
         self,
@@ -107,24 +113,44 @@ class BackgroundService(Protocol):
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        command_id: str | None = None,
     ) -> CommandInfo: ...
 
     async def wait_command(
-        self, sandbox_id: str, pid: int, timeout_s: float | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        timeout_s: float | None = None,
+        *,
+        command_id: str | None = None,
     ) -> ExecResult: ...
 
     async def send_command_stdin(
-        self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False
+        self,
+        sandbox_id: str,
+        pid: int,
+        data: bytes,
+        *,
+        eof: bool = False,
+        command_id: str | None = None,
     ) -> None: ...
 
-    async def kill_command(self, sandbox_id: str, pid: int) -> bool: ...
+    async def kill_command(
+        self, sandbox_id: str, pid: int, *, command_id: str | None = None
+    ) -> bool: ...
 
     async def start_pty(
         self, sandbox_id: str, request: OpenPty, *, on_data: DataCallback | None = None
     ) -> CommandInfo: ...
 
-    async def resize_pty(self, sandbox_id: str, pid: int, size: PtySize) -> None: ...
+    async def resize_pty(
+        self, sandbox_id: str, pid: int, size: PtySize, *, command_id: str | None = None
+    ) -> None: ...
 
-    async def send_pty_input(self, sandbox_id: str, pid: int, data: bytes) -> None: ...
+    async def send_pty_input(
+        self, sandbox_id: str, pid: int, data: bytes, *, command_id: str | None = None
+    ) -> None: ...
 
-    async def pty_output(self, sandbox_id: str, pid: int, offset: int = 0) -> PtyOutput: ...
+    async def pty_output(
+        self, sandbox_id: str, pid: int, offset: int = 0, *, command_id: str | None = None
+    ) -> PtyOutput: ...

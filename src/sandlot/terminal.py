@@ -34,7 +34,8 @@ class AsyncSandbox(Protocol):
 
 
 class AsyncPtyHandle:
-    """One open terminal."""
+    """One open terminal. Every verb names it by pid and ``info.command_id`` (a pid may go to
+    a later command once the sandbox's guest restarts: see ``AsyncCommandHandle``)."""
 
     def __init__(self, sandbox: AsyncSandbox, info: CommandInfo) -> None:
         self._sb = sandbox
@@ -47,16 +48,25 @@ class AsyncPtyHandle:
 
     async def send_input(self, data: str | bytes) -> None:
         """Type ``data`` (``"\\x03"`` is ^C, ``"\\r"`` Enter)."""
-        await self._sb.pty.send_input(self.pid, data)
+        raw = data.encode() if isinstance(data, str) else data
+        run = self._sb._run
+        which = self.info.command_id
+        await run(run.background.send_pty_input(self._sb.id, self.pid, raw, command_id=which))
 
     async def resize(self, cols: int, rows: int) -> None:
         """Give the terminal a new size; its foreground programs get SIGWINCH."""
-        await self._sb.pty.resize(self.pid, cols, rows)
+        size = build(PtySize, cols=cols, rows=rows)
+        run = self._sb._run
+        which = self.info.command_id
+        await run(run.background.resize_pty(self._sb.id, self.pid, size, command_id=which))
 
     async def read(self) -> bytes:
         """The output since the last ``read()`` (the server keeps the newest 256 KiB)."""
         run = self._sb._run
-        window = await run(run.background.pty_output(self._sb.id, self.pid, self._offset))
+        which = self.info.command_id
+        window = await run(
+            run.background.pty_output(self._sb.id, self.pid, self._offset, command_id=which)
+        )
         self._offset = window.next_offset
         return base64.b64decode(window.data_b64)
 
@@ -68,11 +78,16 @@ class AsyncPtyHandle:
             CommandStillRunning: it did not end within ``timeout_s`` (it runs on).
         """
         run = self._sb._run
-        return await run(run.background.wait_command(self._sb.id, self.pid, timeout_s))
+        which = self.info.command_id
+        return await run(
+            run.background.wait_command(self._sb.id, self.pid, timeout_s, command_id=which)
+        )
 
     async def kill(self) -> bool:
         """End it and every process of its session; whether it was still running."""
-        return await self._sb.pty.kill(self.pid)
+        run = self._sb._run
+        which = self.info.command_id
+        return await run(run.background.kill_command(self._sb.id, self.pid, command_id=which))
 
 
 class AsyncPty:

@@ -1,10 +1,17 @@
 """Background commands: exec calls that are started and not awaited by their caller.
 
 A background command is an ordinary ``exec_shell`` call (same timeout, output caps, kill
-reasons and result) run as a host task; the caller gets its pid back at once, and later
-waits for, feeds, or kills it by that pid. The guest runs it outside its session's lock, so
-a long server never blocks the session's next command. Each sandbox holds at most
+reasons and result) run as a host task; the caller gets its pid and a ``command_id`` back at
+once, and later waits for, feeds, or kills it by them. The guest runs it outside its session's
+lock, so a long server never blocks the session's next command. Each sandbox holds at most
 ``SANDBOX_MAX_BACKGROUND_COMMANDS`` running at once; destroy kills every one.
+
+A pid alone does not name one command: pids start again at 1 when the guest restarts (which
+sandboxed code can force) and wrap within one guest. So each command gets an id drawn here,
+the table is keyed by it, and a verb given the id acts on that command or raises
+:class:`CommandNotFound`, never on a later one that holds its pid (a handle once waited on a
+command and got the next guest's command's output and exit code: red team, 2026-12-06). A
+verb given only the pid (E2B's clients) acts on the newest command with that pid.
 
 A terminal (``pty.create``) is one more kind of background command, counted against the same
 cap: a ``pty_open`` call whose output is raw bytes. The host keeps its newest
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,10 +48,13 @@ from sandlot.models import CommandInfo, DataCallback, ExecResult, OutputCallback
 from sandlot.requests import MAX_TTL_S, OpenPty, PtySize, RunCommand
 
 STDIN_QUEUE_ITEMS = 64  # input not yet taken by the command: send_stdin waits past this
-# ...and refuses past this many bytes of it: items alone let a client park 64 x its largest
-# message (4 MiB on the WebSocket) per command that never reads. One largest input (1 Mi
-# characters, up to 4 bytes each in UTF-8) still fits.
+# ...and refuses past this many bytes of it, for all of one sandbox's commands and terminals
+# together: items alone let a client park 64 x its largest message (4 MiB on the WebSocket)
+# per command that never reads, and 4 MiB per command let one tenant park 640 MiB of the
+# server's memory (16 commands x 10 sandboxes, counted in no quota: red team, 2026-12-06).
+# One largest input (1 Mi characters, up to 4 bytes each in UTF-8) still fits.
 STDIN_BACKLOG_BYTES = 4 << 20
+COMMAND_ID_BYTES = 8  # random: a command's id cannot be guessed from another's
 KILL_WAIT_S = 5.0
 SCROLLBACK_BYTES = 256 << 10  # a terminal's output kept on the host, newest first
 # Output the results of one sandbox's ended background commands may hold on the host together.
@@ -84,14 +95,76 @@ class StdinQueue(asyncio.Queue[bytes | None]):
         return True
 
 
-def _stdin() -> StdinQueue:
-    return StdinQueue(STDIN_BACKLOG_BYTES, STDIN_QUEUE_ITEMS)
+class StdinBudget:
+    """The input that one sandbox's background commands and terminals have not taken yet, all
+    of them together: what the host holds for it, whichever command it waits for."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+
+
+class JobStdin(StdinQueue):
+    """A background command's input, charged to its sandbox's :class:`StdinBudget` from the
+    moment it is accepted until the guest has written it to the command (the chunk the feeder
+    took is held here until then: the guest writes it into a pipe the command may never read,
+    so counting only the queue would leave one uncounted chunk of up to 4 MiB per command), or
+    until the command ends."""
+
+    def __init__(self, budget: StdinBudget) -> None:
+        super().__init__(budget.max_bytes, STDIN_QUEUE_ITEMS)
+        self.budget = budget
+        self.charged_bytes = 0  # reserved, queued and taken by the feeder, not yet written
+        self.taken_bytes = 0  # taken by the feeder, not yet written by the guest
+        self.closed = False
+
+    def has_room(self, size: int) -> bool:
+        return self.budget.held_bytes + size <= self.budget.max_bytes
+
+    def reserve(self, size: int) -> None:
+        """Charge ``size`` bytes about to be queued (in the same step as :meth:`has_room`, so
+        that requests to several commands waiting together cannot all pass the check)."""
+        self.charged_bytes += size
+        self.budget.held_bytes += size
+
+    def refund(self, size: int) -> None:
+        """Give back ``size`` charged bytes: the guest has written them to the command, or a
+        reserved chunk was not queued after all (it ended, or its request went away)."""
+        if not self.closed:  # else release() has given everything back already
+            self.charged_bytes -= size
+            self.budget.held_bytes -= size
+
+    def _put(self, item: bytes | None) -> None:
+        if self.closed:
+            return  # the command has ended: nothing would ever take it (nor free it)
+        super()._put(item)
+
+    def _get(self) -> bytes | None:
+        item = super()._get()
+        self.taken_bytes += len(item or b"")
+        return item
+
+    async def get(self) -> bytes | None:
+        # The feeder (execution._feed_stdin) asks for the next chunk only once the guest has
+        # answered for the last one: that one has been written to the command.
+        self.refund(self.taken_bytes)
+        self.taken_bytes = 0
+        return await super().get()
+
+    def release(self) -> None:
+        """The command has ended: nothing takes its input any more; free it, and give its
+        bytes back to the sandbox's budget."""
+        self.closed = True
+        while not self.empty():
+            self.get_nowait()
+        self.budget.held_bytes -= self.charged_bytes
+        self.charged_bytes = self.taken_bytes = 0
 
 
 @dataclass
 class _Job:
     info: CommandInfo
-    stdin: StdinQueue
+    stdin: JobStdin
     task: asyncio.Task[ExecResult] | None = None
     call: tuple[GuestConnection, int] | None = None
     stdin_closed: bool = False
@@ -141,13 +214,24 @@ class _Job:
 
 
 class BackgroundCommands:
-    """One sandbox's background commands, by pid."""
+    """One sandbox's background commands, by the id drawn for each (and by pid: the newest
+    command with each pid)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[str, _Job] = {}  # by command_id, oldest first
+        self._by_pid: dict[int, str] = {}  # pid -> the newest command with it
         self._starting = 0
         self._closed = False
+        self.stdin_budget = StdinBudget(STDIN_BACKLOG_BYTES)
+
+    def _new_job(self, info: CommandInfo) -> _Job:
+        while True:
+            command_id = secrets.token_hex(COMMAND_ID_BYTES)
+            if command_id not in self._jobs:
+                break
+        info.command_id = command_id
+        return _Job(info, JobStdin(self.stdin_budget))
 
     def _running(self) -> int:
         return sum(1 for job in self._jobs.values() if job.info.running)
@@ -168,7 +252,8 @@ class BackgroundCommands:
         if request.fresh:
             raise ConfigError("a background command cannot be fresh (it would kill the others)")
         info = CommandInfo(pid=0, command=request.command, started_at=time.time())
-        job = _Job(info, _stdin(), listeners=[(on_stdout, on_stderr)])
+        job = self._new_job(info)
+        job.listeners.append((on_stdout, on_stderr))
         job.streaming = job.listened()
         op, payload = execution.command_payload(request, streams_stdin=True)
         # Every background command may spill its output: together they keep to the quarter
@@ -185,7 +270,7 @@ class BackgroundCommands:
         :meth:`start`)."""
         command = request.command or "(interactive shell)"
         info = CommandInfo(pid=0, command=command, started_at=time.time(), pty=True)
-        job = _Job(info, _stdin())
+        job = self._new_job(info)
         if on_data is not None:
             job.data_listeners.append(on_data)
         payload: dict[str, Any] = {"cols": request.cols, "rows": request.rows}
@@ -265,6 +350,7 @@ class BackgroundCommands:
 
     def _ended(self, job: _Job, task: asyncio.Task[ExecResult]) -> None:
         job.info.running = False
+        job.stdin.release()
         if not task.cancelled() and task.exception() is None:
             result = task.result()
             job.info.exit_code = result.exit_code
@@ -275,10 +361,15 @@ class BackgroundCommands:
         self._forget_old()
 
     def _remember(self, job: _Job) -> None:
-        old = self._jobs.get(job.info.pid)
-        if old is not None and old.task is not None:
-            old.task.cancel()  # a pid reused after a guest restart: the old one is gone
-        self._jobs[job.info.pid] = job
+        info = job.info
+        assert info.command_id is not None  # drawn by _new_job
+        old = self._jobs.get(self._by_pid.get(info.pid, ""))
+        if old is not None and old.info.running and old.task is not None:
+            # Its pid is another process's now, so its own is gone (its guest restarted
+            # under it). It stays kept under its id, ended: its pid names the new one.
+            old.task.cancel()
+        self._jobs[info.command_id] = job
+        self._by_pid[info.pid] = info.command_id
         self._forget_old()
 
     def _forget_old(self) -> None:
@@ -287,44 +378,85 @@ class BackgroundCommands:
         kept whatever its size). Each result holds up to its output cap per stream, in the
         server's memory, not the sandbox's: 16 of them held 417 MiB for one 128 MiB sandbox
         (red team, 2026-12-06)."""
-        ended = [pid for pid, j in self._jobs.items() if not j.info.running]
+        ended = [key for key, j in self._jobs.items() if not j.info.running]
         kept_bytes = 0
-        for n, pid in enumerate(reversed(ended)):
-            kept_bytes += self._jobs[pid].kept_bytes
+        for n, key in enumerate(reversed(ended)):
+            job = self._jobs[key]
+            kept_bytes += job.kept_bytes
             if n >= self.limit or (n and kept_bytes > ENDED_OUTPUT_BYTES):
-                del self._jobs[pid]
+                del self._jobs[key]
+                if self._by_pid.get(job.info.pid) == key:
+                    del self._by_pid[job.info.pid]
 
-    def _job(self, pid: int) -> _Job:
-        job = self._jobs.get(pid)
-        if job is None:
-            raise CommandNotFound(f"no background command with pid {pid} in this sandbox")
-        return job
+    def _job(self, pid: int, command_id: str | None = None) -> _Job:
+        """The command ``command_id`` if given (it must have this pid), else the newest with
+        ``pid``.
+
+        Raises:
+            CommandNotFound: no such command, or no longer kept (naming the command that
+                holds its pid now, if one does).
+        """
+        newest = self._jobs.get(self._by_pid.get(pid, ""))
+        if command_id is None:
+            if newest is None:
+                raise CommandNotFound(f"no background command with pid {pid} in this sandbox")
+            return newest
+        job = self._jobs.get(command_id)
+        if job is not None and job.info.pid == pid:
+            return job
+        if job is not None:
+            raise CommandNotFound(
+                f"background command {command_id} has pid {job.info.pid}, not {pid}"
+            )
+        if newest is not None:
+            raise CommandNotFound(
+                f"background command {command_id} (pid {pid}) is no longer kept in this "
+                f"sandbox; pid {pid} is now background command {newest.info.command_id}"
+            )
+        raise CommandNotFound(
+            f"no background command {command_id} with pid {pid} in this sandbox (an ended "
+            "one is kept for wait() while it is among the newest ended ones)"
+        )
+
+    def _lookup(self, pid: int, command_id: str | None) -> _Job | None:
+        try:
+            return self._job(pid, command_id)
+        except CommandNotFound:
+            return None
 
     def list(self) -> list[CommandInfo]:
         """The background commands still running."""
         return [job.info.model_copy() for job in self._jobs.values() if job.info.running]
 
-    def info(self, pid: int) -> CommandInfo:
-        return self._job(pid).info.model_copy()
+    def info(self, pid: int, command_id: str | None = None) -> CommandInfo:
+        return self._job(pid, command_id).info.model_copy()
 
     def listen(
-        self, pid: int, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+        self,
+        pid: int,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        command_id: str | None = None,
     ) -> CommandInfo:
         """Stream a running command's further output to these callbacks too; with none, only
         its info (a poll adds nothing: a caller polling forever must not grow the list that
         every output chunk walks)."""
-        job = self._job(pid)
+        job = self._job(pid, command_id)
         if on_stdout is not None or on_stderr is not None:
             job.listeners.append((on_stdout, on_stderr))
             self._sync_stream(job)
         return job.info.model_copy()
 
     def unlisten(
-        self, pid: int, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+        self,
+        pid: int,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        command_id: str | None = None,
     ) -> None:
         """Stop streaming to callbacks :meth:`listen` or :meth:`start` added (a WebSocket
         client went away)."""
-        job = self._jobs.get(pid)
+        job = self._lookup(pid, command_id)
         if job is not None and (on_stdout, on_stderr) in job.listeners:
             job.listeners.remove((on_stdout, on_stderr))
             self._sync_stream(job)
@@ -343,53 +475,63 @@ class BackgroundCommands:
         # input causes reaches the listener.
         conn.post(Op.STREAM, {"target": call_id, "on": wanted})
 
-    def listen_pty(self, pid: int, on_data: DataCallback) -> CommandInfo:
+    def listen_pty(
+        self, pid: int, on_data: DataCallback, command_id: str | None = None
+    ) -> CommandInfo:
         """Pass a terminal's further output to ``on_data`` too."""
-        job = self._pty(pid)
+        job = self._pty(pid, command_id)
         job.data_listeners.append(on_data)
         return job.info.model_copy()
 
-    def unlisten_pty(self, pid: int, on_data: DataCallback) -> None:
-        job = self._jobs.get(pid)
+    def unlisten_pty(self, pid: int, on_data: DataCallback, command_id: str | None = None) -> None:
+        job = self._lookup(pid, command_id)
         if job is not None and on_data in job.data_listeners:
             job.data_listeners.remove(on_data)
 
-    def pty_output(self, pid: int, offset: int = 0) -> PtyOutput:
+    def pty_output(self, pid: int, offset: int = 0, command_id: str | None = None) -> PtyOutput:
         """A terminal's output from ``offset`` on, as far as the window still holds it."""
-        return self._pty(pid).output(offset)
+        return self._pty(pid, command_id).output(offset)
 
-    async def send_pty_input(self, pid: int, data: bytes) -> None:
+    async def send_pty_input(self, pid: int, data: bytes, command_id: str | None = None) -> None:
         """Type ``data`` into a terminal (waits while its program does not read)."""
-        self._pty(pid)
-        await self.send_stdin(pid, data)
+        job = self._pty(pid, command_id)
+        await self.send_stdin(pid, data, command_id=job.info.command_id)
 
-    async def resize_pty(self, pid: int, size: PtySize) -> None:
+    async def resize_pty(self, pid: int, size: PtySize, command_id: str | None = None) -> None:
         """Resize a running terminal (its foreground programs get SIGWINCH).
 
         Raises:
             InvalidRequest: it has ended.
         """
-        job = self._pty(pid)
+        job = self._pty(pid, command_id)
         if not job.info.running or job.call is None:
             raise InvalidRequest(f"terminal {pid} has ended")
         conn, call_id = job.call
         await conn.request(Op.PTY_RESIZE, {"target": call_id, "cols": size.cols, "rows": size.rows})
 
-    def _pty(self, pid: int) -> _Job:
-        job = self._job(pid)
+    def _pty(self, pid: int, command_id: str | None = None) -> _Job:
+        job = self._job(pid, command_id)
         if not job.info.pty:
             raise InvalidRequest(f"background command {pid} is not a terminal")
         return job
 
-    async def wait(self, pid: int, timeout_s: float | None = None) -> ExecResult:
+    async def wait(
+        self, pid: int, timeout_s: float | None = None, command_id: str | None = None
+    ) -> ExecResult:
         """Its result once it ends.
 
         Raises:
-            CommandNotFound: no such command.
+            CommandNotFound: no such command, or one that ended without a result (its guest
+                was gone when its pid went to another command).
             CommandStillRunning: it did not end within ``timeout_s`` (it runs on).
         """
-        job = self._job(pid)
+        job = self._job(pid, command_id)
         assert job.task is not None  # remembered only once started
+        if job.task.cancelled():
+            raise CommandNotFound(
+                f"background command {pid} ({job.info.command_id}) ended with its guest and "
+                "left no result"
+            )
         try:
             return await asyncio.wait_for(asyncio.shield(job.task), timeout_s)
         except TimeoutError:
@@ -397,47 +539,62 @@ class BackgroundCommands:
                 f"background command {pid} still runs after {timeout_s} s"
             ) from None
 
-    async def send_stdin(self, pid: int, data: bytes, *, eof: bool = False) -> None:
+    async def send_stdin(
+        self, pid: int, data: bytes, *, eof: bool = False, command_id: str | None = None
+    ) -> None:
         """Queue ``data`` for its stdin (waits while the command does not read); ``eof``
         closes its stdin after.
 
         Raises:
             InvalidRequest: the command has ended (before or while this waited), or its stdin
                 was closed.
-            StdinBacklogFull: the command has not read :data:`STDIN_BACKLOG_BYTES` of what
-                came before.
+            StdinBacklogFull: this sandbox's commands and terminals have not read
+                :data:`STDIN_BACKLOG_BYTES` of what came before, together.
         """
-        job = self._job(pid)
+        job = self._job(pid, command_id)
         if not job.info.running:
             raise InvalidRequest(f"background command {pid} has ended")
         if job.stdin_closed:
             raise InvalidRequest(f"the stdin of background command {pid} is closed")
+        budget = self.stdin_budget
         if not job.stdin.has_room(len(data)):
             raise StdinBacklogFull(
-                f"background command {pid} has not read {job.stdin.queued_bytes} bytes of "
-                f"its input; at most {job.stdin.max_bytes} wait for it"
+                f"this sandbox's background commands and terminals have not read "
+                f"{budget.held_bytes} bytes of their input; at most {budget.max_bytes} wait "
+                "for them together"
             )
+        job.stdin.reserve(len(data))  # no await since the check: none can pass it meanwhile
         job.stdin_closed = eof  # input sent after this would never be read
         for item in ([data] if data else []) + ([None] if eof else []):
             await self._put_stdin(job, item)
 
     @staticmethod
     async def _put_stdin(job: _Job, item: bytes | None) -> None:
-        """Queue ``item``, waiting for room while the command runs, no longer: once it ends,
-        nothing takes from the queue, and a waiting request would hang for good."""
+        """Queue ``item`` (its bytes reserved), waiting for room while the command runs, no
+        longer: once it ends, nothing takes from the queue, and a waiting request would hang
+        for good. Not queued (it ended, or the request went away): its reservation goes back.
+
+        Raises:
+            InvalidRequest: it ended first.
+        """
         assert job.task is not None
         put = asyncio.ensure_future(job.stdin.put(item))
+        queued = False
         try:
             await asyncio.wait({put, job.task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            # A put cancelled here may not show it yet, but it can no longer queue the item.
+            queued = put.done() and not put.cancelled() and put.exception() is None
             if not put.done():
                 put.cancel()
-        if put.cancelled():
+            if not queued:
+                job.stdin.refund(len(item or b""))
+        if not queued:
             raise InvalidRequest(f"background command {job.info.pid} has ended")
 
-    async def kill(self, pid: int) -> bool:
+    async def kill(self, pid: int, command_id: str | None = None) -> bool:
         """Kill it (and the processes it started); whether it was still running."""
-        job = self._job(pid)
+        job = self._job(pid, command_id)
         if not job.info.running:
             return False
         await self._cancel(job)

@@ -684,10 +684,19 @@ class SandboxManager:
     ) -> builtins.list[CommandInfo]:
         return self._commands(sandbox_id, owner)[1].list()
 
+    # Each verb below that takes a pid takes the command's ``command_id`` too: given, it acts
+    # on that command only (a pid is reused after a guest restart); left out, on the newest
+    # command with that pid.
+
     async def command_info(
-        self, sandbox_id: str, pid: int, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> CommandInfo:
-        return self._commands(sandbox_id, owner)[1].info(pid)
+        return self._commands(sandbox_id, owner)[1].info(pid, command_id)
 
     async def connect_command(
         self,
@@ -696,22 +705,44 @@ class SandboxManager:
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        command_id: str | None = None,
         owner: str | None = None,
     ) -> CommandInfo:
-        return self._commands(sandbox_id, owner)[1].listen(pid, on_stdout, on_stderr)
+        return self._commands(sandbox_id, owner)[1].listen(pid, on_stdout, on_stderr, command_id)
 
     async def wait_command(
-        self, sandbox_id: str, pid: int, timeout_s: float | None = None, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        timeout_s: float | None = None,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> ExecResult:
-        return await self._commands(sandbox_id, owner)[1].wait(pid, timeout_s)
+        return await self._commands(sandbox_id, owner)[1].wait(pid, timeout_s, command_id)
 
     async def send_command_stdin(
-        self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        data: bytes,
+        *,
+        eof: bool = False,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> None:
-        await self._commands(sandbox_id, owner)[1].send_stdin(pid, data, eof=eof)
+        commands = self._commands(sandbox_id, owner)[1]
+        await commands.send_stdin(pid, data, eof=eof, command_id=command_id)
 
-    async def kill_command(self, sandbox_id: str, pid: int, *, owner: str | None = None) -> bool:
-        return await self._commands(sandbox_id, owner)[1].kill(pid)
+    async def kill_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
+    ) -> bool:
+        return await self._commands(sandbox_id, owner)[1].kill(pid, command_id)
 
     async def start_pty(
         self,
@@ -726,24 +757,48 @@ class SandboxManager:
         return await commands.start_pty(live, request, on_data)
 
     async def resize_pty(
-        self, sandbox_id: str, pid: int, size: PtySize, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        size: PtySize,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> None:
-        await self._commands(sandbox_id, owner)[1].resize_pty(pid, size)
+        await self._commands(sandbox_id, owner)[1].resize_pty(pid, size, command_id)
 
     async def send_pty_input(
-        self, sandbox_id: str, pid: int, data: bytes, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        data: bytes,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> None:
-        await self._commands(sandbox_id, owner)[1].send_pty_input(pid, data)
+        await self._commands(sandbox_id, owner)[1].send_pty_input(pid, data, command_id)
 
     async def pty_output(
-        self, sandbox_id: str, pid: int, offset: int = 0, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        offset: int = 0,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> PtyOutput:
-        return self._commands(sandbox_id, owner)[1].pty_output(pid, offset)
+        return self._commands(sandbox_id, owner)[1].pty_output(pid, offset, command_id)
 
     async def connect_pty(
-        self, sandbox_id: str, pid: int, on_data: DataCallback, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        on_data: DataCallback,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> CommandInfo:
-        return self._commands(sandbox_id, owner)[1].listen_pty(pid, on_data)
+        return self._commands(sandbox_id, owner)[1].listen_pty(pid, on_data, command_id)
 
     def disconnect_command(
         self,
@@ -751,16 +806,20 @@ class SandboxManager:
         pid: int,
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
+        *,
+        command_id: str | None = None,
     ) -> None:
         """Stop streaming a background command's output to these callbacks."""
         commands = self._background.get(sandbox_id)
         if commands is not None:
-            commands.unlisten(pid, on_stdout, on_stderr)
+            commands.unlisten(pid, on_stdout, on_stderr, command_id)
 
-    def disconnect_pty(self, sandbox_id: str, pid: int, on_data: DataCallback) -> None:
+    def disconnect_pty(
+        self, sandbox_id: str, pid: int, on_data: DataCallback, *, command_id: str | None = None
+    ) -> None:
         commands = self._background.get(sandbox_id)
         if commands is not None:
-            commands.unlisten_pty(pid, on_data)
+            commands.unlisten_pty(pid, on_data, command_id)
 
     # ------------------------------------------------------------------ files
 

@@ -161,10 +161,19 @@ class ForwardedVerbs:
         )
         return found
 
+    # ``command_id`` goes to the node as given: the pid alone names the newest command with it.
+
     async def command_info(
-        self, sandbox_id: str, pid: int, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> CommandInfo:
-        info: CommandInfo = await self._call(sandbox_id, "command_info", pid, owner=owner)
+        info: CommandInfo = await self._call(
+            sandbox_id, "command_info", pid, command_id=command_id, owner=owner
+        )
         return info
 
     async def connect_command(
@@ -174,33 +183,69 @@ class ForwardedVerbs:
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        command_id: str | None = None,
         owner: str | None = None,
     ) -> CommandInfo:
         if on_stdout is not None or on_stderr is not None:
             raise InvalidRequest(_CALLBACKS_REFUSED)
-        return await self.command_info(sandbox_id, pid, owner=owner)
+        return await self.command_info(sandbox_id, pid, command_id=command_id, owner=owner)
 
     async def wait_command(
-        self, sandbox_id: str, pid: int, timeout_s: float | None = None, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        timeout_s: float | None = None,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> ExecResult:
         # Bounded by its own timeout, not the short-call bound: a wait on a long command is
         # not a slow node (the probes find a hung one).
         bound_s = None if timeout_s is None else timeout_s + self.settings.ray_call_timeout_s
         result: ExecResult = await self._call(
-            sandbox_id, "wait_command", pid, timeout_s, bound_s=bound_s, owner=owner
+            sandbox_id,
+            "wait_command",
+            pid,
+            timeout_s,
+            bound_s=bound_s,
+            command_id=command_id,
+            owner=owner,
         )
         return result
 
     async def send_command_stdin(
-        self, sandbox_id: str, pid: int, data: bytes, *, eof: bool = False, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        data: bytes,
+        *,
+        eof: bool = False,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> None:
         # As long as the command takes to read it (it may never): no bound but the probes.
         await self._call(
-            sandbox_id, "send_command_stdin", pid, data, eof=eof, bound_s=None, owner=owner
+            sandbox_id,
+            "send_command_stdin",
+            pid,
+            data,
+            eof=eof,
+            bound_s=None,
+            command_id=command_id,
+            owner=owner,
         )
 
-    async def kill_command(self, sandbox_id: str, pid: int, *, owner: str | None = None) -> bool:
-        killed: bool = await self._call(sandbox_id, "kill_command", pid, owner=owner)
+    async def kill_command(
+        self,
+        sandbox_id: str,
+        pid: int,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
+    ) -> bool:
+        killed: bool = await self._call(
+            sandbox_id, "kill_command", pid, command_id=command_id, owner=owner
+        )
         return killed
 
     def disconnect_command(
@@ -209,6 +254,8 @@ class ForwardedVerbs:
         pid: int,
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
+        *,
+        command_id: str | None = None,
     ) -> None:
         """Nothing to do: no callback is ever connected through the cluster."""
 
@@ -228,27 +275,57 @@ class ForwardedVerbs:
         return info
 
     async def resize_pty(
-        self, sandbox_id: str, pid: int, size: PtySize, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        size: PtySize,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> None:
-        await self._call(sandbox_id, "resize_pty", pid, size, owner=owner)
+        await self._call(sandbox_id, "resize_pty", pid, size, command_id=command_id, owner=owner)
 
     async def send_pty_input(
-        self, sandbox_id: str, pid: int, data: bytes, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        data: bytes,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> None:
-        await self._call(sandbox_id, "send_pty_input", pid, data, owner=owner)
+        await self._call(
+            sandbox_id, "send_pty_input", pid, data, command_id=command_id, owner=owner
+        )
 
     async def pty_output(
-        self, sandbox_id: str, pid: int, offset: int = 0, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        offset: int = 0,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> PtyOutput:
-        output: PtyOutput = await self._call(sandbox_id, "pty_output", pid, offset, owner=owner)
+        output: PtyOutput = await self._call(
+            sandbox_id, "pty_output", pid, offset, command_id=command_id, owner=owner
+        )
         return output
 
     async def connect_pty(
-        self, sandbox_id: str, pid: int, on_data: DataCallback, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        pid: int,
+        on_data: DataCallback,
+        *,
+        command_id: str | None = None,
+        owner: str | None = None,
     ) -> CommandInfo:
         raise InvalidRequest(_CALLBACKS_REFUSED)
 
-    def disconnect_pty(self, sandbox_id: str, pid: int, on_data: DataCallback) -> None:
+    def disconnect_pty(
+        self, sandbox_id: str, pid: int, on_data: DataCallback, *, command_id: str | None = None
+    ) -> None:
         """Nothing to do: no callback is ever connected through the cluster."""
 
     # ------------------------------------------------------------------ artifacts

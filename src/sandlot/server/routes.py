@@ -147,6 +147,19 @@ def _json(model: BaseModel) -> Response:
 # ---------------------------------------------------------------- background commands
 
 Pid = Annotated[int, FastPath(gt=0, description="A background command's pid.")]
+# A pid names the newest command with it: pids are reused once the sandbox's guest restarts,
+# so a client that kept a command's id acts on that command only (404 once it is gone, even
+# if its pid now runs another). Left out (E2B's clients), the pid alone decides.
+CommandId = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=64,
+        pattern="^[A-Za-z0-9_-]+$",
+        description="The command's ``command_id``: act on it only, never on a later command "
+        "with its pid.",
+    ),
+]
 MAX_WAIT_S = 3600.0  # one HTTP request waits at most this long; the client asks again
 
 
@@ -163,10 +176,12 @@ async def list_commands(sandbox_id: SandboxId, request: Request, who: Caller) ->
 
 @router.get("/{sandbox_id}/commands/{pid}", response_model=CommandInfo)
 async def get_command(
-    sandbox_id: SandboxId, pid: Pid, request: Request, who: Caller
+    sandbox_id: SandboxId, pid: Pid, request: Request, who: Caller, command_id: CommandId = None
 ) -> CommandInfo:
     manager = state_of(request).manager
-    return await manager.command_info(sandbox_id, pid, owner=who.owner_filter)
+    return await manager.command_info(
+        sandbox_id, pid, command_id=command_id, owner=who.owner_filter
+    )
 
 
 @router.get(
@@ -180,38 +195,54 @@ async def wait_command(
     request: Request,
     who: Caller,
     timeout_s: Annotated[float, Query(gt=0, le=MAX_WAIT_S)] = 30.0,
+    command_id: CommandId = None,
 ) -> Response:
     """Its result once it ends; 202 with its info if it still runs after ``timeout_s``."""
     manager = state_of(request).manager
+    owner = who.owner_filter
     try:
-        result = await manager.wait_command(sandbox_id, pid, timeout_s, owner=who.owner_filter)
+        result = await manager.wait_command(
+            sandbox_id, pid, timeout_s, command_id=command_id, owner=owner
+        )
     except CommandStillRunning:
-        info = await manager.command_info(sandbox_id, pid, owner=who.owner_filter)
+        info = await manager.command_info(sandbox_id, pid, command_id=command_id, owner=owner)
         return Response(info.model_dump_json(), 202, media_type="application/json")
     return _json(result)
 
 
 @router.post("/{sandbox_id}/commands/{pid}/stdin", status_code=204)
 async def command_stdin(
-    sandbox_id: SandboxId, pid: Pid, body: CommandInput, request: Request, who: Caller
+    sandbox_id: SandboxId,
+    pid: Pid,
+    body: CommandInput,
+    request: Request,
+    who: Caller,
+    command_id: CommandId = None,
 ) -> Response:
     """Write ``data`` to its stdin; ``eof`` closes it after."""
     who.require_write()
     await state_of(request).manager.send_command_stdin(
-        sandbox_id, pid, body.data.encode(), eof=body.eof, owner=who.owner_filter
+        sandbox_id,
+        pid,
+        body.data.encode(),
+        eof=body.eof,
+        command_id=command_id,
+        owner=who.owner_filter,
     )
     return Response(status_code=204)
 
 
 @router.delete("/{sandbox_id}/commands/{pid}", response_model=KilledCommand)
 async def kill_command(
-    sandbox_id: SandboxId, pid: Pid, request: Request, who: Caller
+    sandbox_id: SandboxId, pid: Pid, request: Request, who: Caller, command_id: CommandId = None
 ) -> KilledCommand:
     """Kill it and what it started; ``killed`` is false if it had already ended."""
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.command_kill", sandbox_id, pid=pid):
-        killed = await state.manager.kill_command(sandbox_id, pid, owner=who.owner_filter)
+        killed = await state.manager.kill_command(
+            sandbox_id, pid, command_id=command_id, owner=who.owner_filter
+        )
     return KilledCommand(pid=pid, killed=killed)
 
 
@@ -234,22 +265,36 @@ async def open_pty(sandbox_id: SandboxId, body: OpenPty, request: Request, who: 
 
 @router.post("/{sandbox_id}/pty/{pid}/input", status_code=204)
 async def pty_input(
-    sandbox_id: SandboxId, pid: Pid, body: PtyInput, request: Request, who: Caller
+    sandbox_id: SandboxId,
+    pid: Pid,
+    body: PtyInput,
+    request: Request,
+    who: Caller,
+    command_id: CommandId = None,
 ) -> Response:
     """Type raw bytes (base64) into it."""
     who.require_write()
     manager = state_of(request).manager
-    await manager.send_pty_input(sandbox_id, pid, body.data(), owner=who.owner_filter)
+    await manager.send_pty_input(
+        sandbox_id, pid, body.data(), command_id=command_id, owner=who.owner_filter
+    )
     return Response(status_code=204)
 
 
 @router.post("/{sandbox_id}/pty/{pid}/resize", status_code=204)
 async def pty_resize(
-    sandbox_id: SandboxId, pid: Pid, body: PtySize, request: Request, who: Caller
+    sandbox_id: SandboxId,
+    pid: Pid,
+    body: PtySize,
+    request: Request,
+    who: Caller,
+    command_id: CommandId = None,
 ) -> Response:
     """Give it a new size; its foreground programs get SIGWINCH."""
     who.require_write()
-    await state_of(request).manager.resize_pty(sandbox_id, pid, body, owner=who.owner_filter)
+    await state_of(request).manager.resize_pty(
+        sandbox_id, pid, body, command_id=command_id, owner=who.owner_filter
+    )
     return Response(status_code=204)
 
 
@@ -260,10 +305,14 @@ async def pty_output(
     request: Request,
     who: Caller,
     offset: Annotated[int, Query(ge=0)] = 0,
+    command_id: CommandId = None,
 ) -> Response:
     """Its output from ``offset`` on, as far as the server still keeps it (256 KiB)."""
     manager = state_of(request).manager
-    return _json(await manager.pty_output(sandbox_id, pid, offset, owner=who.owner_filter))
+    output = await manager.pty_output(
+        sandbox_id, pid, offset, command_id=command_id, owner=who.owner_filter
+    )
+    return _json(output)
 
 
 # ---------------------------------------------------------------- files
