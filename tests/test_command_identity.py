@@ -291,3 +291,41 @@ def test_the_stdin_budget_counts_a_chunk_until_the_guest_has_written_it() -> Non
         waiting.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_websocket_attach_takes_the_command_id(live_server: LiveServer) -> None:
+    """An attach that names a command_id streams that command only: one the pid does not
+    hold (a later command's, after a guest restart) is refused with command_not_found."""
+    import json
+
+    from websockets.sync.client import connect
+
+    headers = live_server.headers("alice")
+    with httpx.Client(base_url=live_server.url, headers=headers, timeout=90) as http:
+        created = http.post("/v1/sandboxes", json={})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        try:
+            started = http.post(
+                f"/v1/sandboxes/{sid}/commands",
+                json={"command": "sleep 0.5; echo done", "background": True},
+            )
+            assert started.status_code == 202, started.text
+            pid, command_id = started.json()["pid"], started.json()["command_id"]
+            url = live_server.url.replace("http", "ws", 1) + f"/v1/sandboxes/{sid}/stream"
+            with connect(url, additional_headers=headers) as ws:
+                ws.send(json.dumps({"type": "attach", "pid": pid, "command_id": "0" * 16}))
+                refused = json.loads(ws.recv(timeout=30))
+                assert refused["type"] in ("started", "error"), refused
+                while refused["type"] != "error":
+                    refused = json.loads(ws.recv(timeout=30))
+                assert refused["error"]["code"] == "command_not_found", refused
+                ws.send(json.dumps({"type": "attach", "pid": pid, "command_id": command_id}))
+                events = [json.loads(ws.recv(timeout=30))]
+                while events[-1]["type"] not in ("result", "error"):
+                    events.append(json.loads(ws.recv(timeout=30)))
+            assert events[0]["info"]["command_id"] == command_id, events
+            assert events[-1]["type"] == "result", events
+            assert events[-1]["result"]["stdout"] == "done\n", events
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")

@@ -7,6 +7,9 @@ Client -> server, the first message of such a run::
     {"type": "command", "command": "...", "background": true, ...}
     {"type": "attach", "pid": N}                    a background command started before
 
+(an attach may name the ``command_id`` too: then only that command, never a later one that
+took its pid after a guest restart)
+
 then, while it runs::
 
     {"type": "input", "data_b64": "..."}            a terminal's keystrokes, raw bytes
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import re
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -52,6 +56,7 @@ from sandlot.server.deps import ServerState
 # A bound on the size of a "started" frame (a CommandInfo), counted against the queue cap
 # before it is known.
 STARTED_COST_BYTES = 4096
+COMMAND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as REST's ?command_id= (routes.py)
 INPUT_WAIT_S = 5.0  # input for a program that does not read is refused after this
 KEY_RECHECK_S = 1.0  # how often a long stream's input checks that its key is still valid
 
@@ -107,9 +112,11 @@ async def run_job(
     info = await _start(
         state, who, sandbox_id, message, (on_stdout, on_stderr), on_data, outbox, budget
     )
-    pid = info.pid
+    pid, command_id = info.pid, info.command_id
     cut = False
-    run = asyncio.create_task(manager.wait_command(sandbox_id, pid, owner=owner))
+    run = asyncio.create_task(
+        manager.wait_command(sandbox_id, pid, owner=owner, command_id=command_id)
+    )
     sender = asyncio.create_task(outbox_.drain(websocket, outbox, budget))
     listener = asyncio.create_task(_listen(websocket, state, who, sandbox_id, info, outbox, budget))
     watcher = asyncio.create_task(watch_key(state, websocket))
@@ -141,8 +148,8 @@ async def run_job(
     finally:
         watcher.cancel()
         if info.pty:
-            manager.disconnect_pty(sandbox_id, pid, on_data)
-        manager.disconnect_command(sandbox_id, pid, on_stdout, on_stderr)
+            manager.disconnect_pty(sandbox_id, pid, on_data, command_id=command_id)
+        manager.disconnect_command(sandbox_id, pid, on_stdout, on_stderr, command_id=command_id)
         await outbox_.finish(websocket, outbox, budget, sender, listener)
     if budget.cut:
         raise WebSocketDisconnect(code=outbox_.CUT_CODE)
@@ -170,16 +177,23 @@ async def _start(
     manager = state.manager
     owner = who.owner_filter
     kind = message["type"]
-    fields = {k: v for k, v in message.items() if k not in ("type", "pid")}
+    fields = {k: v for k, v in message.items() if k not in ("type", "pid", "command_id")}
     pid = message.get("pid")
     if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool)):
         raise ConfigError("pid must be an integer")
+    command_id = message.get("command_id")
+    if command_id is not None and not (
+        isinstance(command_id, str) and COMMAND_ID.fullmatch(command_id)
+    ):
+        raise ConfigError("command_id must be 1-64 letters, digits, '-' or '_'")
     before = b""
     if kind == "pty" and pid is not None:
         # What it wrote before, then what comes: nothing runs between the two (no await
         # yields to the loop that delivers output), so no chunk is lost or sent twice.
-        window = await manager.pty_output(sandbox_id, pid, 0, owner=owner)
-        info = await manager.connect_pty(sandbox_id, pid, on_data, owner=owner)
+        window = await manager.pty_output(sandbox_id, pid, 0, owner=owner, command_id=command_id)
+        info = await manager.connect_pty(
+            sandbox_id, pid, on_data, owner=owner, command_id=command_id
+        )
         before = base64.b64decode(window.data_b64)
     elif kind == "pty":
         request = OpenPty.model_validate(fields)
@@ -188,7 +202,12 @@ async def _start(
         if pid is None:
             raise ConfigError("attach needs the pid of a background command")
         info = await manager.connect_command(
-            sandbox_id, pid, on_stdout=callbacks[0], on_stderr=callbacks[1], owner=owner
+            sandbox_id,
+            pid,
+            on_stdout=callbacks[0],
+            on_stderr=callbacks[1],
+            owner=owner,
+            command_id=command_id,
         )
     else:
         command = RunCommand.model_validate(fields)
@@ -236,7 +255,9 @@ async def _listen(
         try:
             if kind == "resize" and info.pty:
                 size = PtySize.model_validate({k: message.get(k) for k in ("cols", "rows")})
-                await manager.resize_pty(sandbox_id, info.pid, size, owner=who.owner_filter)
+                await manager.resize_pty(
+                    sandbox_id, info.pid, size, owner=who.owner_filter, command_id=info.command_id
+                )
             elif kind in ("input", "stdin", "stdin_eof"):
                 await asyncio.wait_for(_input(state, who, sandbox_id, info, message), INPUT_WAIT_S)
         except TimeoutError:
@@ -263,7 +284,9 @@ async def _input(
     if kind == "input":
         # send_pty_input refuses a command that is not a terminal.
         data = PtyInput.model_validate({"data_b64": message.get("data_b64", "")}).data()
-        await state.manager.send_pty_input(sandbox_id, info.pid, data, owner=who.owner_filter)
+        await state.manager.send_pty_input(
+            sandbox_id, info.pid, data, owner=who.owner_filter, command_id=info.command_id
+        )
         return
     if info.pty:
         raise InvalidRequest("a terminal takes input (data_b64), not stdin")
@@ -272,5 +295,5 @@ async def _input(
     data = chunk.data.encode("utf-8", "surrogatepass")
     eof = kind == "stdin_eof"
     await state.manager.send_command_stdin(
-        sandbox_id, info.pid, data, eof=eof, owner=who.owner_filter
+        sandbox_id, info.pid, data, eof=eof, owner=who.owner_filter, command_id=info.command_id
     )
