@@ -77,6 +77,10 @@ def _take_pid(
 def restartable(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
     """A sandbox with a pid namespace and a pids limit (whose guest its code can restart),
     for longer than ``jail``'s 10 s."""
+    if isolated_backend == "docker":
+        # On runc a guest restart keeps the container and its pid namespace: pids go on
+        # rising, and no restart gives an old pid again (gVisor restarts the container).
+        pytest.skip("pids do not start again with the guest on docker (runc)")
     sb = Sandbox.create(
         manager=manager, **placement(isolated_backend), pids=PIDS, memory_mb=256, timeout_s=300
     )
