@@ -1029,3 +1029,51 @@ def test_the_connection_cap_of_an_ipv6_client_is_its_64s() -> None:
     assert count.admit("2001:db8:1:3::1")  # another /64
     count.release("2001:db8:1:2::1")
     assert count.admit("2001:db8:1:2::ffff")
+
+
+def test_bad_stream_messages_wait_for_their_tenants_pace_too(data_root: Path) -> None:
+    """Failed before (the fourth red team's find, 2026-12-06): a message that was not JSON was
+    answered before the pace, so four sockets got 36,000-50,000 error frames a second and
+    another tenant's requests slowed from 20 ms to 1.1 s. 1,000 at 200 a second (past a
+    burst of 401) take at least 3 s."""
+    from websockets.sync.client import connect
+
+    env = {**LIMITS, "API_STREAM_MESSAGES_PER_SECOND": "200"}
+    with _serving(data_root / "trust-bad-paced", env) as server:
+        sandbox_id = _sandbox(server)
+        headers = {"Authorization": f"Bearer {server.key}"}
+        with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+            began = time.monotonic()
+            for _ in range(1000):
+                ws.send("not json")
+            for _ in range(1000):
+                error = json.loads(ws.recv(timeout=30))
+                assert error["error"]["code"] == "invalid_request", error
+            took_s = time.monotonic() - began
+        assert took_s >= 2.5, took_s
+
+
+def test_failed_stream_starts_give_their_slot_back_to_the_tenants_share(
+    data_root: Path,
+) -> None:
+    """Failed before (the fourth red team's find, 2026-12-06): a terminal or command start
+    counted its "started" frame (4 KiB) in the tenant's stream share before it could fail,
+    and a failed one never gave it back: 344 failed attaches left a 1 MiB share with no room
+    for any later stream's output."""
+    from websockets.sync.client import connect
+
+    env = {**LIMITS, "API_STREAM_QUEUE_MB_PER_TENANT": "1", "API_RATE_LIMIT_BURST": "1000"}
+    with _serving(data_root / "trust-share-kept", env) as server:
+        sandbox_id = _sandbox(server)
+        headers = {"Authorization": f"Bearer {server.key}"}
+        with connect(_ws_url(server, sandbox_id), additional_headers=headers) as ws:
+            for _ in range(400):
+                ws.send(json.dumps({"type": "attach", "pid": 99999}))
+                failed = json.loads(ws.recv(timeout=30))
+                assert failed["type"] == "error", failed
+            ws.send(json.dumps({"type": "command", "command": "echo still heard"}))
+            events = [json.loads(ws.recv(timeout=30))]
+            while events[-1]["type"] != "result":
+                events.append(json.loads(ws.recv(timeout=30)))
+        streamed = "".join(e.get("data", "") for e in events if e["type"] == "stdout")
+        assert streamed == "still heard\n", events

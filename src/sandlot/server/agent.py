@@ -111,11 +111,12 @@ async def stream(websocket: WebSocket) -> None:
         # (red team, 2026-11-25 and 2026-12-06).
         await refuse_upgrade(websocket, exc)
         return
+    pace = state.stream_pace(who)
     try:
         await websocket.accept()
         while True:
             try:
-                message = await outbox_.receive_message(websocket)
+                message = await outbox_.receive_message(websocket, pace)
             except InvalidRequest as exc:
                 await websocket.send_json(error_message(exc))
                 continue

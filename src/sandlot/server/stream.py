@@ -65,11 +65,12 @@ async def stream(websocket: WebSocket, sandbox_id: SandboxId) -> None:
         # 40 of them renewed held the whole connection cap (red team, 2026-12-06).
         await refuse_upgrade(websocket, exc)
         return
+    pace = state.stream_pace(who)
     try:
         await websocket.accept()
         while True:
             try:
-                message = await outbox_.receive_message(websocket)
+                message = await outbox_.receive_message(websocket, pace)
             except InvalidRequest as exc:
                 await _send_error(websocket, exc)
                 continue
@@ -220,11 +221,10 @@ async def _listen(
     closed = False  # stdin_eof was sent: nothing takes from the queue after it
     while True:
         try:
-            message = await outbox_.receive_message(websocket)
+            message = await outbox_.receive_message(websocket, pace)
         except InvalidRequest as exc:
             outbox_.notify(outbox, budget, outbox_.notice(exc.code, exc.message))
             continue
-        await pace.wait()
         if stdin is None or not isinstance(message, dict):
             continue
         kind = message.get("type")

@@ -174,6 +174,25 @@ async def _start(
     a slot queued before anything could produce output (counted at a bound of its size)."""
     started: dict[str, Any] = {}
     outbox_.notify(outbox, budget, started, STARTED_COST_BYTES)
+    try:
+        return await _open(state, who, sandbox_id, message, callbacks, on_data, started)
+    except BaseException:
+        # Its "started" slot was counted in the tenant's share: given back, or each failed
+        # attach kept 4 KiB of it for good (344 of them silenced a 1 MiB share: red team,
+        # 2026-12-06).
+        budget.clear(outbox)
+        raise
+
+
+async def _open(
+    state: ServerState,
+    who: Principal,
+    sandbox_id: str,
+    message: dict[str, Any],
+    callbacks: tuple[OutputCallback, OutputCallback],
+    on_data: DataCallback,
+    started: dict[str, Any],
+) -> CommandInfo:
     manager = state.manager
     owner = who.owner_filter
     kind = message["type"]
@@ -238,13 +257,12 @@ async def _listen(
     pace = state.stream_pace(who)
     while True:
         try:
-            message = await outbox_.receive_message(websocket)
+            message = await outbox_.receive_message(websocket, pace)
         except (WebSocketDisconnect, RuntimeError):
             return
         except InvalidRequest as exc:
             outbox_.notify(outbox, budget, outbox_.notice(exc.code, exc.message))
             continue
-        await pace.wait()
         if not isinstance(message, dict):
             continue
         kind = message.get("type")
