@@ -602,6 +602,26 @@ def test_a_file_leased_in_the_sandbox_is_a_file_error_not_a_restart(
     assert jail.run_code("kept + 1").text == "42"
 
 
+@pytest.mark.hostile
+def test_a_file_sandboxed_code_plants_costs_a_write_its_error_not_the_session(
+    jail: Sandbox,
+) -> None:
+    """Failed before (the fourth red team's find, 2026-12-06): an errno the guest did not
+    name (ENXIO for a FIFO at the path, ETXTBSY for a program running from it) was a plain
+    file_error, which the host takes for a broken guest: it restarted the guest (the
+    session's variables and processes gone) and wrote again."""
+    jail.run_code("kept = 41")
+    made = jail.commands.run(
+        "mkfifo out.txt && cp /bin/sleep tool && (./tool 30 >/dev/null 2>&1 &) && sleep 0.2"
+    )
+    assert made.exit_code == 0, made.stderr
+    with pytest.raises(InvalidRequest):
+        jail.files.write("out.txt", "data")
+    with pytest.raises(SandboxFileBusy, match="busy"):
+        jail.files.write("tool", "data")
+    assert jail.run_code("kept + 1").text == "42"
+
+
 def test_nesting_is_measured_without_recursion() -> None:
     value: object = 0
     for _ in range(100_000):

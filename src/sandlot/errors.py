@@ -285,8 +285,16 @@ class SandboxDiskFull(SandboxFileError):
     code = "disk_full"
 
 
+class SandboxIOError(SandboxFileError):
+    """The file operation failed for a reason of the file's or the request's (the errno is
+    in the message): never a reason to restart the guest."""
+
+    code = "io_error"
+
+
 class SandboxFileBusy(SandboxFileError, BlockingIOError):
-    """A process in the sandbox holds a lease on the file: try again once it lets go."""
+    """A process in the sandbox holds a lease on the file, or runs it: try again once it lets
+    go."""
 
     code = "file_busy"
 
@@ -336,6 +344,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxFileExists,
         SandboxDiskFull,
         SandboxFileBusy,
+        SandboxIOError,
         TooManyOpen,
     )
 }

@@ -223,7 +223,9 @@ class Live:
 
 
 def guest_broken(exc: SandboxError) -> bool:
-    """Whether an error frame is the guest's own failure (an errno no request explains, such
-    as EMFILE after sandboxed code lowered the guest's file limit) rather than a problem with
-    the request, which the caller must see as it is."""
+    """Whether an error frame is the guest's own failure (``file_error``: EMFILE, ENFILE,
+    ENOMEM or ENOBUFS, as after sandboxed code lowered the guest's file limit; or an error
+    it could not name) rather than a problem with the file or the request (``io_error`` and
+    the typed ones), which the caller must see as it is: sandboxed code can plant the file,
+    and a restart costs the user the session's state."""
     return type(exc) in (SandboxError, SandboxFileError)

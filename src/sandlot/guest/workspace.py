@@ -299,6 +299,15 @@ def os_error_code(exc):
         errno.ENAMETOOLONG: "invalid_request",
         errno.EAGAIN: "pids_exhausted",  # fork or thread creation at the pids limit
         errno.EINVAL: "invalid_request",
+        # A FIFO or a socket at the path (no reader: ENXIO), a program running from it.
+        errno.ENXIO: "invalid_request",
+        errno.ETXTBSY: "file_busy",
+        # The guest itself out of what it needs (a limit sandboxed code lowered, say): the
+        # only errnos the host answers by restarting it (``live.guest_broken``).
+        errno.EMFILE: "file_error",
+        errno.ENFILE: "file_error",
+        errno.ENOMEM: "file_error",
+        errno.ENOBUFS: "file_error",
     }
     name = exc.filename if exc.filename is not None else ""
     where = display(name) if isinstance(name, str) and name.startswith(WORKSPACE) else name
@@ -310,4 +319,8 @@ def os_error_code(exc):
             "%s: an argument or environment variable is past the kernel's limit of 128 KiB "
             "on one (E2BIG): put it in a file" % (where or "exec")
         )
-    return codes.get(exc.errno, "file_error"), "%s: %s" % (exc.strerror or exc, where)
+    # Any other errno is the file's or the request's (EBUSY, EROFS, EFBIG, EXDEV, ...): until
+    # 2026-12-06 it was "file_error", which the host reads as a broken guest and restarts it,
+    # so a FIFO sandboxed code planted at a path cost the user's next write to it the
+    # session's state (a red team's find).
+    return codes.get(exc.errno, "io_error"), "%s: %s" % (exc.strerror or exc, where)
