@@ -1077,3 +1077,41 @@ def test_failed_stream_starts_give_their_slot_back_to_the_tenants_share(
                 events.append(json.loads(ws.recv(timeout=30)))
         streamed = "".join(e.get("data", "") for e in events if e["type"] == "stdout")
         assert streamed == "still heard\n", events
+
+
+def test_a_wait_its_client_left_gives_its_tenants_slot_back(data_root: Path) -> None:
+    """Failed before (the fourth red team's find, 2026-12-06): a long-poll whose client had
+    gone held its tenant's open-request slot until its wait ran out (up to an hour): 100
+    waits abandoned after a second locked the tenant out for their whole timeout."""
+    env = {**LIMITS, "API_MAX_OPEN_PER_TENANT": "3"}
+    with _serving(data_root / "trust-wait-left", env) as server:
+        headers = {"Authorization": f"Bearer {server.key}"}
+        sandbox_id = _sandbox(server)
+        started = httpx.post(
+            f"{server.url}/v1/sandboxes/{sandbox_id}/commands",
+            json={"command": "sleep 60", "background": True},
+            headers=headers,
+        )
+        assert started.status_code == 202, started.text
+        path = f"/v1/sandboxes/{sandbox_id}/commands/{started.json()['pid']}/wait?timeout_s=60"
+        request = (
+            f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.key}\r\n\r\n"
+        ).encode()
+        polls = []
+        for _ in range(3):
+            sock = server.connect("127.0.0.1")
+            sock.sendall(request)
+            polls.append(sock)
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/v1/sandboxes", headers=headers).status_code != 429:
+            assert time.monotonic() < deadline, "the three waits never held the tenant's slots"
+            time.sleep(0.05)
+        for sock in polls:  # the clients go away
+            sock.close()
+        deadline = time.monotonic() + 10
+        while (
+            served := httpx.get(server.url + "/v1/sandboxes", headers=headers)
+        ).status_code == 429:
+            assert time.monotonic() < deadline, served.text
+            time.sleep(0.1)
+        assert served.status_code == 200, served.text

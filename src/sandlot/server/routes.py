@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -12,7 +14,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
 
 from sandlot.core import SandboxManager
-from sandlot.errors import CommandStillRunning, RequestTooLarge
+from sandlot.errors import CommandStillRunning, RequestTooLarge, SandboxError
 from sandlot.models import (
     ArtifactInfo,
     CommandInfo,
@@ -163,6 +165,12 @@ CommandId = Annotated[
 MAX_WAIT_S = 3600.0  # one HTTP request waits at most this long; the client asks again
 
 
+async def _client_gone(request: Request) -> None:
+    """Return once the client has gone away (a request with no body to read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class KilledCommand(BaseModel):
     pid: int
     killed: bool
@@ -197,13 +205,29 @@ async def wait_command(
     timeout_s: Annotated[float, Query(gt=0, le=MAX_WAIT_S)] = 30.0,
     command_id: CommandId = None,
 ) -> Response:
-    """Its result once it ends; 202 with its info if it still runs after ``timeout_s``."""
+    """Its result once it ends; 202 with its info if it still runs after ``timeout_s``.
+
+    A client that goes away ends the wait (the command runs on): a wait holds one of its
+    tenant's open requests (``API_MAX_OPEN_PER_TENANT``), and 100 waits abandoned after a
+    second held a tenant's for their whole timeout (red team, 2026-12-06)."""
     manager = state_of(request).manager
     owner = who.owner_filter
+    waiting = asyncio.ensure_future(
+        manager.wait_command(sandbox_id, pid, timeout_s, command_id=command_id, owner=owner)
+    )
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        result = await manager.wait_command(
-            sandbox_id, pid, timeout_s, command_id=command_id, owner=owner
-        )
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not waiting.done():
+            waiting.cancel()  # only this wait: the command is shielded from it
+            with contextlib.suppress(asyncio.CancelledError, SandboxError):
+                await waiting
+    if waiting.cancelled():
+        return Response(status_code=499)  # nobody is there to read it
+    try:
+        result = waiting.result()
     except CommandStillRunning:
         info = await manager.command_info(sandbox_id, pid, command_id=command_id, owner=owner)
         return Response(info.model_dump_json(), 202, media_type="application/json")
