@@ -1115,3 +1115,33 @@ def test_a_wait_its_client_left_gives_its_tenants_slot_back(data_root: Path) -> 
             assert time.monotonic() < deadline, served.text
             time.sleep(0.1)
         assert served.status_code == 200, served.text
+
+
+def test_stdin_waiting_on_a_tenants_streams_is_counted_in_its_share(data_root: Path) -> None:
+    """Failed before (the fourth red team's find, 2026-12-06): a foreground run's stdin was
+    held to its own stream's backlog (1 MiB) alone, and 90 streams of one tenant held 433
+    MiB of the server's memory. It counts in the tenant's stream share too (1 MiB here):
+    the second stream's input past it is refused with a notice."""
+    from websockets.sync.client import connect
+
+    env = {**LIMITS, "API_STREAM_QUEUE_MB_PER_TENANT": "1"}
+    with _serving(data_root / "trust-stdin-share", env) as server:
+        headers = {"Authorization": f"Bearer {server.key}"}
+        chunk = json.dumps({"type": "stdin", "data": "x" * (600 << 10)})
+        start = {"type": "command", "command": "sleep 30", "stdin": True, "timeout_s": 30}
+        with contextlib.ExitStack() as stack:
+            sockets = [
+                stack.enter_context(
+                    connect(_ws_url(server, _sandbox(server)), additional_headers=headers)
+                )
+                for _ in range(2)
+            ]
+            for ws in sockets:
+                ws.send(json.dumps(start))
+                time.sleep(0.5)  # the run under way, its stdin open
+                ws.send(chunk)
+            with pytest.raises(TimeoutError):  # the first's 600 KiB fit
+                sockets[0].recv(timeout=2)
+            refused = json.loads(sockets[1].recv(timeout=10))
+            assert refused["type"] == "notice", refused
+            assert refused["code"] == "stdin_backlog_full", refused
