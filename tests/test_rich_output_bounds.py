@@ -221,3 +221,17 @@ def test_a_cell_keeps_at_most_max_results_outputs(wide: Sandbox) -> None:
         f"for i in range({MAX_RESULTS}): display(i)"
     ).model_dump()
     assert (len(within["results"]), within["results_truncated"]) == (MAX_RESULTS, False)
+
+
+def test_a_wide_string_costs_what_the_host_holds_for_it() -> None:
+    """Failed before (the fourth red team's find, 2026-12-06): CPython keeps a string at the
+    width of its widest character, so 1 MB of ASCII with one emoji holds 4 MB, but its
+    escaped JSON, all the cost counted, is ~1 MB."""
+    import sys
+
+    from sandlot.guest.wire import result_cost
+
+    wide = "a" * 1_000_000 + "\U0001f600"
+    assert result_cost({"data": {"text/plain": wide}}, 1 << 30) >= sys.getsizeof(wide)
+    latin = "é" * 1000  # one byte a character in memory: costed as its escapes, no more
+    assert result_cost({"data": {"text/plain": latin}}, 1 << 30) < 7_000 + 1_000
