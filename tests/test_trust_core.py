@@ -622,6 +622,38 @@ def test_a_file_sandboxed_code_plants_costs_a_write_its_error_not_the_session(
     assert jail.run_code("kept + 1").text == "42"
 
 
+@pytest.mark.parametrize("kind", ["command", "cell"])
+def test_a_call_that_waits_its_turn_is_not_taken_for_a_hung_guest(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Failed before (the fifth red team's find, 2026-12-06): the host's backstop (a call's
+    timeout and BACKSTOP_S) counted from when the call was sent, so a short call queued
+    behind a long one in its session (or behind a cell) ran out of it while it waited, and
+    the host restarted a healthy guest: both calls failed and the session's state was lost.
+    The guest says when a call waits and when it can run; the backstop counts from there."""
+    import threading
+
+    from sandlot.core import execution
+
+    monkeypatch.setattr(execution, "BACKSTOP_S", 0.5)
+    sandbox.run_code("kept = 41")
+    if kind == "command":
+        long_call = lambda: sandbox.commands.run("sleep 3; echo long", timeout_s=10)  # noqa: E731
+        short_call = lambda: sandbox.commands.run("echo short", timeout_s=1)  # noqa: E731
+    else:
+        long_call = lambda: sandbox.run_code("import time; time.sleep(3); 'long'", timeout_s=10)  # noqa: E731
+        short_call = lambda: sandbox.run_code("'short'", timeout_s=1)  # noqa: E731
+    results: list[Any] = []
+    first = threading.Thread(target=lambda: results.append(long_call()))
+    first.start()
+    time.sleep(0.5)  # the long one runs: the short one waits its turn
+    second = short_call()
+    first.join(30)
+    assert not second.state_lost and second.exit_code == 0, second
+    assert not results[0].state_lost and results[0].exit_code == 0, results[0]
+    assert sandbox.run_code("kept + 1").text == "42"
+
+
 def test_nesting_is_measured_without_recursion() -> None:
     value: object = 0
     for _ in range(100_000):

@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from sandlot.core.guest_link import GuestConnection
+from sandlot.core.guest_link import GuestConnection, TurnCallback
 from sandlot.core.live import Live, guest_broken
 from sandlot.errors import ConfigError, GuestDied, GuestError, PidsExhausted, SandboxError
 from sandlot.guest.ops import Op
@@ -128,7 +128,7 @@ async def _attempt(
             asyncio.create_task(_feed_stdin(conn, call_id, stdin)) if stdin is not None else None
         )
         try:
-            async with asyncio.timeout(timeout + BACKSTOP_S):
+            async with asyncio.timeout(timeout + BACKSTOP_S) as backstop:
                 raw = await conn.request(
                     op,
                     request,
@@ -136,6 +136,7 @@ async def _attempt(
                     on_stderr=on_stderr,
                     on_result=on_result,
                     call_id=call_id,
+                    on_turn=_backstop_from_turn(backstop, timeout),
                 )
         except PidsExhausted:
             # Left-over processes hold every slot; only a fresh guest frees them.
@@ -182,6 +183,21 @@ def _new_call(conn: GuestConnection, on_call: CallObserver | None) -> int:
     if on_call is not None:
         on_call(conn, call_id)
     return call_id
+
+
+def _backstop_from_turn(backstop: asyncio.Timeout, timeout_s: float) -> TurnCallback:
+    """The backstop of a call that waits its turn in the guest (a cell behind a cell, a
+    command behind its session's or a fresh command): none while it waits, the call ahead
+    holding one of its own (a guest that hangs trips that one, and every call fails with
+    it), then its timeout and BACKSTOP_S from when it can run, as the guest counts its
+    timeout. Counted from its sending, a call queued behind another ran out of it and the
+    host restarted a healthy guest, its state lost (red team, 2026-12-06)."""
+    loop = asyncio.get_running_loop()
+
+    def turn(started: bool) -> None:
+        backstop.reschedule(loop.time() + timeout_s + BACKSTOP_S if started else None)
+
+    return turn
 
 
 def _call_request(live: Live, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import itertools
 import json
 import secrets
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from sandlot.errors import (
@@ -30,6 +31,9 @@ from sandlot.guest.ops import PROTOCOL_VERSION, Event, Op
 from sandlot.guest.seal import KEY_BYTES, TO_GUEST, TO_HOST, NotAuthentic, Seal
 from sandlot.models import OutputCallback, Result, ResultCallback
 
+# Told whether a call that waited its turn in the guest can run now (True) or waits (False).
+TurnCallback = Callable[[bool], None]
+
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
 # A whole frame's bytes after its header: 64 MiB through a loaded docker stream takes ~1-2 s.
@@ -37,7 +41,7 @@ BODY_TIMEOUT_S = 20.0
 
 
 class _Pending:
-    __slots__ = ("future", "on_result", "on_stderr", "on_stdout")
+    __slots__ = ("future", "on_result", "on_stderr", "on_stdout", "on_turn")
 
     def __init__(
         self,
@@ -45,8 +49,10 @@ class _Pending:
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
         on_result: ResultCallback | None,
+        on_turn: TurnCallback | None = None,
     ) -> None:
         self.future = future
+        self.on_turn = on_turn
         self.on_stdout = on_stdout
         self.on_stderr = on_stderr
         self.on_result = on_result
@@ -103,8 +109,11 @@ class GuestConnection:
         on_stderr: OutputCallback | None = None,
         on_result: ResultCallback | None = None,
         call_id: int | None = None,
+        on_turn: TurnCallback | None = None,
     ) -> dict[str, Any]:
-        """Send one request and wait for its result frame.
+        """Send one request and wait for its result frame. ``on_turn(False)`` is called if
+        the guest says the call waits its turn behind another, ``on_turn(True)`` once it
+        can run.
 
         Raises:
             GuestDied: the guest exited before answering.
@@ -114,7 +123,7 @@ class GuestConnection:
             raise GuestDied("the sandbox's guest process is not running")
         call_id = call_id if call_id is not None else self.new_id()
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = _Pending(future, on_stdout, on_stderr, on_result)
+        self._pending[call_id] = _Pending(future, on_stdout, on_stderr, on_result, on_turn)
         message = {"id": call_id, "op": op, **(payload or {})}
         if on_stdout is not None or on_stderr is not None or on_result is not None:
             message["stream"] = True
@@ -234,6 +243,8 @@ class GuestConnection:
             pending.future.set_result(frame["result"])
         elif event == Event.ERROR and not pending.future.done():
             pending.future.set_exception(error_from_code(frame["code"], frame["message"]))
+        elif event in (Event.QUEUED, Event.STARTED) and pending.on_turn is not None:
+            pending.on_turn(event == Event.STARTED)
 
     def _fail_all(self, error: SandboxError) -> None:
         self._closed = True

@@ -306,7 +306,7 @@ class Cells:
         call_id = request["id"]
         call = self.calls.start(call_id)
         try:
-            with self.kernel.lock:
+            with threads.Turn(self._event_sender(call_id), self.kernel.lock):
                 state_lost = self.kernel.ensure()
                 # The timeout counts from when the cell can run, not while it waits its turn.
                 return self._run_cell(request, call, time.monotonic(), state_lost)
@@ -432,6 +432,9 @@ class Cells:
                 body = encode_body({"id": request["id"], "event": Event.DISPLAY, **bundle})
                 if STREAMED.spend(len(body) + FRAME_COST_BYTES):
                     self.writer.send_body(body)
+
+    def _event_sender(self, call_id):
+        return lambda event: self.writer.send({"id": call_id, "event": event})
 
     def rewarm(self):
         with self.kernel.lock:

@@ -102,3 +102,8 @@ class Event(_Name):
     RESULT: ClassVar[Event]
     DISPLAY: ClassVar[Event]  # a rich output of a running cell (a MIME bundle), streamed
     ERROR: ClassVar[Event]
+    # A call that must wait its turn (a cell behind a cell, a command behind its session's):
+    # QUEUED when it starts waiting, STARTED when it can run, so that the host's backstop,
+    # its timeout and a few seconds, counts from there too (calls.turn).
+    QUEUED: ClassVar[Event]
+    STARTED: ClassVar[Event]

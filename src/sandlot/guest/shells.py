@@ -97,6 +97,9 @@ class Shells:
         # command takes it to start its bash, so none starts beside a fresh one.
         self.fresh_gate = threads.Lock()
 
+    def _event_sender(self, call_id):
+        return lambda event: self.writer.send({"id": call_id, "event": event})
+
     def exec_shell(self, request):
         if request.get("fresh"):
             return self._exec_fresh(request)
@@ -117,7 +120,7 @@ class Shells:
             finally:
                 self.calls.end(call_id)
         try:
-            with session["lock"]:
+            with threads.Turn(self._event_sender(call_id), session["lock"]):
                 # The timeout counts from when the command can run, not while it queues.
                 result = self._run_shell(request, session, name, call, time.monotonic())
             if kernel_alive and not self.kernel.alive():
@@ -143,7 +146,7 @@ class Shells:
         """
         call = self.calls.start(request["id"])
         try:
-            with self.fresh_gate, self.kernel.lock:
+            with threads.Turn(self._event_sender(request["id"]), self.fresh_gate, self.kernel.lock):
                 kernel = self.kernel.proc
                 keep = kernel.pid if kernel is not None and kernel.poll() is None else None
                 freeze_all_but(keep)
@@ -244,7 +247,9 @@ class Shells:
         if request.get("fresh"):
             proc = spawn(argv, **options)  # the caller holds the gate
         else:
-            with self.fresh_gate:
+            # Behind a fresh command (it holds the gate for its whole run): a wait the host's
+            # backstop must not count, as a session's queue.
+            with threads.Turn(self._event_sender(request["id"]), self.fresh_gate):
                 proc = spawn(argv, **options)
         set_oom_preferred(proc.pid)
         call.pid = proc.pid
