@@ -7,6 +7,7 @@ embedded backend."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import stat
 import time
 from pathlib import Path
@@ -182,6 +183,40 @@ def test_sparse_artifacts_cost_a_destroy_no_more_than_the_disk_holds(
     kept = [a.path for a in get_portal().call(manager.list_artifacts(sandbox.id))]
     assert kept == ["a.txt"]
     assert 0 < sum(read) < 64 << 20, sum(read)
+
+
+@pytest.mark.usefixtures("root_bubblewrap")
+def test_an_artifact_grown_since_it_was_listed_costs_no_more_than_its_listed_size(
+    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failed before (the fifth red team's find, 2026-12-06): a file listed empty and grown
+    before its copy was read a whole chunk (1 MiB) and refused, charged nothing: 3,000 of
+    them read 3 GiB a destroy. Each read asks for what is left of its bound and one byte.
+    (The listing is made to say 0 here: the race the red team won, every time.)"""
+    from sandlot.core import artifacts
+    from sandlot.core.guest_link import GuestConnection
+    from sandlot.guest.ops import Op
+
+    read: list[int] = []  # the bytes each read of the guest brought back
+    real_request = GuestConnection.request
+
+    async def counted(self: GuestConnection, op: Op, payload: Any = None, **kw: Any) -> Any:
+        reply = await real_request(self, op, payload, **kw)
+        if op == Op.FILE_READ:
+            read.append(len(base64.b64decode(reply["data"])))
+        return reply
+
+    monkeypatch.setattr(GuestConnection, "request", counted)
+    monkeypatch.setattr(artifacts, "_listed_size", lambda entry: 0)
+    sandbox = Sandbox.create(manager=manager, disk_mb=64)
+    made = sandbox.commands.run(
+        "mkdir -p artifacts && for i in 1 2 3 4 5; do head -c 2000000 /dev/zero >artifacts/f$i;"
+        " done"
+    )
+    assert made.exit_code == 0, made.stderr
+    sandbox.kill()
+    assert get_portal().call(manager.list_artifacts(sandbox.id)) == []
+    assert sum(read) <= 5, read
 
 
 async def test_artifacts_over_the_tenant_quota_leave_no_partial_copy(data_dir: Path) -> None:
