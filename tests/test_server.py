@@ -587,6 +587,13 @@ def test_seed_001_flow(http: httpx.Client, live_server: LiveServer) -> None:
     assert set(created) == {"session_id", "sandbox_id", "provider", "url"}
     assert created["provider"] == "bubblewrap"
     sid = created["session_id"]
+    # A fresh session has no artifacts directory: its first execute answers all the same
+    # (failed before, 2026-12-06: "not a directory", after the code had run).
+    first = http.post(
+        "/api/e2b/execute", json={"session_id": sid, "code": "print(1)"}, headers=headers
+    )
+    assert first.status_code == 200, first.text
+    assert first.json()["stdout"] == "1\n" and first.json()["artifacts"] == []
     http.post(
         "/api/e2b/files",
         json={"session_id": sid, "path": "artifacts/note.txt", "content": "n"},

@@ -24,6 +24,8 @@ from sandlot.errors import (
     InvalidRequest,
     QuotaExceeded,
     SandboxFileBusy,
+    SandboxFileNotFound,
+    SandboxNotADirectory,
     SandboxNotFound,
 )
 from sandlot.guest.wire import MAX_JSON_DEPTH, MAX_RESULTS, nests_within
@@ -720,3 +722,12 @@ def test_a_tenants_ended_records_are_capped(tmp_path: Path) -> None:
         assert left == newest | {"a-0", "a-live"} | {f"b-{n}" for n in range(5)}
     finally:
         store.close()
+
+
+def test_listing_a_path_that_is_not_there_is_file_not_found(sandbox: Sandbox) -> None:
+    """It was "not a directory" (before 2026-12-06), which E2B's clients do not expect."""
+    with pytest.raises(SandboxFileNotFound):
+        sandbox.files.list("not-there")
+    sandbox.files.write("a-file", "x")
+    with pytest.raises(SandboxNotADirectory):
+        sandbox.files.list("a-file")

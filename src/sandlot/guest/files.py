@@ -75,7 +75,9 @@ class Files:
         depth = max(1, int(request.get("depth", 1)))
         try:
             fd = open_dir_beneath(path)
-        except (NotADirectoryError, FileNotFoundError):
+        except FileNotFoundError:
+            raise GuestFault("file_not_found", "%s does not exist" % display(path)) from None
+        except NotADirectoryError:
             raise GuestFault("not_a_directory", "%s is not a directory" % display(path)) from None
         listing = _Listing()
         try:

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from sandlot.agent.models import AgentResult
 from sandlot.backends import KNOWN_BACKENDS
+from sandlot.errors import SandboxFileError
 from sandlot.models import FileInfo, SandboxInfo
 from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteFile, build
 from sandlot.server.agent import AgentTaskRequest, execute_task
@@ -137,7 +138,11 @@ async def api_execute(
         code = build(RunCode, code=body.code, timeout_s=body.timeout_s)
         r = await state.manager.run_code(body.session_id, code, owner=who.owner_filter)
     files: list[FileInfo] = []
-    with contextlib.suppress(FileNotFoundError):  # no artifacts directory yet
+    # No artifacts directory yet, or something else at its name (sandboxed code can put a
+    # file or a FIFO there): the code has run, and its output must not be lost for that.
+    # Before 2026-12-06 a missing one was "not a directory", and every first execute of a
+    # session failed after its code ran (a red team's find).
+    with contextlib.suppress(SandboxFileError):
         files = await state.manager.list_files(
             body.session_id, ListFiles(path="artifacts", depth=8), owner=who.owner_filter
         )
