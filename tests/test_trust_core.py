@@ -731,3 +731,18 @@ def test_listing_a_path_that_is_not_there_is_file_not_found(sandbox: Sandbox) ->
     sandbox.files.write("a-file", "x")
     with pytest.raises(SandboxNotADirectory):
         sandbox.files.list("a-file")
+
+
+@pytest.mark.hostile
+def test_a_file_planted_at_the_shells_state_directory_stops_no_command(jail: Sandbox) -> None:
+    """Failed before (the fifth red team's find, 2026-12-06): a file at /tmp/.sandlot_shells
+    made every later command fail with file_exists."""
+    planted = jail.run_code(
+        "import shutil, os; shutil.rmtree('/tmp/.sandlot_shells', ignore_errors=True);"
+        " open('/tmp/.sandlot_shells', 'w').close()"
+    )
+    assert planted.exit_code == 0, planted
+    first = jail.commands.run("cd /tmp && export KEPT=41 && echo ran")
+    assert (first.exit_code, first.stdout) == (0, "ran\n"), first
+    second = jail.commands.run("pwd; echo $KEPT")  # the session's cwd and env were kept
+    assert second.stdout == "/tmp\n41\n", second

@@ -96,6 +96,25 @@ class Shells:
         # Held by a fresh command from before it clears the sandbox until it ends; every other
         # command takes it to start its bash, so none starts beside a fresh one.
         self.fresh_gate = threads.Lock()
+        self._private_state_dir = None  # made if SHELL_STATE_DIR cannot be used (_state_dir)
+
+    def _state_dir(self):
+        """SHELL_STATE_DIR, or, where sandboxed code has put something else at its name (a
+        file, a symlink, a directory it made unwritable), a private one of the guest's own:
+        a file there made every command fail with file_exists (a red team's find,
+        2026-12-06)."""
+        for candidate in (SHELL_STATE_DIR, self._private_state_dir):
+            if candidate is None:
+                continue
+            try:
+                os.makedirs(candidate, exist_ok=True)
+                info = os.lstat(candidate)
+            except OSError:
+                continue
+            if stat.S_ISDIR(info.st_mode) and os.access(candidate, os.W_OK | os.X_OK):
+                return candidate
+        self._private_state_dir = tempfile.mkdtemp(prefix="sandlot-shells-")
+        return self._private_state_dir
 
     def _event_sender(self, call_id):
         return lambda event: self.writer.send({"id": call_id, "event": event})
@@ -205,8 +224,7 @@ class Shells:
         SHELL_STATE_DIR; a fresh command's is a new private one: sandboxed code can make the
         shared one unwritable, and a FIFO it planted there then outlives our unlink)."""
         if state_dir is None:
-            state_dir = SHELL_STATE_DIR
-            os.makedirs(state_dir, exist_ok=True)
+            state_dir = self._state_dir()
         state_base = os.path.join(state_dir, "%s-%s" % (_safe_name(name), request["id"]))
         for suffix in (".cwd", ".env"):
             # A FIFO planted at a later call's name would hang its EXIT trap's write (a fresh
