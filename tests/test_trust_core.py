@@ -746,3 +746,35 @@ def test_a_file_planted_at_the_shells_state_directory_stops_no_command(jail: San
     assert (first.exit_code, first.stdout) == (0, "ran\n"), first
     second = jail.commands.run("pwd; echo $KEPT")  # the session's cwd and env were kept
     assert second.stdout == "/tmp\n41\n", second
+
+
+FIFO_PLANTER = r"""
+import os, time
+d = "/tmp/.sandlot_shells"
+while True:
+    os.makedirs(d, exist_ok=True)
+    for i in range(1, 300):
+        for name in ("default-%d.cwd" % i, "default-%d.env" % i):
+            try:
+                os.mkfifo(os.path.join(d, name))
+            except OSError:
+                pass
+    time.sleep(0.001)
+"""
+
+
+@pytest.mark.hostile
+def test_a_process_planting_fifos_where_commands_save_their_state_stops_none(
+    jail: Sandbox,
+) -> None:
+    """Failed before (the sixth red team's find, 2026-12-06): a command's EXIT trap saved its
+    cwd and env to predictable names in /tmp, and a leftover process put FIFOs there as fast
+    as the guest removed them: every later command blocked in its trap and came back
+    "timeout". The trap writes to anonymous files the guest opened for it."""
+    jail.files.write("plant.py", FIFO_PLANTER)
+    jail.commands.run("/usr/bin/python3 plant.py", background=True, timeout_s=60)
+    time.sleep(0.5)
+    for _ in range(3):
+        result = jail.commands.run("cd /tmp && echo hi", timeout_s=3)
+        assert (result.exit_code, result.kill_reason, result.stdout) == (0, None, "hi\n"), result
+    assert jail.commands.run("pwd").stdout == "/tmp\n"  # the session's cwd was saved

@@ -31,14 +31,19 @@ from workspace import WORKSPACE
 
 SHELL_STATE_DIR = os.environ.get("SANDLOT_SHELL_STATE", "/tmp/.sandlot_shells")
 
+# The EXIT trap writes the command's cwd and env to two descriptors the guest opened on
+# anonymous files (no name anywhere): written to names in /tmp, a process left from an
+# earlier call could put a FIFO at the next one and block the trap, every command then
+# "timeout" (a red team's find, 2026-12-06).
 SHELL_WRAPPER = r"""
-__agsb_state=$1
-__agsb_cmd=$2
+__agsb_cwd_fd=$1
+__agsb_env_fd=$2
+__agsb_cmd=$3
 set --
 __agsb_save() {
   __agsb_rc=$?
-  pwd > "$__agsb_state.cwd" 2>/dev/null
-  /usr/bin/env -0 > "$__agsb_state.env" 2>/dev/null
+  pwd >&"$__agsb_cwd_fd" 2>/dev/null
+  /usr/bin/env -0 >&"$__agsb_env_fd" 2>/dev/null
   exit $__agsb_rc
 }
 trap __agsb_save EXIT
@@ -53,29 +58,22 @@ STATE_CWD_LIMIT = 4096
 STATE_ENV_LIMIT = 1 << 20
 
 
-def _read_state(path, limit):
-    """The regular file the command's EXIT trap wrote at ``path``, if at most ``limit`` bytes.
-
-    The state directory is in the sandbox's /tmp, and its names are predictable: sandboxed
-    code may put a FIFO there (its open would block the guest for good), a symlink to
-    /dev/zero (a read without end), or anything else. Only a regular file, not through a
-    link, is read; anything else raises OSError, and the session keeps its state."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError("%s is not a regular file" % path)
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:
-            raise OSError("%s is over %d bytes" % (path, limit))  # not cut: refused whole
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+def _read_state(file, limit):
+    """What the command's EXIT trap wrote to ``file`` (an anonymous file of the guest's), if
+    at most ``limit`` bytes; else OSError, and the session keeps its state (the command
+    inherits the descriptor: it may write anything to it)."""
+    fd = file.fileno()
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks, left = [], limit + 1
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    if left <= 0:
+        raise OSError("the saved state is over %d bytes" % limit)  # not cut: refused whole
+    return b"".join(chunks)
 
 
 def _safe_name(name):
@@ -99,10 +97,10 @@ class Shells:
         self._private_state_dir = None  # made if SHELL_STATE_DIR cannot be used (_state_dir)
 
     def _state_dir(self):
-        """SHELL_STATE_DIR, or, where sandboxed code has put something else at its name (a
-        file, a symlink, a directory it made unwritable), a private one of the guest's own:
-        a file there made every command fail with file_exists (a red team's find,
-        2026-12-06)."""
+        """Where the state files are made: SHELL_STATE_DIR, or, where sandboxed code has put
+        something else at its name (a file, a symlink, a directory it made unwritable), a
+        private one of the guest's own: a file there made every command fail with
+        file_exists (a red team's find, 2026-12-06)."""
         for candidate in (SHELL_STATE_DIR, self._private_state_dir):
             if candidate is None:
                 continue
@@ -179,9 +177,7 @@ class Shells:
                 try:
                     env = dict(self.env, HOME=home)
                     session = {"cwd": WORKSPACE, "env": env, "lock": None}
-                    result = self._run_shell(
-                        request, session, "fresh", call, time.monotonic(), state_dir=home
-                    )
+                    result = self._run_shell(request, session, "fresh", call, time.monotonic())
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
                     if keep is not None:
@@ -219,20 +215,9 @@ class Shells:
             "kernel was ended (its state is lost); run the command again",
         )
 
-    def _run_shell(self, request, session, name, call, started, state_dir=None):
-        """Run one command; ``state_dir`` holds its saved cwd and env (default: the shared
-        SHELL_STATE_DIR; a fresh command's is a new private one: sandboxed code can make the
-        shared one unwritable, and a FIFO it planted there then outlives our unlink)."""
-        if state_dir is None:
-            state_dir = self._state_dir()
-        state_base = os.path.join(state_dir, "%s-%s" % (_safe_name(name), request["id"]))
-        for suffix in (".cwd", ".env"):
-            # A FIFO planted at a later call's name would hang its EXIT trap's write (a fresh
-            # check would come back "timeout"): the command's trap makes new files.
-            try:
-                os.unlink(state_base + suffix)
-            except OSError:
-                pass
+    def _run_shell(self, request, session, name, call, started):
+        """Run one command of session ``name``; its cwd and env come back through two
+        anonymous files (``_state_files``)."""
         env = dict(session["env"])
         call_env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
         for key, value in call_env.items():
@@ -251,10 +236,27 @@ class Shells:
                 raise GuestFault("file_not_found", "cwd %r is not a directory" % request["cwd"])
         elif not os.path.isdir(cwd):
             cwd = WORKSPACE if os.path.isdir(WORKSPACE) else "/"  # the session's dir was removed
+        state = self._state_files()
+        try:
+            return self._spawned(request, session, call, started, cwd, env, call_env, state)
+        finally:
+            for file in state:
+                file.close()
+
+    def _state_files(self):
+        """Two anonymous files (O_TMPFILE where it works, else a name unlinked at once) in
+        the state directory: the EXIT trap's cwd and env."""
+        directory = self._state_dir()
+        return [tempfile.TemporaryFile(dir=directory) for _ in range(2)]
+
+    def _spawned(self, request, session, call, started, cwd, env, call_env, state):
         has_input = request.get("input") is not None
         keep_stdin = bool(request.get("stdin"))
-        argv = ["/bin/bash", "-c", SHELL_WRAPPER, "bash", state_base, request["command"]]
+        fds = [file.fileno() for file in state]
+        argv = ["/bin/bash", "-c", SHELL_WRAPPER, "bash", str(fds[0]), str(fds[1])]
+        argv.append(request["command"])
         options = dict(
+            pass_fds=fds,
             stdin=subprocess.PIPE if (has_input or keep_stdin) else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -310,7 +312,7 @@ class Shells:
             call.close_stdin_when_idle()
         returncode = proc.wait()
         forget(proc)
-        self._update_session(session, state_base, call_env, keep=session["lock"] is not None)
+        self._update_session(session, state, call_env, keep=session["lock"] is not None)
         result = {
             "exit_code": signal_exit_code(returncode),
             "text": None,
@@ -325,15 +327,15 @@ class Shells:
         finish_streams(result, sinks, started)
         return result
 
-    def _update_session(self, session, state_base, call_env, keep=True):
+    def _update_session(self, session, state, call_env, keep=True):
         try:
             if not keep:
                 return  # a background command's state is its own
-            cwd = _read_state(state_base + ".cwd", STATE_CWD_LIMIT).decode("utf-8", "replace")
+            cwd = _read_state(state[0], STATE_CWD_LIMIT).decode("utf-8", "replace")
             cwd = cwd.strip()
             if os.path.isdir(cwd):
                 session["cwd"] = cwd
-            raw = _read_state(state_base + ".env", STATE_ENV_LIMIT)
+            raw = _read_state(state[1], STATE_ENV_LIMIT)
             env = {}
             for item in raw.split(b"\0"):
                 key, sep, value = item.partition(b"=")
@@ -352,12 +354,6 @@ class Shells:
                 session["env"] = env
         except OSError:
             pass  # killed before its EXIT trap ran: the session keeps its previous state
-        finally:
-            for suffix in (".cwd", ".env"):
-                try:
-                    os.unlink(state_base + suffix)
-                except OSError:
-                    pass
 
     def close_session(self, request):
         with self.sessions_lock:
