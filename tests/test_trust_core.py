@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import stat
 import time
 from pathlib import Path
@@ -778,3 +779,47 @@ def test_a_process_planting_fifos_where_commands_save_their_state_stops_none(
         result = jail.commands.run("cd /tmp && echo hi", timeout_s=3)
         assert (result.exit_code, result.kill_reason, result.stdout) == (0, None, "hi\n"), result
     assert jail.commands.run("pwd").stdout == "/tmp\n"  # the session's cwd was saved
+
+
+KERNEL_DEAF = r"""
+import os, socket, threading
+keep = socket.socket(fileno=os.dup(3))  # the kernel's channel to the guest, kept open
+a, b = socket.socketpair()
+os.dup2(a.fileno(), 3)  # the kernel reads this pair now: the guest's frames go unread
+
+
+def relay():
+    while data := b.recv(65536):
+        keep.sendall(data)
+
+
+threading.Thread(target=relay, daemon=True).start()
+"""
+
+
+@pytest.mark.hostile
+@pytest.mark.usefixtures("root_bubblewrap")
+async def test_a_call_queued_behind_a_cancelled_one_still_has_a_backstop(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failed before (the sixth red team's find, 2026-12-06): a cell made the kernel deaf to
+    the guest, the user's next (big) cell was cancelled with the guest's thread stuck
+    sending it while holding the kernel's lock, and a later cell queued behind it had no
+    deadline at all: it waited for good. A queued call waits at most for the backstops of
+    the calls in flight and its own; a cancelled one is no longer in flight."""
+    from sandlot.core import execution
+
+    monkeypatch.setattr(execution, "BACKSTOP_S", 1.0)
+    async with SandboxManager(make_settings(data_dir, backend="bubblewrap")) as mgr:
+        info = await mgr.create()
+        deaf = await mgr.run_code(info.id, RunCode(code=KERNEL_DEAF))
+        assert deaf.exit_code == 0, deaf
+        big = RunCode(code="y = '" + "a" * (900 << 10) + "'", timeout_s=3)
+        stuck = asyncio.ensure_future(mgr.run_code(info.id, big))
+        await asyncio.sleep(1.0)
+        stuck.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stuck
+        later = await asyncio.wait_for(mgr.run_code(info.id, RunCode(code="2", timeout_s=2)), 30)
+        assert later.state_lost, later  # the stuck guest was ended, and the call answered
+        assert (await mgr.run_code(info.id, RunCode(code="3"))).text == "3"

@@ -123,6 +123,8 @@ async def _attempt(
         conn, restarted = await live.connection()
         before = live.counters
         call_id = _new_call(conn, on_call)
+        if not payload.get("background"):
+            live.call_budgets[call_id] = timeout + BACKSTOP_S
         request = _call_request(live, payload, timeout)
         feeder = (
             asyncio.create_task(_feed_stdin(conn, call_id, stdin)) if stdin is not None else None
@@ -136,7 +138,7 @@ async def _attempt(
                     on_stderr=on_stderr,
                     on_result=on_result,
                     call_id=call_id,
-                    on_turn=_backstop_from_turn(backstop, timeout),
+                    on_turn=_backstop_from_turn(backstop, timeout, live, call_id),
                 )
         except PidsExhausted:
             # Left-over processes hold every slot; only a fresh guest frees them.
@@ -153,29 +155,39 @@ async def _attempt(
             await conn.notify(Op.CANCEL, {"target": call_id})
             raise
         finally:
+            live.call_budgets.pop(call_id, None)
             if feeder is not None:
                 feeder.cancel()
-        after = live.counters = await live.backend.usage(live.id, full=False)
-        try:
-            result = ExecResult.model_validate(
-                {k: v for k, v in raw.items() if k in RESULT_FIELDS}
-                | _results(raw, limits.output_limit_bytes)
-            )
-        except ValidationError as exc:
-            # The guest shares a uid with sandboxed code: a malformed reply is its failure
-            # (502), never ours (500).
-            await live.drop_guest()
-            raise GuestError(f"the sandbox's guest sent an invalid result: {exc}") from exc
-        if not result.duration_ms:
-            result.duration_ms = (time.monotonic() - started) * 1000
-        tasks = raw.get("tasks")
-        await _classify(live, result, before, after, tasks if isinstance(tasks, int) else 0)
+        result = await _result(live, raw, before, started)
         if restarted:
             result.state_lost = True
         return result
     finally:
         live.active_calls -= 1
         live.touch()
+
+
+async def _result(
+    live: Live, raw: dict[str, Any], before: ResourceUsage, started: float
+) -> ExecResult:
+    """The call's result from the guest's ``raw`` answer, its kill reason from the cgroup's
+    counters read now against ``before``."""
+    after = live.counters = await live.backend.usage(live.id, full=False)
+    try:
+        result = ExecResult.model_validate(
+            {k: v for k, v in raw.items() if k in RESULT_FIELDS}
+            | _results(raw, live.info.limits.output_limit_bytes)
+        )
+    except ValidationError as exc:
+        # The guest shares a uid with sandboxed code: a malformed reply is its failure
+        # (502), never ours (500).
+        await live.drop_guest()
+        raise GuestError(f"the sandbox's guest sent an invalid result: {exc}") from exc
+    if not result.duration_ms:
+        result.duration_ms = (time.monotonic() - started) * 1000
+    tasks = raw.get("tasks")
+    await _classify(live, result, before, after, tasks if isinstance(tasks, int) else 0)
+    return result
 
 
 def _new_call(conn: GuestConnection, on_call: CallObserver | None) -> int:
@@ -185,17 +197,28 @@ def _new_call(conn: GuestConnection, on_call: CallObserver | None) -> int:
     return call_id
 
 
-def _backstop_from_turn(backstop: asyncio.Timeout, timeout_s: float) -> TurnCallback:
+def _backstop_from_turn(
+    backstop: asyncio.Timeout, timeout_s: float, live: Live, call_id: int
+) -> TurnCallback:
     """The backstop of a call that waits its turn in the guest (a cell behind a cell, a
-    command behind its session's or a fresh command): none while it waits, the call ahead
-    holding one of its own (a guest that hangs trips that one, and every call fails with
-    it), then its timeout and BACKSTOP_S from when it can run, as the guest counts its
-    timeout. Counted from its sending, a call queued behind another ran out of it and the
-    host restarted a healthy guest, its state lost (red team, 2026-12-06)."""
+    command behind its session's or a fresh command): while it waits, the backstops of the
+    other foreground calls in flight and its own (the calls ahead of it are among them),
+    then its timeout and BACKSTOP_S from when it can run, as the guest counts its timeout.
+    Counted from its sending, a call queued behind another ran out of it and the host
+    restarted a healthy guest, its state lost; with no deadline while it waited, a call
+    queued behind one its caller had cancelled (and the guest had not ended: its thread
+    stuck sending a cell to a kernel that no longer read) waited for good (red team,
+    2026-12-06)."""
     loop = asyncio.get_running_loop()
 
     def turn(started: bool) -> None:
-        backstop.reschedule(loop.time() + timeout_s + BACKSTOP_S if started else None)
+        if backstop.expired():
+            return  # too late: the call is being ended (a reschedule now would raise)
+        if started:
+            backstop.reschedule(loop.time() + timeout_s + BACKSTOP_S)
+            return
+        ahead_s = sum(b for other, b in live.call_budgets.items() if other != call_id)
+        backstop.reschedule(loop.time() + ahead_s + timeout_s + BACKSTOP_S)
 
     return turn
 

@@ -87,6 +87,9 @@ class Live:
     conn: GuestConnection | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     active_calls: int = 0
+    # The backstop (timeout and BACKSTOP_S) of each foreground call in flight, by call id: a
+    # call that waits its turn in the guest waits at most for theirs (execution.py).
+    call_budgets: dict[int, float] = field(default_factory=dict)
     destroying: bool = False
     # Kill counters as last read; each call compares against these, so one cheap read per
     # call suffices. (A limit hit between calls is blamed on the next call, if that fails.)
