@@ -512,6 +512,17 @@ def _ws_url(server: Server, sandbox_id: str) -> str:
     return server.url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/stream"
 
 
+def _sleeping_command(server: Server, sandbox_id: str, seconds: int) -> str:
+    """Start ``sleep seconds`` in the background; the path of its command."""
+    started = httpx.post(
+        f"{server.url}/v1/sandboxes/{sandbox_id}/commands",
+        json={"command": f"sleep {seconds}", "background": True},
+        headers={"Authorization": f"Bearer {server.key}"},
+    )
+    assert started.status_code == 202, started.text
+    return f"/v1/sandboxes/{sandbox_id}/commands/{started.json()['pid']}"
+
+
 def _sandbox(server: Server) -> str:
     headers = {"Authorization": f"Bearer {server.key}"}
     created = httpx.post(server.url + "/v1/sandboxes", json={}, headers=headers)
@@ -897,13 +908,7 @@ def test_a_tenant_holds_no_more_than_its_open_requests(data_root: Path) -> None:
         store.close()
         headers = {"Authorization": f"Bearer {server.key}"}
         sandbox_id = _sandbox(server)
-        started = httpx.post(
-            f"{server.url}/v1/sandboxes/{sandbox_id}/commands",
-            json={"command": "sleep 30", "background": True},
-            headers=headers,
-        )
-        assert started.status_code == 202, started.text
-        wait_url = f"{server.url}/v1/sandboxes/{sandbox_id}/commands/{started.json()['pid']}"
+        wait_url = server.url + _sleeping_command(server, sandbox_id, 30)
         polls = [
             threading.Thread(
                 target=httpx.get,
@@ -1087,13 +1092,7 @@ def test_a_wait_its_client_left_gives_its_tenants_slot_back(data_root: Path) -> 
     with _serving(data_root / "trust-wait-left", env) as server:
         headers = {"Authorization": f"Bearer {server.key}"}
         sandbox_id = _sandbox(server)
-        started = httpx.post(
-            f"{server.url}/v1/sandboxes/{sandbox_id}/commands",
-            json={"command": "sleep 60", "background": True},
-            headers=headers,
-        )
-        assert started.status_code == 202, started.text
-        path = f"/v1/sandboxes/{sandbox_id}/commands/{started.json()['pid']}/wait?timeout_s=60"
+        path = _sleeping_command(server, sandbox_id, 60) + "/wait?timeout_s=60"
         request = (
             f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.key}\r\n\r\n"
         ).encode()

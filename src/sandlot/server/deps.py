@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -150,19 +150,6 @@ class ServerState:
     def __post_init__(self) -> None:
         self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)
         self.open_requests = OpenPerTenant(self.settings.max_open_per_tenant)
-
-    @contextmanager
-    def held_open(self, principal: Principal) -> Iterator[None]:
-        """One of ``principal``'s tenant's open requests or streams, for as long as it runs.
-
-        Raises:
-            TooManyOpen: the tenant has its most open already.
-        """
-        self.open_requests.acquire(principal.tenant)
-        try:
-            yield
-        finally:
-            self.open_requests.release(principal.tenant)
 
     def stream_pace(self, principal: Principal) -> Pace:
         """The pace of ``principal``'s tenant's stream messages (``limits.Pace``)."""
