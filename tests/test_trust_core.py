@@ -31,7 +31,7 @@ from sandlot.errors import (
 )
 from sandlot.guest.wire import MAX_JSON_DEPTH, MAX_RESULTS, nests_within
 from sandlot.models import ArtifactInfo, Quota
-from sandlot.requests import ReadFile, RunCode, SandboxSpec, WriteFile
+from sandlot.requests import OpenPty, ReadFile, RunCode, SandboxSpec, WriteFile
 from tests.conftest import make_settings, placement
 
 QUOTA = Quota(
@@ -812,6 +812,9 @@ async def test_a_call_queued_behind_a_cancelled_one_still_has_a_backstop(
     monkeypatch.setattr(execution, "BACKSTOP_S", 1.0)
     async with SandboxManager(make_settings(data_dir, backend="bubblewrap")) as mgr:
         info = await mgr.create()
+        # A terminal open all along (its budget is the sandbox's lifetime): not a call a
+        # queued one waits for, so not one whose backstop it waits out.
+        await mgr.start_pty(info.id, OpenPty(command="sleep 600"))
         deaf = await mgr.run_code(info.id, RunCode(code=KERNEL_DEAF))
         assert deaf.exit_code == 0, deaf
         big = RunCode(code="y = '" + "a" * (900 << 10) + "'", timeout_s=3)

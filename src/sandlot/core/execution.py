@@ -123,7 +123,10 @@ async def _attempt(
         conn, restarted = await live.connection()
         before = live.counters
         call_id = _new_call(conn, on_call)
-        if not payload.get("background"):
+        if op in (Op.EXEC_CODE, Op.EXEC_SHELL) and not payload.get("background"):
+            # Only these hold what a queued call waits for (the kernel, a session, the
+            # fresh gate): a terminal's or a background command's budget (up to the
+            # sandbox's lifetime) would leave a queued call no deadline again.
             live.call_budgets[call_id] = timeout + BACKSTOP_S
         request = _call_request(live, payload, timeout)
         feeder = (

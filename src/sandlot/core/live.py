@@ -87,7 +87,8 @@ class Live:
     conn: GuestConnection | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     active_calls: int = 0
-    # The backstop (timeout and BACKSTOP_S) of each foreground call in flight, by call id: a
+    # The backstop (timeout and BACKSTOP_S) of each foreground cell or command in flight, by
+    # call id (terminals and background commands hold nothing a queued call waits for): a
     # call that waits its turn in the guest waits at most for theirs (execution.py).
     call_budgets: dict[int, float] = field(default_factory=dict)
     destroying: bool = False
