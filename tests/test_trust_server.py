@@ -1144,3 +1144,140 @@ def test_stdin_waiting_on_a_tenants_streams_is_counted_in_its_share(data_root: P
             refused = json.loads(sockets[1].recv(timeout=10))
             assert refused["type"] == "notice", refused
             assert refused["code"] == "stdin_backlog_full", refused
+
+
+def test_a_connection_over_the_address_cap_is_told_why_and_the_sdk_sends_it_again(
+    data_root: Path,
+) -> None:
+    """Failed before (the sixth red team's leftover, 2026-12-06): over
+    API_MAX_CONNECTIONS_PER_IP a connection was closed unread, so the SDK could not tell a
+    create that never ran from one lost after it ran, and raised it (20 of 120 creates lost in
+    a burst from one address). Now the server answers 429 ``too_many_connections`` before it
+    reads a byte, and the SDK sends the call again."""
+    import asyncio
+
+    from sandlot.client import RemoteService
+    from sandlot.requests import SandboxSpec
+
+    env = {**LIMITS, "API_MAX_CONNECTIONS_PER_IP": "4"}
+    with _serving(data_root / "trust-turned-away", env) as server:
+        headers = {"Authorization": f"Bearer {server.key}"}
+        wait_url = server.url + _sleeping_command(server, _sandbox(server), 30) + "/wait"
+        polls = [  # four requests being served: the address's whole cap, none evictable
+            threading.Thread(
+                target=httpx.get,
+                args=(wait_url + "?timeout_s=1.5",),
+                kwargs={"headers": headers, "timeout": 30},
+            )
+            for _ in range(4)
+        ]
+        for poll in polls:
+            poll.start()
+        time.sleep(0.3)
+        with server.connect("127.0.0.1") as sock:
+            sock.sendall(b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\ncontent-length: 2\r\n\r\n{}")
+            reply = _read_response(sock)
+            assert _closed_by_peer(sock, within_s=3)
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 429"), reply[:300]
+        assert b"retry-after: 1" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == "too_many_connections", error
+        assert "API_MAX_CONNECTIONS_PER_IP" in error["message"]
+
+        async def create() -> Any:
+            client = RemoteService(server.url, server.key)
+            try:
+                return await client.create(SandboxSpec())
+            finally:
+                await client.aclose()
+
+        created = asyncio.run(create())  # turned away until the polls end, then sent again
+        for poll in polls:
+            poll.join(30)
+        ids = [s["id"] for s in httpx.get(server.url + "/v1/sandboxes", headers=headers).json()]
+        assert created.id in ids and len(ids) == 2  # the create ran once
+
+
+def test_an_addresses_idle_connections_give_way_to_its_new_ones(data_root: Path) -> None:
+    """Failed before (2026-12-06): 24 SDK clients of one process, each keeping its connection
+    alive after its call, held a per-address cap of 4 until uvicorn's keep-alive timeout, and
+    the others' calls were turned away. At the address's cap, its connection that has waited
+    longest for a request (idle, or sending nothing) gives way, as at the total cap; the
+    calls, a WebSocket's start among them, all run, each once."""
+    import asyncio
+
+    from sandlot.client import RemoteService
+    from sandlot.requests import RunCode, RunCommand, SandboxSpec
+
+    env = {**LIMITS, "API_MAX_CONNECTIONS_PER_IP": "4"}
+    with _serving(data_root / "trust-idle-give-way", env) as server:
+        sandbox_id = _sandbox(server)
+        idle = [server.connect("127.0.0.1") for _ in range(4)]  # they send nothing
+
+        async def burst() -> list[Any]:
+            clients = [RemoteService(server.url, server.key) for _ in range(24)]
+            out: list[str] = []
+            try:
+                calls = [client.create(SandboxSpec()) for client in clients[:8]]
+                calls += [
+                    client.run_code(sandbox_id, RunCode(code="6 * 7")) for client in clients[8:20]
+                ]
+                calls += [  # a background command's start, over a WebSocket
+                    client.start_command(
+                        sandbox_id, RunCommand(command="echo hi"), on_stdout=out.append
+                    )
+                    for client in clients[20:]
+                ]
+                return await asyncio.gather(*calls, return_exceptions=True)
+            finally:
+                await asyncio.gather(*(client.aclose() for client in clients))
+
+        results = asyncio.run(burst())
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert not failed, failed[:3]
+        assert all(r.text == "42" for r in results[8:20]), results[8:11]
+        assert all(_closed_by_peer(sock, within_s=1) for sock in idle)
+        for sock in idle:
+            sock.close()
+        headers = {"Authorization": f"Bearer {server.key}"}
+        listed = httpx.get(server.url + "/v1/sandboxes", headers=headers).json()
+        assert len(listed) == 1 + 8  # each create ran once
+        assert server.healthy()
+
+
+def test_at_an_addresses_cap_its_oldest_waiting_connection_gives_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sandlot.server import transport
+    from sandlot.server.transport import ConnectionCount, ConnectionLimits
+
+    class Connection:
+        def __init__(self, ip: str) -> None:
+            self.ip = ip
+            self.evicted = False
+
+        def evict(self) -> None:
+            self.evicted = True
+            count.served(self)
+            count.release(self.ip)
+
+    clock = [100.0]
+    monkeypatch.setattr(transport.time, "monotonic", lambda: clock[0])
+    count = ConnectionCount(ConnectionLimits(1000, 2, 5.0, 5.0, 65536))
+    a1, a2, b1 = Connection("10.0.0.1"), Connection("10.0.0.1"), Connection("10.0.0.2")
+    for c in (a1, a2, b1):
+        assert count.admit(c.ip)
+    count.waits_on_client(b1, b1.ip)  # another address's: never taken for 10.0.0.1's
+    clock[0] += 10
+    assert not count.admit("10.0.0.1")  # both of its own are being served
+    count.waits_on_client(a2, a2.ip)
+    count.waits_on_client(a1, a1.ip)  # newer than a2's wait
+    clock[0] += transport.ADDRESS_GRACE_S / 2
+    assert not count.admit("10.0.0.1")  # a2's request may be on its way yet
+    clock[0] += transport.ADDRESS_GRACE_S / 2
+    assert count.admit("10.0.0.1") and a2.evicted and not a1.evicted and not b1.evicted
+    assert count.by_ip["10.0.0.1"] == 2 and count.total == 3
+    count.served(a1)
+    assert not count.admit("10.0.0.1")  # a1 is served now, the new one is not waiting yet
+    assert count.waiting == {b1: "10.0.0.2"} and list(count.waiting_by_ip) == ["10.0.0.2"]

@@ -12,12 +12,48 @@ import asyncio
 import base64
 import contextlib
 import json
-from typing import Any
+import random
+from typing import TYPE_CHECKING, Any
 
-from sandlot.errors import SandboxError, error_from_code
+from sandlot.errors import SandboxError, TooManyConnections, error_from_code
 from sandlot.models import CommandInfo, DataCallback, OutputCallback
 
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
+
 MAX_MESSAGE_BYTES = 16 << 20
+# A request or handshake turned away at the server's connection cap (429
+# ``too_many_connections``: nothing of it was read) is sent again this many times.
+TURNED_AWAY_RETRIES = 12
+
+
+def turned_away_wait_s(turn: int) -> float:
+    """How long to wait before the ``turn``-th resend: up to 0.05 s, doubled each turn, at
+    most 1 s (~6 s over all the turns), drawn at random to spread a burst's clients out."""
+    return random.uniform(0.5, 1.0) * min(0.05 * (1 << turn), 1.0)  # noqa: S311 (jitter)
+
+
+async def open_stream(url: str, headers: dict[str, str], max_size: int) -> ClientConnection:
+    """A WebSocket to ``url``. A handshake the server refused raises its typed error; one
+    turned away at its connection cap is tried again (nothing of it was read).
+
+    Raises:
+        SandboxError: the server refused the handshake (a bad key, no such sandbox).
+    """
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    for turn in range(TURNED_AWAY_RETRIES):
+        try:
+            return await connect(url, additional_headers=headers, max_size=max_size)
+        except InvalidStatus as exc:
+            if not isinstance(upgrade_refused(exc), TooManyConnections):
+                raise upgrade_refused(exc) from None
+        await asyncio.sleep(turned_away_wait_s(turn))
+    try:
+        return await connect(url, additional_headers=headers, max_size=max_size)
+    except InvalidStatus as exc:
+        raise upgrade_refused(exc) from None
 
 
 class JobStreams:
@@ -43,14 +79,8 @@ class JobStreams:
         Raises:
             SandboxError: the server refused it (its typed error: the cap, no such pid).
         """
-        from websockets.asyncio.client import connect
-        from websockets.exceptions import InvalidStatus
-
         url = f"{self._ws_base}/v1/sandboxes/{sandbox_id}/stream"
-        try:
-            ws = await connect(url, additional_headers=self._headers, max_size=MAX_MESSAGE_BYTES)
-        except InvalidStatus as exc:
-            raise upgrade_refused(exc) from None
+        ws = await open_stream(url, self._headers, MAX_MESSAGE_BYTES)
         try:
             await ws.send(json.dumps(message))
             first = json.loads(await ws.recv())

@@ -7,11 +7,13 @@ is a new field and nothing here changes.
 Errors come back as ``{"error": {"code", "message"}}`` and are raised as this package's own
 classes, chosen from an allow-list by ``code`` (:func:`sandlot.errors.error_from_code`).
 Idempotent calls are retried on transport failures; a non-idempotent call (create, run) only
-when the connection was refused, i.e. before anything reached the server.
+when nothing of it reached the server: the connection was refused, or the server turned it
+away unread at its connection cap (429 ``too_many_connections``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import builtins
 import json
@@ -29,9 +31,22 @@ from tenacity import (
     wait_exponential,
 )
 
-from sandlot._remote_jobs import JobStreams, typed_error, upgrade_refused
+from sandlot._remote_jobs import (
+    MAX_MESSAGE_BYTES,
+    TURNED_AWAY_RETRIES,
+    JobStreams,
+    open_stream,
+    turned_away_wait_s,
+    typed_error,
+)
 from sandlot._version import __version__
-from sandlot.errors import CommandStillRunning, ConfigError, SandboxError, error_from_code
+from sandlot.errors import (
+    CommandStillRunning,
+    ConfigError,
+    SandboxError,
+    TooManyConnections,
+    error_from_code,
+)
 from sandlot.models import (
     ArtifactInfo,
     CommandInfo,
@@ -110,14 +125,20 @@ class RemoteService:
                 return True  # nothing reached the server
             return idempotent and isinstance(exc, httpx.TransportError)
 
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception(retryable),
-            stop=stop_after_attempt(RETRY_ATTEMPTS),
-            wait=wait_exponential(multiplier=0.1, max=2.0),
-            reraise=True,
-        ):
-            with attempt:
-                response = await self._http.request(method, url, **kwargs)
+        for turn in range(TURNED_AWAY_RETRIES + 1):
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(retryable),
+                stop=stop_after_attempt(RETRY_ATTEMPTS),
+                wait=wait_exponential(multiplier=0.1, max=2.0),
+                reraise=True,
+            ):
+                with attempt:
+                    response = await self._http.request(method, url, **kwargs)
+            if turn == TURNED_AWAY_RETRIES or not _turned_away(response):
+                break
+            # Turned away unread at the server's connection cap: sent again, whatever the
+            # verb (nothing of it ran), after a wait that spreads a burst's clients out.
+            await asyncio.sleep(turned_away_wait_s(turn))
         if response.status_code >= 400:
             raise response_error(response)
         return response
@@ -225,16 +246,10 @@ class RemoteService:
         on_stderr: OutputCallback | None,
         on_result: ResultCallback | None = None,
     ) -> ExecResult:
-        from websockets.asyncio.client import connect
-        from websockets.exceptions import InvalidStatus
-
         url = self.base_url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/stream"
         headers = {k: v for k, v in self._headers.items() if k == "Authorization"}
         message = {"type": kind, **request.model_dump(mode="json", exclude_none=True)}
-        try:
-            ws = await connect(url, additional_headers=headers, max_size=16 << 20)
-        except InvalidStatus as exc:
-            raise upgrade_refused(exc) from None
+        ws = await open_stream(url, headers, MAX_MESSAGE_BYTES)
         async with ws:
             await ws.send(json.dumps(message))
             async for raw in ws:
@@ -493,6 +508,17 @@ class RemoteService:
 def _query_value(value: Any) -> Any:
     """Query strings carry booleans as true/false, the way the server's parser reads them."""
     return str(value).lower() if isinstance(value, bool) else value
+
+
+def _turned_away(response: httpx.Response) -> bool:
+    """The server answered the connection, not the request: over its connection cap, it read
+    nothing (``server/transport.py``)."""
+    if response.status_code != 429:
+        return False
+    try:
+        return bool(response.json()["error"]["code"] == TooManyConnections.code)
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def response_error(response: httpx.Response) -> SandboxError:

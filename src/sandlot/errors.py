@@ -198,6 +198,15 @@ class RateLimited(SandboxError, RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class TooManyConnections(RateLimited):
+    """The server turned a connection away unread: its client's address (or the server)
+    holds its most open connections (``API_MAX_CONNECTIONS_PER_IP``,
+    ``API_MAX_CONNECTIONS``). Nothing of the request was read, so sending it again is safe;
+    the SDK does, a few times."""
+
+    code = "too_many_connections"
+
+
 class RequestTooLarge(SandboxError, ValueError):
     code = "too_large"
 
@@ -346,6 +355,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxFileBusy,
         SandboxIOError,
         TooManyOpen,
+        TooManyConnections,
     )
 }
 

@@ -5,7 +5,8 @@ connections one address may hold, so 1,100 half-sent requests with no API key st
 server answering anyone. :func:`guarded_protocol` builds uvicorn's httptools protocol with:
 
 - a cap on open HTTP connections, in all and per client address (an IPv6 address's /64;
-  over it, the connection is closed before a byte is read; at the total cap, a new one takes
+  over it, the connection is answered 429 ``too_many_connections`` and closed before a
+  byte of its request is read, so a client may send it again; at the total cap, a new one takes
   the place of the connection that has waited longest for its request head, if any does;
   what a tenant's keys hold once served is capped by ``limits.OpenPerTenant``);
 - a header deadline: the request line and headers must arrive within ``header_timeout_s`` of
@@ -23,6 +24,8 @@ and the app may drop a peer that does not read what it is sent (``outbox.cut``).
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,6 +53,21 @@ LINGER_S = 2.0
 LINGER_BYTES = 64 << 20
 # Requests one connection may have queued behind the one being served (HTTP/1.1 pipelining).
 MAX_PIPELINED = 16
+# A connection over a cap is told why before it is closed (429 ``too_many_connections``,
+# nothing of its request read), so that a client knows it may send that request again, even
+# one that is not idempotent: closed unread, it could not tell "never read" from "lost after
+# it ran", and the SDK lost 20 of 120 creates in a burst from one address (red team,
+# 2026-12-06). The answer is written with the connection's end (FIN); what the client sends
+# meanwhile is dropped, for at most this long and this many bytes, so that its unread bytes
+# do not reset the connection before the answer is read. At most TURNED_AWAY_MAX such
+# connections are open at once; past that, one is closed unread as before (a flood of new
+# connections must not hold the server's descriptors a second each).
+TURNED_AWAY_S = 1.0
+TURNED_AWAY_BYTES = 64 << 10
+TURNED_AWAY_MAX = 256
+# At its address's cap, a connection waiting on its client this long gives way to a new one
+# from the same address (ConnectionCount.waiting).
+ADDRESS_GRACE_S = 0.5
 
 
 @dataclass
@@ -74,20 +92,27 @@ class ConnectionCount:
     total: int = 0
     by_ip: Counter[str] = field(default_factory=Counter)
     refused: int = 0
-    # Admitted connections the server is waiting on the client for, oldest first: a whole
-    # request head (its first, or the next on a kept-alive connection), the rest of a body
-    # after its answer, or reading what it was sent. At the cap, a new connection takes the
-    # oldest one's place: clients with no key from 11 addresses, each at its per-address cap
-    # and reconnecting whenever dropped, held the whole cap and no keyed request got through
-    # in 20 s; so did 40 that pipelined requests for a public page and read nothing (red
-    # team, 2026-12-06). A connection being served (a request under way, a WebSocket) is
-    # never evicted, and the newest is evicted last, so a client that sends its request at
-    # once always gets in.
-    waiting: dict[Evictable, None] = field(default_factory=dict)
+    # Admitted connections the server is waiting on the client for, oldest first, with their
+    # address's group: a whole request head (its first, or the next on a kept-alive
+    # connection), the rest of a body after its answer, or reading what it was sent. At the
+    # cap, a new connection takes the oldest one's place: clients with no key from 11
+    # addresses, each at its per-address cap and reconnecting whenever dropped, held the
+    # whole cap and no keyed request got through in 20 s; so did 40 that pipelined requests
+    # for a public page and read nothing (red team, 2026-12-06). At an address's own cap, the
+    # oldest of that address's: 24 SDK clients of one process, each keeping its connection
+    # alive after its call, held a cap of 4 and turned the others away until uvicorn's
+    # keep-alive timeout; only one that has waited ADDRESS_GRACE_S, so that in a burst a
+    # newcomer does not take the place of a connection whose request is on its way. A
+    # connection being served (a request under way, a WebSocket) is never evicted, and the
+    # newest is evicted last, so a client that sends its request at once always gets in.
+    waiting: dict[Evictable, str] = field(default_factory=dict)
+    # Per address group, the same connections, with when they began to wait (monotonic).
+    waiting_by_ip: dict[str, dict[Evictable, float]] = field(default_factory=dict)
     evicted: int = 0
     # Addresses out of credit for failed authentications: their connections are closed
     # before a byte is read (limits.py).
     auth_failures: AuthFailures | None = None
+    turned_away: int = 0  # connections over a cap being told so (TURNED_AWAY_MAX)
 
     def admit(self, ip: str) -> bool:
         """Count a new connection from ``ip`` (by its group: an IPv6 address's /64); False
@@ -95,28 +120,40 @@ class ConnectionCount:
         ip = client_group(ip)
         per_ip = self.limits.max_connections_per_ip
         if per_ip and self.by_ip[ip] >= per_ip:
-            self.refused += 1
-            return False
-        if self.total >= self.limits.max_connections:
+            oldest = next(iter(self.waiting_by_ip.get(ip, {}).items()), None)
+            if oldest is None or time.monotonic() - oldest[1] < ADDRESS_GRACE_S:
+                self.refused += 1
+                return False
+            self._evict(oldest[0])
+        elif self.total >= self.limits.max_connections:
             if not self.waiting:
                 self.refused += 1
                 return False
-            oldest = next(iter(self.waiting))
-            del self.waiting[oldest]
-            oldest.evict()  # leaves the count now, before its transport is gone
-            self.evicted += 1
+            self._evict(next(iter(self.waiting)))
         self.total += 1
         self.by_ip[ip] += 1
         return True
 
-    def waits_on_client(self, connection: Evictable) -> None:
-        """The server waits on ``connection``'s client: the newest such, evicted last."""
-        self.waiting.pop(connection, None)
-        self.waiting[connection] = None
+    def over_address_cap(self, ip: str) -> bool:
+        per_ip = self.limits.max_connections_per_ip
+        return bool(per_ip) and self.by_ip[client_group(ip)] >= per_ip
+
+    def waits_on_client(self, connection: Evictable, ip: str) -> None:
+        """The server waits on ``connection``'s client (at ``ip``): the newest such,
+        evicted last."""
+        self.served(connection)
+        group = client_group(ip)
+        self.waiting[connection] = group
+        self.waiting_by_ip.setdefault(group, {})[connection] = time.monotonic()
 
     def served(self, connection: Evictable) -> None:
         """``connection`` is being served (or gone): not evictable."""
-        self.waiting.pop(connection, None)
+        group = self.waiting.pop(connection, None)
+        if group is not None:
+            of_ip = self.waiting_by_ip[group]
+            del of_ip[connection]
+            if not of_ip:
+                del self.waiting_by_ip[group]
 
     def release(self, ip: str) -> None:
         ip = client_group(ip)
@@ -124,6 +161,11 @@ class ConnectionCount:
         self.by_ip[ip] -= 1
         if self.by_ip[ip] <= 0:
             del self.by_ip[ip]
+
+    def _evict(self, connection: Evictable) -> None:
+        self.served(connection)
+        connection.evict()  # leaves the count now, before its transport is gone
+        self.evicted += 1
 
 
 def _release_when_lost(protocol: Any, release: Any) -> None:
@@ -184,6 +226,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
     class GuardedHttp(HttpToolsProtocol):
         _admitted_ip: str | None = None
         _refused = False  # closed unread: its address is out of credit (limits.py)
+        _turned_away = False  # over a connection cap: told so, and read no further
         _deadline: asyncio.TimerHandle | None = None
         _header_bytes = 0
         _in_headers = False
@@ -207,7 +250,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             ip = self.client[0] if self.client else "?"
             if not count.admit(ip):
                 log.warning("connection refused: too many open", client=ip, total=count.total)
-                transport.abort()
+                self._turn_away(ip)
                 return
             self._admitted_ip = ip
             self._expect_headers()
@@ -215,6 +258,9 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:
                 return  # uvicorn never took it in
+            if self._turned_away:
+                self._turned_away = False
+                count.turned_away -= 1
             self._disarm()
             self._cancel_write_deadline()
             self._leave_count()
@@ -227,6 +273,11 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self.transport.abort()
 
         def data_received(self, data: bytes) -> None:
+            if self._turned_away:
+                self._lingered_bytes += len(data)
+                if self._lingered_bytes > TURNED_AWAY_BYTES:
+                    self.transport.abort()
+                return  # never parsed: nothing of it reaches the app
             waiting = self._in_headers
             super().data_received(data)
             # Counted only while the headers are still incomplete after this chunk, so a
@@ -260,7 +311,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             # download that read at 1.3 MB/s, red team 2026-12-06).
             super().pause_writing()
             if not self._keyed():
-                count.waits_on_client(self)
+                self._waits_on_client()
             self._cancel_write_deadline()
             self._write_deadline = self.loop.call_later(limits.body_idle_timeout_s, self._unread)
 
@@ -275,6 +326,10 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             the scope)."""
             state = self.cycle.scope.get("state") if self.cycle is not None else None
             return isinstance(state, dict) and "principal" in state
+
+        def _waits_on_client(self) -> None:
+            if self._admitted_ip is not None:
+                count.waits_on_client(self, self._admitted_ip)
 
         def _cancel_write_deadline(self) -> None:
             if self._write_deadline is not None:
@@ -330,18 +385,30 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         # -- helpers
 
+        def _turn_away(self, ip: str) -> None:
+            """Over a cap: answer 429 ``too_many_connections`` and end the connection, reading
+            nothing (TURNED_AWAY_S)."""
+            if count.turned_away >= TURNED_AWAY_MAX or not self.transport.can_write_eof():
+                self.transport.abort()
+                return
+            count.turned_away += 1
+            self._turned_away = True
+            self.transport.write(_too_many_connections(count.over_address_cap(ip)))
+            self.transport.write_eof()
+            self._arm(TURNED_AWAY_S, self.transport.abort)
+
         def _linger(self) -> None:
             """Its request is answered and its body still comes: drop the rest for a moment,
             then close; evictable meanwhile, as a connection waiting for a head is."""
             self._lingering = True
             self._lingered_bytes = 0
             self._arm(LINGER_S, self.transport.close)
-            count.waits_on_client(self)
+            self._waits_on_client()
 
         def _expect_headers(self) -> None:
             self._lingering = False
             self._in_headers = True
-            count.waits_on_client(self)
+            self._waits_on_client()
             self._header_bytes = 0
             self._arm(limits.header_timeout_s, self._headers_late)
 
@@ -389,3 +456,23 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self.transport.close()
 
     return GuardedHttp
+
+
+def _too_many_connections(per_address: bool) -> bytes:
+    """The whole answer to a connection over a cap, in the server's typed error body."""
+    which = (
+        "your address holds its most open connections (API_MAX_CONNECTIONS_PER_IP)"
+        if per_address
+        else "the server holds its most open connections (API_MAX_CONNECTIONS)"
+    )
+    error = {
+        "code": "too_many_connections",
+        "message": f"{which}; nothing of this request was read: send it again once one closes",
+        "request_id": None,
+    }
+    body = json.dumps({"error": error}).encode()
+    head = (
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+        f"retry-after: 1\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
