@@ -19,12 +19,14 @@ import pytest
 
 from sandlot import BackendUnavailable, Sandbox, SandboxManager, Settings
 from sandlot._portal import get_portal
+from sandlot.backends.launch import identity_files
 from sandlot.backends.rootfs import (
     BUILDING_PREFIX,
     MARKER,
     OLD_PREFIX,
     bubblewrap_mode,
     build_tree,
+    carries_identity,
     find_tree,
     pip_env,
     tree_path,
@@ -233,6 +235,29 @@ def test_a_wheel_cache_alone_builds_the_tree(
     env = get_environment("sandlot-test-wheel", registry)
     status = build_tree(env, ROOTFS_DIR, DEBS, progress=lambda _: None)
     assert status.present
+    # Built with the sandbox's identity files: bwrap binds none over them.
+    assert carries_identity(status.path)
+    # Copied from the python3 tree's debootstrap base, less its /usr/local's contents, not
+    # less the directories debootstrap made there (they were all gone before 2026-12-06).
+    local = status.path / "usr/local"
+    assert sorted(p.name for p in local.iterdir()) == [
+        "bin",
+        "etc",
+        "games",
+        "include",
+        "lib",
+        "man",
+        "sbin",
+        "share",
+        "src",
+    ]
+    assert (local / "man").readlink() == Path("share/man")
+    assert sorted(p.name for p in (local / "lib/python3.11/dist-packages").iterdir()) == [
+        "sandlot_probe_pkg-0.3.1.dist-info",
+        "sandlot_probe_pkg.py",
+    ]
+    for name, content in identity_files().items():
+        assert (status.path / "etc" / name).read_text() == content
     module = status.path / "usr/local/lib/python3.11/dist-packages/sandlot_probe_pkg.py"
     assert module.read_text() == "VERSION = '0.3.1'\n"
     settings = rootfs_manager.settings.model_copy(update={"registry_dir": registry})
@@ -243,8 +268,71 @@ def test_a_wheel_cache_alone_builds_the_tree(
             manager=manager, backend="bubblewrap", environment="sandlot-test-wheel"
         ) as sb:
             assert sb.run_code("import sandlot_probe_pkg as p; p.VERSION").text == "'0.3.1'"
+            _assert_identity(sb, bound=False)
     finally:
         get_portal().call(manager.close())
+
+
+IDENTITY_PROBE = (
+    "id -un; id -gn; hostname; getent hosts sandbox | cut -d' ' -f1; "
+    "grep -c ' /etc/\\(passwd\\|group\\|hosts\\|nsswitch.conf\\) ' /proc/self/mountinfo; "
+    "cat /etc/passwd"
+)
+
+
+def _assert_identity(sb: Sandbox, *, bound: bool) -> None:
+    """The sandbox's user, group and host name are its own, read from the tree's files or
+    from ours bound over them (``bound``: four mounts over /etc)."""
+    out = sb.commands.run(IDENTITY_PROBE).stdout.splitlines()
+    assert out[:4] == ["sandbox", "sandbox", "sandbox", "127.0.0.1"], out
+    assert out[4] == ("4" if bound else "0"), out
+    assert "\n".join(out[5:]) + "\n" == identity_files()["passwd"], out
+
+
+def test_a_tree_built_before_the_identity_files_has_them_bound(tmp_path: Path) -> None:
+    """A tree built before its /etc carried sandlot's identity files (the distribution's
+    passwd), or whose files differ or are links, gets them bound over its own; a tree
+    built with them gets none (~0.4 ms of bwrap's CPU a create: BENCHMARKS.md)."""
+    from typing import Any
+
+    from sandlot.backends.base import GuestSpec
+    from sandlot.backends.bubblewrap.argv import Argvs
+    from sandlot.backends.bubblewrap.box import Box
+    from sandlot.backends.bubblewrap.rootless import NoCgroup
+
+    def binds(tree: Path | None) -> list[str]:
+        box = Box("s", tmp_path, tmp_path / "ws", 65534, None, NoCgroup(), True, system=tree)
+        spec = GuestSpec(sandbox_id="s", limits=Any)  # type: ignore[arg-type]
+        argv = Argvs(tmp_path / "ours", tmp_path / "guest", rootless=False).bwrap(
+            box, spec, 3, 4, manager_mounts=True, templated=True
+        )
+        return [
+            argv[i + 2] for i, a in enumerate(argv) if a == "--ro-bind" and "/etc/" in argv[i + 2]
+        ]
+
+    every = ["/etc/passwd", "/etc/group", "/etc/hosts", "/etc/nsswitch.conf"]
+    assert binds(None)[:4] == every  # the host's /usr: no /etc of its own (ETC_BINDS follow)
+    for n, variant in enumerate(("debian", "ours", "one link", "one missing")):
+        tree = tmp_path / f"tree-{n}"
+        (tree / "etc").mkdir(parents=True)
+        for name, content in identity_files().items():
+            (tree / "etc" / name).write_text(
+                "root:x:0:0:root:/root:/bin/bash\n" if variant == "debian" else content
+            )
+        if variant == "one link":
+            (tree / "etc/hosts").unlink()
+            (tree / "etc/hosts").symlink_to(tmp_path / "tree-1/etc/hosts")
+        if variant == "one missing":
+            (tree / "etc/group").unlink()
+        assert carries_identity(tree) == (variant == "ours"), variant
+        assert binds(tree) == ([] if variant == "ours" else every), variant
+
+
+def test_a_sandbox_on_the_python3_tree_is_who_it_says(
+    rootfs_manager: SandboxManager, python3_tree: Path
+) -> None:
+    with Sandbox.create(manager=rootfs_manager, backend="bubblewrap") as sb:
+        _assert_identity(sb, bound=not carries_identity(python3_tree))
 
 
 # ---------------------------------------------------------------------- bubblewrap mode

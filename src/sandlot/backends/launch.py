@@ -24,6 +24,20 @@ GUEST_DIR_INSIDE = "/opt/sandlot"  # where sandboxes see the guest directory
 GUEST_PYTHON = "/usr/bin/python3"  # the sandbox's own interpreter (never a pyenv shim)
 WORKSPACE_INSIDE = "/workspace"
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+SANDBOX_UID = 65534  # "nobody" inside a bubblewrap sandbox; the host uid behind it differs
+
+
+def identity_files() -> dict[str, str]:
+    """A sandbox's /etc files that name who it is (its user, group and host name): a tree
+    is built with them (rootfs.py), and bound over one built before (bubblewrap's argv)."""
+    return {
+        "passwd": f"root:x:0:0:root:/root:/bin/sh\n"
+        f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORKSPACE_INSIDE}:/bin/bash\n",
+        "group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n",
+        "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+        "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
+    }
+
 
 # Compiles each (source, path-the-sandbox-sees) pair of its arguments, in one interpreter start.
 _COMPILE = (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandlot.backends.launch import GUEST_DIR_INSIDE, WORKSPACE_INSIDE
+from sandlot.backends.launch import GUEST_DIR_INSIDE, WORKSPACE_INSIDE, identity_files
 from sandlot.environments import HOST_ENVIRONMENT, Environment
 from sandlot.errors import BackendUnavailable, ImageBuildError
 
@@ -95,6 +96,29 @@ def tree_status(env: Environment, rootfs_dir: Path) -> TreeStatus:
     )
 
 
+def carries_identity(tree: Path) -> bool:
+    """Whether ``tree``'s /etc holds this version's :func:`identity_files` (a tree built
+    before them has the distribution's: bubblewrap binds ours over those). Read once per tree
+    as built (its inode and mtime: a rebuild puts a new one at the same path)."""
+    try:
+        st = tree.stat()
+    except OSError:
+        return False
+    return _carries_identity(tree, st.st_ino, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _carries_identity(tree: Path, _ino: int, _mtime_ns: int) -> bool:
+    for name, content in identity_files().items():
+        path = tree / "etc" / name
+        try:
+            if path.is_symlink() or path.read_text() != content:
+                return False
+        except (OSError, UnicodeDecodeError):
+            return False
+    return True
+
+
 def bubblewrap_mode(env: Environment, rootfs_dir: Path) -> tuple[str, Path | None]:
     """How a bubblewrap sandbox of ``env`` gets its system: ("tree", path), ("host", None)
     for the default environment without a tree (the host's /usr), or ("missing", None)."""
@@ -148,8 +172,11 @@ def build_tree(
     """
     status = tree_status(env, rootfs_dir)
     if status.present and not force:
-        progress(f"{status.path} is up to date (spec {env.spec_hash()}); --force rebuilds it")
-        return status
+        if carries_identity(status.path):
+            progress(f"{status.path} is up to date (spec {env.spec_hash()}); --force rebuilds it")
+            return status
+        # Built before trees carried them: sandboxes bind them over it at every create.
+        progress(f"{status.path} lacks sandlot's identity files in /etc: rebuilding it")
     if os.geteuid() != 0:
         raise BackendUnavailable("building a root file system runs debootstrap, which needs root")
     if shutil.which("debootstrap") is None:
@@ -185,8 +212,10 @@ def _fill(env: Environment, tmp: Path, rootfs_dir: Path, debs: Path, progress: P
         progress(f"copying the debootstrap base of {base.name}")
         _run(["cp", "-a", "--reflink=auto", f"{base}/.", str(tmp)], progress)
         (tmp / MARKER).unlink(missing_ok=True)
+        # Its pip requirements are not this environment's; the layout stays the
+        # distribution's (a tree copied with an empty /usr/local had no /usr/local/lib).
         shutil.rmtree(tmp / "usr/local", ignore_errors=True)
-        (tmp / "usr/local").mkdir(mode=0o755)
+        _local_skeleton(tmp)
     else:
         _run(
             [
@@ -206,6 +235,13 @@ def _fill(env: Environment, tmp: Path, rootfs_dir: Path, debs: Path, progress: P
         path = tmp / "etc" / name
         if not path.exists() and not path.is_symlink():
             path.touch(0o644)
+    for name, content in identity_files().items():
+        # The sandbox's own, so bubblewrap need not bind them over the tree's at every
+        # create (~0.4 ms of its CPU: carries_identity).
+        path = tmp / "etc" / name
+        path.unlink()
+        path.write_text(content)
+        path.chmod(0o644)
     for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
         for item in (tmp / cache).glob("*"):
             if item.is_file():
@@ -227,6 +263,27 @@ def _fill(env: Environment, tmp: Path, rootfs_dir: Path, debs: Path, progress: P
     }
     (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     (tmp / MARKER).chmod(0o644)
+
+
+# /usr/local as Debian's base-files lays it out (its `man` a link to share/man).
+LOCAL_DIRS = ("bin", "etc", "games", "include", "lib", "sbin", "share", "share/man", "src")
+
+
+def _local_skeleton(tree: Path) -> None:
+    """An empty /usr/local as debootstrap leaves it: base-files' directories, and the
+    directories other packages of the tree add (python3's dist-packages, ca-certificates')."""
+    local = tree / "usr/local"
+    for name in LOCAL_DIRS:
+        (local / name).mkdir(mode=0o755, parents=True, exist_ok=True)
+    (local / "man").symlink_to("share/man")
+    for python in (tree / "usr/lib").glob("python3.*"):
+        if (python / "os.py").is_file():  # an interpreter's library, not a package's dir
+            (local / "lib" / python.name / "dist-packages").mkdir(mode=0o755, parents=True)
+    if (tree / "usr/share/ca-certificates").is_dir():
+        (local / "share/ca-certificates").mkdir(mode=0o755)
+    for path in (local, *local.rglob("*")):
+        if path.is_dir() and not path.is_symlink():
+            path.chmod(0o755)  # whatever the umask: sandboxes traverse it
 
 
 def _same_base(env: Environment, rootfs_dir: Path) -> Path | None:

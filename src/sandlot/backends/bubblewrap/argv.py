@@ -23,7 +23,9 @@ from sandlot.backends.launch import (
     SANDBOX_PATH,
     WORKSPACE_INSIDE,
     guest_argv,
+    identity_files,
 )
+from sandlot.backends.rootfs import carries_identity
 
 HOST_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 ETC_BINDS = (
@@ -179,10 +181,12 @@ class Argvs:
             *([] if manager_mounts else proc_masks),
             *(["--dir", "/tmp"] if manager_mounts else ["--bind", str(box.tmp), "/tmp"]),
         ]
-        # The generated identity files over the tree's own (its mount points exist: rootfs.py).
+        # The generated identity files over the tree's own (its mount points exist:
+        # rootfs.py), unless the tree was built with them.
         argv += [] if box.system is not None else ["--dir", "/etc"]
-        for name in ("passwd", "group", "hosts", "nsswitch.conf"):
-            argv += ["--ro-bind", str(self.etc_dir / name), f"/etc/{name}"]
+        if box.system is None or not carries_identity(box.system):
+            for name in identity_files():
+                argv += ["--ro-bind", str(self.etc_dir / name), f"/etc/{name}"]
         # A tree has its own /etc; the host's resolver files only for network=True.
         etc_binds = () if box.system is not None else ETC_BINDS
         for path in etc_binds + (ETC_NETWORK_BINDS if spec.network else ()):

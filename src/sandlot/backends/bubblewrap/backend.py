@@ -50,7 +50,7 @@ from sandlot.backends.bubblewrap.argv import (
     NSENTER,
     Argvs,
 )
-from sandlot.backends.bubblewrap.box import SANDBOX_UID, Box
+from sandlot.backends.bubblewrap.box import Box
 from sandlot.backends.bubblewrap.launching import START_TIMEOUT_S, Launching
 from sandlot.backends.bubblewrap.probe import host_checks
 from sandlot.backends.bubblewrap.rootless import (
@@ -79,7 +79,7 @@ from sandlot.backends.disk import (
 )
 from sandlot.backends.hostwide import raise_file_max
 from sandlot.backends.launch import (
-    WORKSPACE_INSIDE,
+    identity_files,
     install_guest,
 )
 from sandlot.backends.procfs import (
@@ -227,14 +227,7 @@ class BubblewrapBackend(Launching):
         self._etc.mkdir(parents=True, exist_ok=True)
         for d in (self._etc.parent, self._etc):
             d.chmod(0o755)
-        files = {
-            "passwd": f"root:x:0:0:root:/root:/bin/sh\n"
-            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORKSPACE_INSIDE}:/bin/bash\n",
-            "group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n",
-            "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
-            "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
-        }
-        for name, content in files.items():
+        for name, content in identity_files().items():
             path = self._etc / name
             path.write_text(content)
             path.chmod(0o644)

@@ -9,8 +9,9 @@ from sandlot.backends.base import Guest
 from sandlot.backends.bubblewrap import netns
 from sandlot.backends.bubblewrap.rootless import NoCgroup
 from sandlot.backends.cgroups import Cgroup
+from sandlot.backends.launch import SANDBOX_UID
 
-SANDBOX_UID = 65534  # "nobody" inside; the host uid behind it differs per sandbox
+__all__ = ["SANDBOX_UID", "Box"]
 
 
 @dataclass
