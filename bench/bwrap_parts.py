@@ -69,6 +69,8 @@ def without(argv: list[str], *parts: str) -> list[str]:
             i += 2
         elif "identity" in parts and arg == "--ro-bind" and argv[i + 2].startswith("/etc/"):
             i += 3
+        elif "remount" in parts and arg == "--remount-ro":
+            i += 2
         elif "dev" in parts and arg == "--dev":
             out += ["--dir", "/dev"]
             i += 2
@@ -78,6 +80,16 @@ def without(argv: list[str], *parts: str) -> list[str]:
             out.append(arg)
             i += 1
     return out
+
+
+def with_identity(argv: list[str], etc: Path) -> list[str]:
+    """``argv`` with the four identity files bound over the tree's /etc, as for a tree built
+    before it carried them (``rootfs.carries_identity``)."""
+    if any(a == "/etc/passwd" for a in argv):
+        return argv
+    at = argv.index("--dir", argv.index("--ro-bind"))  # after the tree's / and --dev
+    binds = [x for name in IDENTITY for x in ("--ro-bind", str(etc / name), f"/etc/{name}")]
+    return argv[:at] + binds + argv[at:]
 
 
 def machine_busy_s() -> float:
@@ -96,7 +108,11 @@ def main() -> None:
         full = template_argv(Path(scratch))
         variants = {
             "whole argv": without(full),
+            "with the identity binds (a tree built before it carried them)": with_identity(
+                without(full), Path(scratch) / "etc"
+            ),
             "no identity binds": without(full, "identity"),
+            "no --remount-ro /": without(full, "remount"),
             "--dir /dev for --dev": without(full, "dev"),
             "no --unshare-net": without(full, "--unshare-net"),
             "none of the three": without(full, "identity", "dev", "--unshare-net"),
