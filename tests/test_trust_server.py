@@ -523,6 +523,24 @@ def _sleeping_command(server: Server, sandbox_id: str, seconds: int) -> str:
     return f"/v1/sandboxes/{sandbox_id}/commands/{started.json()['pid']}"
 
 
+def _long_polls(
+    server: Server, sandbox_id: str, count: int, *, timeout_s: float
+) -> list[threading.Thread]:
+    """``count`` long-polls, started, each waiting ``timeout_s`` on a sleeping command."""
+    wait_url = server.url + _sleeping_command(server, sandbox_id, 30) + "/wait"
+    polls = [
+        threading.Thread(
+            target=httpx.get,
+            args=(f"{wait_url}?timeout_s={timeout_s}",),
+            kwargs={"headers": {"Authorization": f"Bearer {server.key}"}, "timeout": 30},
+        )
+        for _ in range(count)
+    ]
+    for poll in polls:
+        poll.start()
+    return polls
+
+
 def _sandbox(server: Server) -> str:
     headers = {"Authorization": f"Bearer {server.key}"}
     created = httpx.post(server.url + "/v1/sandboxes", json={}, headers=headers)
@@ -908,17 +926,7 @@ def test_a_tenant_holds_no_more_than_its_open_requests(data_root: Path) -> None:
         store.close()
         headers = {"Authorization": f"Bearer {server.key}"}
         sandbox_id = _sandbox(server)
-        wait_url = server.url + _sleeping_command(server, sandbox_id, 30)
-        polls = [
-            threading.Thread(
-                target=httpx.get,
-                args=(wait_url + "/wait?timeout_s=4",),
-                kwargs={"headers": headers, "timeout": 30},
-            )
-            for _ in range(3)
-        ]
-        for poll in polls:
-            poll.start()
+        polls = _long_polls(server, sandbox_id, 3, timeout_s=4)
         deadline = time.monotonic() + 10
         while True:  # the three polls are in: the tenant's fourth request is refused
             refused = httpx.get(server.url + "/v1/sandboxes", headers=headers)
@@ -1162,17 +1170,8 @@ def test_a_connection_over_the_address_cap_is_told_why_and_the_sdk_sends_it_agai
     env = {**LIMITS, "API_MAX_CONNECTIONS_PER_IP": "4"}
     with _serving(data_root / "trust-turned-away", env) as server:
         headers = {"Authorization": f"Bearer {server.key}"}
-        wait_url = server.url + _sleeping_command(server, _sandbox(server), 30) + "/wait"
-        polls = [  # four requests being served: the address's whole cap, none evictable
-            threading.Thread(
-                target=httpx.get,
-                args=(wait_url + "?timeout_s=1.5",),
-                kwargs={"headers": headers, "timeout": 30},
-            )
-            for _ in range(4)
-        ]
-        for poll in polls:
-            poll.start()
+        # Four requests being served: the address's whole cap, none evictable.
+        polls = _long_polls(server, _sandbox(server), 4, timeout_s=1.5)
         time.sleep(0.3)
         with server.connect("127.0.0.1") as sock:
             sock.sendall(b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\ncontent-length: 2\r\n\r\n{}")
