@@ -1255,11 +1255,15 @@ def test_at_an_addresses_cap_its_oldest_waiting_connection_gives_way(
         def __init__(self, ip: str) -> None:
             self.ip = ip
             self.evicted = False
+            self.unread = 0
 
         def evict(self) -> None:
             self.evicted = True
             count.served(self)
             count.release(self.ip)
+
+        def has_unread(self) -> bool:
+            return self.unread > 0
 
     clock = [100.0]
     monkeypatch.setattr(transport.time, "monotonic", lambda: clock[0])
@@ -1271,12 +1275,107 @@ def test_at_an_addresses_cap_its_oldest_waiting_connection_gives_way(
     clock[0] += 10
     assert not count.admit("10.0.0.1")  # both of its own are being served
     count.waits_on_client(a2, a2.ip)
-    count.waits_on_client(a1, a1.ip)  # newer than a2's wait
     clock[0] += transport.ADDRESS_GRACE_S / 2
+    count.waits_on_client(a1, a1.ip)  # newer than a2's wait
     assert not count.admit("10.0.0.1")  # a2's request may be on its way yet
     clock[0] += transport.ADDRESS_GRACE_S / 2
+    # Failed before (red team, 2026-12-06): a2's next request is in its socket, unread (it
+    # came in the same turn of the loop as the newcomer): a2 is as good as served.
+    a2.unread = 120
+    assert not count.admit("10.0.0.1") and not a2.evicted  # and a1 is too young
+    a2.unread = 0
     assert count.admit("10.0.0.1") and a2.evicted and not a1.evicted and not b1.evicted
+    a1.unread = 1
+    clock[0] += transport.ADDRESS_GRACE_S
+    assert not count.admit("10.0.0.1") and not a1.evicted
+    a1.unread = 0
+    assert count.admit("10.0.0.1") and a1.evicted and not b1.evicted
     assert count.by_ip["10.0.0.1"] == 2 and count.total == 3
-    count.served(a1)
-    assert not count.admit("10.0.0.1")  # a1 is served now, the new one is not waiting yet
+    assert not count.admit("10.0.0.1")  # the new ones are not waiting yet
     assert count.waiting == {b1: "10.0.0.2"} and list(count.waiting_by_ip) == ["10.0.0.2"]
+
+
+def test_a_client_that_connects_and_closes_at_the_cap_costs_no_traceback(data_root: Path) -> None:
+    """Failed before (red team, 2026-12-06): over the cap, the server's 429 to a client
+    that had connected and closed at once was answered with a reset, and the half-close
+    after it raised ENOTCONN out of connection_made: a traceback each, drawn by the MCP
+    SDK's rich handler in up to a second of the server's one loop, and a loop of them stalled
+    every client (/health took 20.7 s)."""
+    env = {**LIMITS, "API_MAX_CONNECTIONS_PER_IP": "4"}
+    with _serving(data_root / "trust-connect-close", env) as server:
+        held = [server.connect("127.0.0.2") for _ in range(4)]  # young: none evictable yet
+        try:
+            for _ in range(40):
+                with contextlib.suppress(OSError):
+                    server.connect("127.0.0.2").close()
+            started = time.monotonic()
+            assert server.healthy()
+            assert time.monotonic() - started < 2
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.3)
+        log = server.log.read_text()
+        assert "Traceback" not in log and "ENOTCONN" not in log, log[-3000:]
+        assert "Errno 107" not in log, log[-3000:]
+
+
+def test_a_big_call_turned_away_at_the_cap_still_reads_why_and_is_sent_again(
+    data_root: Path,
+) -> None:
+    """Failed before (red team, 2026-12-06): a turned-away connection dropped 64 KiB of
+    what its client sent and then reset it, so a run of 600 KB of code lost the 429 to the
+    reset and the SDK raised it (a run is not sent again on a transport error)."""
+    import asyncio
+
+    from sandlot.client import RemoteService
+    from sandlot.requests import RunCode
+
+    env = {**LIMITS, "API_MAX_CONNECTIONS_PER_IP": "4", "API_MAX_BODY_MB": "4"}
+    with _serving(data_root / "trust-big-turned-away", env) as server:
+        sandbox_id = _sandbox(server)
+        code = "x = 0\n" + "#" * 600_000 + "\nx + 42"
+
+        async def run() -> Any:
+            client = RemoteService(server.url, server.key)
+            try:
+                return await client.run_code(sandbox_id, RunCode(code=code))
+            finally:
+                await client.aclose()
+
+        for _ in range(6):
+            # The address's cap, held by connections too young to give way: the run is
+            # turned away, then (once they are 0.5 s old) takes one's place.
+            held = [server.connect("127.0.0.1") for _ in range(4)]
+            try:
+                result = asyncio.run(run())
+            finally:
+                for sock in held:
+                    sock.close()
+            assert result.text == "42", result
+
+
+def test_a_connection_serving_a_pipelined_request_is_never_evicted(data_root: Path) -> None:
+    """Found by reading (red team, 2026-12-06): the head of a pipelined request, arriving
+    while the one before it was served, marked the connection as waiting on its client, so
+    after 0.5 s a newcomer of the same address evicted it and the answer under way was
+    lost. Here the answer comes whole, and the newcomer is turned away."""
+    env = {**LIMITS, "API_MAX_CONNECTIONS_PER_IP": "2"}
+    with _serving(data_root / "trust-pipelined", env) as server:
+        sandbox_id = _sandbox(server)
+        wait = _sleeping_command(server, sandbox_id, 30) + "/wait?timeout_s=1.5"
+        head = f"GET {wait} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.key}\r\n\r\n"
+        polls = _long_polls(server, sandbox_id, 1, timeout_s=1.5)  # the address's second
+        with server.connect("127.0.0.1") as sock:
+            sock.sendall(head.encode() + b"GET /health HTTP/1.1\r\nHo")  # a pipelined head
+            time.sleep(0.8)  # past the grace
+            with server.connect("127.0.0.1") as newcomer:
+                newcomer.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _read_response(newcomer).startswith(b"HTTP/1.1 429")
+            sock.settimeout(10)
+            reply = _read_response(sock)
+        for poll in polls:
+            poll.join(30)
+        # The wait's whole answer: its command still runs (202).
+        assert reply.startswith(b"HTTP/1.1 202") and reply.endswith(b"}"), reply[:300]
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["running"] is True

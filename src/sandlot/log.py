@@ -60,3 +60,22 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    root = logging.getLogger()
+    if not root.handlers:
+        # The stdlib's records (asyncio's errors, libraries') in the same lines. A process
+        # whose root logger has no handler takes the first library's: the MCP SDK's
+        # basicConfig put rich's on it, which spent ~0.1-1 s of the server's one event loop
+        # on each traceback it drew, so a client that made asyncio log errors stalled the
+        # server (red team, 2026-12-06). With a handler there, basicConfig does nothing.
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                foreign_pre_chain=[structlog.stdlib.add_logger_name, *processors(fmt)[:-1]],
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    processors(fmt)[-1],
+                ],
+            )
+        )
+        root.addHandler(handler)
+        root.setLevel(numeric)

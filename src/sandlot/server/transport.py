@@ -23,10 +23,15 @@ and the app may drop a peer that does not read what it is sent (``outbox.cut``).
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
+import itertools
 import json
+import termios
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -57,14 +62,20 @@ MAX_PIPELINED = 16
 # nothing of its request read), so that a client knows it may send that request again, even
 # one that is not idempotent: closed unread, it could not tell "never read" from "lost after
 # it ran", and the SDK lost 20 of 120 creates in a burst from one address (red team,
-# 2026-12-06). The answer is written with the connection's end (FIN); what the client sends
-# meanwhile is dropped, for at most this long and this many bytes, so that its unread bytes
-# do not reset the connection before the answer is read. At most TURNED_AWAY_MAX such
-# connections are open at once; past that, one is closed unread as before (a flood of new
-# connections must not hold the server's descriptors a second each).
+# 2026-12-06). The answer is written with the connection's end (FIN) once the client has sent
+# something (answered before it had sent its request, a client could take it for a broken
+# handshake: websockets' sync client raised an assertion of its own), and what it sends is
+# dropped, until it has sent nothing for TURNED_AWAY_S, or for at most
+# TURNED_AWAY_TOTAL_S and LINGER_BYTES in all, so that its unread bytes do not reset the
+# connection before the answer is read (dropping only 64 KiB, a 600 KB run got a reset, not
+# the 429: red team, 2026-12-06). At most TURNED_AWAY_MAX such connections are open at once;
+# past that, one is closed unread as before (a flood of new connections must not hold the
+# server's descriptors for long).
 TURNED_AWAY_S = 1.0
-TURNED_AWAY_BYTES = 64 << 10
+TURNED_AWAY_TOTAL_S = 10.0
 TURNED_AWAY_MAX = 256
+# Eviction candidates looked at per new connection (ConnectionCount._evictable).
+EVICTION_SCAN = 8
 # At its address's cap, a connection waiting on its client this long gives way to a new one
 # from the same address (ConnectionCount.waiting).
 ADDRESS_GRACE_S = 0.5
@@ -82,6 +93,9 @@ class ConnectionLimits:
 class Evictable(Protocol):
     def evict(self) -> None:
         """Leave the count and drop the connection."""
+
+    def has_unread(self) -> bool:
+        """Bytes from the client wait in its socket, not read yet: a request on its way."""
 
 
 @dataclass
@@ -102,9 +116,12 @@ class ConnectionCount:
     # oldest of that address's: 24 SDK clients of one process, each keeping its connection
     # alive after its call, held a cap of 4 and turned the others away until uvicorn's
     # keep-alive timeout; only one that has waited ADDRESS_GRACE_S, so that in a burst a
-    # newcomer does not take the place of a connection whose request is on its way. A
-    # connection being served (a request under way, a WebSocket) is never evicted, and the
-    # newest is evicted last, so a client that sends its request at once always gets in.
+    # newcomer does not take the place of a connection whose request is on its way. Nor one
+    # whose client has sent bytes the server has not read yet (a kept-alive connection's next
+    # request, arrived in the same turn of the loop as the newcomer: another SDK client of
+    # the same address lost 12 of 80 runs that way, red team 2026-12-06). A connection being
+    # served (a request under way, a pipelined one queued, a WebSocket) is never evicted,
+    # and the newest is evicted last, so a client that sends its request at once gets in.
     waiting: dict[Evictable, str] = field(default_factory=dict)
     # Per address group, the same connections, with when they began to wait (monotonic).
     waiting_by_ip: dict[str, dict[Evictable, float]] = field(default_factory=dict)
@@ -120,16 +137,19 @@ class ConnectionCount:
         ip = client_group(ip)
         per_ip = self.limits.max_connections_per_ip
         if per_ip and self.by_ip[ip] >= per_ip:
-            oldest = next(iter(self.waiting_by_ip.get(ip, {}).items()), None)
-            if oldest is None or time.monotonic() - oldest[1] < ADDRESS_GRACE_S:
+            settled = time.monotonic() - ADDRESS_GRACE_S
+            of_ip = self.waiting_by_ip.get(ip, {}).items()  # oldest first
+            victim = _evictable(c for c, _ in itertools.takewhile(lambda w: w[1] <= settled, of_ip))
+            if victim is None:
                 self.refused += 1
                 return False
-            self._evict(oldest[0])
+            self._evict(victim)
         elif self.total >= self.limits.max_connections:
-            if not self.waiting:
+            victim = _evictable(iter(self.waiting))
+            if victim is None:
                 self.refused += 1
                 return False
-            self._evict(next(iter(self.waiting)))
+            self._evict(victim)
         self.total += 1
         self.by_ip[ip] += 1
         return True
@@ -166,6 +186,26 @@ class ConnectionCount:
         self.served(connection)
         connection.evict()  # leaves the count now, before its transport is gone
         self.evicted += 1
+
+
+def _evictable(candidates: Iterator[Evictable]) -> Evictable | None:
+    """The first of (at most EVICTION_SCAN of) ``candidates`` with nothing unread."""
+    for candidate in itertools.islice(candidates, EVICTION_SCAN):
+        if not candidate.has_unread():
+            return candidate
+    return None
+
+
+def _unread_bytes(transport: asyncio.BaseTransport) -> int:
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
+    except (OSError, ValueError):
+        return 0
+    return count[0]
 
 
 def _release_when_lost(protocol: Any, release: Any) -> None:
@@ -227,6 +267,8 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         _admitted_ip: str | None = None
         _refused = False  # closed unread: its address is out of credit (limits.py)
         _turned_away = False  # over a connection cap: told so, and read no further
+        _turned_away_until = 0.0  # the loop's time by which it is dropped, whatever it sends
+        _turned_away_over_address = False  # over its address's cap, not the total
         _deadline: asyncio.TimerHandle | None = None
         _header_bytes = 0
         _in_headers = False
@@ -266,6 +308,9 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self._leave_count()
             super().connection_lost(exc)
 
+        def has_unread(self) -> bool:
+            return _unread_bytes(self.transport) > 0
+
         def evict(self) -> None:
             self._disarm()
             self._cancel_write_deadline()
@@ -274,9 +319,14 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def data_received(self, data: bytes) -> None:
             if self._turned_away:
+                if not self._lingered_bytes:
+                    self._answer_turned_away()
                 self._lingered_bytes += len(data)
-                if self._lingered_bytes > TURNED_AWAY_BYTES:
+                left_s = self._turned_away_until - self.loop.time()
+                if self._lingered_bytes > LINGER_BYTES or left_s <= 0:
                     self.transport.abort()
+                else:
+                    self._arm(min(TURNED_AWAY_S, left_s), self.transport.abort)
                 return  # never parsed: nothing of it reaches the app
             waiting = self._in_headers
             super().data_received(data)
@@ -360,15 +410,15 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            # A pipelined request already parsed is being served, or the body of this one is
-            # still arriving (a response sent before it was read): no headers to wait for yet.
-            idle = self.cycle is None or self.cycle.response_complete
-            if self.transport.is_closing():
+            # Busy: a pipelined request already parsed is being served now.
+            if self.transport.is_closing() or self._busy():
                 return
-            if idle and self._message_done:
+            if self._message_done:
                 self._expect_headers()
-            elif not self._message_done:
-                self._linger()
+            elif self._in_headers:
+                self._waits_on_client()  # a pipelined request's head, still arriving
+            else:
+                self._linger()  # this request's body, answered before it was all in
 
         def handle_websocket_upgrade(self) -> None:
             self._disarm()
@@ -386,16 +436,27 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         # -- helpers
 
         def _turn_away(self, ip: str) -> None:
-            """Over a cap: answer 429 ``too_many_connections`` and end the connection, reading
-            nothing (TURNED_AWAY_S)."""
+            """Over a cap: answer 429 ``too_many_connections`` to what the client sends, parsing
+            none of it, and end the connection (TURNED_AWAY_S)."""
             if count.turned_away >= TURNED_AWAY_MAX or not self.transport.can_write_eof():
                 self.transport.abort()
                 return
             count.turned_away += 1
             self._turned_away = True
-            self.transport.write(_too_many_connections(count.over_address_cap(ip)))
-            self.transport.write_eof()
+            self._turned_away_over_address = count.over_address_cap(ip)
+            self._turned_away_until = self.loop.time() + TURNED_AWAY_S + TURNED_AWAY_TOTAL_S
             self._arm(TURNED_AWAY_S, self.transport.abort)
+
+        def _answer_turned_away(self) -> None:
+            try:
+                self.transport.write(_too_many_connections(self._turned_away_over_address))
+                if not self.transport.is_closing():
+                    self.transport.write_eof()
+            except OSError:
+                # The client has gone already (it reset the connection): raised out of a
+                # protocol callback, each was a traceback in the log, and a loop of them
+                # stalled the server (red team, 2026-12-06).
+                self.transport.abort()
 
         def _linger(self) -> None:
             """Its request is answered and its body still comes: drop the rest for a moment,
@@ -408,9 +469,17 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         def _expect_headers(self) -> None:
             self._lingering = False
             self._in_headers = True
-            self._waits_on_client()
+            if not self._busy():
+                # Else a pipelined request's head: the connection is still being served
+                # (evicted, it lost an answer under way), and waits once that is done.
+                self._waits_on_client()
             self._header_bytes = 0
             self._arm(limits.header_timeout_s, self._headers_late)
+
+        def _busy(self) -> bool:
+            """A request of this connection is being served, or queued to be (uvicorn serves
+            them in order: the newest parsed, ``cycle``, is answered last)."""
+            return self.cycle is not None and not self.cycle.response_complete
 
         def _arm(self, delay_s: float, handler: Any) -> None:
             self._disarm()
@@ -428,6 +497,11 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
                 self._admitted_ip = None
 
         def _headers_late(self) -> None:
+            if self._busy():
+                # A pipelined head: its time runs from when the answers before it are out
+                # (a 408 now would be written into an answer under way).
+                self._arm(limits.header_timeout_s, self._headers_late)
+                return
             # Between requests uvicorn's keep-alive timer closes an idle connection first.
             if self._in_headers and self._header_bytes:
                 self._refuse(408, "request headers not received in time")
