@@ -2,9 +2,11 @@
 
 Builds the argv a template's launcher execs (``argv.Argvs.bwrap``, the python3 environment's
 tree if it is built, else the host's /usr) and runs bwrap with it, and with parts of it left
-out, in alternated rounds of ``--runs`` each: the whole argv; without the four identity files
-bound over the tree's /etc; with ``--dir /dev`` for ``--dev`` (no device nodes, no devpts);
-without ``--unshare-net``; without all three; and ``/bin/true`` (an exec's floor). Its
+out or put back, in alternated rounds of ``--runs`` each: the whole argv; with the four
+identity files bound over the tree's /etc (a tree built before it carried them), with
+``--remount-ro /``, with both (the argv before the nineteenth pass); with ``--dir /dev`` for
+``--dev`` (no device nodes, no devpts); without ``--unshare-net``; without the identity
+binds (if any), ``--dev`` and the network namespace; and ``/bin/true`` (an exec's floor). Its
 seccomp, info and block fds are left out (the child runs ``/bin/true`` at once), and it runs
 as root in this process's mount namespace, not as the sandbox's uid in the launch namespace,
 where fewer mounts make each bind's parse of the mount table cheaper. Prints, per variant,
@@ -69,8 +71,6 @@ def without(argv: list[str], *parts: str) -> list[str]:
             i += 2
         elif "identity" in parts and arg == "--ro-bind" and argv[i + 2].startswith("/etc/"):
             i += 3
-        elif "remount" in parts and arg == "--remount-ro":
-            i += 2
         elif "dev" in parts and arg == "--dev":
             out += ["--dir", "/dev"]
             i += 2
@@ -92,6 +92,14 @@ def with_identity(argv: list[str], etc: Path) -> list[str]:
     return argv[:at] + binds + argv[at:]
 
 
+def with_remount(argv: list[str]) -> list[str]:
+    """``argv`` with ``--remount-ro /`` last before its command, as before a tree's root
+    was left to its read-only bind."""
+    if "--remount-ro" in argv:
+        return argv
+    return [*argv[:-1], "--remount-ro", "/", argv[-1]]
+
+
 def machine_busy_s() -> float:
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
@@ -111,8 +119,10 @@ def main() -> None:
             "with the identity binds (a tree built before it carried them)": with_identity(
                 without(full), Path(scratch) / "etc"
             ),
-            "no identity binds": without(full, "identity"),
-            "no --remount-ro /": without(full, "remount"),
+            "with --remount-ro / (before 2026-12-06)": with_remount(without(full)),
+            "with both (the argv before 2026-12-06)": with_remount(
+                with_identity(without(full), Path(scratch) / "etc")
+            ),
             "--dir /dev for --dev": without(full, "dev"),
             "no --unshare-net": without(full, "--unshare-net"),
             "none of the three": without(full, "identity", "dev", "--unshare-net"),
