@@ -1034,7 +1034,7 @@ def test_the_connection_cap_of_an_ipv6_client_is_its_64s() -> None:
     """Failed before (the third red team's find, 2026-12-06): the per-address cap counted
     each IPv6 address alone, so one client holding a /64 took 1,000 connections of 1,000
     under a cap of 100 an address. It counts by /64 now, as failed authentications do."""
-    from sandlot.server.transport import ConnectionCount, ConnectionLimits
+    from sandlot.server.connections import ConnectionCount, ConnectionLimits
 
     count = ConnectionCount(ConnectionLimits(1000, 2, 5.0, 5.0, 65536))
     admitted = [count.admit(f"2001:db8:1:2::{n:x}") for n in range(1, 4)]
@@ -1248,8 +1248,8 @@ def test_an_addresses_idle_connections_give_way_to_its_new_ones(data_root: Path)
 def test_at_an_addresses_cap_its_oldest_waiting_connection_gives_way(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from sandlot.server import transport
-    from sandlot.server.transport import ConnectionCount, ConnectionLimits
+    from sandlot.server import connections
+    from sandlot.server.connections import ConnectionCount, ConnectionLimits
 
     class Connection:
         def __init__(self, ip: str) -> None:
@@ -1266,7 +1266,7 @@ def test_at_an_addresses_cap_its_oldest_waiting_connection_gives_way(
             return self.unread > 0
 
     clock = [100.0]
-    monkeypatch.setattr(transport.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(connections.time, "monotonic", lambda: clock[0])
     count = ConnectionCount(ConnectionLimits(1000, 2, 5.0, 5.0, 65536))
     a1, a2, b1 = Connection("10.0.0.1"), Connection("10.0.0.1"), Connection("10.0.0.2")
     for c in (a1, a2, b1):
@@ -1275,10 +1275,10 @@ def test_at_an_addresses_cap_its_oldest_waiting_connection_gives_way(
     clock[0] += 10
     assert not count.admit("10.0.0.1")  # both of its own are being served
     count.waits_on_client(a2, a2.ip)
-    clock[0] += transport.ADDRESS_GRACE_S / 2
+    clock[0] += connections.ADDRESS_GRACE_S / 2
     count.waits_on_client(a1, a1.ip)  # newer than a2's wait
     assert not count.admit("10.0.0.1")  # a2's request may be on its way yet
-    clock[0] += transport.ADDRESS_GRACE_S / 2
+    clock[0] += connections.ADDRESS_GRACE_S / 2
     # Failed before (red team, 2026-12-06): a2's next request is in its socket, unread (it
     # came in the same turn of the loop as the newcomer): a2 is as good as served.
     a2.unread = 120
@@ -1286,7 +1286,7 @@ def test_at_an_addresses_cap_its_oldest_waiting_connection_gives_way(
     a2.unread = 0
     assert count.admit("10.0.0.1") and a2.evicted and not a1.evicted and not b1.evicted
     a1.unread = 1
-    clock[0] += transport.ADDRESS_GRACE_S
+    clock[0] += connections.ADDRESS_GRACE_S
     assert not count.admit("10.0.0.1") and not a1.evicted
     a1.unread = 0
     assert count.admit("10.0.0.1") and a1.evicted and not b1.evicted

@@ -7,7 +7,8 @@ import logging
 import re
 
 from sandlot.config import Settings
-from sandlot.server.transport import ConnectionCount, ConnectionLimits, guarded_protocol
+from sandlot.server.connections import ConnectionCount, ConnectionLimits
+from sandlot.server.transport import guarded_protocol
 
 SECRET_QUERY = re.compile(r"((?:api_key|token)=)[^&\s\"]+", re.IGNORECASE)
 
