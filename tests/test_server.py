@@ -688,9 +688,17 @@ def test_json_logs_carry_the_request_id_of_the_error_body(data_root: Any) -> Non
     finally:
         stop_server(process)
     records = []
-    for line in log_path.read_text().splitlines():
+    lines = log_path.read_text().splitlines()
+    for line in lines:
         with contextlib.suppress(ValueError):
             records.append(json.loads(line))
+    # Every line is JSON, uvicorn's too: its own log config printed its access and error
+    # lines as console text whatever LOG_FORMAT said (until 2026-12-06).
+    assert len(records) == len(lines), [line for line in lines if not line.startswith("{")][:3]
+    access = [r for r in records if r.get("logger") == "uvicorn.access"]
+    assert any(
+        "POST /v1/sandboxes" in r["event"] and r["request_id"] == "req-bad-2" for r in access
+    )
     created_logs = [r for r in records if r.get("event") == "sandbox created"]
     assert created_logs and created_logs[0]["request_id"] == "req-create-1"
     assert any(r.get("request_id") for r in records)

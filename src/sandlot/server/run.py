@@ -52,6 +52,10 @@ def serve(settings: Settings) -> None:
         host=settings.api_host,
         port=settings.api_port,
         log_level=settings.log_level.lower(),
+        # uvicorn's own lines (its errors, the access log) go to the root logger's handler,
+        # which configure_logging made: in LOG_FORMAT's lines, JSON too (its own config
+        # printed them as console text whatever LOG_FORMAT said).
+        log_config=None,
         http=guarded_protocol(count),
         ws="websockets-sansio",
         ws_max_size=settings.ws_max_message_kb * 1024,
