@@ -826,3 +826,82 @@ async def test_a_call_queued_behind_a_cancelled_one_still_has_a_backstop(
         later = await asyncio.wait_for(mgr.run_code(info.id, RunCode(code="2", timeout_s=2)), 30)
         assert later.state_lost, later  # the stuck guest was ended, and the call answered
         assert (await mgr.run_code(info.id, RunCode(code="3"))).text == "3"
+
+
+async def test_one_slow_teardown_holds_no_other_sandboxs_expiry(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failed before (red team, 2026-12-06): the reaper destroyed its expired sandboxes one
+    after another, so one whose artifacts took their export's whole timeout (60 s) held
+    another tenant's sandbox 61 s past its TTL. Here A's destroy takes 3 s; B, expired in
+    the same pass, is gone at once."""
+    settings = make_settings(data_dir, backend="unsafe-local", reaper_interval_s=3600)
+    async with SandboxManager(settings) as mgr:
+        slow = await mgr.create(SandboxSpec(ttl_s=0.2), owner="evil")
+        other = await mgr.create(SandboxSpec(ttl_s=0.2), owner="victim")
+        real = type(mgr).destroy
+
+        async def destroy(this: SandboxManager, sandbox_id: str, **kwargs: Any) -> Any:
+            if sandbox_id == slow.id:
+                await asyncio.sleep(3)
+            return await real(this, sandbox_id, **kwargs)
+
+        monkeypatch.setattr(type(mgr), "destroy", destroy)
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        assert sorted(await mgr.reap()) == sorted([slow.id, other.id])
+        assert time.monotonic() - started < 1
+        while (await mgr.get(other.id)).status.value == "running":
+            assert time.monotonic() - started < 1.5, "the other's expiry waited"
+            await asyncio.sleep(0.02)
+        assert (await mgr.get(other.id)).end_reason == "ttl"
+        assert (await mgr.get(slow.id)).status.value == "running"  # still in its teardown
+        assert sorted(await mgr.reap()) == []  # not started twice
+
+
+async def test_an_orphans_artifacts_are_read_no_further_than_the_walk_may_go(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failed before (red team, 2026-12-06): recovery read a whole directory's names before
+    it looked at its cap of entries: a million hard links with long names took a restarted
+    manager from 47 to 308 MB and 11.6 s. Here 2,000 names against a cap of 50."""
+    import os
+
+    from sandlot.core import artifacts
+
+    settings = make_settings(data_dir, backend="unsafe-local")
+    async with SandboxManager(settings) as mgr:
+        info = await mgr.create()
+        workspace = mgr._backend("unsafe-local").workspace_on_host(info.id)
+        assert workspace is not None
+        many = workspace / "artifacts" / "many"
+        many.mkdir(parents=True)
+        for n in range(2000):
+            (many / f"{n:04d}-{'x' * 150}").touch()
+        monkeypatch.setattr(artifacts._HostWalk, "MAX_ENTRIES", 50)
+        read = []
+        real_scandir = os.scandir
+
+        def counting_scandir(fd: Any) -> Any:
+            listing = real_scandir(fd)
+
+            class Counted:
+                def __enter__(self) -> Any:
+                    listing.__enter__()
+                    return self
+
+                def __exit__(self, *exc: Any) -> None:
+                    listing.__exit__(*exc)
+
+                def __iter__(self) -> Any:
+                    for entry in listing:
+                        read.append(entry.name)
+                        yield entry
+
+            return Counted()
+
+        monkeypatch.setattr(artifacts.os, "scandir", counting_scandir)
+        await mgr._artifacts.export_from_host(info, workspace)
+        assert len(read) <= 52, len(read)  # "many" itself, then at most the cap and one
+        kept = await mgr.list_artifacts(info.id)
+        assert 0 < len(kept) <= 50

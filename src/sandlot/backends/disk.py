@@ -21,6 +21,7 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+from sandlot._fs import remove_tree
 from sandlot.errors import SandboxStartError
 
 
@@ -449,11 +450,10 @@ def _close_level(level: tuple[int, Iterator[os.DirEntry[str]]]) -> None:
 
 
 def _remove_tree(root: Path) -> None:
-    # rmtree is fd-based on Linux: a symlink planted by sandbox code cannot redirect it.
-    shutil.rmtree(root, ignore_errors=True)
-    if root.exists() and os.geteuid() != 0:
+    # By descriptors, no symlink followed, as deep as sandboxed code made it (_fs.py).
+    if not remove_tree(root) and os.geteuid() != 0:
         _open_up(root)
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)
 
 
 async def remove_volume(root: Path) -> None:

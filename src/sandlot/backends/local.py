@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Collection
@@ -21,6 +20,7 @@ from typing import ClassVar
 
 import structlog
 
+from sandlot._fs import remove_tree
 from sandlot.backends.base import Check, GuestProcess, GuestSpec
 from sandlot.backends.launch import GUEST_SOURCE_DIR, guest_argv, guest_env
 from sandlot.config import Settings
@@ -99,7 +99,7 @@ class LocalBackend:
         guest = self._guests.pop(sandbox_id, None)
         if guest is not None:
             await self._kill(guest)
-        await asyncio.to_thread(shutil.rmtree, self.root / sandbox_id, True)
+        await asyncio.to_thread(remove_tree, self.root / sandbox_id)
 
     async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
         return ResourceUsage()
@@ -113,7 +113,7 @@ class LocalBackend:
         with contextlib.suppress(FileNotFoundError):
             for path in self.root.iterdir():
                 if path.name not in keep and path.name not in self._guests:
-                    await asyncio.to_thread(shutil.rmtree, path, True)
+                    await asyncio.to_thread(remove_tree, path)
                     removed.append(path.name)
         return removed
 

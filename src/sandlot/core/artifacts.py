@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import os
-import shutil
 import stat
 import tempfile
 import time
@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from sandlot._fs import remove_tree
 from sandlot.backends.disk import disk_used_bytes
 from sandlot.core.files import read_through
 from sandlot.core.live import Live
@@ -259,7 +260,7 @@ class Artifacts:
 
     async def delete(self, sandbox_id: str) -> int:
         count = self.store.delete_artifacts(sandbox_id)
-        await asyncio.to_thread(shutil.rmtree, self._dir(sandbox_id), True)
+        await asyncio.to_thread(remove_tree, self._dir(sandbox_id))
         return count
 
     async def delete_older_than(self, cutoff: float) -> None:
@@ -345,8 +346,11 @@ class _HostWalk:
         self.skips = _Skips(info.id)
 
     def directory(self, fd: int, rel: PurePosixPath, depth: int) -> None:
+        # Read no more names than may still be walked: a directory of a million hard links
+        # (they cost a sandbox no inodes) took a restarted manager's start from 47 to 308 MB
+        # and 11.6 s when it was read whole first (red team, 2026-12-06).
         with os.scandir(fd) as found:
-            names = [entry.name for entry in found]
+            names = list(itertools.islice((e.name for e in found), self._room()))
         for name in names:
             self.entries += 1
             if self.entries > self.MAX_ENTRIES or self.budget <= 0 or self._spent():
@@ -368,6 +372,10 @@ class _HostWalk:
                     self.file(fd, name, rel / name)
             except OSError as exc:
                 self.skips.add("could not be copied", path=str(rel / name), error=repr(exc))
+
+    def _room(self) -> int:
+        """Entries the walk may still look at (one more, to know it was over)."""
+        return max(0, self.MAX_ENTRIES - self.entries) + 1
 
     def _spent(self) -> bool:
         """Past the files or the time one sandbox's export may take (said once)."""

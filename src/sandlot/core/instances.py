@@ -26,11 +26,11 @@ import fcntl
 import json
 import os
 import secrets
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandlot._fs import remove_tree
 from sandlot.backends.disk import mounted_below
 from sandlot.config import Settings
 from sandlot.core.store import Elsewhere, Store
@@ -283,7 +283,7 @@ def remove_legacy(data_dir: Path) -> None:
         data_dir / "docker-sandboxes"
     ):
         for name in LEGACY_STATE:
-            shutil.rmtree(data_dir / name, ignore_errors=True)
+            remove_tree(data_dir / name)
 
 
 def backends_of(directory: Path) -> set[str]:
@@ -298,8 +298,7 @@ def remove_dir(directory: Path) -> bool:
     sweep could not unmount: deleting through it would empty a live filesystem)."""
     if mounted_below(directory):
         return False
-    shutil.rmtree(directory, ignore_errors=True)
-    return not directory.exists()
+    return remove_tree(directory)
 
 
 def _age_s(path: Path) -> float:

@@ -13,6 +13,7 @@ import asyncio
 import builtins
 import contextlib
 import dataclasses
+import functools
 import sqlite3
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
@@ -77,6 +78,9 @@ log = structlog.get_logger(__name__)
 # How often a refused create looks again at other processes' teardowns (a teardown takes
 # a few ms; other processes do not tell us when theirs end).
 HELD_ELSEWHERE_POLL_S = 0.02
+# Destroys the reaper runs at once (reap()): each sandbox past its TTL or idle time is
+# destroyed on its own, so one whose teardown is slow holds no other.
+REAP_CONCURRENCY = 16
 
 # Observers of what happens to sandboxes (metrics, audit): called as listener(event, fields).
 Listener = Callable[[str, dict[str, Any]], None]
@@ -99,6 +103,9 @@ class SandboxManager:
         self._teardowns = Teardowns(self._released)
         self._closing = False
         self._reaper: asyncio.Task[None] | None = None
+        # The reaper's destroys under way, REAP_CONCURRENCY at once (reap()).
+        self._reaping: dict[str, asyncio.Task[None]] = {}
+        self._reap_slots = asyncio.Semaphore(REAP_CONCURRENCY)
         self._instance: instances.Instance | None = None
         self._store: Store = None  # type: ignore[assignment]  # set by start()
         self._artifacts: Artifacts = None  # type: ignore[assignment]  # set by start()
@@ -195,6 +202,7 @@ class SandboxManager:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        await asyncio.gather(*self._reaping.values(), return_exceptions=True)
         if self._pools is not None:
             await self._pools.close()
             self._pools = None
@@ -942,12 +950,15 @@ class SandboxManager:
                 log.exception("reaper pass failed")
 
     async def reap(self) -> builtins.list[str]:
-        """Destroy sandboxes past their TTL or idle timeout; return their ids."""
+        """Start destroying the sandboxes past their TTL or idle timeout; return their ids.
+        Their destroys go on in tasks of their own (``_reaping``)."""
         now = time.time()
         doomed: list[tuple[str, str]] = []
         for sandbox_id, live in list(self._live.items()):
             if live.destroying:
                 continue
+            if sandbox_id in self._reaping:
+                continue  # its destroy is on its way
             if now >= live.info.expires_at:
                 doomed.append((sandbox_id, "ttl"))
             elif (
@@ -956,8 +967,12 @@ class SandboxManager:
             ):
                 doomed.append((sandbox_id, "idle"))
         for sandbox_id, reason in doomed:
-            with contextlib.suppress(SandboxNotFound):
-                await self.destroy(sandbox_id, reason=reason)
+            # Each on its own, not one after another: a sandbox whose artifacts take their
+            # export's whole timeout held every other tenant's expiry for it (61 s past a
+            # 2 s TTL: red team, 2026-12-06), and a pass that waited for them held the next.
+            task = asyncio.create_task(self._reap_one(sandbox_id, reason))
+            self._reaping[sandbox_id] = task
+            task.add_done_callback(functools.partial(self._reaped, sandbox_id))
         await self._artifacts.delete_older_than(now - self.settings.artifact_retention_s)
         # Off the event loop: both read every ended record.
         await asyncio.to_thread(
@@ -965,6 +980,18 @@ class SandboxManager:
         )
         await asyncio.to_thread(self._store.forget_beyond, self.settings.max_ended_records)
         return [sid for sid, _ in doomed]
+
+    def _reaped(self, sandbox_id: str, _task: asyncio.Task[None]) -> None:
+        self._reaping.pop(sandbox_id, None)
+
+    async def _reap_one(self, sandbox_id: str, reason: str) -> None:
+        async with self._reap_slots:
+            try:
+                await self.destroy(sandbox_id, reason=reason)
+            except (SandboxNotFound, SandboxNotRunning):
+                pass  # destroyed meanwhile
+            except Exception:
+                log.exception("reaper could not destroy a sandbox", sandbox=sandbox_id)
 
     # ------------------------------------------------------------------ helpers
 

@@ -88,8 +88,11 @@ async def _recover_one(
         for name, backend in backends.items():
             try:
                 removed = await backend.sweep(keep=())
-            except SandboxError as exc:
-                log.warning("recovery sweep skipped", backend=name, error=str(exc))
+            except Exception as exc:
+                # Whatever a dead sandbox left behind, this manager starts (a deep tree's
+                # RecursionError failed every start on its data dir: red team, 2026-12-06);
+                # the instance's directory is kept for the next sweep.
+                log.warning("recovery sweep skipped", backend=name, error=repr(exc))
                 swept = False
                 continue
             if removed:
@@ -109,5 +112,5 @@ async def _rescue_artifacts(
         workspace = backend.workspace_on_host(info.id)
         if workspace is not None:
             await artifacts.export_from_host(info, workspace)
-    except (SandboxError, OSError) as exc:
+    except Exception as exc:  # the orphan's remains are hostile: any failure
         log.warning("artifacts of an orphan not kept", sandbox=info.id, error=repr(exc))
