@@ -132,3 +132,27 @@ async def test_a_deep_workspace_without_a_disk_of_its_own_is_destroyed_and_swept
     assert not orphan.exists()
     async with SandboxManager(settings) as restarted:
         assert (await restarted.create(SandboxSpec())).id
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("root_bubblewrap")
+async def test_the_files_api_removes_a_tree_deeper_than_the_recursion_limit(
+    data_root: Path,
+) -> None:
+    """Failed before: the guest's recursive removal raised RecursionError past ~1,000
+    levels, and the call failed; links inside are removed, never followed."""
+    from sandlot.requests import RemoveFile, WriteFile
+
+    async with SandboxManager(make_settings(data_root / "deep-remove")) as mgr:
+        info = await mgr.create(SandboxSpec())
+        made = await mgr.run_code(
+            info.id,
+            RunCode(code=MAKE_DEEP.replace("'a'", "'d'") + "os.symlink('/workspace/keep', 'l')\n"),
+        )
+        assert made.ok, made
+        await mgr.write_file(info.id, WriteFile(path="keep"), b"kept")
+        await mgr.remove_file(info.id, RemoveFile(path="d", recursive=True))
+        listing = await mgr.run_code(
+            info.id, RunCode(code="import os; sorted(os.listdir('/workspace'))")
+        )
+        assert listing.text == "['keep']", listing

@@ -4,7 +4,9 @@ Standard library only, Python >= 3.9 (shipped into every sandbox).
 """
 
 import base64
+import itertools
 import os
+import secrets
 import stat
 
 from wire import GuestFault, write_all
@@ -192,19 +194,46 @@ class _Listing:
             )
 
 
+# A recursive removal raised RecursionError past ~1,000 levels; this one keeps at most this
+# many directories open and moves deeper ones up into the tree's top.
+MAX_REMOVE_DEPTH = 64
+REMOVE_BATCH = 4096
+
+
 def _remove_tree(parent_fd, name):
-    """rmtree through directory descriptors: a symlink swapped in is unlinked, never followed."""
-    fd = open_dir_nofollow(name, parent_fd)
+    """rmtree through directory descriptors, without recursion: a symlink swapped in is
+    unlinked, never followed, and levels past MAX_REMOVE_DEPTH are renamed up into the
+    tree's top, to be emptied from there."""
+    top = open_dir_nofollow(name, parent_fd)
+    stack = [(top, name)]
     try:
-        with os.scandir(fd) as it:
-            children = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        for child, is_dir in children:
-            if is_dir:
-                _remove_tree(fd, child)
-            else:
-                os.unlink(child, dir_fd=fd)
+        while stack:
+            fd = stack[-1][0]
+            with os.scandir(fd) as it:
+                batch = [
+                    (e.name, e.is_dir(follow_symlinks=False))
+                    for e in itertools.islice(it, REMOVE_BATCH)
+                ]
+            descended = False
+            for child, is_dir in batch:
+                if not is_dir:
+                    os.unlink(child, dir_fd=fd)
+                elif len(stack) >= MAX_REMOVE_DEPTH:
+                    up = ".sandlot-deep-" + secrets.token_hex(8)
+                    os.rename(child, up, src_dir_fd=fd, dst_dir_fd=top)
+                else:
+                    stack.append((open_dir_nofollow(child, fd), child))
+                    descended = True
+                    break
+            if descended or len(batch) == REMOVE_BATCH:
+                continue
+            fd, own = stack.pop()
+            os.close(fd)
+            if stack:
+                os.rmdir(own, dir_fd=stack[-1][0])
     finally:
-        os.close(fd)
+        for fd, _ in stack:
+            os.close(fd)
     os.rmdir(name, dir_fd=parent_fd)
 
 
