@@ -349,3 +349,24 @@ async def test_a_pre_instance_data_dir_is_recovered_once(
     # Once: the next start finds nothing of it to recover.
     async with SandboxManager(settings) as mgr:
         assert not (data_dir / "sandboxes").exists()
+
+
+async def test_a_start_that_fails_in_recovery_gives_back_what_it_claimed(
+    data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failed before (red team, 2026-12-06, by reading): a start whose recovery raised left
+    its freshly claimed instance directory behind, one more dead instance a failed start."""
+    from sandlot.core import recovery
+
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a remains' surprise")
+
+    data_dir = data_root / "failed-start"
+    monkeypatch.setattr(recovery, "recover", broken)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="surprise"):
+            await SandboxManager(make_settings(data_dir, backend="unsafe-local")).start()
+    assert leaks.instance_dirs(data_dir) == []
+    monkeypatch.undo()
+    async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
+        assert (await mgr.create()).id

@@ -172,7 +172,13 @@ class SandboxManager:
         except ConfigError:
             await self.close()
             raise
-        await self._recover(extra_backends={key.backend for key in targets})
+        try:
+            await self._recover(extra_backends={key.backend for key in targets})
+        except BaseException:
+            # The instance claimed and the store opened are given back: each failed start
+            # left one more dead instance behind (red team, 2026-12-06).
+            await self.close()
+            raise
         # Before measuring: the soft limit (often 1024) would cap us at ~200 sandboxes.
         admission.raise_nofile_limit()
         # Measured after the sweep: nothing of ours holds the host's memory or disk now.
