@@ -280,6 +280,9 @@ def _frame(obj: dict[str, Any]) -> bytes:
     return struct.pack(">I", len(data)) + data
 
 
+PROGRESS = ("queued", "started")  # a call's progress events, before its answer
+
+
 class RealGuest:
     """The real supervisor in a subprocess, spoken to as the host speaks to it."""
 
@@ -325,7 +328,9 @@ class RealGuest:
         return frame
 
     def answer(self, call_id: int) -> dict[str, Any]:
-        while (frame := self.read())["id"] != call_id:
+        """The call's answer: its progress events ("queued", "started": sent when it waited
+        for the kernel, as a loaded machine makes a first call do) are skipped."""
+        while (frame := self.read())["id"] != call_id or frame.get("event") in PROGRESS:
             pass
         return frame
 

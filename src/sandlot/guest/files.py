@@ -6,7 +6,6 @@ Standard library only, Python >= 3.9 (shipped into every sandbox).
 import base64
 import itertools
 import os
-import secrets
 import stat
 
 from wire import GuestFault, write_all
@@ -219,7 +218,7 @@ def _remove_tree(parent_fd, name):
                 if not is_dir:
                     os.unlink(child, dir_fd=fd)
                 elif len(stack) >= MAX_REMOVE_DEPTH:
-                    up = ".sandlot-deep-" + secrets.token_hex(8)
+                    up = ".sandlot-deep-" + os.urandom(8).hex()
                     os.rename(child, up, src_dir_fd=fd, dst_dir_fd=top)
                 else:
                     stack.append((open_dir_nofollow(child, fd), child))
