@@ -18,7 +18,8 @@ ROOT = Path(sandlot.__file__).parent
 # Lowest first. A module may import its own layer or any layer below it. The first prefix that
 # matches a module's dotted name (without "sandlot.") gives its layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_version", "models", "log", "guest", "_sqlite", "_fs"),  # no sandlot imports but these
+    # No sandlot imports but these:
+    ("errors", "_version", "models", "log", "guest", "_sqlite", "_fs"),
     ("config", "requests", "environments", "_portal", "_sync"),
     ("backends",),  # isolation: knows nothing of owners, pools, TTLs
     ("core",),  # the manager and its rooms
