@@ -176,16 +176,22 @@ def test_sparse_artifacts_cost_a_destroy_no_more_than_the_disk_holds(
             yield chunk
 
     monkeypatch.setattr(artifacts, "read_through", counted)
-    sandbox = Sandbox.create(manager=manager, disk_mb=64)
-    made = sandbox.commands.run(
+    kept = _kept_after(
+        manager,
         "cd artifacts 2>/dev/null || mkdir artifacts && cd artifacts; printf kept > a.txt; "
-        "for i in 1 2 3 4 5; do truncate -s 1T big$i; done"
+        "for i in 1 2 3 4 5; do truncate -s 1T big$i; done",
     )
-    assert made.exit_code == 0, made.stderr
-    sandbox.kill()
-    kept = [a.path for a in get_portal().call(manager.list_artifacts(sandbox.id))]
     assert kept == ["a.txt"]
     assert 0 < sum(read) < 64 << 20, sum(read)
+
+
+def _kept_after(manager: SandboxManager, script: str) -> list[str]:
+    """The artifacts kept of a sandbox (64 MB disk) that ran ``script``, then was killed."""
+    sandbox = Sandbox.create(manager=manager, disk_mb=64)
+    made = sandbox.commands.run(script)
+    assert made.exit_code == 0, made.stderr
+    sandbox.kill()
+    return [a.path for a in get_portal().call(manager.list_artifacts(sandbox.id))]
 
 
 @pytest.mark.usefixtures("root_bubblewrap")
@@ -211,14 +217,12 @@ def test_an_artifact_grown_since_it_was_listed_costs_no_more_than_its_listed_siz
 
     monkeypatch.setattr(GuestConnection, "request", counted)
     monkeypatch.setattr(artifacts, "_listed_size", lambda entry: 0)
-    sandbox = Sandbox.create(manager=manager, disk_mb=64)
-    made = sandbox.commands.run(
+    kept = _kept_after(
+        manager,
         "mkdir -p artifacts && for i in 1 2 3 4 5; do head -c 2000000 /dev/zero >artifacts/f$i;"
-        " done"
+        " done",
     )
-    assert made.exit_code == 0, made.stderr
-    sandbox.kill()
-    assert get_portal().call(manager.list_artifacts(sandbox.id)) == []
+    assert kept == []
     assert sum(read) <= 5, read
 
 

@@ -43,17 +43,15 @@ async def open_stream(url: str, headers: dict[str, str], max_size: int) -> Clien
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus
 
-    for turn in range(TURNED_AWAY_RETRIES):
+    for turn in range(TURNED_AWAY_RETRIES + 1):
         try:
             return await connect(url, additional_headers=headers, max_size=max_size)
         except InvalidStatus as exc:
-            if not isinstance(upgrade_refused(exc), TooManyConnections):
-                raise upgrade_refused(exc) from None
+            error = upgrade_refused(exc)
+            if not isinstance(error, TooManyConnections) or turn == TURNED_AWAY_RETRIES:
+                raise error from None
         await asyncio.sleep(turned_away_wait_s(turn))
-    try:
-        return await connect(url, additional_headers=headers, max_size=max_size)
-    except InvalidStatus as exc:
-        raise upgrade_refused(exc) from None
+    raise AssertionError("unreachable: the last turn returns or raises")
 
 
 class JobStreams:

@@ -513,12 +513,9 @@ def _query_value(value: Any) -> Any:
 def _turned_away(response: httpx.Response) -> bool:
     """The server answered the connection, not the request: over its connection cap, it read
     nothing (``server/transport.py``)."""
-    if response.status_code != 429:
-        return False
-    try:
-        return bool(response.json()["error"]["code"] == TooManyConnections.code)
-    except (ValueError, KeyError, TypeError):
-        return False
+    return response.status_code == 429 and isinstance(
+        typed_error(response.status_code, response.content), TooManyConnections
+    )
 
 
 def response_error(response: httpx.Response) -> SandboxError:

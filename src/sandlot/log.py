@@ -67,14 +67,12 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
         # basicConfig put rich's on it, which spent ~0.1-1 s of the server's one event loop
         # on each traceback it drew, so a client that made asyncio log errors stalled the
         # server (red team, 2026-12-06). With a handler there, basicConfig does nothing.
+        *chain, render = processors(fmt)
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(
             structlog.stdlib.ProcessorFormatter(
-                foreign_pre_chain=[structlog.stdlib.add_logger_name, *processors(fmt)[:-1]],
-                processors=[
-                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    processors(fmt)[-1],
-                ],
+                foreign_pre_chain=[structlog.stdlib.add_logger_name, *chain],
+                processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, render],
             )
         )
         root.addHandler(handler)

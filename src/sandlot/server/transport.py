@@ -5,8 +5,8 @@ connections one address may hold, so 1,100 half-sent requests with no API key st
 server answering anyone. :func:`guarded_protocol` builds uvicorn's httptools protocol with:
 
 - a cap on open HTTP connections, in all and per client address (an IPv6 address's /64;
-  over it, the connection is answered 429 ``too_many_connections`` and closed before a
-  byte of its request is read, so a client may send it again; at the total cap, a new one takes
+  over it, the connection is answered 429 ``too_many_connections`` and closed, none of its
+  request parsed, so a client may send it again; at the total cap, a new one takes
   the place of the connection that has waited longest for its request head, if any does;
   what a tenant's keys hold once served is capped by ``limits.OpenPerTenant``);
 - a header deadline: the request line and headers must arrive within ``header_timeout_s`` of
@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from sandlot.errors import TooManyConnections
 from sandlot.server.connections import ConnectionCount, unread_bytes
 from sandlot.server.outbox import ABORT_EXTENSION
 
@@ -304,7 +305,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             count.turned_away += 1
             self._turned_away = True
             self._turned_away_over_address = count.over_address_cap(ip)
-            self._turned_away_until = self.loop.time() + TURNED_AWAY_S + TURNED_AWAY_TOTAL_S
+            self._turned_away_until = self.loop.time() + TURNED_AWAY_TOTAL_S
             self._arm(TURNED_AWAY_S, self.transport.abort)
 
         def _answer_turned_away(self) -> None:
@@ -400,7 +401,7 @@ def _too_many_connections(per_address: bool) -> bytes:
         else "the server holds its most open connections (API_MAX_CONNECTIONS)"
     )
     error = {
-        "code": "too_many_connections",
+        "code": TooManyConnections.code,
         "message": f"{which}; nothing of this request was read: send it again once one closes",
         "request_id": None,
     }
