@@ -221,6 +221,26 @@ async def test_guest_exit_fails_pending_calls() -> None:
         await _finish(conn, proc)
 
 
+async def test_a_guest_that_stops_reading_holds_neither_a_cancel_nor_a_close() -> None:
+    # A guest that takes in nothing more (its pipe full behind a large write) must not hold
+    # a cancelled call's unwinding or a destroy for good: each notice waits a bounded time.
+    conn, proc = await _guest(READY, linger_s=30.0)
+    try:
+        await conn.wait_ready(5)
+        write = asyncio.create_task(conn.request(Op.FILE_WRITE, {"data": "x" * (1 << 20)}))
+        await asyncio.sleep(0.2)
+        assert not write.done()  # stuck on the full pipe
+        started = time.monotonic()
+        await asyncio.wait_for(conn.notify(Op.CANCEL, {"target": 1}), 10)
+        await asyncio.wait_for(conn.close(), 10)
+        assert time.monotonic() - started < 2 * guest_link.NOTIFY_DRAIN_S + 1
+        with pytest.raises(GuestDied):
+            await asyncio.wait_for(write, 5)
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
 # ---------------------------------------------------------------- the guest's own side
 
 GUEST_DIR = Path(sandlot.guest.ops.__file__).parent

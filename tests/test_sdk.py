@@ -3,12 +3,15 @@ the sandbox object, embedded and over a real server."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
 import pytest
 
 from sandlot import Sandbox, SandboxFileNotFound, SandboxManager
+from sandlot.client import KEEPALIVE_EXPIRY_S, RemoteService
+from sandlot.config import Settings
 from tests.conftest import LiveServer
 
 
@@ -99,3 +102,26 @@ def test_artifacts_are_read_from_the_sandbox_object_after_it_is_gone(
     assert sb.read_artifact("plots/report.txt") == b"kept"
     with pytest.raises(SandboxFileNotFound):
         sb.read_artifact("plots/missing.txt")
+
+
+def _local_port(response: Any) -> int:
+    stream = response.extensions["network_stream"]
+    return int(stream.get_extra_info("client_addr")[1])
+
+
+async def test_an_idle_connection_is_let_go_before_the_server_would_close_it(
+    live_server: LiveServer,
+) -> None:
+    # Kept past the server's keep-alive, an idle connection can be closed by the server just
+    # as a create is sent on it: that create fails having run nothing, and is not sent again.
+    assert Settings.model_fields["keepalive_timeout_s"].default > KEEPALIVE_EXPIRY_S
+    service = RemoteService(live_server.url, live_server.keys["alice"])
+    try:
+        first = _local_port(await service._call("GET", "/health", idempotent=True))
+        again = _local_port(await service._call("GET", "/health", idempotent=True))
+        assert again == first  # kept alive while fresh
+        await asyncio.sleep(KEEPALIVE_EXPIRY_S + 0.5)
+        later = _local_port(await service._call("GET", "/health", idempotent=True))
+        assert later != first
+    finally:
+        await service.aclose()

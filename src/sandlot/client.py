@@ -81,6 +81,11 @@ RETRY_ATTEMPTS = 3
 WAIT_SLICE_S = 60.0  # a wait with no timeout asks the server again after each slice
 STREAM_CHUNK_BYTES = 1 << 20
 LIST_PAGE = 1000  # the most the server returns a list call (routes.MAX_LISTED)
+# An idle connection is dropped by the client before the server's default keep-alive (5 s,
+# API_KEEPALIVE_TIMEOUT_SECONDS) closes it: at equal times a create could be sent just as the
+# server closed its connection, and fail with nothing run, not to be sent again (not
+# idempotent).
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class RemoteService:
@@ -102,7 +107,14 @@ class RemoteService:
 
     def _new_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(
-            base_url=self.base_url, headers=self._headers, timeout=DEFAULT_TIMEOUT_S
+            base_url=self.base_url,
+            headers=self._headers,
+            timeout=DEFAULT_TIMEOUT_S,
+            limits=httpx.Limits(  # httpx's own defaults, but for the expiry
+                max_connections=100,
+                max_keepalive_connections=20,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
         )
 
     @property

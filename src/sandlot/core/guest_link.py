@@ -38,6 +38,10 @@ HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
 # A whole frame's bytes after its header: 64 MiB through a loaded docker stream takes ~1-2 s.
 BODY_TIMEOUT_S = 20.0
+# How long a request nobody waits for (cancel, shutdown) waits for the guest to take it in:
+# its frame is in the pipe's buffer by then, and a guest that reads nothing more is ended by
+# whoever closes it, not waited on.
+NOTIFY_DRAIN_S = 2.0
 
 
 class _Pending:
@@ -137,10 +141,14 @@ class GuestConnection:
         return next(self._ids)
 
     async def notify(self, op: Op, payload: dict[str, Any]) -> None:
-        """Send a request whose answer nobody waits for (cancel, shutdown)."""
+        """Send a request whose answer nobody waits for (cancel, shutdown). Returns once the
+        guest has taken it in, or after ``NOTIFY_DRAIN_S``: a guest whose input is full and
+        unread (behind a large write it stopped reading) must not hold a destroy or a
+        cancellation for good."""
         if not self._closed:
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await self._send({"id": self.new_id(), "op": op, **payload})
+            with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
+                async with asyncio.timeout(NOTIFY_DRAIN_S):
+                    await self._send({"id": self.new_id(), "op": op, **payload})
 
     def post(self, op: Op, payload: dict[str, Any]) -> None:
         """Write a small request whose answer nobody waits for, now, from the loop's thread:
@@ -259,7 +267,13 @@ class GuestConnection:
         """Ask the guest to exit, then stop reading."""
         await self.notify(Op.SHUTDOWN, {})
         with contextlib.suppress(Exception):
-            self._writer.close()
+            transport = self._writer.transport
+            if transport.get_write_buffer_size():
+                # The guest took nothing in for NOTIFY_DRAIN_S: what is left unsent is
+                # dropped, which also ends any request still waiting to send its bytes.
+                transport.abort()
+            else:
+                self._writer.close()
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._task
