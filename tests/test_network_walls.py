@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import ipaddress
 import os
 import subprocess
 import sys
@@ -328,3 +329,51 @@ async def test_a_networked_docker_sandbox_has_no_ipv6(data_root: Path) -> None:
         code = "open('/proc/net/if_inet6').read()"
         result = await mgr.run_code(info.id, RunCode(code=code))
         assert result.text == "''", result
+
+
+GATEWAY = r"""
+import socket
+routes = [line.split() for line in open('/proc/net/route').read().splitlines()[1:]]
+socket.inet_ntoa(bytes.fromhex([r[2] for r in routes if r[1] == '00000000'][0])[::-1])
+"""
+
+
+async def test_a_network_left_by_a_dead_manager_does_not_cut_off_the_next_sandbox_of_its_slot(
+    data_root: Path,
+) -> None:
+    # Failed before: a manager killed with a networked sandbox leaves its namespace and the
+    # host end of its veth (the namespace is bound under /run/netns). Where no manager starts
+    # on its data directory again, nothing removed them, and the next sandbox given that /30
+    # (by any manager: another uid range, 16,384 apart) got no network: the host routed its
+    # address to the dead one's veth.
+    if not _usable("bubblewrap") or os.geteuid() != 0:
+        pytest.skip("networked bubblewrap sandboxes are root's")
+    listener = subprocess.Popen([sys.executable, "-c", SERVE, "18083"], stdout=subprocess.PIPE)
+    dead_ns, dead_veth = f"sandlot-deadbeef-sb-{os.getpid()}", f"sl{4_000_000 + os.getpid()}"[:15]
+    try:
+        assert listener.stdout is not None and listener.stdout.readline() == b"ready\n"
+        async with _manager(data_root / "dead-slot") as mgr:
+            info = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+            gateway = await mgr.run_code(info.id, RunCode(code=GATEWAY))
+            assert gateway.text is not None, gateway
+            # Uids are handed out in turn, and a uid's /30 is its own where free: the next
+            # sandbox's gateway is the next /30's.
+            address = str(ipaddress.IPv4Address(ast.literal_eval(gateway.text)) + 4)
+            # What the dead manager left: a namespace, and a veth holding that /30's gateway.
+            _ip("netns", "add", dead_ns)
+            _ip("link", "add", dead_veth, "type", "veth", "peer", "name", "eth0", "netns", dead_ns)
+            _ip("addr", "add", f"{address}/30", "dev", dead_veth)
+            _ip("link", "set", dead_veth, "up")
+            again = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+            assert (await mgr.run_code(again.id, RunCode(code=GATEWAY))).text == repr(address)
+            reached = await _reach(mgr, again.id, (address, 18083))
+            assert reached == {address: "pong"}, reached  # before: 'timed out'
+            assert not Path("/sys/class/net", dead_veth).exists()
+            assert not Path("/run/netns", dead_ns).exists()
+    finally:
+        listener.kill()
+        listener.wait()
+        assert listener.stdout is not None
+        listener.stdout.close()
+        _ip("link", "del", dead_veth, check=False)
+        _ip("netns", "del", dead_ns, check=False)

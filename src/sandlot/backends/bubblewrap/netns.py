@@ -24,8 +24,13 @@ the host's end of the veth.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import fcntl
 import ipaddress
+import re
+import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +42,8 @@ from sandlot.errors import SandboxStartError
 # The host's side, shared by every networked sandbox: hostnet.py.
 SANDBOX_NET = BUBBLEWRAP_NET
 NETNS_DIR = Path("/run/netns")
+SIOCGIFADDR = 0x8915
+HOST_VETH = re.compile(r"sl\d+")
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,8 @@ async def create(net: SandboxNet) -> None:
     if Path("/sys/class/net", net.veth).exists():
         # Left by an earlier holder of this uid that was never removed (a crash).
         await run_tool(IP, "link", "del", net.veth, check=False)
+    for veth in stale_holders(net.gateway):
+        await _remove_stale(veth)
     await run_tool(IP, "netns", "add", net.name)
     try:
         # No IPv6 on the link, either end (addrgenmode none: no link-local address is made,
@@ -116,6 +125,40 @@ async def remove(name: str, veth: str | None = None) -> None:
         await run_tool(IP, "link", "del", veth, check=False)
     if (NETNS_DIR / name).exists():
         await run_tool(IP, "netns", "del", name, check=False)
+
+
+def stale_holders(gateway: ipaddress.IPv4Address) -> list[str]:
+    """The host ends of sandbox veths (``sl<uid>``) that hold ``gateway``. The caller holds
+    its /30's lock, host-wide, so any such end was left by a holder that died without its
+    clean-up (a manager killed, whose data directory no manager starts on again): left, it
+    kept the /30's route, and the next sandbox given the /30 had no network at all."""
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            if not HOST_VETH.fullmatch(name):
+                continue
+            request = struct.pack("256s", name.encode())
+            try:
+                answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)
+            except OSError:
+                continue  # gone meanwhile, or no IPv4 address
+            if socket.inet_ntoa(answer[20:24]) == str(gateway):
+                found.append(name)
+    return found
+
+
+async def _remove_stale(veth: str) -> None:
+    """Delete a dead holder's veth and the namespace at its other end, if it is ours."""
+    proc = await asyncio.create_subprocess_exec(
+        IP, "-o", "link", "show", "dev", veth,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    await run_tool(IP, "link", "del", veth, check=False)
+    peer = re.search(r"link-netns (sandlot-\S+)", out.decode(errors="replace"))
+    if peer is not None:
+        await remove(peer.group(1))
 
 
 def leftovers(instance: str) -> dict[str, str]:
