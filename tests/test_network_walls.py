@@ -83,7 +83,6 @@ def neighbour() -> Iterator[None]:
         pytest.skip("a neighbour network namespace needs root and iproute2")
     name, veth = f"sl-neighbour-{os.getpid()}", f"slnb{os.getpid() % 100000}"
     _ip("netns", "add", name)
-    server = None
     try:
         _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
         for host_side in ("169.254.169.1/24", "10.252.0.1/24", "198.18.200.1/24"):
@@ -93,20 +92,25 @@ def neighbour() -> Iterator[None]:
             _ip("-n", name, "addr", "add", far_side, "dev", "eth0")
         _ip("-n", name, "link", "set", "eth0", "up")
         _ip("-n", name, "link", "set", "lo", "up")
-        server = subprocess.Popen(
-            [IP, "netns", "exec", name, sys.executable, "-c", SERVE, str(PORT), "53"],
-            stdout=subprocess.PIPE,
-        )
+        with _serving(IP, "netns", "exec", name, sys.executable, "-c", SERVE, str(PORT), "53"):
+            yield
+    finally:
+        _ip("link", "del", veth, check=False)
+        _ip("netns", "del", name, check=False)
+
+
+@contextlib.contextmanager
+def _serving(*argv: str) -> Iterator[None]:
+    """``argv`` (SERVE, run in whatever namespace the command enters), ready to answer."""
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    try:
         assert server.stdout is not None and server.stdout.readline() == b"ready\n"
         yield
     finally:
-        if server is not None:
-            server.kill()
-            server.wait()
-            assert server.stdout is not None
-            server.stdout.close()
-        _ip("link", "del", veth, check=False)
-        _ip("netns", "del", name, check=False)
+        server.kill()
+        server.wait()
+        assert server.stdout is not None
+        server.stdout.close()
 
 
 def _usable(backend: str) -> bool:
@@ -348,32 +352,31 @@ async def test_a_network_left_by_a_dead_manager_does_not_cut_off_the_next_sandbo
     # address to the dead one's veth.
     if not _usable("bubblewrap") or os.geteuid() != 0:
         pytest.skip("networked bubblewrap sandboxes are root's")
-    listener = subprocess.Popen([sys.executable, "-c", SERVE, "18083"], stdout=subprocess.PIPE)
     dead_ns, dead_veth = f"sandlot-deadbeef-sb-{os.getpid()}", f"sl{4_000_000 + os.getpid()}"[:15]
     try:
-        assert listener.stdout is not None and listener.stdout.readline() == b"ready\n"
-        async with _manager(data_root / "dead-slot") as mgr:
-            info = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
-            gateway = await mgr.run_code(info.id, RunCode(code=GATEWAY))
-            assert gateway.text is not None, gateway
-            # Uids are handed out in turn, and a uid's /30 is its own where free: the next
-            # sandbox's gateway is the next /30's.
-            address = str(ipaddress.IPv4Address(ast.literal_eval(gateway.text)) + 4)
-            # What the dead manager left: a namespace, and a veth holding that /30's gateway.
-            _ip("netns", "add", dead_ns)
-            _ip("link", "add", dead_veth, "type", "veth", "peer", "name", "eth0", "netns", dead_ns)
-            _ip("addr", "add", f"{address}/30", "dev", dead_veth)
-            _ip("link", "set", dead_veth, "up")
-            again = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
-            assert (await mgr.run_code(again.id, RunCode(code=GATEWAY))).text == repr(address)
-            reached = await _reach(mgr, again.id, (address, 18083))
-            assert reached == {address: "pong"}, reached  # before: 'timed out'
-            assert not Path("/sys/class/net", dead_veth).exists()
-            assert not Path("/run/netns", dead_ns).exists()
+        with _serving(sys.executable, "-c", SERVE, "18083"):
+            await _cut_off_by_a_dead_holder(data_root, dead_ns, dead_veth)
     finally:
-        listener.kill()
-        listener.wait()
-        assert listener.stdout is not None
-        listener.stdout.close()
         _ip("link", "del", dead_veth, check=False)
         _ip("netns", "del", dead_ns, check=False)
+
+
+async def _cut_off_by_a_dead_holder(data_root: Path, dead_ns: str, dead_veth: str) -> None:
+    async with _manager(data_root / "dead-slot") as mgr:
+        info = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+        gateway = await mgr.run_code(info.id, RunCode(code=GATEWAY))
+        assert gateway.text is not None, gateway
+        # Uids are handed out in turn, and a uid's /30 is its own where free: the next
+        # sandbox's gateway is the next /30's.
+        address = str(ipaddress.IPv4Address(ast.literal_eval(gateway.text)) + 4)
+        # What the dead manager left: a namespace, and a veth holding that /30's gateway.
+        _ip("netns", "add", dead_ns)
+        _ip("link", "add", dead_veth, "type", "veth", "peer", "name", "eth0", "netns", dead_ns)
+        _ip("addr", "add", f"{address}/30", "dev", dead_veth)
+        _ip("link", "set", dead_veth, "up")
+        again = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+        assert (await mgr.run_code(again.id, RunCode(code=GATEWAY))).text == repr(address)
+        reached = await _reach(mgr, again.id, (address, 18083))
+        assert reached == {address: "pong"}, reached  # before: 'timed out'
+        assert not Path("/sys/class/net", dead_veth).exists()
+        assert not Path("/run/netns", dead_ns).exists()
