@@ -3,8 +3,10 @@
 It owns what backends do not: ids, owners and quotas, TTL and idle reaping, the SQLite store
 and crash recovery. Each verb takes one typed request (:mod:`sandlot.requests`) and hands the
 work to the room that does it: :mod:`~sandlot.core.execution` (one run),
-:mod:`~sandlot.core.files`, :mod:`~sandlot.core.artifacts`, :mod:`~sandlot.core.pools`; a
-:class:`~sandlot.core.live.Live` owns its guest link.
+:mod:`~sandlot.core.pools`, and through the verbs' mixins (:mod:`~sandlot.core.job_verbs`,
+:mod:`~sandlot.core.file_verbs`, which find a sandbox with :mod:`~sandlot.core.lookup`)
+:mod:`~sandlot.core.background`, :mod:`~sandlot.core.files` and
+:mod:`~sandlot.core.artifacts`; a :class:`~sandlot.core.live.Live` owns its guest link.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dataclasses
 import functools
 import sqlite3
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +26,12 @@ import structlog
 
 from sandlot.backends import Backend, create_backend
 from sandlot.config import Settings, get_settings
-from sandlot.core import admission, execution, files, instances, placement, recovery
+from sandlot.core import admission, execution, instances, placement, recovery
 from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts, artifact_limit_bytes
 from sandlot.core.background import BackgroundCommands
+from sandlot.core.file_verbs import FileVerbs
+from sandlot.core.job_verbs import JobVerbs
 from sandlot.core.live import POOL_OWNER, Live, PoolKey
 from sandlot.core.pools import Pools, discard
 from sandlot.core.store import LIVE, Elsewhere, Store
@@ -44,13 +48,8 @@ from sandlot.errors import (
 )
 from sandlot.log import configure_logging
 from sandlot.models import (
-    ArtifactInfo,
-    CommandInfo,
-    DataCallback,
     ExecResult,
-    FileInfo,
     OutputCallback,
-    PtyOutput,
     Quota,
     ResolvedLimits,
     ResourceUsage,
@@ -59,18 +58,10 @@ from sandlot.models import (
     SandboxStatus,
 )
 from sandlot.requests import (
-    RANGE_MAX_BYTES,
-    FilePath,
-    ListFiles,
-    OpenPty,
-    PtySize,
-    ReadRange,
-    RemoveFile,
     RunCode,
     RunCommand,
     SandboxSpec,
     SetTimeout,
-    WriteFile,
 )
 
 log = structlog.get_logger(__name__)
@@ -86,7 +77,7 @@ REAP_CONCURRENCY = 16
 Listener = Callable[[str, dict[str, Any]], None]
 
 
-class SandboxManager:
+class SandboxManager(JobVerbs, FileVerbs):
     """Creates, runs, reaps and destroys sandboxes.
 
     Several managers (in one process or many) may share a data directory: each is its own
@@ -481,18 +472,6 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ records and ending
 
-    async def get(self, sandbox_id: str, *, owner: str | None = None) -> SandboxInfo:
-        """A live or ended sandbox's record.
-
-        Raises:
-            SandboxNotFound: no such sandbox, or it belongs to another owner.
-        """
-        live = self._live.get(sandbox_id)
-        info = live.info if live else self._store.get(sandbox_id)
-        if info is None or (owner is not None and info.owner != owner):
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
-        return info.model_copy()
-
     async def list(
         self,
         *,
@@ -670,281 +649,6 @@ class SandboxManager:
         self._emit("exec", info=live.info, op=op.value, result=result)
         return result
 
-    # ------------------------------------------------------------------ background
-
-    def _commands(self, sandbox_id: str, owner: str | None) -> tuple[Live, BackgroundCommands]:
-        live = self._get_live(sandbox_id, owner)
-        commands = self._background.get(sandbox_id)
-        if commands is None:
-            commands = BackgroundCommands(self.settings.max_background_commands)
-            self._background[sandbox_id] = commands
-        return live, commands
-
-    async def start_command(
-        self,
-        sandbox_id: str,
-        request: RunCommand,
-        *,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        owner: str | None = None,
-    ) -> CommandInfo:
-        """Start a command in the background (see :mod:`sandlot.core.background`)."""
-        live, commands = self._commands(sandbox_id, owner)
-        return await commands.start(live, request, on_stdout, on_stderr)
-
-    async def list_commands(
-        self, sandbox_id: str, *, owner: str | None = None
-    ) -> builtins.list[CommandInfo]:
-        return self._commands(sandbox_id, owner)[1].list()
-
-    # Each verb below that takes a pid takes the command's ``command_id`` too: given, it acts
-    # on that command only (a pid is reused after a guest restart); left out, on the newest
-    # command with that pid.
-
-    async def command_info(
-        self,
-        sandbox_id: str,
-        pid: int,
-        *,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> CommandInfo:
-        return self._commands(sandbox_id, owner)[1].info(pid, command_id)
-
-    async def connect_command(
-        self,
-        sandbox_id: str,
-        pid: int,
-        *,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> CommandInfo:
-        return self._commands(sandbox_id, owner)[1].listen(pid, on_stdout, on_stderr, command_id)
-
-    async def wait_command(
-        self,
-        sandbox_id: str,
-        pid: int,
-        timeout_s: float | None = None,
-        *,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> ExecResult:
-        return await self._commands(sandbox_id, owner)[1].wait(pid, timeout_s, command_id)
-
-    async def send_command_stdin(
-        self,
-        sandbox_id: str,
-        pid: int,
-        data: bytes,
-        *,
-        eof: bool = False,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> None:
-        commands = self._commands(sandbox_id, owner)[1]
-        await commands.send_stdin(pid, data, eof=eof, command_id=command_id)
-
-    async def kill_command(
-        self,
-        sandbox_id: str,
-        pid: int,
-        *,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> bool:
-        return await self._commands(sandbox_id, owner)[1].kill(pid, command_id)
-
-    async def start_pty(
-        self,
-        sandbox_id: str,
-        request: OpenPty,
-        *,
-        on_data: DataCallback | None = None,
-        owner: str | None = None,
-    ) -> CommandInfo:
-        """Open a terminal; its pid takes the background verbs (wait, kill, stdin)."""
-        live, commands = self._commands(sandbox_id, owner)
-        return await commands.start_pty(live, request, on_data)
-
-    async def resize_pty(
-        self,
-        sandbox_id: str,
-        pid: int,
-        size: PtySize,
-        *,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> None:
-        await self._commands(sandbox_id, owner)[1].resize_pty(pid, size, command_id)
-
-    async def send_pty_input(
-        self,
-        sandbox_id: str,
-        pid: int,
-        data: bytes,
-        *,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> None:
-        await self._commands(sandbox_id, owner)[1].send_pty_input(pid, data, command_id)
-
-    async def pty_output(
-        self,
-        sandbox_id: str,
-        pid: int,
-        offset: int = 0,
-        *,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> PtyOutput:
-        return self._commands(sandbox_id, owner)[1].pty_output(pid, offset, command_id)
-
-    async def connect_pty(
-        self,
-        sandbox_id: str,
-        pid: int,
-        on_data: DataCallback,
-        *,
-        command_id: str | None = None,
-        owner: str | None = None,
-    ) -> CommandInfo:
-        return self._commands(sandbox_id, owner)[1].listen_pty(pid, on_data, command_id)
-
-    def disconnect_command(
-        self,
-        sandbox_id: str,
-        pid: int,
-        on_stdout: OutputCallback | None,
-        on_stderr: OutputCallback | None,
-        *,
-        command_id: str | None = None,
-    ) -> None:
-        """Stop streaming a background command's output to these callbacks."""
-        commands = self._background.get(sandbox_id)
-        if commands is not None:
-            commands.unlisten(pid, on_stdout, on_stderr, command_id)
-
-    def disconnect_pty(
-        self, sandbox_id: str, pid: int, on_data: DataCallback, *, command_id: str | None = None
-    ) -> None:
-        commands = self._background.get(sandbox_id)
-        if commands is not None:
-            commands.unlisten_pty(pid, on_data, command_id)
-
-    # ------------------------------------------------------------------ files
-
-    async def write_file(
-        self, sandbox_id: str, request: WriteFile, data: bytes, *, owner: str | None = None
-    ) -> int:
-        """Write ``data`` to ``request.path`` (relative to /workspace); returns its size."""
-        return await self.write_file_chunks(sandbox_id, request, files.one_chunk(data), owner=owner)
-
-    async def write_file_chunks(
-        self,
-        sandbox_id: str,
-        request: WriteFile,
-        chunks: AsyncIterable[bytes],
-        *,
-        max_bytes: int | None = None,
-        owner: str | None = None,
-    ) -> int:
-        """Stream chunks into a file; past ``max_bytes`` the partial file is removed.
-
-        Raises:
-            RequestTooLarge: more than ``max_bytes`` arrived.
-        """
-        live = self._get_live(sandbox_id, owner)
-        return await files.write_chunks(live, request, chunks, max_bytes=max_bytes)
-
-    async def read_file_chunks(
-        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
-    ) -> AsyncIterator[bytes]:
-        """Stream a file out of the sandbox in chunks of at most 1 MiB."""
-        live = self._get_live(sandbox_id, owner)
-        async for chunk in files.read_chunks(live, request):
-            yield chunk
-
-    async def read_file(
-        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
-    ) -> bytes:
-        chunks = self.read_file_chunks(sandbox_id, request, owner=owner)
-        return b"".join([chunk async for chunk in chunks])
-
-    async def read_file_range(
-        self, sandbox_id: str, request: ReadRange, *, owner: str | None = None
-    ) -> bytes:
-        """Part of a file (``b""`` past its end)."""
-        return await files.read_range(self._get_live(sandbox_id, owner), request)
-
-    async def list_files(
-        self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
-    ) -> builtins.list[FileInfo]:
-        return await files.list_dir(self._get_live(sandbox_id, owner), request)
-
-    async def stat_file(
-        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
-    ) -> FileInfo:
-        return await files.stat(self._get_live(sandbox_id, owner), request)
-
-    async def remove_file(
-        self, sandbox_id: str, request: RemoveFile, *, owner: str | None = None
-    ) -> None:
-        await files.remove(self._get_live(sandbox_id, owner), request)
-
-    async def make_dir(
-        self, sandbox_id: str, request: FilePath, *, owner: str | None = None
-    ) -> None:
-        await files.make_dir(self._get_live(sandbox_id, owner), request)
-
-    # ------------------------------------------------------------------ artifacts
-
-    async def list_artifacts(
-        self, sandbox_id: str, *, owner: str | None = None
-    ) -> builtins.list[ArtifactInfo]:
-        await self.get(sandbox_id, owner=owner)
-        return self._artifacts.list(sandbox_id)
-
-    async def artifact_path(self, sandbox_id: str, path: str, *, owner: str | None = None) -> Path:
-        """Host path of a kept artifact (for streaming it out).
-
-        Raises:
-            SandboxNotFound: no such sandbox.
-            SandboxFileNotFound: it kept no such artifact.
-        """
-        await self.get(sandbox_id, owner=owner)
-        return self._artifacts.path(sandbox_id, path)
-
-    async def read_artifact(self, sandbox_id: str, path: str, *, owner: str | None = None) -> bytes:
-        """The content of a kept artifact (bounded by the tenant's artifact quota).
-
-        Raises:
-            SandboxNotFound: no such sandbox.
-            SandboxFileNotFound: it kept no such artifact.
-        """
-        host_path = await self.artifact_path(sandbox_id, path, owner=owner)
-        return await asyncio.to_thread(host_path.read_bytes)
-
-    async def read_artifact_range(
-        self, sandbox_id: str, path: str, offset: int, *, owner: str | None = None
-    ) -> bytes:
-        """At most :data:`RANGE_MAX_BYTES` of a kept artifact from ``offset``."""
-        host_path = await self.artifact_path(sandbox_id, path, owner=owner)
-
-        def read() -> bytes:
-            with host_path.open("rb") as f:
-                f.seek(offset)
-                return f.read(RANGE_MAX_BYTES)
-
-        return await asyncio.to_thread(read)
-
-    async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
-        await self.get(sandbox_id, owner=owner)
-        return await self._artifacts.delete(sandbox_id)
-
     # ------------------------------------------------------------------ reaping
 
     async def _reap_forever(self) -> None:
@@ -998,29 +702,3 @@ class SandboxManager:
                 pass  # destroyed meanwhile
             except Exception:
                 log.exception("reaper could not destroy a sandbox", sandbox=sandbox_id)
-
-    # ------------------------------------------------------------------ helpers
-
-    def _require_started(self) -> None:
-        if not self._started:
-            raise SandboxNotRunning(
-                "the SandboxManager is not started; use `async with` or start()"
-            )
-
-    def _get_live(self, sandbox_id: str, owner: str | None) -> Live:
-        self._require_started()
-        live = self._live.get(sandbox_id)
-        if live is None:
-            info = self._store.get(sandbox_id)
-            if info is None or (owner is not None and info.owner != owner):
-                raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
-            if info.status.value in LIVE:
-                raise instances.not_here(self._store, self.settings.data_dir, sandbox_id)
-            raise SandboxNotRunning(
-                f"sandbox {sandbox_id} is {info.status.value} ({info.end_reason}); create a new one"
-            )
-        if owner is not None and live.info.owner != owner:
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
-        if live.destroying:
-            raise SandboxNotRunning(f"sandbox {sandbox_id} is being destroyed")
-        return live
