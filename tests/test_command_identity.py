@@ -52,25 +52,27 @@ def _until(done: Callable[[], bool], what: str) -> None:
         time.sleep(0.1)
 
 
-def _take_pid(
-    pid: int,
+def _a_then_b(
+    make_a: Callable[[], tuple[int, Any]],
     restart: Callable[[], Any],
     start: Callable[[], tuple[int, Any]],
     drop: Callable[[Any], None],
-) -> Any:
-    """Restart the guest, then start commands (``start`` returns (pid, handle)) until one
-    has ``pid``: pids are handed out in order in the new guest, so the first few commands
-    reach it unless the guest's own start used more (then restart again)."""
+) -> tuple[Any, Any]:
+    """A (``make_a``: the first command of a restarted guest, ended), then B, a command
+    ``start`` made after another restart that took A's pid. Pids are handed out in order in a
+    new guest, so B is the first command of some restart; which pid the first command gets
+    varies by one with how the guest's own start raced it, so a new A is made where a few
+    restarts never gave its pid."""
     for _ in range(ATTEMPTS):
         restart()
-        for _ in range(4 * pid + 8):
-            got, handle = start()
-            if got == pid:
-                return handle
-            drop(handle)
-            if got > pid:
-                break
-    pytest.fail(f"no command got pid {pid} again after {ATTEMPTS} guest restarts")
+        a_pid, a = make_a()
+        for _ in range(ATTEMPTS):
+            restart()
+            got, b = start()
+            if got == a_pid:
+                return a, b
+            drop(b)
+    pytest.fail(f"no command took an earlier one's pid in {ATTEMPTS * ATTEMPTS} guest restarts")
 
 
 @pytest.fixture
@@ -92,13 +94,16 @@ def test_a_handle_never_acts_on_a_later_command_that_took_its_pid(
     restartable: Sandbox, manager: SandboxManager
 ) -> None:
     sb = restartable
-    a = sb.commands.run("echo A-REAL-RESULT; exit 7", background=True)
-    assert a.info.command_id
-    _until(lambda: a.pid not in {c.pid for c in sb.commands.list()}, "A ends")
 
     def restart() -> None:
         forced = sb.commands.run(FORCE_RESTART, timeout_s=30)
         assert forced.state_lost, forced
+
+    def make_a() -> tuple[int, Any]:
+        a = sb.commands.run("echo A-REAL-RESULT; exit 7", background=True)
+        assert a.info.command_id
+        _until(lambda: a.pid not in {c.pid for c in sb.commands.list()}, "A ends")
+        return a.pid, a
 
     def start() -> tuple[int, Any]:
         handle = sb.commands.run("cat", background=True)
@@ -107,7 +112,7 @@ def test_a_handle_never_acts_on_a_later_command_that_took_its_pid(
     def drop(handle: Any) -> None:
         handle.kill()
 
-    b = _take_pid(a.pid, restart, start, drop)
+    a, b = _a_then_b(make_a, restart, start, drop)
     assert b.pid == a.pid
 
     # A's handle: A's own state (it has ended), never B's. Before: the input reached B's cat
@@ -164,21 +169,27 @@ def test_rest_verbs_take_the_command_id(live_server: LiveServer) -> None:
         sid = created.json()["id"]
         commands = f"/v1/sandboxes/{sid}/commands"
         try:
-            started = http.post(commands, json={"command": "echo A; exit 7", "background": True})
-            assert started.status_code == 202, started.text
-            a = started.json()
-            a_pid, a_id = a["pid"], a["command_id"]
-            assert a_id
-
-            def ended() -> bool:
-                info = http.get(f"{commands}/{a_pid}", params={"command_id": a_id}).json()
-                return info["running"] is False
-
-            _until(ended, "A ends")
 
             def restart() -> None:
                 forced = http.post(commands, json={"command": FORCE_RESTART, "timeout_s": 30})
                 assert forced.status_code == 200 and forced.json()["state_lost"], forced.text
+
+            def make_a() -> tuple[int, Any]:
+                started = http.post(
+                    commands, json={"command": "echo A; exit 7", "background": True}
+                )
+                assert started.status_code == 202, started.text
+                a = started.json()
+                assert a["command_id"]
+
+                def ended() -> bool:
+                    params = {"command_id": a["command_id"]}
+                    return (
+                        http.get(f"{commands}/{a['pid']}", params=params).json()["running"] is False
+                    )
+
+                _until(ended, "A ends")
+                return a["pid"], a
 
             def start() -> tuple[int, Any]:
                 b = http.post(commands, json={"command": "cat", "background": True}).json()
@@ -187,7 +198,8 @@ def test_rest_verbs_take_the_command_id(live_server: LiveServer) -> None:
             def drop(b: Any) -> None:
                 http.delete(f"{commands}/{b['pid']}", params={"command_id": b["command_id"]})
 
-            b = _take_pid(a_pid, restart, start, drop)
+            a, b = _a_then_b(make_a, restart, start, drop)
+            a_pid, a_id = a["pid"], a["command_id"]
             b_id = b["command_id"]
             only_a = {"command_id": a_id}
 
