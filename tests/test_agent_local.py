@@ -262,3 +262,46 @@ def test_samples_of_one_prompt_read_it_once(
     # The prompt went through eval once: the whole run read it plus the replies, about.
     outputs = sum(c.output_tokens for c in completions)
     assert sum(evaluated) <= first.input_tokens + outputs + 3
+
+
+def test_one_callers_prompt_leaves_no_cache_for_another(
+    provider: LocalProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # llama.cpp skips reading the prefix a prompt shares with the last one: across tenants,
+    # the time that saved told one tenant how much of its guess matched another's prompt
+    # (red team, 2026-12-06). A caller's own next prompt keeps the cache; another's does not.
+    from sandlot.agent.providers.base import CALLER
+
+    llm, _ = provider._llm()
+    evaluated: list[int] = []
+    real_eval = llm.eval
+
+    def counting_eval(tokens: list[int]) -> None:
+        evaluated.append(len(tokens))
+        real_eval(tokens)
+
+    monkeypatch.setattr(llm, "eval", counting_eval)
+    secret = "The codename of the project is BLUE HERON, and its launch date is in May. " * 3
+
+    async def read_as(caller: str) -> int:
+        token = CALLER.set(caller)
+        try:
+            evaluated.clear()
+            await provider.generate(secret, max_tokens=1)
+            return sum(evaluated)
+        finally:
+            CALLER.reset(token)
+
+    first = asyncio.run(read_as("alice"))
+    again = asyncio.run(read_as("alice"))
+    other = asyncio.run(read_as("bob"))
+    assert first > 40
+    assert again < 5  # her own prompt, cached
+    assert other >= first - 2  # before: as few as hers, the prompt read from alice's cache
+
+
+def test_a_prompt_past_the_context_is_the_providers_error(provider: LocalProvider) -> None:
+    # llama.cpp refuses it with a ValueError, which reached the server as a 500 with two
+    # tracebacks (red team, 2026-12-06).
+    with pytest.raises(ProviderError, match="LOCAL_CONTEXT_TOKENS"):
+        asyncio.run(provider.generate("word " * 3000, max_tokens=4))

@@ -545,6 +545,22 @@ class Settings(BaseSettings):
         description="Requests and WebSockets one tenant's keys may have open at once "
         "(long-polls, streams, runs under way); past it, 429 too_many_open (0: no cap).",
     )
+    agent_tasks_per_tenant: int = Field(
+        default=2,
+        ge=0,
+        validation_alias=_env("API_AGENT_TASKS_PER_TENANT", "agent_tasks_per_tenant"),
+        description="Agent tasks (POST /execute with a task, WS /stream) one tenant may have "
+        "running at once: each holds the server's one model for its calls, a core of the "
+        "server's own CPU, charged to no sandbox; past it, 429 too_many_agent_tasks (0: no "
+        "cap).",
+    )
+    agent_task_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        validation_alias=_env("API_AGENT_TASK_TIMEOUT_SECONDS", "agent_task_timeout_s"),
+        description="An agent task still running after this long is ended (504 agent_timeout), "
+        "its sandbox with it.",
+    )
     stream_queue_mb_per_tenant: int = Field(
         default=64,
         ge=1,

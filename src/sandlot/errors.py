@@ -159,6 +159,18 @@ class TooManyOpen(QuotaExceeded):
     code = "too_many_open"
 
 
+class TooManyAgentTasks(QuotaExceeded):
+    """The tenant has its most agent tasks running already (``API_AGENT_TASKS_PER_TENANT``)."""
+
+    code = "too_many_agent_tasks"
+
+
+class AgentTimeout(SandboxError, TimeoutError):
+    """An agent task ran past ``API_AGENT_TASK_TIMEOUT_SECONDS`` and was ended."""
+
+    code = "agent_timeout"
+
+
 class StdinBacklogFull(QuotaExceeded):
     """A command has not read this much of the input sent to it; more is refused until it
     does (the bytes waiting for a command are bounded)."""
@@ -356,6 +368,8 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxIOError,
         TooManyOpen,
         TooManyConnections,
+        TooManyAgentTasks,
+        AgentTimeout,
     )
 }
 

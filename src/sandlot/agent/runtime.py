@@ -23,7 +23,7 @@ from sandlot.agent.config import AgentSettings, Strategy, get_agent_settings
 from sandlot.agent.executor import SandboxExecutor
 from sandlot.agent.models import AgentResult, EventSink, Mode, TaskSpec
 from sandlot.agent.providers import create_provider
-from sandlot.agent.providers.base import Provider
+from sandlot.agent.providers.base import CALLER, Provider
 from sandlot.agent.strategies import StrategyOptions, check_strategy, solve
 from sandlot.errors import ConfigError
 from sandlot.sandbox import AsyncSandbox
@@ -87,6 +87,22 @@ class AgentRuntime:
         if not spec.task.strip():
             raise ConfigError("the task is empty: say what the code should do")
         attempts = max_attempts or self.max_attempts
+        caller = CALLER.set(tenant)
+        try:
+            return await self._execute(spec, mode, on_event, timeout_s, sandbox, tenant, attempts)
+        finally:
+            CALLER.reset(caller)
+
+    async def _execute(
+        self,
+        spec: TaskSpec,
+        mode: Mode,
+        on_event: EventSink | None,
+        timeout_s: float | None,
+        sandbox: AsyncSandbox | None,
+        tenant: str | None,
+        attempts: int,
+    ) -> AgentResult:
         memory = await self.memory()
         recalled = await self._recall(memory, spec, tenant)
         options = {"sandbox": sandbox} if sandbox is not None else self.sandbox_options

@@ -20,14 +20,22 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Coroutine
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import structlog
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
 from sandlot.agent.models import AgentEvent, AgentResult
-from sandlot.errors import AuthenticationError, ConfigError, InvalidRequest, SandboxError
+from sandlot.errors import (
+    AgentTimeout,
+    AuthenticationError,
+    ConfigError,
+    InvalidRequest,
+    SandboxError,
+    SandboxNotRunning,
+)
+from sandlot.models import SandboxStatus
 from sandlot.server import outbox as outbox_
 from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
@@ -38,6 +46,8 @@ from sandlot.server.schemas import _Body
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["agent"])
 MAX_TASK_CHARS = 20_000
+SANDBOX_CHECK_S = 1.0  # how often a task looks whether its sandbox was destroyed
+T = TypeVar("T")
 
 
 class AgentTaskRequest(_Body):
@@ -64,36 +74,109 @@ async def run_task(
     body: AgentTaskRequest,
     on_event: Any = None,
 ) -> AgentResult:
-    """Create the caller's sandbox, run the task in it, destroy it."""
+    """Create the caller's sandbox, run the task in it, destroy it.
+
+    A task holds the server's one model for its calls, on the server's own CPU, charged to
+    no sandbox: it counts against its tenant's running tasks (``API_AGENT_TASKS_PER_TENANT``),
+    ends past ``API_AGENT_TASK_TIMEOUT_SECONDS``, and ends within a second of its sandbox's
+    destroy, by anyone (a swarm of ten attempts took 233 s of the server's CPU, and went on
+    for its owner's deleted sandboxes, past their quota: red team, 2026-12-06).
+
+    Raises:
+        TooManyAgentTasks: the tenant has its most tasks running.
+        AgentTimeout: the task ran past its time.
+        SandboxNotRunning: its sandbox was destroyed meanwhile.
+    """
     from sandlot.sandbox import AsyncSandbox
 
     who.require_write()
-    runtime = _runtime(state)
-    info = await state.manager.create(owner=who.tenant, quota=state.quota_for(who))
+    state.agent_tasks.acquire(who.tenant)
     try:
-        # A Ray routing manager has the manager's verbs too (the SDK needs no more).
-        sandbox = await AsyncSandbox.connect(info.id, manager=state.manager)  # type: ignore[arg-type]
-        # The memory recalls and keeps the caller's own tasks only.
-        result: AgentResult = await runtime.execute(
-            body.task,
-            mode=body.mode,
-            on_event=on_event,
-            sandbox=sandbox,
-            tenant=who.tenant,
-            max_attempts=body.max_attempts,
-        )
-        return result
+        runtime = _runtime(state)
+        info = await state.manager.create(owner=who.tenant, quota=state.quota_for(who))
+        try:
+            # A Ray routing manager has the manager's verbs too (the SDK needs no more).
+            sandbox = await AsyncSandbox.connect(info.id, manager=state.manager)  # type: ignore[arg-type]
+            # The memory recalls and keeps the caller's own tasks only.
+            work = runtime.execute(
+                body.task,
+                mode=body.mode,
+                on_event=on_event,
+                sandbox=sandbox,
+                tenant=who.tenant,
+                max_attempts=body.max_attempts,
+            )
+            timeout_s = state.settings.agent_task_timeout_s
+            return await first_of(
+                work, _time_out(timeout_s), _sandbox_gone(state, info.id, who.owner_filter)
+            )
+        finally:
+            with contextlib.suppress(SandboxError):
+                await state.manager.destroy(info.id, owner=who.owner_filter)
     finally:
-        with contextlib.suppress(SandboxError):
-            await state.manager.destroy(info.id, owner=who.owner_filter)
+        state.agent_tasks.release(who.tenant)
 
 
 async def execute_task(body: AgentTaskRequest, request: Request, who: Principal) -> AgentResult:
+    """``POST /execute``'s task: ended with its key's revocation or its client's going (a
+    task whose client hung up after 90 s ran on for 14 minutes, and on for a revoked key)."""
     state = state_of(request)
     async with state.audited(request, who, "agent.execute") as audit:
-        result = await run_task(state, who, body)
+        result = await first_of(
+            run_task(state, who, body),
+            stream_jobs.watch_key(state, request),
+            _client_left(request),
+        )
         audit["status"] = result.status
     return result
+
+
+async def first_of(work: Coroutine[Any, Any, T], *stoppers: Coroutine[Any, Any, Any]) -> T:
+    """``work``'s result, unless one of ``stoppers`` (each raises when the work must end)
+    ends first: then ``work`` is cancelled (a local model's decoding stops at its next
+    token, and ``run_task`` destroys the sandbox) and the stopper's error raised."""
+    task = asyncio.ensure_future(work)
+    watchers = [asyncio.ensure_future(stopper) for stopper in stoppers]
+    try:
+        await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            for watcher in watchers:
+                if watcher.done():
+                    watcher.result()  # raises why the work must end
+        return await task
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SandboxError, WebSocketDisconnect):
+                await task
+
+
+async def _time_out(timeout_s: float) -> None:
+    await asyncio.sleep(timeout_s)
+    raise AgentTimeout(
+        f"the agent task ran past {timeout_s:g} s and was ended; raise "
+        "API_AGENT_TASK_TIMEOUT_SECONDS or give it fewer attempts (max_attempts)"
+    )
+
+
+async def _sandbox_gone(state: ServerState, sandbox_id: str, owner: str | None) -> None:
+    while True:
+        await asyncio.sleep(SANDBOX_CHECK_S)
+        info = await state.manager.get(sandbox_id, owner=owner)
+        if info.status != SandboxStatus.RUNNING:
+            raise SandboxNotRunning(
+                f"the task's sandbox {sandbox_id} was destroyed ({info.end_reason}): the task "
+                "was ended"
+            )
+
+
+async def _client_left(request: Request) -> None:
+    """Raise once the client has gone away (its body is read: what comes next is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    raise InvalidRequest("the client went away before the task ended: the task was ended")
 
 
 @router.websocket("/stream")
@@ -138,6 +221,15 @@ async def _authenticate(websocket: WebSocket, state: ServerState) -> Principal:
         raise WebSocketDisconnect(1008) from exc
 
 
+def _task_of(message: Any) -> AgentTaskRequest:
+    if not isinstance(message, dict):
+        raise ConfigError("each message must be a JSON object with a 'task'")
+    try:
+        return AgentTaskRequest.model_validate(message)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid task message: {exc.errors(include_url=False)}") from exc
+
+
 async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> None:
     async def send_event(event: AgentEvent) -> None:
         try:
@@ -149,13 +241,10 @@ async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> N
     # Every task is a request: the key is checked (revoked?) and rate-limited again.
     who = await _authenticate(websocket, state)
     try:
-        if not isinstance(message, dict):
-            raise ConfigError("each message must be a JSON object with a 'task'")
-        try:
-            body = AgentTaskRequest.model_validate(message)
-        except ValidationError as exc:
-            raise ConfigError(f"invalid task message: {exc.errors(include_url=False)}") from exc
-        result = await _watched(websocket, state, run_task(state, who, body, on_event=send_event))
+        result = await first_of(
+            run_task(state, who, _task_of(message), on_event=send_event),
+            stream_jobs.watch_key(state, websocket),
+        )
         await websocket.send_json({"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
         await websocket.send_json(error_message(exc))
@@ -163,29 +252,18 @@ async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> N
             with contextlib.suppress(RuntimeError, OSError):
                 await websocket.close(code=1008)
             raise WebSocketDisconnect(1008) from exc
-
-
-async def _watched(
-    websocket: WebSocket, state: ServerState, work: Coroutine[Any, Any, AgentResult]
-) -> AgentResult:
-    """``work``, ended (and its sandbox with it) if the key is revoked meanwhile: a task
-    runs up to ten attempts of model calls and sandbox time, and went on to its end for a
-    revoked key (red team, 2026-12-06).
-
-    Raises:
-        AuthenticationError: the key was revoked.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(stream_jobs.watch_key(state, websocket))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        error = stream_jobs.revoked(watcher)
-        if error is not None:
-            raise error
-        return await task
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, SandboxError, WebSocketDisconnect):
-                await task
+    except (WebSocketDisconnect, asyncio.CancelledError):
+        raise
+    except Exception:
+        # A fault of ours is the one task's: the socket stays, typed, for the next (it was
+        # dropped with an ASGI traceback and no close frame: red team, 2026-12-06).
+        log.exception("agent task failed", request_id=websocket.state.request_id)
+        await websocket.send_json(
+            {
+                "type": "error",
+                "error": {
+                    "code": "internal_error",
+                    "message": "internal error; the request id is in the server log",
+                },
+            }
+        )

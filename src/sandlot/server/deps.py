@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from sandlot.config import Settings
 from sandlot.core import SandboxManager
 from sandlot.errors import (
+    AgentTimeout,
     AuthenticationError,
     BackendUnavailable,
     CapacityExhausted,
@@ -43,6 +44,7 @@ from sandlot.errors import (
     SandboxNotRunning,
     SandboxPermissionError,
     SandboxStartError,
+    TooManyAgentTasks,
 )
 from sandlot.models import Quota
 from sandlot.requests import SANDBOX_ID_PATTERN
@@ -76,6 +78,7 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     # Gone for good with its node: a client must create a new sandbox, not retry this one.
     SandboxLost: 410,
     NodeTimeout: 504,  # the node is alive but this call outlived its bound
+    AgentTimeout: 504,
     SandboxIsADirectory: 409,
     SandboxNotADirectory: 409,
     SandboxFileExists: 409,
@@ -142,6 +145,7 @@ class ServerState:
     # Shared with the connection wall (run.py); None: no limit on failed authentications.
     auth_failures: AuthFailures | None = None
     open_requests: OpenPerTenant = field(init=False)
+    agent_tasks: OpenPerTenant = field(init=False)
     # Each tenant's queued stream output (outbox.py) and the pace of its streams' messages,
     # made on its first stream.
     stream_shares: dict[str, outbox_.Shared] = field(default_factory=dict)
@@ -150,6 +154,12 @@ class ServerState:
     def __post_init__(self) -> None:
         self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)
         self.open_requests = OpenPerTenant(self.settings.max_open_per_tenant)
+        self.agent_tasks = OpenPerTenant(
+            self.settings.agent_tasks_per_tenant,
+            TooManyAgentTasks,
+            "agent tasks running",
+            "API_AGENT_TASKS_PER_TENANT",
+        )
 
     def stream_pace(self, principal: Principal) -> Pace:
         """The pace of ``principal``'s tenant's stream messages (``limits.Pace``)."""

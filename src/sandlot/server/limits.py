@@ -11,7 +11,7 @@ from collections import Counter, OrderedDict
 
 import structlog
 
-from sandlot.errors import RateLimited, TooManyOpen
+from sandlot.errors import QuotaExceeded, RateLimited, TooManyOpen
 
 log = structlog.get_logger(__name__)
 
@@ -49,21 +49,27 @@ class OpenPerTenant:
     locked every other tenant out (red team, 2026-12-06): past its cap a tenant's next
     request is refused at once (429 ``too_many_open``)."""
 
-    def __init__(self, max_open: int) -> None:
+    def __init__(
+        self,
+        max_open: int,
+        error: type[QuotaExceeded] = TooManyOpen,
+        what: str = "requests and streams open (long-polls, WebSockets, runs under way)",
+        setting: str = "API_MAX_OPEN_PER_TENANT",
+    ) -> None:
         self.max_open = max_open
         self.open: Counter[str] = Counter()
+        self._error, self._what, self._setting = error, what, setting
 
     def acquire(self, tenant: str) -> None:
-        """Count one more open request or stream of ``tenant``.
+        """Count one more open request or stream (or whatever this counts) of ``tenant``.
 
         Raises:
-            TooManyOpen: it has its most open already.
+            QuotaExceeded: it has its most open already (``TooManyOpen`` by default).
         """
         if self.max_open and self.open[tenant] >= self.max_open:
-            raise TooManyOpen(
-                f"this tenant already has {self.open[tenant]} requests and streams open "
-                f"(long-polls, WebSockets, runs under way); end some or raise "
-                f"API_MAX_OPEN_PER_TENANT"
+            raise self._error(
+                f"this tenant already has {self.open[tenant]} {self._what}; end some or raise "
+                f"{self._setting}"
             )
         self.open[tenant] += 1
 

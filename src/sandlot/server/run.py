@@ -10,6 +10,7 @@ from sandlot.config import Settings
 from sandlot.server.connections import ConnectionCount, ConnectionLimits
 from sandlot.server.transport import guarded_protocol
 
+GRACEFUL_SHUTDOWN_S = 10  # uvicorn takes whole seconds
 SECRET_QUERY = re.compile(r"((?:api_key|token)=)[^&\s\"]+", re.IGNORECASE)
 
 
@@ -61,5 +62,8 @@ def serve(settings: Settings) -> None:
         ws_max_size=settings.ws_max_message_kb * 1024,
         timeout_keep_alive=int(max(1, settings.keepalive_timeout_s)),
         loop=settings.api_event_loop,  # not uvicorn's "auto", which takes uvloop where installed
+        # Requests still running this long after a stop are cancelled: an agent task or an
+        # hour's long-poll held the server's exit until a second Ctrl-C (red team, 2026-12-06).
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     uvicorn.Server(config).run()

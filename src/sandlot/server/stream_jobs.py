@@ -39,6 +39,7 @@ import re
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
+from starlette.requests import HTTPConnection
 
 from sandlot.errors import (
     AuthenticationError,
@@ -61,18 +62,19 @@ INPUT_WAIT_S = 5.0  # input for a program that does not read is refused after th
 KEY_RECHECK_S = 1.0  # how often a long stream's input checks that its key is still valid
 
 
-async def watch_key(state: ServerState, websocket: WebSocket) -> None:
-    """Return never; raise once the stream's key is revoked (checked every
-    :data:`KEY_RECHECK_S`): a stream's output and input both stop with its key, not only at
-    the client's next message (a revoked key kept typing into a command and reading a
-    background command's output for as long as they ran: red team, 2026-12-06).
+async def watch_key(state: ServerState, connection: HTTPConnection) -> None:
+    """Return never; raise once the key of a stream (or of a long request: an agent task)
+    is revoked (checked every :data:`KEY_RECHECK_S`): a stream's output and input both stop
+    with its key, not only at the client's next message (a revoked key kept typing into a
+    command and reading a background command's output for as long as they ran: red team,
+    2026-12-06).
 
     Raises:
         AuthenticationError: the key is no longer valid.
     """
     while True:
         await asyncio.sleep(KEY_RECHECK_S)
-        state.recheck(websocket.headers, websocket.query_params.get("api_key"))
+        state.recheck(connection.headers, connection.query_params.get("api_key"))
 
 
 def revoked(watcher: asyncio.Task[None]) -> AuthenticationError | None:

@@ -20,6 +20,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -36,6 +37,10 @@ from sandlot.errors import (
 
 Role = Literal["system", "user", "assistant"]
 T = TypeVar("T", bound=BaseModel)
+# Whose task a provider call serves (a tenant, or None): set around a task by the agent
+# runtime; a provider that keeps state between calls (the local model's cache) keeps it
+# per caller.
+CALLER: ContextVar[str | None] = ContextVar("sandlot_provider_caller", default=None)
 
 RETRY_BASE_S = 0.5
 RETRY_CAP_S = 20.0

@@ -1,0 +1,165 @@
+"""What one key's agent tasks can cost the server: they are counted per tenant, end with
+their time, their sandbox, their client and their key.
+
+Failed before (red team, 2026-12-06): one ``POST /execute`` swarm task took 233 s of the
+server's own CPU (the model decodes in the server's process, in no sandbox); ten of them
+slowed another tenant's task 61-fold; they decoded on for 14 minutes after their clients
+hung up, for a minute after their key was revoked and after their sandboxes were deleted
+(which gave their quota back: 30 tasks ran against a quota of 10), and held the server's
+exit. Here the model (a real HTTP server on OpenAI's wire format) takes 30 s to answer, so
+a task that is not ended lives 30 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from sandlot.server.auth import AuthStore
+
+from .conftest import skip_reason, start_server, stop_server
+from .test_agent_surfaces import model_env
+from .wire_servers import WireServer, serve
+
+pytestmark = pytest.mark.skipif(bool(skip_reason("bubblewrap")), reason="needs bubblewrap")
+
+MODEL_DELAY_S = 30.0
+ENDED_WITHIN_S = 6.0  # a task that is ended must be gone well before the model answers
+
+
+async def _slow(request: Request) -> JSONResponse:
+    await asyncio.sleep(MODEL_DELAY_S)
+    return JSONResponse({"error": {"message": "too late"}}, status_code=500)
+
+
+@pytest.fixture(scope="module")
+def slow_model() -> Iterator[WireServer]:
+    with serve(Starlette(routes=[Route("/v1/chat/completions", _slow, methods=["POST"])])) as s:
+        yield s
+
+
+class Server:
+    def __init__(self, url: str, data_dir: Path, keys: dict[str, str]) -> None:
+        self.url, self.data_dir, self.keys = url, data_dir, keys
+
+    def headers(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[who]}"}
+
+    def execute(self, who: str, timeout_s: float = 60) -> httpx.Response:
+        body = {"task": "print 6", "max_attempts": 1}
+        return httpx.post(
+            self.url + "/execute", json=body, headers=self.headers(who), timeout=timeout_s
+        )
+
+    def sandboxes(self, who: str) -> list[dict[str, Any]]:
+        listed = httpx.get(self.url + "/v1/sandboxes", headers=self.headers(who), timeout=10)
+        return list(listed.json())
+
+    def wait_for_sandbox(self, who: str) -> str:
+        deadline = time.monotonic() + 20
+        while not (live := self.sandboxes(who)):
+            assert time.monotonic() < deadline, "the task made no sandbox"
+            time.sleep(0.1)
+        return str(live[0]["id"])
+
+
+def _server(data_dir: Path, model: WireServer, **env: str) -> Iterator[Server]:
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    keys = {name: store.create_key(name, "user")[1] for name in ("acme", "other")}
+    store.close()
+    extra = {**model_env(model), "API_AGENT_TASKS_PER_TENANT": "1", **env}
+    process, url, _log = start_server(data_dir, extra)
+    try:
+        yield Server(url, data_dir, keys)
+    finally:
+        stop_server(process)
+
+
+@pytest.fixture(scope="module")
+def server(data_root: Path, slow_model: WireServer) -> Iterator[Server]:
+    yield from _server(data_root / "agent-bounds", slow_model)
+
+
+def _in_thread(work: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(work()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_task_ends_with_its_sandbox_and_a_tenant_runs_one_at_a_time(server: Server) -> None:
+    first, answered = _in_thread(lambda: server.execute("acme"))
+    sandbox_id = server.wait_for_sandbox("acme")
+
+    # Its second task at once is refused; another tenant's is not (it waits for the model).
+    refused = server.execute("acme", timeout_s=10)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "too_many_agent_tasks"
+    assert "API_AGENT_TASKS_PER_TENANT" in refused.json()["error"]["message"]
+    with pytest.raises(httpx.ReadTimeout):
+        server.execute("other", timeout_s=2)
+
+    # The owner deletes the task's sandbox: the task ends with it, and gives its turn back.
+    started = time.monotonic()
+    deleted = httpx.delete(
+        f"{server.url}/v1/sandboxes/{sandbox_id}", headers=server.headers("acme"), timeout=10
+    )
+    assert deleted.status_code == 200, deleted.text
+    first.join(timeout=MODEL_DELAY_S + 10)
+    assert time.monotonic() - started < ENDED_WITHIN_S  # before: the model's 30 s
+    assert answered[0].status_code == 409, answered[0].text
+    assert answered[0].json()["error"]["code"] == "sandbox_not_running"
+
+
+def test_a_task_ends_when_its_client_goes(server: Server) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        server.execute("acme", timeout_s=3)
+    deadline = time.monotonic() + ENDED_WITHIN_S
+    while server.sandboxes("acme"):  # before: its sandbox lived until the model answered
+        assert time.monotonic() < deadline, "the task outlived its client"
+        time.sleep(0.2)
+    # Its turn is back: the tenant's next task runs (and is let go the same way).
+    with pytest.raises(httpx.ReadTimeout):
+        server.execute("acme", timeout_s=2)
+
+
+def test_a_task_ends_with_its_key(server: Server) -> None:
+    store = AuthStore(server.data_dir / "sandlot.db")
+    key_id, key = store.create_key("revoked", "user")
+    store.close()
+    server.keys["revoked"] = key
+    task, answered = _in_thread(lambda: server.execute("revoked"))
+    server.wait_for_sandbox("revoked")
+    store = AuthStore(server.data_dir / "sandlot.db")
+    assert store.revoke_key(key_id)
+    store.close()
+    started = time.monotonic()
+    task.join(timeout=MODEL_DELAY_S + 10)
+    assert time.monotonic() - started < ENDED_WITHIN_S  # before: to the model's answer
+    assert answered[0].status_code == 401, answered[0].text
+
+
+def test_a_task_ends_past_its_time(data_root: Path, slow_model: WireServer) -> None:
+    for short in _server(
+        data_root / "agent-timeout", slow_model, API_AGENT_TASK_TIMEOUT_SECONDS="2"
+    ):
+        started = time.monotonic()
+        answered = short.execute("acme")
+        assert time.monotonic() - started < ENDED_WITHIN_S
+        assert answered.status_code == 504, answered.text
+        error = answered.json()["error"]
+        assert error["code"] == "agent_timeout"
+        assert "API_AGENT_TASK_TIMEOUT_SECONDS" in error["message"]
+        assert short.sandboxes("acme") == []
