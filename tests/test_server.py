@@ -426,7 +426,11 @@ def test_health_ready_metrics(http: httpx.Client, live_server: LiveServer) -> No
     ready = http.get("/ready")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
     http.post("/v1/sandboxes", json={}, headers=live_server.headers("alice"))
-    metrics = http.get("/metrics").text
+    # Every tenant's activity: an admin's to read (before, anyone's, without a key).
+    assert http.get("/metrics").status_code == 401
+    refused = http.get("/metrics", headers=live_server.headers("alice"))
+    assert refused.status_code == 403 and "API_METRICS_PUBLIC" in refused.text
+    metrics = http.get("/metrics", headers=live_server.headers("admin")).text
     for name in (
         "sandlot_sandboxes_live",
         "sandlot_sandboxes_created_total",

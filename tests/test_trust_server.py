@@ -280,6 +280,27 @@ def test_an_address_that_keeps_failing_to_authenticate_is_closed_unread(
         assert server.healthy()
 
 
+def test_a_keyless_client_looping_on_the_public_routes_is_closed_unread(
+    data_root: Path,
+) -> None:
+    """Failed before (red team, 2026-12-06): one keep-alive connection with no key had 2,711
+    answers a second from /health (76% of a core, 386 KiB/s of access log), 887 from
+    /openapi.json. A keyless request to a public route now costs its address a tenth of a
+    failed authentication: 40 of them here spend a burst of 5, then a 429, then its
+    connections are closed unread as for failed authentications."""
+    env = {**LIMITS, "API_AUTH_FAILURES_BURST": "5", "API_AUTH_FAILURES_PER_SECOND": "0.05"}
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with _serving(data_root / "trust-keyless-public", env) as server:
+        answers = [_answer_to(server, health) for _ in range(60)]
+        served = answers.count(b"HTTP/1.1 200 OK")
+        assert 40 <= served <= 42, answers
+        assert b"HTTP/1.1 429 Too Many Requests" in answers, answers
+        assert answers[-10:] == [b""] * 10, answers  # closed unread
+        keyed = b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + server.key.encode()
+        assert _answer_to(server, keyed + b"\r\n\r\n", "127.0.0.1") == b"HTTP/1.1 200 OK"
+        assert server.healthy()
+
+
 def test_failed_authentications_are_counted_per_address_within_a_bound() -> None:
     failures = AuthFailures(per_s=1.0, burst=3, max_addresses=2)
     assert [failures.failed("a") for _ in range(3)] == [False, False, True]

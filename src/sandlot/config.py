@@ -545,6 +545,12 @@ class Settings(BaseSettings):
         description="Requests and WebSockets one tenant's keys may have open at once "
         "(long-polls, streams, runs under way); past it, 429 too_many_open (0: no cap).",
     )
+    metrics_public: bool = Field(
+        default=False,
+        validation_alias=_env("API_METRICS_PUBLIC", "metrics_public"),
+        description="Serve /metrics without a key (it shows every tenant's activity: by "
+        "default it takes an admin key); for a scraper on a private network.",
+    )
     agent_tasks_per_tenant: int = Field(
         default=2,
         ge=0,

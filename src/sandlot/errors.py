@@ -219,6 +219,13 @@ class TooManyConnections(RateLimited):
     code = "too_many_connections"
 
 
+class KeylessRefused(RateLimited):
+    """A client address past its credit for requests without a key (the public routes),
+    as for failed authentications: its connections are closed unread for a while."""
+
+    code = "rate_limited"
+
+
 class RequestTooLarge(SandboxError, ValueError):
     code = "too_large"
 

@@ -94,6 +94,13 @@ class Principal:
         if self.role is Role.VIEWER:
             raise Forbidden("this API key has the viewer role and can only read")
 
+    def require_admin(self) -> None:
+        if self.role is not Role.ADMIN:
+            raise Forbidden(
+                f"this needs an admin key (this one has the {self.role.value} role); a "
+                "scraper on a private network may be let in with API_METRICS_PUBLIC=true"
+            )
+
 
 LOCAL_PRINCIPAL = Principal(key_id="local", tenant="local", role=Role.ADMIN)
 

@@ -23,6 +23,7 @@ from sandlot.errors import (
     Forbidden,
     GuestError,
     InvalidRequest,
+    KeylessRefused,
     ModelOutputError,
     NodeTimeout,
     PathOutsideWorkspace,
@@ -58,6 +59,10 @@ if TYPE_CHECKING:
     from sandlot.ray.cluster import ClusterManager
 
 log = structlog.get_logger(__name__)
+
+# What a keyless request to a public route costs its address, in failed authentications: with
+# the defaults (2 a second past a burst of 30) ~20 a second past a burst of 300.
+KEYLESS_COST = 0.1
 
 SandboxId = Annotated[str, Path(pattern=SANDBOX_ID_PATTERN, description="A sandbox's id.")]
 
@@ -184,6 +189,21 @@ class ServerState:
             return False
         return self.auth_failures.failed(str(client[0]))
 
+    def keyless_request(self, client: Any) -> None:
+        """Count a request without a key to a public route: a tenth of a failed
+        authentication of ``client``'s address.
+
+        Raises:
+            KeylessRefused: the address is out of credit (this connection closes after its
+                429, and its next ones are closed unread until it has credit again).
+        """
+        if self.auth_failures is None or not client:
+            return
+        if self.auth_failures.failed(str(client[0]), cost=KEYLESS_COST):
+            raise KeylessRefused(
+                "too many requests without an API key from this address; send one, or wait"
+            )
+
     def default_quota(self) -> Quota:
         settings = self.settings
         return Quota(
@@ -205,7 +225,7 @@ class ServerState:
             principal = LOCAL_PRINCIPAL
         else:
             assert self.auth is not None
-            principal = self.auth.authenticate(_key_from(headers) or query_key)
+            principal = self.auth.authenticate(key_from(headers) or query_key)
         self.limiter.check(principal.key_id)
         return principal
 
@@ -214,7 +234,7 @@ class ServerState:
         which are not requests of their own and so are not rate-limited."""
         if self.settings.auth_enabled:
             assert self.auth is not None
-            self.auth.authenticate(_key_from(headers) or query_key)
+            self.auth.authenticate(key_from(headers) or query_key)
 
     @asynccontextmanager
     async def audited(
@@ -248,7 +268,7 @@ class ServerState:
                 )
 
 
-def _key_from(headers: Any) -> str | None:
+def key_from(headers: Any) -> str | None:
     authorization = headers.get("authorization")
     if authorization and authorization.lower().startswith("bearer "):
         key: str = authorization[7:].strip()

@@ -4,10 +4,15 @@ FastAPI reads and parses a request's body before it runs the route's dependencie
 256 MiB JSON body with no API key grew the server by 765 MiB before the 401. This middleware
 runs first:
 
-1. every route but the public ones (health, readiness, metrics, the API docs) authenticates
+1. every route but the public ones (health, readiness, the API docs) authenticates
    and rate-limits from the headers alone, and counts against its tenant's open requests
    until its response is sent (``API_MAX_OPEN_PER_TENANT``); the principal rides on to the
    route in ``scope["state"]`` (the route's ``caller`` dependency takes it from there);
+   ``/metrics`` takes an admin key unless ``API_METRICS_PUBLIC``. A public route asked
+   without a key costs its address a tenth of a failed authentication: a keyless client
+   looping on ``/health`` had ~2,700 answers a second, three quarters of a core and 386
+   KiB/s of access log (red team, 2026-12-06); now ~20 a second, then its connections are
+   closed unread, as for failed authentications;
 2. a declared ``Content-Length`` over the cap is refused at once;
 3. a JSON body is read here, up to ``API_MAX_BODY_MB``, and handed on; past the cap the
    request is refused with a typed 413 and the rest is never read. Uploads stream to their
@@ -21,13 +26,16 @@ import re
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sandlot.errors import AuthenticationError, RequestTooLarge, SandboxError
+from sandlot.errors import AuthenticationError, KeylessRefused, RequestTooLarge, SandboxError
 from sandlot.server.auth import Principal
-from sandlot.server.deps import ServerState, sandbox_error_response
+from sandlot.server.deps import ServerState, key_from, sandbox_error_response
 
 PUBLIC_PATHS = frozenset(
-    {"/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+    {"/health", "/ready", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 )
+# Every tenant's activity (live sandboxes, creates, run times to the microsecond): an admin
+# key's, unless API_METRICS_PUBLIC (a scraper on a private network).
+ADMIN_PATHS = frozenset({"/metrics"})
 # Uploads: the raw PUT and the multipart POST stream their bodies to the route.
 UPLOAD_ROUTE = re.compile(r"^/v1/sandboxes/[^/]+/files(/content)?$")
 MULTIPART_SLACK_BYTES = 64 * 1024  # boundaries and part headers around an upload
@@ -47,11 +55,7 @@ class RequestGuard:
         headers = Headers(scope=scope)
         held: Principal | None = None
         try:
-            if scope["path"] not in PUBLIC_PATHS:
-                principal = self.state.authenticate(headers)
-                scope.setdefault("state", {})["principal"] = principal
-                self.state.open_requests.acquire(principal.tenant)
-                held = principal
+            held = self._admit(scope, headers)
             upload = scope["method"] in ("PUT", "POST") and UPLOAD_ROUTE.match(scope["path"])
             settings = self.state.settings
             if upload:
@@ -73,7 +77,9 @@ class RequestGuard:
                 self.state.open_requests.release(held.tenant)
             request_id = scope.get("state", {}).get("request_id")
             response = sandbox_error_response(exc, request_id)
-            if isinstance(exc, AuthenticationError) and self.state.failed_auth(scope.get("client")):
+            if isinstance(exc, KeylessRefused) or (
+                isinstance(exc, AuthenticationError) and self.state.failed_auth(scope.get("client"))
+            ):
                 # Out of credit: this connection closes after its 401, and the address's next
                 # ones are closed unread (transport.py) until it has credit again.
                 response.headers["connection"] = "close"
@@ -84,6 +90,29 @@ class RequestGuard:
         finally:
             if held is not None:
                 self.state.open_requests.release(held.tenant)
+
+    def _admit(self, scope: Scope, headers: Headers) -> Principal | None:
+        """Who asks, for a route that takes a key (its tenant's open requests counted until
+        the answer: the caller releases it); None for a public route."""
+        if not self._public(scope["path"]):
+            principal = self.state.authenticate(headers)
+            if scope["path"] in ADMIN_PATHS:
+                principal.require_admin()
+            scope.setdefault("state", {})["principal"] = principal
+            self.state.open_requests.acquire(principal.tenant)
+            return principal
+        if key_from(headers) is not None:
+            self.state.authenticate(headers)  # a key given is checked, and its rate kept
+        else:
+            self.state.keyless_request(scope.get("client"))
+        return None
+
+    def _public(self, path: str) -> bool:
+        """Whether ``path`` is served without a key (``/metrics`` only with
+        ``API_METRICS_PUBLIC``, or with no auth at all: it shows every tenant's activity)."""
+        if path in ADMIN_PATHS:
+            return self.state.settings.metrics_public or not self.state.settings.auth_enabled
+        return path in PUBLIC_PATHS
 
 
 async def _buffered(receive: Receive, cap_bytes: int, option: str) -> Receive:

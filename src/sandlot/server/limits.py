@@ -162,11 +162,12 @@ class AuthFailures:
     def _credit(self, address: str, now: float) -> float:
         return _refilled(self._buckets.get(address), now, self.per_s, self.burst)
 
-    def failed(self, address: str) -> bool:
-        """Count one failed authentication from ``address``; whether it is refused now."""
+    def failed(self, address: str, cost: float = 1.0) -> bool:
+        """Count one failed authentication from ``address`` (or ``cost`` of one: a keyless
+        request to a public route); whether it is refused now."""
         address = client_group(address)
         now = time.monotonic()
-        tokens = self._credit(address, now) - 1.0
+        tokens = self._credit(address, now) - cost
         self._buckets[address] = (tokens, now)
         self._buckets.move_to_end(address)
         while len(self._buckets) > self.max_addresses:
@@ -175,7 +176,7 @@ class AuthFailures:
             # At most a line every SAY_EVERY_S: a flood must not fill the log instead.
             self._said_at = now
             log.warning(
-                "client address refused: too many failed authentications",
+                "client address refused: too many failed authentications or keyless requests",
                 client=address,
                 refusals_so_far=self.refusals,
                 per_s=self.per_s,
