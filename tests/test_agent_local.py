@@ -234,12 +234,8 @@ def test_queued_calls_are_charged_their_own_decoding(provider: LocalProvider) ->
     assert sum(durations) <= wall_s
 
 
-def test_samples_of_one_prompt_read_it_once(
-    provider: LocalProvider, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # generate_many decodes its replies back to back on one context: llama.cpp keeps the
-    # prompt in its KV cache, so only the first reply evaluates it, and only the first is
-    # charged for it. Counted at llama.cpp's eval, not taken on trust.
+def _count_evals(provider: LocalProvider, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tokens of each llama.cpp eval from now on (in the list returned)."""
     llm, _ = provider._llm()
     evaluated: list[int] = []
     real_eval = llm.eval
@@ -249,6 +245,16 @@ def test_samples_of_one_prompt_read_it_once(
         real_eval(tokens)
 
     monkeypatch.setattr(llm, "eval", counting_eval)
+    return evaluated
+
+
+def test_samples_of_one_prompt_read_it_once(
+    provider: LocalProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # generate_many decodes its replies back to back on one context: llama.cpp keeps the
+    # prompt in its KV cache, so only the first reply evaluates it, and only the first is
+    # charged for it. Counted at llama.cpp's eval, not taken on trust.
+    evaluated = _count_evals(provider, monkeypatch)
     prompt = "Write one short line about the sea, then one about the hills. " * 4
     asyncio.run(provider.generate("Something else first, to empty the cache.", max_tokens=2))
     evaluated.clear()
@@ -272,15 +278,7 @@ def test_one_callers_prompt_leaves_no_cache_for_another(
     # (red team, 2026-12-06). A caller's own next prompt keeps the cache; another's does not.
     from sandlot.agent.providers.base import CALLER
 
-    llm, _ = provider._llm()
-    evaluated: list[int] = []
-    real_eval = llm.eval
-
-    def counting_eval(tokens: list[int]) -> None:
-        evaluated.append(len(tokens))
-        real_eval(tokens)
-
-    monkeypatch.setattr(llm, "eval", counting_eval)
+    evaluated = _count_evals(provider, monkeypatch)
     secret = "The codename of the project is BLUE HERON, and its launch date is in May. " * 3
 
     async def read_as(caller: str) -> int:
