@@ -223,7 +223,7 @@ class KeylessRefused(RateLimited):
     """A client address past its credit for requests without a key (the public routes),
     as for failed authentications: its connections are closed unread for a while."""
 
-    code = "rate_limited"
+    code = "too_many_keyless_requests"
 
 
 class RequestTooLarge(SandboxError, ValueError):
@@ -377,6 +377,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         TooManyConnections,
         TooManyAgentTasks,
         AgentTimeout,
+        KeylessRefused,
     )
 }
 
