@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import LiveServer, skip_reason
+from tests.test_sdk import MANY_LONG_NAMES
 
 pytest.importorskip("mcp")
 
@@ -116,6 +117,13 @@ async def test_stdio_session_keeps_state_and_cleans_up(stdio_data_dir: Path) -> 
         assert texts(read) == ["héllo\n"]
         listing = await session.call_tool("list_files", {"path": "notes"})
         assert "notes/a.txt" in texts(listing)[0]
+        assert "not all" not in texts(listing)[0]
+        # Not under artifacts/: kept, 7,000 of them would outlast the session's exit.
+        code = MANY_LONG_NAMES.replace("artifacts", "many")
+        many = await session.call_tool("run_code", {"code": code})
+        assert not many.is_error, texts(many)
+        cut = await session.call_tool("list_files", {"path": "many"})
+        assert texts(cut)[0].splitlines()[-1].startswith("(not all: the listing stopped")
 
         missing = await session.call_tool("read_file", {"path": "nope.txt"})
         assert missing.is_error

@@ -125,3 +125,46 @@ async def test_an_idle_connection_is_let_go_before_the_server_would_close_it(
         assert later != first
     finally:
         await service.aclose()
+
+
+# 7,000 names of 250 characters: past a listing's 4 MiB of names and paths (~6,200 of them).
+MANY_LONG_NAMES = """
+import os
+os.makedirs("artifacts", exist_ok=True)
+for i in range(7000):
+    open("artifacts/%06d" % i + "x" * 244, "w").close()
+"""
+
+
+def test_a_listing_cut_at_its_bound_says_so(where: dict[str, Any]) -> None:
+    # Failed before (red team, 2026-12-06): a listing stopped at its bound said nothing, and a
+    # client took ~6,200 entries for the whole of 7,000.
+    with Sandbox.create(disk_mb=64, **where) as sb:
+        # Not under artifacts/, which a destroy keeps (against the tenant's quota).
+        assert sb.run_code(MANY_LONG_NAMES.replace("artifacts", "many")).error is None
+        cut = sb.files.list("many")
+        assert 5_000 < len(cut) < 7_000
+        assert cut.truncated is not None and "narrower path" in cut.truncated
+        whole = sb.files.list(".")
+        assert [e.path for e in whole] == ["many"] and whole.truncated is None
+
+
+def test_a_seed_execute_says_when_its_artifact_list_is_cut(live_server: LiveServer) -> None:
+    import httpx
+
+    headers = live_server.headers("alice")
+    with httpx.Client(base_url=live_server.url, headers=headers, timeout=60) as http:
+        sid = http.post("/api/sessions", json={"provider": "e2b"}).json()["session_id"]
+        try:
+            small = http.post("/api/e2b/execute", json={"session_id": sid, "code": "1"}).json()
+            assert small["artifacts"] == [] and small["artifacts_truncated"] is False
+            body = {"session_id": sid, "code": MANY_LONG_NAMES}
+            many = http.post("/api/e2b/execute", json=body).json()
+            assert 5_000 < len(many["artifacts"]) < 7_000
+            assert many["artifacts_truncated"] is True
+            listed = http.get(f"/v1/sandboxes/{sid}/files", params={"path": "artifacts"})
+            assert "narrower path" in listed.headers["x-listing-truncated"]
+            gone = {"session_id": sid, "code": "import shutil; shutil.rmtree('artifacts')"}
+            http.post("/api/e2b/execute", json=gone)  # not kept against the tenant's quota
+        finally:
+            http.delete(f"/api/sessions/{sid}")

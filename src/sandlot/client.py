@@ -48,11 +48,14 @@ from sandlot.errors import (
     error_from_code,
 )
 from sandlot.models import (
+    LISTING_TRUNCATED,
+    TRUNCATED_HEADER,
     ArtifactInfo,
     CommandInfo,
     DataCallback,
     ExecResult,
     FileInfo,
+    Listing,
     OutputCallback,
     PtyOutput,
     ResourceUsage,
@@ -498,10 +501,12 @@ class RemoteService:
         response = await self._send("GET", url, request, idempotent=True, in_query=True)
         return response.content
 
-    async def list_files(self, sandbox_id: str, request: ListFiles) -> builtins.list[FileInfo]:
+    async def list_files(self, sandbox_id: str, request: ListFiles) -> Listing:
         url = self._files_url(sandbox_id)
         response = await self._send("GET", url, request, idempotent=True, in_query=True)
-        return [FileInfo.model_validate(entry) for entry in response.json()]
+        entries = (FileInfo.model_validate(entry) for entry in response.json())
+        truncated = LISTING_TRUNCATED if response.headers.get(TRUNCATED_HEADER) else None
+        return Listing(entries, truncated)
 
     async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo:
         url = self._files_url(sandbox_id, "/stat")

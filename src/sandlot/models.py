@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -276,6 +276,26 @@ class FileInfo(_Model):
     size_bytes: int
     mtime: float
     mode: int
+
+
+class Listing(list[FileInfo]):
+    """A directory listing: its entries, and ``truncated`` (why it stopped short) where the
+    listing reached its bound (100,000 entries or 4 MiB of names and paths). Before
+    2026-12-06 a listing cut there said nothing: a client took a part for the whole (red
+    team). Over REST the ``X-Listing-Truncated`` header carries it."""
+
+    truncated: str | None = None
+
+    def __init__(self, entries: Iterable[FileInfo] = (), truncated: str | None = None) -> None:
+        super().__init__(entries)
+        self.truncated = truncated
+
+
+TRUNCATED_HEADER = "X-Listing-Truncated"
+LISTING_TRUNCATED = (
+    "the listing stopped at its bound (100,000 entries or 4 MiB of names and paths): list a "
+    "narrower path or fewer levels"
+)
 
 
 class ArtifactInfo(_Model):

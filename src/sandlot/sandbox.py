@@ -25,6 +25,7 @@ from sandlot.models import (
     CommandInfo,
     ExecResult,
     FileInfo,
+    Listing,
     OutputCallback,
     ResourceUsage,
     ResultCallback,
@@ -251,8 +252,9 @@ class AsyncFiles:
         """A file's content, decoded."""
         return (await self.read_bytes(path)).decode(encoding)
 
-    async def list(self, path: str = ".", *, depth: int = 1) -> list[FileInfo]:
-        """Entries below ``path``, ``depth`` levels down."""
+    async def list(self, path: str = ".", *, depth: int = 1) -> Listing:
+        """Entries below ``path``, ``depth`` levels down (a list); its ``truncated`` says
+        why, where the listing stopped at its bound (100,000 entries or 4 MiB of names)."""
         run = self._sb._run
         request = build(ListFiles, path=path, depth=depth)
         return await run(run.manager.list_files(self._sb.id, request))

@@ -16,6 +16,7 @@ from sandlot.models import (
     DataCallback,
     ExecResult,
     FileInfo,
+    Listing,
     OutputCallback,
     PtyOutput,
     ResourceUsage,
@@ -72,7 +73,7 @@ class SandboxService(Protocol):
 
     async def read_file(self, sandbox_id: str, request: FilePath) -> bytes: ...
 
-    async def list_files(self, sandbox_id: str, request: ListFiles) -> builtins.list[FileInfo]: ...
+    async def list_files(self, sandbox_id: str, request: ListFiles) -> Listing: ...
 
     async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo: ...
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from sandlot.core import files
 from sandlot.core.artifacts import Artifacts
 from sandlot.core.lookup import Lookup
-from sandlot.models import ArtifactInfo, FileInfo
+from sandlot.models import ArtifactInfo, FileInfo, Listing
 from sandlot.requests import (
     RANGE_MAX_BYTES,
     FilePath,
@@ -72,7 +72,9 @@ class FileVerbs(Lookup):
 
     async def list_files(
         self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
-    ) -> builtins.list[FileInfo]:
+    ) -> Listing:
+        """Entries below ``request.path``; ``truncated`` says why, where the listing stopped
+        at its bound."""
         return await files.list_dir(self._get_live(sandbox_id, owner), request)
 
     async def stat_file(

@@ -15,7 +15,7 @@ from sandlot.core.guest_link import GuestConnection
 from sandlot.core.live import Live, guest_broken
 from sandlot.errors import GuestError, InvalidRequest, PidsExhausted, RequestTooLarge, SandboxError
 from sandlot.guest.ops import Op
-from sandlot.models import FileInfo
+from sandlot.models import LISTING_TRUNCATED, FileInfo, Listing
 from sandlot.requests import FilePath, ListFiles, ReadFile, ReadRange, RemoveFile, WriteFile
 
 FILE_CHUNK_BYTES = 1 << 20
@@ -97,9 +97,12 @@ async def read_range(live: Live, request: ReadRange) -> bytes:
     return data
 
 
-async def list_dir(live: Live, request: ListFiles) -> list[FileInfo]:
+async def list_dir(live: Live, request: ListFiles) -> Listing:
     reply = await file_op(live, Op.FILE_LIST, request.model_dump())
-    return [FileInfo.model_validate(entry) for entry in reply["entries"]]
+    # The guest says where it stopped; the words the client gets are the host's own.
+    cut = any(error.get("code") == "too_many_entries" for error in reply.get("errors", ()))
+    entries = (FileInfo.model_validate(entry) for entry in reply["entries"])
+    return Listing(entries, LISTING_TRUNCATED if cut else None)
 
 
 async def stat(live: Live, request: FilePath) -> FileInfo:

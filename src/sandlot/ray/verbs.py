@@ -15,6 +15,7 @@ from sandlot.models import (
     DataCallback,
     ExecResult,
     FileInfo,
+    Listing,
     OutputCallback,
     PtyOutput,
 )
@@ -115,10 +116,8 @@ class ForwardedVerbs:
 
     async def list_files(
         self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
-    ) -> builtins.list[FileInfo]:
-        found: builtins.list[FileInfo] = await self._call(
-            sandbox_id, "list_files", request, owner=owner
-        )
+    ) -> Listing:
+        found: Listing = await self._call(sandbox_id, "list_files", request, owner=owner)
         return found
 
     async def stat_file(

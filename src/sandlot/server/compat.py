@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from sandlot.agent.models import AgentResult
 from sandlot.backends import KNOWN_BACKENDS
 from sandlot.errors import SandboxFileError
-from sandlot.models import FileInfo, SandboxInfo
+from sandlot.models import FileInfo, Listing, SandboxInfo
 from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteFile, build
 from sandlot.server.agent import AgentTaskRequest, execute_task
 from sandlot.server.auth import Principal
@@ -137,7 +137,7 @@ async def api_execute(
     async with state.audited(request, who, "sandbox.run_code", body.session_id):
         code = build(RunCode, code=body.code, timeout_s=body.timeout_s)
         r = await state.manager.run_code(body.session_id, code, owner=who.owner_filter)
-    files: list[FileInfo] = []
+    files = Listing()
     # No artifacts directory yet, or something else at its name (sandboxed code can put a
     # file or a FIFO there): the code has run, and its output must not be lost for that.
     # Before 2026-12-06 a missing one was "not a directory", and every first execute of a
@@ -152,6 +152,7 @@ async def api_execute(
         results=[r.text] if r.text is not None else [],
         error=r.error.traceback or f"{r.error.type}: {r.error.message}" if r.error else None,
         artifacts=[f.path for f in files if f.type == "file"],
+        artifacts_truncated=files.truncated is not None,
     )
 
 

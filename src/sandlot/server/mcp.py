@@ -19,7 +19,14 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from sandlot.errors import AuthenticationError, ConfigError, McpSessionLimit
-from sandlot.models import ArtifactInfo, ExecResult, FileInfo, ResourceUsage, SandboxInfo
+from sandlot.models import (
+    ArtifactInfo,
+    ExecResult,
+    FileInfo,
+    Listing,
+    ResourceUsage,
+    SandboxInfo,
+)
 from sandlot.requests import (
     FilePath,
     ListFiles,
@@ -110,7 +117,7 @@ class TenantService:
     async def read_file(self, sandbox_id: str, request: FilePath) -> bytes:
         return await self.manager.read_file(sandbox_id, request, owner=self.owner)
 
-    async def list_files(self, sandbox_id: str, request: ListFiles) -> builtins.list[FileInfo]:
+    async def list_files(self, sandbox_id: str, request: ListFiles) -> Listing:
         return await self.manager.list_files(sandbox_id, request, owner=self.owner)
 
     async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from sandlot.core import SandboxManager
 from sandlot.errors import CommandStillRunning, RequestTooLarge, SandboxError
 from sandlot.models import (
+    TRUNCATED_HEADER,
     ArtifactInfo,
     CommandInfo,
     ExecResult,
@@ -348,8 +349,14 @@ async def list_files(
     request: Request,
     who: Caller,
     query: Annotated[ListFiles, Query()],
+    response: Response,
 ) -> list[FileInfo]:
-    return await state_of(request).manager.list_files(sandbox_id, query, owner=who.owner_filter)
+    """Entries below the path; a listing cut at its bound (100,000 entries or 4 MiB of names
+    and paths) has the ``X-Listing-Truncated`` header, saying why."""
+    found = await state_of(request).manager.list_files(sandbox_id, query, owner=who.owner_filter)
+    if found.truncated:
+        response.headers[TRUNCATED_HEADER] = found.truncated
+    return found
 
 
 @router.get("/{sandbox_id}/files/stat", response_model=FileInfo)

@@ -88,6 +88,11 @@ class SessionCodeResponse(_Body):
     results: list[str]
     error: str | None
     artifacts: list[str]
+    artifacts_truncated: bool = Field(
+        default=False,
+        description="The artifacts directory held more than a listing returns (100,000 "
+        "entries or 4 MiB of names): ``artifacts`` is not all of it.",
+    )
 
 
 class SessionFileWrite(_Body):
