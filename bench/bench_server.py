@@ -17,7 +17,8 @@ Each round runs, in this order:
     from an ``httpx.AsyncClient`` (what the remote SDK uses) and, as a second series, from a
     blocking ``httpx.Client``;
   - embedded exec: ``manager.run_code(id, "1")``, the baseline;
-  - ``GET /health`` (no auth, no sandbox: the HTTP floor of server plus client);
+  - ``GET /health`` (no sandbox: the HTTP floor of server plus client; the client sends its
+    key, which the server checks since 2026-12-06, so earlier figures are a key lookup less);
   - ``GET /v1/sandboxes/{id}`` (auth and rate limit, no sandbox call, no audit record);
 
 * ``--clients`` clients at once (default 50), each with its own ``httpx.AsyncClient`` and its
@@ -106,7 +107,7 @@ LABELS = {
     HTTP_EXEC: "HTTP exec: `POST /code` `1`, one client",
     SYNC_EXEC: "the same with a blocking `httpx.Client`",
     EMBEDDED_EXEC: "embedded exec: `manager.run_code('1')` (baseline)",
-    HEALTH: "HTTP floor: `GET /health` (no auth)",
+    HEALTH: "HTTP floor: `GET /health` (its key checked since 2026-12-06)",
     GET_INFO: "HTTP `GET /v1/sandboxes/{id}` (auth, no sandbox call)",
     CONCURRENT: "HTTP exec, {clients} concurrent clients: per call",
     HTTP_CREATE: "HTTP create: `POST /v1/sandboxes`",
@@ -514,7 +515,7 @@ def reading(res: Results, args: argparse.Namespace) -> list[str]:
         f"p50, so HTTP adds {_ms(http.p50 - local.p50)} ms ({_ratio(http.p50, local.p50)} "
         f"the embedded call). With a blocking `httpx.Client` instead of the `AsyncClient` "
         f"(which the remote SDK uses) the round trip takes {_ms(stats[SYNC_EXEC].p50)} ms p50.",
-        f"Where the time goes: a bare `GET /health` (client, HTTP, framework; no auth) takes "
+        f"Where the time goes: a bare `GET /health` (client, HTTP, framework; a key check) takes "
         f"{_ms(health.p50)} ms p50 and an authenticated `GET /v1/sandboxes/{{id}}` "
         f"{_ms(get.p50)} ms. Per HTTP exec call the server process spends "
         f"{_per_call_ms(res.exec_server_cpu_s, http.n)} ms of CPU (request and response "

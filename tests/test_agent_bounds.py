@@ -163,3 +163,37 @@ def test_a_task_ends_past_its_time(data_root: Path, slow_model: WireServer) -> N
         assert error["code"] == "agent_timeout"
         assert "API_AGENT_TASK_TIMEOUT_SECONDS" in error["message"]
         assert short.sandboxes("acme") == []
+
+
+def test_a_watchers_own_fault_ends_the_watching_not_the_task() -> None:
+    # A stopper that fails for its own reasons (a busy store, a node that did not answer)
+    # must not end a long task; one that raises our error ends it, and the work is cancelled.
+    from sandlot.errors import SandboxNotRunning
+    from sandlot.server.agent import first_of
+
+    async def work(seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "done"
+
+    async def faulty() -> None:
+        await asyncio.sleep(0.05)
+        raise OSError("database is locked")
+
+    async def stop() -> None:
+        await asyncio.sleep(0.05)
+        raise SandboxNotRunning("its sandbox was destroyed")
+
+    assert asyncio.run(first_of(work(0.3), faulty())) == "done"
+    cancelled: list[bool] = []
+
+    async def endless() -> str:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return "never"
+
+    with pytest.raises(SandboxNotRunning):
+        asyncio.run(first_of(endless(), faulty(), stop()))
+    assert cancelled == [True]

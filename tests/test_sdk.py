@@ -164,6 +164,8 @@ def test_a_seed_execute_says_when_its_artifact_list_is_cut(live_server: LiveServ
             assert many["artifacts_truncated"] is True
             listed = http.get(f"/v1/sandboxes/{sid}/files", params={"path": "artifacts"})
             assert "narrower path" in listed.headers["x-listing-truncated"]
+            seed = http.get(f"/api/e2b/files/{sid}", params={"path": "artifacts"})
+            assert "narrower path" in seed.headers["x-listing-truncated"]
             gone = {"session_id": sid, "code": "import shutil; shutil.rmtree('artifacts')"}
             http.post("/api/e2b/execute", json=gone)  # not kept against the tenant's quota
         finally:

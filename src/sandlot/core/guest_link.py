@@ -140,15 +140,21 @@ class GuestConnection:
     def new_id(self) -> int:
         return next(self._ids)
 
-    async def notify(self, op: Op, payload: dict[str, Any]) -> None:
+    async def notify(self, op: Op, payload: dict[str, Any]) -> bool:
         """Send a request whose answer nobody waits for (cancel, shutdown). Returns once the
         guest has taken it in, or after ``NOTIFY_DRAIN_S``: a guest whose input is full and
         unread (behind a large write it stopped reading) must not hold a destroy or a
-        cancellation for good."""
-        if not self._closed:
-            with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
-                async with asyncio.timeout(NOTIFY_DRAIN_S):
-                    await self._send({"id": self.new_id(), "op": op, **payload})
+        cancellation for good. False if the wait ran out (the frame still unsent)."""
+        if self._closed:
+            return True
+        try:
+            async with asyncio.timeout(NOTIFY_DRAIN_S):
+                await self._send({"id": self.new_id(), "op": op, **payload})
+        except TimeoutError:
+            return False
+        except (ConnectionError, RuntimeError):
+            pass
+        return True
 
     def post(self, op: Op, payload: dict[str, Any]) -> None:
         """Write a small request whose answer nobody waits for, now, from the loop's thread:
@@ -265,10 +271,10 @@ class GuestConnection:
 
     async def close(self) -> None:
         """Ask the guest to exit, then stop reading."""
-        await self.notify(Op.SHUTDOWN, {})
+        taken = await self.notify(Op.SHUTDOWN, {})
         with contextlib.suppress(Exception):
             transport = self._writer.transport
-            if transport.get_write_buffer_size():
+            if not taken and transport.get_write_buffer_size():
                 # The guest took nothing in for NOTIFY_DRAIN_S: what is left unsent is
                 # dropped, which also ends any request still waiting to send its bytes.
                 transport.abort()

@@ -228,8 +228,9 @@ def _file_tools(server: MCPServer[Any], call: CallMaker) -> None:
             request = build(ListFiles, path=path, depth=depth)
             entries = await this.on(sandbox_id, lambda t: this.service.list_files(t, request))
         lines = [f"{e.type}\t{e.size_bytes}\t{e.path}" for e in entries]
-        if entries.truncated:
-            lines.append(f"(not all: {entries.truncated})")
+        truncated = getattr(entries, "truncated", None)  # a service of its own may not say
+        if truncated:
+            lines.append(f"(not all: {truncated})")
         return "\n".join(lines) if lines else f"{path} is empty"
 
 

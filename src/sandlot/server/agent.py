@@ -33,6 +33,7 @@ from sandlot.errors import (
     ConfigError,
     InvalidRequest,
     SandboxError,
+    SandboxNotFound,
     SandboxNotRunning,
 )
 from sandlot.models import SandboxStatus
@@ -137,20 +138,32 @@ async def first_of(work: Coroutine[Any, Any, T], *stoppers: Coroutine[Any, Any, 
     token, and ``run_task`` destroys the sandbox) and the stopper's error raised."""
     task = asyncio.ensure_future(work)
     watchers = [asyncio.ensure_future(stopper) for stopper in stoppers]
+    waiting: set[asyncio.Future[Any]] = {task, *watchers}
     try:
-        await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            for watcher in watchers:
-                if watcher.done():
-                    watcher.result()  # raises why the work must end
+        while task in waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                break
+            for watcher in done:
+                error = watcher.exception()
+                if isinstance(error, SandboxError):
+                    raise error  # why the work must end
+                # A watcher's own fault (a store that was busy, say) ends the watching,
+                # not the work.
+                log.warning("an agent task's watcher failed", error=repr(error))
         return await task
     finally:
         for watcher in watchers:
             watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
         if not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, SandboxError, WebSocketDisconnect):
+            try:
                 await task
+            except (asyncio.CancelledError, SandboxError, WebSocketDisconnect):
+                pass
+            except Exception:
+                log.exception("an ended agent task failed on its way out")
 
 
 async def _time_out(timeout_s: float) -> None:
@@ -164,7 +177,15 @@ async def _time_out(timeout_s: float) -> None:
 async def _sandbox_gone(state: ServerState, sandbox_id: str, owner: str | None) -> None:
     while True:
         await asyncio.sleep(SANDBOX_CHECK_S)
-        info = await state.manager.get(sandbox_id, owner=owner)
+        try:
+            info = await state.manager.get(sandbox_id, owner=owner)
+        except SandboxNotFound:
+            raise SandboxNotRunning(
+                f"the task's sandbox {sandbox_id} is gone: the task was ended"
+            ) from None
+        except SandboxError as exc:  # a node that did not answer: look again next time
+            log.warning("could not look at an agent task's sandbox", error=repr(exc))
+            continue
         if info.status != SandboxStatus.RUNNING:
             raise SandboxNotRunning(
                 f"the task's sandbox {sandbox_id} was destroyed ({info.end_reason}): the task "

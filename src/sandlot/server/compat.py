@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from sandlot.agent.models import AgentResult
 from sandlot.backends import KNOWN_BACKENDS
 from sandlot.errors import SandboxFileError
-from sandlot.models import FileInfo, Listing, SandboxInfo
+from sandlot.models import TRUNCATED_HEADER, FileInfo, Listing, SandboxInfo
 from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteFile, build
 from sandlot.server.agent import AgentTaskRequest, execute_task
 from sandlot.server.auth import Principal
@@ -161,11 +161,15 @@ async def api_list_files(
     session_id: SandboxId,
     request: Request,
     who: Caller,
+    response: Response,
     path: Annotated[str, Query(max_length=4096)] = ".",
 ) -> list[FileInfo]:
-    return await state_of(request).manager.list_files(
+    found = await state_of(request).manager.list_files(
         session_id, build(ListFiles, path=path), owner=who.owner_filter
     )
+    if found.truncated:  # as GET /v1/.../files says it
+        response.headers[TRUNCATED_HEADER] = found.truncated
+    return found
 
 
 @router.post("/api/e2b/files", response_model=WrittenFile)
