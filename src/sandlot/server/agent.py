@@ -40,7 +40,7 @@ from sandlot.models import SandboxStatus
 from sandlot.server import outbox as outbox_
 from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
-from sandlot.server.deps import ServerState, refuse_upgrade, state_of
+from sandlot.server.deps import ServerState, client_gone, refuse_upgrade, state_of
 from sandlot.server.outbox import error_message
 from sandlot.server.schemas import _Body
 
@@ -194,9 +194,7 @@ async def _sandbox_gone(state: ServerState, sandbox_id: str, owner: str | None) 
 
 
 async def _client_left(request: Request) -> None:
-    """Raise once the client has gone away (its body is read: what comes next is that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    await client_gone(request)
     raise InvalidRequest("the client went away before the task ended: the task was ended")
 
 

@@ -18,12 +18,12 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from sandlot.agent.models import AgentResult
 from sandlot.backends import KNOWN_BACKENDS
 from sandlot.errors import SandboxFileError
-from sandlot.models import TRUNCATED_HEADER, FileInfo, Listing, SandboxInfo
+from sandlot.models import FileInfo, Listing, SandboxInfo
 from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteFile, build
 from sandlot.server.agent import AgentTaskRequest, execute_task
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, caller, state_of
-from sandlot.server.routes import ERRORS
+from sandlot.server.routes import ERRORS, said_if_cut
 from sandlot.server.schemas import (
     CreateSessionResponse,
     LegacyExecuteRequest,
@@ -167,9 +167,7 @@ async def api_list_files(
     found = await state_of(request).manager.list_files(
         session_id, build(ListFiles, path=path), owner=who.owner_filter
     )
-    if found.truncated:  # as GET /v1/.../files says it
-        response.headers[TRUNCATED_HEADER] = found.truncated
-    return found
+    return said_if_cut(found, response)
 
 
 @router.post("/api/e2b/files", response_model=WrittenFile)

@@ -182,12 +182,13 @@ class ServerState:
             shared = self.stream_shares[principal.tenant] = outbox_.Shared(cap_bytes)
         return outbox_.Budget(shared)
 
-    def failed_auth(self, client: Any) -> bool:
-        """Count a failed authentication of ``client`` (a scope's ``(host, port)``); whether
-        its address is refused now, so that the connection closes after the 401."""
+    def failed_auth(self, client: Any, cost: float = 1.0) -> bool:
+        """Count a failed authentication of ``client`` (a scope's ``(host, port)``), or
+        ``cost`` of one; whether its address is refused now, so that the connection closes
+        after the answer."""
         if self.auth_failures is None or not client:
             return False
-        return self.auth_failures.failed(str(client[0]))
+        return self.auth_failures.failed(str(client[0]), cost)
 
     def keyless_request(self, client: Any) -> None:
         """Count a request without a key to a public route: a tenth of a failed
@@ -197,9 +198,7 @@ class ServerState:
             KeylessRefused: the address is out of credit (this connection closes after its
                 429, and its next ones are closed unread until it has credit again).
         """
-        if self.auth_failures is None or not client:
-            return
-        if self.auth_failures.failed(str(client[0]), cost=KEYLESS_COST):
+        if self.failed_auth(client, cost=KEYLESS_COST):
             raise KeylessRefused(
                 "too many requests without an API key from this address; send one, or wait"
             )
@@ -266,6 +265,13 @@ class ServerState:
                     sandbox_id=extra.get("sandbox_id", sandbox_id),
                     detail={**detail, **{k: v for k, v in extra.items() if k != "sandbox_id"}},
                 )
+
+
+async def client_gone(request: Request) -> None:
+    """Return once the client has gone away (a request whose body is read: a long-poll, an
+    agent task)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def key_from(headers: Any) -> str | None:

@@ -21,6 +21,7 @@ from sandlot.models import (
     CommandInfo,
     ExecResult,
     FileInfo,
+    Listing,
     PtyOutput,
     ResourceUsage,
     SandboxInfo,
@@ -41,7 +42,7 @@ from sandlot.requests import (
 )
 from sandlot.server import multipart
 from sandlot.server.auth import Principal
-from sandlot.server.deps import SandboxId, caller, state_of
+from sandlot.server.deps import SandboxId, caller, client_gone, state_of
 from sandlot.server.schemas import ErrorBody, WrittenFile
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -166,12 +167,6 @@ CommandId = Annotated[
 MAX_WAIT_S = 3600.0  # one HTTP request waits at most this long; the client asks again
 
 
-async def _client_gone(request: Request) -> None:
-    """Return once the client has gone away (a request with no body to read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 class KilledCommand(BaseModel):
     pid: int
     killed: bool
@@ -216,7 +211,7 @@ async def wait_command(
     waiting = asyncio.ensure_future(
         manager.wait_command(sandbox_id, pid, timeout_s, command_id=command_id, owner=owner)
     )
-    gone = asyncio.ensure_future(_client_gone(request))
+    gone = asyncio.ensure_future(client_gone(request))
     try:
         await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -354,6 +349,11 @@ async def list_files(
     """Entries below the path; a listing cut at its bound (100,000 entries or 4 MiB of names
     and paths) has the ``X-Listing-Truncated`` header, saying why."""
     found = await state_of(request).manager.list_files(sandbox_id, query, owner=who.owner_filter)
+    return said_if_cut(found, response)
+
+
+def said_if_cut(found: Listing, response: Response) -> Listing:
+    """``found``, its ``X-Listing-Truncated`` header set on ``response`` if it was cut."""
     if found.truncated:
         response.headers[TRUNCATED_HEADER] = found.truncated
     return found
