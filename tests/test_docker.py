@@ -177,6 +177,37 @@ def test_kill_9_of_the_server_with_10_docker_sandboxes(data_root: Path, client: 
     assert _ours(client, data_dir) == []
 
 
+def test_a_killed_managers_container_keeps_its_uid_from_the_next_manager(
+    data_root: Path, client: Any
+) -> None:
+    # Failed before (read from the code, then tried): the uid's lock died with the manager,
+    # its container ran on as that uid, and another manager's first sandbox got the same
+    # uid, sharing the kernel's per-uid counts (processes, inotify, mqueue) with it.
+    crashed_dir, other_dir = data_root / "uid-crashed", data_root / "uid-other"
+    crashed_dir.mkdir()
+    other_dir.mkdir()
+    (left,) = crash_a_manager(crashed_dir, count=1, target="docker")
+    uid = int(_container(client, left["id"]).attrs["Config"]["User"].split(":")[0])
+    assert leaks.procs_of_uid(uid), "the container should outlive its manager"
+
+    async def other_manager() -> None:
+        async with SandboxManager(make_settings(other_dir)) as mgr:
+            fresh = await mgr.create(SandboxSpec(backend="docker"))
+            assert leaks.host_uid(mgr, fresh.id) != uid
+            assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
+
+    async def recover() -> None:  # the crashed data dir's next manager removes the container
+        async with SandboxManager(make_settings(crashed_dir)):
+            pass
+
+    try:
+        asyncio.run(other_manager())
+    finally:
+        asyncio.run(recover())
+    assert _ours(client, crashed_dir) == []
+    assert not leaks.procs_of_uid(uid)
+
+
 def test_pools_per_environment_refill_and_survive_a_crash(data_root: Path, client: Any) -> None:
     data_dir = data_root / "pool-docker"
     data_dir.mkdir()

@@ -89,7 +89,7 @@ from sandlot.backends.procfs import (
     write_proc_files,
 )
 from sandlot.backends.rootfs import bubblewrap_mode, missing_tree_error
-from sandlot.backends.uids import UidAllocator, unlock
+from sandlot.backends.uids import UidAllocator, release, unlock
 from sandlot.config import Settings
 from sandlot.environments import get_environment
 from sandlot.errors import BackendUnavailable, SandboxStartError
@@ -311,7 +311,7 @@ class BubblewrapBackend(Launching):
             # A create cancelled here too (it leaked a uid lock a cancellation: the red
             # team's find); a cgroup made meanwhile goes with the next sweep.
             if lock_fd is not None:
-                unlock(lock_fd)
+                release(lock_fd)  # nothing of it started yet
             raise
         box = Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
         box.system = system
@@ -462,7 +462,7 @@ class BubblewrapBackend(Launching):
     def _release_volume_now(box: Box) -> None:
         remove_volume_now(box.root)
         if box.uid_lock_fd is not None:
-            unlock(box.uid_lock_fd)  # only once nothing of the sandbox's is left
+            release(box.uid_lock_fd)  # only once nothing of the sandbox's is left
 
     async def _remove_leftovers(self, sandbox_id: str) -> None:
         cgroup = self.cgroups.path(*self._cgroup_parts(sandbox_id))

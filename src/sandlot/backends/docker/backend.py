@@ -66,7 +66,7 @@ from sandlot.backends.launch import (
     install_guest,
 )
 from sandlot.backends.procfs import HIDDEN_DIRS, HIDDEN_FILES, SYNTHESIZED, write_proc_files
-from sandlot.backends.uids import UidAllocator, unlock
+from sandlot.backends.uids import UidAllocator, release, unlock
 from sandlot.config import Settings
 from sandlot.environments import Environment, get_environment
 from sandlot.errors import BackendUnavailable, ConfigError, SandboxError, SandboxStartError
@@ -461,7 +461,7 @@ class DockerBackend:
             await self._remove(box, sandbox_id)
         await remove_volume(box.root if box is not None else self.sandboxes_dir / sandbox_id)
         if box is not None and box.uid_lock_fd is not None:
-            unlock(box.uid_lock_fd)  # only once nothing of the sandbox's is left
+            release(box.uid_lock_fd)  # only once nothing of the sandbox's is left
             box.uid_lock_fd = None
 
     async def _remove(self, box: _Box | None, sandbox_id: str) -> None:
