@@ -303,3 +303,27 @@ def test_a_prompt_past_the_context_is_the_providers_error(provider: LocalProvide
     # tracebacks (red team, 2026-12-06).
     with pytest.raises(ProviderError, match="LOCAL_CONTEXT_TOKENS"):
         asyncio.run(provider.generate("word " * 3000, max_tokens=4))
+
+
+def test_tenants_take_turns_on_the_model(provider: LocalProvider) -> None:
+    # Before, calls took turns first come first served: a tenant whose swarm queued five
+    # calls at once held every other tenant's call behind all five.
+    from sandlot.agent.providers.base import CALLER
+
+    done: list[str] = []
+
+    async def call(caller: str, n: int) -> None:
+        await provider.generate(f"Say {n}.", max_tokens=2)
+        done.append(caller)
+
+    async def run() -> None:
+        tasks = []
+        for caller in ["alice"] * 4 + ["bob"]:
+            token = CALLER.set(caller)  # each task copies the context it is made in
+            tasks.append(asyncio.create_task(call(caller, len(tasks))))
+            CALLER.reset(token)
+            await asyncio.sleep(0)  # queued in this order
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert done == ["alice", "bob", "alice", "alice", "alice"]

@@ -37,6 +37,7 @@ from sandlot.agent.providers.base import (
     Message,
     Provider,
 )
+from sandlot.agent.providers.turns import FairTurns
 from sandlot.agent.weights import is_fetched, model_path, shipped_model
 from sandlot.errors import ConfigError, ProviderError
 
@@ -65,15 +66,15 @@ class _SharedModel:
         # Each event loop queues its callers on a lock of its own: an asyncio.Lock belongs to
         # one loop, and a provider may serve several (asyncio.run per call, a sync wrapper).
         # Across loops the one-thread executor keeps them in turn.
-        self._turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+        self._turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FairTurns] = (
             weakref.WeakKeyDictionary()
         )
 
-    def turn(self) -> asyncio.Lock:
-        """The running loop's lock on this model, held from before a job is submitted until
-        it ends."""
-        # setdefault is one dict operation under the GIL: two loops never get two locks.
-        return self._turns.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+    def turn(self) -> FairTurns:
+        """The running loop's turns on this model (round robin by tenant), one held from
+        before a job is submitted until it ends."""
+        # setdefault is one dict operation under the GIL: two loops never get two.
+        return self._turns.setdefault(asyncio.get_running_loop(), FairTurns())
 
     def llm(self) -> Any:
         """The loaded model, loaded now if need be. The caller holds ``guard``."""
@@ -227,10 +228,10 @@ class LocalProvider(Provider):
         thread.
         """
         model = self._shared()
-        turn = model.turn()
-        await turn.acquire()
+        turn, caller = model.turn(), CALLER.get()
+        await turn.acquire(caller)
         try:
-            submitted = model.executor.submit(model.run, job, stop, CALLER.get())
+            submitted = model.executor.submit(model.run, job, stop, caller)
             future = asyncio.wrap_future(submitted)
         except BaseException:
             turn.release()

@@ -1,0 +1,91 @@
+"""Turns on one shared model (``providers/turns.py``): one call at a time, the waiting calls
+served round robin by tenant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sandlot.agent.providers.turns import FairTurns
+
+
+async def _served_order(queued: list[str], holder: str = "first") -> list[str]:
+    """The order in which calls queued as ``queued`` (callers, in arrival order) behind
+    one call of ``holder`` already holding the turn get it."""
+    turns, served = FairTurns(), []
+    await turns.acquire(holder)
+
+    async def call(caller: str) -> None:
+        await turns.acquire(caller)
+        served.append(caller)
+        await asyncio.sleep(0)
+        turns.release()
+
+    tasks = []
+    for caller in queued:
+        tasks.append(asyncio.create_task(call(caller)))
+        await asyncio.sleep(0)  # queued in this order
+    turns.release()
+    await asyncio.gather(*tasks)
+    assert not turns.locked() and turns.waiting() == {}
+    return served
+
+
+def test_a_tenant_with_many_calls_queued_does_not_hold_back_another() -> None:
+    # Before (first come first served): bob's one call waited behind alice's five.
+    served = asyncio.run(_served_order(["alice"] * 5 + ["bob"] + ["carol"] * 2))
+    assert served == ["alice", "bob", "carol", "alice", "carol", "alice", "alice", "alice"]
+
+
+def test_the_tenant_that_just_had_the_turn_goes_after_the_others() -> None:
+    # Alice's first call held the turn while her next three queued before bob's one.
+    served = asyncio.run(_served_order(["alice"] * 3 + ["bob"], holder="alice"))
+    assert served == ["bob", "alice", "alice", "alice"]
+
+
+def test_one_tenant_alone_is_served_in_order() -> None:
+    turns, served = FairTurns(), []
+
+    async def run() -> None:
+        await turns.acquire("a")
+
+        async def call(n: int) -> None:
+            await turns.acquire("a")
+            served.append(n)
+            turns.release()
+
+        tasks = [asyncio.create_task(call(n)) for n in range(6)]
+        await asyncio.sleep(0)
+        turns.release()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert served == list(range(6))
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_a_cancelled_holder_passes_the_turn() -> None:
+    async def run() -> None:
+        turns = FairTurns()
+        await turns.acquire("a")
+        waiting = asyncio.create_task(turns.acquire("b"))
+        later = asyncio.create_task(turns.acquire("c"))
+        await asyncio.sleep(0)
+        assert turns.waiting() == {"b": 1, "c": 1}
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert turns.waiting() == {"c": 1}
+        # Handed the turn and cancelled before it resumed: it passes the turn on.
+        handed = asyncio.create_task(turns.acquire("d"))
+        await asyncio.sleep(0)
+        turns.release()  # to c
+        await later
+        turns.release()  # to d, which is cancelled before it runs
+        handed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handed
+        assert not turns.locked() and turns.waiting() == {}
+        await asyncio.wait_for(turns.acquire("e"), 1)  # free again, at once
+
+    asyncio.run(run())
