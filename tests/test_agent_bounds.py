@@ -13,6 +13,7 @@ a task that is not ended lives 30 s.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -133,6 +134,48 @@ def test_a_task_ends_when_its_client_goes(server: Server) -> None:
     # Its turn is back: the tenant's next task runs (and is let go the same way).
     with pytest.raises(httpx.ReadTimeout):
         server.execute("acme", timeout_s=2)
+
+
+def test_a_stream_task_ends_when_its_client_hangs_up(server: Server) -> None:
+    # Before, nothing read the socket while a task ran: a client that left was seen at the
+    # task's next event, here after the model's 30 s (up to minutes for a real model).
+    from websockets.sync.client import connect
+
+    ws_url = server.url.replace("http://", "ws://") + "/stream"
+    with connect(ws_url, open_timeout=10, additional_headers=server.headers("acme")) as ws:
+        ws.send(json.dumps({"task": "print 6", "max_attempts": 1}))
+        while json.loads(ws.recv(timeout=10))["event"]["event"] != "generate":
+            pass  # the task's last event before it waits on the model
+        server.wait_for_sandbox("acme")
+    deadline = time.monotonic() + ENDED_WITHIN_S
+    while server.sandboxes("acme"):
+        assert time.monotonic() < deadline, "the task outlived its client"
+        time.sleep(0.2)
+
+
+def test_a_stream_client_may_still_queue_its_next_task(server: Server) -> None:
+    # Read while the first task runs, the second waits for it, as before.
+    from websockets.sync.client import connect
+
+    ws_url = server.url.replace("http://", "ws://") + "/stream"
+    with connect(ws_url, open_timeout=10, additional_headers=server.headers("acme")) as ws:
+        ws.send(json.dumps({"task": "print 6", "max_attempts": 1}))
+        first = server.wait_for_sandbox("acme")
+        ws.send("not json")  # queued behind the task, answered after it
+        ws.send(json.dumps({"task": "print 7", "max_attempts": 1}))
+        deleted = httpx.delete(
+            f"{server.url}/v1/sandboxes/{first}", headers=server.headers("acme"), timeout=10
+        )
+        assert deleted.status_code == 200
+        errors: list[dict[str, Any]] = []
+        while len(errors) < 2:  # between them, the first task's events
+            frame = json.loads(ws.recv(timeout=10))
+            if frame["type"] == "error":
+                errors.append(frame["error"])
+        assert errors[0]["code"] == "sandbox_not_running"
+        assert "not JSON" in errors[1]["message"]
+        second = server.wait_for_sandbox("acme")  # the queued task started
+        assert second != first
 
 
 def test_a_task_ends_with_its_key(server: Server) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar
 import structlog
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
+from starlette.types import Message
 
 from sandlot.agent.models import AgentEvent, AgentResult
 from sandlot.errors import (
@@ -48,6 +49,9 @@ log = structlog.get_logger(__name__)
 router = APIRouter(tags=["agent"])
 MAX_TASK_CHARS = 20_000
 SANDBOX_CHECK_S = 1.0  # how often a task looks whether its sandbox was destroyed
+# Messages a `WS /stream` client sent while its task runs, kept for after it; past them the
+# socket is not read until the task ends (the client's kernel holds the rest).
+PENDING_MESSAGES = 4
 T = TypeVar("T")
 
 
@@ -198,6 +202,42 @@ async def _client_left(request: Request) -> None:
     raise InvalidRequest("the client went away before the task ended: the task was ended")
 
 
+class _Inbox:
+    """A `WS /stream` client's messages, read while its task runs too: a hang-up ends the
+    task at once. Before, nothing read the socket during a task, so a client that left was
+    seen only at the task's next event, after a model call of up to minutes (red team,
+    2026-12-06). At most :data:`PENDING_MESSAGES` wait for the task; with that many waiting,
+    a hang-up is again seen at the task's next event."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self.gone = asyncio.Event()
+        self._pending: asyncio.Queue[Message] = asyncio.Queue(PENDING_MESSAGES)
+        self._reader = asyncio.ensure_future(self._read(websocket))
+
+    async def _read(self, websocket: WebSocket) -> None:
+        while True:
+            try:
+                message = await websocket.receive()
+            except Exception:  # the socket broke: for us, the client went away
+                message = {"type": "websocket.disconnect", "code": 1006}
+            if message["type"] == "websocket.disconnect":
+                self.gone.set()
+                await self._pending.put(message)
+                return
+            await self._pending.put(message)
+
+    async def get(self) -> Message:
+        return await self._pending.get()
+
+    async def hung_up(self) -> None:
+        await self.gone.wait()
+        raise InvalidRequest("the client went away before the task ended: the task was ended")
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
 @router.websocket("/stream")
 async def stream(websocket: WebSocket) -> None:
     state: ServerState = websocket.app.state.sandbox
@@ -214,18 +254,22 @@ async def stream(websocket: WebSocket) -> None:
         await refuse_upgrade(websocket, exc)
         return
     pace = state.stream_pace(who)
+    inbox: _Inbox | None = None
     try:
         await websocket.accept()
+        inbox = _Inbox(websocket)
         while True:
             try:
-                message = await outbox_.receive_message(websocket, pace)
+                message = await outbox_.read_message(await inbox.get(), pace)
             except InvalidRequest as exc:
                 await websocket.send_json(error_message(exc))
                 continue
-            await _one_task(websocket, state, message)
+            await _one_task(websocket, state, message, inbox)
     except WebSocketDisconnect:
         return
     finally:
+        if inbox is not None:
+            await inbox.close()
         state.open_requests.release(who.tenant)
 
 
@@ -249,7 +293,7 @@ def _task_of(message: Any) -> AgentTaskRequest:
         raise ConfigError(f"invalid task message: {exc.errors(include_url=False)}") from exc
 
 
-async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> None:
+async def _one_task(websocket: WebSocket, state: ServerState, message: Any, inbox: _Inbox) -> None:
     async def send_event(event: AgentEvent) -> None:
         try:
             await websocket.send_json({"type": "event", "event": event.model_dump(mode="json")})
@@ -263,9 +307,12 @@ async def _one_task(websocket: WebSocket, state: ServerState, message: Any) -> N
         result = await first_of(
             run_task(state, who, _task_of(message), on_event=send_event),
             stream_jobs.watch_key(state, websocket),
+            inbox.hung_up(),
         )
         await websocket.send_json({"type": "result", "result": result.model_dump(mode="json")})
     except SandboxError as exc:
+        if inbox.gone.is_set():
+            raise WebSocketDisconnect(1001) from exc  # nobody to tell
         await websocket.send_json(error_message(exc))
         if isinstance(exc, AuthenticationError):
             with contextlib.suppress(RuntimeError, OSError):

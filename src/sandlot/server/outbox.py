@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 from fastapi import WebSocket, WebSocketDisconnect
+from starlette.types import Message
 
 from sandlot.errors import InvalidRequest, SandboxError
 from sandlot.guest.wire import MAX_JSON_DEPTH, nests_within
@@ -252,7 +253,11 @@ async def receive_message(websocket: WebSocket, pace: Pace) -> Any:
             unhandled exception and a traceback in the log (red team, 2026-12-06); the
             caller answers with a typed error and reads on.
     """
-    message = await websocket.receive()
+    return await read_message(await websocket.receive(), pace)
+
+
+async def read_message(message: Message, pace: Pace) -> Any:
+    """:func:`receive_message` for a message already received (read ahead by a reader)."""
     await pace.wait()
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
