@@ -177,21 +177,23 @@ def test_kill_9_of_the_server_with_10_docker_sandboxes(data_root: Path, client: 
     assert _ours(client, data_dir) == []
 
 
-def test_a_killed_managers_container_keeps_its_uid_from_the_next_manager(
+def test_a_killed_managers_container_keeps_its_uid_from_a_running_manager(
     data_root: Path, client: Any
 ) -> None:
     # Failed before (read from the code, then tried): the uid's lock died with the manager,
-    # its container ran on as that uid, and another manager's first sandbox got the same
-    # uid, sharing the kernel's per-uid counts (processes, inotify, mqueue) with it.
+    # its container ran on as that uid, and another manager's next sandbox got the same
+    # uid, sharing the kernel's per-uid counts (processes, inotify, mqueue) with it. The
+    # other manager is running before the crash, so it does not remove the container first.
     crashed_dir, other_dir = data_root / "uid-crashed", data_root / "uid-other"
     crashed_dir.mkdir()
     other_dir.mkdir()
-    (left,) = crash_a_manager(crashed_dir, count=1, target="docker")
-    uid = int(_container(client, left["id"]).attrs["Config"]["User"].split(":")[0])
-    assert leaks.procs_of_uid(uid), "the container should outlive its manager"
 
     async def other_manager() -> None:
         async with SandboxManager(make_settings(other_dir)) as mgr:
+            await mgr.create(SandboxSpec(backend="docker"))
+            (left,) = await asyncio.to_thread(crash_a_manager, crashed_dir, 1, target="docker")
+            uid = int(_container(client, left["id"]).attrs["Config"]["User"].split(":")[0])
+            assert leaks.procs_of_uid(uid), "the container should outlive its manager"
             fresh = await mgr.create(SandboxSpec(backend="docker"))
             assert leaks.host_uid(mgr, fresh.id) != uid
             assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
@@ -205,7 +207,39 @@ def test_a_killed_managers_container_keeps_its_uid_from_the_next_manager(
     finally:
         asyncio.run(recover())
     assert _ours(client, crashed_dir) == []
-    assert not leaks.procs_of_uid(uid)
+
+
+def test_a_killed_managers_containers_are_removed_by_the_next_manager_on_the_host(
+    data_root: Path, client: Any, docker_sb: Sandbox
+) -> None:
+    # Failed before: they ran on, each holding its memory, CPU, processes and uid, until a
+    # manager started on their own data directory again (which may be never).
+    crashed_dir, other_dir = data_root / "reap-crashed", data_root / "reap-other"
+    crashed_dir.mkdir()
+    other_dir.mkdir()
+    sandboxes = crash_a_manager(crashed_dir, count=2, target="docker")
+    ids = {s["id"] for s in sandboxes}
+    assert {c.labels[LABEL_SANDBOX] for c in _ours(client, crashed_dir, running_only=True)} == ids
+
+    async def other_manager() -> None:
+        async with SandboxManager(make_settings(other_dir)) as mgr:
+            # Its docker backend looks when it first connects: at its first docker create.
+            fresh = await mgr.create(SandboxSpec(backend="docker"))
+            assert _ours(client, crashed_dir) == []
+            assert (await mgr.run_code(fresh.id, RunCode(code="6 * 7"))).text == "42"
+
+    asyncio.run(other_manager())
+    # A live manager's container is not touched (the fixture's manager runs).
+    assert _container(client, docker_sb.id).status == "running"
+    assert docker_sb.run_code("1 + 1").text == "2"
+
+    async def recover() -> None:  # the dead one's own data dir still ends its records
+        async with SandboxManager(make_settings(crashed_dir)) as mgr:
+            for sandbox_id in ids:
+                info = await mgr.get(sandbox_id)
+                assert (info.status, info.end_reason) == (SandboxStatus.DESTROYED, "recovered")
+
+    asyncio.run(recover())
 
 
 def test_pools_per_environment_refill_and_survive_a_crash(data_root: Path, client: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import os
 import signal
@@ -24,6 +25,29 @@ from sandlot.models import ResolvedLimits, ResourceUsage
 STDERR_TAIL_BYTES = 8192
 # Process slots a restarted guest needs free in its pids cgroup to start and run a command.
 GUEST_PIDS_HEADROOM = 32
+
+
+# An instance directory's lock file, held exclusively by its manager for its life
+# (core/instances.py); here so that a backend can tell a dead instance's leftovers.
+INSTANCE_LOCK = "lock"
+
+
+def instance_dead(instance_dir: Path) -> bool:
+    """Whether the manager of ``instance_dir`` is known to be dead: its lock file is there
+    and no process holds it. False where it is held, or where there is no lock to look at
+    (a path of another host or mount namespace, an instance being removed): not ours to
+    judge."""
+    try:
+        fd = os.open(instance_dir / INSTANCE_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def instance_of(data_dir: Path) -> str:

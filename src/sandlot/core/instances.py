@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandlot._fs import remove_tree
+from sandlot.backends.base import INSTANCE_LOCK
 from sandlot.backends.disk import mounted_below
 from sandlot.config import Settings
 from sandlot.core.store import Elsewhere, Store
@@ -38,7 +39,7 @@ from sandlot.errors import ConfigError, SandboxHeldElsewhere, SandboxNotRunning
 from sandlot.models import SandboxInfo
 
 INSTANCES = "instances"
-LOCK = "lock"
+LOCK = INSTANCE_LOCK
 BACKENDS = "backends"
 LEGACY_LOCK = "manager.lock"
 # The data dir's top-level entries a sandlot from before instances kept its backends' state in.

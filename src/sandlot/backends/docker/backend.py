@@ -48,10 +48,12 @@ from sandlot.backends.docker.dockerd import (
     LABEL,
     LABEL_ENVIRONMENT,
     LABEL_INSTANCE,
+    LABEL_INSTANCE_DIR,
     LABEL_SANDBOX,
     RUNTIMES,
     connect,
     labelled,
+    reap_abandoned,
 )
 from sandlot.backends.docker.images import ensure_image
 from sandlot.backends.docker.network import NETWORK, SYSCTLS, ensure_network
@@ -211,6 +213,13 @@ class DockerBackend:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.sandboxes_dir.chmod(0o711)
         install_guest(self._guest_dir)
+        try:
+            reaped = reap_abandoned(client, self.data_dir)
+        except Exception as exc:  # docker's or the host's: the containers wait for next time
+            log.warning("could not look for dead managers' containers", error=repr(exc))
+        else:
+            if reaped:
+                log.warning("removed the containers of dead managers", sandboxes=reaped)
         return client
 
     def _check_runtime(self, runtime: str, network: bool) -> None:
@@ -346,6 +355,7 @@ class DockerBackend:
                 labels={
                     LABEL: "1",
                     LABEL_INSTANCE: self.instance,
+                    LABEL_INSTANCE_DIR: str(self.data_dir),
                     LABEL_SANDBOX: spec.sandbox_id,
                     LABEL_ENVIRONMENT: env.name,
                 },

@@ -8,11 +8,14 @@ guest's stdio without a ``docker`` CLI process (25 MB RSS each) per sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sandlot.backends.base import instance_dead
 from sandlot.errors import BackendUnavailable
 
 if TYPE_CHECKING:
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
 
 LABEL = "sandlot"  # every container and image we make carries it
 LABEL_INSTANCE = "sandlot.instance"  # which data directory (server) owns the container
+# Its manager's instance directory: how any manager on the host tells a dead one's containers.
+LABEL_INSTANCE_DIR = "sandlot.instance_dir"
 LABEL_SANDBOX = "sandlot.sandbox"
 LABEL_ENVIRONMENT = "sandlot.environment"
 LABEL_SPEC = "sandlot.spec"
@@ -142,3 +147,35 @@ def labelled(client: docker.DockerClient, labels: list[str]) -> list[Container]:
         except docker.errors.NotFound:
             continue
     return found
+
+
+def reap_abandoned(client: docker.DockerClient, own_dir: Path) -> list[str]:
+    """Remove every container whose manager is known dead (:func:`instance_dead`) from any
+    data directory but ``own_dir`` (ours, whose dead instances recovery already sweeps);
+    return the sandbox ids removed.
+
+    A killed manager's containers run on (nobody tells Docker), each holding its memory,
+    CPU share, processes and uid until a manager starts on that data directory again, which
+    may be never. Only the containers go: the dead instance's records, volumes and artifacts
+    wait for its own data directory's recovery, which finds the containers gone. A daemon
+    that is not on this host (``DOCKER_HOST`` over TCP) is left alone: its paths are not ours.
+    """
+    import docker.errors  # optional dependency
+
+    if os.environ.get("DOCKER_HOST", "unix://").split("://", 1)[0] != "unix":
+        return []
+    listed = client.containers.list(all=True, sparse=True, filters={"label": [LABEL]})
+    by_dir: dict[str, list[Container]] = {}
+    for container in listed:
+        where = (container.attrs.get("Labels") or {}).get(LABEL_INSTANCE_DIR)
+        if container.id is not None and where and Path(where) != own_dir:
+            by_dir.setdefault(where, []).append(container)
+    removed: list[str] = []
+    for where, containers in by_dir.items():
+        if not instance_dead(Path(where)):
+            continue
+        for container in containers:
+            with contextlib.suppress(docker.errors.NotFound):
+                client.api.remove_container(str(container.id), force=True)
+                removed.append((container.attrs.get("Labels") or {}).get(LABEL_SANDBOX, "?"))
+    return removed
