@@ -113,3 +113,24 @@ def test_busy_uids_sees_an_undumpable_process_and_a_zombie() -> None:
         _end(undumpable)
         _end(zombie)
     assert not {BASE + 2, BASE + 3} & busy_uids()
+
+
+def test_a_uid_left_running_just_after_a_look_is_not_handed_out(
+    tmp_path: Path, leftover: subprocess.Popen[bytes]
+) -> None:
+    # Failed before (red team, 2026-12-06): a look at the host's processes was cached for
+    # 1 s, so a uid whose holder ran a process as it and died just after the look was
+    # handed out as idle, its process still running.
+    _mark_as_left_by_a_dead_holder(tmp_path, BASE)
+    pool = UidAllocator(tmp_path, BASE, 6)
+    uid, first = pool.acquire()
+    assert uid == BASE + 1  # BASE is busy: the pool has looked
+    later = _run_as(BASE + 2, "print(flush=True); import time; time.sleep(60)")
+    try:
+        _mark_as_left_by_a_dead_holder(tmp_path, BASE + 2)
+        uid, second = pool.acquire()
+        assert uid == BASE + 3
+    finally:
+        _end(later)
+    release(first)
+    release(second)

@@ -33,9 +33,12 @@ log = structlog.get_logger(__name__)
 UID_LOCK_DIR = Path("/run/sandlot/uids")
 # Written into a uid's lock file while a sandbox holds the uid; emptied by :func:`release`.
 HELD_MARK = b"held\n"
-# How long one look at the host's processes answers for: a uid no process ran as stays so
-# while its lock is held (only a process of that uid, or root, can make one), so the look
-# can only go stale the safe way, a uid seen busy whose processes have since ended.
+# How long a look at the host's processes answers "busy" for. A "busy" answer can only go
+# stale the safe way (the uid's processes ended since). An "idle" one is trusted only from
+# a look taken after this manager took the lock: before that, another manager may have held
+# the uid, run a process as it, and died (red team, 2026-12-06: a cached look handed out a
+# uid whose process ran, 0.05 s after its holder died). Once the lock is ours, no new
+# process of the uid can appear but from one already there.
 BUSY_UIDS_TTL_S = 1.0
 
 
@@ -74,10 +77,10 @@ class UidAllocator:
         )
 
     def _idle(self, uid: int) -> bool:
-        """Whether no process on the host runs as ``uid`` (asked only of a marked lock)."""
-        now = time.monotonic()
-        if now - self._busy_at >= BUSY_UIDS_TTL_S:
-            self._busy, self._busy_at = busy_uids(), now
+        """Whether no process on the host runs as ``uid`` (asked only of a marked lock,
+        once it is held)."""
+        if not (uid in self._busy and time.monotonic() - self._busy_at < BUSY_UIDS_TTL_S):
+            self._busy, self._busy_at = busy_uids(), time.monotonic()
         if uid in self._busy:
             if uid not in self._warned:  # once: every create past it would say it again
                 self._warned.add(uid)
