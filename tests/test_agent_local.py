@@ -13,6 +13,7 @@ import hashlib
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -327,3 +328,36 @@ def test_tenants_take_turns_on_the_model(provider: LocalProvider) -> None:
 
     asyncio.run(run())
     assert done == ["alice", "bob", "alice", "alice", "alice"]
+
+
+def test_a_tenants_samples_give_the_model_up_between_replies(provider: LocalProvider) -> None:
+    # Before, generate_many decoded all its samples in one turn: another tenant's call
+    # waited for every one of them (31 samples: 32 s behind, at 1 s a reply; red team).
+    from sandlot.agent.providers.base import CALLER
+
+    finished: dict[str, float] = {}
+
+    async def as_caller(caller: str, work: Any) -> None:
+        token = CALLER.set(caller)
+        try:
+            task = asyncio.ensure_future(work)
+        finally:
+            CALLER.reset(token)
+        await task
+        finished[caller] = time.monotonic()
+
+    async def run() -> list[Any]:
+        samples: list[Any] = []
+
+        async def many() -> None:
+            samples.extend(await provider.generate_many("Name a fruit.", 6, max_tokens=6))
+
+        alice = asyncio.ensure_future(as_caller("alice", many()))
+        await asyncio.sleep(0.05)  # her samples have the turn
+        await as_caller("bob", provider.generate("Name a colour.", max_tokens=2))
+        await alice
+        return samples
+
+    samples = asyncio.run(run())
+    assert finished["bob"] < finished["alice"]
+    assert len(samples) == 6 and not any(isinstance(s, ProviderError) for s in samples)

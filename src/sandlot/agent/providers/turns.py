@@ -25,6 +25,11 @@ class FairTurns:
     def locked(self) -> bool:
         return self._held
 
+    def others_waiting(self) -> bool:
+        """Whether any call waits for the turn; safe to ask from the model's own thread (one
+        read of a dict's size), so that a long job can end early and queue again."""
+        return bool(self._waiting)
+
     def waiting(self) -> dict[str | None, int]:
         """How many calls each caller has waiting (for tests and metrics)."""
         return {caller: len(queue) for caller, queue in self._waiting.items()}
