@@ -178,6 +178,38 @@ def test_a_stream_client_may_still_queue_its_next_task(server: Server) -> None:
         assert second != first
 
 
+def test_a_stream_keeps_no_large_message_and_echoes_no_input(server: Server) -> None:
+    # Failed before (red team, 2026-12-06): a 4 MiB message was held while a task ran (41
+    # MiB a socket) and a task too long came back whole in its error (4 MiB a frame).
+    from websockets.sync.client import connect
+
+    ws_url = server.url.replace("http://", "ws://") + "/stream"
+    with connect(ws_url, open_timeout=10, additional_headers=server.headers("other")) as ws:
+        ws.send(json.dumps({"task": "x" * 1_000_000}))
+        error = json.loads(ws.recv(timeout=10))
+        assert error["error"]["code"] == "invalid_request", error
+        assert "larger than this stream takes" in error["error"]["message"]
+        ws.send(json.dumps({"task": "y" * 30_000}))  # under the size, over max_length
+        frame = ws.recv(timeout=10)
+        assert len(frame) < 2_000 and "yyyy" not in frame, frame[:200]
+        assert json.loads(frame)["error"]["code"] == "invalid_config"
+
+
+def test_a_send_on_a_closed_socket_is_a_disconnect() -> None:
+    # Failed before (red team, 2026-12-06): the server closed a socket whose client missed
+    # its pings, and the task's error frame then raised RuntimeError: an ASGI traceback.
+    from fastapi import WebSocketDisconnect
+
+    from sandlot.server.outbox import send_or_gone
+
+    class Closed:
+        async def send_json(self, data: Any) -> None:
+            raise RuntimeError("Unexpected ASGI message 'websocket.send'")
+
+    with pytest.raises(WebSocketDisconnect):
+        asyncio.run(send_or_gone(Closed(), {"type": "error"}))  # type: ignore[arg-type]
+
+
 def test_a_task_ends_with_its_key(server: Server) -> None:
     store = AuthStore(server.data_dir / "sandlot.db")
     key_id, key = store.create_key("revoked", "user")

@@ -580,7 +580,8 @@ class Settings(BaseSettings):
         gt=0,
         validation_alias=_env("API_STREAM_MESSAGES_PER_SECOND", "stream_messages_per_s"),
         description="Messages (input, stdin, resizes) all of one tenant's WebSocket streams "
-        "are read at, past a burst of twice as many; a client that sends faster waits.",
+        "are read at, past a burst of twice as many, a message counting once more for each "
+        "16 KiB of it; a client that sends faster waits.",
     )
     ws_max_message_kb: int = Field(
         default=4096,

@@ -52,6 +52,9 @@ SANDBOX_CHECK_S = 1.0  # how often a task looks whether its sandbox was destroye
 # Messages a `WS /stream` client sent while its task runs, kept for after it; past them the
 # socket is not read until the task ends (the client's kernel holds the rest).
 PENDING_MESSAGES = 4
+# A task message's largest JSON: MAX_TASK_CHARS characters, each escaped to at most 12 bytes
+# (a surrogate pair), and the other fields. A larger one is kept only as its size.
+MAX_TASK_MESSAGE_BYTES = 12 * MAX_TASK_CHARS + 16 * 1024
 T = TypeVar("T")
 
 
@@ -224,6 +227,10 @@ class _Inbox:
                 self.gone.set()
                 await self._pending.put(message)
                 return
+            size = len(message.get("text") or message.get("bytes") or b"")
+            if size > MAX_TASK_MESSAGE_BYTES:
+                # Not kept while it waits: 4 MiB messages held 41 MiB a socket (red team).
+                message = {"type": "websocket.receive", "oversize": size}
             await self._pending.put(message)
 
     async def get(self) -> Message:
@@ -262,7 +269,7 @@ async def stream(websocket: WebSocket) -> None:
             try:
                 message = await outbox_.read_message(await inbox.get(), pace)
             except InvalidRequest as exc:
-                await websocket.send_json(error_message(exc))
+                await outbox_.send_or_gone(websocket, error_message(exc))
                 continue
             await _one_task(websocket, state, message, inbox)
     except WebSocketDisconnect:
@@ -290,16 +297,18 @@ def _task_of(message: Any) -> AgentTaskRequest:
     try:
         return AgentTaskRequest.model_validate(message)
     except ValidationError as exc:
-        raise ConfigError(f"invalid task message: {exc.errors(include_url=False)}") from exc
+        # Without the input: a 4 MiB task came back in a 4 MiB error (red team).
+        errors = exc.errors(include_url=False, include_input=False)
+        raise ConfigError(f"invalid task message: {errors}") from exc
 
 
 async def _one_task(websocket: WebSocket, state: ServerState, message: Any, inbox: _Inbox) -> None:
     async def send_event(event: AgentEvent) -> None:
-        try:
-            await websocket.send_json({"type": "event", "event": event.model_dump(mode="json")})
-        except (RuntimeError, OSError) as exc:
-            # The client left: end the task (its sandbox is destroyed on the way out).
-            raise WebSocketDisconnect(1001) from exc
+        # The client left: WebSocketDisconnect ends the task (its sandbox is destroyed on
+        # the way out).
+        await outbox_.send_or_gone(
+            websocket, {"type": "event", "event": event.model_dump(mode="json")}
+        )
 
     # Every task is a request: the key is checked (revoked?) and rate-limited again.
     who = await _authenticate(websocket, state)
@@ -309,11 +318,13 @@ async def _one_task(websocket: WebSocket, state: ServerState, message: Any, inbo
             stream_jobs.watch_key(state, websocket),
             inbox.hung_up(),
         )
-        await websocket.send_json({"type": "result", "result": result.model_dump(mode="json")})
+        await outbox_.send_or_gone(
+            websocket, {"type": "result", "result": result.model_dump(mode="json")}
+        )
     except SandboxError as exc:
         if inbox.gone.is_set():
             raise WebSocketDisconnect(1001) from exc  # nobody to tell
-        await websocket.send_json(error_message(exc))
+        await outbox_.send_or_gone(websocket, error_message(exc))
         if isinstance(exc, AuthenticationError):
             with contextlib.suppress(RuntimeError, OSError):
                 await websocket.close(code=1008)
@@ -324,12 +335,13 @@ async def _one_task(websocket: WebSocket, state: ServerState, message: Any, inbo
         # A fault of ours is the one task's: the socket stays, typed, for the next (it was
         # dropped with an ASGI traceback and no close frame: red team, 2026-12-06).
         log.exception("agent task failed", request_id=websocket.state.request_id)
-        await websocket.send_json(
+        await outbox_.send_or_gone(
+            websocket,
             {
                 "type": "error",
                 "error": {
                     "code": "internal_error",
                     "message": "internal error; the request id is in the server log",
                 },
-            }
+            },
         )

@@ -93,11 +93,12 @@ class Pace:
         self.tolerance_s = (burst - 1) * self.interval_s
         self._next_s = 0.0  # when the bucket is empty again (monotonic)
 
-    async def wait(self) -> None:
-        """Take one message's turn, waiting for it past the burst."""
+    async def wait(self, units: int = 1) -> None:
+        """Take ``units`` messages' turns (a large message counts as several), waiting for
+        them past the burst."""
         now = time.monotonic()
         due = max(self._next_s, now)
-        self._next_s = due + self.interval_s
+        self._next_s = due + units * self.interval_s
         delay_s = due - now - self.tolerance_s
         if delay_s > 0:
             await asyncio.sleep(delay_s)
