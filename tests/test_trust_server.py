@@ -1004,6 +1004,33 @@ def test_a_streams_messages_are_read_at_its_tenants_pace(data_root: Path) -> Non
         assert took_s >= 2.5, took_s
 
 
+def test_a_large_body_costs_its_key_more_of_its_rate(data_root: Path) -> None:
+    """Failed before (a sibling of the red team's stream find, 2026-12-06): a body cost one
+    request whatever its size, and the server parses JSON on its one event loop (an 8 MiB
+    array ~130 ms), so one key's 50 a second held it for everyone. Each 256 KiB now costs
+    one more request: a 4 MiB body is 17 of a burst of 10, and the key waits."""
+    env = {
+        **LIMITS,
+        "API_MAX_BODY_MB": "8",
+        "API_RATE_LIMIT_PER_SECOND": "5",
+        "API_RATE_LIMIT_BURST": "10",
+    }
+    with _serving(data_root / "trust-body-cost", env) as server:
+        headers = {"Authorization": f"Bearer {server.key}", "Content-Type": "application/json"}
+        body = b'{"code": [' + b",".join([b"0"] * (2 << 20)) + b"]}"  # 4 MiB
+        url = server.url + "/v1/sandboxes/sb-0123456789abcdef/code"
+        first = httpx.post(url, content=body, headers=headers, timeout=30)
+        assert first.status_code in (404, 422), first.text  # admitted, then refused
+        after = httpx.get(server.url + "/v1/sandboxes", headers=headers, timeout=10)
+        assert after.status_code == 429, after.text  # before: 9 requests of the burst left
+        assert after.json()["error"]["code"] == "rate_limited"
+        small = b'{"code": "1"}'
+        time.sleep(float(after.headers.get("retry-after", "1")))
+        while (again := httpx.post(url, content=small, headers=headers)).status_code == 429:
+            time.sleep(0.2)
+        assert again.status_code == 404, again.text  # small bodies go on at the rate
+
+
 def test_a_streams_large_messages_cost_its_pace_by_their_size(data_root: Path) -> None:
     """Failed before (red team, 2026-12-06): the pace counted messages, not bytes, so 37
     messages a second of 4 MiB, far under it, took 98% of a core to parse and another

@@ -39,6 +39,8 @@ ADMIN_PATHS = frozenset({"/metrics"})
 # Uploads: the raw PUT and the multipart POST stream their bodies to the route.
 UPLOAD_ROUTE = re.compile(r"^/v1/sandboxes/[^/]+/files(/content)?$")
 MULTIPART_SLACK_BYTES = 64 * 1024  # boundaries and part headers around an upload
+# A body (not an upload) costs its key one request of its rate for each this many bytes.
+BODY_BYTES_PER_REQUEST = 256 * 1024
 
 
 class RequestGuard:
@@ -71,7 +73,13 @@ class RequestGuard:
                     f"send less, or raise {option}"
                 )
             if not upload and scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
-                receive = await _buffered(receive, cap, option)
+                receive, size = await _buffered(receive, cap, option)
+                if held is not None:
+                    # Parsing is paid on the server's one event loop: an 8 MiB JSON array
+                    # takes it ~130 ms, so 50 such requests a second from one key held it
+                    # for good (red team's sibling, 2026-12-06). Each 256 KiB of a body
+                    # costs its key one more request of its rate.
+                    self.state.limiter.charge(held.key_id, size // BODY_BYTES_PER_REQUEST)
         except SandboxError as exc:
             if held is not None:
                 self.state.open_requests.release(held.tenant)
@@ -115,8 +123,9 @@ class RequestGuard:
         return path in PUBLIC_PATHS
 
 
-async def _buffered(receive: Receive, cap_bytes: int, option: str) -> Receive:
-    """Read the whole body now (at most ``cap_bytes``) and replay it as one message.
+async def _buffered(receive: Receive, cap_bytes: int, option: str) -> tuple[Receive, int]:
+    """Read the whole body now (at most ``cap_bytes``) and replay it as one message; its
+    size too.
 
     Raises:
         RequestTooLarge: the body went past the cap (the rest is left unread).
@@ -125,7 +134,7 @@ async def _buffered(receive: Receive, cap_bytes: int, option: str) -> Receive:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return _replay(message, receive)
+            return _replay(message, receive), len(body)
         body += message.get("body", b"")
         if len(body) > cap_bytes:
             raise RequestTooLarge(
@@ -133,7 +142,8 @@ async def _buffered(receive: Receive, cap_bytes: int, option: str) -> Receive:
             )
         if not message.get("more_body", False):
             break
-    return _replay({"type": "http.request", "body": bytes(body), "more_body": False}, receive)
+    replay = _replay({"type": "http.request", "body": bytes(body), "more_body": False}, receive)
+    return replay, len(body)
 
 
 def _replay(first: Message, receive: Receive) -> Receive:

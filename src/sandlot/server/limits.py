@@ -130,6 +130,17 @@ class RateLimiter:
                 )
             self._buckets[key] = (tokens - 1.0, now)
 
+    def charge(self, key: str, tokens: float) -> None:
+        """Take ``tokens`` more for ``key`` without refusing: a request already admitted
+        whose cost showed later (its body's size). The bucket may go below zero, so the
+        key's next requests wait for it."""
+        if tokens <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            left = _refilled(self._buckets.get(key), now, self.rate_per_s, self.burst)
+            self._buckets[key] = (left - tokens, now)
+
 
 # Addresses whose failed authentications are tracked, the most recent first: an address
 # forgotten starts again with its whole burst.
