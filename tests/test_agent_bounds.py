@@ -193,6 +193,10 @@ def test_a_stream_keeps_no_large_message_and_echoes_no_input(server: Server) -> 
         frame = ws.recv(timeout=10)
         assert len(frame) < 2_000 and "yyyy" not in frame, frame[:200]
         assert json.loads(frame)["error"]["code"] == "invalid_config"
+        many_keys = {"task": "print 6", **{str(n): 0 for n in range(20_000)}}
+        ws.send(json.dumps(many_keys))  # one error, not one a key (red team: 2.5 MB each)
+        frame = ws.recv(timeout=10)
+        assert len(frame) < 2_000 and "unknown fields" in frame, frame[:200]
 
 
 def test_a_send_on_a_closed_socket_is_a_disconnect() -> None:

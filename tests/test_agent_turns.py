@@ -89,3 +89,22 @@ def test_a_cancelled_waiter_leaves_the_queue_and_a_cancelled_holder_passes_the_t
         await asyncio.wait_for(turns.acquire("e"), 1)  # free again, at once
 
     asyncio.run(run())
+
+
+def test_only_another_callers_wait_asks_a_long_job_to_give_way() -> None:
+    # A caller's own queued calls do not split its samples: that only made it read its
+    # prompt again for each (red team, 2026-12-06).
+    async def run() -> None:
+        turns = FairTurns()
+        await turns.acquire("a")
+        own = asyncio.create_task(turns.acquire("a"))
+        await asyncio.sleep(0)
+        assert not turns.others_waiting("a")
+        other = asyncio.create_task(turns.acquire("b"))
+        await asyncio.sleep(0)
+        assert turns.others_waiting("a") and turns.others_waiting("b")
+        for task in (own, other):
+            task.cancel()
+        await asyncio.gather(own, other, return_exceptions=True)
+
+    asyncio.run(run())

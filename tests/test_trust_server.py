@@ -1031,6 +1031,71 @@ def test_a_large_body_costs_its_key_more_of_its_rate(data_root: Path) -> None:
         assert again.status_code == 404, again.text  # small bodies go on at the rate
 
 
+def test_a_bodys_declared_size_is_charged_before_it_is_read(data_root: Path) -> None:
+    """Failed before (red team, 2026-12-06): the rate was checked on the headers and the
+    size charged once the body was read, so 90 bodies of 8 MiB sent at once all passed on
+    the key's burst (690 MB of the server's memory). A body that declares more than the key
+    has left is refused before a byte of it is read (here it never sends one)."""
+    import socket
+
+    env = {
+        **LIMITS,
+        "API_MAX_BODY_MB": "8",
+        "API_RATE_LIMIT_PER_SECOND": "0.5",
+        "API_RATE_LIMIT_BURST": "10",
+    }
+    with _serving(data_root / "trust-body-declared", env) as server:
+        listed = httpx.get(
+            server.url + "/v1/sandboxes", headers={"Authorization": f"Bearer {server.key}"}
+        )
+        assert listed.status_code == 200  # 9 of the burst left: the body's 16 need 9 more
+        host, port = server.url.removeprefix("http://").split(":")
+        head = (
+            f"POST /v1/sandboxes/sb-0123456789abcdef/code HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: Bearer {server.key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {4 << 20}\r\n\r\n"
+        ).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(head)
+            answer = b""
+            while b"}}" not in answer and (more := conn.recv(4096)):  # headers, then body
+                answer += more
+        # Before: the server waited for the body, and answered its idle timeout instead.
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
+        assert b"its body's size" in answer, answer
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/sandboxes/sb-0123456789abcdef/code", {"code": "1"}),
+        ("/v1/sandboxes/sb-0123456789abcdef/commands", {"command": "true", "env": None}),
+        ("/execute", {"task": "print 6"}),
+    ],
+    ids=["code", "command-env", "execute"],
+)
+def test_many_unknown_fields_are_one_short_error(server: Server, path: str, body: dict) -> None:
+    """Failed before (red team, 2026-12-06): each unknown field was an error of its own, so
+    a 256 KiB body of 25,000 keys took the server's loop 150-400 ms and came back as a 1-3
+    MB error, for one request of its key's rate; an env of 25,000 values the same."""
+    headers = {"Authorization": f"Bearer {server.key}"}
+    if "env" in body:
+        body = {**body, "env": {str(n): n for n in range(25_000)}}
+    else:
+        body = {**body, **{str(n): 0 for n in range(25_000)}}
+    answer = httpx.post(server.url + path, json=body, headers=headers, timeout=30)
+    assert answer.status_code == 422, answer.text[:300]
+    assert len(answer.content) < 1_000, len(answer.content)
+    message = answer.json()["error"]["message"]
+    assert "unknown field" in message or "at most 256" in message, message
+    query = "&".join(f"{n}=" for n in range(5_000))
+    stat = httpx.get(
+        server.url + f"/v1/sandboxes/sb-0123456789abcdef/files/stat?path=x&{query}",
+        headers=headers,
+    )
+    assert stat.status_code == 422 and len(stat.content) < 1_000, stat.text[:300]
+
+
 def test_a_streams_large_messages_cost_its_pace_by_their_size(data_root: Path) -> None:
     """Failed before (red team, 2026-12-06): the pace counted messages, not bytes, so 37
     messages a second of 4 MiB, far under it, took 98% of a core to parse and another

@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterable
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from sandlot._strict import Strict
 from sandlot.guest.wire import EXIT_CODE_MAX, EXIT_CODE_MIN, nests_within
 
 # "cpu" is no longer produced: no CPU-time limit (RLIMIT_CPU) is set, so a death by SIGXCPU
@@ -23,8 +24,8 @@ OutputCallback = Callable[[str], None]
 DataCallback = Callable[[bytes], None]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Model(Strict):
+    pass
 
 
 class ExecError(_Model):

@@ -15,8 +15,9 @@ import base64
 import json
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationError
 
+from sandlot._strict import Strict, at_most
 from sandlot.config import explain_invalid
 from sandlot.errors import ConfigError, InvalidRequest
 from sandlot.models import SandboxLimits
@@ -44,8 +45,8 @@ R = TypeVar("R", bound=BaseModel)
 RANGE_MAX_BYTES = 4 << 20
 
 
-class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Request(Strict):
+    pass
 
 
 def _utf8(value: str) -> bool:
@@ -100,7 +101,9 @@ def _env_ok(env: dict[str, str] | None) -> dict[str, str] | None:
     return env
 
 
-Env = Annotated[dict[str, str] | None, AfterValidator(_env_ok)]
+Env = Annotated[
+    dict[str, str] | None, BeforeValidator(at_most(MAX_ENV_VARS, "env")), AfterValidator(_env_ok)
+]
 
 
 def _labels_ok(labels: dict[str, str] | None) -> dict[str, str] | None:
@@ -110,7 +113,11 @@ def _labels_ok(labels: dict[str, str] | None) -> dict[str, str] | None:
     return labels
 
 
-Labels = Annotated[dict[str, str] | None, AfterValidator(_labels_ok)]
+Labels = Annotated[
+    dict[str, str] | None,
+    BeforeValidator(at_most(MAX_METADATA_KEYS, "metadata")),
+    AfterValidator(_labels_ok),
+]
 
 
 class SandboxSpec(SandboxLimits):

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sandlot._strict import problems
 from sandlot._version import __version__
 from sandlot.config import Settings, get_settings
 from sandlot.core import SandboxManager
@@ -249,12 +250,9 @@ async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
-    )
-    return error_response(
-        422, "invalid_request", problems or "invalid request", _request_id(request)
-    )
+    # At most ten, each without its location's first part ("body", "query").
+    said = problems([{**e, "loc": e["loc"][1:]} for e in exc.errors()])
+    return error_response(422, "invalid_request", said or "invalid request", _request_id(request))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -111,24 +111,27 @@ class RateLimiter:
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill)
         self._lock = threading.Lock()
 
-    def check(self, key: str) -> None:
-        """Take one token for ``key``.
+    def check(self, key: str, cost: float = 1.0) -> None:
+        """Take ``cost`` tokens for ``key`` (a cost past the burst needs the bucket full but
+        for the request's own token, and leaves it below zero).
 
         Raises:
-            RateLimited: the bucket is empty; ``retry_after_s`` says when one token is back.
+            RateLimited: not enough tokens; ``retry_after_s`` says when there will be.
         """
         now = time.monotonic()
+        needed = min(cost, float(max(self.burst - 1, 1)))
         with self._lock:
             tokens = _refilled(self._buckets.get(key), now, self.rate_per_s, self.burst)
-            if tokens < 1.0:
+            if tokens < needed:
                 self._buckets[key] = (tokens, now)
-                retry_after_s = (1.0 - tokens) / self.rate_per_s
+                retry_after_s = (needed - tokens) / self.rate_per_s
+                counted = f" (this one counts as {cost:g}: its body's size)" if cost > 1 else ""
                 raise RateLimited(
-                    f"over {self.rate_per_s:g} requests/s for this API key; retry in "
+                    f"over {self.rate_per_s:g} requests/s for this API key{counted}; retry in "
                     f"{retry_after_s:.2f} s or raise API_RATE_LIMIT_PER_SECOND",
                     retry_after_s=retry_after_s,
                 )
-            self._buckets[key] = (tokens - 1.0, now)
+            self._buckets[key] = (tokens - cost, now)
 
     def charge(self, key: str, tokens: float) -> None:
         """Take ``tokens`` more for ``key`` without refusing: a request already admitted

@@ -5,13 +5,14 @@ The requests of our own verbs are :mod:`sandlot.requests`, shared with the SDK a
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from sandlot._strict import Strict
 from sandlot.requests import MAX_SOURCE_CHARS, SANDBOX_ID_PATTERN, NoNul
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Body(Strict):
+    pass
 
 
 class ErrorDetail(_Body):

@@ -341,21 +341,23 @@ class LocalProvider(Provider):
         so llama.cpp reads it once (each later reply evaluates only its last token) and only
         the first reply is charged for it.
 
-        Each reply is a turn when others wait for the model: the job ends after a reply
-        where another call waits, and the rest queue again behind it (the first of them
-        charged for the prompt, read again). In one turn, 7 samples held another tenant's
+        Each reply is a turn when another tenant waits for the model: the job ends after a
+        reply where another tenant's call waits, and the rest queue again behind it (the
+        first of them charged for the prompt, read again: a tenant whose samples another
+        tenant keeps cutting into pays up to one prompt a sample, the price of the other's
+        turn). In one turn, 7 samples held another tenant's
         call 8 s behind them, 31 samples 32 s, with the fake model at 1 s a reply (red
         team, 2026-12-06).
         """
         seeds = [next(self._seeds) for _ in range(count)]
-        turns = self._shared().turn()
+        turns, caller = self._shared().turn(), CALLER.get()
         replies: list[Completion | ProviderError] = []
 
         def decode_some(llm: Any, stop: threading.Event) -> list[Completion | ProviderError]:
             done: list[Completion | ProviderError] = []
             charged = False  # the prompt, to a reply of this turn
             for seed in seeds[len(replies) :]:
-                if stop.is_set() or (done and turns.others_waiting()):
+                if stop.is_set() or (done and turns.others_waiting(caller)):
                     break
                 stats: dict[str, Any] = {}
                 started = time.monotonic()

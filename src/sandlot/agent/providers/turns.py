@@ -25,10 +25,12 @@ class FairTurns:
     def locked(self) -> bool:
         return self._held
 
-    def others_waiting(self) -> bool:
-        """Whether any call waits for the turn; safe to ask from the model's own thread (one
-        read of a dict's size), so that a long job can end early and queue again."""
-        return bool(self._waiting)
+    def others_waiting(self, caller: str | None) -> bool:
+        """Whether a call of another caller than ``caller`` waits for the turn; safe to ask
+        from the model's own thread (the dict copied in one step), so that a long job can
+        end early and queue again. A caller's own calls do not count: its job splitting for
+        them would only make it read its prompt again (red team, 2026-12-06)."""
+        return any(waiting != caller for waiting in list(self._waiting))
 
     def waiting(self) -> dict[str | None, int]:
         """How many calls each caller has waiting (for tests and metrics)."""
