@@ -88,7 +88,7 @@ def crash_a_manager(
     )
     try:
         assert proc.stdout is not None
-        sandboxes: list[dict[str, Any]] = json.loads(proc.stdout.readline())
+        sandboxes: list[dict[str, Any]] = _json_line(proc.stdout)
         if helpers is not None:
             helpers += _children_of(proc.pid)
     finally:
@@ -97,6 +97,16 @@ def crash_a_manager(
         if proc.stdout is not None:
             proc.stdout.close()
     return sandboxes
+
+
+def _json_line(stdout: Any) -> Any:
+    """The first line of a child's stdout that is JSON: the manager's log lines go there
+    too (a uid another run's sandbox held was logged before the answer: fresh root,
+    2026-12-06)."""
+    for line in stdout:
+        if line.startswith(("[", "{")):
+            return json.loads(line)
+    raise AssertionError("the child ended without its answer")
 
 
 def _children_of(pid: int) -> list[int]:
@@ -323,7 +333,7 @@ async def test_a_pre_instance_data_dir_is_recovered_once(
     )
     try:
         assert proc.stdout is not None
-        ids = json.loads(proc.stdout.readline())
+        ids = _json_line(proc.stdout)
         # While the older sandlot lives, we do not start beside it.
         with pytest.raises(ConfigError, match=f"older sandlot process \\(pid {proc.pid}\\)"):
             await SandboxManager(make_settings(data_dir)).start()
