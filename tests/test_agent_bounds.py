@@ -189,6 +189,11 @@ def test_a_stream_keeps_no_large_message_and_echoes_no_input(server: Server) -> 
         error = json.loads(ws.recv(timeout=10))
         assert error["error"]["code"] == "invalid_request", error
         assert "larger than this stream takes" in error["error"]["message"]
+        # Counted as it is held: 100,000 emoji are 400 KB of the server's memory (a mark
+        # by characters kept them: ~1 MiB a message, red team).
+        ws.send(json.dumps({"task": "\U0001f600" * 100_000}, ensure_ascii=False))
+        error = json.loads(ws.recv(timeout=10))
+        assert "larger than this stream takes" in error["error"]["message"], error
         ws.send(json.dumps({"task": "y" * 30_000}))  # under the size, over max_length
         frame = ws.recv(timeout=10)
         assert len(frame) < 2_000 and "yyyy" not in frame, frame[:200]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import uuid
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
@@ -228,7 +229,8 @@ class _Inbox:
                 self.gone.set()
                 await self._pending.put(message)
                 return
-            size = len(message.get("text") or message.get("bytes") or b"")
+            # In memory, not in characters: text of emoji takes 4 bytes a character.
+            size = sys.getsizeof(message.get("text") or message.get("bytes") or b"")
             if size > MAX_TASK_MESSAGE_BYTES:
                 # Not kept while it waits: 4 MiB messages held 41 MiB a socket (red team).
                 message = {"type": "websocket.receive", "oversize": size}
