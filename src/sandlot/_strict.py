@@ -31,7 +31,7 @@ class Strict(BaseModel):
 
 
 def unknown_fields(keys: Any) -> str:
-    """ "unknown fields: 'a', 'b' and 12 more" for the unknown ``keys``."""
+    """The error for the unknown ``keys``: the first few named, and how many more."""
     unknown = list(keys)
     named = ", ".join(repr(str(k))[:40] for k in unknown[:NAMED_AT_MOST])
     more = len(unknown) - NAMED_AT_MOST

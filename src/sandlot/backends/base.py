@@ -32,6 +32,16 @@ GUEST_PIDS_HEADROOM = 32
 INSTANCE_LOCK = "lock"
 
 
+def lock_held(fd: int) -> bool:
+    """Whether a process holds the ``flock`` of the file open at ``fd`` (probed with a
+    shared lock, which ``fd``'s close gives back)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    return False
+
+
 def instance_dead(instance_dir: Path) -> bool:
     """Whether the manager of ``instance_dir`` is known to be dead: its lock file is there
     and no process holds it. False where it is held, or where there is no lock to look at
@@ -42,12 +52,9 @@ def instance_dead(instance_dir: Path) -> bool:
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
+        return not lock_held(fd)
     finally:
         os.close(fd)
-    return True
 
 
 def instance_of(data_dir: Path) -> str:

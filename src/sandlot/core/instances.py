@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandlot._fs import remove_tree
-from sandlot.backends.base import INSTANCE_LOCK
+from sandlot.backends.base import INSTANCE_LOCK, lock_held
 from sandlot.backends.disk import mounted_below
 from sandlot.config import Settings
 from sandlot.core.store import Elsewhere, Store
@@ -141,11 +141,7 @@ def holder(data_dir: Path, instance_id: str) -> Holder:
         return Holder(instance_id, None, None, alive=False)
     try:
         pid, started_at = _read_owner(fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return Holder(instance_id, pid, started_at, alive=True)
-        return Holder(instance_id, pid, started_at, alive=False)
+        return Holder(instance_id, pid, started_at, alive=lock_held(fd))
     finally:
         os.close(fd)
 

@@ -202,9 +202,13 @@ async def _sandbox_gone(state: ServerState, sandbox_id: str, owner: str | None) 
             )
 
 
+def _client_went_away() -> InvalidRequest:
+    return InvalidRequest("the client went away before the task ended: the task was ended")
+
+
 async def _client_left(request: Request) -> None:
     await client_gone(request)
-    raise InvalidRequest("the client went away before the task ended: the task was ended")
+    raise _client_went_away()
 
 
 class _Inbox:
@@ -241,7 +245,7 @@ class _Inbox:
 
     async def hung_up(self) -> None:
         await self.gone.wait()
-        raise InvalidRequest("the client went away before the task ended: the task was ended")
+        raise _client_went_away()
 
     async def close(self) -> None:
         self._reader.cancel()

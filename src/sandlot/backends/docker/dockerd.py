@@ -165,17 +165,18 @@ def reap_abandoned(client: docker.DockerClient, own_dir: Path) -> list[str]:
     if os.environ.get("DOCKER_HOST", "unix://").split("://", 1)[0] != "unix":
         return []
     listed = client.containers.list(all=True, sparse=True, filters={"label": [LABEL]})
-    by_dir: dict[str, list[Container]] = {}
+    by_dir: dict[str, list[tuple[str, str]]] = {}  # instance dir -> (container, sandbox)
     for container in listed:
-        where = (container.attrs.get("Labels") or {}).get(LABEL_INSTANCE_DIR)
+        labels = container.attrs.get("Labels") or {}
+        where = labels.get(LABEL_INSTANCE_DIR)
         if container.id is not None and where and Path(where) != own_dir:
-            by_dir.setdefault(where, []).append(container)
+            by_dir.setdefault(where, []).append((container.id, labels.get(LABEL_SANDBOX, "?")))
     removed: list[str] = []
     for where, containers in by_dir.items():
         if not instance_dead(Path(where)):
             continue
-        for container in containers:
+        for container_id, sandbox_id in containers:
             with contextlib.suppress(docker.errors.NotFound):
-                client.api.remove_container(str(container.id), force=True)
-                removed.append((container.attrs.get("Labels") or {}).get(LABEL_SANDBOX, "?"))
+                client.api.remove_container(container_id, force=True)
+                removed.append(sandbox_id)
     return removed
