@@ -1065,6 +1065,26 @@ def test_a_bodys_declared_size_is_charged_before_it_is_read(data_root: Path) -> 
         assert b"its body's size" in answer, answer
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keyed"])
+def test_a_public_routes_body_is_never_read(server: Server, keyed: bool) -> None:
+    """Failed before (2026-12-06, a sibling of the body charge): the guard read a POST's
+    body to a public route before its 405, up to API_MAX_BODY_MB, so a keyless client had
+    8 MiB buffered a request, and a key's body there was charged nothing of its rate. A
+    public route takes no body: the 405 comes before a byte of it is sent."""
+    host, port = server.url.removeprefix("http://").split(":")
+    key = f"Authorization: Bearer {server.key}\r\n" if keyed else ""
+    head = (
+        f"POST /health HTTP/1.1\r\nHost: {host}\r\n{key}Content-Type: application/json\r\n"
+        f"Content-Length: {512 << 10}\r\n\r\n"  # under the cap (API_MAX_BODY_MB=1)
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(head)
+        answer = _read_response(conn)  # before: the body awaited, to the idle timeout
+    assert answer.startswith(b"HTTP/1.1 405"), answer[:200]
+    assert b'"method_not_allowed"' in answer, answer
+    assert server.healthy()
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [

@@ -15,7 +15,8 @@ runs first:
    closed unread, as for failed authentications;
 2. a declared ``Content-Length`` over the cap is refused at once;
 3. a JSON body is read here, up to ``API_MAX_BODY_MB``, and handed on; past the cap the
-   request is refused with a typed 413 and the rest is never read. Uploads stream to their
+   request is refused with a typed 413 and the rest is never read. A public route's body
+   is never read: they take none. Uploads stream to their
    route, which counts them against ``API_MAX_UPLOAD_MB`` itself.
 """
 
@@ -72,7 +73,10 @@ class RequestGuard:
                     f"a body of {declared} bytes is over this server's {cap} bytes; "
                     f"send less, or raise {option}"
                 )
-            if not upload and scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
+            # A public route takes no body: its 405 comes unread (read, an 8 MiB body to
+            # /health was buffered for a keyless client, and charged nothing to a key).
+            body_method = scope["method"] in ("POST", "PUT", "PATCH", "DELETE")
+            if held is not None and not upload and body_method:
                 receive = await self._read_body(receive, held, declared, cap, option)
         except SandboxError as exc:
             if held is not None:
@@ -94,7 +98,7 @@ class RequestGuard:
                 self.state.open_requests.release(held.tenant)
 
     async def _read_body(
-        self, receive: Receive, held: Principal | None, declared: str | None, cap: int, option: str
+        self, receive: Receive, held: Principal, declared: str | None, cap: int, option: str
     ) -> Receive:
         """The body read now (see :func:`_buffered`), charged to its key's rate.
 
@@ -105,13 +109,12 @@ class RequestGuard:
         burst, took 690 MB: red team, 2026-12-06), what more it sends once read.
         """
         paid = 0
-        if held is not None and declared is not None and declared.isdigit():
+        if declared is not None and declared.isdigit():
             paid = int(declared) // BODY_BYTES_PER_REQUEST
             if paid:
                 self.state.limiter.check(held.key_id, paid)
         receive, size = await _buffered(receive, cap, option)
-        if held is not None:
-            self.state.limiter.charge(held.key_id, size // BODY_BYTES_PER_REQUEST - paid)
+        self.state.limiter.charge(held.key_id, size // BODY_BYTES_PER_REQUEST - paid)
         return receive
 
     def _admit(self, scope: Scope, headers: Headers) -> Principal | None:
