@@ -329,3 +329,51 @@ async def test_the_hosts_other_mounts_stay_out_of_the_launch_namespace(data_root
     finally:
         subprocess.run(["umount", elsewhere], check=False)
         elsewhere.rmdir()
+
+
+PIN_IN_A_CONTAINER = """
+import os, sys, tempfile
+from pathlib import Path
+from sandlot.backends.bubblewrap import launchns
+where = Path(tempfile.mkdtemp(prefix="sandlot-pins-"))
+failed = []
+cpus = sorted(os.sched_getaffinity(0))
+for n in range(int(sys.argv[1])):
+    os.sched_setaffinity(0, {cpus[n % len(cpus)]})  # its namespace made on each CPU in turn
+    try:
+        launchns.make(where / "pin", where, ["/usr"])
+    except OSError as exc:
+        failed.append(str(exc))
+    launchns.drop(where / "pin")
+where.rmdir()
+print(len(failed), failed[:1])
+"""
+
+
+@pytest.mark.usefixtures("root_bubblewrap")
+def test_the_launch_namespace_is_pinned_from_a_manager_in_a_namespace_of_its_own() -> None:
+    """Failed before (2026-12-06, the fresh-root run's log): a manager whose own mount
+    namespace is not the host's first (a container, a pod, the fresh root's bwrap) had its
+    pin refused with EINVAL in 143 and 216 of 300 tries on 2 CPUs, and ran without a launch
+    namespace: Linux 6.18 deals namespace ids out of per-CPU batches, and refuses to pin a
+    namespace whose id is not above the pinning thread's own. A manager bound to one CPU
+    (here, by turns) has its tries made on the others too."""
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    container = [
+        "bwrap", "--dev-bind", "/", "/", "--bind", "/proc", "/proc", "--unshare-ipc",
+        "--die-with-parent", "--cap-add", "ALL",
+    ]  # fmt: skip
+    # Each container's own namespace was made on one CPU: the pins fail only on CPUs whose
+    # batch is older than that one's, so several containers are tried.
+    for _ in range(6):
+        done = subprocess.run(
+            [*container, sys.executable, "-c", PIN_IN_A_CONTAINER, "20"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(repo / "src")},
+            timeout=120,
+            check=True,
+        )
+        assert done.stdout.startswith("0 "), done.stdout + done.stderr

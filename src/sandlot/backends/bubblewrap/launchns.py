@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import re
 import threading
@@ -44,12 +45,37 @@ def make(pin: Path, clean_below: Path, needs: Sequence[str]) -> None:
     live, or being made, as it is copied) and without every mount that none of ``needs``,
     the paths bwrap and the sandboxes use, lies on or under (:func:`unneeded`).
 
+    The kernel refuses to pin a mount namespace whose id is not above the pinning thread's
+    own (EINVAL: its guard against a namespace holding itself), and since Linux 6.18 a new
+    namespace's id comes from its CPU's batch of ids, which can be older than the one the
+    manager runs in wherever that is not the host's first (a container, a pod, bwrap: 143
+    and 216 of 300 refused in a bwrap on 2 CPUs, 2026-12-06, and the manager ran without).
+    The manager's own namespace's id came from some CPU's batch, and each CPU's ids only
+    grow, so one more try on each CPU finds a newer id unless that CPU is no longer the
+    manager's to use.
+
     Raises:
         OSError: it could not be made or pinned (nothing is left behind).
     """
     if pinned(pin):
         return
     pin.touch(mode=0o600)
+    made = False
+    try:
+        # Every CPU of the machine, not this thread's mask: the thread may be bound to one.
+        cpus = (None, *range(os.cpu_count() or 1))
+        made = any(_make_on(cpu, pin, clean_below, needs) for cpu in cpus)
+    finally:
+        if not made:
+            with contextlib.suppress(OSError):
+                pin.unlink()
+    if not made:
+        raise OSError(errno.EINVAL, f"pin the launch namespace at {pin}: no newer id")
+
+
+def _make_on(cpu: int | None, pin: Path, clean_below: Path, needs: Sequence[str]) -> bool:
+    """One try of :func:`make`, its namespace made on ``cpu`` (None: where the thread is);
+    False if the kernel refused the pin as a namespace older than ours."""
     entered = threading.Event()
     done = threading.Event()
     failure: list[BaseException] = []
@@ -59,6 +85,13 @@ def make(pin: Path, clean_below: Path, needs: Sequence[str]) -> None:
         # This thread moves into the new namespace and stays there until it is pinned: its
         # namespace file is what the pin binds.
         try:
+            if cpu is not None:
+                # This thread only, which ends with the try; a CPU outside the manager's
+                # cpuset is refused (EINVAL), and not tried.
+                try:
+                    os.sched_setaffinity(0, {cpu})
+                except OSError:
+                    return
             _ok(mountns._libc.unshare(CLONE_FS | CLONE_NEWNS), "unshare(CLONE_NEWNS)")
             # Private all the way down: nothing mounted on the host later (other sandboxes'
             # volumes, docker's layers) reaches it, and nothing made in it reaches the host.
@@ -78,21 +111,20 @@ def make(pin: Path, clean_below: Path, needs: Sequence[str]) -> None:
     thread.start()
     try:
         entered.wait()
-        if not failure:
-            source = os.fsencode(f"/proc/self/task/{tid[0]}/ns/mnt")
-            _ok(
-                mountns._libc.mount(source, os.fsencode(pin), None, ctypes.c_ulong(MS_BIND), None),
-                f"pin the launch namespace at {pin}",
-            )
-    except BaseException as exc:
-        failure.append(exc)
+        if failure:
+            raise failure[0]
+        if not tid:
+            return False  # the CPU was not ours
+        source = os.fsencode(f"/proc/self/task/{tid[0]}/ns/mnt")
+        flags = ctypes.c_ulong(MS_BIND)
+        if mountns._libc.mount(source, os.fsencode(pin), None, flags, None) == 0:
+            return True
+        if (err := ctypes.get_errno()) != errno.EINVAL:
+            raise OSError(err, f"pin the launch namespace at {pin}")
+        return False
     finally:
         done.set()
         thread.join()
-    if failure:
-        with contextlib.suppress(OSError):
-            pin.unlink()
-        raise failure[0]
 
 
 def _mount_points() -> list[str]:
