@@ -363,6 +363,41 @@ def test_the_artifact_usage_kept_in_step_is_the_sum_of_the_rows(tmp_path: Path) 
         store.close()
 
 
+def test_an_artifacts_download_looks_up_its_one_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failed before (red team, 2026-12-06): finding one kept artifact read every row of
+    its sandbox into models, on the event loop: 35-100 ms a download of 1 byte with 10,000
+    kept, and another tenant's GET from 1.6 to 130 ms median. Now one row by its key."""
+    from sandlot.core.artifacts import Artifacts
+    from sandlot.core.store import Store
+
+    store = Store(tmp_path / "store.db", "one")
+    try:
+        assert store.reserve_artifact("acme", "sb-a", "kept.txt", 1, None)
+        assert store.reserve_artifact("acme", "sb-a", "pending.txt", 1, None)
+        store.add_artifact(
+            ArtifactInfo(sandbox_id="sb-a", path="kept.txt", size_bytes=1, sha256="x", created_at=0)
+        )
+        artifacts = Artifacts(tmp_path, store)
+        (tmp_path / "artifacts" / "sb-a").mkdir(parents=True)
+        (tmp_path / "artifacts" / "sb-a" / "kept.txt").write_text("k")
+        (tmp_path / "artifacts" / "sb-a" / "pending.txt").write_text("p")
+
+        def every_row(sandbox_id: str) -> None:
+            raise AssertionError("a download read every row of its sandbox")
+
+        monkeypatch.setattr(store, "artifacts", every_row)
+        assert artifacts.path("sb-a", "kept.txt").read_text() == "k"
+        for missing in ("pending.txt", "other.txt"):  # still being copied, or never kept
+            with pytest.raises(SandboxFileNotFound):
+                artifacts.path("sb-a", missing)
+        with pytest.raises(SandboxFileNotFound):
+            artifacts.path("sb-b", "kept.txt")
+    finally:
+        store.close()
+
+
 def test_artifact_reservations_count_across_processes_sharing_a_store(tmp_path: Path) -> None:
     from sandlot.core.store import PENDING_ARTIFACT_TTL_S, Store
 

@@ -251,7 +251,7 @@ class Artifacts:
         Raises:
             SandboxFileNotFound: the sandbox kept no such artifact.
         """
-        if path not in {a.path for a in self.list(sandbox_id)}:
+        if not self.store.kept(sandbox_id, path):
             raise SandboxFileNotFound(f"sandbox {sandbox_id} kept no artifact {path!r}")
         kept = self._dir(sandbox_id) / path
         if not kept.is_file():  # a record must name a file; a 404, not a 500, if it does not
