@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import errno
 import hashlib
+import json
 import os
 import secrets
 import select
@@ -1861,6 +1862,30 @@ def test_a_listing_of_long_deep_names_is_bounded_in_bytes(jail: Sandbox, host: H
     assert made.ok, describe(made)
     assert len(jail.files.list("many")) == 1500
     jail.commands.run(f"cd /workspace && rm -rf {name} many")
+    assert_usable(jail)
+
+
+@pytest.mark.hostile
+def test_a_listing_of_control_character_names_is_bounded_as_written(
+    jail: Sandbox, host: Host
+) -> None:
+    # Failed before (red team, 2026-12-06): the bound counted a name's UTF-8 bytes, and JSON
+    # writes a control character as 6 (\u0001), so 7,000 names of 255 of them listed 6,241
+    # entries: a 19.6 MB frame and answer under the "4 MiB" bound.
+    made = jail.run_code(
+        "import os\n"
+        "os.mkdir('ctl')\n"
+        "name = ''.join(chr(1 + i % 31) for i in range(250))\n"
+        "for i in range(7000):\n"
+        "    os.close(os.open('ctl/%05d' % i + name, os.O_CREAT | os.O_WRONLY))\n",
+        timeout_s=60,
+    )
+    assert made.error is None, made.error
+    entries = jail.files.list("ctl")
+    written = sum(len(json.dumps(e.name + e.path)) - 2 + 160 for e in entries)  # no quotes
+    assert 0 < written <= 4 << 20, (len(entries), written)  # before: ~19.6 MB
+    assert entries.truncated is not None
+    jail.commands.run("rm -rf /workspace/ctl", timeout_s=60)
     assert_usable(jail)
 
 
