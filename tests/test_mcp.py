@@ -439,3 +439,45 @@ async def test_a_session_whose_sandbox_could_not_be_made_leaves_nothing_behind()
         with pytest.raises(QuotaExceeded):
             await defaults.get(("acme", f"session-{n}"), AtQuota())  # type: ignore[arg-type]
     assert defaults._locks == {} and defaults._entries == {}
+
+
+def test_an_mcp_listing_costs_its_key_by_its_entries(data_root: Path) -> None:
+    """As over REST (test_trust_server.py): each 256 entries of a listing cost one more
+    request of the key's rate, so MCP's list_files is no cheaper way to make the server build
+    them. Two tenants make the same calls; one lists 2,560 entries three times, the other
+    ten: the first has 3 x 10 requests less left."""
+    import httpx
+
+    from sandlot.server.auth import AuthStore
+    from tests.conftest import start_server, stop_server
+
+    data_dir = data_root / "mcp-entries"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    keys = {who: store.create_key(who, "user")[1] for who in ("acme", "globex")}
+    store.close()
+    env = {"API_RATE_LIMIT_PER_SECOND": "0.01", "API_RATE_LIMIT_BURST": "300"}
+    process, url, _log = start_server(data_dir, env)
+
+    async def session_of(who: str, files: int) -> None:
+        headers = {"Authorization": f"Bearer {keys[who]}"}
+        async with http_session(url + "/mcp", headers) as session:
+            made = f"import os\nos.mkdir('d')\nfor i in range({files}): open(f'd/{{i}}', 'w')"
+            assert not (await session.call_tool("run_code", {"code": made})).is_error
+            for _ in range(3):
+                listed = await session.call_tool("list_files", {"path": "d"})
+                assert texts(listed)[0].count("\n") == files - 1
+
+    def left(who: str) -> int:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {keys[who]}"}) as http:
+            for spent in range(400):
+                if http.get("/v1/sandboxes").status_code == 429:
+                    return spent
+        raise AssertionError("no 429 in 400 requests")
+
+    try:
+        asyncio.run(session_of("acme", 2560))
+        asyncio.run(session_of("globex", 10))
+        assert left("globex") - left("acme") == 3 * 2560 // 256  # before: 0
+    finally:
+        stop_server(process)

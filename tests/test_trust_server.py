@@ -1065,6 +1065,62 @@ def test_a_bodys_declared_size_is_charged_before_it_is_read(data_root: Path) -> 
         assert b"its body's size" in answer, answer
 
 
+def _rate_left(server: Server, headers: dict[str, str]) -> int:
+    """How many cheap requests the key has left: GETs until the first 429 (each costs one)."""
+    with httpx.Client(base_url=server.url, headers=headers) as http:
+        for spent in range(300):
+            if http.get("/v1/sandboxes").status_code == 429:
+                return spent
+    raise AssertionError("no 429 in 300 requests")
+
+
+MANY_FILES = (
+    "import os\nos.mkdir('d')\n"
+    "for i in range(8000):\n    open('d/%05d' % i + 'x' * 95, 'w').close()"
+)
+
+
+def test_a_listing_costs_its_key_by_its_size_and_its_entries(data_root: Path) -> None:
+    """Failed before (red team, 2026-12-06): a listing of 25,900 entries took ~170 ms of
+    the event loop and cost one request; 4 a second, twelve times under the rate, had the
+    server at 72% of a core and another tenant's GET from 1.4 to 76 ms median. Each 256 KiB
+    of a JSON answer now costs one more, and each 256 entries of a listing: these 8,000
+    entries (~2.4 MB) ~40 more, through every route that lists."""
+    env = {**LIMITS, "API_RATE_LIMIT_PER_SECOND": "0.01", "API_RATE_LIMIT_BURST": "200"}
+    with _serving(data_root / "trust-answer-cost", env) as server:
+        headers = {"Authorization": f"Bearer {server.key}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+            sid = http.post("/v1/sandboxes", json={"disk_mb": 64}).json()["id"]
+            assert http.post(f"/v1/sandboxes/{sid}/code", json={"code": MANY_FILES}).is_success
+            listed = http.get(f"/v1/sandboxes/{sid}/files", params={"path": "d"})
+            assert listed.status_code == 200 and len(listed.json()) == 8000
+            by_size = len(listed.content) // (256 * 1024)
+            assert by_size >= 8
+            seed = http.get(f"/api/e2b/files/{sid}", params={"path": "d"})
+            assert len(seed.json()) == 8000
+            # 200 less create, code, two listings, their size and their entries; before: 196
+            cost = 4 + 2 * by_size + 2 * (8000 // 256)
+            assert _rate_left(server, headers) == 200 - cost
+
+
+def test_an_upload_and_a_download_cost_their_key_by_their_size(data_root: Path) -> None:
+    """Failed before (red team, 2026-12-06): a 100 MB upload took ~0.5 s of the server's CPU
+    and cost one request, as did a download. Each MiB of either now costs one more, and an
+    upload that declares more than its key has left is refused before it is read."""
+    env = {**LIMITS, "API_RATE_LIMIT_PER_SECOND": "0.01", "API_RATE_LIMIT_BURST": "20"}
+    with _serving(data_root / "trust-transfer-cost", env) as server:
+        headers = {"Authorization": f"Bearer {server.key}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+            sid = http.post("/v1/sandboxes", json={"disk_mb": 64}).json()["id"]
+            url, blob = f"/v1/sandboxes/{sid}/files/content", os.urandom(3 << 20)
+            assert http.put(url, params={"path": "blob"}, content=blob).is_success
+            assert http.get(url, params={"path": "blob"}).content == blob
+            # 11 left: 12 MiB more would cost 13 (before: it was written, for one)
+            refused = http.put(url, params={"path": "big"}, content=os.urandom(12 << 20))
+            assert refused.status_code == 429 and "its body's size" in refused.text, refused.text
+            assert _rate_left(server, headers) == 20 - 1 - 4 - 4 - 1  # before: 16 left
+
+
 @pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keyed"])
 def test_a_public_routes_body_is_never_read(server: Server, keyed: bool) -> None:
     """Failed before (2026-12-06, a sibling of the body charge): the guard read a POST's

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from sandlot._strict import Strict
 from sandlot.guest.wire import EXIT_CODE_MAX, EXIT_CODE_MIN, nests_within
@@ -26,6 +26,16 @@ DataCallback = Callable[[bytes], None]
 
 class _Model(Strict):
     pass
+
+
+class _Entry(BaseModel):
+    """An item of a long list the host builds from a sandbox's reply or its own store (a
+    listing's 100,000 entries, a sandbox's 10,000 kept artifacts), never from a client's
+    request: unknown fields are refused by pydantic alone. ``Strict``'s check, a Python call
+    an item, was a third of a 25,900-entry listing's ~100 ms on the event loop (2026-12-06);
+    an item that comes with unknown fields fails by itself, a few errors at most."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class ExecError(_Model):
@@ -270,7 +280,7 @@ class SandboxInfo(_Model):
     )
 
 
-class FileInfo(_Model):
+class FileInfo(_Entry):
     name: str
     path: str = Field(description="Path relative to /workspace.")
     type: Literal["file", "dir", "symlink", "other"]
@@ -299,7 +309,7 @@ LISTING_TRUNCATED = (
 )
 
 
-class ArtifactInfo(_Model):
+class ArtifactInfo(_Entry):
     sandbox_id: str
     path: str = Field(description="Path relative to /workspace/artifacts.")
     size_bytes: int

@@ -23,7 +23,8 @@ from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteF
 from sandlot.server.agent import AgentTaskRequest, execute_task
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, caller, state_of
-from sandlot.server.routes import ERRORS, said_if_cut
+from sandlot.server.metering import charge_entries
+from sandlot.server.routes import ERRORS, listing_response
 from sandlot.server.schemas import (
     CreateSessionResponse,
     LegacyExecuteRequest,
@@ -146,6 +147,7 @@ async def api_execute(
         files = await state.manager.list_files(
             body.session_id, ListFiles(path="artifacts", depth=8), owner=who.owner_filter
         )
+    charge_entries(request.scope, len(files))
     return SessionCodeResponse(
         stdout=r.stdout,
         stderr=r.stderr,
@@ -161,13 +163,12 @@ async def api_list_files(
     session_id: SandboxId,
     request: Request,
     who: Caller,
-    response: Response,
     path: Annotated[str, Query(max_length=4096)] = ".",
-) -> list[FileInfo]:
+) -> Response:
     found = await state_of(request).manager.list_files(
         session_id, build(ListFiles, path=path), owner=who.owner_filter
     )
-    return said_if_cut(found, response)
+    return listing_response(found, request)
 
 
 @router.post("/api/e2b/files", response_model=WrittenFile)

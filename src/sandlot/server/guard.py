@@ -16,7 +16,9 @@ runs first:
 2. a declared ``Content-Length`` over the cap is refused at once;
 3. a JSON body is read here, up to ``API_MAX_BODY_MB``, and handed on; past the cap the
    request is refused with a typed 413 and the rest is never read. A public route's body
-   is never read: they take none. Uploads stream to their
+   is never read: they take none;
+4. a keyed request's bytes cost its key more of its rate: its body's and its answer's, by
+   size (``metering.py``). Uploads stream to their
    route, which counts them against ``API_MAX_UPLOAD_MB`` itself.
 """
 
@@ -30,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sandlot.errors import AuthenticationError, KeylessRefused, RequestTooLarge, SandboxError
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, key_from, sandbox_error_response
+from sandlot.server.metering import FILE_BYTES_PER_REQUEST, JSON_BYTES_PER_REQUEST, Meter
 
 PUBLIC_PATHS = frozenset(
     {"/health", "/ready", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
@@ -40,8 +43,6 @@ ADMIN_PATHS = frozenset({"/metrics"})
 # Uploads: the raw PUT and the multipart POST stream their bodies to the route.
 UPLOAD_ROUTE = re.compile(r"^/v1/sandboxes/[^/]+/files(/content)?$")
 MULTIPART_SLACK_BYTES = 64 * 1024  # boundaries and part headers around an upload
-# A body (not an upload) costs its key one request of its rate for each this many bytes.
-BODY_BYTES_PER_REQUEST = 256 * 1024
 
 
 class RequestGuard:
@@ -57,27 +58,14 @@ class RequestGuard:
             return
         headers = Headers(scope=scope)
         held: Principal | None = None
+        meter: Meter | None = None
+        body_bytes = 0
         try:
             held = self._admit(scope, headers)
-            upload = scope["method"] in ("PUT", "POST") and UPLOAD_ROUTE.match(scope["path"])
-            settings = self.state.settings
-            if upload:
-                cap = settings.max_upload_mb * 1024 * 1024 + MULTIPART_SLACK_BYTES
-                option = "API_MAX_UPLOAD_MB"
-            else:
-                cap = settings.max_body_mb * 1024 * 1024
-                option = "API_MAX_BODY_MB"
-            declared = headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > cap:
-                raise RequestTooLarge(
-                    f"a body of {declared} bytes is over this server's {cap} bytes; "
-                    f"send less, or raise {option}"
-                )
-            # A public route takes no body: its 405 comes unread (read, an 8 MiB body to
-            # /health was buffered for a keyless client, and charged nothing to a key).
-            body_method = scope["method"] in ("POST", "PUT", "PATCH", "DELETE")
-            if held is not None and not upload and body_method:
-                receive = await self._read_body(receive, held, declared, cap, option)
+            if held is not None:
+                meter = Meter(self.state.limiter, held.key_id)
+                scope["state"]["meter"] = meter  # a route counts a listing's entries on it
+            receive, body_bytes = await self._bound_body(scope, headers, receive, meter)
         except SandboxError as exc:
             if held is not None:
                 self.state.open_requests.release(held.tenant)
@@ -91,31 +79,52 @@ class RequestGuard:
                 response.headers["connection"] = "close"
             await response(scope, receive, send)
             return
+        if meter is not None:
+            send = meter.send(send)
         try:
             await self.app(scope, receive, send)
         finally:
             if held is not None:
                 self.state.open_requests.release(held.tenant)
+            if meter is not None:
+                meter.charge(body_bytes)  # its body's, upload's and answer's bytes (metering.py)
 
-    async def _read_body(
-        self, receive: Receive, held: Principal, declared: str | None, cap: int, option: str
-    ) -> Receive:
-        """The body read now (see :func:`_buffered`), charged to its key's rate.
+    async def _bound_body(
+        self, scope: Scope, headers: Headers, receive: Receive, meter: Meter | None
+    ) -> tuple[Receive, int]:
+        """``receive`` for the app, and the size of a body read here: one over its cap is
+        refused on its declared size, a JSON body read now (:func:`_buffered`), an upload
+        counted as it streams; a keyed one costs its key by its size (``meter``).
 
-        Parsing is paid on the server's one event loop: an 8 MiB JSON array takes it ~130
-        ms, so 50 such requests a second from one key held it for good (red team's sibling,
-        2026-12-06). Each 256 KiB of a body costs its key one more request of its rate: the
-        size it declares before it is read (90 bodies of 8 MiB, read at once on the key's
-        burst, took 690 MB: red team, 2026-12-06), what more it sends once read.
+        Raises:
+            RequestTooLarge: the body is over its cap.
+            RateLimited: its declared size is more than its key has left.
         """
-        paid = 0
-        if declared is not None and declared.isdigit():
-            paid = int(declared) // BODY_BYTES_PER_REQUEST
-            if paid:
-                self.state.limiter.check(held.key_id, paid)
-        receive, size = await _buffered(receive, cap, option)
-        self.state.limiter.charge(held.key_id, size // BODY_BYTES_PER_REQUEST - paid)
-        return receive
+        upload = scope["method"] in ("PUT", "POST") and UPLOAD_ROUTE.match(scope["path"])
+        settings = self.state.settings
+        if upload:
+            cap = settings.max_upload_mb * 1024 * 1024 + MULTIPART_SLACK_BYTES
+            option = "API_MAX_UPLOAD_MB"
+        else:
+            cap = settings.max_body_mb * 1024 * 1024
+            option = "API_MAX_BODY_MB"
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise RequestTooLarge(
+                f"a body of {declared} bytes is over this server's {cap} bytes; "
+                f"send less, or raise {option}"
+            )
+        # A public route takes no body: its 405 comes unread (read, an 8 MiB body to
+        # /health was buffered for a keyless client, and charged nothing to a key).
+        if meter is None:
+            return receive, 0
+        if upload:
+            meter.check_declared(declared, FILE_BYTES_PER_REQUEST)
+            return meter.receive(receive), 0
+        if scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
+            meter.check_declared(declared, JSON_BYTES_PER_REQUEST)
+            return await _buffered(receive, cap, option)
+        return receive, 0
 
     def _admit(self, scope: Scope, headers: Headers) -> Principal | None:
         """Who asks, for a route that takes a key (its tenant's open requests counted until

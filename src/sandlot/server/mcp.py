@@ -39,6 +39,7 @@ from sandlot.requests import (
 )
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, sandbox_error_response
+from sandlot.server.metering import charge_entries
 
 log = structlog.get_logger(__name__)
 
@@ -118,7 +119,9 @@ class TenantService:
         return await self.manager.read_file(sandbox_id, request, owner=self.owner)
 
     async def list_files(self, sandbox_id: str, request: ListFiles) -> Listing:
-        return await self.manager.list_files(sandbox_id, request, owner=self.owner)
+        found = await self.manager.list_files(sandbox_id, request, owner=self.owner)
+        charge_entries(self.request.scope, len(found))
+        return found
 
     async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo:
         return await self.manager.stat_file(sandbox_id, request, owner=self.owner)

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as FastPath
 from fastapi.responses import FileResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from sandlot.core import SandboxManager
 from sandlot.errors import CommandStillRunning, RequestTooLarge, SandboxError
@@ -43,6 +43,7 @@ from sandlot.requests import (
 from sandlot.server import multipart
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, caller, client_gone, state_of
+from sandlot.server.metering import charge_entries
 from sandlot.server.schemas import ErrorBody, WrittenFile
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -344,19 +345,26 @@ async def list_files(
     request: Request,
     who: Caller,
     query: Annotated[ListFiles, Query()],
-    response: Response,
-) -> list[FileInfo]:
+) -> Response:
     """Entries below the path; a listing cut at its bound (100,000 entries or 4 MiB of names
     and paths) has the ``X-Listing-Truncated`` header, saying why."""
     found = await state_of(request).manager.list_files(sandbox_id, query, owner=who.owner_filter)
-    return said_if_cut(found, response)
+    return listing_response(found, request)
 
 
-def said_if_cut(found: Listing, response: Response) -> Listing:
-    """``found``, its ``X-Listing-Truncated`` header set on ``response`` if it was cut."""
+_FILE_INFOS = TypeAdapter(list[FileInfo])
+_ARTIFACT_INFOS = TypeAdapter(list[ArtifactInfo])
+
+
+def listing_response(found: Listing, request: Request) -> Response:
+    """``found`` as JSON, written once (FastAPI dumped, checked and wrote each entry again:
+    ~100 ms of the event loop for 25,900 entries, red team 2026-12-06), with the
+    ``X-Listing-Truncated`` header if it was cut; its entries charged to the caller's key."""
+    charge_entries(request.scope, len(found))
+    answer = Response(_FILE_INFOS.dump_json(found), media_type="application/json")
     if found.truncated:
-        response.headers[TRUNCATED_HEADER] = found.truncated
-    return found
+        answer.headers[TRUNCATED_HEADER] = found.truncated
+    return answer
 
 
 @router.get("/{sandbox_id}/files/stat", response_model=FileInfo)
@@ -496,11 +504,11 @@ async def delete_file(
 
 
 @router.get("/{sandbox_id}/artifacts", response_model=list[ArtifactInfo])
-async def list_artifacts(
-    sandbox_id: SandboxId, request: Request, who: Caller
-) -> list[ArtifactInfo]:
+async def list_artifacts(sandbox_id: SandboxId, request: Request, who: Caller) -> Response:
     """Files the sandbox left in /workspace/artifacts, kept after it was destroyed."""
-    return await state_of(request).manager.list_artifacts(sandbox_id, owner=who.owner_filter)
+    kept = await state_of(request).manager.list_artifacts(sandbox_id, owner=who.owner_filter)
+    charge_entries(request.scope, len(kept))
+    return Response(_ARTIFACT_INFOS.dump_json(kept), media_type="application/json")
 
 
 @router.get("/{sandbox_id}/artifacts/{path:path}", response_class=FileResponse)
