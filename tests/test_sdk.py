@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -170,3 +171,50 @@ def test_a_seed_execute_says_when_its_artifact_list_is_cut(live_server: LiveServ
             http.post("/api/e2b/execute", json=gone)  # not kept against the tenant's quota
         finally:
             http.delete(f"/api/sessions/{sid}")
+
+
+def test_a_call_its_keys_rate_refused_is_sent_again_when_the_server_says() -> None:
+    """A call refused by its key's rate did nothing; since a large listing or transfer costs
+    its key more after it is answered (server/metering.py), the SDK's next call would fail
+    at once. It waits out a short Retry-After and sends the call again, a few times; a
+    longer wait, a streamed body (it cannot be sent twice) and other 429s are raised."""
+    import httpx
+
+    from sandlot.client import RATE_RETRIES
+    from sandlot.errors import RateLimited
+
+    refusals: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        wait = request.headers.get("x-wait", "0")
+        if len(refusals) < int(request.headers.get("x-refusals", "0")):
+            refusals.append(1)
+            body = {"error": {"code": "rate_limited", "message": "over 50 requests/s"}}
+            return httpx.Response(429, json=body, headers={"retry-after": wait})
+        return httpx.Response(200, json=[])
+
+    async def call(refusals_wanted: int, wait: str = "0", **kwargs: Any) -> httpx.Response:
+        refusals.clear()
+        service = RemoteService("http://sandlot.test", "key")
+        service._client = httpx.AsyncClient(
+            base_url="http://sandlot.test", transport=httpx.MockTransport(answer)
+        )
+        headers = {"x-refusals": str(refusals_wanted), "x-wait": wait}
+        try:
+            return await service._call("POST", "/v1/x", idempotent=False, headers=headers, **kwargs)
+        finally:
+            await service.aclose()
+
+    assert asyncio.run(call(RATE_RETRIES)).status_code == 200  # before: RateLimited at once
+    assert len(refusals) == RATE_RETRIES
+    with pytest.raises(RateLimited):
+        asyncio.run(call(RATE_RETRIES + 1))
+    with pytest.raises(RateLimited) as refused:
+        asyncio.run(call(1, wait="60"))  # longer than the SDK waits: the caller decides
+    assert len(refusals) == 1 and refused.value.retry_after_s == 60
+
+    async def streamed() -> AsyncIterator[bytes]:
+        yield b"x"
+
+    with pytest.raises(RateLimited):
+        asyncio.run(call(1, content=streamed()))

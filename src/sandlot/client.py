@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -43,6 +44,7 @@ from sandlot._version import __version__
 from sandlot.errors import (
     CommandStillRunning,
     ConfigError,
+    RateLimited,
     SandboxError,
     TooManyConnections,
     error_from_code,
@@ -81,6 +83,12 @@ from sandlot.requests import (
 DEFAULT_TIMEOUT_S = 30.0
 EXEC_MARGIN_S = 30.0  # on top of the run's own timeout: the server answers after it
 RETRY_ATTEMPTS = 3
+# A call refused by its key's rate did nothing on the server, so it is sent again once the
+# server says it may be (Retry-After), up to this many times and this long a wait: a large
+# listing or transfer costs its key more of its rate after it is answered, and the next
+# call would otherwise fail (server/metering.py).
+RATE_RETRIES = 3
+RATE_WAIT_MAX_S = 10.0
 WAIT_SLICE_S = 60.0  # a wait with no timeout asks the server again after each slice
 STREAM_CHUNK_BYTES = 1 << 20
 LIST_PAGE = 1000  # the most the server returns a list call (routes.MAX_LISTED)
@@ -140,6 +148,7 @@ class RemoteService:
                 return True  # nothing reached the server
             return idempotent and isinstance(exc, httpx.TransportError)
 
+        rate_waits = 0
         for turn in range(TURNED_AWAY_RETRIES + 1):
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(retryable),
@@ -149,11 +158,16 @@ class RemoteService:
             ):
                 with attempt:
                     response = await self._http.request(method, url, **kwargs)
-            if turn == TURNED_AWAY_RETRIES or not _turned_away(response):
+            if _turned_away(response) and turn < TURNED_AWAY_RETRIES:
+                # Turned away unread at the server's connection cap: sent again, whatever the
+                # verb (nothing of it ran), after a wait that spreads a burst's clients out.
+                await asyncio.sleep(turned_away_wait_s(turn))
+                continue
+            wait_s = _rate_wait_s(response, kwargs)
+            if wait_s is None or rate_waits == RATE_RETRIES:
                 break
-            # Turned away unread at the server's connection cap: sent again, whatever the
-            # verb (nothing of it ran), after a wait that spreads a burst's clients out.
-            await asyncio.sleep(turned_away_wait_s(turn))
+            rate_waits += 1
+            await asyncio.sleep(wait_s)
         if response.status_code >= 400:
             raise response_error(response)
         return response
@@ -535,6 +549,23 @@ def _turned_away(response: httpx.Response) -> bool:
     )
 
 
+def _rate_wait_s(response: httpx.Response, sent: dict[str, Any]) -> float | None:
+    """How long to wait before sending a call its key's rate refused (nothing of it ran);
+    None for any other answer, a wait past RATE_WAIT_MAX_S, or a streamed body, which
+    cannot be sent twice."""
+    if response.status_code != 429 or not isinstance(sent.get("content", b""), bytes | str):
+        return None
+    error = response_error(response)
+    if not isinstance(error, RateLimited) or isinstance(error, TooManyConnections):
+        return None
+    return error.retry_after_s if 0 <= error.retry_after_s <= RATE_WAIT_MAX_S else None
+
+
 def response_error(response: httpx.Response) -> SandboxError:
-    """Our exception for a server's error response (its typed body), or a plain one."""
-    return typed_error(response.status_code, response.content)
+    """Our exception for a server's error response (its typed body), or a plain one; a rate's
+    refusal says when to try again (its ``Retry-After``)."""
+    error = typed_error(response.status_code, response.content)
+    if isinstance(error, RateLimited):
+        with contextlib.suppress(ValueError):
+            error.retry_after_s = float(response.headers.get("retry-after", "1"))
+    return error
