@@ -446,10 +446,9 @@ def test_an_mcp_listing_costs_its_key_by_its_entries(data_root: Path) -> None:
     request of the key's rate, so MCP's list_files is no cheaper way to make the server build
     them. Two tenants make the same calls; one lists 2,560 entries three times, the other
     ten: the first has 3 x 10 requests less left."""
-    import httpx
-
     from sandlot.server.auth import AuthStore
     from tests.conftest import start_server, stop_server
+    from tests.test_trust_server import rate_left
 
     data_dir = data_root / "mcp-entries"
     data_dir.mkdir()
@@ -469,11 +468,7 @@ def test_an_mcp_listing_costs_its_key_by_its_entries(data_root: Path) -> None:
                 assert texts(listed)[0].count("\n") == files - 1
 
     def left(who: str) -> int:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {keys[who]}"}) as http:
-            for spent in range(400):
-                if http.get("/v1/sandboxes").status_code == 429:
-                    return spent
-        raise AssertionError("no 429 in 400 requests")
+        return rate_left(url, {"Authorization": f"Bearer {keys[who]}"})
 
     try:
         asyncio.run(session_of("acme", 2560))

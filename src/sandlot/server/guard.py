@@ -15,11 +15,11 @@ runs first:
    closed unread, as for failed authentications;
 2. a declared ``Content-Length`` over the cap is refused at once;
 3. a JSON body is read here, up to ``API_MAX_BODY_MB``, and handed on; past the cap the
-   request is refused with a typed 413 and the rest is never read. A public route's body
-   is never read: they take none;
-4. a keyed request's bytes cost its key more of its rate: its body's and its answer's, by
-   size (``metering.py``). Uploads stream to their
-   route, which counts them against ``API_MAX_UPLOAD_MB`` itself.
+   request is refused with a typed 413 and the rest is never read. Uploads stream to their
+   route, which counts them against ``API_MAX_UPLOAD_MB`` itself. A public route's body is
+   never read: they take none;
+4. a keyed request's bytes cost its key more of its rate: its body's or upload's, and its
+   answer's, by size (``metering.py``).
 """
 
 from __future__ import annotations
