@@ -148,7 +148,7 @@ class GuestProcess:
         self.process = process
         self.reader: asyncio.StreamReader = process.stdout
         self.writer: asyncio.StreamWriter = process.stdin
-        self._pidfd = _open_pidfd(process.pid)
+        self._pidfd = open_child_pidfd(process.pid)
         self._stderr = StderrTail()
         self._stderr_task = (
             asyncio.create_task(self._stderr.collect(process.stderr))
@@ -196,7 +196,7 @@ class GuestProcess:
             self._pidfd = None
 
 
-def _open_pidfd(pid: int) -> int | None:
+def open_child_pidfd(pid: int) -> int | None:
     """A pidfd for our child ``pid``, or None if it has already been collected.
 
     The child may have exited, and asyncio's watcher may have collected it, before this runs

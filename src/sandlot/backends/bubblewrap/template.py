@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from sandlot.backends.base import STDERR_TAIL_BYTES
+from sandlot.backends.base import STDERR_TAIL_BYTES, kill_by_pidfd, open_child_pidfd
 from sandlot.errors import SandboxStartError
 from sandlot.guest.template import MAX_FDS, MAX_MESSAGE
 
@@ -102,6 +102,10 @@ class Template:
         self._holders = 0  # creates between Templates.get and the end of their spawn
         self._closing: asyncio.Task[None] | None = None
         self._process: asyncio.subprocess.Process | None = None
+        # Killed through this, never by asyncio's Process.kill(), which polls (waitpid) first
+        # and takes the exit status from asyncio's own watcher: "exit status already read",
+        # returncode 255 (CI, 2026-12-06: a manager's close as its template was exiting).
+        self._pidfd: int | None = None
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future[tuple[dict[str, Any], list[int]]]] = {}
@@ -136,6 +140,7 @@ class Template:
             raise
         finally:
             theirs.close()
+        self._pidfd = open_child_pidfd(self._process.pid)
         ours.setblocking(False)
         self._sock = ours
         loop = asyncio.get_running_loop()
@@ -159,8 +164,7 @@ class Template:
         if self._process is None or self._process.stderr is None:
             return ""
         with contextlib.suppress(Exception):
-            if self._process.returncode is None:
-                self._process.kill()
+            self._kill()
             data = await asyncio.wait_for(self._process.stderr.read(STDERR_TAIL_BYTES), 2.0)
             return data.decode("utf-8", "replace").strip()
         return ""
@@ -350,11 +354,16 @@ class Template:
     async def close(self) -> None:
         self._gone()
         if self._process is not None:
-            if self._process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self._process.kill()
+            self._kill()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._process.wait(), 5.0)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _kill(self) -> None:
+        if self._pidfd is not None:
+            kill_by_pidfd(self._pidfd)
 
 
 class Templates:
