@@ -8,6 +8,7 @@ while a well-behaved client on 127.0.0.1 checks that the server still answers.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -27,6 +28,7 @@ from websockets.exceptions import ConnectionClosed
 
 from sandlot.server.auth import AuthStore
 from sandlot.server.limits import AuthFailures
+from sandlot.server.metering import LISTINGS_PER_TENANT
 from tests.conftest import skip_reason, start_server, stop_server
 
 pytestmark = pytest.mark.hostile
@@ -1101,6 +1103,41 @@ def test_a_listing_costs_its_key_by_its_size_and_its_entries(data_root: Path) ->
             # 200 less create, code, two listings, their size and their entries; before: 196
             cost = 4 + 2 * by_size + 2 * (8000 // 256)
             assert rate_left(server.url, headers) == 200 - cost
+
+
+def test_a_keys_burst_of_listings_is_not_all_made_before_the_first_is_charged(
+    data_root: Path,
+) -> None:
+    """Failed before (2026-12-06, left by the twelfth round): a listing is charged by its
+    entries once they are known, so a key's burst could have all its listings made before the
+    first was charged: here 12 of 8,000 entries each, sent at once, were all made (~470
+    requests' worth on a key with 26 left). A tenant's listings now take turns, each charged
+    as soon as its entries are known, and one whose turn comes while its key owes is
+    refused: the two made in the first turns put the key in debt."""
+    env = {**LIMITS, "API_RATE_LIMIT_PER_SECOND": "0.01", "API_RATE_LIMIT_BURST": "40"}
+    with _serving(data_root / "trust-listing-burst", env) as server:
+        headers = {"Authorization": f"Bearer {server.key}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+            sid = http.post("/v1/sandboxes", json={"disk_mb": 64}).json()["id"]
+            assert http.post(f"/v1/sandboxes/{sid}/code", json={"code": MANY_FILES}).is_success
+
+        async def burst() -> list[httpx.Response]:
+            limits = httpx.Limits(max_connections=20)
+            async with httpx.AsyncClient(
+                base_url=server.url, headers=headers, timeout=60, limits=limits
+            ) as client:
+                path = f"/v1/sandboxes/{sid}/files"
+                sent = [client.get(path, params={"path": "d"}) for _ in range(12)]
+                return await asyncio.gather(*sent)
+
+        answers = asyncio.run(burst())
+        made = [a for a in answers if a.status_code == 200]
+        refused = [a for a in answers if a.status_code == 429]
+        assert len(made) + len(refused) == 12, [a.status_code for a in answers]
+        assert all(len(a.json()) == 8000 for a in made)
+        assert len(made) <= LISTINGS_PER_TENANT, len(made)  # before: 12
+        assert all(a.json()["error"]["code"] == "rate_limited" for a in refused)
+        assert all(float(a.headers["retry-after"]) > 0 for a in refused)
 
 
 def test_an_upload_and_a_download_cost_their_key_by_their_size(data_root: Path) -> None:

@@ -142,12 +142,14 @@ async def api_execute(
     # No artifacts directory yet, or something else at its name (sandboxed code can put a
     # file or a FIFO there): the code has run, and its output must not be lost for that.
     # Before 2026-12-06 a missing one was "not a directory", and every first execute of a
-    # session failed after its code ran (a red team's find).
-    with contextlib.suppress(SandboxFileError):
-        files = await state.manager.list_files(
-            body.session_id, ListFiles(path="artifacts", depth=8), owner=who.owner_filter
-        )
-    charge_entries(request.scope, len(files))
+    # session failed after its code ran (a red team's find). Nor for its key's debt: its turn
+    # never refuses.
+    async with state.listings.turn(request.scope, who.tenant, refuse=False):
+        with contextlib.suppress(SandboxFileError):
+            files = await state.manager.list_files(
+                body.session_id, ListFiles(path="artifacts", depth=8), owner=who.owner_filter
+            )
+        charge_entries(request.scope, len(files))
     return SessionCodeResponse(
         stdout=r.stdout,
         stderr=r.stderr,
@@ -165,9 +167,12 @@ async def api_list_files(
     who: Caller,
     path: Annotated[str, Query(max_length=4096)] = ".",
 ) -> Response:
-    found = await state_of(request).manager.list_files(
-        session_id, build(ListFiles, path=path), owner=who.owner_filter
-    )
+    state = state_of(request)
+    async with state.listings.turn(request.scope, who.tenant):
+        found = await state.manager.list_files(
+            session_id, build(ListFiles, path=path), owner=who.owner_filter
+        )
+        charge_entries(request.scope, len(found))
     return listing_response(found, request)
 
 

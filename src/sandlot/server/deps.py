@@ -52,6 +52,7 @@ from sandlot.requests import SANDBOX_ID_PATTERN
 from sandlot.server import outbox as outbox_
 from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore, Principal
 from sandlot.server.limits import AuthFailures, OpenPerTenant, Pace, RateLimiter
+from sandlot.server.metering import ListingTurns
 from sandlot.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -155,6 +156,8 @@ class ServerState:
     # made on its first stream.
     stream_shares: dict[str, outbox_.Shared] = field(default_factory=dict)
     stream_paces: dict[str, Pace] = field(default_factory=dict)
+    # Each tenant's listings, made a few at a time (metering.py).
+    listings: ListingTurns = field(default_factory=ListingTurns)
 
     def __post_init__(self) -> None:
         self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)

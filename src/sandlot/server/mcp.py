@@ -119,8 +119,9 @@ class TenantService:
         return await self.manager.read_file(sandbox_id, request, owner=self.owner)
 
     async def list_files(self, sandbox_id: str, request: ListFiles) -> Listing:
-        found = await self.manager.list_files(sandbox_id, request, owner=self.owner)
-        charge_entries(self.request.scope, len(found))
+        async with self.state.listings.turn(self.request.scope, self.who.tenant):
+            found = await self.manager.list_files(sandbox_id, request, owner=self.owner)
+            charge_entries(self.request.scope, len(found))
         return found
 
     async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo:

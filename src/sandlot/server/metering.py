@@ -17,9 +17,19 @@ What a request declares (its ``Content-Length``) is checked before a byte of it 
 bodies of 8 MiB sent at once all passed on a key's burst before: red team, 2026-12-06); the
 rest is charged once known, without refusing: the bucket goes below zero and the key's next
 requests wait for it.
+
+A listing's entries are known only once it is made, so a key's burst could start 100 large
+listings at once (``API_MAX_OPEN_PER_TENANT``) before the first was charged. A tenant's
+listings therefore take turns (:class:`ListingTurns`): at most ``LISTINGS_PER_TENANT`` are
+made at once, each charged as soon as its entries are known, and one whose turn comes while
+its key is in debt is refused then, before anything of it is done.
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from starlette.types import Message, Receive, Scope, Send
 
@@ -28,6 +38,10 @@ from sandlot.server.limits import RateLimiter
 JSON_BYTES_PER_REQUEST = 256 * 1024
 FILE_BYTES_PER_REQUEST = 1024 * 1024
 ENTRIES_PER_REQUEST = 256
+# A tenant's listings made at once. Each waits on its sandbox's guest (file operations run
+# beside a cell, not behind it) and then on the server's CPU: 2 keep a tenant's listings
+# from being one another's queue while bounding what its burst can ask for at once.
+LISTINGS_PER_TENANT = 2
 # Answers counted per JSON_BYTES_PER_REQUEST; any other kind per FILE_BYTES_PER_REQUEST.
 _JSON_KINDS = (b"application/json", b"text/event-stream")
 
@@ -64,14 +78,25 @@ class Meter:
             self.paid += cost
 
     def charge(self, more_json_bytes: int = 0) -> None:
-        """Take what the bytes counted so far cost, less what was paid (called once, at the
-        request's end; ``more_json_bytes``: a body read before the app saw it)."""
+        """Take what the bytes and entries counted so far cost, less what was paid (at the
+        request's end, and once a listing's entries are known; ``more_json_bytes``: a body
+        read before the app saw it)."""
         cost = (
             (self.json_bytes + more_json_bytes) // JSON_BYTES_PER_REQUEST
             + (self.upload_bytes + self.file_bytes) // FILE_BYTES_PER_REQUEST
             + self.entries // ENTRIES_PER_REQUEST
         )
         self.limiter.charge(self.key_id, cost - self.paid)
+        self.paid = max(self.paid, cost)
+
+    def check_debt(self) -> None:
+        """Refuse the request if its key owes: an earlier request's charge left its bucket
+        below zero (it takes nothing otherwise).
+
+        Raises:
+            RateLimited: the key is in debt; ``retry_after_s`` says until when.
+        """
+        self.limiter.check(self.key_id, 0)
 
     def receive(self, receive: Receive) -> Receive:
         """``receive``, counting an upload's bytes."""
@@ -101,9 +126,57 @@ class Meter:
         return counted
 
 
-def charge_entries(scope: Scope, count: int) -> None:
-    """Count ``count`` listed entries against the request's key (none for a request without
-    one: the guard meters keyed requests only)."""
+def meter_of(scope: Scope) -> Meter | None:
+    """The request's meter (none for a request without a key: the guard meters keyed
+    requests only)."""
     meter = scope.get("state", {}).get("meter")
-    if isinstance(meter, Meter):
+    return meter if isinstance(meter, Meter) else None
+
+
+def charge_entries(scope: Scope, count: int) -> None:
+    """Charge ``count`` listed entries to the request's key now, before they are written,
+    so that the key's next listing waiting for its turn sees the debt."""
+    meter = meter_of(scope)
+    if meter is not None:
         meter.entries += count
+        meter.charge()
+
+
+class ListingTurns:
+    """Each tenant's listings, at most ``per_tenant`` made at once (module docstring)."""
+
+    def __init__(self, per_tenant: int = LISTINGS_PER_TENANT) -> None:
+        self.per_tenant = per_tenant
+        # tenant -> (its turns, listings holding or waiting for one); gone when none are
+        self._tenants: dict[str, tuple[asyncio.Semaphore, int]] = {}
+
+    @asynccontextmanager
+    async def turn(self, scope: Scope, tenant: str, *, refuse: bool = True) -> AsyncIterator[None]:
+        """Wait for one of ``tenant``'s turns, then make the listing in it.
+
+        ``refuse=False`` for a listing that comes with work already done (seed 001's execute
+        lists its artifacts after the code ran: its output must not be lost for a debt).
+
+        Raises:
+            RateLimited: the request's key is in debt when its turn comes.
+        """
+        turns, waiting = self._tenants.get(tenant, (None, 0))
+        if turns is None:
+            turns = asyncio.Semaphore(self.per_tenant)
+        self._tenants[tenant] = (turns, waiting + 1)
+        try:
+            async with turns:
+                meter = meter_of(scope)
+                if meter is not None and refuse:
+                    meter.check_debt()
+                yield
+        finally:
+            turns, waiting = self._tenants[tenant]
+            if waiting <= 1:
+                del self._tenants[tenant]
+            else:
+                self._tenants[tenant] = (turns, waiting - 1)
+
+    def waiting(self, tenant: str) -> int:
+        """``tenant``'s listings being made or waiting for a turn (tests)."""
+        return self._tenants.get(tenant, (None, 0))[1]
