@@ -402,18 +402,22 @@ def test_a_tenants_streams_together_queue_no_more_than_its_share(server: Server)
     tenant's streams now share API_STREAM_QUEUE_MB_PER_TENANT (24 MiB here; 12 sockets
     held ~100 MiB before)."""
     sandbox_id = server.sandbox()
-    first = RawWs(server, sandbox_id)
-    socks = [first]
+    socks: list[RawWs] = []
     try:
-        first.send({"type": "pty", "command": "cat /dev/zero | base64"})
-        while (event := first.recv_json())["type"] != "started":
-            pass
-        pid = event["info"]["pid"]
+        pids = []
+        for _ in range(3):  # each terminal streams to 4 clients at most (the next test)
+            first = RawWs(server, sandbox_id)
+            socks.append(first)
+            first.send({"type": "pty", "command": "cat /dev/zero | base64"})
+            while (event := first.recv_json())["type"] != "started":
+                pass
+            pids.append(event["info"]["pid"])
         rss_before = server.rss_mib()
-        for _ in range(11):
-            ws = RawWs(server, sandbox_id)
-            ws.send({"type": "pty", "pid": pid})
-            socks.append(ws)
+        for pid in pids:
+            for _ in range(3):
+                ws = RawWs(server, sandbox_id)
+                ws.send({"type": "pty", "pid": pid})
+                socks.append(ws)
         rss_most = rss_before
         for _ in range(30):  # 3 s: a fast terminal fills any queue many times over
             time.sleep(0.1)
@@ -422,4 +426,70 @@ def test_a_tenants_streams_together_queue_no_more_than_its_share(server: Server)
     finally:
         for ws in socks:
             ws.close()
+    server.destroy(sandbox_id)
+
+
+def test_a_terminal_or_command_streams_to_four_clients_at_most(server: Server) -> None:
+    """Failed before (red team, 2026-12-06): nothing bounded the clients one terminal or
+    background command streams to, and each output chunk is encoded and sent once per client
+    on the server's one event loop: 90 WebSockets attached to one 0.5-core terminal running
+    `cat /dev/urandom` took 0.8 of a core and another tenant's GET from 9 to 544 ms median.
+    The fifth client is refused (too_many_listeners); once one leaves, another may come."""
+    sandbox_id = server.sandbox()
+    socks: list[RawWs] = []
+    try:
+        for start, attach in (
+            ({"type": "pty", "command": "sleep 60"}, "pty"),
+            ({"type": "command", "command": "sleep 60", "background": True}, "attach"),
+        ):
+            first = RawWs(server, sandbox_id)
+            socks.append(first)
+            first.send(start)
+            while (event := first.recv_json())["type"] != "started":
+                pass
+            pid, command_id = event["info"]["pid"], event["info"]["command_id"]
+            job = {"type": attach, "pid": pid, "command_id": command_id}
+            attached = []
+            for _ in range(3):
+                ws = RawWs(server, sandbox_id)
+                ws.send(job)
+                assert ws.recv_json()["type"] == "started"
+                attached.append(ws)
+            socks.extend(attached)
+            fifth = RawWs(server, sandbox_id)
+            socks.append(fifth)
+            fifth.send(job)
+            refused = fifth.recv_json()
+            assert refused["type"] == "error", refused  # before: "started", as the 90th
+            assert refused["error"]["code"] == "too_many_listeners", refused
+            attached[0].close()
+            time.sleep(0.5)  # the server sees the close and detaches it
+            sixth = RawWs(server, sandbox_id)
+            socks.append(sixth)
+            sixth.send(job)
+            assert sixth.recv_json()["type"] == "started"
+    finally:
+        for ws in socks:
+            ws.close()
+    server.destroy(sandbox_id)
+
+
+def test_websocket_frames_are_not_compressed(server: Server) -> None:
+    """Failed before (red team, 2026-12-06): uvicorn's default permessage-deflate compressed
+    every output frame on the server's one event loop, ~80% of its time under a stream of
+    output, server CPU the guest's output budget does not count. A client offering it is
+    answered without it."""
+    from websockets.sync.client import connect
+
+    sandbox_id = server.sandbox()
+    url = server.url.replace("http://", "ws://") + f"/v1/sandboxes/{sandbox_id}/stream"
+    with connect(url, additional_headers=server.headers) as ws:  # offers permessage-deflate
+        assert ws.request is not None and ws.response is not None
+        assert "permessage-deflate" in ws.request.headers.get("Sec-WebSocket-Extensions", "")
+        assert "Sec-WebSocket-Extensions" not in ws.response.headers  # before: deflate
+        ws.send(json.dumps({"type": "command", "command": "echo hi"}))
+        kinds = []
+        while (event := json.loads(ws.recv(timeout=30)))["type"] != "result":
+            kinds.append(event["type"])
+        assert event["result"]["stdout"] == "hi\n"
     server.destroy(sandbox_id)

@@ -145,6 +145,13 @@ class BackgroundLimitReached(QuotaExceeded):
     code = "background_limit"
 
 
+class TooManyListeners(QuotaExceeded):
+    """A terminal or background command already streams to its most clients at once
+    (``MAX_LISTENERS_PER_JOB``); detach one first."""
+
+    code = "too_many_listeners"
+
+
 class McpSessionLimit(QuotaExceeded):
     """The API key already holds its most open MCP sessions (``SANDBOX_MCP_SESSIONS_PER_KEY``);
     end one (the client's DELETE) or wait for an idle one to time out."""
@@ -350,6 +357,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         Forbidden,
         QuotaExceeded,
         BackgroundLimitReached,
+        TooManyListeners,
         StdinBacklogFull,
         McpSessionLimit,
         CommandNotFound,

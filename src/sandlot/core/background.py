@@ -42,6 +42,7 @@ from sandlot.errors import (
     InvalidRequest,
     SandboxError,
     StdinBacklogFull,
+    TooManyListeners,
 )
 from sandlot.guest.ops import Op
 from sandlot.models import CommandInfo, DataCallback, ExecResult, OutputCallback, PtyOutput
@@ -59,6 +60,11 @@ KILL_WAIT_S = 5.0
 SCROLLBACK_BYTES = 256 << 10  # a terminal's output kept on the host, newest first
 # Output the results of one sandbox's ended background commands may hold on the host together.
 ENDED_OUTPUT_BYTES = 16 << 20
+# Clients one terminal or command streams to at once. Each output chunk is encoded and sent
+# once per listener on the server's one event loop, and the guest's 8 MiB/s budget counts
+# it once: 90 WebSockets attached to one 0.5-core terminal running `cat /dev/urandom` took
+# 0.8 of a core and another tenant's GET from 9 to 544 ms median (red team, 2026-12-06).
+MAX_LISTENERS_PER_JOB = 4
 
 
 class StdinQueue(asyncio.Queue[bytes | None]):
@@ -181,6 +187,20 @@ class _Job:
 
     def listened(self) -> bool:
         return any(cb is not None for pair in self.listeners for cb in pair)
+
+    def room_for_listener(self) -> None:
+        """Refuse one more client past :data:`MAX_LISTENERS_PER_JOB`.
+
+        Raises:
+            TooManyListeners: it streams to that many already.
+        """
+        if len(self.listeners) + len(self.data_listeners) >= MAX_LISTENERS_PER_JOB:
+            what = "terminal" if self.info.pty else "command"
+            raise TooManyListeners(
+                f"this {what} already streams to {MAX_LISTENERS_PER_JOB} clients; detach one "
+                "first (its output is also kept: GET .../output for a terminal, wait for a "
+                "command's result)"
+            )
 
     def emit(self, index: int, text: str) -> None:
         for pair in self.listeners:
@@ -443,6 +463,7 @@ class BackgroundCommands:
         every output chunk walks)."""
         job = self._job(pid, command_id)
         if on_stdout is not None or on_stderr is not None:
+            job.room_for_listener()
             job.listeners.append((on_stdout, on_stderr))
             self._sync_stream(job)
         return job.info.model_copy()
@@ -480,6 +501,7 @@ class BackgroundCommands:
     ) -> CommandInfo:
         """Pass a terminal's further output to ``on_data`` too."""
         job = self._pty(pid, command_id)
+        job.room_for_listener()
         job.data_listeners.append(on_data)
         return job.info.model_copy()
 

@@ -60,6 +60,10 @@ def serve(settings: Settings) -> None:
         http=guarded_protocol(count),
         ws="websockets-sansio",
         ws_max_size=settings.ws_max_message_kb * 1024,
+        # No permessage-deflate: compressing each output frame was ~80% of the event loop's
+        # time under a stream of output (py-spy, red team 2026-12-06), the server's CPU that
+        # the guest's output budget does not count; a proxy in front may compress instead.
+        ws_per_message_deflate=False,
         timeout_keep_alive=int(max(1, settings.keepalive_timeout_s)),
         loop=settings.api_event_loop,  # not uvicorn's "auto", which takes uvloop where installed
         # Requests still running this long after a stop are cancelled: an agent task or an
