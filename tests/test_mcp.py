@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import LiveServer, skip_reason
@@ -182,8 +183,8 @@ async def test_stdio_session_keeps_state_and_cleans_up(stdio_data_dir: Path) -> 
 async def test_read_file_is_bounded_by_the_bytes_it_reads(stdio_data_dir: Path) -> None:
     # Failed before (red team, 2026-12-06): read_file checked the file's size, then read it
     # whole, and the sandbox's code grew it in between: a 256 MiB file came back in one
-    # message, 1.4 GiB of the server's memory. Here 9 MiB against the bound of 8, swapped in
-    # right after the size check: the service below does the swap, so the race is always
+    # message, 1.4 GiB of the server's memory. Here 1 MiB past the bound, swapped in right
+    # after the size check: the service below does the swap, so the race is always
     # won by the sandbox's side (a grower racing the server's calls lost it on a busy CI).
     from sandlot import SandboxManager
     from sandlot.mcp import Binding, build_server
@@ -474,5 +475,74 @@ def test_an_mcp_listing_costs_its_key_by_its_entries(data_root: Path) -> None:
         asyncio.run(session_of("acme", 2560))
         asyncio.run(session_of("globex", 10))
         assert left("globex") - left("acme") == 3 * 2560 // 256  # before: 0
+    finally:
+        stop_server(process)
+
+
+def test_read_file_answers_are_sized_as_json_and_refused_past_the_bound() -> None:
+    """Failed before (red team, 2026-12-06): read_file returned any UTF-8 as text, and 8 MiB
+    of control characters became a 48 MiB answer, written twice on the server's event loop
+    (~1.6 s a call). The answer's JSON size is known before it is built, and bounded."""
+    import pydantic_core
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from sandlot.mcp.tools import MAX_READ_JSON_BYTES, answer_bytes, file_content
+
+    samples = [b"", b"plain", b'q"b\\s', "é€😀".encode(), bytes(range(128)), b"\x01" * 100]
+    for data in samples:  # as pydantic writes it (the SDK's models), less the quotes
+        assert answer_bytes(data) == len(pydantic_core.to_json(data.decode())) - 2
+    assert answer_bytes(b"\x89PNG\r\n\x1a\n" + b"x" * 100) == 144  # 108 bytes in base64
+    assert file_content("a", b"x" * MAX_READ_JSON_BYTES).type == "text"
+    controls = b"\x01" * (MAX_READ_JSON_BYTES // 6 + 1)  # 1/6 of the bound, past it as JSON
+    with pytest.raises(ToolError, match="control characters"):
+        file_content("a", controls)  # before: a text block of 6 times its size
+    image = b"\x89PNG\r\n\x1a\n" + bytes(MAX_READ_JSON_BYTES * 3 // 4)
+    with pytest.raises(ToolError, match="base64"):
+        file_content("a.png", image)  # past the MCP client's 1 MiB event as base64
+
+
+def test_an_mcp_read_is_paid_for_before_its_answer_is_built(data_root: Path) -> None:
+    """Failed before (red team, 2026-12-06): a read_file answer was charged by its size only
+    after it was built and sent, so a key's burst of reads was all written first (40 at once
+    held the event loop for 65 s). Its cost is now taken before the answer is built: a key
+    with 3 requests left reading a 900 KiB file (3 more) gets a rate_limited tool error."""
+    from sandlot.server.auth import AuthStore
+    from tests.conftest import start_server, stop_server
+    from tests.test_trust_server import rate_left
+
+    data_dir = data_root / "mcp-read-paid"
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    keys = {who: store.create_key(who, "user")[1] for who in ("acme", "globex")}
+    store.close()
+    env = {"API_RATE_LIMIT_PER_SECOND": "0.01", "API_RATE_LIMIT_BURST": "60"}
+    process, url, _log = start_server(data_dir, env)
+    made = "open('f', 'w').write('x' * (900 << 10))"
+
+    async def setup(session: Any) -> None:
+        assert not (await session.call_tool("run_code", {"code": made})).is_error
+
+    async def measure() -> int:  # what the same setup leaves another key
+        headers = {"Authorization": f"Bearer {keys['globex']}"}
+        async with http_session(url + "/mcp", headers) as session:
+            await setup(session)
+            return rate_left(url, headers)
+
+    async def read_with_three_left(left_after_setup: int) -> Any:
+        headers = {"Authorization": f"Bearer {keys['acme']}"}
+        async with http_session(url + "/mcp", headers) as session:
+            await setup(session)
+            with httpx.Client(base_url=url, headers=headers) as http:
+                for _ in range(left_after_setup - 3):
+                    assert http.get("/v1/sandboxes").status_code == 200
+            return await session.call_tool("read_file", {"path": "f"})
+
+    try:
+        left = asyncio.run(measure())
+        assert left > 3, left
+        read = asyncio.run(read_with_three_left(left))
+        assert read.is_error, [len(t) for t in texts(read)]  # before: the 900 KiB text
+        assert "rate_limited: " in texts(read)[0], texts(read)
+        assert "its answer's size" in texts(read)[0], texts(read)
     finally:
         stop_server(process)

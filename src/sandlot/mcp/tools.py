@@ -30,7 +30,17 @@ from sandlot.requests import (
 from sandlot.service import SandboxService
 
 # A file read whole into one MCP message: past this, the client gets an error naming the size.
-MAX_READ_BYTES = 8 * 1024 * 1024
+# The MCP SDK's client takes an event of at most 1 MiB (it failed on anything read past
+# ~1 MiB until 2026-12-06); a model reads a MiB of text as ~250,000 tokens, past any context;
+# and the answer is written on the server's one event loop, twice (the SDK's JSON, then its
+# event stream's frame): 8 MiB of control characters, 48 MiB as JSON, held it ~1.6 s a call
+# (red team, 2026-12-06). So: 1 MiB less room for the message around it...
+MAX_READ_BYTES = 1024 * 1024 - 4096
+# ...and as much as JSON, where a control character takes 6 bytes (an image's base64 4/3).
+MAX_READ_JSON_BYTES = MAX_READ_BYTES
+# Bytes JSON writes as \u00XX (6 bytes), and as a two-byte escape (\n, \", ...).
+_ESCAPED_6 = bytes(c for c in range(0x20) if c not in b"\b\t\n\f\r")
+_ESCAPED_2 = b'\b\t\n\f\r"\\'
 IMAGE_MAGIC = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg"}
 
 INSTRUCTIONS = (
@@ -310,14 +320,38 @@ def result_content(item: Result) -> list[ContentBlock]:
     return blocks
 
 
+def is_image(data: bytes) -> str | None:
+    """The image type ``data`` starts as, if it is one MCP carries as an image."""
+    return next((mime for magic, mime in IMAGE_MAGIC.items() if data.startswith(magic)), None)
+
+
+def answer_bytes(data: bytes) -> int:
+    """What :func:`file_content` of ``data`` takes as JSON: base64 for an image; for text, its
+    UTF-8 bytes with JSON's escapes (computed without building the answer)."""
+    if is_image(data):
+        return (len(data) + 2) // 3 * 4
+    escaped_6 = len(data) - len(data.translate(None, _ESCAPED_6))
+    escaped_2 = len(data) - len(data.translate(None, _ESCAPED_2))
+    return len(data) + 5 * escaped_6 + escaped_2
+
+
 def file_content(path: str, data: bytes) -> ContentBlock:
-    for magic, mime in IMAGE_MAGIC.items():
-        if data.startswith(magic):
-            return ImageContent(type="image", data=base64.b64encode(data).decode(), mime_type=mime)
-    try:
-        return TextContent(type="text", text=data.decode())
-    except UnicodeDecodeError:
+    mime = is_image(data)
+    if mime is None:
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            raise ToolError(
+                f"{path} is binary ({len(data)} bytes) and not an image: inspect it with "
+                "run_command (file, xxd, python)"
+            ) from None
+    as_json = answer_bytes(data)
+    if as_json > MAX_READ_JSON_BYTES:
+        form = "base64" if mime else "text, where control characters take 6 bytes each"
         raise ToolError(
-            f"{path} is binary ({len(data)} bytes) and not an image: inspect it with "
-            "run_command (file, xxd, python)"
-        ) from None
+            f"{path} is {as_json} bytes as JSON ({form}); read_file returns at most "
+            f"{MAX_READ_JSON_BYTES}: inspect it with run_command (xxd, head, python)"
+        )
+    if mime is not None:
+        return ImageContent(type="image", data=base64.b64encode(data).decode(), mime_type=mime)
+    return TextContent(type="text", text=data.decode())

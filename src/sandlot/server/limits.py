@@ -111,7 +111,7 @@ class RateLimiter:
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill)
         self._lock = threading.Lock()
 
-    def check(self, key: str, cost: float = 1.0) -> None:
+    def check(self, key: str, cost: float = 1.0, counted_by: str = "its body's size") -> None:
         """Take ``cost`` tokens for ``key`` (a cost past the burst needs the bucket full but
         for the request's own token, and leaves it below zero).
 
@@ -125,7 +125,7 @@ class RateLimiter:
             if tokens < needed:
                 self._buckets[key] = (tokens, now)
                 retry_after_s = (needed - tokens) / self.rate_per_s
-                counted = f" (this one counts as {cost:g}: its body's size)" if cost > 1 else ""
+                counted = f" (this one counts as {cost:g}: {counted_by})" if cost > 1 else ""
                 raise RateLimited(
                     f"over {self.rate_per_s:g} requests/s for this API key{counted}; retry in "
                     f"{retry_after_s:.2f} s or raise API_RATE_LIMIT_PER_SECOND",

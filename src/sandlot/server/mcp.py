@@ -39,7 +39,7 @@ from sandlot.requests import (
 )
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, sandbox_error_response
-from sandlot.server.metering import charge_entries
+from sandlot.server.metering import charge_entries, pay_answer
 
 log = structlog.get_logger(__name__)
 
@@ -116,7 +116,13 @@ class TenantService:
         return size
 
     async def read_file(self, sandbox_id: str, request: FilePath) -> bytes:
-        return await self.manager.read_file(sandbox_id, request, owner=self.owner)
+        from sandlot.mcp.tools import answer_bytes  # the SDK is loaded: a tool calls this
+
+        data = await self.manager.read_file(sandbox_id, request, owner=self.owner)
+        # Paid before the answer is built: a key's burst of reads was all written before
+        # the first was charged (red team, 2026-12-06).
+        pay_answer(self.request.scope, answer_bytes(data))
+        return data
 
     async def list_files(self, sandbox_id: str, request: ListFiles) -> Listing:
         async with self.state.listings.turn(self.request.scope, self.who.tenant):

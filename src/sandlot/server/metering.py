@@ -72,9 +72,17 @@ class Meter:
         Raises:
             RateLimited: the key has not that much of its rate left.
         """
-        cost = declared_cost(declared, per_request_bytes)
-        if cost:
-            self.limiter.check(self.key_id, cost)
+        self.take(declared_cost(declared, per_request_bytes))
+
+    def take(self, cost: int, counted_by: str = "its body's size") -> None:
+        """Take ``cost`` requests now, toward what the request's bytes will cost at its end,
+        or refuse it (the error says the cost is ``counted_by``).
+
+        Raises:
+            RateLimited: the key has not that much of its rate left.
+        """
+        if cost > 0:
+            self.limiter.check(self.key_id, cost, counted_by)
             self.paid += cost
 
     def charge(self, more_json_bytes: int = 0) -> None:
@@ -140,6 +148,18 @@ def charge_entries(scope: Scope, count: int) -> None:
     if meter is not None:
         meter.entries += count
         meter.charge()
+
+
+def pay_answer(scope: Scope, json_bytes: int) -> None:
+    """Take what a JSON answer of ``json_bytes`` will cost before it is built (MCP's
+    ``read_file``: its text is written twice on the event loop, as JSON and as an event).
+
+    Raises:
+        RateLimited: the request's key has not that much of its rate left.
+    """
+    meter = meter_of(scope)
+    if meter is not None:
+        meter.take(json_bytes // JSON_BYTES_PER_REQUEST, "its answer's size")
 
 
 class ListingTurns:
