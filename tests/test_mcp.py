@@ -546,3 +546,48 @@ def test_an_mcp_read_is_paid_for_before_its_answer_is_built(data_root: Path) -> 
         assert "its answer's size" in texts(read)[0], texts(read)
     finally:
         stop_server(process)
+
+
+async def test_a_runs_large_output_is_cut_to_what_an_mcp_client_takes(
+    live_server: LiveServer,
+) -> None:
+    """Failed before (2026-12-06, a sibling of read_file's bound): a run's output went whole
+    into one answer, and the MCP SDK's client fails on an event past 1 MiB: a command that
+    printed 2 MB (1 MiB of stdout kept, head and tail) lost its whole result ("Server-sent
+    event exceeded the 1048576 byte limit"). Its text is now cut to head and tail, saying so,
+    with the run's ending kept."""
+    async with http_session(live_server.url + "/mcp", live_server.headers("alice")) as session:
+        big = "head -c 2000000 /dev/zero | tr '\\0' 'x'; echo; echo the-end"
+        ran = await session.call_tool("run_command", {"command": big})
+        assert not ran.is_error, texts(ran)[:1]
+        ending, stdout = texts(ran)[0], texts(ran)[1]
+        assert ending.startswith("[sandlot: how the run ended] exit code: 0"), ending
+        assert stdout.startswith("stdout:\nxxx") and "\nthe-end\n" in stdout[-100:], stdout[-100:]
+        assert "characters left out: an MCP answer is at most" in stdout
+        controls = 'python3 -c "import sys; sys.stdout.write(chr(1) * 500000)"'
+        ran = await session.call_tool("run_command", {"command": controls})
+        assert not ran.is_error and "characters left out" in texts(ran)[1]
+
+
+def test_an_answers_blocks_are_fit_to_the_bound_largest_first() -> None:
+    from mcp.types import ImageContent, TextContent
+
+    from sandlot.mcp.tools import answer_bytes, fit_answer
+
+    def size(blocks: list[Any]) -> int:
+        return sum(
+            answer_bytes(b.text.encode()) if b.type == "text" else len(b.data) for b in blocks
+        )
+
+    small = TextContent(type="text", text="error: ValueError: nope")
+    assert fit_answer([small], 1000) == [small]  # what fits is untouched
+    image = ImageContent(type="image", data="A" * 200_000, mime_type="image/png")
+    blocks = fit_answer([TextContent(type="text", text="x" * 700_000), image, small], 500_000)
+    assert 490_000 < size(blocks) <= 500_000
+    assert blocks[1:] == [image, small]  # the largest was cut, as far as the rest needed
+    assert blocks[0].text.startswith("xxx") and "left out" in blocks[0].text
+    blocks = fit_answer([TextContent(type="text", text="x" * 1000), image], 100_000)
+    assert blocks[0].text == "x" * 1000
+    assert blocks[1].type == "text" and "image of 200000 bytes left out" in blocks[1].text
+    controls = fit_answer([TextContent(type="text", text="\x01" * 300_000)], 100_000)
+    assert size(controls) <= 100_000 and "left out" in controls[0].text

@@ -38,6 +38,8 @@ from sandlot.service import SandboxService
 MAX_READ_BYTES = 1024 * 1024 - 4096
 # ...and as much as JSON, where a control character takes 6 bytes (an image's base64 4/3).
 MAX_READ_JSON_BYTES = MAX_READ_BYTES
+# A run's answer is held to the same, less this for its ending line and what surrounds it.
+ENDING_ROOM_BYTES = 4096
 # Bytes JSON writes as \u00XX (6 bytes), and as a two-byte escape (\n, \", ...).
 _ESCAPED_6 = bytes(c for c in range(0x20) if c not in b"\b\t\n\f\r")
 _ESCAPED_2 = b'\b\t\n\f\r"\\'
@@ -258,10 +260,67 @@ def exec_result(result: ExecResult) -> CallToolResult:
         "state_lost": result.state_lost,
         "error_type": result.error.type if result.error is not None else None,
     }
+    blocks = fit_answer(exec_content(result), MAX_READ_JSON_BYTES - ENDING_ROOM_BYTES)
     return CallToolResult(
-        content=[TextContent(type="text", text=_ending_line(result)), *exec_content(result)],
+        content=[TextContent(type="text", text=_ending_line(result)), *blocks],
         structured_content=ending,
     )
+
+
+def _block_bytes(block: ContentBlock) -> int:
+    if isinstance(block, TextContent):
+        return answer_bytes(block.text.encode(errors="surrogatepass"))
+    if isinstance(block, ImageContent):
+        return len(block.data)
+    return 0
+
+
+def _cut(text: str, most_bytes: int) -> str:
+    """``text``'s head and tail, with what was left out said between them, in at most
+    ``most_bytes`` as JSON."""
+    size = answer_bytes(text.encode(errors="surrogatepass"))
+    keep = len(text) * max(most_bytes - 200, 0) // max(size, 1)
+    while True:
+        head, tail = text[: keep // 2], text[len(text) - keep // 2 :] if keep > 1 else ""
+        note = f"\n[{len(text) - len(head) - len(tail)} characters left out: an MCP answer is "
+        note += f"at most {MAX_READ_JSON_BYTES} bytes; run it with less output]\n"
+        cut = head + note + tail
+        if keep <= 0 or answer_bytes(cut.encode(errors="surrogatepass")) <= most_bytes:
+            return cut
+        keep = keep * 3 // 4
+
+
+def _level(sizes: list[int], most_bytes: int) -> int:
+    """The size every block larger is cut to, for ``sizes`` to fit in ``most_bytes``."""
+    left, ordered = most_bytes, sorted(sizes)
+    for k, size in enumerate(ordered):
+        share = left // (len(ordered) - k)
+        if size > share:
+            return share
+        left -= size
+    return most_bytes
+
+
+def fit_answer(blocks: list[ContentBlock], most_bytes: int) -> list[ContentBlock]:
+    """``blocks`` cut to ``most_bytes`` as JSON together: the largest first, to the size that
+    lets the rest fit as they are (a text to its head and tail, an image left out with a
+    note). The MCP SDK's client fails on an event past 1 MiB (a `cat` of a large file lost
+    its whole result), and each byte is written twice on the server's event loop (a control
+    character as 6)."""
+    sizes = [_block_bytes(b) for b in blocks]
+    for _ in range(2 * len(blocks)):
+        if sum(sizes) <= most_bytes:
+            break
+        level = _level(sizes, most_bytes)
+        i = max(range(len(blocks)), key=sizes.__getitem__)
+        block = blocks[i]
+        if isinstance(block, TextContent):
+            blocks[i] = TextContent(type="text", text=_cut(block.text, level))
+        else:
+            note = f"[an image of {sizes[i]} bytes left out: past the MCP answer's bound]"
+            blocks[i] = TextContent(type="text", text=note)
+        sizes[i] = _block_bytes(blocks[i])
+    return blocks
 
 
 def _ending_line(result: ExecResult) -> str:
