@@ -288,6 +288,148 @@ def test_artifacts_listing_and_download_after_delete(
     assert http.get(f"{base}/artifacts", headers=headers).json() == []
 
 
+def _kept(http: httpx.Client, headers: dict[str, str], code: str) -> str:
+    """A destroyed sandbox of ``headers``' tenant that ran ``code`` (Python) first."""
+    sandbox_id: str = http.post("/v1/sandboxes", json={}, headers=headers).json()["id"]
+    ran = http.post(f"/v1/sandboxes/{sandbox_id}/code", json={"code": code}, headers=headers)
+    assert ran.status_code == 200 and ran.json()["error"] is None, ran.text
+    assert http.delete(f"/v1/sandboxes/{sandbox_id}", headers=headers).status_code == 200
+    return sandbox_id
+
+
+# Names a sandbox may give its artifacts; the one ending in a newline beside the one without.
+_ODD_NAMES = {"nl\nname": b"newline", "cr\rname": b"return", "tab\tname": b"tab"}
+_ODD_NAMES |= {"end\n": b"ends in a newline", "end": b"plain", "sub/in\ndir": b"nested"}
+
+
+def test_artifacts_with_control_characters_in_their_names_download(
+    http: httpx.Client, live_server: LiveServer
+) -> None:
+    """Starlette's ``{path:path}`` is ``.*`` without DOTALL: an artifact named with a newline
+    was listed and charged but 404 to download, and ``end\n`` served ``end`` (red team,
+    2026-12-06)."""
+    from urllib.parse import quote
+
+    headers = live_server.headers("alice")
+    write = "import os\nos.makedirs('artifacts/sub')\n"
+    write += f"for n, d in {_ODD_NAMES!r}.items(): open('artifacts/' + n, 'wb').write(d)"
+    sandbox_id = _kept(http, headers, write)
+    base = f"/v1/sandboxes/{sandbox_id}/artifacts"
+    listed = http.get(base, headers=headers).json()
+    assert sorted(a["path"] for a in listed) == sorted(_ODD_NAMES)
+    for name, data in _ODD_NAMES.items():
+        got = http.get(f"{base}/{quote(name)}", headers=headers)
+        assert (got.status_code, got.content) == (200, data), name
+        assert (
+            "filename*=utf-8''" + quote(name.rsplit("/", 1)[-1], safe="")
+            in (got.headers["content-disposition"])
+        )
+    missing = http.get(f"{base}/nl%0Anope", headers=headers)
+    assert missing.status_code == 404 and _error_code(missing) == "file_not_found"
+    # And through the SDK, which quotes the name.
+    with Sandbox.connect(
+        sandbox_id, api_url=live_server.url, api_key=live_server.keys["alice"]
+    ) as sb:
+        for name, data in _ODD_NAMES.items():
+            assert sb.read_artifact(name) == data, name
+
+
+def test_artifact_download_keeps_ranges(http: httpx.Client, live_server: LiveServer) -> None:
+    headers = live_server.headers("alice")
+    write = "import os; os.makedirs('artifacts')\n"
+    sandbox_id = _kept(
+        http, headers, write + "open('artifacts/r.bin', 'wb').write(bytes(range(100)))"
+    )
+    url = f"/v1/sandboxes/{sandbox_id}/artifacts/r.bin"
+    whole = http.get(url, headers=headers)
+    assert whole.status_code == 200 and whole.content == bytes(range(100))
+    assert whole.headers["content-length"] == "100"
+    assert whole.headers["accept-ranges"] == "bytes"
+    assert whole.headers["content-type"] == "application/octet-stream"
+    part = http.get(url, headers={**headers, "Range": "bytes=10-19"})
+    assert part.status_code == 206 and part.content == bytes(range(10, 20))
+    assert part.headers["content-range"] == "bytes 10-19/100"
+    tail = http.get(url, headers={**headers, "Range": "bytes=-5"})
+    assert tail.status_code == 206 and tail.content == bytes(range(95, 100))
+    rest = http.get(url, headers={**headers, "Range": "bytes=98-"})
+    assert rest.status_code == 206 and rest.content == b"\x62\x63"
+    past = http.get(url, headers={**headers, "Range": "bytes=100-"})
+    assert past.status_code == 416 and past.headers["content-range"] == "bytes */100"
+    # If-Range naming another version: the whole file.
+    stale = http.get(url, headers={**headers, "Range": "bytes=0-0", "If-Range": '"other"'})
+    assert stale.status_code == 200 and stale.content == bytes(range(100))
+    fresh = {**headers, "Range": "bytes=0-0", "If-Range": whole.headers["etag"]}
+    assert http.get(url, headers=fresh).content == b"\x00"
+
+
+def test_artifact_downloads_racing_their_delete_are_whole_or_404(
+    http: httpx.Client, live_server: LiveServer
+) -> None:
+    """A DELETE of artifacts racing downloads of them: each download is the whole file or a
+    typed 404, never a 500 or a body cut after its headers, and the server logs no traceback
+    (the route checked the file, then FileResponse stat'ed and opened its path again: 10 of
+    15 such rounds failed one way or the other, red team 2026-12-06)."""
+    headers = live_server.headers("alice")
+    size, files = 200_000, 20
+    write = "import os\nos.makedirs('artifacts')\n"
+    write += f"for i in range({files}): open(f'artifacts/f{{i}}', 'wb').write(bytes([i]) * {size})"
+    log_from = live_server.log.stat().st_size
+    outcomes: dict[str, int] = {}
+
+    async def round_(client: httpx.AsyncClient, sandbox_id: str) -> None:
+        base = f"/v1/sandboxes/{sandbox_id}/artifacts"
+
+        async def get(i: int) -> None:
+            try:
+                got = await client.get(f"{base}/f{i % files}")
+            except httpx.HTTPError as exc:  # a body cut short, a connection dropped
+                outcome = type(exc).__name__
+            else:
+                if got.status_code == 200:
+                    assert got.content == bytes([i % files]) * size
+                    outcome = "200"
+                else:
+                    outcome = f"{got.status_code} {_error_code(got)}"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        async def delete() -> None:
+            await asyncio.sleep(0.002)
+            assert (await client.delete(base)).status_code == 204
+
+        await asyncio.gather(*(get(i) for i in range(40)), delete())
+
+    async def main(sandbox_ids: list[str]) -> None:
+        limits = httpx.Limits(max_connections=40)
+        async with httpx.AsyncClient(
+            base_url=live_server.url, headers=headers, limits=limits, timeout=60
+        ) as client:
+            for sandbox_id in sandbox_ids:
+                await round_(client, sandbox_id)
+
+    asyncio.run(main([_kept(http, headers, write) for _ in range(12)]))
+    assert set(outcomes) <= {"200", "404 file_not_found"}, outcomes
+    log = live_server.log.read_bytes()[log_from:].decode(errors="replace")
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
+
+
+def test_an_artifact_deleted_mid_download_still_arrives_whole(
+    http: httpx.Client, live_server: LiveServer
+) -> None:
+    headers = live_server.headers("alice")
+    size = 32 << 20
+    write = f"import os; os.makedirs('artifacts'); open('artifacts/big', 'wb').write(b'x' * {size})"
+    sandbox_id = _kept(http, headers, write)
+    base = f"/v1/sandboxes/{sandbox_id}/artifacts"
+    with http.stream("GET", f"{base}/big", headers=headers) as streamed:
+        assert streamed.status_code == 200
+        chunks = streamed.iter_raw(1 << 16)
+        got = len(next(chunks))
+        assert http.delete(base, headers=headers).status_code == 204
+        assert http.get(f"{base}/big", headers=headers).status_code == 404
+        got += sum(len(chunk) for chunk in chunks)
+    assert got == size
+
+
 def test_bad_input_is_a_typed_4xx(
     http: httpx.Client, live_server: LiveServer, alice_box: str
 ) -> None:

@@ -49,12 +49,13 @@ def open_schema(
     busy_timeout_s: float,
     schema: Sequence[str],
     table: str,
-    add_columns: Mapping[str, str],
+    add_columns: Mapping[str, str | Sequence[str]],
     after: Sequence[str] = (),
 ) -> sqlite3.Connection:
     """:func:`connect_shared`, then in one write transaction (two processes opening an old
     file at once must not both add a column: the second would fail on a duplicate): the
-    ``schema`` statements, each of ``add_columns`` (column: its ALTER TABLE) that ``table``
+    ``schema`` statements, each of ``add_columns`` (column: its ALTER TABLE, or that and the
+    statements that fill the new column in, run only when the column is added) that ``table``
     lacks, then ``after``."""
     db = connect_shared(path, busy_timeout_s)
     try:
@@ -62,9 +63,10 @@ def open_schema(
             for statement in schema:
                 db.execute(statement)
             have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
-            for column, statement in add_columns.items():
+            for column, statements in add_columns.items():
                 if column not in have:
-                    db.execute(statement)
+                    for statement in (statements,) if isinstance(statements, str) else statements:
+                        db.execute(statement)
             for statement in after:
                 db.execute(statement)
     except BaseException:

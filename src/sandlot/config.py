@@ -461,7 +461,8 @@ class Settings(BaseSettings):
         default=16384,
         ge=0,
         validation_alias=_env("SANDBOX_MAX_METADATA_BYTES", "max_metadata_bytes"),
-        description="Largest metadata of one sandbox (keys and values together, UTF-8).",
+        description="Largest metadata of one sandbox (keys and values together, as stored: JSON, "
+        "where a control character takes 6 bytes and a quote or backslash 2).",
     )
     record_retention_s: float = Field(
         default=7 * 86_400.0,
@@ -474,8 +475,9 @@ class Settings(BaseSettings):
         default=10_000,
         ge=1,
         validation_alias=_env("SANDBOX_MAX_ENDED_RECORDS", "max_ended_records"),
-        description="Ended sandboxes' records kept per tenant, newest first (those with kept "
-        "artifacts aside): older ones are forgotten before their retention ends.",
+        description="Ended sandboxes' records kept per tenant, newest first, those with kept "
+        "artifacts too: older ones are forgotten before their retention ends, and their kept "
+        "artifacts deleted with them.",
     )
     max_upload_mb: int = Field(
         default=100,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
+import io
 import itertools
 import os
 import stat
@@ -42,6 +44,12 @@ EXPORT_TIMEOUT_S = 60.0
 # Files one sandbox may leave kept: each is a row, an inode and a file the host serves and
 # expires, whatever its size (red team, 2026-12-06: 11,000 empty files a sandbox).
 MAX_KEPT_FILES = 10_000
+
+# The most sandboxes whose artifacts one reaper pass deletes for the records cap
+# (Artifacts.delete_beyond): a store from before the cap counted them may hold 262,144 of a
+# tenant's (red team, 2026-12-06), and a pass that deleted them all would hold back the
+# next one, and the expiries it finds.
+DELETED_BEYOND_A_PASS = 1000
 
 
 class _Skips:
@@ -258,6 +266,36 @@ class Artifacts:
             raise SandboxFileNotFound(f"sandbox {sandbox_id}'s artifact {path!r} is gone")
         return kept
 
+    def open(self, sandbox_id: str, path: str) -> tuple[io.FileIO, os.stat_result]:
+        """A kept artifact opened for reading (the caller closes it; dropped unclosed, it is
+        closed when collected) and its ``fstat``. What is served comes from this one open,
+        never from the path again: a DELETE racing a download removed the file between a
+        check and the server's own open and stat, a 500 or a body cut after its headers
+        (red team, 2026-12-06); a file unlinked once opened still reads whole.
+
+        Raises:
+            SandboxFileNotFound: the sandbox kept no such artifact, or it is gone (deleted,
+                expired) or is not a plain file.
+        """
+        if not self.store.kept(sandbox_id, path):
+            raise SandboxFileNotFound(f"sandbox {sandbox_id} kept no artifact {path!r}")
+        gone = SandboxFileNotFound(f"sandbox {sandbox_id}'s artifact {path!r} is gone")
+        # O_NONBLOCK: a FIFO put where a file was opens without waiting for a writer (and is
+        # refused below); O_NOFOLLOW: a link is not followed off the artifact directory.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self._dir(sandbox_id) / path, flags)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # deleted, or a link
+                raise gone from None
+            raise
+        file = io.FileIO(fd, "rb", closefd=True)
+        info = os.fstat(fd)  # of an open descriptor: fails only on a bad one
+        if not stat.S_ISREG(info.st_mode):  # a record must name a file; a 404, not a 500
+            file.close()
+            raise gone
+        return file, info
+
     async def delete(self, sandbox_id: str) -> int:
         count = self.store.delete_artifacts(sandbox_id)
         await asyncio.to_thread(remove_tree, self._dir(sandbox_id))
@@ -269,6 +307,18 @@ class Artifacts:
         # And copies a process that died mid-copy left (a live one writes within the export's
         # timeout, and any process of the data directory may run this).
         await asyncio.to_thread(self._sweep_staging, time.time() - PENDING_ARTIFACT_TTL_S)
+
+    async def delete_beyond(self, keep: int) -> int:
+        """Delete the artifacts of each owner's ended records past its newest ``keep``
+        (``SANDBOX_MAX_ENDED_RECORDS``), as :meth:`delete` does, which gives their quota
+        back: the records cap counts the records that keep artifacts too, and
+        ``Store.forget_beyond`` forgets them once their artifacts are gone. Return how many
+        sandboxes' artifacts went: at most ``DELETED_BEYOND_A_PASS`` (the reaper's pass waits
+        for them; the rest go in the next passes)."""
+        doomed = (await asyncio.to_thread(self.store.kept_beyond, keep))[:DELETED_BEYOND_A_PASS]
+        for sandbox_id in doomed:
+            await self.delete(sandbox_id)
+        return len(doomed)
 
     def _sweep_staging(self, cutoff: float) -> None:
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import io
+import os
 from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
 
@@ -102,7 +104,8 @@ class FileVerbs(Lookup):
         return await asyncio.to_thread(self._artifacts.list, sandbox_id)
 
     async def artifact_path(self, sandbox_id: str, path: str, *, owner: str | None = None) -> Path:
-        """Host path of a kept artifact (for streaming it out).
+        """Host path of a kept artifact (to inspect; serve it through :meth:`open_artifact`,
+        as a path a DELETE may remove between a check and a read).
 
         Raises:
             SandboxNotFound: no such sandbox.
@@ -111,6 +114,20 @@ class FileVerbs(Lookup):
         await self.get(sandbox_id, owner=owner)
         return self._artifacts.path(sandbox_id, path)
 
+    async def open_artifact(
+        self, sandbox_id: str, path: str, *, owner: str | None = None
+    ) -> tuple[io.FileIO, os.stat_result]:
+        """A kept artifact opened for reading, which the caller closes, and its ``fstat``:
+        what is served comes from this one open, never from the path again (a DELETE may
+        remove it meanwhile).
+
+        Raises:
+            SandboxNotFound: no such sandbox.
+            SandboxFileNotFound: it kept no such artifact.
+        """
+        await self.get(sandbox_id, owner=owner)
+        return self._artifacts.open(sandbox_id, path)
+
     async def read_artifact(self, sandbox_id: str, path: str, *, owner: str | None = None) -> bytes:
         """The content of a kept artifact (bounded by the tenant's artifact quota).
 
@@ -118,22 +135,31 @@ class FileVerbs(Lookup):
             SandboxNotFound: no such sandbox.
             SandboxFileNotFound: it kept no such artifact.
         """
-        host_path = await self.artifact_path(sandbox_id, path, owner=owner)
-        return await asyncio.to_thread(host_path.read_bytes)
+        file, info = await self.open_artifact(sandbox_id, path, owner=owner)
+        return await asyncio.to_thread(_read_closing, file, 0, info.st_size)
 
     async def read_artifact_range(
         self, sandbox_id: str, path: str, offset: int, *, owner: str | None = None
     ) -> bytes:
         """At most :data:`RANGE_MAX_BYTES` of a kept artifact from ``offset``."""
-        host_path = await self.artifact_path(sandbox_id, path, owner=owner)
-
-        def read() -> bytes:
-            with host_path.open("rb") as f:
-                f.seek(offset)
-                return f.read(RANGE_MAX_BYTES)
-
-        return await asyncio.to_thread(read)
+        file, _ = await self.open_artifact(sandbox_id, path, owner=owner)
+        return await asyncio.to_thread(_read_closing, file, offset, RANGE_MAX_BYTES)
 
     async def delete_artifacts(self, sandbox_id: str, *, owner: str | None = None) -> int:
         await self.get(sandbox_id, owner=owner)
         return await self._artifacts.delete(sandbox_id)
+
+
+def _read_closing(file: io.FileIO, offset: int, most: int) -> bytes:
+    """Up to ``most`` bytes of ``file`` from ``offset`` (fewer only at its end); closes it
+    (here, in the thread: a call cancelled before its thread ran drops it, which closes it)."""
+    with file:
+        parts: list[bytes] = []
+        while most > 0:
+            part = os.pread(file.fileno(), min(most, RANGE_MAX_BYTES), offset)
+            if not part:
+                break
+            parts.append(part)
+            offset += len(part)
+            most -= len(part)
+        return b"".join(parts)

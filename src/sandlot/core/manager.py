@@ -684,7 +684,9 @@ class SandboxManager(JobVerbs, FileVerbs):
             self._reaping[sandbox_id] = task
             task.add_done_callback(functools.partial(self._reaped, sandbox_id))
         await self._artifacts.delete_older_than(now - self.settings.artifact_retention_s)
-        # Off the event loop: both read every ended record.
+        # The records cap counts those that keep artifacts: theirs go first, then the records.
+        await self._artifacts.delete_beyond(self.settings.max_ended_records)
+        # Off the event loop (each reads an index, and deletes what it finds).
         await asyncio.to_thread(
             self._store.forget_ended_before, now - self.settings.record_retention_s
         )

@@ -10,8 +10,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as FastPath
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, TypeAdapter
+from starlette.convertors import Convertor, register_url_convertor
 
 from sandlot.core import SandboxManager
 from sandlot.errors import CommandStillRunning, RequestTooLarge, SandboxError
@@ -43,8 +44,29 @@ from sandlot.requests import (
 from sandlot.server import multipart
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, caller, client_gone, state_of
+from sandlot.server.downloads import opened_file_response
 from sandlot.server.metering import charge_entries
 from sandlot.server.schemas import ErrorBody, WrittenFile
+
+
+class AnyPathConvertor(Convertor[str]):
+    r"""``{name:anypath}``: the rest of the URL path, whatever its characters. Starlette's
+    ``path`` is ``.*``, compiled without DOTALL: a name with a newline never matched (a kept
+    artifact ``a\nb`` was listed and charged but 404 to download), and ``$``, which matches
+    before a final newline, made ``x\n`` serve the artifact ``x`` (red team, 2026-12-06).
+    ``[\s\S]*`` takes every character, so the route's ``$`` is the end of the path."""
+
+    regex = r"[\s\S]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+# Registered before the routes below are made: their paths are compiled as they are declared.
+register_url_convertor("anypath", AnyPathConvertor())
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
@@ -515,10 +537,15 @@ async def list_artifacts(sandbox_id: SandboxId, request: Request, who: Caller) -
     return Response(_ARTIFACT_INFOS.dump_json(kept), media_type="application/json")
 
 
-@router.get("/{sandbox_id}/artifacts/{path:path}", response_class=FileResponse)
+@router.get(
+    "/{sandbox_id}/artifacts/{path:anypath}",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}, 206: {}, 416: {}},
+)
 async def download_artifact(
     sandbox_id: SandboxId, path: str, request: Request, who: Caller
 ) -> Response:
+    """A kept artifact; one ``Range: bytes=`` range is honoured (206), as it was before."""
     manager = state_of(request).manager
     name = path.rsplit("/", 1)[-1]
     if not isinstance(manager, SandboxManager):
@@ -532,8 +559,12 @@ async def download_artifact(
             media_type="application/octet-stream",
             headers={"content-disposition": _attachment(name)},
         )
-    host_path = await manager.artifact_path(sandbox_id, path, owner=who.owner_filter)
-    return FileResponse(host_path, filename=name)
+    # Opened once, here: a 404 if it is gone, and what is sent comes from this descriptor,
+    # never from the path again. A FileResponse stats and opens its path when it is sent, so
+    # a DELETE in between was a 500, or a body cut after its headers, with a traceback in
+    # the log (red team, 2026-12-06). A file deleted once opened still streams whole.
+    file, info = await manager.open_artifact(sandbox_id, path, owner=who.owner_filter)
+    return opened_file_response(file, info, request, _attachment(name))
 
 
 @router.delete("/{sandbox_id}/artifacts", status_code=204)
