@@ -270,6 +270,105 @@ def test_sandbox_commands_against_a_server(live_server: object, tmp_path: Path) 
     assert gone.returncode == 2 and "sandbox_not_running" in gone.stderr
 
 
+def test_what_a_sandbox_names_reaches_the_terminal_shown_not_obeyed(
+    live_server: object, tmp_path: Path
+) -> None:
+    """Sandboxed code chose the target of a dangling link, and the guest's error message
+    names it: the CLI printed it raw (the escapes set the terminal's title and hid text),
+    and a target with "[/]" crashed it with Rich's MarkupError (red team, 2026-12-06). The
+    output of a command the user runs is still passed through byte for byte."""
+    from tests.conftest import LiveServer
+
+    assert isinstance(live_server, LiveServer)
+    env = {
+        **os.environ,
+        "SANDLOT_URL": live_server.url,
+        "SANDLOT_API_KEY": live_server.keys["alice"],
+        "COLUMNS": "400",  # one line each: Rich wraps at 80 when it is not a terminal
+    }
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # type: ignore[call-overload, no-any-return]
+            [*CLI, "sandbox", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+
+    created = cli("create")
+    assert created.returncode == 0, created.stderr
+    sandbox_id = created.stdout.strip()
+    try:
+        title = "/workspace/x\x1b]0;PWNED-TITLE\x1b\\\x1b[8m hidden\x07\x9b2J"
+        for target in (title, "/workspace/a[/]b", "/workspace/[bold red]c\\"):
+            link = f"import os; os.symlink({target!r}, 'report.csv')"
+            ran = cli(
+                "run-code",
+                sandbox_id,
+                f"import os\nif os.path.lexists('report.csv'): os.unlink('report.csv')\n{link}",
+            )
+            assert ran.returncode == 0, ran.stderr
+            out = cli("download", sandbox_id, "report.csv", str(tmp_path / "r.csv"))
+            assert out.returncode == 2, out.stderr
+            err = out.stderr
+            assert "Traceback" not in err and "MarkupError" not in err, err
+            assert "error (file_not_found):" in err, err
+            raw = [c for c in err if (ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0]
+            assert not raw, err
+            shown = target.replace("\x1b", "\\x1b").replace("\x07", "\\x07")
+            assert shown.replace("\x9b", "\\x9b") in err, (shown, err)
+        # What the user asked to run: its output verbatim, escapes and all (as docker exec).
+        styled = cli("exec", sandbox_id, "printf '\\033[31mred [/] \\033]0;t\\007'")
+        assert styled.returncode == 0, styled.stderr
+        assert styled.stdout == "\x1b[31mred [/] \x1b]0;t\x07"
+    finally:
+        cli("rm", sandbox_id)
+
+
+def test_shown_escapes_markup_and_control_characters() -> None:
+    from rich.console import Console
+
+    from sandlot.cli.common import shown, visible
+
+    hostile = "a\x1b]0;T\x07[/]b\u202e[bold]c\\\n\td\x9b"
+    assert visible(hostile) == "a\\x1b]0;T\\x07[/]b\\u202e[bold]c\\\\x0a\\x09d\\x9b"
+    assert visible(hostile, lines=True) == "a\\x1b]0;T\\x07[/]b\\u202e[bold]c\\\n\td\\x9b"
+    console = Console(width=400, record=True, force_terminal=False)
+    for lines in (False, True):
+        console.print(f"[red]x:[/] {shown(hostile, lines=lines)}")  # no MarkupError
+        printed = console.export_text()
+        # Exactly the visible text (Rich expands a tab as expandtabs does).
+        assert printed.rstrip("\n") == ("x: " + visible(hostile, lines=lines)).expandtabs(), printed
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "No such file or directory: /workspace/a[/]b",  # was Rich's MarkupError
+        "No such file or directory: /workspace/x\x1b]0;PWNED\x1b\\\x1b[8m hidden",
+        "[link=https://example.com]click[/link] [bold red]c\\[/]d",
+    ],
+)
+def test_an_error_message_is_shown_not_obeyed(
+    message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import typer
+    from rich.console import Console
+
+    from sandlot.cli import common
+    from sandlot.errors import SandboxFileNotFound
+
+    console = Console(width=400, record=True, force_terminal=True, color_system=None)
+    monkeypatch.setattr(common, "console", console)
+    with pytest.raises(typer.Exit), common.errors_exit_2():
+        raise SandboxFileNotFound(message)
+    printed = console.export_text()  # what reached the terminal, less Rich's own styles
+    expected = "error (file_not_found): " + message.replace("\x1b", "\\x1b")
+    assert printed == expected + "\n", printed
+
+
 def test_sandbox_commands_say_when_no_server_answers(tmp_path: Path) -> None:
     env = {**os.environ, "SANDLOT_URL": "http://127.0.0.1:9"}
     out = subprocess.run(

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from sandlot.cli.common import JsonOpt, console, errors_exit_2, print_json
+from sandlot.cli.common import JsonOpt, console, errors_exit_2, print_json, shown, visible
 
 out = Console()
 
@@ -70,7 +70,8 @@ def _mode(mode: str) -> tuple[str, str | None]:
 
     modes = ("loop", "swarm", *STRATEGY_NAMES)
     if mode not in modes:
-        console.print(f"[red]error[/]: --mode must be one of {', '.join(modes)}, not {mode!r}")
+        wanted = shown(repr(mode))
+        console.print(f"[red]error[/]: --mode must be one of {', '.join(modes)}, not {wanted}")
         raise typer.Exit(2)
     if mode == "reflexion":
         # The configured strategy may be another one: this asks for the loop itself.
@@ -100,28 +101,33 @@ def run(
     from sandlot.agent.runtime import AgentRuntime
 
     async def show(event: AgentEvent) -> None:
+        # What an event carries came from the model or from the sandbox (code, its output,
+        # errors): each is shown() (markup escaped, control characters as \xNN), not
+        # interpreted as Rich markup or sent to the terminal raw.
         if as_json:
             return
         data = event.data
         if event.event == "generate":
             console.print(f"[bold cyan]attempt {event.attempt}[/]: generating code...")
         elif event.event == "code":
-            who = f" ({data['role']})" if "role" in data else ""
+            who = f" ({shown(data['role'])})" if "role" in data else ""
             console.print(f"[bold]code{who}[/]")
-            console.print(Syntax(str(data.get("code", "")), "python", line_numbers=False))
+            code = visible(data.get("code", ""), lines=True)
+            console.print(Syntax(code, "python", line_numbers=False))
         elif event.event == "execute":
             ok = data.get("ok")
             mark = "[green]passed[/]" if ok else "[red]failed[/]"
             console.print(f"  ran in {data.get('duration_s', 0):.2f} s: {mark}")
             if not ok:
                 tail = (data.get("error") or data.get("stderr") or "").strip()[-600:]
-                console.print(f"  [dim]{tail}[/]")
+                console.print(f"  [dim]{shown(tail, lines=True)}[/]")
         elif event.event == "critique":
-            console.print(f"[yellow]critique[/]: {data.get('critique', '')}")
+            console.print(f"[yellow]critique[/]: {shown(data.get('critique', ''), lines=True)}")
         elif event.event == "vote":
-            console.print(f"[magenta]round {event.attempt} votes[/]: {data.get('proposals')}")
+            votes = shown(data.get("proposals"), lines=True)
+            console.print(f"[magenta]round {event.attempt} votes[/]: {votes}")
         elif event.event == "error":
-            console.print(f"[red]agent error[/]: {data.get('error')}")
+            console.print(f"[red]agent error[/]: {shown(data.get('error'), lines=True)}")
 
     async def main() -> Any:
         settings = _settings(provider, model, agent_strategy=strategy_override)
@@ -142,16 +148,19 @@ def run(
     else:
         colour = {"solved": "green", "failed": "red"}.get(result.status, "yellow")
         console.print(
-            f"[bold {colour}]{result.status}[/] after {len(result.attempts)} attempt(s), "
+            f"[bold {colour}]{shown(result.status)}[/] after {len(result.attempts)} attempt(s), "
             f"{result.total_tokens} tokens, model {result.llm_s:.1f} s, sandbox "
             f"{result.sandbox_s:.2f} s, {result.wall_s:.1f} s in all"
         )
         if result.error:
-            console.print(f"[red]{result.error}[/]")
-        out.print(Syntax(result.code, "python"))
+            console.print(f"[red]{shown(result.error, lines=True)}[/]")
+        out.print(Syntax(visible(result.code, lines=True), "python"))
         if result.output:
+            # The output of code the model wrote, shown as a report (the user ran the task,
+            # not this code; --json has it exact): control characters as \xNN.
             console.print("[bold]output[/]")
-            out.print(result.output, end="", markup=False, highlight=False)
+            output = visible(result.output, lines=True)
+            out.print(output, end="", markup=False, highlight=False, emoji=False)
     raise typer.Exit(0 if result.success else 1)
 
 
@@ -259,8 +268,8 @@ def benchmark(
         earlier = json.loads(config_path.read_text())
         if earlier != config.model_dump():
             console.print(
-                f"[red]error[/]: {results} holds results of another configuration "
-                f"({config_path}); pass --fresh or another --out"
+                f"[red]error[/]: {shown(results)} holds results of another configuration "
+                f"({shown(config_path)}); pass --fresh or another --out"
             )
             raise typer.Exit(2)
     config_path.write_text(json.dumps(config.model_dump(), indent=2) + "\n")
@@ -271,9 +280,9 @@ def benchmark(
             "[green]L[/]" if outcome.loop_pass else "[red]l[/]"
         )
         console.print(
-            f"[{done}/{total}] {outcome.task_id:<16} {marks} attempts={outcome.attempts} "
-            f"tokens={outcome.loop_tokens} {outcome.wall_s:.0f}s"
-            + (f" [red]{outcome.error}[/]" if outcome.error else "")
+            f"[{done}/{total}] {shown(outcome.task_id):<16} {marks} "
+            f"attempts={outcome.attempts} tokens={outcome.loop_tokens} {outcome.wall_s:.0f}s"
+            + (f" [red]{shown(outcome.error, lines=True)}[/]" if outcome.error else "")
         )
 
     async def main() -> list[TaskOutcome]:
@@ -289,8 +298,8 @@ def benchmark(
     report = markdown_report(outcomes, config, time.monotonic() - started, command)
     (out_dir / f"{stem}.md").write_text(report)
     charts = write_charts(outcomes, out_dir / f"{stem}-charts", f"{stem} ({config.model})")
-    out.print(report, markup=False, highlight=False)
-    console.print("charts: " + ", ".join(str(c) for c in charts))
+    out.print(visible(report, lines=True), markup=False, highlight=False, emoji=False)
+    console.print("charts: " + ", ".join(shown(c) for c in charts))
 
 
 def models_ls(as_json: JsonOpt = False) -> None:
@@ -321,7 +330,8 @@ def models_ls(as_json: JsonOpt = False) -> None:
     table = Table("name", "model", "size_mb", "license", "fetched", "path")
     for name, m, fetched, path in found:
         size_mb = str(m.size_bytes // 2**20)
-        table.add_row(name, m.title, size_mb, m.license, "yes" if fetched else "no", str(path))
+        cells = (name, m.title, size_mb, m.license, "yes" if fetched else "no", path)
+        table.add_row(*(shown(cell) for cell in cells))
     out.print(table)
 
 

@@ -57,12 +57,22 @@ def errors_exit_2() -> Iterator[None]:
     try:
         yield
     except SandboxError as exc:
-        console.print(f"[red]error ({exc.code}):[/] {exc.message}")
+        # A message may carry what sandboxed code chose (a file name, a link's target: red
+        # team, 2026-12-06, a dangling link's target set the terminal's title; one with
+        # "[/]" crashed the CLI with Rich's MarkupError): shown, never interpreted.
+        console.print(f"[red]error ({shown(exc.code)}):[/] {shown(exc.message)}")
         raise typer.Exit(2) from None
 
 
+# The output of what the user asked to run (a command's or a cell's stdout and stderr, the
+# value it printed, its traceback) is passed through byte for byte, as `docker exec` passes
+# it: it is the program's own output, which the user may pipe, redirect or mean to style
+# (colours, a progress bar), and escaping it would change what a script reads. Everything
+# else the CLI prints that a server or a sandbox supplied goes through shown().
+
+
 def print_result(result: ExecResult) -> int:
-    sys.stdout.write(result.stdout)
+    sys.stdout.write(result.stdout)  # the run's own output: verbatim (see above)
     sys.stderr.write(result.stderr)
     return finish(result)
 
@@ -70,11 +80,12 @@ def print_result(result: ExecResult) -> int:
 def finish(result: ExecResult) -> int:
     """Print what the run left besides its output; the exit status the command takes."""
     if result.text is not None:
-        sys.stdout.write(result.text + "\n")
+        sys.stdout.write(result.text + "\n")  # the run's own output: verbatim (see above)
     if result.error is not None:
         sys.stderr.write(result.error.traceback)
     if result.kill_reason is not None:
-        console.print(f"[red]killed: {result.kill_reason}[/] after {result.duration_ms:.0f} ms")
+        took = f"{result.duration_ms:.0f}"
+        console.print(f"[red]killed: {shown(result.kill_reason)}[/] after {took} ms")
     return result.exit_code if result.exit_code is not None else 1
 
 
@@ -99,7 +110,7 @@ def remote_call(api_url: str | None, api_key: str | None, work: Any) -> Any:
             return asyncio.run(main())
     except httpx.TransportError as exc:
         console.print(
-            f"[red]cannot reach the server:[/] {exc}; start `sandlot serve` "
+            f"[red]cannot reach the server:[/] {shown(exc)}; start `sandlot serve` "
             "or set --api-url / SANDLOT_URL"
         )
         raise typer.Exit(2) from None
@@ -111,16 +122,27 @@ def print_json(document: object) -> None:
     sys.stdout.write(json.dumps(document, indent=2) + "\n")
 
 
-def shown(value: object) -> str:
-    """Text from a store or a server, safe to print in a Rich table: markup is escaped and
-    control characters (escape sequences among them) are shown as ``\\xNN``, so a name or a
-    sandbox id chosen by a client can neither restyle nor rewrite the operator's terminal."""
+def shown(value: object, *, lines: bool = False) -> str:
+    """Text from a store, a server or a sandbox, safe to print with Rich (in a table, in a
+    message): markup is escaped and control characters (escape sequences among them) are
+    shown as ``\\xNN``, so a name, a message or a sandbox id chosen by a client can neither
+    restyle nor rewrite the operator's terminal, nor crash the print with bad markup.
+    ``lines``: newlines and tabs are kept (a traceback's tail, a critique)."""
+    return rich_escape(visible(value, lines=lines))
+
+
+def visible(value: object, *, lines: bool = False) -> str:
+    """``value`` as text with its control characters shown as ``\\xNN`` (newlines and
+    tabs kept where ``lines``), for a plain print that Rich does not read: no markup to
+    escape there."""
     text = "" if value is None else str(value)
-    visible = "".join(
-        ch if ch.isprintable() and not unicodedata.category(ch).startswith("C") else _hex(ch)
+    kept = "\n\t" if lines else ""
+    return "".join(
+        ch
+        if ch in kept or (ch.isprintable() and not unicodedata.category(ch).startswith("C"))
+        else _hex(ch)
         for ch in text
     )
-    return rich_escape(visible)
 
 
 def _hex(ch: str) -> str:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sandlot.cli.common import JsonOpt, console, errors_exit_2, print_json
+from sandlot.cli.common import JsonOpt, console, errors_exit_2, print_json, shown
 from sandlot.config import get_settings
 from sandlot.errors import SandboxError
 
@@ -99,15 +99,16 @@ def image_ls(as_json: JsonOpt = False) -> None:
             built = "stale"
         else:
             built = "yes" + (" (other tree build)" if row["image_same_tree"] is False else "")
-        table.add_row(
+        cells = (
             row["environment"],
             mode[row["bubblewrap"]],
             "" if row["tree_size_mb"] is None else str(row["tree_size_mb"]),
             row["image"],
             built,
             "" if row["image_size_mb"] is None else str(row["image_size_mb"]),
-            " ".join(row["packages"] + [f"pip:{r}" for r in row["pip"]]),
+            " ".join(row["packages"] + [f"pip:{r}" for r in row["pip"]]),  # "pkg[extra]"
         )
+        table.add_row(*(shown(cell) for cell in cells))
     Console().print(table)
 
 
@@ -143,15 +144,19 @@ def image_build(
             try:
                 client = connect()
             except SandboxError as exc:
-                console.print(f"no docker ({exc.message}): building trees only")
+                console.print(f"no docker ({shown(exc.message)}): building trees only")
         with contextlib.ExitStack() as stack:
             if client is not None:
                 stack.callback(client.close)
             for env in envs:
-                console.print(f"[bold]{env.name}[/]: {env.description}")
+                console.print(f"[bold]{shown(env.name)}[/]: {shown(env.description)}")
                 debs = settings.data_dir / "build" / "debs"
-                tree = build_tree(
-                    env, settings.rootfs_dir, debs, force=force, progress=console.print
-                )
+                tree = build_tree(env, settings.rootfs_dir, debs, force=force, progress=_say)
                 if client is not None:
-                    import_tree(env, tree, settings.data_dir, client, progress=console.print)
+                    import_tree(env, tree, settings.data_dir, client, progress=_say)
+
+
+def _say(line: str) -> None:
+    """A build's progress line (a command line, a path, "pip:pkg[extra]"): shown, not read
+    as Rich markup."""
+    console.print(shown(line))

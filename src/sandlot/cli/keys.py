@@ -45,7 +45,8 @@ def keys_create(
     """Create a key and print it once (only its hash is stored)."""
     with errors_exit_2(), _auth_store() as store:
         key_id, key = store.create_key(tenant, role, name)
-    console.print(f"created {key_id} for tenant {tenant!r} with role {role}; store it now:")
+    made = f"created {shown(key_id)} for tenant {shown(repr(tenant))} with role {shown(role)}"
+    console.print(f"{made}; store it now:")
     typer.echo(key)
 
 
@@ -71,9 +72,9 @@ def keys_revoke(key_id: str) -> None:
     with _auth_store() as store:
         revoked = store.revoke_key(key_id)
     if not revoked:
-        console.print(f"[red]no active key {key_id!r}[/] (see `sandlot keys list`)")
+        console.print(f"[red]no active key {shown(repr(key_id))}[/] (see `sandlot keys list`)")
         raise typer.Exit(1)
-    console.print(f"revoked {key_id}")
+    console.print(f"revoked {shown(key_id)}")
 
 
 @keys_app.command("quota")
@@ -97,8 +98,8 @@ def keys_quota(
     }
     with _auth_store() as store:
         store.set_quota(tenant, **{k: v for k, v in given.items() if v is not None})
-    shown = " ".join(f"{k.removeprefix('max_')}={v}" for k, v in given.items() if v is not None)
-    console.print(f"quota of {tenant!r}: {shown or 'defaults'}")
+    values = " ".join(f"{k.removeprefix('max_')}={v}" for k, v in given.items() if v is not None)
+    console.print(f"quota of {shown(repr(tenant))}: {values or 'defaults'}")
 
 
 @keys_app.command("audit")

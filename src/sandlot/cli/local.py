@@ -22,6 +22,7 @@ from sandlot.cli.common import (
     errors_exit_2,
     print_json,
     print_result,
+    shown,
 )
 
 
@@ -52,7 +53,7 @@ def doctor(as_json: JsonOpt = False) -> None:
             if check.ok
             else ("[red]MISSING[/]" if check.required else "[yellow]off[/]")
         )
-        table.add_row(check.name, status, check.detail, check.why)
+        table.add_row(shown(check.name), status, shown(check.detail), shown(check.why))
     Console().print(table)
     if not usable:
         console.print("[red]The bubblewrap backend cannot run here; fix the MISSING rows.[/]")

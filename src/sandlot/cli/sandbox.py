@@ -28,6 +28,7 @@ from sandlot.cli.common import (
     print_json,
     remote_call,
     shown,
+    visible,
 )
 from sandlot.client import RemoteService
 from sandlot.requests import RunCode, RunCommand, SandboxSpec, build
@@ -44,6 +45,9 @@ def register(app: typer.Typer) -> None:
 
 
 def _echo(stream: Any) -> Any:
+    """The command's own output, written as it comes and verbatim, as `docker exec` passes
+    it (see common.py: the user asked to run it; escaping would change what a pipe reads)."""
+
     def write(text: str) -> None:
         stream.write(text)
         stream.flush()
@@ -76,7 +80,7 @@ def sandbox_create(
             ttl_s=ttl_s,
         )
     info = remote_call(api_url, api_key, lambda s: s.create(spec))
-    typer.echo(info.id)
+    typer.echo(visible(info.id))  # the server's: plain, for `SB=$(...)`, but no escapes
 
 
 @sandbox_app.command("ls")
@@ -166,16 +170,16 @@ def sandbox_upload(
 ) -> None:
     """Upload a local file into the sandbox's /workspace (with progress)."""
     if not local.is_file():
-        console.print(f"[red]{local} is not a file[/]")
+        console.print(f"[red]{shown(local)} is not a file[/]")
         raise typer.Exit(2)
     size = _transfer(
-        f"upload {local.name}",
+        f"upload {shown(local.name)}",  # a progress description is markup too
         local.stat().st_size,
         lambda s, tick: s.upload(sandbox_id, remote, local, tick),
         api_url,
         api_key,
     )
-    console.print(f"uploaded {size} bytes to /workspace/{remote.lstrip('/')}")
+    console.print(f"uploaded {shown(size)} bytes to /workspace/{shown(remote.lstrip('/'))}")
 
 
 @sandbox_app.command("download")
@@ -184,13 +188,13 @@ def sandbox_download(
 ) -> None:
     """Download a file from the sandbox's /workspace (with progress)."""
     size = _transfer(
-        f"download {remote}",
+        f"download {shown(remote)}",
         None,
         lambda s, tick: s.download(sandbox_id, remote, local, tick),
         api_url,
         api_key,
     )
-    console.print(f"downloaded {size} bytes to {local}")
+    console.print(f"downloaded {shown(size)} bytes to {shown(local)}")
 
 
 @sandbox_app.command("rm")
@@ -200,6 +204,6 @@ def sandbox_rm(sandbox_ids: list[str], api_url: UrlOpt = None, api_key: KeyOpt =
     async def destroy_all(service: RemoteService) -> None:
         for sandbox_id in sandbox_ids:
             await service.destroy(sandbox_id)
-            console.print(f"destroyed {sandbox_id}")
+            console.print(f"destroyed {shown(sandbox_id)}")
 
     remote_call(api_url, api_key, destroy_all)
