@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -228,16 +229,7 @@ def test_sandbox_commands_against_a_server(live_server: object, tmp_path: Path) 
         "SANDLOT_API_KEY": live_server.keys["alice"],
     }
 
-    def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(  # type: ignore[call-overload, no-any-return]
-            [*CLI, "sandbox", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-            check=False,
-            **kwargs,
-        )
+    cli = _sandbox_cli(env)
 
     created = cli("create", "--memory-mb", "128")
     assert created.returncode == 0, created.stderr
@@ -287,15 +279,7 @@ def test_what_a_sandbox_names_reaches_the_terminal_shown_not_obeyed(
         "COLUMNS": "400",  # one line each: Rich wraps at 80 when it is not a terminal
     }
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(  # type: ignore[call-overload, no-any-return]
-            [*CLI, "sandbox", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-            check=False,
-        )
+    cli = _sandbox_cli(env)
 
     created = cli("create")
     assert created.returncode == 0, created.stderr
@@ -484,3 +468,20 @@ def test_serve_refuses_more_than_one_worker_and_says_why(cli_data_dir: Path) -> 
     setting = _run(["serve", "--port", "1"], cli_data_dir, env=env)
     assert setting.returncode != 0, setting.stdout
     assert "API_WORKERS" in setting.stdout + setting.stderr
+
+
+def _sandbox_cli(env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``sandlot sandbox ARGS...`` against the server ``env`` names."""
+
+    def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # type: ignore[call-overload, no-any-return]
+            [*CLI, "sandbox", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+            **kwargs,
+        )
+
+    return cli

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import os
 import sqlite3
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -442,22 +443,32 @@ async def test_a_session_whose_sandbox_could_not_be_made_leaves_nothing_behind()
     assert defaults._locks == {} and defaults._entries == {}
 
 
+def _two_tenants_server(
+    data_dir: Path, burst: int
+) -> tuple[subprocess.Popen[bytes], str, dict[str, str]]:
+    """A server of its own whose keys (tenants ``acme`` and ``globex``) have ``burst``
+    requests and next to no rate: what a call costs shows in what a key has left."""
+    from sandlot.server.auth import AuthStore
+    from tests.conftest import start_server
+
+    data_dir.mkdir()
+    store = AuthStore(data_dir / "sandlot.db")
+    keys = {who: store.create_key(who, "user")[1] for who in ("acme", "globex")}
+    store.close()
+    env = {"API_RATE_LIMIT_PER_SECOND": "0.01", "API_RATE_LIMIT_BURST": str(burst)}
+    process, url, _log = start_server(data_dir, env)
+    return process, url, keys
+
+
 def test_an_mcp_listing_costs_its_key_by_its_entries(data_root: Path) -> None:
     """As over REST (test_trust_server.py): each 256 entries of a listing cost one more
     request of the key's rate, so MCP's list_files is no cheaper way to make the server build
     them. Two tenants make the same calls; one lists 2,560 entries three times, the other
     ten: the first has 3 x 10 requests less left."""
-    from sandlot.server.auth import AuthStore
-    from tests.conftest import start_server, stop_server
+    from tests.conftest import stop_server
     from tests.test_trust_server import rate_left
 
-    data_dir = data_root / "mcp-entries"
-    data_dir.mkdir()
-    store = AuthStore(data_dir / "sandlot.db")
-    keys = {who: store.create_key(who, "user")[1] for who in ("acme", "globex")}
-    store.close()
-    env = {"API_RATE_LIMIT_PER_SECOND": "0.01", "API_RATE_LIMIT_BURST": "300"}
-    process, url, _log = start_server(data_dir, env)
+    process, url, keys = _two_tenants_server(data_root / "mcp-entries", burst=300)
 
     async def session_of(who: str, files: int) -> None:
         headers = {"Authorization": f"Bearer {keys[who]}"}
@@ -506,17 +517,10 @@ def test_an_mcp_read_is_paid_for_before_its_answer_is_built(data_root: Path) -> 
     after it was built and sent, so a key's burst of reads was all written first (40 at once
     held the event loop for 65 s). Its cost is now taken before the answer is built: a key
     with 3 requests left reading a 900 KiB file (3 more) gets a rate_limited tool error."""
-    from sandlot.server.auth import AuthStore
-    from tests.conftest import start_server, stop_server
+    from tests.conftest import stop_server
     from tests.test_trust_server import rate_left
 
-    data_dir = data_root / "mcp-read-paid"
-    data_dir.mkdir()
-    store = AuthStore(data_dir / "sandlot.db")
-    keys = {who: store.create_key(who, "user")[1] for who in ("acme", "globex")}
-    store.close()
-    env = {"API_RATE_LIMIT_PER_SECOND": "0.01", "API_RATE_LIMIT_BURST": "60"}
-    process, url, _log = start_server(data_dir, env)
+    process, url, keys = _two_tenants_server(data_root / "mcp-read-paid", burst=60)
     made = "open('f', 'w').write('x' * (900 << 10))"
 
     async def setup(session: Any) -> None:
