@@ -85,3 +85,41 @@ def test_a_listings_early_charge_is_not_taken_again_at_the_end() -> None:
     with pytest.raises(RateLimited):
         limiter.check("k", 96)
     limiter.check("k", 95)
+
+
+def test_a_listing_takes_its_turn_only_once_its_guest_has_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Failed before (red team, 2026-12-06): a turn was held while the guest listed, so two
+    listings of a sandbox whose guest never answered (starved by its own busy loops) held
+    both of its tenant's turns, and a listing of the tenant's healthy sandbox waited 7.5
+    minutes, its client gone or not. The turn now covers the host's check of the entries."""
+    from sandlot.core import files
+    from sandlot.requests import ListFiles
+
+    stuck = asyncio.Event()
+
+    async def file_op(live: Any, op: Any, payload: dict[str, Any]) -> dict[str, Any]:
+        if live == "stalled":
+            await stuck.wait()
+        entry = {"path": "a", "name": "a", "type": "file", "size_bytes": 1, "mtime": 0.0}
+        return {"entries": [{**entry, "mode": 0o644}]}
+
+    monkeypatch.setattr(files, "file_op", file_op)
+
+    async def main() -> None:
+        turns, limiter = ListingTurns(), RateLimiter(1000, 1000)
+
+        def listing(live: str) -> Any:
+            checking = turns.checking(_scope(limiter, "k"), "acme")
+            return files.list_dir(live, ListFiles(path="."), checking)  # type: ignore[arg-type]
+
+        stalled = [asyncio.create_task(listing("stalled")) for _ in range(LISTINGS_PER_TENANT)]
+        await asyncio.sleep(0.05)
+        healthy = await asyncio.wait_for(listing("healthy"), 2)  # before: waited for them
+        assert [entry.path for entry in healthy] == ["a"]
+        stuck.set()
+        assert all(len(found) == 1 for found in await asyncio.gather(*stalled))
+        assert turns.waiting("acme") == 0
+
+    asyncio.run(main())

@@ -73,11 +73,16 @@ class FileVerbs(Lookup):
         return await files.read_range(self._get_live(sandbox_id, owner), request)
 
     async def list_files(
-        self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        request: ListFiles,
+        *,
+        owner: str | None = None,
+        checking: files.EntriesCheck | None = None,
     ) -> Listing:
         """Entries below ``request.path``; ``truncated`` says why, where the listing stopped
-        at its bound."""
-        return await files.list_dir(self._get_live(sandbox_id, owner), request)
+        at its bound. ``checking``: :func:`files.list_dir`'s."""
+        return await files.list_dir(self._get_live(sandbox_id, owner), request, checking)
 
     async def stat_file(
         self, sandbox_id: str, request: FilePath, *, owner: str | None = None

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter
@@ -22,6 +23,8 @@ from sandlot.models import LISTING_TRUNCATED, FileInfo, Listing
 from sandlot.requests import FilePath, ListFiles, ReadFile, ReadRange, RemoveFile, WriteFile
 
 FILE_CHUNK_BYTES = 1 << 20
+# Called with a listing's entry count; the host's check of them runs inside what it returns.
+EntriesCheck = Callable[[int], AbstractAsyncContextManager[None]]
 
 
 async def file_op(live: Live, op: Op, payload: dict[str, Any]) -> dict[str, Any]:
@@ -100,11 +103,17 @@ async def read_range(live: Live, request: ReadRange) -> bytes:
     return data
 
 
-async def list_dir(live: Live, request: ListFiles) -> Listing:
+async def list_dir(live: Live, request: ListFiles, checking: EntriesCheck | None = None) -> Listing:
+    """The guest's listing, its entries checked here; ``checking``, called with their count
+    once the guest has answered, is entered around that check (the server's turns: a
+    tenant's listings checked a few at a time, never held while a guest works)."""
     reply = await file_op(live, Op.FILE_LIST, request.model_dump())
     # The guest says where it stopped; the words the client gets are the host's own.
     cut = any(error.get("code") == "too_many_entries" for error in reply.get("errors", ()))
-    entries = await asyncio.to_thread(_checked, reply["entries"])
+    raw = reply["entries"]
+    count = len(raw) if isinstance(raw, list) else 0
+    async with checking(count) if checking is not None else contextlib.nullcontext():
+        entries = await asyncio.to_thread(_checked, raw)
     return Listing(entries, LISTING_TRUNCATED if cut else None)
 
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from sandlot.config import Settings
+from sandlot.core.files import EntriesCheck
 from sandlot.errors import InvalidRequest, RequestTooLarge
 from sandlot.models import (
     ArtifactInfo,
@@ -115,9 +116,17 @@ class ForwardedVerbs:
             yield data
 
     async def list_files(
-        self, sandbox_id: str, request: ListFiles, *, owner: str | None = None
+        self,
+        sandbox_id: str,
+        request: ListFiles,
+        *,
+        owner: str | None = None,
+        checking: EntriesCheck | None = None,
     ) -> Listing:
         found: Listing = await self._call(sandbox_id, "list_files", request, owner=owner)
+        if checking is not None:  # the node checked them: here, the turn's charge and debt
+            async with checking(len(found)):
+                pass
         return found
 
     async def stat_file(

@@ -23,7 +23,6 @@ from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteF
 from sandlot.server.agent import AgentTaskRequest, execute_task
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, caller, state_of
-from sandlot.server.metering import charge_entries
 from sandlot.server.routes import ERRORS, listing_response
 from sandlot.server.schemas import (
     CreateSessionResponse,
@@ -144,12 +143,14 @@ async def api_execute(
     # Before 2026-12-06 a missing one was "not a directory", and every first execute of a
     # session failed after its code ran (a red team's find). Nor for its key's debt: its turn
     # never refuses.
-    async with state.listings.turn(request.scope, who.tenant, refuse=False):
-        with contextlib.suppress(SandboxFileError):
-            files = await state.manager.list_files(
-                body.session_id, ListFiles(path="artifacts", depth=8), owner=who.owner_filter
-            )
-        charge_entries(request.scope, len(files))
+    checking = state.listings.checking(request.scope, who.tenant, refuse=False)
+    with contextlib.suppress(SandboxFileError):
+        files = await state.manager.list_files(
+            body.session_id,
+            ListFiles(path="artifacts", depth=8),
+            owner=who.owner_filter,
+            checking=checking,
+        )
     return SessionCodeResponse(
         stdout=r.stdout,
         stderr=r.stderr,
@@ -168,11 +169,12 @@ async def api_list_files(
     path: Annotated[str, Query(max_length=4096)] = ".",
 ) -> Response:
     state = state_of(request)
-    async with state.listings.turn(request.scope, who.tenant):
-        found = await state.manager.list_files(
-            session_id, build(ListFiles, path=path), owner=who.owner_filter
-        )
-        charge_entries(request.scope, len(found))
+    found = await state.manager.list_files(
+        session_id,
+        build(ListFiles, path=path),
+        owner=who.owner_filter,
+        checking=state.listings.checking(request.scope, who.tenant),
+    )
     return listing_response(found, request)
 
 

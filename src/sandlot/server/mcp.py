@@ -39,7 +39,7 @@ from sandlot.requests import (
 )
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, sandbox_error_response
-from sandlot.server.metering import charge_entries, pay_answer
+from sandlot.server.metering import pay_answer
 
 log = structlog.get_logger(__name__)
 
@@ -125,10 +125,10 @@ class TenantService:
         return data
 
     async def list_files(self, sandbox_id: str, request: ListFiles) -> Listing:
-        async with self.state.listings.turn(self.request.scope, self.who.tenant):
-            found = await self.manager.list_files(sandbox_id, request, owner=self.owner)
-            charge_entries(self.request.scope, len(found))
-        return found
+        checking = self.state.listings.checking(self.request.scope, self.who.tenant)
+        return await self.manager.list_files(
+            sandbox_id, request, owner=self.owner, checking=checking
+        )
 
     async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo:
         return await self.manager.stat_file(sandbox_id, request, owner=self.owner)

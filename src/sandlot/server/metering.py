@@ -28,8 +28,8 @@ its key is in debt is refused then, before anything of it is done.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from starlette.types import Message, Receive, Scope, Send
 
@@ -196,6 +196,23 @@ class ListingTurns:
                 del self._tenants[tenant]
             else:
                 self._tenants[tenant] = (turns, waiting - 1)
+
+    def checking(
+        self, scope: Scope, tenant: str, *, refuse: bool = True
+    ) -> Callable[[int], AbstractAsyncContextManager[None]]:
+        """What the manager enters, with a listing's entry count, around the host's check of
+        its entries once the guest has answered (``core.files.list_dir``): one of
+        ``tenant``'s turns, the entries charged first. The turn is not held while the guest
+        lists: one sandbox whose guest never answered held its tenant's turns, and every
+        other listing of the tenant waited for it (red team, 2026-12-06)."""
+
+        @asynccontextmanager
+        async def checked(count: int) -> AsyncIterator[None]:
+            async with self.turn(scope, tenant, refuse=refuse):
+                charge_entries(scope, count)
+                yield
+
+        return checked
 
     def waiting(self, tenant: str) -> int:
         """``tenant``'s listings being made or waiting for a turn (tests)."""

@@ -371,9 +371,10 @@ async def list_files(
     """Entries below the path; a listing cut at its bound (100,000 entries or 4 MiB of names
     and paths) has the ``X-Listing-Truncated`` header, saying why."""
     state = state_of(request)
-    async with state.listings.turn(request.scope, who.tenant):
-        found = await state.manager.list_files(sandbox_id, query, owner=who.owner_filter)
-        charge_entries(request.scope, len(found))
+    checking = state.listings.checking(request.scope, who.tenant)
+    found = await state.manager.list_files(
+        sandbox_id, query, owner=who.owner_filter, checking=checking
+    )
     return listing_response(found, request)
 
 
