@@ -574,7 +574,7 @@ async def test_a_runs_large_output_is_cut_to_what_an_mcp_client_takes(
 
 
 def test_an_answers_blocks_are_fit_to_the_bound_largest_first() -> None:
-    from mcp.types import ImageContent, TextContent
+    from mcp.types import CallToolResult, ImageContent, TextContent
 
     from sandlot.mcp.tools import answer_bytes, fit_answer
 
@@ -595,3 +595,13 @@ def test_an_answers_blocks_are_fit_to_the_bound_largest_first() -> None:
     assert blocks[1].type == "text" and "image of 200000 bytes left out" in blocks[1].text
     controls = fit_answer([TextContent(type="text", text="\x01" * 300_000)], 100_000)
     assert size(controls) <= 100_000 and "left out" in controls[0].text
+    # Many small blocks (a cell may display 1,000 outputs): each block's own keys counted,
+    # the middle ones left out past 256, the last (a traceback, say) kept. Before: 4,000 of
+    # them took the event loop 2.5 s and still came to 1.1 MB as the SDK writes them.
+    many = [TextContent(type="text", text="x" * 1000) for _ in range(3999)]
+    many.append(TextContent(type="text", text="error: ValueError"))
+    fitted = fit_answer(many, 1_000_000)
+    assert len(fitted) == 256 and fitted[-1].text == "error: ValueError"
+    assert fitted[-2].text.startswith("[3745 more outputs left out")
+    written = CallToolResult(content=fitted).model_dump_json(by_alias=True, exclude_none=True)
+    assert len(written) <= 1_000_000
