@@ -382,7 +382,11 @@ def _keyed_requests_get_in(server: Server) -> None:
     headers = {"Authorization": f"Bearer {server.key}"}
     served = []
     for _ in range(10):
-        with httpx.Client() as client:  # a new connection each time
+        # Within 15 s: what the holders queued is answered first (up to 16 a connection).
+        # The clean-clone CI of 2026-12-07, on a VM ~1.6 times slower than the day before,
+        # had the first wait 5-7 s, past httpx's default 5 s, on this tree and the one before
+        # alike; before the fix the holders kept every connection for the minute measured.
+        with httpx.Client(timeout=15) as client:  # a new connection each time
             served.append(client.get(server.url + "/v1/sandboxes", headers=headers))
     assert [r.status_code for r in served] == [200] * 10
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -104,7 +105,31 @@ def create_app(
     mcp_running = mcp.mount(app, state)
     _add_operational_routes(app)
     _document_auth(app)
+    _write_the_document_once(app)
     return app
+
+
+def _write_the_document_once(app: FastAPI) -> None:
+    """``/openapi.json`` written once, then sent as bytes. FastAPI wrote the 96 KB document
+    again for every request (~2.5 ms of the event loop): keyless clients pipelining it from
+    five addresses had the server answer ~4,000 of them before a keyed request, which waited
+    7 s (`test_trust_server.py::test_deep_pipelining_is_refused`, on a slow VM, 2026-12-07)."""
+    path = app.openapi_url
+    if path is None:
+        return
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != path]
+    written: list[bytes] = []
+
+    async def openapi_json(_request: Request) -> Response:
+        if not written:  # as JSONResponse writes it
+            written.append(
+                json.dumps(
+                    app.openapi(), ensure_ascii=False, allow_nan=False, separators=(",", ":")
+                ).encode()
+            )
+        return Response(written[0], media_type="application/json")
+
+    app.add_route(path, openapi_json, include_in_schema=False)
 
 
 def auth_failures_for(settings: Settings) -> AuthFailures | None:
