@@ -102,12 +102,22 @@ async def test_host_capacity_counts_every_tenant_and_frees_on_destroy(data_dir: 
         await mgr.create(SandboxSpec(cpu_cores=0.5), owner="c")
 
 
-async def test_metadata_is_bounded(data_dir: Path) -> None:
-    settings = make_settings(data_dir, backend="unsafe-local", max_metadata_bytes=1024)
+@pytest.mark.parametrize(
+    ("cap", "over", "under"),
+    [
+        (1024, "v" * 2000, "v" * 500),
+        # As stored, in JSON: 200 control characters are 1,200 bytes there (they counted as
+        # 200 before, red team 2026-12-06: test_store_bounds.py has the store's side).
+        (600, "\x01" * 200, "\x01" * 99),
+    ],
+    ids=["text", "control-characters"],
+)
+async def test_metadata_is_bounded(data_dir: Path, cap: int, over: str, under: str) -> None:
+    settings = make_settings(data_dir, backend="unsafe-local", max_metadata_bytes=cap)
     async with SandboxManager(settings) as mgr:
         with pytest.raises(ConfigError, match="SANDBOX_MAX_METADATA_BYTES"):
-            await mgr.create(SandboxSpec(metadata={"k": "v" * 2000}))
-        await mgr.create(SandboxSpec(metadata={"k": "v" * 500}))
+            await mgr.create(SandboxSpec(metadata={"k": over}))
+        await mgr.create(SandboxSpec(metadata={"k": under}))
 
 
 async def test_ended_records_are_forgotten_after_their_retention(data_dir: Path) -> None:

@@ -1086,6 +1086,13 @@ MANY_FILES = (
 )
 
 
+def _many_files_sandbox(http: httpx.Client) -> str:
+    """A new sandbox whose ``d/`` holds :data:`MANY_FILES`' 8,000 files."""
+    sid: str = http.post("/v1/sandboxes", json={"disk_mb": 64}).json()["id"]
+    assert http.post(f"/v1/sandboxes/{sid}/code", json={"code": MANY_FILES}).is_success
+    return sid
+
+
 def test_a_listing_costs_its_key_by_its_size_and_its_entries(data_root: Path) -> None:
     """Failed before (red team, 2026-12-06): a listing of 25,900 entries took ~170 ms of
     the event loop and cost one request; 4 a second, twelve times under the rate, had the
@@ -1096,8 +1103,7 @@ def test_a_listing_costs_its_key_by_its_size_and_its_entries(data_root: Path) ->
     with _serving(data_root / "trust-answer-cost", env) as server:
         headers = {"Authorization": f"Bearer {server.key}"}
         with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
-            sid = http.post("/v1/sandboxes", json={"disk_mb": 64}).json()["id"]
-            assert http.post(f"/v1/sandboxes/{sid}/code", json={"code": MANY_FILES}).is_success
+            sid = _many_files_sandbox(http)
             listed = http.get(f"/v1/sandboxes/{sid}/files", params={"path": "d"})
             assert listed.status_code == 200 and len(listed.json()) == 8000
             by_size = len(listed.content) // (256 * 1024)
@@ -1122,8 +1128,7 @@ def test_a_keys_burst_of_listings_is_not_all_made_before_the_first_is_charged(
     with _serving(data_root / "trust-listing-burst", env) as server:
         headers = {"Authorization": f"Bearer {server.key}"}
         with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
-            sid = http.post("/v1/sandboxes", json={"disk_mb": 64}).json()["id"]
-            assert http.post(f"/v1/sandboxes/{sid}/code", json={"code": MANY_FILES}).is_success
+            sid = _many_files_sandbox(http)
 
         async def burst() -> list[httpx.Response]:
             limits = httpx.Limits(max_connections=20)

@@ -408,9 +408,10 @@ def answer_bytes(data: bytes) -> int:
 
 def file_content(path: str, data: bytes) -> ContentBlock:
     mime = is_image(data)
+    text = None
     if mime is None:
         try:
-            data.decode()
+            text = data.decode()
         except UnicodeDecodeError:
             raise ToolError(
                 f"{path} is binary ({len(data)} bytes) and not an image: inspect it with "
@@ -425,4 +426,4 @@ def file_content(path: str, data: bytes) -> ContentBlock:
         )
     if mime is not None:
         return ImageContent(type="image", data=base64.b64encode(data).decode(), mime_type=mime)
-    return TextContent(type="text", text=data.decode())
+    return TextContent(type="text", text=text or "")

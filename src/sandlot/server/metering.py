@@ -20,9 +20,10 @@ requests wait for it.
 
 A listing's entries are known only once it is made, so a key's burst could start 100 large
 listings at once (``API_MAX_OPEN_PER_TENANT``) before the first was charged. A tenant's
-listings therefore take turns (:class:`ListingTurns`): at most ``LISTINGS_PER_TENANT`` are
-made at once, each charged as soon as its entries are known, and one whose turn comes while
-its key is in debt is refused then, before anything of it is done.
+listings therefore take turns (:class:`ListingTurns`) once their guests have answered: at
+most ``LISTINGS_PER_TENANT`` have their entries checked at once, each charged as soon as its
+entries are known, and one whose turn comes while its key is in debt is refused then, before
+the host does anything more for it.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from sandlot.server.limits import RateLimiter
 JSON_BYTES_PER_REQUEST = 256 * 1024
 FILE_BYTES_PER_REQUEST = 1024 * 1024
 ENTRIES_PER_REQUEST = 256
-# A tenant's listings made at once. Each waits on its sandbox's guest (file operations run
-# beside a cell, not behind it) and then on the server's CPU: 2 keep a tenant's listings
-# from being one another's queue while bounding what its burst can ask for at once.
+# A tenant's listings whose entries the server checks at once (the guests list beforehand,
+# outside the turns): 2 keep a tenant's listings from being one another's queue while
+# bounding the server's CPU its burst can ask for at once.
 LISTINGS_PER_TENANT = 2
 # Answers counted per JSON_BYTES_PER_REQUEST; any other kind per FILE_BYTES_PER_REQUEST.
 _JSON_KINDS = (b"application/json", b"text/event-stream")
