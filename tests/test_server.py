@@ -284,6 +284,9 @@ def test_artifacts_listing_and_download_after_delete(
         http.get(f"{base}/artifacts/out.txt", headers=live_server.headers("bob")).status_code == 404
     )
     assert http.get(f"{base}/artifacts/nope.txt", headers=headers).status_code == 404
+    # The download's path converter takes any character: its route is behind the key too.
+    for path in ("out.txt", "out.txt%0A", "a%0Ab"):
+        assert http.get(f"{base}/artifacts/{path}").status_code == 401
     assert http.delete(f"{base}/artifacts", headers=headers).status_code == 204
     assert http.get(f"{base}/artifacts", headers=headers).json() == []
 
