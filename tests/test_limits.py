@@ -204,9 +204,13 @@ def _host_address(sb: Sandbox) -> str:
         assert gateway is not None and gateway != "None", gateway
         return gateway.strip("'")
     from sandlot.backends.docker.dockerd import connect
-    from sandlot.backends.docker.network import NETWORK
+    from sandlot.backends.docker.network import NETWORK, ensure_network
 
-    bridge = connect().networks.get(NETWORK).attrs["IPAM"]["Config"][0]
+    client = connect()
+    # An offline container is on no network: the bridge exists only once a networked sandbox
+    # was made, which a fresh dockerd (CI's, 2026-12-06) has not seen before this test.
+    ensure_network(client)
+    bridge = client.networks.get(NETWORK).attrs["IPAM"]["Config"][0]
     # Docker leaves "Gateway" out of the IPAM config when it picked it itself: the subnet's first.
     return str(bridge.get("Gateway") or next(ipaddress.ip_network(bridge["Subnet"]).hosts()))
 
