@@ -380,3 +380,46 @@ async def test_a_start_that_fails_in_recovery_gives_back_what_it_claimed(
     monkeypatch.undo()
     async with SandboxManager(make_settings(data_dir, backend="unsafe-local")) as mgr:
         assert (await mgr.create()).id
+
+
+@pytest.mark.asyncio
+async def test_a_running_manager_recovers_a_peer_that_died_under_its_own_cgroup_root(
+    data_root: Path, isolated_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Failed before (red team, 2026-12-07), twice: a manager that stays up never recovered a
+    # peer of its data directory that died (only a start did), so the peer's disks, mounts
+    # and cgroups stayed while it ran; and a recovery swept under its own SANDBOX_CGROUP_ROOT,
+    # so a peer that ran under another left its cgroups for good.
+    if isolated_backend != "bubblewrap":
+        pytest.skip("bubblewrap's cgroups and disks")
+    from sandlot.core import recovery
+
+    monkeypatch.setattr(recovery, "LOOK_EVERY_S", 0.5)
+    data_dir = data_root / "peer"
+    data_dir.mkdir()
+    settings = make_settings(data_dir)
+    driver = CgroupDriver.detect()
+    async with SandboxManager(
+        make_settings(data_dir, cgroup_root=settings.cgroup_root + "-peer")
+    ) as mgr:
+        sandboxes = crash_a_manager(data_dir, count=1)
+        dead = [d for d in leaks.instance_dirs(data_dir) if d != mgr.instance_dir]
+        (crashed,) = dead
+        instance = leaks.instance_of(crashed)
+        assert driver.children(settings.cgroup_root, instance) == [sandboxes[0]["id"]]
+        assert mounted_below(crashed)
+
+        def recovered() -> bool:
+            return (
+                driver.children(settings.cgroup_root, instance) == []
+                and not crashed.exists()
+                and not mounted_below(data_dir)
+            )
+
+        deadline = time.monotonic() + 20
+        while not recovered() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert recovered(), (driver.children(settings.cgroup_root, instance), crashed.exists())
+        info = await mgr.get(sandboxes[0]["id"])
+        assert (info.status, info.end_reason) == (SandboxStatus.DESTROYED, "recovered")
+        assert [a.path for a in await mgr.list_artifacts(info.id)] == ["out.txt"]

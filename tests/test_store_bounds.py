@@ -287,7 +287,12 @@ def test_the_reapers_pass_reads_no_record(big_store: Path) -> None:
         ):
             for sql, plan in _plans(store, call):
                 steps = " | ".join(plan)
-                assert "COVERING INDEX" in steps or "(id=?)" in steps, (sql, steps)
+                # The undated records' partial index holds only those it dates.
+                assert (
+                    "COVERING INDEX" in steps
+                    or "(id=?)" in steps
+                    or "USING INDEX sandboxes_undated" in steps
+                ), (sql, steps)
     finally:
         store._lock = threading.Lock()
         store.close()
@@ -332,3 +337,98 @@ def test_a_store_from_before_the_ended_at_column_is_migrated(tmp_path: Path) -> 
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_record_ended_by_an_older_sandlot_on_the_data_dir_is_forgotten_in_time(
+    tmp_path: Path,
+) -> None:
+    # Failed before (red team, 2026-12-07): an older sandlot running beside this one on the
+    # data directory (a rolling upgrade, an old script) ends records without ended_at, as its
+    # save knows no such column; the migration dated records once, when it added the column,
+    # so those were kept for good.
+    path = tmp_path / "sandlot.db"
+    Store(path, "new").close()
+    old = sqlite3.connect(path)
+    for n, info in enumerate((_info("old-0", "acme", 0), _info("old-1", "acme", 1))):
+        if n == 1:
+            info.ended_at = None  # a record whose JSON says no end either: dated now
+        # What 396077e's Store._save writes.
+        old.execute(
+            "INSERT INTO sandboxes (id, owner, status, created_at, info, instance, held, "
+            "artifact_limit_bytes) VALUES (?,?,?,?,?,?,?,?)",
+            (info.id, info.owner, info.status.value, info.created_at, info.model_dump_json(),
+             "old", 0, None),
+        )  # fmt: skip
+    old.commit()
+    old.close()
+    store = Store(path, "new-again")
+    try:
+        before = time.time()
+        assert store.forget_ended_before(1_000_005.0) == 1
+        rows = dict(store._db.execute("SELECT id, ended_at FROM sandboxes").fetchall())
+        assert list(rows) == ["old-1"] and rows["old-1"] >= before
+        assert store.forget_ended_before(time.time() + 1) == 1
+    finally:
+        store.close()
+
+
+class _Killed(BaseException):
+    """Stands for a kill -9: nothing after it runs."""
+
+
+@pytest.mark.asyncio
+async def test_an_artifact_delete_cut_by_a_crash_leaves_no_files_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Failed before (red team, 2026-12-07): the rows (and their charge) went first, then the
+    # files; a manager killed between the two (0.86 s for 8,176 files) left them on disk with
+    # no row and no charge, and no pass of any manager ever looked at them again.
+    from sandlot.core import artifacts as artifacts_module
+
+    store = Store(tmp_path / "sandlot.db", "one")
+    info = _info("sb-kept", "acme", 0)
+    store.save(info)
+    directory = tmp_path / "artifacts" / info.id
+    directory.mkdir(parents=True)
+    for n in range(20):
+        (directory / f"f{n}").write_bytes(b"x" * 4000)
+        store.add_artifact(
+            ArtifactInfo(
+                sandbox_id=info.id, path=f"f{n}", size_bytes=4000, sha256="ab", created_at=1.0
+            )
+        )
+
+    def killed(path: Path) -> bool:
+        raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(artifacts_module, "remove_tree", killed)
+        with pytest.raises(_Killed):
+            await Artifacts(tmp_path, store).delete(info.id)
+    store.close()
+    store = Store(tmp_path / "sandlot.db", "two")  # the next manager, and its reaper's pass
+    try:
+        assert store.artifacts(info.id) == []
+        assert store.artifact_bytes("acme") == 0
+        await Artifacts(tmp_path, store).delete_older_than(0.0)
+        left = [p for p in (tmp_path / "artifacts").rglob("*") if p.is_file()]
+        assert left == [], f"{len(left)} files left with no row, charged to no one"
+    finally:
+        store.close()
+
+
+def test_a_reservation_that_replaces_a_row_is_checked_without_it(tmp_path: Path) -> None:
+    # Failed before (red team, 2026-12-07): the rescue of a crashed export re-reserves the
+    # paths that export reserved, and was checked as if they were new: refused as over the
+    # quota its own rows filled, for the 10 minutes a pending row lives.
+    store = Store(tmp_path / "sandlot.db", "one")
+    try:
+        store.save(_info("sb", "acme", 0))
+        limit = artifact_charge(2 * MIB) + artifact_charge(MIB)
+        assert store.reserve_artifact("acme", "sb", "a", 2 * MIB, limit)
+        assert store.reserve_artifact("acme", "sb", "a", 2 * MIB, limit)  # the same again
+        assert store.artifact_bytes("acme") == artifact_charge(2 * MIB)
+        assert store.reserve_artifact("acme", "sb", "b", MIB, limit)
+        assert not store.reserve_artifact("acme", "sb", "c", 1, limit)
+    finally:
+        store.close()

@@ -37,6 +37,11 @@ ARTIFACTS_DIR = "artifacts"
 # next to the kept files (``.<name>.partial``) could be an artifact's own, and the copy
 # replaced that artifact, leaving its record with no file (red team, 2026-11-25).
 STAGING_DIR = ".staging"
+# Sets being deleted: out of reach first (a rename), then their rows, then their files. Rows
+# first let a crash between the two (a kill -9, the OOM killer) leave a set's files with no
+# row and no charge, for good: 0.86 s for 8,176 files (red team, 2026-12-07). Swept by every
+# reaper pass, as the staging copies are.
+TRASH_DIR = ".trash"
 MIB = 1 << 20
 # Artifacts are read through the guest, which sandboxed code can slow down: bound the wait.
 # A crashed manager's orphans are read on the host, within the same time.
@@ -297,9 +302,24 @@ class Artifacts:
         return file, info
 
     async def delete(self, sandbox_id: str) -> int:
+        """Delete a sandbox's kept set: its files out of reach, its rows (and their charge),
+        then the files. A crash after the rename leaves rows whose files read as gone (404)
+        until they expire, never files that no row accounts for."""
+        trash = await asyncio.to_thread(self._to_trash, sandbox_id)
         count = self.store.delete_artifacts(sandbox_id)
-        await asyncio.to_thread(remove_tree, self._dir(sandbox_id))
+        if trash is not None:
+            await asyncio.to_thread(remove_tree, trash)
         return count
+
+    def _to_trash(self, sandbox_id: str) -> Path | None:
+        trash = self.root / TRASH_DIR
+        _private_dirs(self.root, trash)
+        target = trash / f"{sandbox_id}-{os.urandom(4).hex()}"
+        try:
+            self._dir(sandbox_id).rename(target)
+        except FileNotFoundError:
+            return None
+        return target
 
     async def delete_older_than(self, cutoff: float) -> None:
         for sandbox_id in self.store.sandboxes_with_artifacts_before(cutoff):
@@ -307,6 +327,7 @@ class Artifacts:
         # And copies a process that died mid-copy left (a live one writes within the export's
         # timeout, and any process of the data directory may run this).
         await asyncio.to_thread(self._sweep_staging, time.time() - PENDING_ARTIFACT_TTL_S)
+        await asyncio.to_thread(self._sweep_trash)
 
     async def delete_beyond(self, keep: int) -> int:
         """Delete the artifacts of each owner's ended records past its newest ``keep``
@@ -329,6 +350,16 @@ class Artifacts:
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_mtime < cutoff:
                     Path(entry.path).unlink()
+
+    def _sweep_trash(self) -> None:
+        """Sets a crashed process left mid-delete (a live one removes its own at once; one
+        removed twice is no harm)."""
+        try:
+            entries = list(os.scandir(self.root / TRASH_DIR))
+        except OSError:
+            return
+        for entry in entries:
+            remove_tree(entry.path)
 
 
 def _listed_size(entry: dict[str, Any]) -> int:

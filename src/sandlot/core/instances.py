@@ -29,6 +29,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sandlot._fs import remove_tree
 from sandlot.backends.base import INSTANCE_LOCK, lock_held
@@ -41,6 +42,12 @@ from sandlot.models import SandboxInfo
 INSTANCES = "instances"
 LOCK = INSTANCE_LOCK
 BACKENDS = "backends"
+# The settings that name where its backends make things outside the data directory, as this
+# instance ran with them: its recovery sweeps there, not under the recovering manager's own
+# (a manager started with another SANDBOX_CGROUP_ROOT swept the dead one's cgroups under its
+# own root, and they stayed for good: red team, 2026-12-07).
+MADE_UNDER = "made-under.json"
+MADE_UNDER_SETTINGS = ("cgroup_root",)
 LEGACY_LOCK = "manager.lock"
 # The data dir's top-level entries a sandlot from before instances kept its backends' state in.
 LEGACY_STATE = ("sandboxes", "docker-sandboxes", "local-sandboxes", "guest", "rootfs", "uids")
@@ -75,8 +82,13 @@ class Instance:
         """``base`` with this instance's directory as the backends' data directory."""
         return base.model_copy(update={"data_dir": self.dir})
 
-    def note_backend(self, name: str) -> None:
-        """Record that this instance starts ``name`` (before it makes anything)."""
+    def note_backend(self, name: str, settings: Settings) -> None:
+        """Record that this instance starts ``name`` (before it makes anything), and the
+        settings it makes things under."""
+        made_under = self.dir / MADE_UNDER
+        if not made_under.exists():
+            wanted = {key: getattr(settings, key) for key in MADE_UNDER_SETTINGS}
+            made_under.write_text(json.dumps(wanted))
         if name not in backends_of(self.dir):
             with open(self.dir / BACKENDS, "a") as f:
                 f.write(name + "\n")
@@ -207,7 +219,18 @@ class Dead:
         return backends_of(self.dir)
 
     def settings(self, base: Settings) -> Settings:
-        return base.model_copy(update={"data_dir": self.dir})
+        """``base`` as this dead instance's backends ran: its directory, and what it made
+        things under (an instance from before that was noted ran under ``base``'s)."""
+        update: dict[str, Any] = {"data_dir": self.dir}
+        try:
+            made_under = json.loads((self.dir / MADE_UNDER).read_text())
+        except (OSError, ValueError):
+            made_under = {}
+        if isinstance(made_under, dict):
+            for key in MADE_UNDER_SETTINGS:
+                if isinstance(made_under.get(key), str):
+                    update[key] = made_under[key]
+        return base.model_copy(update=update)
 
     def remove(self, *, sweep_ok: bool) -> None:
         """Delete the directory (only after a full sweep) and drop its lock."""
@@ -245,6 +268,23 @@ def dead(data_dir: Path, mine: str) -> list[Dead]:
         elif not (directory / LOCK).exists() and _age_s(directory) > UNBORN_GRACE_S:
             remove_dir(directory)
     return found
+
+
+def any_dead(data_dir: Path, mine: str) -> bool:
+    """Whether an instance but ``mine`` lost its process (its lock is free): a look, without
+    :func:`lock_recovery`, that a running manager takes now and then (recovery.DeadPeers)."""
+    try:
+        directories = sorted((data_dir / INSTANCES).iterdir())
+    except FileNotFoundError:
+        return False
+    for directory in directories:
+        if directory.name.startswith(".") or directory.name == mine:
+            continue
+        taken = _take(directory / LOCK)
+        if taken is not None:
+            os.close(taken)
+            return True
+    return False
 
 
 def _take(lock: Path) -> int | None:

@@ -101,6 +101,7 @@ class SandboxManager(JobVerbs, FileVerbs):
         self._store: Store = None  # type: ignore[assignment]  # set by start()
         self._artifacts: Artifacts = None  # type: ignore[assignment]  # set by start()
         self._pools: Pools | None = None
+        self._dead_peers: recovery.DeadPeers | None = None
         self._capacity: HostCapacity = None  # type: ignore[assignment]  # set by start()
         self._started = False
         self._listeners: list[Listener] = []
@@ -174,6 +175,9 @@ class SandboxManager(JobVerbs, FileVerbs):
         admission.raise_nofile_limit()
         # Measured after the sweep: nothing of ours holds the host's memory or disk now.
         self._capacity = HostCapacity.measure(self.settings)
+        self._dead_peers = recovery.DeadPeers(
+            functools.partial(self._recover, set()), data_dir, self._instance.id
+        )
         self._reaper = asyncio.create_task(self._reap_forever())
         self._pools = pools
         pools.start(targets)
@@ -200,6 +204,8 @@ class SandboxManager(JobVerbs, FileVerbs):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await asyncio.gather(*self._reaping.values(), return_exceptions=True)
+        if self._dead_peers is not None:
+            await self._dead_peers.settle()
         if self._pools is not None:
             await self._pools.close()
             self._pools = None
@@ -267,7 +273,7 @@ class SandboxManager(JobVerbs, FileVerbs):
         if name not in self._backends:
             assert self._instance is not None
             # Noted before it makes anything: what a recovery of this instance sweeps.
-            self._instance.note_backend(name)
+            self._instance.note_backend(name, self.settings)
             self._backends[name] = create_backend(name, self._instance.settings(self.settings))
         return self._backends[name]
 
@@ -683,6 +689,8 @@ class SandboxManager(JobVerbs, FileVerbs):
             task = asyncio.create_task(self._reap_one(sandbox_id, reason))
             self._reaping[sandbox_id] = task
             task.add_done_callback(functools.partial(self._reaped, sandbox_id))
+        if self._dead_peers is not None:
+            self._dead_peers.look()
         await self._artifacts.delete_older_than(now - self.settings.artifact_retention_s)
         # The records cap counts those that keep artifacts: theirs go first, then the records.
         await self._artifacts.delete_beyond(self.settings.max_ended_records)

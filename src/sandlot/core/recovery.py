@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import structlog
 
@@ -25,6 +28,43 @@ from sandlot.errors import SandboxError
 from sandlot.models import SandboxInfo
 
 log = structlog.get_logger(__name__)
+
+# How often a running manager looks for a peer of its data directory that died: recovery ran
+# only when a manager started, so a long-lived server beside crashing scripts kept their
+# disks, mounts and cgroups (and their disks' room, which its capacity took for free) until
+# its own restart (red team, 2026-12-07).
+LOOK_EVERY_S = 60.0
+
+
+class DeadPeers:
+    """The reaper's look for dead peers: at most one every :data:`LOOK_EVERY_S`, the recovery
+    (``recover``, the one a start runs) in a task of its own, so that a peer's slow export or
+    another process's recovery holds no reaper pass."""
+
+    def __init__(self, recover: Callable[[], Awaitable[None]], data_dir: Path, mine: str) -> None:
+        self._recover = recover
+        self._data_dir = data_dir
+        self._mine = mine
+        self._next_look = time.monotonic() + LOOK_EVERY_S
+        self._task: asyncio.Task[None] | None = None
+
+    def look(self) -> None:
+        if time.monotonic() < self._next_look or (self._task is not None and not self._task.done()):
+            return
+        self._next_look = time.monotonic() + LOOK_EVERY_S
+        self._task = asyncio.create_task(self._look())
+
+    async def _look(self) -> None:
+        try:
+            if await asyncio.to_thread(instances.any_dead, self._data_dir, self._mine):
+                await self._recover()
+        except Exception:
+            log.exception("recovering a dead peer failed")
+
+    async def settle(self) -> None:
+        """Wait for a recovery under way (cut, it would leave a dead peer half swept)."""
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 async def recover(

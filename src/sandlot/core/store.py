@@ -107,6 +107,10 @@ INDEXES = (
     # Ended records by when they ended: those past their retention.
     "CREATE INDEX IF NOT EXISTS sandboxes_ended_at ON sandboxes (ended_at, status, id) "
     "WHERE ended_at IS NOT NULL",
+    # Ended records with no ended_at: those an older sandlot still running on the data
+    # directory ends (its writes leave the column out), few at any time.
+    "CREATE INDEX IF NOT EXISTS sandboxes_undated ON sandboxes (id) "
+    f"WHERE ended_at IS NULL AND {_ENDED}",
     # Copies under way, few at any time: the stale ones are found without reading the rest.
     "CREATE INDEX IF NOT EXISTS artifacts_pending ON artifacts (created_at) WHERE sha256 = ''",
     # A file from before the usage table: its owners' usage, from their rows, once (SQL's
@@ -364,14 +368,18 @@ class Store:
         with self._lock, write_transaction(self._db):
             self._expire_pending(owner)
             charge = artifact_charge(size_bytes)
-            if limit_bytes is not None and self._usage(owner) + charge > limit_bytes:
-                return False
+            # A row replaced (a rescue re-reserving what a crashed export reserved or kept)
+            # gives its charge back: checked as new, the rescue of a crash was refused as
+            # over the quota that its own rows filled (red team, 2026-12-07).
             before = self._row_size(sandbox_id, path)
+            replaced = artifact_charge(before) if before is not None else 0
+            if limit_bytes is not None and self._usage(owner) - replaced + charge > limit_bytes:
+                return False
             self._db.execute(
                 "INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?)",
                 (sandbox_id, path, size_bytes, PENDING, time.time()),
             )
-            self._charge(owner, charge - (artifact_charge(before) if before is not None else 0))
+            self._charge(owner, charge - replaced)
         return True
 
     def drop_artifact(self, sandbox_id: str, path: str) -> None:
@@ -467,6 +475,16 @@ class Store:
         keep no artifacts; return how many went. By the ``ended_at`` index: only the records
         past their retention are read."""
         with self._lock:
+            # Dated first: the migration dated the records of its time once, but an older
+            # sandlot on the same data directory (a rolling upgrade, an old script) goes on
+            # ending records without the column, and they were kept for good (red team,
+            # 2026-12-07). Their JSON's own end, else now: kept a retention period from here.
+            self._db.execute(
+                "UPDATE sandboxes INDEXED BY sandboxes_undated "  # noqa: S608 - a constant
+                "SET ended_at = COALESCE(json_extract(info, '$.ended_at'), ?) "
+                f"WHERE ended_at IS NULL AND {_ENDED}",
+                (time.time(),),
+            )
             cursor = self._db.execute(
                 "DELETE FROM sandboxes INDEXED BY sandboxes_ended_at "  # noqa: S608 - a constant
                 f"WHERE ended_at < ? AND {_ENDED} AND NOT EXISTS "
