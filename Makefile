@@ -21,7 +21,7 @@ RUN_PACKAGES := bubblewrap util-linux mount e2fsprogs libseccomp2 procps python3
 # and NAT. (A run in a pristine root found the last three missing: this host had them.)
 # debootstrap builds the environments' trees (`make image`, `make trees`).
 TEST_PACKAGES := $(RUN_PACKAGES) build-essential cmake strace python3-matplotlib python3-pandas \
-	curl iproute2 iptables debootstrap
+	curl iproute2 iptables conntrack debootstrap
 
 DOCKER_TARGETS := docker,docker+runsc
 

@@ -380,3 +380,60 @@ async def _cut_off_by_a_dead_holder(data_root: Path, dead_ns: str, dead_veth: st
         assert reached == {address: "pong"}, reached  # before: 'timed out'
         assert not Path("/sys/class/net", dead_veth).exists()
         assert not Path("/run/netns", dead_ns).exists()
+
+
+# A networked sandbox's flows, one per UDP socket, to a port of the gateway nothing answers
+# (each a tracked entry for 30 s); its own address, printed.
+FLOWS = r"""
+import resource, socket
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
+routes = [line.split() for line in open('/proc/net/route').read().splitlines()[1:]]
+gateway = socket.inet_ntoa(bytes.fromhex([r[2] for r in routes if r[1] == '00000000'][0])[::-1])
+held = []
+for port in range(40000, 40000 + {count}):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("0.0.0.0", port))
+    s.sendto(b"x", (gateway, 18085))
+    held.append(s)
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect((gateway, 9))
+probe.getsockname()[0]
+"""
+
+
+def _tracked_from(address: str) -> int:
+    listed = subprocess.run(
+        ["/usr/sbin/conntrack", "-L", "-s", address], capture_output=True, text=True, check=False
+    )
+    return len(listed.stdout.splitlines())
+
+
+async def test_the_next_holder_of_a_slot_inherits_none_of_its_flows(data_root: Path) -> None:
+    # Failed before (red team, 2026-12-07): a destroyed sandbox's tracked flows outlived it,
+    # and the next sandbox given its /30 (any tenant's) inherited them: its 1,024 left open
+    # counted against the next one's connection cap, whose every connect was refused, and
+    # the dead sandbox's peers could still send into it (a UDP flow lives on while its peer
+    # sends on it, a TCP one whose close never left 300 s).
+    if not _usable("bubblewrap") or os.geteuid() != 0:
+        pytest.skip("networked bubblewrap sandboxes are root's")
+    # One uid: the second sandbox gets the first one's, so its /30.
+    overrides = {"uid_base": 290_000, "uid_count": 1}
+    with _serving(sys.executable, "-c", SERVE, "18084"):
+        async with _manager(data_root / "slot-flows", **overrides) as mgr:
+            first = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+            filled = await mgr.run_code(first.id, RunCode(code=FLOWS.format(count=1024)))
+            assert filled.text is not None, filled
+            address = ast.literal_eval(filled.text)
+            # As many as the per-address rate limit let through: its bucket is the
+            # address's, kept 120 s, so an earlier holder's burst leaves it short.
+            assert _tracked_from(address) > 0
+            await mgr.destroy(first.id)
+            await mgr.settle()
+            assert _tracked_from(address) == 0
+            second = await mgr.create(SandboxSpec(backend="bubblewrap", network=True))
+            gateway = await mgr.run_code(second.id, RunCode(code=GATEWAY))
+            assert gateway.text is not None
+            host = ast.literal_eval(gateway.text)
+            assert str(ipaddress.IPv4Address(host) + 1) == address  # the same /30
+            reached = await _reach(mgr, second.id, (host, 18084))
+            assert reached == {host: "pong"}, reached  # before: ECONNREFUSED

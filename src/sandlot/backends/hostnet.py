@@ -38,6 +38,7 @@ log = structlog.get_logger(__name__)
 IP = "/usr/sbin/ip"
 IPTABLES = "/usr/sbin/iptables"
 IPTABLES_RESTORE = "/usr/sbin/iptables-restore"
+CONNTRACK = "/usr/sbin/conntrack"
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 RESOLV_CONF = Path("/etc/resolv.conf")
 # systemd-resolved's list of the servers it asks (the host's own file names its stub).
@@ -181,11 +182,22 @@ async def _replace_chains(chains: dict[str, list[tuple[str, ...]]]) -> None:
 
 
 def check_tools() -> None:
-    for tool in (IP, IPTABLES):
+    for tool in (IP, IPTABLES, CONNTRACK):
         if not Path(tool).is_file():
             raise SandboxStartError(
-                f"network=True needs `{tool}`: apt-get install -y iproute2 iptables"
+                f"network=True needs `{tool}`: apt-get install -y iproute2 iptables conntrack"
             )
+
+
+async def forget_flows(address: str) -> None:
+    """Delete the host's tracked flows from a bubblewrap sandbox's address, while its /30's
+    lock is held (Docker does as much for its containers' addresses when they leave their
+    network). A destroyed sandbox's flows outlived it, and the next sandbox given its /30, any
+    tenant's, inherited them: counted against its connection cap (1,024 left open was every
+    connect refused), and the accept rule for established flows let the dead sandbox's peers
+    send into it (red team, 2026-12-07). A flow whose closing packets never left (a full send
+    window) is kept 300 s, and a UDP flow for as long as its peer sends on it."""
+    await run_tool(CONNTRACK, "-D", "-s", address, check=False)
 
 
 async def ensure_walls(settings: Settings) -> None:

@@ -448,6 +448,8 @@ class BubblewrapBackend(Launching):
             return
         await asyncio.to_thread(box.cgroup.remove)
         await netns.remove(box.net.name, box.net.veth)
+        # Its flows too, before the /30 can be another sandbox's (hostnet.forget_flows).
+        await hostnet.forget_flows(str(box.net.address))
         if box.net_lock_fd is not None:
             unlock(box.net_lock_fd)  # only once the network is gone
         await asyncio.to_thread(self._release_volume_now, box)

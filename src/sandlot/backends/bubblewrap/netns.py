@@ -34,7 +34,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandlot.backends.hostnet import BUBBLEWRAP_NET, IP, run_tool
+from sandlot.backends.hostnet import BUBBLEWRAP_NET, IP, forget_flows, run_tool
 from sandlot.backends.uids import lock_first_free
 from sandlot.errors import SandboxStartError
 
@@ -91,6 +91,8 @@ async def create(net: SandboxNet) -> None:
         await run_tool(IP, "link", "del", net.veth, check=False)
     for veth in stale_holders(net.gateway):
         await _remove_stale(veth)
+    # What an earlier holder of the /30 that died without its clean-up left tracked.
+    await forget_flows(str(net.address))
     await run_tool(IP, "netns", "add", net.name)
     try:
         # No IPv6 on the link, either end (addrgenmode none: no link-local address is made,
