@@ -28,7 +28,7 @@ from sandlot import GuestError, SandboxFileNotFound
 from sandlot.core import guest_link
 from sandlot.core.files import read_through
 from sandlot.core.guest_link import GuestConnection
-from sandlot.errors import GuestChannelBroken, GuestDied, ProtocolMismatch
+from sandlot.errors import GuestChannelBroken, GuestDied, GuestTimeout, ProtocolMismatch
 from sandlot.guest.ops import PROTOCOL_VERSION, Op
 from sandlot.guest.seal import KEY_BYTES, TO_GUEST, TO_HOST, Seal
 
@@ -36,7 +36,7 @@ from sandlot.guest.seal import KEY_BYTES, TO_GUEST, TO_HOST, Seal
 class EndlessFile:
     """A connection whose guest claims a file never ends."""
 
-    async def request(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def ask(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
         return {"data": base64.b64encode(b"x" * 65536).decode(), "eof": False, "size": 1}
 
 
@@ -46,6 +46,81 @@ async def test_read_stops_at_the_disk_size_whatever_the_guest_says() -> None:
         async for chunk in read_through(EndlessFile(), "f", limit_bytes=1 << 20):  # type: ignore[arg-type]
             received += len(chunk)
     assert received <= 1 << 20
+
+
+async def _guest_pipes(*, reading: bool) -> tuple[GuestConnection, asyncio.WriteTransport]:
+    """A connection over real pipes to a "guest" that says nothing and, unless ``reading``,
+    takes nothing in (its own processes starve it); a reader drains the pipe otherwise."""
+    loop = asyncio.get_running_loop()
+    to_guest_r, to_guest_w = os.pipe()
+    from_guest_r, from_guest_w = os.pipe()
+    reader = asyncio.StreamReader()
+    read_transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(from_guest_r, "rb", 0)
+    )
+    transport, protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, os.fdopen(to_guest_w, "wb", 0)
+    )
+    writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+    guest_in = os.fdopen(to_guest_r, "rb", 0)
+    if reading:
+        loop.run_in_executor(
+            None, lambda: [None for _ in iter(lambda: guest_in.read(1 << 16), b"")]
+        )
+    conn = GuestConnection(reader, writer)
+    conn._pipes = (guest_in, from_guest_w, read_transport)  # type: ignore[attr-defined]
+    return conn, transport
+
+
+async def _close(conn: GuestConnection, transport: asyncio.WriteTransport) -> None:
+    if not transport.is_closing():
+        transport.abort()
+    guest_in, from_guest_w, read_transport = conn._pipes  # type: ignore[attr-defined]
+    os.close(from_guest_w)
+    await conn.close()
+    read_transport.close()
+    guest_in.close()
+    await asyncio.sleep(0)  # the transports' own close callbacks
+
+
+async def test_a_guest_that_takes_nothing_in_is_sent_one_frame_and_then_broken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Failed before (red team, 2026-12-07): every request to a guest whose own processes
+    # starved it sat whole in the pipe's buffer for the sandbox's life, ~5 MB an upload and
+    # ~39 MB an MCP write; 60 writes held 2.6 GB of the server. Frames now go one at a time,
+    # and a guest that takes in nothing for INPUT_STALL_S is broken (then restarted).
+    monkeypatch.setattr(guest_link, "INPUT_STALL_S", 0.5)
+    conn, transport = await _guest_pipes(reading=False)
+    chunk = base64.b64encode(b"A" * (1 << 20)).decode()
+    calls = [
+        asyncio.create_task(conn.request(Op.FILE_WRITE, {"path": f"f{n}", "data": chunk}))
+        for n in range(50)
+    ]
+    try:
+        await asyncio.sleep(0.2)
+        assert transport.get_write_buffer_size() < 2 << 20  # one frame, not fifty
+        done, _ = await asyncio.wait(calls, timeout=5)
+        assert len(done) == 50
+        assert {type(call.exception()) for call in calls} == {GuestChannelBroken}
+        assert not conn.alive
+    finally:
+        for call in calls:
+            call.cancel()
+        await _close(conn, transport)
+
+
+async def test_a_short_call_a_guest_never_answers_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Failed before (red team, 2026-12-07): a file request (a stat, a chunk, a listing) to a
+    # guest starved by its own processes waited for good, holding its tenant's open request.
+    monkeypatch.setattr(guest_link, "SHORT_CALL_TIMEOUT_S", 0.3)
+    conn, transport = await _guest_pipes(reading=True)
+    try:
+        with pytest.raises(GuestTimeout, match="did not answer"):
+            await asyncio.wait_for(conn.ask(Op.FILE_STAT, {"path": "x"}), 10)
+        assert conn.alive  # the guest is left as it is: it may be only slow
+    finally:
+        await _close(conn, transport)
 
 
 # A real process plays the guest: it reads the host's key, then takes each step in turn

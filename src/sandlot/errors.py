@@ -20,6 +20,7 @@ file missing inside a sandbox.
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
     │   ├── GuestDied                            the guest process exited with calls outstanding
     │   │   └── GuestChannelBroken               a frame on its channel failed the seal's check
+    │   ├── GuestTimeout (TimeoutError)          it did not answer a file request in time
     │   ├── ProtocolMismatch                     the guest speaks another protocol version
     │   └── PidsExhausted                        the sandbox has no free process slot left
     ├── AuthenticationError (PermissionError)    no API key, or an unknown or revoked one
@@ -30,6 +31,7 @@ file missing inside a sandbox.
     │   └── FileDescriptorsExhausted             this process's open-file limit is reached
     ├── RateLimited (RuntimeError)               too many requests for this key; retry later
     ├── RequestTooLarge (ValueError)             an upload over the size cap
+    ├── ClientGone (ConnectionError)             the call's client hung up; nobody reads it
     ├── ProviderError (RuntimeError)             an LLM provider failed (HTTP error, timeout)
     │   ├── ProviderAuthError (PermissionError)  the provider refused the API key
     │   ├── ProviderRateLimited                  the provider said 429 after our retries
@@ -237,6 +239,13 @@ class RequestTooLarge(SandboxError, ValueError):
     code = "too_large"
 
 
+class ClientGone(SandboxError, ConnectionError):
+    """The HTTP request that asked for a call ended (its client hung up) before the call
+    did: the call is stopped, and this is what is left to answer (to nobody)."""
+
+    code = "client_gone"
+
+
 class PidsExhausted(GuestError):
     code = "pids_exhausted"
 
@@ -253,6 +262,13 @@ class GuestChannelBroken(GuestDied):
     restarted, as after its death; nothing the channel carried after the break is believed."""
 
     code = "guest_channel_broken"
+
+
+class GuestTimeout(GuestError, TimeoutError):
+    """The guest did not answer a file request within the host's bound (``FILE_OP_TIMEOUT_S``):
+    the sandbox's own code starves it. The guest is left as it is; a late answer is dropped."""
+
+    code = "guest_timeout"
 
 
 class ProtocolMismatch(GuestError):
@@ -352,6 +368,8 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         PidsExhausted,
         GuestDied,
         GuestChannelBroken,
+        GuestTimeout,
+        ClientGone,
         ProtocolMismatch,
         AuthenticationError,
         Forbidden,

@@ -362,7 +362,7 @@ class BackgroundCommands:
             await job.task  # it failed before reaching the guest: raise why
             raise GuestError("the background command ended before it was sent")
         conn, call_id = called.result()
-        answer = await conn.request(Op.PID, {"target": call_id})
+        answer = await conn.ask(Op.PID, {"target": call_id})
         pid = answer.get("pid")
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
             raise GuestError(f"the sandbox's guest sent an invalid pid: {pid!r}")
@@ -529,7 +529,8 @@ class BackgroundCommands:
         if not job.info.running or job.call is None:
             raise InvalidRequest(f"terminal {pid} has ended")
         conn, call_id = job.call
-        await conn.request(Op.PTY_RESIZE, {"target": call_id, "cols": size.cols, "rows": size.rows})
+        resize = {"target": call_id, "cols": size.cols, "rows": size.rows}
+        await conn.ask(Op.PTY_RESIZE, resize)
 
     def _pty(self, pid: int, command_id: str | None = None) -> _Job:
         job = self._job(pid, command_id)

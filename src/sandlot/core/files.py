@@ -33,14 +33,14 @@ async def file_op(live: Live, op: Op, payload: dict[str, Any]) -> dict[str, Any]
     live.touch()
     conn, _ = await live.connection()
     try:
-        return await conn.request(op, payload)
+        return await conn.ask(op, payload)
     except SandboxError as exc:
         if not (isinstance(exc, PidsExhausted) or guest_broken(exc)):
             raise
         # A fresh guest (the processes of the old one killed, its limits new) can serve.
         await live.drop_guest()
         conn, _ = await live.connection()
-        return await conn.request(op, payload)
+        return await conn.ask(op, payload)
 
 
 async def write_chunks(
@@ -94,7 +94,7 @@ async def read_range(live: Live, request: ReadRange) -> bytes:
     """
     live.touch()
     conn, _ = await live.connection()
-    reply = await conn.request(
+    reply = await conn.ask(
         Op.FILE_READ, {"path": request.path, "offset": request.offset, "length": request.length}
     )
     data = base64.b64decode(reply["data"])
@@ -164,7 +164,7 @@ async def read_through(
         length = FILE_CHUNK_BYTES
         if max_bytes is not None:  # one byte past the bound is enough to know
             length = max(1, min(length, max_bytes + 1 - offset))
-        reply = await conn.request(Op.FILE_READ, {"path": path, "offset": offset, "length": length})
+        reply = await conn.ask(Op.FILE_READ, {"path": path, "offset": offset, "length": length})
         data = base64.b64decode(reply["data"])
         offset += len(data)
         if max_bytes is not None and offset > max_bytes:

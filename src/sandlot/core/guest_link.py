@@ -23,6 +23,7 @@ from sandlot.errors import (
     GuestChannelBroken,
     GuestDied,
     GuestError,
+    GuestTimeout,
     ProtocolMismatch,
     SandboxError,
     error_from_code,
@@ -42,6 +43,16 @@ BODY_TIMEOUT_S = 20.0
 # its frame is in the pipe's buffer by then, and a guest that reads nothing more is ended by
 # whoever closes it, not waited on.
 NOTIFY_DRAIN_S = 2.0
+# How long the guest may take in nothing of what is sent to it: past it the channel is
+# broken (the guest is restarted by the call that meets it). Frames go in one at a time, so
+# the host holds at most one unsent: every request to a guest that read nothing (its own
+# code starved it) sat whole in the pipe's buffer for the sandbox's life, ~5 MB an upload
+# and ~39 MB an MCP write, 2.6 GB of the server in 35 s from one key (red team, 2026-12-07).
+INPUT_STALL_S = 20.0
+# The host's bound on a short call (a file request: a chunk of at most 8 MiB, a listing, a
+# stat; a pid; a resize), which the guest answers in milliseconds unless the sandbox's own
+# processes starve it.
+SHORT_CALL_TIMEOUT_S = 120.0
 
 
 class _Pending:
@@ -76,10 +87,13 @@ class GuestConnection:
         hello = json.dumps({"id": 0, "op": Op.HELLO, "key": key.hex()}).encode()
         writer.write(HEADER.pack(len(hello)) + hello)
         self._fatal: SandboxError | None = None
+        # What ended the connection: told to requests that come after it.
+        self._failure: SandboxError | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._closed = False
+        self._sending = asyncio.Lock()
         self._task = asyncio.create_task(self._read_loop())
         self.info: dict[str, Any] = {}
 
@@ -136,6 +150,29 @@ class GuestConnection:
             return await future
         finally:
             self._pending.pop(call_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # read: a send that failed leaves it unawaited
+
+    async def ask(self, op: Op, payload: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`request` of a short call, past :data:`SHORT_CALL_TIMEOUT_S` failed (its late
+        answer dropped), the guest left as it is: a caller waited for good, holding its
+        tenant's open request (red team, 2026-12-07).
+
+        Raises:
+            GuestTimeout: no answer in time.
+        """
+        within_s = SHORT_CALL_TIMEOUT_S
+        try:
+            async with asyncio.timeout(within_s) as deadline:
+                return await self.request(op, payload)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+        raise GuestTimeout(
+            f"the sandbox's guest did not answer {op.value} within {within_s:g} s: the "
+            "sandbox's own processes starve it (busy loops, lowered priorities); retry once "
+            "they let it run"
+        )
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -170,12 +207,42 @@ class GuestConnection:
         self._writer.write(HEADER.pack(len(data)) + data)
 
     async def _send(self, message: dict[str, Any]) -> None:
-        self._write(message)
-        try:
-            await self._writer.drain()
-        except (ConnectionError, RuntimeError) as exc:
-            self._fail_all(GuestDied(f"the guest stopped reading its input: {exc}"))
-            raise GuestDied("the sandbox's guest process is not running") from exc
+        # One frame at a time: the others wait here, unsealed, unencoded.
+        async with self._sending:
+            if self._closed:
+                raise self._failure or GuestDied("the sandbox's guest process is not running")
+            self._write(message)
+            try:
+                await self._drain()
+            except SandboxError:
+                raise
+            except (ConnectionError, RuntimeError) as exc:
+                self._fail_all(GuestDied(f"the guest stopped reading its input: {exc}"))
+                raise GuestDied("the sandbox's guest process is not running") from exc
+
+    async def _drain(self) -> None:
+        """Wait until the frame is taken in, as long as the guest takes some of it in every
+        :data:`INPUT_STALL_S`."""
+        transport = self._writer.transport
+        left = transport.get_write_buffer_size()
+        while True:
+            try:
+                async with asyncio.timeout(INPUT_STALL_S):
+                    await self._writer.drain()
+            except TimeoutError:
+                now = transport.get_write_buffer_size()
+                if now < left:
+                    left = now
+                    continue
+            else:
+                return
+            error = GuestChannelBroken(
+                f"the guest took in nothing of its input for {INPUT_STALL_S:g} s (the "
+                "sandbox's own processes starve it); the guest is restarted"
+            )
+            self._fail_all(error)
+            transport.abort()  # what is unsent goes, and the guest sees its input end
+            raise error
 
     async def _read_loop(self) -> None:
         error: SandboxError = GuestDied("the sandbox's guest process exited")
@@ -262,6 +329,7 @@ class GuestConnection:
 
     def _fail_all(self, error: SandboxError) -> None:
         self._closed = True
+        self._failure = self._failure or error
         if not self._ready.done():
             self._ready.set_exception(error)
             self._ready.exception()  # mark retrieved: nobody may be waiting any more

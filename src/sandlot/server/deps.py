@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import structlog
 from fastapi import Path, Request, WebSocket
@@ -19,9 +20,11 @@ from sandlot.errors import (
     AuthenticationError,
     BackendUnavailable,
     CapacityExhausted,
+    ClientGone,
     ConfigError,
     Forbidden,
     GuestError,
+    GuestTimeout,
     InvalidRequest,
     KeylessRefused,
     ModelOutputError,
@@ -61,6 +64,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 # What a keyless request to a public route costs its address, in failed authentications: with
 # the defaults (2 a second past a burst of 30) ~20 a second past a burst of 300.
 KEYLESS_COST = 0.1
@@ -77,6 +82,7 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     ConfigError: 422,
     InvalidRequest: 422,
     RequestTooLarge: 413,
+    ClientGone: 499,  # nobody reads it
     QuotaExceeded: 429,
     CapacityExhausted: 503,
     RateLimited: 429,
@@ -93,6 +99,7 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     SandboxFileError: 400,  # any other file problem is about the path the client sent
     BackendUnavailable: 503,
     SandboxStartError: 503,
+    GuestTimeout: 504,  # its guest, starved by the sandbox's own code, did not answer
     GuestError: 502,
     # The agent's model is upstream of us: its failures are a bad gateway, not a bad request.
     ProviderRateLimited: 503,
@@ -275,6 +282,46 @@ async def client_gone(request: Request) -> None:
     agent task)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def first_or_none(work: Awaitable[T], stop: Awaitable[object]) -> T | None:
+    """``work``'s result, or None (``work`` cancelled) if ``stop`` comes first."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop)
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SandboxError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None once the client has gone away first (``work`` cancelled):
+    a run whose client hung up ran on for its whole timeout (up to a day), holding one of
+    its tenant's open requests, which six such runs used up (red team, 2026-12-07)."""
+    return await first_or_none(work, client_gone(request))
+
+
+async def while_open(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result while the HTTP request that asked for it is open (see
+    ``RequestGuard``): an MCP tool call whose client hung up ran on in the SDK's task group
+    once its POST had returned and given back its open request, so a key had 63 calls in
+    flight under a cap of 6 (red team, 2026-12-07).
+
+    Raises:
+        ClientGone: the request ended first (``work`` cancelled).
+    """
+    ended: asyncio.Event | None = request.scope.get("state", {}).get("ended")
+    if ended is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    if await first_or_none(task, ended.wait()) is None and task.cancelled():
+        raise ClientGone("the request that asked for this call ended before it")
+    return task.result()
 
 
 def key_from(headers: Any) -> str | None:

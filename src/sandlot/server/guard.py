@@ -24,6 +24,7 @@ runs first:
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from starlette.datastructures import Headers
@@ -81,9 +82,14 @@ class RequestGuard:
             return
         if meter is not None:
             send = meter.send(send)
+        # Set once the request is answered or its client gone: work it started that may
+        # outlive it (an MCP tool call, which the SDK runs on in the session's task group)
+        # ends with it, as the open request it counted as does (deps.while_open).
+        ended = scope.setdefault("state", {})["ended"] = asyncio.Event()
         try:
             await self.app(scope, receive, send)
         finally:
+            ended.set()
             if held is not None:
                 self.state.open_requests.release(held.tenant)
             if meter is not None:

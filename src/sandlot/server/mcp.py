@@ -9,9 +9,9 @@ role (a viewer only reads), its audit log.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from fastapi import FastAPI
@@ -38,12 +38,13 @@ from sandlot.requests import (
     WriteFile,
 )
 from sandlot.server.auth import Principal
-from sandlot.server.deps import ServerState, sandbox_error_response
+from sandlot.server.deps import ServerState, sandbox_error_response, while_open
 from sandlot.server.metering import pay_answer
 
 log = structlog.get_logger(__name__)
 
 MCP_PATH = "/mcp"
+T = TypeVar("T")
 
 
 class TenantService:
@@ -55,6 +56,12 @@ class TenantService:
         self.who = who
         self.owner = who.owner_filter
         self.request = request
+
+    async def _asked(self, work: Awaitable[T]) -> T:
+        """A call that reaches a sandbox's guest ends with the HTTP request that carried it
+        (counted in its tenant's open requests until then): the SDK runs a tool call on
+        after its client hung up (deps.while_open)."""
+        return await while_open(self.request, work)
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         self.who.require_write()
@@ -89,7 +96,9 @@ class TenantService:
         self.who.require_write()
         audit = self.state.audited(self.request, self.who, "sandbox.run_code", sandbox_id)
         async with audit as a:
-            result = await self.manager.run_code(sandbox_id, request, owner=self.owner, **callbacks)
+            result = await self._asked(
+                self.manager.run_code(sandbox_id, request, owner=self.owner, **callbacks)
+            )
             a.update(exit_code=result.exit_code, kill_reason=result.kill_reason, via="mcp")
         return result
 
@@ -99,8 +108,8 @@ class TenantService:
         self.who.require_write()
         audit = self.state.audited(self.request, self.who, "sandbox.command", sandbox_id)
         async with audit as a:
-            result = await self.manager.run_command(
-                sandbox_id, request, owner=self.owner, **callbacks
+            result = await self._asked(
+                self.manager.run_command(sandbox_id, request, owner=self.owner, **callbacks)
             )
             a.update(exit_code=result.exit_code, kill_reason=result.kill_reason, via="mcp")
         return result
@@ -111,14 +120,16 @@ class TenantService:
             self.request, self.who, "file.write", sandbox_id, path=request.path, via="mcp"
         )
         async with audit as a:
-            size = await self.manager.write_file(sandbox_id, request, data, owner=self.owner)
+            size = await self._asked(
+                self.manager.write_file(sandbox_id, request, data, owner=self.owner)
+            )
             a["size_bytes"] = size
         return size
 
     async def read_file(self, sandbox_id: str, request: FilePath) -> bytes:
         from sandlot.mcp.tools import answer_bytes  # the SDK is loaded: a tool calls this
 
-        data = await self.manager.read_file(sandbox_id, request, owner=self.owner)
+        data = await self._asked(self.manager.read_file(sandbox_id, request, owner=self.owner))
         # Paid before the answer is built: a key's burst of reads was all written before
         # the first was charged (red team, 2026-12-06).
         pay_answer(self.request.scope, answer_bytes(data))
@@ -126,12 +137,12 @@ class TenantService:
 
     async def list_files(self, sandbox_id: str, request: ListFiles) -> Listing:
         checking = self.state.listings.checking(self.request.scope, self.who.tenant)
-        return await self.manager.list_files(
-            sandbox_id, request, owner=self.owner, checking=checking
+        return await self._asked(
+            self.manager.list_files(sandbox_id, request, owner=self.owner, checking=checking)
         )
 
     async def stat_file(self, sandbox_id: str, request: FilePath) -> FileInfo:
-        return await self.manager.stat_file(sandbox_id, request, owner=self.owner)
+        return await self._asked(self.manager.stat_file(sandbox_id, request, owner=self.owner))
 
     async def remove_file(self, sandbox_id: str, request: RemoveFile) -> None:
         self.who.require_write()
@@ -139,7 +150,7 @@ class TenantService:
             self.request, self.who, "file.delete", sandbox_id, path=request.path, via="mcp"
         )
         async with audit:
-            await self.manager.remove_file(sandbox_id, request, owner=self.owner)
+            await self._asked(self.manager.remove_file(sandbox_id, request, owner=self.owner))
 
     async def make_dir(self, sandbox_id: str, request: FilePath) -> None:
         self.who.require_write()
@@ -147,7 +158,7 @@ class TenantService:
             self.request, self.who, "file.mkdir", sandbox_id, path=request.path, via="mcp"
         )
         async with audit:
-            await self.manager.make_dir(sandbox_id, request, owner=self.owner)
+            await self._asked(self.manager.make_dir(sandbox_id, request, owner=self.owner))
 
     async def list_artifacts(self, sandbox_id: str) -> builtins.list[ArtifactInfo]:
         return await self.manager.list_artifacts(sandbox_id, owner=self.owner)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -15,7 +13,7 @@ from pydantic import BaseModel, TypeAdapter
 from starlette.convertors import Convertor, register_url_convertor
 
 from sandlot.core import SandboxManager
-from sandlot.errors import CommandStillRunning, RequestTooLarge, SandboxError
+from sandlot.errors import CommandStillRunning, RequestTooLarge
 from sandlot.models import (
     TRUNCATED_HEADER,
     ArtifactInfo,
@@ -43,7 +41,7 @@ from sandlot.requests import (
 )
 from sandlot.server import multipart
 from sandlot.server.auth import Principal
-from sandlot.server.deps import SandboxId, caller, client_gone, state_of
+from sandlot.server.deps import SandboxId, caller, state_of, unless_gone
 from sandlot.server.downloads import opened_file_response
 from sandlot.server.metering import charge_entries
 from sandlot.server.schemas import ErrorBody, WrittenFile
@@ -138,7 +136,13 @@ async def run_code(sandbox_id: SandboxId, body: RunCode, request: Request, who: 
     who.require_write()
     state = state_of(request)
     async with state.audited(request, who, "sandbox.run_code", sandbox_id) as audit:
-        result = await state.manager.run_code(sandbox_id, body, owner=who.owner_filter)
+        # A client that hangs up interrupts its run, as cancelling the SDK's call does.
+        result = await unless_gone(
+            request, state.manager.run_code(sandbox_id, body, owner=who.owner_filter)
+        )
+        if result is None:
+            audit["client_gone"] = True
+            return _nobody_there()
         audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
     return _json(result)
 
@@ -160,9 +164,20 @@ async def run_command(
             info = await state.manager.start_command(sandbox_id, body, owner=who.owner_filter)
             audit["pid"] = info.pid
             return Response(info.model_dump_json(), 202, media_type="application/json")
-        result = await state.manager.run_command(sandbox_id, body, owner=who.owner_filter)
+        result = await unless_gone(
+            request, state.manager.run_command(sandbox_id, body, owner=who.owner_filter)
+        )
+        if result is None:
+            audit["client_gone"] = True
+            return _nobody_there()
         audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
     return _json(result)
+
+
+def _nobody_there() -> Response:
+    """The answer to a request whose client left before it was made: nobody reads it
+    (nginx's "client closed request")."""
+    return Response(status_code=499)
 
 
 def _json(model: BaseModel) -> Response:
@@ -231,26 +246,16 @@ async def wait_command(
     second held a tenant's for their whole timeout (red team, 2026-12-06)."""
     manager = state_of(request).manager
     owner = who.owner_filter
-    waiting = asyncio.ensure_future(
-        manager.wait_command(sandbox_id, pid, timeout_s, command_id=command_id, owner=owner)
-    )
-    gone = asyncio.ensure_future(client_gone(request))
     try:
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not waiting.done():
-            waiting.cancel()  # only this wait: the command is shielded from it
-            with contextlib.suppress(asyncio.CancelledError, SandboxError):
-                await waiting
-    if waiting.cancelled():
-        return Response(status_code=499)  # nobody is there to read it
-    try:
-        result = waiting.result()
+        # Cancelling the wait leaves the command be: it is shielded from its waiters.
+        result = await unless_gone(
+            request,
+            manager.wait_command(sandbox_id, pid, timeout_s, command_id=command_id, owner=owner),
+        )
     except CommandStillRunning:
         info = await manager.command_info(sandbox_id, pid, command_id=command_id, owner=owner)
         return Response(info.model_dump_json(), 202, media_type="application/json")
-    return _json(result)
+    return _json(result) if result is not None else _nobody_there()
 
 
 @router.post("/{sandbox_id}/commands/{pid}/stdin", status_code=204)
