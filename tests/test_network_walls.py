@@ -437,3 +437,21 @@ async def test_the_next_holder_of_a_slot_inherits_none_of_its_flows(data_root: P
             assert str(ipaddress.IPv4Address(host) + 1) == address  # the same /30
             reached = await _reach(mgr, second.id, (host, 18084))
             assert reached == {host: "pong"}, reached  # before: ECONNREFUSED
+
+
+def test_a_slot_whose_holder_died_says_its_flows_are_left(tmp_path: Path) -> None:
+    # A holder that ends deletes its flows and clears its lock's mark; one that dies (a
+    # crash) leaves the mark, and the next holder of the /30 deletes them at create.
+    from sandlot.backends.bubblewrap import netns
+    from sandlot.backends.uids import unlock
+
+    net, fd = netns.plan("inst", "sb-1", 290_000, tmp_path)
+    assert not net.flows_left
+    unlock(fd)  # died holding it: the mark stays
+    again, fd = netns.plan("inst", "sb-2", 290_000, tmp_path)
+    assert again.address == net.address and again.flows_left
+    netns.mark_clean(fd)
+    unlock(fd)
+    third, fd = netns.plan("inst", "sb-3", 290_000, tmp_path)
+    assert third.address == net.address and not third.flows_left
+    unlock(fd)

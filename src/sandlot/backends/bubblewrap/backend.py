@@ -451,6 +451,7 @@ class BubblewrapBackend(Launching):
         # Its flows too, before the /30 can be another sandbox's (hostnet.forget_flows).
         await hostnet.forget_flows(str(box.net.address))
         if box.net_lock_fd is not None:
+            netns.mark_clean(box.net_lock_fd)
             unlock(box.net_lock_fd)  # only once the network is gone
         await asyncio.to_thread(self._release_volume_now, box)
 

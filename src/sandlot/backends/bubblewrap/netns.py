@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import fcntl
 import ipaddress
+import os
 import re
 import socket
 import struct
@@ -44,6 +45,7 @@ SANDBOX_NET = BUBBLEWRAP_NET
 NETNS_DIR = Path("/run/netns")
 SIOCGIFADDR = 0x8915
 HOST_VETH = re.compile(r"sl\d+")
+FLOWS_MARK = b"flows"
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class SandboxNet:
     veth: str  # the host's end (an interface name has at most 15 characters)
     address: ipaddress.IPv4Address
     gateway: ipaddress.IPv4Address
+    # The /30's last holder ended without deleting its tracked flows (a crash): create does.
+    flows_left: bool = False
 
     @property
     def path(self) -> Path:
@@ -79,9 +83,18 @@ def plan(instance: str, sandbox_id: str, uid: int, lock_dir: Path) -> tuple[Sand
     if taken is None:
         raise SandboxStartError(f"all {slots} sandbox networks of {SANDBOX_NET} are in use")
     slot, lock_fd = taken
+    # Marked while held; cleared once its holder has deleted its flows (mark_clean).
+    flows_left = bool(os.pread(lock_fd, len(FLOWS_MARK), 0))
+    os.pwrite(lock_fd, FLOWS_MARK, 0)
     base = SANDBOX_NET.network_address + 4 * slot
     name = f"{netns_prefix(instance)}{sandbox_id}"
-    return SandboxNet(name, f"sl{uid}", base + 2, base + 1), lock_fd
+    return SandboxNet(name, f"sl{uid}", base + 2, base + 1, flows_left), lock_fd
+
+
+def mark_clean(lock_fd: int) -> None:
+    """Say that the /30's flows are gone (its next holder need not delete them)."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(lock_fd, 0)
 
 
 async def create(net: SandboxNet) -> None:
@@ -91,8 +104,8 @@ async def create(net: SandboxNet) -> None:
         await run_tool(IP, "link", "del", net.veth, check=False)
     for veth in stale_holders(net.gateway):
         await _remove_stale(veth)
-    # What an earlier holder of the /30 that died without its clean-up left tracked.
-    await forget_flows(str(net.address))
+    if net.flows_left:  # an earlier holder of the /30 died before deleting them
+        await forget_flows(str(net.address))
     await run_tool(IP, "netns", "add", net.name)
     try:
         # No IPv6 on the link, either end (addrgenmode none: no link-local address is made,
