@@ -440,18 +440,24 @@ async def test_the_next_holder_of_a_slot_inherits_none_of_its_flows(data_root: P
 
 
 def test_a_slot_whose_holder_died_says_its_flows_are_left(tmp_path: Path) -> None:
-    # A holder that ends deletes its flows and clears its lock's mark; one that dies (a
-    # crash) leaves the mark, and the next holder of the /30 deletes them at create.
+    # A holder that ends deletes its flows and marks its lock clean; one that dies (a crash)
+    # leaves its mark, and the next holder of the /30 deletes them at create, as it does for
+    # a slot it cannot vouch for: a new one, or one an older sandlot (which never deleted
+    # them, and leaves the file empty) held (red team on the fixes, 2026-12-07).
     from sandlot.backends.bubblewrap import netns
     from sandlot.backends.uids import unlock
 
     net, fd = netns.plan("inst", "sb-1", 290_000, tmp_path)
-    assert not net.flows_left
-    unlock(fd)  # died holding it: the mark stays
-    again, fd = netns.plan("inst", "sb-2", 290_000, tmp_path)
-    assert again.address == net.address and again.flows_left
+    assert net.flows_left  # never held before: not known to be clean
     netns.mark_clean(fd)
     unlock(fd)
-    third, fd = netns.plan("inst", "sb-3", 290_000, tmp_path)
-    assert third.address == net.address and not third.flows_left
+    clean, fd = netns.plan("inst", "sb-2", 290_000, tmp_path)
+    assert clean.address == net.address and not clean.flows_left
+    unlock(fd)  # died holding it: its mark stays
+    again, fd = netns.plan("inst", "sb-3", 290_000, tmp_path)
+    assert again.address == net.address and again.flows_left
+    os.ftruncate(fd, 0)  # as an older sandlot leaves it
+    unlock(fd)
+    older, fd = netns.plan("inst", "sb-4", 290_000, tmp_path)
+    assert older.flows_left
     unlock(fd)

@@ -110,6 +110,50 @@ async def test_a_guest_that_takes_nothing_in_is_sent_one_frame_and_then_broken(
         await _close(conn, transport)
 
 
+async def test_a_call_cancelled_while_its_frame_waits_leaves_no_frame_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Failed before (red team on the fixes, 2026-12-07): a caller cancelled while its frame
+    # waited for the guest (its client hung up) left the frame in the buffer and the send
+    # free for the next: 60 hang-ups held 80 MiB, and no wait lasted long enough to see
+    # the stall. The wait is the connection's now.
+    monkeypatch.setattr(guest_link, "INPUT_STALL_S", 1.0)
+    conn, transport = await _guest_pipes(reading=False)
+    chunk = base64.b64encode(b"A" * (1 << 20)).decode()
+    try:
+        for n in range(10):
+            call = asyncio.create_task(
+                conn.request(Op.FILE_WRITE, {"path": f"f{n}", "data": chunk})
+            )
+            await asyncio.sleep(0.05)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+        assert transport.get_write_buffer_size() < 2 << 20  # one frame, not ten
+        deadline = time.monotonic() + 5
+        while conn.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not conn.alive  # the stall is seen though nobody waits on it any more
+    finally:
+        await _close(conn, transport)
+
+
+async def test_a_cancel_is_written_behind_a_frame_the_guest_takes_in_slowly() -> None:
+    # Failed before (red team on the fixes, 2026-12-07): a cancel waited for the send lock
+    # behind a large frame a slow guest was taking in, ran out of time and was never
+    # written: the run it was to end went on after its client's 499.
+    conn, transport = await _guest_pipes(reading=False)
+    big = base64.b64encode(b"A" * (4 << 20)).decode()
+    try:
+        sender = asyncio.create_task(conn.request(Op.FILE_WRITE, {"path": "big", "data": big}))
+        await asyncio.sleep(0.1)
+        before = transport.get_write_buffer_size()
+        await conn.notify(Op.CANCEL, {"target": 1})
+        assert transport.get_write_buffer_size() > before  # written, behind the big frame
+    finally:
+        sender.cancel()
+        await _close(conn, transport)
+
+
 async def test_a_short_call_a_guest_never_answers_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     # Failed before (red team, 2026-12-07): a file request (a stat, a chunk, a listing) to a
     # guest starved by its own processes waited for good, holding its tenant's open request.

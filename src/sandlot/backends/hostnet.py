@@ -189,15 +189,25 @@ def check_tools() -> None:
             )
 
 
-async def forget_flows(address: str) -> None:
+async def forget_flows(address: str) -> bool:
     """Delete the host's tracked flows from a bubblewrap sandbox's address, while its /30's
     lock is held (Docker does as much for its containers' addresses when they leave their
     network). A destroyed sandbox's flows outlived it, and the next sandbox given its /30, any
     tenant's, inherited them: counted against its connection cap (1,024 left open was every
     connect refused), and the accept rule for established flows let the dead sandbox's peers
     send into it (red team, 2026-12-07). A flow whose closing packets never left (a full send
-    window) is kept 300 s, and a UDP flow for as long as its peer sends on it."""
-    await run_tool(CONNTRACK, "-D", "-s", address, check=False)
+    window) is kept 300 s, and a UDP flow for as long as its peer sends on it. Whether it
+    worked (``conntrack`` says 1 where it found none to delete)."""
+    proc = await asyncio.create_subprocess_exec(
+        CONNTRACK, "-D", "-s", address,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await proc.communicate()
+    if proc.returncode in (0, 1):
+        return True
+    log.warning("tracked flows not deleted", address=address, error=err.decode(errors="replace"))
+    return False
 
 
 async def ensure_walls(settings: Settings) -> None:

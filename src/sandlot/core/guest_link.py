@@ -73,6 +73,12 @@ class _Pending:
         self.on_result = on_result
 
 
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """Mark a connection's own send read: its caller may have been cancelled and gone."""
+    if not task.cancelled():
+        task.exception()
+
+
 class GuestConnection:
     """Talks to one guest over a pair of byte streams."""
 
@@ -182,11 +188,16 @@ class GuestConnection:
         guest has taken it in, or after ``NOTIFY_DRAIN_S``: a guest whose input is full and
         unread (behind a large write it stopped reading) must not hold a destroy or a
         cancellation for good. False if the wait ran out (the frame still unsent)."""
-        if self._closed:
+        if self._closed or self._writer.is_closing():
             return True
+        # Written now, past the send lock: behind a large frame a slow guest takes in (not
+        # stalled), a cancel waited for the lock, ran out of time and was never written, and
+        # the run it was to end went on after its client's 499 (red team, 2026-12-07). The
+        # frame is small; the guest reads frames in order.
+        self._write({"id": self.new_id(), "op": op, **payload})
         try:
             async with asyncio.timeout(NOTIFY_DRAIN_S):
-                await self._send({"id": self.new_id(), "op": op, **payload})
+                await self._writer.drain()
         except TimeoutError:
             return False
         except (ConnectionError, RuntimeError):
@@ -208,17 +219,34 @@ class GuestConnection:
 
     async def _send(self, message: dict[str, Any]) -> None:
         # One frame at a time: the others wait here, unsealed, unencoded.
-        async with self._sending:
-            if self._closed:
-                raise self._failure or GuestDied("the sandbox's guest process is not running")
+        await self._sending.acquire()
+        if self._closed:
+            self._sending.release()
+            raise self._failure or GuestDied("the sandbox's guest process is not running")
+        try:
             self._write(message)
-            try:
-                await self._drain()
-            except SandboxError:
-                raise
-            except (ConnectionError, RuntimeError) as exc:
-                self._fail_all(GuestDied(f"the guest stopped reading its input: {exc}"))
-                raise GuestDied("the sandbox's guest process is not running") from exc
+        except BaseException:
+            self._sending.release()
+            raise
+        # The wait for the guest to take the frame in is the connection's, not the caller's:
+        # it keeps the lock, and the stall check, until the frame is in. A caller cancelled
+        # meanwhile (its client hung up, a short call's bound) left its frame unsent in the
+        # buffer and the lock free for the next: 60 hang-ups held 80 MiB, and no wait ever
+        # lasted long enough to see the stall (red team, 2026-12-07).
+        drained = asyncio.ensure_future(self._drain_and_release())
+        drained.add_done_callback(_retrieved)
+        await asyncio.shield(drained)
+
+    async def _drain_and_release(self) -> None:
+        try:
+            await self._drain()
+        except SandboxError:
+            raise
+        except (ConnectionError, RuntimeError) as exc:
+            self._fail_all(GuestDied(f"the guest stopped reading its input: {exc}"))
+            raise GuestDied("the sandbox's guest process is not running") from exc
+        finally:
+            self._sending.release()
 
     async def _drain(self) -> None:
         """Wait until the frame is taken in, as long as the guest takes some of it in every

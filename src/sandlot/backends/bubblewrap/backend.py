@@ -449,9 +449,10 @@ class BubblewrapBackend(Launching):
         await asyncio.to_thread(box.cgroup.remove)
         await netns.remove(box.net.name, box.net.veth)
         # Its flows too, before the /30 can be another sandbox's (hostnet.forget_flows).
-        await hostnet.forget_flows(str(box.net.address))
+        forgotten = await hostnet.forget_flows(str(box.net.address))
         if box.net_lock_fd is not None:
-            netns.mark_clean(box.net_lock_fd)
+            if forgotten:
+                netns.mark_clean(box.net_lock_fd)
             unlock(box.net_lock_fd)  # only once the network is gone
         await asyncio.to_thread(self._release_volume_now, box)
 

@@ -46,6 +46,7 @@ NETNS_DIR = Path("/run/netns")
 SIOCGIFADDR = 0x8915
 HOST_VETH = re.compile(r"sl\d+")
 FLOWS_MARK = b"flows"
+CLEAN_MARK = b"clean"
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,11 @@ def plan(instance: str, sandbox_id: str, uid: int, lock_dir: Path) -> tuple[Sand
     if taken is None:
         raise SandboxStartError(f"all {slots} sandbox networks of {SANDBOX_NET} are in use")
     slot, lock_fd = taken
-    # Marked while held; cleared once its holder has deleted its flows (mark_clean).
-    flows_left = bool(os.pread(lock_fd, len(FLOWS_MARK), 0))
+    # Marked while held, and "clean" once its holder has deleted its flows (mark_clean):
+    # anything else, an empty file too (a new slot, or one an older sandlot held, which
+    # never deleted them), may hold flows.
+    flows_left = os.pread(lock_fd, len(CLEAN_MARK) + 1, 0) != CLEAN_MARK
+    os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, FLOWS_MARK, 0)
     base = SANDBOX_NET.network_address + 4 * slot
     name = f"{netns_prefix(instance)}{sandbox_id}"
@@ -95,6 +99,7 @@ def mark_clean(lock_fd: int) -> None:
     """Say that the /30's flows are gone (its next holder need not delete them)."""
     with contextlib.suppress(OSError):
         os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, CLEAN_MARK, 0)
 
 
 async def create(net: SandboxNet) -> None:
@@ -104,7 +109,7 @@ async def create(net: SandboxNet) -> None:
         await run_tool(IP, "link", "del", net.veth, check=False)
     for veth in stale_holders(net.gateway):
         await _remove_stale(veth)
-    if net.flows_left:  # an earlier holder of the /30 died before deleting them
+    if net.flows_left:  # an earlier holder of the /30 may have left them
         await forget_flows(str(net.address))
     await run_tool(IP, "netns", "add", net.name)
     try:
