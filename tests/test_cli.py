@@ -47,6 +47,8 @@ def test_doctor_reports_every_feature(cli_data_dir: Path) -> None:
     assert out.returncode == 0, out.stderr
     for feature in ("bubblewrap", "user namespaces", "cgroups", "seccomp", "disk cap"):
         assert feature in out.stdout
+    if os.geteuid() == 0:  # what network=True needs, conntrack among it (2026-12-07)
+        assert "network tools" in out.stdout
 
 
 def test_doctor_says_whether_guests_come_from_a_template(

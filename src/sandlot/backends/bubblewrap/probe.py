@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 from sandlot.backends import mountns
 from sandlot.backends.base import Check
@@ -145,6 +146,14 @@ def host_checks(settings: Settings) -> list[Check]:
             "drops from root to the sandbox's uid before bwrap starts",
         ),
         Check(
+            "network tools",
+            *_network_tools(),
+            "network=True makes a veth pair (ip), walls it (iptables), and deletes a sandbox's "
+            "tracked flows when it ends (conntrack), or the next sandbox on its address "
+            "inherits them",
+            required=False,
+        ),
+        Check(
             "guest template",
             *_guest_template(settings),
             "each new guest is forked from an interpreter that has already imported it, "
@@ -153,6 +162,15 @@ def host_checks(settings: Settings) -> list[Check]:
         ),
         *environment_checks(settings),
     ]
+
+
+def _network_tools() -> tuple[bool, str]:
+    from sandlot.backends.hostnet import CONNTRACK, IP, IPTABLES
+
+    missing = [tool for tool in (IP, IPTABLES, CONNTRACK) if not Path(tool).is_file()]
+    if missing:
+        return False, f"missing {', '.join(missing)} (apt-get install iproute2 iptables conntrack)"
+    return True, "ip, iptables and conntrack installed"
 
 
 def _guest_template(settings: Settings) -> tuple[bool, str]:
