@@ -98,6 +98,9 @@ def make_settings(data_dir: Path, **overrides: object) -> Settings:
         "reaper_interval_s": 0.2,
         "log_level": "WARNING",
         "allow_unsafe": True,  # the fake backend is how manager logic is tested
+        # Each data directory's managers count only each other: the tests' capacities are
+        # set per test (test_trust_core.py shares a ledger on purpose).
+        "host_ledger_dir": Path(data_dir) / ".host-ledger",
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]

@@ -102,6 +102,44 @@ async def test_host_capacity_counts_every_tenant_and_frees_on_destroy(data_dir: 
         await mgr.create(SandboxSpec(cpu_cores=0.5), owner="c")
 
 
+async def test_the_hosts_capacity_is_shared_by_every_data_directory(data_dir: Path) -> None:
+    """Failed before (red team, 2026-12-07): each data directory's managers counted only
+    their own store's sandboxes against the host's capacity, so two data directories on one
+    host each admitted 2 x 128 MB against 300 MB. They share the host's ledger now (here one
+    of the test's own, as ``/run/sandlot/reserved`` is for every manager of a host)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    ledger = data_dir / "ledger"
+    managers = [
+        SandboxManager(
+            make_settings(
+                data_dir / name,
+                backend="unsafe-local",
+                host_cpu_overcommit=1.0 / cores,  # 1 core in all: two sandboxes of 0.5
+                host_ledger_dir=ledger,
+            )
+        )
+        for name in ("one", "two")
+    ]
+    for mgr in managers:
+        await mgr.start()
+    try:
+        first = await managers[0].create(SandboxSpec(cpu_cores=0.5))
+        await managers[1].create(SandboxSpec(cpu_cores=0.5))
+        for mgr in managers:
+            with pytest.raises(CapacityExhausted, match="SANDBOX_HOST_CPU_OVERCOMMIT"):
+                await mgr.create(SandboxSpec(cpu_cores=0.5))
+        await managers[0].destroy(first.id)
+        await managers[0].settle()  # released: the room is the host's again
+        await managers[1].create(SandboxSpec(cpu_cores=0.5))
+    finally:
+        await managers[1].close()
+        # A manager that closes leaves the ledger: the other one has the room.
+        await managers[0].create(SandboxSpec(cpu_cores=0.5))
+        await managers[0].close()
+
+
 @pytest.mark.parametrize(
     ("cap", "over", "under"),
     [

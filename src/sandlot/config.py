@@ -449,6 +449,13 @@ class Settings(BaseSettings):
         description="Sandboxes' pids limits together may reach this share of the kernel's "
         "process table (the rest stays for the host).",
     )
+    host_ledger_dir: Path = Field(
+        default=Path("/run/sandlot/reserved"),
+        validation_alias=_env("SANDBOX_HOST_LEDGER_DIR", "host_ledger_dir"),
+        description="Where each manager says what its sandboxes reserve, so that the "
+        "managers of every data directory on the host share one capacity (root only: "
+        "rootless managers count their own data directory's).",
+    )
     host_disk_fraction: float = Field(
         default=0.9,
         gt=0,

@@ -30,6 +30,7 @@ import pydantic_core
 import structlog
 
 from sandlot.config import Settings
+from sandlot.core.host_ledger import Reservation
 from sandlot.errors import CapacityExhausted, ConfigError, FileDescriptorsExhausted, QuotaExceeded
 from sandlot.models import Quota, ResolvedLimits, SandboxInfo
 
@@ -74,14 +75,15 @@ class HostCapacity:
 
 
 def check_host(
-    reserved: Iterable[ResolvedLimits],
+    reserved: Iterable[Reservation],
     new: ResolvedLimits,
     host: HostCapacity,
     *,
     held_here: int,
 ) -> None:
     """Raise if the host cannot hold one more sandbox of ``new`` beside ``reserved`` (every
-    process's on this data directory), and this process one more beside the ``held_here``
+    process's on this data directory, and the other data directories' managers' totals:
+    :mod:`~sandlot.core.host_ledger`), and this process one more beside the ``held_here``
     it holds (file descriptors are per process: other processes' sandboxes hold none here).
 
     Raises:

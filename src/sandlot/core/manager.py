@@ -31,6 +31,7 @@ from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts, artifact_limit_bytes
 from sandlot.core.background import BackgroundCommands
 from sandlot.core.file_verbs import FileVerbs
+from sandlot.core.host_ledger import HostLedger, Reservation
 from sandlot.core.job_verbs import JobVerbs
 from sandlot.core.live import POOL_OWNER, Live, PoolKey
 from sandlot.core.pools import Pools, discard
@@ -102,6 +103,7 @@ class SandboxManager(JobVerbs, FileVerbs):
         self._artifacts: Artifacts = None  # type: ignore[assignment]  # set by start()
         self._pools: Pools | None = None
         self._dead_peers: recovery.DeadPeers | None = None
+        self._ledger: HostLedger | None = None
         self._capacity: HostCapacity = None  # type: ignore[assignment]  # set by start()
         self._started = False
         self._listeners: list[Listener] = []
@@ -151,6 +153,7 @@ class SandboxManager(JobVerbs, FileVerbs):
             self._instance.release(remove=True)
             raise
         self._artifacts = Artifacts(data_dir, self._store)
+        self._ledger = HostLedger.open(self.settings.host_ledger_dir, data_dir, self._instance.id)
         self._started = True
         self._closing = False
         try:
@@ -227,6 +230,9 @@ class SandboxManager(JobVerbs, FileVerbs):
                 log.warning("instance not swept at close", backend=backend.name, error=repr(exc))
                 swept = False
         self._store.close()
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
         if self._instance is not None:
             self._instance.release(remove=swept)
         self._started = False
@@ -329,13 +335,18 @@ class SandboxManager(JobVerbs, FileVerbs):
                 self._live[taken.id] = chosen = taken
                 return taken.info
             # A pooled sandbox was reserved when it was started; a new one reserves now.
-            admission.check_host(
-                self._reserved(infos), resolved, self._capacity, held_here=self._held_here()
-            )
-            # Registered with its owner before the first await, so a concurrent create of
-            # the same owner in this process counts it against the quota.
-            made = self._new_live(key, resolved, network, spec.env, owner)
-            self._live[made.id] = chosen = made
+            with self._host_turn():
+                admission.check_host(
+                    self._reserved(infos) + self._elsewhere(),
+                    resolved,
+                    self._capacity,
+                    held_here=self._held_here(),
+                )
+                # Registered with its owner before the first await, so a concurrent create
+                # of the same owner in this process counts it against the quota.
+                made = self._new_live(key, resolved, network, spec.env, owner)
+                self._live[made.id] = chosen = made
+                self._publish()
             fresh = True
             return made.info
 
@@ -428,21 +439,41 @@ class SandboxManager(JobVerbs, FileVerbs):
         """A sandbox for a pool, started for ``tenant`` (pools.py) where guests fork from a
         template per tenant; else for anyone."""
         limits = self.settings.resolve_limits(None)
-        admission.check_host(
-            self._reserved(self._live_infos()),
-            limits,
-            self._capacity,
-            held_here=self._held_here(),
-        )
+        with self._host_turn():
+            admission.check_host(
+                self._reserved(self._live_infos()) + self._elsewhere(),
+                limits,
+                self._capacity,
+                held_here=self._held_here(),
+            )
+            self._publish(also=limits)  # the pool registers it once this returns
         live = self._new_live(key, limits, self.settings.network, None, POOL_OWNER)
         if self.settings.guest_template_scope == "tenant":
             live.spec = dataclasses.replace(live.spec, tenant=tenant)
         return live
 
-    def _reserved(self, infos: builtins.list[SandboxInfo]) -> builtins.list[ResolvedLimits]:
+    def _host_turn(self) -> contextlib.AbstractContextManager[None]:
+        return self._ledger.turn() if self._ledger is not None else contextlib.nullcontext()
+
+    def _elsewhere(self) -> builtins.list[Reservation]:
+        """What the managers of the host's other data directories reserve."""
+        return list(self._ledger.elsewhere()) if self._ledger is not None else []
+
+    def _publish(self, also: ResolvedLimits | None = None) -> None:
+        """Tell the host's ledger what this process's sandboxes reserve (within the turn):
+        live and starting, pooled, and those being torn down."""
+        if self._ledger is None:
+            return
+        held: builtins.list[Reservation] = [live.info.limits for live in self._live.values()]
+        held += [info.limits for info in self._teardowns.infos()]
+        held += self._pools.reserved() if self._pools is not None else []
+        held += [also] if also is not None else []
+        self._ledger.publish(held)
+
+    def _reserved(self, infos: builtins.list[SandboxInfo]) -> builtins.list[Reservation]:
         """The limits of every sandbox the host holds: ``infos`` (the live ones, this
         process's and the other instances'), and the pooled and starting ones."""
-        held = [info.limits for info in infos]
+        held: builtins.list[Reservation] = [info.limits for info in infos]
         if self._pools is not None:
             held += self._pools.reserved()
         return held
@@ -585,6 +616,9 @@ class SandboxManager(JobVerbs, FileVerbs):
             self._store.release(info.id)
         except sqlite3.Error as exc:  # the others count it until this instance is gone
             log.warning("teardown's release not recorded", sandbox=info.id, error=repr(exc))
+        if self._ledger is not None:
+            with self._ledger.turn():  # its room is the host's again, for every data dir
+                self._publish()
         self._emit("released", info=info)
 
     async def extend(
@@ -691,6 +725,9 @@ class SandboxManager(JobVerbs, FileVerbs):
             task.add_done_callback(functools.partial(self._reaped, sandbox_id))
         if self._dead_peers is not None:
             self._dead_peers.look()
+        if self._ledger is not None:
+            with self._ledger.turn():  # what ended since: its room is the host's again
+                self._publish()
         await self._artifacts.delete_older_than(now - self.settings.artifact_retention_s)
         # The records cap counts those that keep artifacts: theirs go first, then the records.
         await self._artifacts.delete_beyond(self.settings.max_ended_records)
