@@ -439,9 +439,10 @@ class SandboxManager(JobVerbs, FileVerbs):
         """A sandbox for a pool, started for ``tenant`` (pools.py) where guests fork from a
         template per tenant; else for anyone."""
         limits = self.settings.resolve_limits(None)
+        infos = self._live_infos()  # read before the host's turn: none waits on a store in it
         with self._host_turn():
             admission.check_host(
-                self._reserved(self._live_infos()) + self._elsewhere(),
+                self._reserved(infos) + self._elsewhere(),
                 limits,
                 self._capacity,
                 held_here=self._held_here(),
