@@ -336,12 +336,7 @@ class SandboxManager(JobVerbs, FileVerbs):
                 return taken.info
             # A pooled sandbox was reserved when it was started; a new one reserves now.
             with self._host_turn():
-                admission.check_host(
-                    self._reserved(infos) + self._elsewhere(),
-                    resolved,
-                    self._capacity,
-                    held_here=self._held_here(),
-                )
+                self._check_host(infos, resolved)
                 # Registered with its owner before the first await, so a concurrent create
                 # of the same owner in this process counts it against the quota.
                 made = self._new_live(key, resolved, network, spec.env, owner)
@@ -441,12 +436,7 @@ class SandboxManager(JobVerbs, FileVerbs):
         limits = self.settings.resolve_limits(None)
         infos = self._live_infos()  # read before the host's turn: none waits on a store in it
         with self._host_turn():
-            admission.check_host(
-                self._reserved(infos) + self._elsewhere(),
-                limits,
-                self._capacity,
-                held_here=self._held_here(),
-            )
+            self._check_host(infos, limits)
             self._publish(also=limits)  # the pool registers it once this returns
         live = self._new_live(key, limits, self.settings.network, None, POOL_OWNER)
         if self.settings.guest_template_scope == "tenant":
@@ -456,9 +446,16 @@ class SandboxManager(JobVerbs, FileVerbs):
     def _host_turn(self) -> contextlib.AbstractContextManager[None]:
         return self._ledger.turn() if self._ledger is not None else contextlib.nullcontext()
 
-    def _elsewhere(self) -> builtins.list[Reservation]:
-        """What the managers of the host's other data directories reserve."""
-        return list(self._ledger.elsewhere()) if self._ledger is not None else []
+    def _check_host(self, infos: builtins.list[SandboxInfo], limits: ResolvedLimits) -> None:
+        """Whether the host holds one more sandbox of ``limits`` (within the host's turn):
+        beside ``infos``, this process's pools and the other data directories' managers."""
+        elsewhere = self._ledger.elsewhere() if self._ledger is not None else []
+        admission.check_host(
+            [*self._reserved(infos), *elsewhere],
+            limits,
+            self._capacity,
+            held_here=self._held_here(),
+        )
 
     def _publish(self, also: ResolvedLimits | None = None) -> None:
         """Tell the host's ledger what this process's sandboxes reserve (within the turn):
@@ -727,7 +724,9 @@ class SandboxManager(JobVerbs, FileVerbs):
         if self._dead_peers is not None:
             self._dead_peers.look()
         if self._ledger is not None:
-            with self._ledger.turn():  # what ended since: its room is the host's again
+            # What ended without a teardown since (a failed start, a pooled sandbox
+            # discarded): its room is the host's again.
+            with self._ledger.turn():
                 self._publish()
         await self._artifacts.delete_older_than(now - self.settings.artifact_retention_s)
         # The records cap counts those that keep artifacts: theirs go first, then the records.

@@ -284,8 +284,9 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-async def first_or_none(work: Awaitable[T], stop: Awaitable[object]) -> T | None:
-    """``work``'s result, or None (``work`` cancelled) if ``stop`` comes first."""
+async def _race(work: Awaitable[T], stop: Awaitable[object]) -> asyncio.Future[T]:
+    """``work`` run until it ends or ``stop`` comes first (then cancelled); its task,
+    finished or cancelled."""
     task = asyncio.ensure_future(work)
     stopping = asyncio.ensure_future(stop)
     try:
@@ -296,14 +297,15 @@ async def first_or_none(work: Awaitable[T], stop: Awaitable[object]) -> T | None
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, SandboxError):
                 await task
-    return None if task.cancelled() else task.result()
+    return task
 
 
 async def unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     """``work``'s result, or None once the client has gone away first (``work`` cancelled):
     a run whose client hung up ran on for its whole timeout (up to a day), holding one of
     its tenant's open requests, which six such runs used up (red team, 2026-12-07)."""
-    return await first_or_none(work, client_gone(request))
+    task = await _race(work, client_gone(request))
+    return None if task.cancelled() else task.result()
 
 
 async def while_open(request: Request, work: Awaitable[T]) -> T:
@@ -318,8 +320,8 @@ async def while_open(request: Request, work: Awaitable[T]) -> T:
     ended: asyncio.Event | None = request.scope.get("state", {}).get("ended")
     if ended is None:
         return await work
-    task = asyncio.ensure_future(work)
-    if await first_or_none(task, ended.wait()) is None and task.cancelled():
+    task = await _race(work, ended.wait())
+    if task.cancelled():
         raise ClientGone("the request that asked for this call ended before it")
     return task.result()
 

@@ -140,11 +140,7 @@ async def run_code(sandbox_id: SandboxId, body: RunCode, request: Request, who: 
         result = await unless_gone(
             request, state.manager.run_code(sandbox_id, body, owner=who.owner_filter)
         )
-        if result is None:
-            audit["client_gone"] = True
-            return _nobody_there()
-        audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
-    return _json(result)
+        return _ran(audit, result)
 
 
 @router.post(
@@ -167,10 +163,15 @@ async def run_command(
         result = await unless_gone(
             request, state.manager.run_command(sandbox_id, body, owner=who.owner_filter)
         )
-        if result is None:
-            audit["client_gone"] = True
-            return _nobody_there()
-        audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
+        return _ran(audit, result)
+
+
+def _ran(audit: dict[str, Any], result: ExecResult | None) -> Response:
+    """A foreground run's answer, its outcome in the audit row: 499 if its client left."""
+    if result is None:
+        audit["client_gone"] = True
+        return _nobody_there()
+    audit.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
     return _json(result)
 
 

@@ -55,7 +55,8 @@ class SandboxNet:
     veth: str  # the host's end (an interface name has at most 15 characters)
     address: ipaddress.IPv4Address
     gateway: ipaddress.IPv4Address
-    # The /30's last holder ended without deleting its tracked flows (a crash): create does.
+    # The /30's last holder is not known to have deleted its tracked flows (a crash, a new
+    # slot, an older sandlot): create does.
     flows_left: bool = False
 
     @property
