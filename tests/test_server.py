@@ -783,6 +783,15 @@ def test_seed_001_flow(http: httpx.Client, live_server: LiveServer) -> None:
     )
     names = [f["name"] for f in http.get(f"/api/e2b/files/{sid}", headers=headers).json()]
     assert "artifacts" in names
+    # The seed's API table names GET /api/e2b/files: the session as a query (405 before).
+    by_query = http.get("/api/e2b/files", params={"session_id": sid}, headers=headers)
+    assert [f["name"] for f in by_query.json()] == names
+    inside = http.get(
+        "/api/e2b/files", params={"session_id": sid, "path": "artifacts"}, headers=headers
+    )
+    assert [f["name"] for f in inside.json()] == ["note.txt"]
+    bad = http.get("/api/e2b/files", params={"session_id": "../x"}, headers=headers)
+    assert bad.status_code == 422
     assert http.get(f"/api/sessions/{sid}", headers=headers).json()["status"] == "running"
     assert http.delete(f"/api/sessions/{sid}", headers=headers).json()["status"] == "destroyed"
 

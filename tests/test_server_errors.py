@@ -22,7 +22,8 @@ def test_an_unexpected_error_is_a_typed_500_with_its_request_id(data_root: Path)
     async def boom() -> None:
         raise RuntimeError("a bug of ours")
 
-    with TestClient(app, raise_server_exceptions=False) as http:
+    # A keyless server answers loopback names only (server/origins.py).
+    with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as http:
         response = http.get("/v1/boom", headers={"x-request-id": "rid-boom"})
         fine = http.get("/v1/sandboxes", headers={"x-request-id": "rid-fine"})
     assert response.status_code == 500

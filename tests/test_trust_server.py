@@ -1739,3 +1739,75 @@ def test_a_connection_serving_a_pipelined_request_is_never_evicted(data_root: Pa
         # The wait's whole answer: its command still runs (202).
         assert reply.startswith(b"HTTP/1.1 202") and reply.endswith(b"}"), reply[:300]
         assert json.loads(reply.partition(b"\r\n\r\n")[2])["running"] is True
+
+
+def test_a_keyless_server_takes_nothing_from_another_sites_page(data_root: Path) -> None:
+    """Failed before (2026-12-07): with keys off (``serve --no-auth``) only ``/mcp`` checked
+    Host and Origin. Any web page its user visited could open a WebSocket to it (WebSockets
+    have no CORS) and run code as the local admin (a JSON body needs a preflight, which the
+    server fails, but a socket does not), and a page on a name it rebinds to 127.0.0.1
+    could read every answer. Now such requests are refused (403) before anything runs."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    data_dir = Path(tempfile.mkdtemp(dir=data_root))
+    process, url, _ = start_server(data_dir, {}, "--no-auth")
+    try:
+        port = urlparse(url).port
+        body = json.dumps({"memory_mb": 64})
+        # A page's cross-site post (typed as JSON here: the route reads nothing else).
+        page = httpx.post(
+            f"{url}/v1/sandboxes",
+            content=body,
+            headers={"Origin": "http://evil.example", "Content-Type": "application/json"},
+        )
+        assert page.status_code == 403, page.text
+        assert "API_ALLOWED_HOSTS" in page.json()["error"]["message"]
+        # A name rebound to 127.0.0.1: the Host is the page's own name.
+        rebound = httpx.get(f"{url}/v1/sandboxes", headers={"Host": f"evil.example:{port}"})
+        assert rebound.status_code == 403, rebound.text
+        assert httpx.get(f"{url}/metrics", headers={"Host": "evil.example"}).status_code == 403
+        # A page's WebSocket, to the agent's stream and to a sandbox's.
+        ws_url = url.replace("http://", "ws://")
+        for path in ("/stream", "/v1/sandboxes/sb-0123456789abcdef/stream"):
+            with pytest.raises(InvalidStatus) as refused:
+                connect(ws_url + path, origin="http://evil.example")  # type: ignore[arg-type]
+            assert refused.value.response.status_code == 403
+        assert httpx.get(f"{url}/v1/sandboxes").json() == []  # nothing was made
+        # The user's own clients: no Origin (curl, the SDK), or a page served from loopback.
+        made = httpx.post(f"{url}/v1/sandboxes", json={"memory_mb": 64})
+        assert made.status_code == 201, made.text
+        own_page = httpx.get(f"{url}/v1/sandboxes", headers={"Origin": f"http://localhost:{port}"})
+        assert own_page.status_code == 200 and len(own_page.json()) == 1
+        with connect(ws_url + f"/v1/sandboxes/{made.json()['id']}/stream") as ws:
+            ws.ping().wait(5)
+    finally:
+        stop_server(process)
+    # API_ALLOWED_HOSTS names the others a keyless server may be reached by ("*": any).
+    process, url, _ = start_server(data_dir, {"API_ALLOWED_HOSTS": "sandlot.internal"}, "--no-auth")
+    try:
+        named = httpx.get(f"{url}/v1/sandboxes", headers={"Host": "sandlot.internal:80"})
+        assert named.status_code == 200, named.text
+        assert httpx.get(f"{url}/v1/sandboxes").status_code == 403  # 127.0.0.1 is not named
+    finally:
+        stop_server(process)
+
+
+def test_a_body_sent_as_a_form_is_told_to_send_json(server: Server) -> None:
+    """Seed 001's own lines (``curl -d '{...}'``) send their JSON as a form: the answer was
+    a 422 "Input should be a valid dictionary" (seed audit, 2026-12-07); now a 415 that
+    names the header to send. A form stays refused: a page may post one cross-site."""
+    headers = {"Authorization": f"Bearer {server.key}"}
+    for kind in ("application/x-www-form-urlencoded", "text/plain", None):
+        sent = httpx.post(
+            f"{server.url}/api/sessions",
+            content=json.dumps({"environment": "Python3", "provider": "e2b"}),
+            headers={**headers, **({"Content-Type": kind} if kind else {})},
+        )
+        assert sent.status_code == 415, sent.text
+        error = sent.json()["error"]
+        assert error["code"] == "unsupported_media_type"
+        assert "Content-Type: application/json" in error["message"]
+    # A JSON body's own problems are still the body's: 422.
+    bad = httpx.post(f"{server.url}/v1/sandboxes", json=[1], headers=headers)
+    assert bad.status_code == 422, bad.text

@@ -435,6 +435,15 @@ class Settings(BaseSettings):
         description="Sandboxes' memory limits together may reach this many times the host's "
         "RAM (1.0: never more than there is; raise it for many mostly-idle sandboxes).",
     )
+    host_memory_mb: float | None = Field(
+        default=None,
+        gt=0,
+        validation_alias=_env("SANDBOX_HOST_MEMORY_MB", "host_memory_mb"),
+        description="At most this much memory (MB) reserved by all sandboxes together "
+        "(default: none beyond the host's memory, or its memory cgroup's limit where lower, "
+        "times SANDBOX_HOST_MEMORY_OVERCOMMIT). A Ray node agent lowers it under the memory "
+        "at which Ray's memory monitor kills the agent.",
+    )
     host_cpu_overcommit: float = Field(
         default=16.0,
         gt=0,
@@ -553,6 +562,14 @@ class Settings(BaseSettings):
         validation_alias=_env("API_MAX_OPEN_PER_TENANT", "max_open_per_tenant"),
         description="Requests and WebSockets one tenant's keys may have open at once "
         "(long-polls, streams, runs under way); past it, 429 too_many_open (0: no cap).",
+    )
+    allowed_hosts: str = Field(
+        default="localhost,127.0.0.1,::1",
+        validation_alias=_env("API_ALLOWED_HOSTS", "allowed_hosts"),
+        description="With API keys off (`serve --no-auth`), the host names a request may be "
+        "addressed to (its Host header), comma-separated, or `*` for any; a request from a web "
+        "page (an Origin header) must come from one of them too. Guards a keyless server "
+        "against other sites' pages: DNS rebinding and cross-site posts and WebSockets.",
     )
     metrics_public: bool = Field(
         default=False,

@@ -274,7 +274,27 @@ async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
     return sandbox_error_response(exc, _request_id(request))
 
 
+def _body_not_json(request: Request, exc: RequestValidationError) -> bool:
+    """A body the route reads as JSON, sent as something else (curl's ``-d`` sends a form)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    # None is not JSON either: FastAPI's strict content type reads no body it is not told is.
+    is_json = kind == "application/json" or kind.endswith("+json")
+    return not is_json and any(e["loc"][:1] == ("body",) for e in exc.errors())
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    if _body_not_json(request, exc):
+        # Read as JSON it might well parse, but a web page on another site may post a form
+        # or a text body to a server without asking first (no CORS preflight), which JSON
+        # needs: one more wall behind origins.py for a keyless server.
+        return error_response(
+            415,
+            "unsupported_media_type",
+            "send the body as JSON, with the header 'Content-Type: application/json' "
+            "(curl: -H 'Content-Type: application/json'); a form or text body is refused, so "
+            "that no web page can post one to this server from another site",
+            _request_id(request),
+        )
     # At most ten, each without its location's first part ("body", "query").
     said = problems([{**e, "loc": e["loc"][1:]} for e in exc.errors()])
     return error_response(422, "invalid_request", said or "invalid request", _request_id(request))

@@ -19,7 +19,15 @@ from sandlot.agent.models import AgentResult
 from sandlot.backends import KNOWN_BACKENDS
 from sandlot.errors import SandboxFileError
 from sandlot.models import FileInfo, Listing, SandboxInfo
-from sandlot.requests import ListFiles, RunCode, RunCommand, SandboxSpec, WriteFile, build
+from sandlot.requests import (
+    SANDBOX_ID_PATTERN,
+    ListFiles,
+    RunCode,
+    RunCommand,
+    SandboxSpec,
+    WriteFile,
+    build,
+)
 from sandlot.server.agent import AgentTaskRequest, execute_task
 from sandlot.server.auth import Principal
 from sandlot.server.deps import SandboxId, caller, state_of
@@ -168,6 +176,21 @@ async def api_list_files(
     who: Caller,
     path: Annotated[str, Query(max_length=4096)] = ".",
 ) -> Response:
+    return await _list_files(request, who, session_id, path)
+
+
+@router.get("/api/e2b/files", response_model=list[FileInfo])
+async def api_list_files_by_query(
+    request: Request,
+    who: Caller,
+    session_id: Annotated[str, Query(pattern=SANDBOX_ID_PATTERN)],
+    path: Annotated[str, Query(max_length=4096)] = ".",
+) -> Response:
+    """Seed 001's API table names ``GET /api/e2b/files``; its flow, the session in the path."""
+    return await _list_files(request, who, session_id, path)
+
+
+async def _list_files(request: Request, who: Principal, session_id: str, path: str) -> Response:
     state = state_of(request)
     found = await state.manager.list_files(
         session_id,

@@ -57,6 +57,7 @@ from sandlot.server.auth import LOCAL_PRINCIPAL, AuthStore, Principal
 from sandlot.server.limits import AuthFailures, OpenPerTenant, Pace, RateLimiter
 from sandlot.server.metering import ListingTurns
 from sandlot.server.metrics import Metrics
+from sandlot.server.origins import check_local
 
 if TYPE_CHECKING:
     # Only for the annotation: a server without the [ray] extra never imports Ray.
@@ -231,6 +232,7 @@ class ServerState:
 
     def authenticate(self, headers: Any, query_key: str | None = None) -> Principal:
         if not self.settings.auth_enabled:
+            check_local(headers, self.settings.allowed_hosts)
             principal = LOCAL_PRINCIPAL
         else:
             assert self.auth is not None

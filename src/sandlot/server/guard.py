@@ -34,6 +34,7 @@ from sandlot.errors import AuthenticationError, KeylessRefused, RequestTooLarge,
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, key_from, sandbox_error_response
 from sandlot.server.metering import FILE_BYTES_PER_REQUEST, JSON_BYTES_PER_REQUEST, Meter
+from sandlot.server.origins import check_local
 
 PUBLIC_PATHS = frozenset(
     {"/health", "/ready", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
@@ -142,6 +143,9 @@ class RequestGuard:
             scope.setdefault("state", {})["principal"] = principal
             self.state.open_requests.acquire(principal.tenant)
             return principal
+        settings = self.state.settings
+        if scope["path"] in ADMIN_PATHS and not settings.auth_enabled:
+            check_local(headers, settings.allowed_hosts)  # no page reads it by a rebound name
         if key_from(headers) is not None:
             self.state.authenticate(headers)  # a key given is checked, and its rate kept
         else:
