@@ -198,3 +198,24 @@ def test_v2_a_busy_cgroup_below_the_root_is_refused_not_emptied(
         driver.create(("unit", "sb-1"), LIMITS)
     assert _procs(root / "unit") == ["7"]
     assert not (root / "unit" / cgroups.EVACUATION_LEAF).exists()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_memory_ceiling_is_the_lowest_limit_over_the_sandboxes_cgroups(
+    tmp_path: Path, version: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a pod's sandboxes share: its own limit, or a lower one on the way down to them;
+    "no limit" (v2's ``max``, v1's largest long) is none."""
+    root = tmp_path / "root"
+    name = "memory.limit_in_bytes" if version == 1 else "memory.max"
+    unlimited = "9223372036854771712" if version == 1 else "max"
+    (root / "sandlot" / "inner").mkdir(parents=True)
+    (root / name).write_text(f"{1 << 30}\n")  # the pod's 1 GiB
+    (root / "sandlot" / name).write_text(f"{unlimited}\n")
+    (root / "sandlot" / "inner" / name).write_text(f"{512 << 20}\n")
+    driver = CgroupDriver(version, {"memory" if version == 1 else "unified": root})
+    monkeypatch.setattr(CgroupDriver, "detect", classmethod(lambda cls, mounts=None: driver))
+    assert cgroups.memory_ceiling_mb("sandlot") == 1024
+    assert cgroups.memory_ceiling_mb("sandlot/inner") == 512
+    (root / name).write_text(f"{unlimited}\n")
+    assert cgroups.memory_ceiling_mb("sandlot") is None

@@ -142,6 +142,150 @@ async def test_a_slow_call_on_a_live_node_fails_alone_and_a_silent_node_is_found
     assert done == "done"
 
 
+class _Ref:
+    """An ObjectRef stand-in: awaiting it returns ``value`` or raises ``exc``."""
+
+    def __init__(self, value: Any = None, exc: BaseException | None = None) -> None:
+        self.value, self.exc = value, exc
+
+    def __await__(self) -> Any:
+        if self.exc is not None:
+            raise self.exc
+        return self.value
+        yield  # a generator: awaitable  # pragma: no cover
+
+
+class _Remote:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+def _routing_to_a_failing_agent(
+    failure: BaseException, data_dir: Path
+) -> tuple[ClusterManager, QuotaLedger, list[tuple[Any, ...]]]:
+    """A routing manager whose node n1's agent fails every call with ``failure``, and a ledger
+    counting alice's sandbox there."""
+    cluster = ClusterManager(make_settings(data_dir))
+    ledger = QuotaLedger()
+    limits = cluster.settings.resolve_limits(None)
+    assert (
+        ledger.reserve("t1", "alice", limits, Quota(max_sandboxes=5, max_memory_mb=100_000))[0]
+        == "ok"
+    )
+    ledger.bind("t1", "sb-n1-aaaa")
+    calls: list[tuple[Any, ...]] = []
+
+    class Agent:
+        call = _Remote(lambda *a: (calls.append(a), _Ref(exc=failure))[1])
+        load = _Remote(lambda: _Ref(("ok", {})))
+
+    class Ledger:
+        release = _Remote(lambda *a: _Ref(ledger.release(*a)))
+        release_node = _Remote(lambda node: _Ref(ledger.release_node(node)))
+
+    cluster._agents = {"n1": Agent()}
+    cluster._ledger = Ledger()
+    return cluster, ledger, calls
+
+
+async def test_another_tenants_call_in_a_blip_releases_nothing_of_the_owners(
+    tmp_path: Path,
+) -> None:
+    """Failed before (red team, 2026-12-07): while alice's node agent was unreachable for a
+    moment, bob's call to her sandbox's id released it from the ledger; the destroy goes as
+    bob and destroyed nothing, so her sandbox ran on uncounted, over her cluster quota."""
+    from ray.exceptions import ActorUnavailableError
+
+    cluster, ledger, calls = _routing_to_a_failing_agent(
+        ActorUnavailableError("blip", None), tmp_path
+    )
+    with pytest.raises(SandboxLost):
+        await cluster.get("sb-n1-aaaa", owner="bob")
+    assert ledger.held("alice") == ["sb-n1-aaaa"]
+    assert calls[-1] == ("destroy", ("sb-n1-aaaa",), {"reason": "lost", "owner": "bob"})
+    # Her own call (or an admin's) releases it, with the destroy that goes as her.
+    with pytest.raises(SandboxLost):
+        await cluster.get("sb-n1-aaaa", owner="alice")
+    assert ledger.held("alice") == []
+
+
+@pytest.mark.parametrize("kind", ["OutOfMemoryError", "WorkerCrashedError", "NodeDiedError"])
+async def test_an_agent_ray_killed_is_a_lost_sandbox_not_a_raw_error(
+    tmp_path: Path, kind: str
+) -> None:
+    """Failed before (red team, 2026-12-07): Ray's memory monitor killing the node agent
+    reached the caller as ``OutOfMemoryError`` (a ``RayError``, not a ``RayActorError``): a
+    500, no release and no destroy. It is a lost node like any other death."""
+    import ray.exceptions
+
+    failure = (
+        getattr(ray.exceptions, kind)("killed")
+        if kind != "NodeDiedError"
+        else (ray.exceptions.NodeDiedError("n1 died"))
+    )
+    cluster, ledger, _ = _routing_to_a_failing_agent(failure, tmp_path)
+    with pytest.raises(SandboxLost):
+        await cluster.get("sb-n1-aaaa", owner="alice")
+    assert ledger.held() == []  # the node's sandboxes went with it, their quota too
+    with pytest.raises(SandboxLost):  # and later calls are lost at once
+        await cluster.get("sb-n1-bbbb", owner="alice")
+
+
+def test_a_nodes_sandboxes_stay_under_rays_memory_monitor(tmp_path: Path) -> None:
+    """Failed before (red team, 2026-12-07): a node admitted sandboxes up to its whole
+    memory, and Ray's memory monitor kills a Ray worker, the node agent, once 95% of it is
+    in use, whatever filled it: one tenant filling its own 3,500 MB sandbox had the agent
+    killed and another tenant's sandbox on the node swept. Now the agent keeps its
+    sandboxes under the monitor's threshold, unless the monitor is off."""
+    from sandlot.core import admission
+    from sandlot.ray.node import RAY_MEMORY_HEADROOM, node_settings
+
+    overrides = {"data_dir": tmp_path, "host_ledger_dir": tmp_path / "ledger"}
+    physical_mb = admission.physical_memory_mb(make_settings(tmp_path))
+    on = node_settings("n1", overrides, environ={})
+    assert on.host_memory_mb == pytest.approx(physical_mb * (0.95 - RAY_MEMORY_HEADROOM))
+    assert admission.host_memory_mb(on) < 0.95 * physical_mb
+    lowered = node_settings("n1", overrides, environ={"RAY_memory_usage_threshold": "0.5"})
+    assert lowered.host_memory_mb == pytest.approx(physical_mb * (0.5 - RAY_MEMORY_HEADROOM))
+    off = node_settings("n1", overrides, environ={"RAY_memory_monitor_refresh_ms": "0"})
+    assert off.host_memory_mb is None
+    assert admission.host_memory_mb(off) == pytest.approx(physical_mb)
+
+
+async def test_an_abandoned_create_that_fails_gives_its_ticket_back(tmp_path: Path) -> None:
+    """Failed before (red team, 2026-12-07, from the code): a create its caller abandoned
+    and that then failed on the node kept its ledger ticket for TICKET_TTL_S (300 s): the
+    caller, which releases a failed create's ticket, was gone."""
+    from sandlot.ray.node import NodeAgent
+
+    ledger = QuotaLedger()
+    limits = make_settings(tmp_path).resolve_limits(None)
+    assert (
+        ledger.reserve("t1", "alice", limits, Quota(max_sandboxes=1, max_memory_mb=100_000))[0]
+        == "ok"
+    )
+
+    class Ledger:
+        release = _Remote(lambda *a: _Ref(ledger.release(*a)))
+
+    agent = NodeAgent("n1", {"data_dir": tmp_path, "allow_unsafe": True})
+    agent._ledger = Ledger()
+
+    class Failing:
+        async def create(self, *args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.2)
+            raise SandboxStartError("no room")
+
+    agent.manager = Failing()  # type: ignore[assignment]
+    creating = asyncio.ensure_future(
+        agent.create(SandboxSpec(), "alice", "t1", Quota(max_sandboxes=1, max_memory_mb=100_000))
+    )
+    await asyncio.sleep(0.05)
+    await agent.abandon("t1")
+    assert (await creating)[0] == "err"
+    assert ledger.held("alice") == []
+
+
 # ---------------------------------------------------------------------- one real Ray node
 
 
@@ -461,7 +605,7 @@ def test_an_artifact_through_the_cluster_leaves_no_copy_on_the_server(ray_node: 
         ray_node / "api", ray_namespace=NAMESPACE, allow_unsafe=False, auth_enabled=False
     )
     app = create_app(settings, ClusterManager(settings, overrides(ray_node)))
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://127.0.0.1") as http:  # keyless: loopback names only
         sid = http.post("/v1/sandboxes", json={}).json()["id"]
         command = {"command": "mkdir -p artifacts && echo result > artifacts/out.txt"}
         assert http.post(f"/v1/sandboxes/{sid}/commands", json=command).is_success

@@ -432,3 +432,20 @@ def test_a_reservation_that_replaces_a_row_is_checked_without_it(tmp_path: Path)
         assert not store.reserve_artifact("acme", "sb", "c", 1, limit)
     finally:
         store.close()
+
+
+def test_a_record_its_teardown_still_holds_is_not_forgotten(tmp_path: Path) -> None:
+    """Failed before (red team, 2026-12-07): the retention pass deleted an ended record
+    whose teardown had not released it yet, and the other processes on the data directory
+    stopped counting its limits, so a create refused for that room went through early."""
+    mine, peer = Store(tmp_path / "sandlot.db", "aaaa"), Store(tmp_path / "sandlot.db", "bbbb")
+    try:
+        mine.save(_info("sb-held", "acme", 0), held=True)  # destroyed, torn down still
+        assert "sb-held" in peer.held_elsewhere("acme")
+        assert peer.forget_ended_before(time.time()) == 0
+        assert "sb-held" in peer.held_elsewhere("acme")
+        mine.release("sb-held")
+        assert peer.forget_ended_before(time.time()) == 1
+    finally:
+        mine.close()
+        peer.close()

@@ -18,6 +18,7 @@ import pytest
 
 from sandlot import Sandbox, SandboxManager
 from sandlot._portal import get_portal
+from sandlot.core import admission
 from sandlot.core.store import artifact_charge
 from sandlot.errors import (
     CapacityExhausted,
@@ -85,6 +86,38 @@ async def test_the_host_refuses_what_it_cannot_hold(
         with pytest.raises(CapacityExhausted, match=setting):
             await mgr.create(SandboxSpec.model_validate(spec))
         assert mgr.live_count() == 0
+
+
+async def test_the_host_counts_the_memory_of_the_cgroup_its_sandboxes_are_made_in(
+    data_dir: Path,
+) -> None:
+    """Failed before (red team, 2026-12-07): admission counted the machine's MemTotal
+    (``/proc/meminfo`` is not namespaced), not the limit of the pod (or any memory cgroup)
+    the sandboxes are made in: 256 GiB of sandboxes were admitted into a 64 GiB pod, whose
+    OOM then took whatever it chose, or Ray's memory monitor the node agent with every
+    tenant's sandboxes. Here a real memory cgroup of 300 MB stands for the pod."""
+    import os
+
+    from sandlot.backends.cgroups import CgroupDriver, CgroupLimits
+
+    if os.geteuid() != 0:
+        pytest.skip("makes a real cgroup")
+    driver = CgroupDriver.detect()
+    pod = f"sandlot-pod-{os.getpid()}"
+    driver.create((pod,), CgroupLimits(memory_bytes=300 << 20, pids_max=64, cpu_cores=1.0))
+    try:
+        settings = make_settings(data_dir, backend="unsafe-local", cgroup_root=f"{pod}/sandboxes")
+        async with SandboxManager(settings) as mgr:
+            await mgr.create(SandboxSpec(memory_mb=256))
+            with pytest.raises(CapacityExhausted, match="SANDBOX_HOST_MEMORY"):
+                await mgr.create(SandboxSpec(memory_mb=64))
+        # An explicit ceiling lowers it further.
+        lower = make_settings(data_dir / "b", backend="unsafe-local", host_memory_mb=100)
+        async with SandboxManager(lower) as mgr:
+            with pytest.raises(CapacityExhausted, match="SANDBOX_HOST_MEMORY_MB"):
+                await mgr.create(SandboxSpec(memory_mb=128))
+    finally:
+        driver.path(pod).remove()
 
 
 async def test_host_capacity_counts_every_tenant_and_frees_on_destroy(data_dir: Path) -> None:
@@ -992,3 +1025,39 @@ async def test_an_orphans_artifacts_are_read_no_further_than_the_walk_may_go(
         assert len(read) <= 52, len(read)  # "many" itself, then at most the cap and one
         kept = await mgr.list_artifacts(info.id)
         assert 0 < len(kept) <= 50
+
+
+async def test_the_pools_of_managers_on_one_data_directory_share_the_hosts_room(
+    data_dir: Path,
+) -> None:
+    """Failed before (red team, 2026-12-07): two managers on one data directory each filled a
+    warm pool of 3 sandboxes of 256 MB on a host with room for 3 (6 held, and 6 creates from
+    the pools admitted): pooled sandboxes are in no store record, and a manager skipped its
+    data directory's lines in the host's ledger. Those lines now say what the store does not
+    show, and a peer counts that."""
+    capacity_mb = 3 * 256 + 32
+    settings = make_settings(
+        data_dir,
+        backend="unsafe-local",
+        pool_size=3,
+        host_memory_overcommit=capacity_mb / admission.physical_memory_mb(make_settings(data_dir)),
+    )
+
+    async def pooled(manager: SandboxManager, want: int) -> None:
+        deadline = time.monotonic() + 20
+        while manager.pooled_count() < want and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # a refill that would over-reserve has its chance
+
+    async with SandboxManager(settings) as first:
+        await pooled(first, 3)
+        async with SandboxManager(settings) as second:
+            await pooled(second, 3)
+            assert first.pooled_count() + second.pooled_count() <= 3
+            made = 0
+            for manager in (first, second):
+                for _ in range(3):
+                    with contextlib.suppress(CapacityExhausted):
+                        await manager.create(owner="acme")
+                        made += 1
+            assert made <= 3

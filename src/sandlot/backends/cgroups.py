@@ -67,6 +67,10 @@ class CgroupLimits:
     cpu_cores: float
 
 
+# v1 says "no limit" with the largest page-aligned long (9223372036854771712).
+UNLIMITED_BYTES = 1 << 62
+
+
 def _read(path: Path) -> str:
     return path.read_text().strip()
 
@@ -311,6 +315,27 @@ class Cgroup:
                 self.kill_all(timeout_s=0.2)
                 time.sleep(0.02)
         return True
+
+
+def memory_ceiling_mb(cgroup_root: str) -> float | None:
+    """The lowest memory limit over the cgroups sandboxes are made in: the hierarchy's root as
+    this process sees it (a container's or pod's own cgroup) and each level of
+    ``cgroup_root`` below it. A pod's limit is the memory its sandboxes share, and
+    ``/proc/meminfo`` shows the machine's. None where no level sets one, or no hierarchy offers
+    the controllers."""
+    try:
+        driver = CgroupDriver.detect()
+    except BackendUnavailable:
+        return None
+    v1 = driver.version == 1
+    current = driver.roots["memory" if v1 else "unified"]
+    limits: list[int] = []
+    for part in ("", *Path(cgroup_root).parts):
+        current = current / part if part else current
+        value = _read_int(current / ("memory.limit_in_bytes" if v1 else "memory.max"))
+        if value is not None and value < UNLIMITED_BYTES:  # v2's "max" reads as None
+            limits.append(value)
+    return min(limits) / (1 << 20) if limits else None
 
 
 class CgroupDriver:

@@ -29,6 +29,7 @@ from pathlib import Path
 import pydantic_core
 import structlog
 
+from sandlot.backends import cgroups
 from sandlot.config import Settings
 from sandlot.core.host_ledger import Reservation
 from sandlot.errors import CapacityExhausted, ConfigError, FileDescriptorsExhausted, QuotaExceeded
@@ -66,7 +67,7 @@ class HostCapacity:
     def measure(cls, settings: Settings) -> HostCapacity:
         stat = os.statvfs(settings.data_dir)
         return cls(
-            memory_mb=_mem_total_mb() * settings.host_memory_overcommit,
+            memory_mb=host_memory_mb(settings),
             cpu_cores=(os.cpu_count() or 1) * settings.host_cpu_overcommit,
             pids=int(_kernel_tasks_max() * settings.host_pids_fraction),
             disk_mb=stat.f_bavail * stat.f_frsize / (1 << 20) * settings.host_disk_fraction,
@@ -94,7 +95,7 @@ def check_host(
     if host.fds_at_start is not None:
         check_fds(held_here, host.fds_at_start)
     bounds = (
-        ("memory_mb", host.memory_mb, "SANDBOX_HOST_MEMORY_OVERCOMMIT"),
+        ("memory_mb", host.memory_mb, "SANDBOX_HOST_MEMORY_OVERCOMMIT (or SANDBOX_HOST_MEMORY_MB)"),
         ("cpu_cores", host.cpu_cores, "SANDBOX_HOST_CPU_OVERCOMMIT"),
         ("pids", host.pids, "SANDBOX_HOST_PIDS_FRACTION"),
         ("disk_mb", host.disk_mb, "SANDBOX_HOST_DISK_FRACTION"),
@@ -281,6 +282,24 @@ def stored_bytes(text: str) -> int:
     """The bytes ``text`` takes in a stored record: its JSON string as pydantic writes it
     (UTF-8, ``\\u0001`` for a control character), less the two quotes."""
     return len(pydantic_core.to_json(text)) - 2
+
+
+def host_memory_mb(settings: Settings) -> float:
+    """What all sandboxes together may reserve of memory: the machine's, or the memory cgroup
+    they are made in where that is lower (a pod's limit: counted at the machine's, 256 GiB of
+    sandboxes were admitted into a 64 GiB pod, red team 2026-12-07), times the overcommit;
+    at most ``SANDBOX_HOST_MEMORY_MB`` where set."""
+    memory_mb = physical_memory_mb(settings) * settings.host_memory_overcommit
+    if settings.host_memory_mb is not None:
+        memory_mb = min(memory_mb, settings.host_memory_mb)
+    return memory_mb
+
+
+def physical_memory_mb(settings: Settings) -> float:
+    """The memory the sandboxes share: the machine's, or their memory cgroup's limit."""
+    ceiling = cgroups.memory_ceiling_mb(settings.cgroup_root)
+    total = _mem_total_mb()
+    return total if ceiling is None else min(total, ceiling)
 
 
 def _mem_total_mb() -> float:

@@ -8,7 +8,11 @@ sandboxes reserve (live, starting, pooled, being torn down), holding an exclusiv
 on it for its life: a file whose lock can be taken is a dead manager's, and is removed. A
 create reads the other data directories' files and writes its own under one host-wide lock,
 so two creates anywhere on the host cannot both take the last room. Disk counts only between
-data directories on one file system (the capacity is a share of its free space).
+data directories on one file system (the capacity is a share of its free space). A manager
+of the same data directory counts another's sandboxes from their store, and from its line
+only those the store does not show (pooled ones). Where ``/run/sandlot`` cannot be kept
+(rootless), the ledger lives in the data directory: its managers still count each other's
+pools, and the other data directories are not seen.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -90,38 +94,46 @@ class HostLedger:
         finally:
             os.close(fd)  # the lock goes with it
 
-    def publish(self, held: Iterable[Reservation]) -> None:
-        """Write what this manager's sandboxes reserve (call within :meth:`turn`)."""
-        items = list(held)
-        line = {
-            "device": self._device,
-            "memory_mb": sum(r.memory_mb for r in items),
-            "cpu_cores": sum(r.cpu_cores for r in items),
-            "pids": sum(r.pids for r in items),
-            "disk_mb": sum(r.disk_mb for r in items),
-        }
+    def publish(self, held: Iterable[Reservation], unstored: Iterable[Reservation]) -> None:
+        """Write what this manager's sandboxes reserve (call within :meth:`turn`): ``held``
+        (those its store records show) and ``unstored`` (those it does not: pooled, and one
+        starting for a pool), which its data directory's other managers count from here."""
+        line: dict[str, object] = {"device": self._device, **_summed([*held, *unstored])}
+        line["unstored"] = _summed(unstored)
         data = json.dumps(line).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
 
     def elsewhere(self) -> list[Reserved]:
-        """What the live managers of other data directories reserve (call within
-        :meth:`turn`); a dead manager's line is removed."""
+        """What the other live managers reserve (call within :meth:`turn`): all of it for
+        another data directory's, only what its store does not show for one of this data
+        directory's (its pools: two managers on one data directory each filled a pool
+        against the same room, red team 2026-12-07); a dead manager's line is removed."""
         found = []
         for entry in os.scandir(self._root):
-            if entry.name.startswith((".", self._prefix)) or not entry.name.endswith(".json"):
+            if entry.name.startswith(".") or not entry.name.endswith(".json"):
+                continue
+            if entry.name == self._path.name:
                 continue
             line = _live_line(Path(entry.path))
-            if line is not None:
-                same_disk = line.get("device") == self._device
+            if line is None:
+                continue
+            part = line
+            if entry.name.startswith(self._prefix):
+                unstored = line.get("unstored")
+                part = unstored if isinstance(unstored, dict) else {}
+            same_disk = line.get("device") == self._device
+            try:
                 found.append(
                     Reserved(
-                        memory_mb=float(line.get("memory_mb", 0)),
-                        cpu_cores=float(line.get("cpu_cores", 0)),
-                        pids=int(line.get("pids", 0)),
-                        disk_mb=float(line.get("disk_mb", 0)) if same_disk else 0.0,
+                        memory_mb=float(part.get("memory_mb", 0)),
+                        cpu_cores=float(part.get("cpu_cores", 0)),
+                        pids=int(part.get("pids", 0)),
+                        disk_mb=float(part.get("disk_mb", 0)) if same_disk else 0.0,
                     )
                 )
+            except (TypeError, ValueError):
+                continue  # not a line any sandlot wrote: root's directory, so no one's
         return found
 
     def close(self) -> None:
@@ -130,7 +142,17 @@ class HostLedger:
         os.close(self._fd)
 
 
-def _live_line(path: Path) -> dict[str, float] | None:
+def _summed(items: Iterable[Reservation]) -> dict[str, float]:
+    listed = list(items)
+    return {
+        "memory_mb": sum(r.memory_mb for r in listed),
+        "cpu_cores": sum(r.cpu_cores for r in listed),
+        "pids": sum(r.pids for r in listed),
+        "disk_mb": sum(r.disk_mb for r in listed),
+    }
+
+
+def _live_line(path: Path) -> dict[str, Any] | None:
     """A live manager's line; None (and the file removed) where its manager is gone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -153,7 +153,11 @@ class SandboxManager(JobVerbs, FileVerbs):
             self._instance.release(remove=True)
             raise
         self._artifacts = Artifacts(data_dir, self._store)
-        self._ledger = HostLedger.open(self.settings.host_ledger_dir, data_dir, self._instance.id)
+        # Where root's /run/sandlot cannot be kept (rootless), one in the data directory
+        # still has its managers count each other's pools.
+        self._ledger = HostLedger.open(
+            self.settings.host_ledger_dir, data_dir, self._instance.id
+        ) or HostLedger.open(data_dir / "host-ledger", data_dir, self._instance.id)
         self._started = True
         self._closing = False
         try:
@@ -464,9 +468,9 @@ class SandboxManager(JobVerbs, FileVerbs):
             return
         held: builtins.list[Reservation] = [live.info.limits for live in self._live.values()]
         held += [info.limits for info in self._teardowns.infos()]
-        held += self._pools.reserved() if self._pools is not None else []
-        held += [also] if also is not None else []
-        self._ledger.publish(held)
+        unstored: builtins.list[Reservation] = [*self._pools.reserved()] if self._pools else []
+        unstored += [also] if also is not None else []
+        self._ledger.publish(held, unstored)
 
     def _reserved(self, infos: builtins.list[SandboxInfo]) -> builtins.list[Reservation]:
         """The limits of every sandbox the host holds: ``infos`` (the live ones, this

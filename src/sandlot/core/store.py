@@ -487,7 +487,10 @@ class Store:
             )
             cursor = self._db.execute(
                 "DELETE FROM sandboxes INDEXED BY sandboxes_ended_at "  # noqa: S608 - a constant
-                f"WHERE ended_at < ? AND {_ENDED} AND NOT EXISTS "
+                # Not one still held: its teardown has not released it, and the other
+                # processes count it until then (a short retention forgot it first: red
+                # team, 2026-12-07).
+                f"WHERE ended_at < ? AND {_ENDED} AND held = 0 AND NOT EXISTS "
                 "(SELECT 1 FROM artifacts WHERE artifacts.sandbox_id = sandboxes.id)",
                 (ended_before,),
             )

@@ -1,12 +1,13 @@
 """Calls to a node agent, and what their silence means.
 
-Only Ray saying the actor is gone (``RayActorError``, ``ActorUnavailableError``) means a node
-is lost. A call that merely takes long proves nothing: a tenant can make its own call wait
-(a command that never reads its stdin, a wait with no timeout). So a call that has not
-answered after a while asks the agent for its ``load`` with a short bound: an agent that
-answers is alive and the call goes on waiting (or, past its own bound, fails alone with
-:class:`~sandlot.errors.NodeTimeout`); an agent that does not answer either is hung, and the
-caller declares the sandbox lost. A hung node is so found within ``every_s + PROBE_S``.
+Only Ray saying the actor is gone (``GONE``: dead, its worker killed or crashed, or
+unreachable) means a node is lost. A call that merely takes long proves nothing: a tenant can
+make its own call wait (a command that never reads its stdin, a wait with no timeout). So a
+call that has not answered after a while asks the agent for its ``load`` with a short bound:
+an agent that answers is alive and the call goes on waiting (or, past its own bound, fails
+alone with :class:`~sandlot.errors.NodeTimeout`); an agent that does not answer either is
+hung, and the caller declares the sandbox lost. A hung node is so found within
+``every_s + PROBE_S``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,26 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import (
+    ActorUnavailableError,
+    NodeDiedError,
+    ObjectLostError,
+    OutOfMemoryError,
+    RayActorError,
+    WorkerCrashedError,
+)
 
 from sandlot.errors import NodeTimeout, error_from_code
 
 T = TypeVar("T")
 
-# Ray's own word that the actor (or its node) is gone.
-GONE = (RayActorError, ActorUnavailableError)
+# Ray's word that the agent's process is gone with its node's sandboxes (its successor's
+# start-up sweep ends them): its worker killed (by Ray's memory monitor, whatever process
+# filled the node: a sandbox's own allowance can), crashed, or its node or the call's result
+# lost. Until 2026-12-07 these reached the caller raw, as a 500 (red team).
+DEAD = (RayActorError, OutOfMemoryError, WorkerCrashedError, NodeDiedError, ObjectLostError)
+# ... and the actor unreachable for now (``ActorUnavailableError``, a ``RayActorError``).
+GONE = (*DEAD, ActorUnavailableError)
 # A live agent answers ``load`` in milliseconds; this much silence on top of a slow call
 # means its event loop (or its machine) is stuck.
 PROBE_S = 2.0

@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 import structlog
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError
 
 from sandlot.config import Settings, get_settings
 from sandlot.core.live import node_of
@@ -34,7 +34,7 @@ from sandlot.errors import (
 )
 from sandlot.models import ResourceUsage, SandboxInfo
 from sandlot.ray import agents
-from sandlot.ray.calls import GONE, SHORT_CALL, NodeSilent, awaited, settle, unwrap
+from sandlot.ray.calls import DEAD, GONE, SHORT_CALL, NodeSilent, awaited, settle, unwrap
 from sandlot.ray.node import NODE_RESOURCE
 from sandlot.ray.placing import CreateVerbs
 from sandlot.ray.routing import NodeLoad
@@ -211,7 +211,7 @@ class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs):
         agent.call.remote("destroy", (sandbox_id,), {"reason": "lost", "owner": owner})
         self._loads.pop(node, None)
         released: Any = None
-        if isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError):
+        if isinstance(exc, DEAD) and not isinstance(exc, ActorUnavailableError):
             # Dead for sure, and every sandbox of the node with it (its successor's start-up
             # sweep ends them): later calls are lost at once, all their quota released now.
             self._agents.pop(node, None)
@@ -220,7 +220,10 @@ class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs):
         elif isinstance(exc, ActorUnavailableError):
             # Unreachable, perhaps for a while: this sandbox is lost (and destroyed if its
             # node answers again); the node's other sandboxes learn their fate by their calls.
-            released = self._ledger.release.remote(sandbox_id)
+            # Only its owner's call (or an admin's) releases it: the destroy above goes as the
+            # caller, and another tenant's destroys nothing, so its sandbox would run on
+            # uncounted (red team, 2026-12-07).
+            released = self._ledger.release.remote(sandbox_id, owner)
         # A silent node releases nothing here: its sandboxes still run until it answers (and
         # destroys this one, releasing it) or Ray declares it dead (the refresh releases).
         if released is not None:

@@ -73,10 +73,15 @@ class QuotaLedger:
         if info is not None:
             self._held[sandbox_id] = info.model_copy(update={"id": sandbox_id})
 
-    def release(self, key: str) -> bool:
-        """Stop counting a ticket or sandbox; False if it was not counted."""
+    def release(self, key: str, owner: str | None = None) -> bool:
+        """Stop counting a ticket or sandbox (only ``owner``'s, where one is named: a caller
+        that names someone else's id releases nothing); False if it was not counted."""
+        info = self._held.get(key)
+        if info is None or (owner is not None and info.owner != owner):
+            return False
         self._tickets.pop(key, None)
-        return self._held.pop(key, None) is not None
+        del self._held[key]
+        return True
 
     def release_node(self, node: str) -> int:
         """Stop counting every sandbox of a lost node; return how many."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,11 @@ AGENT_PREFIX = "sandlot-node-"
 # The custom resource every sandlot node offers once: an agent asks for all of it, so no node
 # ever runs two.
 NODE_RESOURCE = "sandlot_node"
+
+# Ray's memory monitor: the share of a node's memory in use past which it kills a worker
+# (its default), and what sandlot keeps below that for Ray's own processes.
+RAY_MEMORY_THRESHOLD = 0.95
+RAY_MEMORY_HEADROOM = 0.10
 
 Envelope = tuple[Any, ...]
 # Pending ledger releases kept for a destroy to wait on; older ones have long landed.
@@ -85,12 +91,43 @@ def agent_name(node: str) -> str:
     return AGENT_PREFIX + node
 
 
-def node_settings(node: str, overrides: dict[str, Any]) -> Settings:
+def node_settings(
+    node: str, overrides: dict[str, Any], environ: Mapping[str, str] = os.environ
+) -> Settings:
     """The node's settings: its environment's, with a data directory of its own per node
-    (several nodes on one host, as in tests, never share one)."""
+    (several nodes on one host, as in tests, never share one), and its sandboxes' memory
+    held under the share at which Ray's memory monitor kills the agent
+    (:func:`ray_memory_cap_mb`)."""
     base = Settings(**overrides)
     data_dir = Path(overrides.get("data_dir", base.data_dir)) / "nodes" / node
-    return base.model_copy(update={"data_dir": data_dir})
+    update: dict[str, Any] = {"data_dir": data_dir}
+    cap_mb = ray_memory_cap_mb(base, environ)
+    if cap_mb is not None and (base.host_memory_mb is None or cap_mb < base.host_memory_mb):
+        update["host_memory_mb"] = cap_mb
+        log.warning(
+            "Ray's memory monitor is on: sandboxes here may reserve at most this much memory "
+            "(start the node with RAY_memory_monitor_refresh_ms=0 to leave it to their cgroups)",
+            node=node,
+            memory_mb=round(cap_mb),
+        )
+    return base.model_copy(update=update)
+
+
+def ray_memory_cap_mb(settings: Settings, environ: Mapping[str, str]) -> float | None:
+    """What a node's sandboxes may reserve of memory while Ray's memory monitor is on (None:
+    it is off). Past ``RAY_memory_usage_threshold`` (0.95) of the node's memory in use, the
+    monitor kills a Ray worker, whatever process filled it, and the agent is the one worker
+    here: a tenant filling its own sandbox had the agent killed and every tenant's sandboxes
+    on the node swept (red team, 2026-12-07). So the sandboxes together stay
+    ``RAY_MEMORY_HEADROOM`` under it, which the raylet, the agent and the object store use."""
+    if environ.get("RAY_memory_monitor_refresh_ms", "").strip() == "0":
+        return None
+    try:
+        threshold = float(environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD))
+    except ValueError:
+        threshold = RAY_MEMORY_THRESHOLD
+    share = max(min(threshold, 1.0) - RAY_MEMORY_HEADROOM, RAY_MEMORY_HEADROOM)
+    return admission.physical_memory_mb(settings) * share
 
 
 class NodeAgent:
@@ -184,7 +221,10 @@ class NodeAgent:
         try:
             info = await self.manager.create(spec, owner=owner, quota=quota)
         except SandboxError as exc:
-            self._abandoned.pop(ticket, None)
+            if self._abandoned.pop(ticket, None) is not None and counted and self._ledger:
+                # Its caller gave up and so never sees this answer, which is where a failed
+                # create's ticket is released: it would count for TICKET_TTL_S (red team).
+                await self._ledger.release.remote(ticket)
             return ("err", exc.code, exc.message)
         if counted and self._ledger is not None:
             await self._ledger.bind.remote(ticket, info.id)
