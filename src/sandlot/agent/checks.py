@@ -250,6 +250,33 @@ def verdicts(execution: Execution, count: int, marker: str) -> list[bool]:
     return [bool(v["ok"]) for v in found] if found is not None else [False] * count
 
 
+NOT_RUN = (
+    "the program ended before its checks ran: do not exit the program or call sys.exit at "
+    "module level or under `if __name__ == '__main__':`"
+)
+NOT_READ = (
+    "the program exited 0 but its checks' verdicts could not be read back: do not exit the "
+    "program, close or replace stdout, or print lines like the checks' own"
+)
+
+
+def judged(execution: Execution, count: int, marker: str | None) -> Execution:
+    """A harness run as the loop and the swarm count it (selection's rule): passed only when
+    its believed verdict line says every check passed and it exited 0. A run that exited 0
+    without that is failed, its ``error`` saying why: code that ends the process early (an
+    ``os._exit(0)``, or ``sys.exit(0)`` in a ``__main__`` block, which runs, since the program
+    runs as ``__main__``) runs no check. ``marker`` None: the run's marker is not known (it was
+    judged elsewhere), so nothing it printed is believed."""
+    if not execution.ok or execution.exit_code != 0:
+        return execution  # already a failure, its own report says why
+    found = _verdict_line(execution, count, marker) if marker is not None else None
+    if found is not None and all(v["ok"] for v in found):
+        return execution
+    prefix = marker or VERDICTS_MARK
+    marked = any(line.startswith(prefix) for line in execution.stdout.splitlines())
+    return execution.model_copy(update={"ok": False, "error": NOT_READ if marked else NOT_RUN})
+
+
 def actual_values(execution: Execution, count: int, marker: str) -> tuple[str, ...]:
     """The values the candidate returned on each check: its behaviour, whatever the
     expectations; candidates that agree on it agree on the task."""

@@ -11,7 +11,11 @@
   Retries sample (``LLM_RETRY_TEMPERATURE``, 0.7): decoded greedily, a 1.5B model rewrote the
   very code that had failed, whatever the review said (0 of 10 fixed on HumanEval's first
   63). A retry that still repeats failed code is redrawn (twice at most), not run again;
-- **execute** runs the candidate plus the task's visible tests in a sandbox, through the SDK;
+- **execute** runs the candidate plus the task's visible tests in a sandbox, through the SDK.
+  For a task with checks, an attempt passes when the harness's verdict line (with a marker
+  made for this run) says every check passed and the run exited 0, selection's rule
+  (:func:`run_candidate`): the exit code alone would pass code that ends the process before
+  the checks run (``sys.exit(0)`` in a ``__main__`` block, an ``os._exit(0)``);
 - **critique** asks the model, for a JSON :class:`Critique`, what went wrong; a reply that
   is not valid JSON (after one repair turn) is recorded and the raw error stands in for it;
 - **retry** sends the loop back to generate while attempts remain (``MAX_REFLEXION_ATTEMPTS``);
@@ -28,6 +32,7 @@ import ast
 import time
 from typing import Any, Literal, TypedDict
 
+from sandlot.agent.checks import judged, new_marker
 from sandlot.agent.code import extract_code, program_to_run
 from sandlot.agent.executor import SandboxExecutor
 from sandlot.agent.models import (
@@ -36,6 +41,7 @@ from sandlot.agent.models import (
     Attempt,
     Critique,
     EventSink,
+    Execution,
     Mode,
     TaskSpec,
 )
@@ -66,6 +72,22 @@ def _normalized(code: str) -> str:
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 node.body = body[1:] or [ast.Pass()]
     return ast.unparse(tree)
+
+
+def has_checks(spec: TaskSpec) -> bool:
+    """Whether ``spec`` runs with the checks' harness (see ``program_to_run``)."""
+    return bool(spec.checks) and spec.is_function
+
+
+async def run_candidate(executor: SandboxExecutor, spec: TaskSpec, code: str) -> Execution:
+    """Run ``code`` with ``spec``'s visible tests. With checks, ``ok`` is the harness's
+    believed verdict (:func:`judged`), not the exit code: a run that never reached its checks
+    fails, and says so to the critic."""
+    marker = new_marker()
+    execution = await executor.run(
+        program_to_run(spec, code, marker=marker, run_timeout_s=executor.timeout_s)
+    )
+    return judged(execution, len(spec.checks), marker) if has_checks(spec) else execution
 
 
 class LoopState(TypedDict, total=False):
@@ -173,9 +195,7 @@ class ReflexionLoop:
     async def _execute(self, state: LoopState) -> LoopState:
         attempts = list(state["attempts"])
         attempt = attempts[-1].model_copy()
-        execution = await self.executor.run(
-            program_to_run(state["spec"], attempt.code, run_timeout_s=self.executor.timeout_s)
-        )
+        execution = await run_candidate(self.executor, state["spec"], attempt.code)
         attempt.execution = execution
         attempts[-1] = attempt
         await self.emit(
@@ -271,6 +291,10 @@ class ReflexionLoop:
         """``seed``: an attempt already run and failed (counted as attempt 1), to review and
         rewrite instead of generating from scratch."""
         started = time.monotonic()
+        if seed is not None and seed.execution is not None and has_checks(spec):
+            # Its verdict line's marker was made by whoever ran it: an exit 0 proves nothing.
+            execution = judged(seed.execution, len(spec.checks), None)
+            seed = seed.model_copy(update={"execution": execution})
         attempts = [seed] if seed is not None else []
         errors = [seed.execution.failure_summary(400)] if seed and seed.execution else []
         await self.emit(AgentEvent(event="start", data={"task": spec.task[:500]}))

@@ -17,8 +17,9 @@ Each round:
 
 After ``max_rounds`` the proposal with the most approvals wins (one that ran beats one that
 did not). The winner's run in the sandbox is the proof: ``success`` means it ran and passed
-the visible tests, whatever the votes said. A voter whose reply is not valid JSON abstains;
-the abstention is recorded.
+the visible tests, whatever the votes said (with checks, by the harness's verdict line and the
+exit code together, as in the loop: ``loop.run_candidate``). A voter whose reply is not valid
+JSON abstains; the abstention is recorded.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import time
 
 from pydantic import BaseModel
 
-from sandlot.agent.code import extract_code, program_to_run
+from sandlot.agent.code import extract_code
 from sandlot.agent.executor import SandboxExecutor
-from sandlot.agent.loop import LoopState, build_result
+from sandlot.agent.loop import LoopState, build_result, run_candidate
 from sandlot.agent.models import (
     AgentEvent,
     AgentResult,
@@ -203,9 +204,7 @@ class Swarm:
         proposals = [by_role[r] for r in PROPOSERS]
         # One sandbox, one run at a time: each proposal gets the same conditions.
         for proposal in written:
-            run = await self.executor.run(
-                program_to_run(spec, proposal.attempt.code, run_timeout_s=self.executor.timeout_s)
-            )
+            run = await run_candidate(self.executor, spec, proposal.attempt.code)
             proposal.attempt.execution = run
             await self.emit(
                 AgentEvent(
