@@ -20,7 +20,7 @@ ROOT = Path(sandlot.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     # No sandlot imports but these:
     ("errors", "_version", "_strict", "models", "log", "guest", "_sqlite", "_fs"),
-    ("config", "requests", "environments", "_portal", "_sync"),
+    ("config", "requests", "environments", "tools", "_portal", "_sync"),
     ("backends",),  # isolation: knows nothing of owners, pools, TTLs
     ("core",),  # the manager and its rooms
     ("service", "_runner", "client", "sandbox", "terminal", "_remote_jobs", "seed_client"),  # SDK

@@ -38,6 +38,8 @@ TOOLS = {
     "write_file",
     "list_files",
     "destroy_sandbox",
+    "list_sandbox_tools",
+    "run_sandbox_tool",
 }
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -289,6 +291,16 @@ async def test_http_runs_code_as_the_keys_tenant(live_server: LiveServer) -> Non
         await session.call_tool("run_code", {"code": "x = 41"})
         result = await session.call_tool("run_code", {"code": "x + 1"})
         assert "42" in texts(result), result.content
+        # The registry's tools, in the session's sandbox (seed 003's tool system).
+        catalog = texts(await session.call_tool("list_sandbox_tools", {}))[0]
+        assert "search_files:" in catalog and '"pattern"' in catalog
+        await session.call_tool("run_command", {"command": "echo needle > hay.txt"})
+        found = await session.call_tool(
+            "run_sandbox_tool", {"name": "search_files", "arguments": {"pattern": "need+le"}}
+        )
+        assert not found.is_error and "hay.txt:1:needle" in "".join(texts(found))
+        bad = await session.call_tool("run_sandbox_tool", {"name": "search_files"})
+        assert bad.is_error and "pattern" in texts(bad)[0]
         mine = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("alice"))
         ids = {s["id"] for s in mine.json()} - others
         assert len(ids) >= 1

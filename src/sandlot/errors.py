@@ -76,6 +76,12 @@ class InvalidRequest(SandboxError, ValueError):
     code = "invalid_request"
 
 
+class ToolNotFound(InvalidRequest, LookupError):
+    """No tool of the registry (:mod:`sandlot.tools`) has that name."""
+
+    code = "tool_not_found"
+
+
 class BackendUnavailable(SandboxError, RuntimeError):
     code = "backend_unavailable"
 
@@ -404,6 +410,7 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         TooManyAgentTasks,
         AgentTimeout,
         KeylessRefused,
+        ToolNotFound,
     )
 }
 

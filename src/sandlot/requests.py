@@ -290,3 +290,11 @@ def build(model: type[R], **values: Any) -> R:
         return model.model_validate(given)
     except ValidationError as exc:
         raise ConfigError(explain_invalid(exc, f"invalid {model.__name__}")) from None
+
+
+class RunTool(Request):
+    """Run a tool (:mod:`sandlot.tools`) in the sandbox: its arguments, checked against the
+    tool's parameters when it runs, and a timeout."""
+
+    arguments: dict[str, Any] = Field(default_factory=dict, max_length=64)
+    timeout_s: float | None = Field(default=None, gt=0, le=86_400)

@@ -43,6 +43,7 @@ from sandlot.requests import (
     build,
 )
 from sandlot.terminal import AsyncPty, Pty
+from sandlot.tools import ToolExecutor, default_registry
 
 T = TypeVar("T")
 E = TypeVar("E")  # what a streaming callback receives: a chunk of text, a Result
@@ -455,6 +456,26 @@ class AsyncSandbox:
             )
         )
 
+    async def run_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        """Run the tool ``name`` in this sandbox with ``arguments`` (``sandlot tools list``
+        names them: the package's, ``SANDLOT_REGISTRY_DIR/tools``' and plugins'; over a
+        server, this process's registry builds the command). A tool is one command in the
+        sandbox: its failure is a result; an unknown tool or a bad argument is
+        :class:`~sandlot.errors.InvalidRequest`, and then nothing ran.
+        """
+        run = self._run
+        registry = default_registry(get_settings().registry_dir)
+        executor = ToolExecutor(
+            registry, lambda request: run(run.manager.run_command(self.id, request))
+        )
+        return await executor.run(name, arguments, timeout_s)
+
     async def refresh(self) -> SandboxInfo:
         """Read the sandbox's record again (status, expiry, last activity)."""
         self.info = await self._run(self._run.manager.get(self.id))
@@ -598,6 +619,7 @@ class Sandbox(SyncTwin[AsyncSandbox]):
     artifacts = blocking(AsyncSandbox.artifacts)
     read_artifact = blocking(AsyncSandbox.read_artifact)
     run_code = blocking(AsyncSandbox.run_code)
+    run_tool = blocking(AsyncSandbox.run_tool)
     refresh = blocking(AsyncSandbox.refresh)
     usage = blocking(AsyncSandbox.usage)
     set_timeout = blocking(AsyncSandbox.set_timeout)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from sandlot.cli import agent, image, keys, local, mcp, sandbox, serve
+from sandlot.cli import agent, image, keys, local, mcp, sandbox, serve, tools
 from sandlot.cli.common import errors_exit_2
 from sandlot.config import get_settings
 from sandlot.log import configure_logging
@@ -26,13 +26,14 @@ def _main() -> None:
 
 # Typer lists commands in the order they are registered, then the groups in theirs: this
 # order gives doctor, run-code, exec, version, serve, run, benchmark; image, keys, sandbox,
-# models.
+# tools, models.
 local.register(app)
 serve.register(app)
 mcp.register(app)
 image.register(app)
 keys.register(app)
 sandbox.register(app)
+tools.register(app, sandbox.sandbox_app)
 agent.register(app)
 
 __all__ = ["app"]

@@ -18,13 +18,17 @@ if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer
 
     from sandlot.mcp.sessions import DefaultSandboxes
+    from sandlot.tools import ToolRegistry
 
 INSTALL_HINT = "pip install 'sandlot[mcp]'"
 
 
-def build_server(resolve: Resolver) -> tuple[MCPServer[Any], DefaultSandboxes]:
+def build_server(
+    resolve: Resolver, registry: ToolRegistry | None = None
+) -> tuple[MCPServer[Any], DefaultSandboxes]:
     """The MCP server and the registry of its sessions' default sandboxes; close the
-    registry (``await defaults.close()``) when the server stops.
+    registry (``await defaults.close()``) when the server stops. ``registry``: the tools it
+    offers (default: ``SANDLOT_REGISTRY_DIR``'s).
 
     Raises:
         ConfigError: the MCP SDK is not installed.
@@ -35,7 +39,7 @@ def build_server(resolve: Resolver) -> tuple[MCPServer[Any], DefaultSandboxes]:
         if (exc.name or "").partition(".")[0] != "mcp":
             raise
         raise ConfigError(f"the MCP server needs the MCP SDK: {INSTALL_HINT}") from exc
-    return make_server(resolve)
+    return make_server(resolve, registry)
 
 
 __all__ = ["INSTALL_HINT", "Binding", "Resolver", "build_server"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent, ToolAnnotations
 
 from sandlot._version import __version__
+from sandlot.config import get_settings
 from sandlot.errors import InvalidRequest, SandboxError, SandboxNotFound
 from sandlot.mcp.sessions import Binding, DefaultSandboxes, Resolver, SessionKey
 from sandlot.models import ExecResult, Result
@@ -28,6 +30,7 @@ from sandlot.requests import (
     build,
 )
 from sandlot.service import SandboxService
+from sandlot.tools import ToolExecutor, ToolRegistry, default_registry
 
 # A file read whole into one MCP message: past this, the client gets an error naming the size.
 # The MCP SDK's client takes an event of at most 1 MiB (it failed on anything read past
@@ -117,7 +120,9 @@ class Call:
             raise
 
 
-def make_server(resolve: Resolver) -> tuple[MCPServer[Any], DefaultSandboxes]:
+def make_server(
+    resolve: Resolver, registry: ToolRegistry | None = None
+) -> tuple[MCPServer[Any], DefaultSandboxes]:
     server: MCPServer[Any] = MCPServer(
         "sandlot", version=__version__, instructions=INSTRUCTIONS, log_level="WARNING"
     )
@@ -127,6 +132,7 @@ def make_server(resolve: Resolver) -> tuple[MCPServer[Any], DefaultSandboxes]:
         return Call(ctx, resolve, defaults)
 
     _run_tools(server, call)
+    _registry_tools(server, call, registry or default_registry(get_settings().registry_dir))
     _file_tools(server, call)
     _lifecycle_tools(server, call, defaults)
     return server, defaults
@@ -199,6 +205,41 @@ def _run_tools(server: MCPServer[Any], call: CallMaker) -> None:
         with tool_errors():
             request = build(RunCommand, command=command, timeout_s=timeout_s)
             result = await this.on(sandbox_id, lambda t: this.service.run_command(t, request))
+        return exec_result(result)
+
+
+def _registry_tools(server: MCPServer[Any], call: CallMaker, registry: ToolRegistry) -> None:
+    """The registry's tools (sandlot.tools), each run as one command in the sandbox."""
+
+    @server.tool(structured_output=False, annotations=READ_ONLY)
+    async def list_sandbox_tools(ctx: Context) -> str:
+        """The tools run_sandbox_tool can run in a sandbox: name, what it does, and its
+        arguments as JSON Schema."""
+        return "\n".join(
+            f"{t.name}: {t.description}\n  arguments: {json.dumps(t.input_schema)}"
+            for t in registry.list()
+        )
+
+    @server.tool(structured_output=False)
+    async def run_sandbox_tool(
+        ctx: Context,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        sandbox_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> CallToolResult:
+        """Run a registry tool (list_sandbox_tools names them) in the sandbox with
+        ``arguments``. Returns its exit code, stdout and stderr."""
+        this = call(ctx)
+        with tool_errors():
+
+            async def run(target: str) -> ExecResult:
+                executor = ToolExecutor(
+                    registry, lambda command: this.service.run_command(target, command)
+                )
+                return await executor.run(name, arguments, timeout_s)
+
+            result = await this.on(sandbox_id, run)
         return exec_result(result)
 
 

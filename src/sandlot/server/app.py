@@ -23,13 +23,14 @@ from sandlot.config import Settings, get_settings
 from sandlot.core import SandboxManager
 from sandlot.errors import SandboxError
 from sandlot.requests import RunCode, SandboxSpec
-from sandlot.server import agent, compat, mcp, routes, stream
+from sandlot.server import agent, compat, mcp, routes, stream, tools
 from sandlot.server.auth import AuthStore
 from sandlot.server.deps import ServerState, error_response, sandbox_error_response, state_of
 from sandlot.server.guard import PUBLIC_PATHS, RequestGuard
 from sandlot.server.limits import AuthFailures
 from sandlot.server.metrics import Metrics
 from sandlot.server.schemas import Health
+from sandlot.tools import default_registry
 
 # The owner of the readiness probe's sandboxes (a tenant may not take a name starting "__").
 READINESS_OWNER = "__readiness__"
@@ -54,6 +55,7 @@ def create_app(
     in ``auth_failures`` (by default a new count, :func:`auth_failures_for`), which the
     connection wall shares when it is given here (run.py)."""
     settings = settings or get_settings()
+    default_registry(settings.registry_dir)  # a tool file that is not a tool stops the start
     state = ServerState(
         settings=settings,
         manager=manager or _default_manager(settings),
@@ -99,6 +101,7 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error)
     app.include_router(routes.router)
+    app.include_router(tools.router)
     app.include_router(stream.router)
     app.include_router(compat.router)
     app.include_router(agent.router)

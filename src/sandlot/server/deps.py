@@ -48,6 +48,7 @@ from sandlot.errors import (
     SandboxNotRunning,
     SandboxPermissionError,
     SandboxStartError,
+    ToolNotFound,
     TooManyAgentTasks,
 )
 from sandlot.models import Quota
@@ -78,6 +79,7 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     Forbidden: 403,
     SandboxPermissionError: 403,
     SandboxNotFound: 404,
+    ToolNotFound: 404,
     SandboxFileNotFound: 404,
     PathOutsideWorkspace: 400,
     ConfigError: 422,

@@ -235,6 +235,7 @@ def mount(app: FastAPI, state: ServerState) -> AbstractAsyncContextManager[None]
     (the MCP session manager's task group, and the sessions' default sandboxes on the way
     out), or None where the MCP SDK is not installed (``/mcp`` is then absent)."""
     from sandlot.mcp import Binding, build_server
+    from sandlot.tools import default_registry
 
     def resolve(request: Any) -> Binding:
         principal = getattr(request, "scope", {}).get("state", {}).get("principal")
@@ -246,7 +247,7 @@ def mount(app: FastAPI, state: ServerState) -> AbstractAsyncContextManager[None]
         return Binding(service=service, caller=principal.key_id)
 
     try:
-        server, defaults = build_server(resolve)
+        server, defaults = build_server(resolve, default_registry(state.settings.registry_dir))
     except ConfigError as exc:
         log.info("/mcp is off", reason=exc.message)
         return None

@@ -140,7 +140,7 @@ async def run_code(sandbox_id: SandboxId, body: RunCode, request: Request, who: 
         result = await unless_gone(
             request, state.manager.run_code(sandbox_id, body, owner=who.owner_filter)
         )
-        return _ran(audit, result)
+        return answer_run(audit, result)
 
 
 @router.post(
@@ -163,10 +163,10 @@ async def run_command(
         result = await unless_gone(
             request, state.manager.run_command(sandbox_id, body, owner=who.owner_filter)
         )
-        return _ran(audit, result)
+        return answer_run(audit, result)
 
 
-def _ran(audit: dict[str, Any], result: ExecResult | None) -> Response:
+def answer_run(audit: dict[str, Any], result: ExecResult | None) -> Response:
     """A foreground run's answer, its outcome in the audit row: 499 if its client left."""
     if result is None:
         audit["client_gone"] = True
