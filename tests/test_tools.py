@@ -253,6 +253,17 @@ def test_the_cli_lists_and_runs_tools(live_server: LiveServer) -> None:
             timeout=60,
         )
         assert bad.returncode == 2 and "depth" in bad.stdout + bad.stderr
+        # Not JSON: a message and status 2, not a traceback (red team, 2026-12-07).
+        broken = subprocess.run(
+            [*base, "file_tree", "--args", "{bad", *common],
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        said = broken.stdout + broken.stderr
+        assert broken.returncode == 2 and "--args is not JSON" in said and "Traceback" not in said
     finally:
         httpx.delete(f"{live_server.url}/v1/sandboxes/{sid}", headers=live_server.headers("alice"))
 
@@ -262,3 +273,24 @@ def test_a_declared_tool_keeps_its_own_timeout_unless_the_call_gives_one() -> No
     tool = DeclaredTool(spec)
     assert tool.request({}, None).timeout_s == 7
     assert tool.request({}, 2).timeout_s == 2
+
+
+def test_unknown_arguments_are_one_short_error_whatever_their_number() -> None:
+    """Failed before (red team, 2026-12-07): over MCP and the SDK (REST takes 64 names at
+    most), 5,400 unknown names in 64 KB came back as one clause each: a 220 KB error."""
+    tool = ToolRegistry.load(plugins=False).get("search_files")
+    many = {f"name{i}": "v" * 3 for i in range(5000)}
+    with pytest.raises(InvalidRequest) as refused:
+        ToolValidator.arguments(tool, {"pattern": "x", **many})
+    assert len(str(refused.value)) < 600 and "and 4990 more" in str(refused.value)
+
+
+def test_what_a_command_cannot_hold_is_the_calls_error() -> None:
+    """Failed before (red team, 2026-12-07): a NUL in an argument came back as
+    ``invalid_config`` (the server's configuration), and an int of 5,000 digits raised a
+    bare ValueError from the SDK."""
+    tool = ToolRegistry.load(plugins=False).get("search_files")
+    with pytest.raises(InvalidRequest, match="NUL"):
+        ToolValidator.arguments(tool, {"pattern": "a\0b"})
+    with pytest.raises(InvalidRequest, match="JSON"):
+        ToolValidator.arguments(tool, {"pattern": "x", "max_count": 10**5000})

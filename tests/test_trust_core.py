@@ -1061,3 +1061,53 @@ async def test_the_pools_of_managers_on_one_data_directory_share_the_hosts_room(
                         await manager.create(owner="acme")
                         made += 1
             assert made <= 3
+
+
+@pytest.mark.parametrize("line", ['{"memory_mb": NaN}', '{"memory_mb": -1e9}', '{"pids": 1e400}'])
+def test_a_ledger_line_no_sandlot_writes_neither_opens_nor_breaks_admission(
+    tmp_path: Path, line: str
+) -> None:
+    """Failed before (red team, 2026-12-07): a line of NaN or a negative amount let every
+    create through past the host's capacity, an infinite ``pids`` failed every create with a
+    500. Such a line is skipped; a ledger directory others may write to is not used."""
+    import fcntl
+    import os
+
+    from sandlot.core.host_ledger import HostLedger
+
+    root = tmp_path / "ledger"
+    root.mkdir(mode=0o700)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "other").mkdir()
+    ours = HostLedger.open(root, tmp_path / "data", "mine")
+    assert ours is not None
+    foreign = root / "0-0-foreign.json"
+    foreign.write_text(line)
+    fd = os.open(foreign, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held: a live manager's, as far as a reader can tell
+        with ours.turn():
+            assert ours.elsewhere() == []
+        good = HostLedger.open(root, tmp_path / "other", "peer")
+        assert good is not None
+        good.publish([_Reserving(512)], [])
+        with ours.turn():
+            assert [r.memory_mb for r in ours.elsewhere()] == [512]
+        good.close()
+    finally:
+        os.close(fd)
+        ours.close()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    assert HostLedger.open(shared, tmp_path / "data", "x") is None
+
+
+class _Reserving:
+    """A Reservation of ``memory_mb`` and nothing else."""
+
+    def __init__(self, memory_mb: int) -> None:
+        self.memory_mb = memory_mb
+        self.cpu_cores = 0.0
+        self.pids = 0
+        self.disk_mb = 0

@@ -1762,7 +1762,7 @@ def test_a_keyless_server_takes_nothing_from_another_sites_page(data_root: Path)
             headers={"Origin": "http://evil.example", "Content-Type": "application/json"},
         )
         assert page.status_code == 403, page.text
-        assert "API_ALLOWED_HOSTS" in page.json()["error"]["message"]
+        assert "API_ALLOWED_ORIGINS" in page.json()["error"]["message"]
         # A name rebound to 127.0.0.1: the Host is the page's own name.
         rebound = httpx.get(f"{url}/v1/sandboxes", headers={"Host": f"evil.example:{port}"})
         assert rebound.status_code == 403, rebound.text
@@ -1774,21 +1774,50 @@ def test_a_keyless_server_takes_nothing_from_another_sites_page(data_root: Path)
                 connect(ws_url + path, origin="http://evil.example")  # type: ignore[arg-type]
             assert refused.value.response.status_code == 403
         assert httpx.get(f"{url}/v1/sandboxes").json() == []  # nothing was made
-        # The user's own clients: no Origin (curl, the SDK), or a page served from loopback.
+        # A page on another port of this machine is another origin (red team on the fix: a
+        # notebook's output or a cloned project's dev server opened the agent's stream), and
+        # a Host that is more than name[:port] is no allowed name.
+        for origin in (f"http://127.0.0.1:{port + 1}", f"http://localhost:{port}", "null"):
+            other = httpx.get(f"{url}/v1/sandboxes", headers={"Origin": origin})
+            assert other.status_code == 403, (origin, other.text)
+        for host in (f"evil@127.0.0.1:{port}", f"127.0.0.1#@evil:{port}", "localhost."):
+            assert httpx.get(f"{url}/v1/sandboxes", headers={"Host": host}).status_code == 403
+        with pytest.raises(InvalidStatus):
+            connect(ws_url + "/stream", origin=f"http://127.0.0.1:{port + 1}")  # type: ignore[arg-type]
+        # The user's own clients: no Origin (curl, the SDK), or the server's own page (/docs).
         made = httpx.post(f"{url}/v1/sandboxes", json={"memory_mb": 64})
         assert made.status_code == 201, made.text
-        own_page = httpx.get(f"{url}/v1/sandboxes", headers={"Origin": f"http://localhost:{port}"})
+        own_page = httpx.get(f"{url}/v1/sandboxes", headers={"Origin": f"http://127.0.0.1:{port}"})
         assert own_page.status_code == 200 and len(own_page.json()) == 1
         with connect(ws_url + f"/v1/sandboxes/{made.json()['id']}/stream") as ws:
             ws.ping().wait(5)
     finally:
         stop_server(process)
-    # API_ALLOWED_HOSTS names the others a keyless server may be reached by ("*": any).
-    process, url, _ = start_server(data_dir, {"API_ALLOWED_HOSTS": "sandlot.internal"}, "--no-auth")
+    # API_ALLOWED_HOSTS names the others a keyless server may be reached by ("*": any), /mcp
+    # included (the MCP SDK's own check refused them), and API_ALLOWED_ORIGINS other pages.
+    env = {"API_ALLOWED_HOSTS": "sandlot.internal", "API_ALLOWED_ORIGINS": "http://ui.local:3000"}
+    process, url, _ = start_server(data_dir, env, "--no-auth")
     try:
-        named = httpx.get(f"{url}/v1/sandboxes", headers={"Host": "sandlot.internal:80"})
-        assert named.status_code == 200, named.text
+        named = {"Host": "sandlot.internal:80"}
+        assert httpx.get(f"{url}/v1/sandboxes", headers=named).status_code == 200
         assert httpx.get(f"{url}/v1/sandboxes").status_code == 403  # 127.0.0.1 is not named
+        ui = {**named, "Origin": "http://ui.local:3000"}
+        assert httpx.get(f"{url}/v1/sandboxes", headers=ui).status_code == 200
+        hello = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "1"},
+            },
+        }
+        mcp_headers = {**named, "Accept": "application/json, text/event-stream"}
+        opened = httpx.post(f"{url}/mcp", json=hello, headers=mcp_headers)
+        assert opened.status_code == 200, opened.text
+        refused = httpx.post(f"{url}/mcp", json=hello, headers={**mcp_headers, "Host": "evil"})
+        assert refused.status_code == 403
     finally:
         stop_server(process)
 

@@ -46,6 +46,22 @@ def ipv4_networks(text: str) -> list[str]:
     return found
 
 
+def ip_networks(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """A comma-separated list of IPv4 or IPv6 networks (``"127.0.0.0/8, fd00::/8"``; an
+    address is a network of one); empty entries skipped.
+
+    Raises:
+        ValueError: an entry that is not an IP address or network, named.
+    """
+    found: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            found.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ValueError(f"{entry!r} is not an IP address or CIDR") from None
+    return found
+
+
 def _default_data_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/sandlot")
@@ -563,13 +579,37 @@ class Settings(BaseSettings):
         description="Requests and WebSockets one tenant's keys may have open at once "
         "(long-polls, streams, runs under way); past it, 429 too_many_open (0: no cap).",
     )
+    webhook_allow_cidrs: str = Field(
+        default="",
+        validation_alias=_env("API_WEBHOOK_ALLOW_CIDRS", "webhook_allow_cidrs"),
+        description="Comma-separated IPv4 or IPv6 networks a background command's webhook "
+        "may reach although they are not public (loopback, private, link-local, CGNAT, ...: "
+        "refused by default, so that no tenant can make the server call its own host, its "
+        "LAN or a cloud metadata service). Empty: public addresses only.",
+    )
+    webhooks_pending_per_tenant: int = Field(
+        default=100,
+        ge=1,
+        validation_alias=_env("API_WEBHOOKS_PENDING_PER_TENANT", "webhooks_pending_per_tenant"),
+        description="Webhook deliveries one tenant may have waiting or under way at once; "
+        "past it a new one is dropped (counted in sandlot_webhook_deliveries_total, "
+        "outcome=dropped). Deliveries are kept in memory only: a restart loses them.",
+    )
+    allowed_origins: str = Field(
+        default="",
+        validation_alias=_env("API_ALLOWED_ORIGINS", "allowed_origins"),
+        description="With API keys off (`serve --no-auth`), the web pages (origins, such as "
+        "`http://localhost:3000`) besides the server's own that may call it, comma-separated; "
+        "any other page's request is refused (403).",
+    )
     allowed_hosts: str = Field(
         default="localhost,127.0.0.1,::1",
         validation_alias=_env("API_ALLOWED_HOSTS", "allowed_hosts"),
         description="With API keys off (`serve --no-auth`), the host names a request may be "
         "addressed to (its Host header), comma-separated, or `*` for any; a request from a web "
         "page (an Origin header) must come from one of them too. Guards a keyless server "
-        "against other sites' pages: DNS rebinding and cross-site posts and WebSockets.",
+        "against other sites' pages: DNS rebinding and cross-site posts and WebSockets (an "
+        "Origin must be the server's own page or one of API_ALLOWED_ORIGINS).",
     )
     metrics_public: bool = Field(
         default=False,
@@ -681,6 +721,12 @@ class Settings(BaseSettings):
     @classmethod
     def _ipv4_networks(cls, value: str) -> str:
         ipv4_networks(value)
+        return value
+
+    @field_validator("webhook_allow_cidrs")
+    @classmethod
+    def _ip_networks(cls, value: str) -> str:
+        ip_networks(value)
         return value
 
     def network_deny_list(self) -> list[str]:

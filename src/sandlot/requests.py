@@ -15,7 +15,15 @@ import base64
 import json
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from sandlot._strict import Strict, at_most
 from sandlot.config import explain_invalid
@@ -185,6 +193,38 @@ class RunCommand(Request):
         description="Start it and return its pid at once (REST: 202); it runs until it ends, "
         "is killed or the sandbox is destroyed, outside its session's lock.",
     )
+    webhook_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="Background only, over the REST server: an http(s) URL the server POSTs "
+        "a JSON `command.completed` event to when the command ends (exit, kill, timeout or "
+        "the sandbox's destroy). It must resolve to public addresses only (see "
+        "API_WEBHOOK_ALLOW_CIDRS); it stays on the host, never sent into the sandbox.",
+    )
+    webhook_secret: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        repr=False,
+        description="With webhook_url: each delivery is signed, `X-Sandlot-Signature: "
+        "t=<unix>,v1=<hex HMAC-SHA256(secret, f'{t}.{body}')>`.",
+    )
+
+    @field_validator("webhook_url", "webhook_secret")
+    @classmethod
+    def _webhook_in_background(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A webhook tells of a background command's end: a foreground run's caller has
+        its result already. Only http(s): no other scheme reaches the sender."""
+        if value is None:
+            return value
+        if not info.data.get("background"):
+            raise ValueError("is only allowed with background=True")
+        if info.field_name == "webhook_url":
+            if not value.lower().startswith(("http://", "https://")):
+                raise ValueError("must be an http:// or https:// URL")
+        elif info.data.get("webhook_url") is None:
+            raise ValueError("needs webhook_url")
+        return value
 
 
 class CommandInput(Request):

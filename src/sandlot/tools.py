@@ -39,10 +39,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from sandlot._strict import problems
 from sandlot.config import explain_invalid
 from sandlot.errors import ConfigError, InvalidRequest, ToolNotFound
 from sandlot.models import ExecResult
-from sandlot.requests import MAX_COMMAND_BYTES, RunCommand, build
+from sandlot.requests import MAX_COMMAND_BYTES, NoNul, RunCommand, build
 
 PACKAGED_TOOLS = Path(__file__).with_name("registry") / "tools"
 TOOL_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
@@ -129,13 +130,16 @@ class ToolBase:
         )
 
     def _command(self, command: str, timeout_s: float | None, stdin: str | None) -> RunCommand:
-        return build(
-            RunCommand,
-            command=command,
-            session=TOOL_SESSION,
-            input=stdin,
-            timeout_s=timeout_s or self.timeout_s,
-        )
+        try:
+            return build(
+                RunCommand,
+                command=command,
+                session=TOOL_SESSION,
+                input=stdin,
+                timeout_s=timeout_s or self.timeout_s,
+            )
+        except ConfigError as exc:  # the call's, not the server's configuration
+            raise InvalidRequest(f"tool {self.name}: {exc.message}") from None
 
 
 class ToolSpec(BaseModel):
@@ -215,7 +219,20 @@ class ToolValidator:
             InvalidRequest: an unknown, missing or mistyped argument, or one out of range.
         """
         given = dict(given or {})
-        if len(json.dumps(given, default=str).encode()) > MAX_ARGUMENTS_BYTES:
+        unknown = sorted(str(name)[:64] for name in given if name not in tool.parameters)
+        if unknown:
+            # One short error, whatever their number: each one a clause echoing its value
+            # was 220 KB of error for 64 KB of unknown names (red team, 2026-12-07).
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            raise InvalidRequest(
+                f"tool {tool.name}: unknown arguments {', '.join(unknown[:10])}{more}; "
+                f"it takes: {', '.join(tool.parameters) or 'none'}"
+            )
+        try:
+            size = len(json.dumps(given).encode())
+        except (TypeError, ValueError):  # not JSON (an int past Python's 4,300 digits)
+            raise InvalidRequest(f"tool {tool.name}: arguments must be JSON values") from None
+        if size > MAX_ARGUMENTS_BYTES:
             raise InvalidRequest(
                 f"tool {tool.name}: arguments over {MAX_ARGUMENTS_BYTES} bytes as JSON; "
                 "write large inputs to a file in the sandbox and pass its path"
@@ -224,7 +241,8 @@ class ToolValidator:
         try:
             checked = model.model_validate(given)
         except ValidationError as exc:
-            raise InvalidRequest(explain_invalid(exc, f"tool {tool.name}")) from None
+            said = problems(exc.errors())
+            raise InvalidRequest(f"tool {tool.name}: {said}") from None
         return checked.model_dump()
 
     @staticmethod
@@ -232,7 +250,7 @@ class ToolValidator:
     def _model_for(name: str, frozen: tuple[tuple[str, Parameter], ...]) -> type[BaseModel]:
         fields: dict[str, Any] = {}
         for field_name, p in frozen:
-            kind: Any = _PY_TYPES[p.type]
+            kind: Any = NoNul if p.type == "string" else _PY_TYPES[p.type]
             if p.enum is not None:
                 kind = Literal[p.enum]
             constraints: dict[str, Any] = {"strict": p.type != "number"}

@@ -25,6 +25,8 @@ from sandlot.config import get_settings
 from sandlot.errors import InvalidRequest
 from sandlot.tools import ToolBase, ToolExecutor, default_registry
 
+BOOLEAN_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
 tools_app = typer.Typer(
     no_args_is_help=True,
     help="The tools a sandbox can run (package's, SANDLOT_REGISTRY_DIR/tools' and plugins').",
@@ -55,7 +57,10 @@ def tools_list(as_json: JsonOpt = False) -> None:
 def _arguments(tool: ToolBase, pairs: list[str], as_json: str | None) -> dict[str, Any]:
     """``--arg name=value`` pairs, each value read as its parameter's type, over ``--args``
     (a JSON object)."""
-    given: dict[str, Any] = json.loads(as_json) if as_json else {}
+    try:
+        given: dict[str, Any] = json.loads(as_json) if as_json else {}
+    except ValueError as exc:
+        raise InvalidRequest(f"--args is not JSON: {exc}") from None
     if not isinstance(given, dict):
         raise InvalidRequest("--args must be a JSON object")
     for pair in pairs:
@@ -67,7 +72,10 @@ def _arguments(tool: ToolBase, pairs: list[str], as_json: str | None) -> dict[st
         if parameter.type == "string":
             given[name] = text
         elif parameter.type == "boolean":
-            given[name] = text.lower() in ("1", "true", "yes", "on")
+            word = text.lower()
+            if word not in BOOLEAN_WORDS:
+                raise InvalidRequest(f"--arg {name}: {text!r} is not one of true, false")
+            given[name] = BOOLEAN_WORDS[word]
         else:
             try:
                 given[name] = int(text) if parameter.type == "integer" else float(text)

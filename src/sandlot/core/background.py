@@ -17,6 +17,11 @@ A terminal (``pty.create``) is one more kind of background command, counted agai
 cap: a ``pty_open`` call whose output is raw bytes. The host keeps its newest
 :data:`SCROLLBACK_BYTES` (what REST polls by offset); a listener is called per chunk, so a
 flood costs the host that window and nothing more.
+
+Each command or terminal that a caller got a handle to is told once to ``on_ended`` when it
+ends, whatever ended it (:class:`CommandEnded`: the manager's "command_ended" event, which
+the REST server turns into a webhook). A command's :class:`Webhook` is kept here, on the
+host: the guest's payload (``execution.command_payload``) never carries it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +71,34 @@ ENDED_OUTPUT_BYTES = 16 << 20
 # it once: 90 WebSockets attached to one 0.5-core terminal running `cat /dev/urandom` took
 # 0.8 of a core and another tenant's GET from 9 to 544 ms median (red team, 2026-12-06).
 MAX_LISTENERS_PER_JOB = 4
+# The kill_reason of a command that ended without a result of its own: its sandbox was
+# destroyed under it (a kill the destroy sent counts as the destroy's), or its guest was lost
+# (restarted under it, or failed).
+ENDED_BY_DESTROY = "sandbox_destroyed"
+ENDED_WITH_GUEST = "guest_lost"
+
+
+@dataclass(frozen=True)
+class Webhook:
+    """Where the REST server tells of a background command's end. Host side only."""
+
+    url: str
+    secret: str | None = field(default=None, repr=False)  # never in a log line
+
+
+@dataclass(frozen=True)
+class CommandEnded:
+    """A background command or terminal that has ended, as :class:`BackgroundCommands`
+    tells its ``on_ended``: its info as it ended, its result (None where it left none: see
+    :data:`ENDED_BY_DESTROY`), why it was stopped, and its webhook if it had one."""
+
+    info: CommandInfo
+    result: ExecResult | None
+    kill_reason: str | None
+    webhook: Webhook | None
+
+
+EndedCallback = Callable[[CommandEnded], None]
 
 
 class StdinQueue(asyncio.Queue[bytes | None]):
@@ -184,6 +218,9 @@ class _Job:
     # Whether the guest streams its output: a command's only while someone listens (each
     # chunk costs this process's one event loop; its result keeps head and tail anyway).
     streaming: bool = True
+    webhook: Webhook | None = None
+    kept: bool = False  # its caller has its handle (a failed start is nobody's to be told of)
+    told: bool = False  # on_ended has been called for it
 
     def listened(self) -> bool:
         return any(cb is not None for pair in self.listeners for cb in pair)
@@ -237,8 +274,9 @@ class BackgroundCommands:
     """One sandbox's background commands, by the id drawn for each (and by pid: the newest
     command with each pid)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_ended: EndedCallback | None = None) -> None:
         self.limit = limit
+        self._on_ended = on_ended
         self._jobs: dict[str, _Job] = {}  # by command_id, oldest first
         self._by_pid: dict[int, str] = {}  # pid -> the newest command with it
         self._starting = 0
@@ -273,6 +311,8 @@ class BackgroundCommands:
             raise ConfigError("a background command cannot be fresh (it would kill the others)")
         info = CommandInfo(pid=0, command=request.command, started_at=time.time())
         job = self._new_job(info)
+        if request.webhook_url is not None:
+            job.webhook = Webhook(request.webhook_url, request.webhook_secret)
         job.listeners.append((on_stdout, on_stderr))
         job.streaming = job.listened()
         op, payload = execution.command_payload(request, streams_stdin=True)
@@ -379,6 +419,24 @@ class BackgroundCommands:
             held = (result.stdout, result.stderr, result.text or "")
             job.kept_bytes = sum(sys.getsizeof(text) for text in held)
         self._forget_old()
+        if job.kept:
+            self._tell_ended(job, task)
+
+    def _tell_ended(self, job: _Job, task: asyncio.Task[ExecResult]) -> None:
+        """Call ``on_ended`` for ``job``, once, after it has ended and its caller has its
+        handle (whichever comes last: a quick command may end before its pid is known)."""
+        if self._on_ended is None or job.told:
+            return
+        job.told = True
+        result = None if task.cancelled() or task.exception() is not None else task.result()
+        kill_reason: str | None
+        if result is None:
+            kill_reason = ENDED_BY_DESTROY if self._closed else ENDED_WITH_GUEST
+        elif self._closed and result.kill_reason == "killed":
+            kill_reason = ENDED_BY_DESTROY  # the destroy's own kill (close())
+        else:
+            kill_reason = result.kill_reason
+        self._on_ended(CommandEnded(job.info.model_copy(), result, kill_reason, job.webhook))
 
     def _remember(self, job: _Job) -> None:
         info = job.info
@@ -390,7 +448,10 @@ class BackgroundCommands:
             old.task.cancel()
         self._jobs[info.command_id] = job
         self._by_pid[info.pid] = info.command_id
+        job.kept = True
         self._forget_old()
+        if not info.running and job.task is not None:  # _ended() has run already
+            self._tell_ended(job, job.task)
 
     def _forget_old(self) -> None:
         """Ended ones stay for wait(), the newest first: at most ``limit`` of them, whose

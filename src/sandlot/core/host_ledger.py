@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -79,6 +80,13 @@ class HostLedger:
         root's), and then only this data directory is counted."""
         try:
             root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            info = root.stat()
+            if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+                # Anyone else who may write there could write a line: it must be ours alone.
+                raise PermissionError(
+                    f"{root} is not this user's alone (owner {info.st_uid}, mode "
+                    f"{info.st_mode & 0o777:o})"
+                )
             return cls(root, data_dir, instance)
         except OSError as exc:
             log.info("host ledger not kept: capacity is this data directory's", error=str(exc))
@@ -124,22 +132,39 @@ class HostLedger:
                 part = unstored if isinstance(unstored, dict) else {}
             same_disk = line.get("device") == self._device
             try:
-                found.append(
-                    Reserved(
-                        memory_mb=float(part.get("memory_mb", 0)),
-                        cpu_cores=float(part.get("cpu_cores", 0)),
-                        pids=int(part.get("pids", 0)),
-                        disk_mb=float(part.get("disk_mb", 0)) if same_disk else 0.0,
-                    )
-                )
+                values = [_amount(part.get(k, 0)) for k in ("memory_mb", "cpu_cores", "pids")]
+                disk_mb = _amount(part.get("disk_mb", 0)) if same_disk else 0.0
             except (TypeError, ValueError):
-                continue  # not a line any sandlot wrote: root's directory, so no one's
+                # Not a line any sandlot wrote (it writes finite amounts): its directory is
+                # its own user's alone, so it is ours, broken; counted as nothing, said once.
+                log.warning("host ledger: a line is not amounts, skipped", path=entry.path)
+                continue
+            memory_mb, cpu_cores, pids = values
+            found.append(Reserved(memory_mb, cpu_cores, int(pids), disk_mb))
         return found
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._path.unlink()
         os.close(self._fd)
+
+
+def _amount(value: object) -> float:
+    """A line's amount: a finite number, not negative (a NaN or a negative one would let
+    every create through, an infinite ``pids`` failed every create with a 500: red team).
+
+    Raises:
+        TypeError, ValueError: anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a float's range
+        raise ValueError(value) from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(value)
+    return number
 
 
 def _summed(items: Iterable[Reservation]) -> dict[str, float]:

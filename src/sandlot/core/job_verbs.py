@@ -1,14 +1,27 @@
 """The manager's verbs on a sandbox's background commands and terminals: each finds the
 caller's live sandbox and hands the work to its
-:class:`~sandlot.core.background.BackgroundCommands`."""
+:class:`~sandlot.core.background.BackgroundCommands`.
+
+Each one's end is the manager's "command_ended" event (fields ``info``: the sandbox's
+:class:`~sandlot.models.SandboxInfo`, ``command``: its
+:class:`~sandlot.models.CommandInfo`, ``result``: its
+:class:`~sandlot.models.ExecResult` or None, ``kill_reason`` and ``webhook``). A command
+started with a ``webhook_url`` needs a ``webhook_check`` (the REST server's,
+``server/webhooks.py``), which may refuse the URL before the command starts: an embedded
+manager sends no webhooks, so it refuses such a command rather than drop its webhook.
+"""
 
 from __future__ import annotations
 
 import builtins
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from sandlot.core.background import BackgroundCommands
+from sandlot.core.background import BackgroundCommands, CommandEnded
 from sandlot.core.live import Live
 from sandlot.core.lookup import Lookup
+from sandlot.errors import ConfigError
 from sandlot.models import (
     CommandInfo,
     DataCallback,
@@ -18,19 +31,38 @@ from sandlot.models import (
 )
 from sandlot.requests import OpenPty, PtySize, RunCommand
 
+# Checks a webhook URL before its command starts (the owner of the sandbox, the URL).
+WebhookCheck = Callable[[str, str], Awaitable[None]]
+
 
 class JobVerbs(Lookup):
     """Background commands and terminals, by sandbox id."""
 
     _background: dict[str, BackgroundCommands]
+    # Set by whoever delivers webhooks (the REST server); None: a webhook_url is refused.
+    webhook_check: WebhookCheck | None = None
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        raise NotImplementedError  # the manager's
 
     def _commands(self, sandbox_id: str, owner: str | None) -> tuple[Live, BackgroundCommands]:
         live = self._get_live(sandbox_id, owner)
         commands = self._background.get(sandbox_id)
         if commands is None:
-            commands = BackgroundCommands(self.settings.max_background_commands)
+            ended = functools.partial(self._command_ended, live)
+            commands = BackgroundCommands(self.settings.max_background_commands, ended)
             self._background[sandbox_id] = commands
         return live, commands
+
+    def _command_ended(self, live: Live, ended: CommandEnded) -> None:
+        self._emit(
+            "command_ended",
+            info=live.info,
+            command=ended.info,
+            result=ended.result,
+            kill_reason=ended.kill_reason,
+            webhook=ended.webhook,
+        )
 
     async def start_command(
         self,
@@ -41,8 +73,21 @@ class JobVerbs(Lookup):
         on_stderr: OutputCallback | None = None,
         owner: str | None = None,
     ) -> CommandInfo:
-        """Start a command in the background (see :mod:`sandlot.core.background`)."""
+        """Start a command in the background (see :mod:`sandlot.core.background`).
+
+        Raises:
+            ConfigError: a ``webhook_url`` without a ``webhook_check`` to take it.
+            InvalidRequest: the ``webhook_check`` refused the URL.
+        """
         live, commands = self._commands(sandbox_id, owner)
+        if request.webhook_url is not None:
+            if self.webhook_check is None:
+                raise ConfigError(
+                    "this manager sends no webhooks (only `sandlot serve` running its own "
+                    "sandboxes does: not an embedded manager, nor a Ray cluster's node): "
+                    "leave webhook_url out, or start the command through such a server"
+                )
+            await self.webhook_check(live.info.owner, request.webhook_url)
         return await commands.start(live, request, on_stdout, on_stderr)
 
     async def list_commands(

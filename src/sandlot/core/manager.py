@@ -111,7 +111,8 @@ class SandboxManager(JobVerbs, FileVerbs):
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, fields)`` on "created", "destroyed", "released" (its
-        teardown ended: core/teardown.py), "exec", "backend_error"."""
+        teardown ended: core/teardown.py), "exec", "backend_error", "command_ended" (a
+        background command or terminal ended: core/job_verbs.py)."""
         self._listeners.append(listener)
 
     def _emit(self, event: str, **fields: Any) -> None:

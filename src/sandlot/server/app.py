@@ -81,6 +81,7 @@ def create_app(
                 async with mcp_running:
                     yield
         finally:
+            await state.webhooks.aclose()  # pending deliveries live in memory only: cancelled
             if state.agent_runtime is not None:
                 await state.agent_runtime.aclose()
             await state.manager.close()

@@ -59,6 +59,7 @@ from sandlot.server.limits import AuthFailures, OpenPerTenant, Pace, RateLimiter
 from sandlot.server.metering import ListingTurns
 from sandlot.server.metrics import Metrics
 from sandlot.server.origins import check_local
+from sandlot.server.webhooks import Webhooks
 
 if TYPE_CHECKING:
     # Only for the annotation: a server without the [ray] extra never imports Ray.
@@ -168,6 +169,8 @@ class ServerState:
     stream_paces: dict[str, Pace] = field(default_factory=dict)
     # Each tenant's listings, made a few at a time (metering.py).
     listings: ListingTurns = field(default_factory=ListingTurns)
+    # Background commands' webhooks (webhooks.py): the manager's check and its listener.
+    webhooks: Webhooks = field(init=False)
 
     def __post_init__(self) -> None:
         self.limiter = RateLimiter(self.settings.rate_limit_per_s, self.settings.rate_limit_burst)
@@ -178,6 +181,12 @@ class ServerState:
             "agent tasks running",
             "API_AGENT_TASKS_PER_TENANT",
         )
+        self.webhooks = Webhooks(self.settings, self._count_webhook)
+        self.webhooks.attach(self.manager)
+
+    def _count_webhook(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.webhook_deliveries.labels(outcome).inc()
 
     def stream_pace(self, principal: Principal) -> Pace:
         """The pace of ``principal``'s tenant's stream messages (``limits.Pace``)."""
@@ -234,7 +243,7 @@ class ServerState:
 
     def authenticate(self, headers: Any, query_key: str | None = None) -> Principal:
         if not self.settings.auth_enabled:
-            check_local(headers, self.settings.allowed_hosts)
+            check_local(headers, self.settings.allowed_hosts, self.settings.allowed_origins)
             principal = LOCAL_PRINCIPAL
         else:
             assert self.auth is not None

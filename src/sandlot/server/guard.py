@@ -145,7 +145,8 @@ class RequestGuard:
             return principal
         settings = self.state.settings
         if scope["path"] in ADMIN_PATHS and not settings.auth_enabled:
-            check_local(headers, settings.allowed_hosts)  # no page reads it by a rebound name
+            # No page reads it by a rebound name.
+            check_local(headers, settings.allowed_hosts, settings.allowed_origins)
         if key_from(headers) is not None:
             self.state.authenticate(headers)  # a key given is checked, and its rate kept
         else:

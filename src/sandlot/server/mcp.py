@@ -256,16 +256,10 @@ def mount(app: FastAPI, state: ServerState) -> AbstractAsyncContextManager[None]
 
     settings = state.settings
     # Rebinding protection (Host and Origin checks) matters where a browser's ambient
-    # credentials would be enough: with auth off. With auth on, the call needs a bearer key
-    # that a page on another origin cannot make the browser send.
-    if settings.auth_enabled:
-        security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
-    else:
-        security = TransportSecuritySettings(
-            enable_dns_rebinding_protection=True,
-            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
-            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
-        )
+    # credentials would be enough: with auth off. The request wall checks /mcp as every other
+    # route (origins.py, API_ALLOWED_HOSTS and API_ALLOWED_ORIGINS); the SDK's own check, on
+    # a fixed list, refused the names an operator allowed (red team, 2026-12-07).
+    security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
     server.streamable_http_app(
         streamable_http_path=MCP_PATH,
         transport_security=security,

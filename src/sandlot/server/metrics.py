@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sandlot.core import SandboxManager
 from sandlot.models import ExecResult, SandboxInfo
 
+WEBHOOK_OUTCOMES = ("delivered", "failed", "refused", "dropped", "cancelled")
 EXEC_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -55,6 +56,16 @@ class Metrics:
             ["method", "route", "status"],
             registry=self.registry,
         )
+        self.webhook_deliveries = Counter(
+            "sandlot_webhook_deliveries_total",
+            "Background commands' webhooks, by outcome: delivered (a 2xx), failed (after "
+            "its tries), refused (its host resolved to an address webhooks may not reach), "
+            "dropped (its tenant had too many pending), cancelled (the server stopped).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in WEBHOOK_OUTCOMES:
+            self.webhook_deliveries.labels(outcome)  # each shown, at 0, from the start
         manager.add_listener(self.on_event)
 
     def on_event(self, event: str, fields: dict[str, Any]) -> None:
