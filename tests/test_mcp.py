@@ -301,6 +301,16 @@ async def test_http_runs_code_as_the_keys_tenant(live_server: LiveServer) -> Non
         assert not found.is_error and "hay.txt:1:needle" in "".join(texts(found))
         bad = await session.call_tool("run_sandbox_tool", {"name": "search_files"})
         assert bad.is_error and "pattern" in texts(bad)[0]
+        # Audited as tool calls, the refused one too (it was a plain command's row, red team).
+        from sandlot.server.auth import AuthStore
+
+        store = AuthStore(live_server.data_dir / "sandlot.db")
+        rows = [
+            r for r in store.audit_log(tenant="acme", limit=50) if r["action"] == "sandbox.tool"
+        ]
+        store.close()
+        outcomes = {r["outcome"] for r in rows if '"via": "mcp"' in r["detail"]}
+        assert {"ok", "invalid_request"} <= outcomes, rows
         mine = httpx.get(live_server.url + "/v1/sandboxes", headers=live_server.headers("alice"))
         ids = {s["id"] for s in mine.json()} - others
         assert len(ids) >= 1

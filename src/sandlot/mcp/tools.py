@@ -234,6 +234,11 @@ def _registry_tools(server: MCPServer[Any], call: CallMaker, registry: ToolRegis
         with tool_errors():
 
             async def run(target: str) -> ExecResult:
+                # A server's service audits the call as a tool's (server/mcp.py).
+                audited = getattr(this.service, "run_tool", None)
+                if audited is not None:
+                    result: ExecResult = await audited(target, registry, name, arguments, timeout_s)
+                    return result
                 executor = ToolExecutor(
                     registry, lambda command: this.service.run_command(target, command)
                 )

@@ -40,6 +40,7 @@ from sandlot.requests import (
 from sandlot.server.auth import Principal
 from sandlot.server.deps import ServerState, sandbox_error_response, while_open
 from sandlot.server.metering import pay_answer
+from sandlot.tools import ToolExecutor, ToolRegistry
 
 log = structlog.get_logger(__name__)
 
@@ -112,6 +113,28 @@ class TenantService:
                 self.manager.run_command(sandbox_id, request, owner=self.owner, **callbacks)
             )
             a.update(exit_code=result.exit_code, kill_reason=result.kill_reason, via="mcp")
+        return result
+
+    async def run_tool(
+        self,
+        sandbox_id: str,
+        registry: ToolRegistry,
+        name: str,
+        arguments: dict[str, Any] | None,
+        timeout_s: float | None,
+    ) -> ExecResult:
+        """A registry tool, audited as one (``sandbox.tool``, refused calls too), as REST's."""
+        self.who.require_write()
+        audit = self.state.audited(
+            self.request, self.who, "sandbox.tool", sandbox_id, tool=name, via="mcp"
+        )
+        async with audit as a:
+            executor = ToolExecutor(
+                registry,
+                lambda command: self.manager.run_command(sandbox_id, command, owner=self.owner),
+            )
+            result = await self._asked(executor.run(name, arguments, timeout_s))
+            a.update(exit_code=result.exit_code, kill_reason=result.kill_reason)
         return result
 
     async def write_file(self, sandbox_id: str, request: WriteFile, data: bytes) -> int:
