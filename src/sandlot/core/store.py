@@ -107,6 +107,10 @@ INDEXES = (
     # Ended records by when they ended: those past their retention.
     "CREATE INDEX IF NOT EXISTS sandboxes_ended_at ON sandboxes (ended_at, status, id) "
     "WHERE ended_at IS NOT NULL",
+    # ... of them, those whose teardown has released them, which the retention pass forgets
+    # (the one above is what a sandlot before 2026-12-07 on the same data directory uses).
+    "CREATE INDEX IF NOT EXISTS sandboxes_ended_free ON sandboxes (ended_at, status, id, held) "
+    "WHERE ended_at IS NOT NULL AND held = 0",
     # Ended records with no ended_at: those an older sandlot still running on the data
     # directory ends (its writes leave the column out), few at any time.
     "CREATE INDEX IF NOT EXISTS sandboxes_undated ON sandboxes (id) "
@@ -486,7 +490,7 @@ class Store:
                 (time.time(),),
             )
             cursor = self._db.execute(
-                "DELETE FROM sandboxes INDEXED BY sandboxes_ended_at "  # noqa: S608 - a constant
+                "DELETE FROM sandboxes INDEXED BY sandboxes_ended_free "  # noqa: S608 - a constant
                 # Not one still held: its teardown has not released it, and the other
                 # processes count it until then (a short retention forgot it first: red
                 # team, 2026-12-07).
