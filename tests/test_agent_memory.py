@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,14 @@ from sandlot.agent.config import AgentSettings
 from sandlot.agent.embedders import Embedder, HashingEmbedder, LlamaEmbedder
 from sandlot.agent.memory import (
     COLLECTION_NAME,
+    DEFAULT_MAX_RECORDS,
+    DEFAULT_MAX_RECORDS_PER_TENANT,
+    DEFAULT_RETENTION_S,
+    RECALL_CODE_MAX_CHARS,
     RECALL_MAX_CHARS,
+    RECALL_TEXT_MAX_CHARS,
     SOLVED_BONUS,
+    STORED_ERRORS,
     AgentMemory,
     MemoryRecord,
     format_recall,
@@ -37,9 +45,9 @@ CSV_CODE = (
 )
 
 
-def settings_at(folder: Path) -> AgentSettings:
+def settings_at(folder: Path, **bounds: object) -> AgentSettings:
     # qdrant_url=None explicitly: a developer's QDRANT_URL must not send tests to a server.
-    return AgentSettings(qdrant_path=folder, qdrant_url=None)
+    return AgentSettings.model_validate({"qdrant_path": folder, "qdrant_url": None, **bounds})
 
 
 def solved(task: str, code: str = "pass", **fields: object) -> MemoryRecord:
@@ -264,6 +272,152 @@ async def test_default_folder_is_under_the_data_dir(
         assert (tmp_path / "memory" / "collection" / COLLECTION_NAME).is_dir()
     finally:
         get_settings.cache_clear()
+
+
+# --- bounds of what is kept ------------------------------------------------------------
+# Failed before (red team, 2026-12-07): every task of every tenant was kept for good, whole;
+# 1,500 tasks of 20,000 characters grew the server's RSS by 159 MiB.
+
+
+def minutes_ago(minutes: float) -> datetime:
+    return datetime.now(UTC) - timedelta(minutes=minutes)
+
+
+async def codes_of(memory: AgentMemory, tenant: str | None) -> set[str]:
+    hits = await memory.recall(CSV_TASK, limit=50, min_score=-1.0, tenant=tenant)
+    return {record.code for record, _ in hits}
+
+
+async def test_a_tenant_keeps_its_newest_records_up_to_the_cap(tmp_path: Path) -> None:
+    cap = 5
+    settings = settings_at(tmp_path / "memory", memory_max_records_per_tenant=cap)
+    async with await AgentMemory.open(settings) as memory:
+        await memory.remember(solved(CSV_TASK, "b0", tenant="b", created_at=minutes_ago(99)))
+        await memory.remember(solved(CSV_TASK, "local", created_at=minutes_ago(98)))
+        # Stored out of order: eviction goes by created_at, the oldest first.
+        for number in [3, 0, 7, 1, 5, 2, 6, 4]:
+            record = solved(CSV_TASK, f"a{number}", tenant="a", created_at=minutes_ago(50 - number))
+            await memory.remember(record)
+        assert await memory.count() == cap + 2
+        assert await codes_of(memory, "a") == {"a3", "a4", "a5", "a6", "a7"}
+        # Another tenant's records, and the tenantless ones, are untouched.
+        assert await codes_of(memory, "b") == {"b0"}
+        assert await codes_of(memory, None) == {"local"}
+
+
+async def test_expired_records_are_not_recalled_and_deleted(tmp_path: Path) -> None:
+    settings = settings_at(tmp_path / "memory", memory_retention_s=3600)
+    async with await AgentMemory.open(settings) as memory:
+        # Written as a store that kept them longer would have: straight into Qdrant.
+        from qdrant_client import models
+
+        vector = HashingEmbedder().embed([CSV_TASK])[0]
+        old = [
+            solved(CSV_TASK, code, tenant=tenant, created_at=minutes_ago(61))
+            for code, tenant in [("old a", "a"), ("old b", "b")]
+        ]
+        memory._client.upsert(
+            COLLECTION_NAME,
+            points=[
+                models.PointStruct(id=n, vector=vector, payload=r.model_dump(mode="json"))
+                for n, r in enumerate(old, start=1)
+            ],
+            wait=True,
+        )
+        await memory.remember(solved(CSV_TASK, "new b", tenant="b", created_at=minutes_ago(59)))
+        assert await codes_of(memory, "a") == set()
+        assert await codes_of(memory, "b") == {"new b"}
+        # b's store deleted b's expired record; a's waits for a store of a's, or a reopen.
+        assert await memory.count() == 2
+    async with await AgentMemory.open(settings) as memory:
+        assert await memory.count() == 1
+
+
+async def test_all_tenants_together_are_capped(tmp_path: Path) -> None:
+    settings = settings_at(tmp_path / "memory", memory_max_records=10)
+    async with await AgentMemory.open(settings) as memory:
+        for number in range(10):
+            tenant = f"t{number % 3}"
+            record = solved(CSV_TASK, f"{tenant}-{number}", tenant=tenant)
+            await memory.remember(
+                record.model_copy(update={"created_at": minutes_ago(50 - number)})
+            )
+        assert await memory.count() == 10
+        await memory.remember(solved(CSV_TASK, "t0-10", tenant="t0"))
+        # Past the cap, trimmed to 90% of it: the two oldest of all went.
+        assert await memory.count() == 9
+        assert await codes_of(memory, "t0") == {"t0-3", "t0-6", "t0-9", "t0-10"}
+        assert await codes_of(memory, "t1") == {"t1-4", "t1-7"}
+        assert await codes_of(memory, "t2") == {"t2-2", "t2-5", "t2-8"}
+
+
+async def test_an_oversized_record_is_stored_cut_to_what_recall_shows(
+    memory: AgentMemory,
+) -> None:
+    task = CSV_TASK + " " + "and more words " * 1500
+    assert len(task) > 20_000
+    record = MemoryRecord(
+        task=task,
+        code="x = 1\n" * 4000,
+        outcome="failed",
+        errors=[f"error {n}: " + "e" * 5000 for n in range(10)],
+        fix="f" * 5000,
+        tenant="a",
+    )
+    await memory.remember(record)
+    [(stored, score)] = await memory.recall(task, tenant="a")
+    assert score > 0.99  # the task was embedded whole
+    assert len(stored.task) <= RECALL_TEXT_MAX_CHARS
+    assert stored.task.startswith(CSV_TASK)
+    assert len(stored.code) <= RECALL_CODE_MAX_CHARS
+    assert stored.code.startswith("x = 1\n")
+    assert [error[:8] for error in stored.errors] == ["error 7:", "error 8:", "error 9:"]
+    assert len(stored.errors) == STORED_ERRORS
+    assert all(len(error) <= RECALL_TEXT_MAX_CHARS for error in stored.errors)
+    assert stored.fix is not None and len(stored.fix) <= RECALL_TEXT_MAX_CHARS
+    # What the prompt shows of it is what it showed of the record whole.
+    assert format_recall([(stored, score)]) == format_recall([(record, score)])
+    # A record that fits is stored as it is.
+    await memory.remember(solved(FIB_TASK, " def f(): ...\n", errors=["E"], fix=" fix "))
+    [(small, _)] = await memory.recall(FIB_TASK)
+    assert (small.code, small.errors, small.fix) == (" def f(): ...\n", ["E"], " fix ")
+
+
+def test_memory_bounds_are_settings() -> None:
+    settings = AgentSettings.model_validate(
+        {
+            "AGENT_MEMORY_MAX_RECORDS_PER_TENANT": "7",
+            "AGENT_MEMORY_MAX_RECORDS": "70",
+            "AGENT_MEMORY_RETENTION_SECONDS": "60",
+        }
+    )
+    assert settings.memory_max_records_per_tenant == 7
+    assert settings.memory_max_records == 70
+    assert settings.memory_retention_s == 60
+    # AgentMemory's own defaults, for one built without settings, are the settings'.
+    defaults = AgentSettings()
+    assert defaults.memory_max_records_per_tenant == DEFAULT_MAX_RECORDS_PER_TENANT == 500
+    assert defaults.memory_max_records == DEFAULT_MAX_RECORDS == 5_000
+    assert defaults.memory_retention_s == DEFAULT_RETENTION_S == 30 * 24 * 3600
+
+
+async def test_the_first_tasks_at_once_share_one_memory(tmp_path: Path) -> None:
+    # Failed before (red team, 2026-12-07): the first tasks opened the memory each on its
+    # own, and all but one found the embedded folder locked (a 503 on POST /execute).
+    from sandlot.agent.providers.scripted import ScriptedProvider
+    from sandlot.agent.runtime import AgentRuntime
+
+    settings = settings_at(tmp_path / "memory", memory_enabled=True)
+    runtime = AgentRuntime(ScriptedProvider([]), settings=settings)
+    try:
+        opened = await asyncio.gather(*(runtime.memory() for _ in range(4)))
+        assert opened[0] is not None
+        assert all(memory is opened[0] for memory in opened)
+    finally:
+        await runtime.aclose()
+    # aclose() closed the one memory opened: the folder is free again.
+    async with await AgentMemory.open(settings_at(tmp_path / "memory")):
+        pass
 
 
 @pytest.fixture

@@ -129,6 +129,14 @@ def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+class EscapedJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped, as many APIs send it: so a reply may carry a lone
+    surrogate (``"\\ud800"``), which Starlette's own UTF-8 rendering cannot."""
+
+    def render(self, content: Any) -> bytes:
+        return _compact(content).encode("ascii")
+
+
 # ----------------------------------------------------------------------------- dialects
 
 
@@ -728,7 +736,7 @@ def make_app(dialect: Dialect, script: Script) -> Starlette:
                 reply["usage"]["completion_tokens"] = action.output_tokens * count
                 return JSONResponse(reply)
             case Reply():
-                return JSONResponse(dialect.reply(action))
+                return EscapedJSONResponse(dialect.reply(action))
         raise AssertionError(action)
 
     return Starlette(routes=[Route("/{path:path}", handle, methods=["POST"])])
@@ -950,6 +958,28 @@ async def test_an_error_event_mid_stream_raises(wire: Wire, connect: Connect) ->
         await collect(connect().stream("hi"), received)
     assert received == ["partial ", "answer"]
     assert len(wire.server.requests) == 1  # output was seen: never retried
+
+
+async def test_a_lone_surrogate_in_a_reply_is_replaced(wire: Wire, connect: Connect) -> None:
+    # Failed before (red team, 2026-12-07): "\\ud800" in a reply's JSON decoded into a str
+    # that no UTF-8 encoder takes; the loop's ast.parse raised, and POST /execute was a 500.
+    wire.script.set(Reply(("print('", "\ud800", "')")))
+    provider = connect()
+    completion = await provider.generate("hi")
+    assert completion.text == "print('\ufffd')"
+    chunks = [chunk async for chunk in provider.stream("hi")]
+    assert "".join(chunks) == "print('\ufffd')"
+
+
+def test_completion_text_is_always_valid_unicode() -> None:
+    def text(raw: str) -> str:
+        return providers_base.Completion(text=raw, provider="p", model="m").text
+
+    assert text("plain é 😀") == "plain é 😀"
+    assert text("a\ud800b\udfff") == "a\ufffdb\ufffd"
+    assert text("\ud83d\ude00") == "😀"  # a pair split into two code points is joined
+    for raw in ("\ud800", "x\udc00\ud800y"):
+        text(raw).encode("utf-8")
 
 
 async def test_a_reply_without_text_is_an_error_naming_why(wire: Wire, connect: Connect) -> None:

@@ -178,6 +178,34 @@ class AgentSettings(BaseSettings):
         validation_alias=_env("memory_enabled", "AGENT_MEMORY"),
         description="Recall past tasks and fixes from Qdrant (needs the `memory` extra).",
     )
+    memory_max_records_per_tenant: int = Field(
+        default=500,
+        ge=1,
+        le=1_000_000,
+        validation_alias=_env(
+            "memory_max_records_per_tenant", "AGENT_MEMORY_MAX_RECORDS_PER_TENANT"
+        ),
+        description="Most memory records kept per tenant (the SDK's and CLI's own runs count "
+        "as one); storing one more evicts the tenant's oldest.",
+    )
+    memory_max_records: int = Field(
+        default=5_000,
+        ge=1,
+        le=10_000_000,
+        validation_alias=_env("memory_max_records", "AGENT_MEMORY_MAX_RECORDS"),
+        description="Most memory records kept in all, every tenant's together (embedded mode "
+        "holds them all in RAM: about 13 KiB a record at most, 65 MiB at 5,000); past it, the "
+        "oldest of all are evicted down to 90%.",
+    )
+    memory_retention_s: float = Field(
+        default=30 * 24 * 3600.0,
+        gt=0,
+        le=100 * 365 * 24 * 3600.0,
+        validation_alias=_env("memory_retention_s", "AGENT_MEMORY_RETENTION_SECONDS"),
+        description="Seconds a memory record is kept (default 30 days); older ones are never "
+        "recalled, and deleted when the memory opens, when their tenant stores a record, and "
+        "at most an hour after expiring while records are stored.",
+    )
     qdrant_url: str | None = Field(
         default=None,
         validation_alias=_env("qdrant_url", "QDRANT_URL"),

@@ -23,6 +23,12 @@ Embedders:
 * :class:`~sandlot.agent.embedders.LlamaEmbedder` embeds with a GGUF model through
   llama-cpp-python (semantic, slower).
 
+What is kept is bounded (a red team's 1,500 records of 20,000 characters grew a server's RSS
+by 159 MiB, 2026-12-07): a record is stored cut to what :func:`format_recall` shows (its task
+embedded whole), each tenant keeps its newest ``AGENT_MEMORY_MAX_RECORDS_PER_TENANT``, all
+tenants together ``AGENT_MEMORY_MAX_RECORDS``, and none older than
+``AGENT_MEMORY_RETENTION_SECONDS`` is recalled or kept (:meth:`AgentMemory.remember`).
+
 The vector size is fixed when the collection is created; a store written by an embedder of
 another size is refused with :class:`~sandlot.errors.ConfigError`, never mixed.
 
@@ -38,10 +44,11 @@ from __future__ import annotations
 import asyncio
 import importlib
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
@@ -54,6 +61,7 @@ from sandlot.errors import BackendUnavailable, ConfigError
 
 if TYPE_CHECKING:
     from qdrant_client import QdrantClient, models
+    from qdrant_client.conversions.common_types import PointId
 
     from sandlot.agent.config import AgentSettings
 
@@ -72,6 +80,20 @@ RECALL_MAX_CHARS = 1500
 RECALL_CODE_MAX_CHARS = 500
 RECALL_TEXT_MAX_CHARS = 200
 RECALL_MIN_SECTION_CHARS = 80  # less than this of a record tells the model nothing
+# What a record keeps of its errors: the runtime passes its last three, recall shows one.
+STORED_ERRORS = 3
+# Bounds of what is kept (AGENT_MEMORY_MAX_RECORDS_PER_TENANT and the rest, in AgentSettings).
+DEFAULT_MAX_RECORDS_PER_TENANT = 500
+DEFAULT_MAX_RECORDS = 5_000
+DEFAULT_RETENTION_S = 30 * 24 * 3600.0
+# Past AGENT_MEMORY_MAX_RECORDS the store is trimmed to this share of it, so that the scan of
+# every record's age runs once per tenth of the cap, not on every store.
+TRIM_TO_SHARE = 0.9
+# Every tenant's expired records are deleted at most this often while records are stored
+# (each tenant's own at every store of theirs).
+PURGE_INTERVAL_S = 3600.0
+SCROLL_BATCH = 1000
+_OLDEST = datetime.min.replace(tzinfo=UTC)
 
 T = TypeVar("T")
 
@@ -116,10 +138,36 @@ class AgentMemory:
     requires.
     """
 
-    def __init__(self, client: QdrantClient, embedder: Embedder, *, location: str) -> None:
+    def __init__(
+        self,
+        client: QdrantClient,
+        embedder: Embedder,
+        *,
+        location: str,
+        max_records_per_tenant: int = DEFAULT_MAX_RECORDS_PER_TENANT,
+        max_records: int = DEFAULT_MAX_RECORDS,
+        retention_s: float = DEFAULT_RETENTION_S,
+        sole_client: bool = False,
+    ) -> None:
+        """``sole_client``: no other client writes the collection (embedded mode's lock
+        says so), so the memory may keep each tenant's record ages itself."""
+        if max_records_per_tenant < 1 or max_records < 1 or retention_s <= 0:
+            raise ConfigError(
+                "the agent memory needs AGENT_MEMORY_MAX_RECORDS_PER_TENANT >= 1, "
+                "AGENT_MEMORY_MAX_RECORDS >= 1 and AGENT_MEMORY_RETENTION_SECONDS > 0"
+            )
         self._client = client
         self.embedder = embedder
         self.location = location
+        self.max_records_per_tenant = max_records_per_tenant
+        self.max_records = max_records
+        self.retention_s = retention_s
+        self._next_purge_at = 0.0  # time.monotonic() of the next purge of every expired record
+        # Each tenant's (created_at, point id), oldest first, once read: embedded Qdrant
+        # filters in Python, a scan of every record that took 55 ms at 5,000 of them.
+        self._tenant_ages: dict[str | None, list[tuple[datetime, PointId]]] | None = (
+            {} if sole_client else None
+        )
         self._lock = threading.Lock()
         # Queued embeddings wait in this executor's queue, holding no thread; its one thread
         # starts with the first embedding.
@@ -135,7 +183,8 @@ class AgentMemory:
         Args:
             settings: Agent settings (default: :func:`get_agent_settings`). ``qdrant_url``
                 selects a server; else embedded mode in ``qdrant_path`` or
-                ``<data dir>/memory``.
+                ``<data dir>/memory``. The ``memory_max_records*`` and
+                ``memory_retention_s`` bound what is kept; expired records are deleted here.
             embedder: Default :class:`HashingEmbedder`.
 
         Raises:
@@ -174,9 +223,18 @@ class AgentMemory:
                 if "already accessed" not in str(exc):
                     raise
                 raise _folder_locked(folder) from exc
-        memory = cls(client, embedder, location=location)
+        memory = cls(
+            client,
+            embedder,
+            location=location,
+            max_records_per_tenant=settings.memory_max_records_per_tenant,
+            max_records=settings.memory_max_records,
+            retention_s=settings.memory_retention_s,
+            sole_client=not settings.qdrant_url,
+        )
         try:
             memory._locked(memory._ensure_collection)
+            memory._locked(memory._purge_expired, memory._cutoff())
         except BaseException:
             client.close()
             raise
@@ -211,16 +269,111 @@ class AgentMemory:
             )
 
     async def remember(self, record: MemoryRecord) -> str:
-        """Store one record; returns its point id (a UUID string)."""
+        """Store one record; returns its point id (a UUID string).
+
+        The task is embedded whole, but the record is stored cut to what
+        :func:`format_recall` shows of it: task, last error and fix to
+        ``RECALL_TEXT_MAX_CHARS``, code to ``RECALL_CODE_MAX_CHARS``, the last
+        ``STORED_ERRORS`` errors. Then the record's tenant keeps its newest
+        ``max_records_per_tenant`` unexpired records (the oldest are deleted, and the
+        expired), and past ``max_records`` in all the oldest of all go, down to
+        ``TRIM_TO_SHARE`` of it.
+        """
         from qdrant_client import models
 
         vector = await self._embed(record.task)
         point_id = str(uuid.uuid4())
         point = models.PointStruct(
-            id=point_id, vector=vector, payload=record.model_dump(mode="json")
+            id=point_id, vector=vector, payload=_bounded(record).model_dump(mode="json")
         )
-        await self._call(self._client.upsert, COLLECTION_NAME, points=[point], wait=True)
+        await self._call(self._store, point, record.tenant)
         return point_id
+
+    def _store(self, point: models.PointStruct, tenant: str | None) -> None:
+        from qdrant_client import models
+
+        # One call under the lock: two stores of one tenant at once must not both see
+        # room for one more.
+        self._client.upsert(COLLECTION_NAME, points=[point], wait=True)
+        cutoff = self._cutoff()
+        if self._tenant_ages is not None and tenant in self._tenant_ages:
+            ages = [*self._tenant_ages[tenant], (_created_at(point.payload), point.id)]
+        else:
+            ages = self._ages(models.Filter(must=[_owner(tenant)]))
+        kept = self._keep_newest(ages, self.max_records_per_tenant, cutoff)
+        if self._tenant_ages is not None:
+            self._tenant_ages[tenant] = kept
+        if self._client.count(COLLECTION_NAME, exact=True).count > self.max_records:
+            self._keep_newest(
+                self._ages(None), max(1, int(self.max_records * TRIM_TO_SHARE)), cutoff
+            )
+            self._forget_ages()
+        elif time.monotonic() >= self._next_purge_at:
+            self._purge_expired(cutoff)
+
+    def _keep_newest(
+        self, ages: list[tuple[datetime, PointId]], kept: int, cutoff: datetime
+    ) -> list[tuple[datetime, PointId]]:
+        """Delete the expired of ``ages`` and all but the ``kept`` newest of the rest;
+        returns the ages of those left, oldest first."""
+        ages = sorted(ages, key=lambda age: (age[0], str(age[1])))
+        alive = [age for age in ages if age[0] >= cutoff]
+        evicted = max(0, len(alive) - kept)
+        doomed = [point_id for created_at, point_id in ages if created_at < cutoff]
+        doomed += [point_id for _, point_id in alive[:evicted]]
+        if doomed:
+            from qdrant_client import models
+
+            self._client.delete(
+                COLLECTION_NAME, points_selector=models.PointIdsList(points=doomed), wait=True
+            )
+        return alive[evicted:]
+
+    def _forget_ages(self) -> None:
+        """After a delete by other means than _keep_newest: read the ages again when needed."""
+        if self._tenant_ages is not None:
+            self._tenant_ages.clear()
+
+    def _ages(self, where: models.Filter | None) -> list[tuple[datetime, PointId]]:
+        """When each record that ``where`` selects was created, with its point id."""
+        ages: list[tuple[datetime, PointId]] = []
+        offset: PointId | None = None
+        while True:
+            points, offset = self._client.scroll(
+                COLLECTION_NAME,
+                scroll_filter=where,
+                limit=SCROLL_BATCH,
+                offset=offset,
+                with_payload=["created_at"],
+                with_vectors=False,
+            )
+            ages += [(_created_at(point.payload), point.id) for point in points]
+            if offset is None:
+                return ages
+
+    def _purge_expired(self, cutoff: datetime) -> None:
+        from qdrant_client import models
+
+        self._next_purge_at = time.monotonic() + PURGE_INTERVAL_S
+        self._forget_ages()
+        self._client.delete(
+            COLLECTION_NAME,
+            points_selector=models.FilterSelector(
+                filter=models.Filter(
+                    should=[
+                        models.FieldCondition(
+                            key="created_at", range=models.DatetimeRange(lt=cutoff)
+                        ),
+                        models.IsEmptyCondition(is_empty=models.PayloadField(key="created_at")),
+                    ]
+                )
+            ),
+            wait=True,
+        )
+
+    def _cutoff(self) -> datetime:
+        """Records created before this have expired."""
+        return datetime.now(UTC) - timedelta(seconds=self.retention_s)
 
     async def recall(
         self,
@@ -234,7 +387,8 @@ class AgentMemory:
 
         Only ``tenant``'s records are recalled (with None, only those remembered with no
         tenant): one server's memory holds every tenant's tasks and code, which another
-        tenant's prompt must never carry (a red team's find, 2026-11-25).
+        tenant's prompt must never carry (a red team's find, 2026-11-25). Records older
+        than ``retention_s`` are not recalled.
 
         Solved records rank first at similar scores (``SOLVED_BONUS``); failures count only
         when they carry a fix. Records scoring below ``min_score`` are left out; by default
@@ -246,11 +400,12 @@ class AgentMemory:
         if min_score is None:
             min_score = float(getattr(self.embedder, "min_score", DEFAULT_MIN_SCORE))
         vector = await self._embed(task)
+        cutoff = self._cutoff()
         response = await self._call(
             self._client.query_points,
             COLLECTION_NAME,
             query=vector,
-            query_filter=_useful_records_filter(tenant),
+            query_filter=_useful_records_filter(tenant, cutoff),
             limit=limit * CANDIDATES_PER_HIT,
             score_threshold=min_score,
             with_payload=True,
@@ -263,7 +418,8 @@ class AgentMemory:
                 # A shared server may hold points another version wrote; skip, do not fail.
                 log.warning("memory_point_unreadable", point_id=str(point.id))
                 continue
-            if record.tenant == tenant:  # the filter's word, checked again here
+            # The filter's word, checked again here.
+            if record.tenant == tenant and record.created_at >= cutoff:
                 hits.append((record, point.score))
         hits.sort(
             key=lambda hit: hit[1] + (SOLVED_BONUS if hit[0].outcome == "solved" else 0.0),
@@ -280,6 +436,7 @@ class AgentMemory:
         """Delete every record (the collection is recreated empty)."""
 
         def reset() -> None:
+            self._forget_ages()
             self._client.delete_collection(COLLECTION_NAME)
             self._ensure_collection()
 
@@ -361,19 +518,26 @@ def _default_memory_dir() -> Path:
     return get_settings().data_dir / "memory"
 
 
-def _useful_records_filter(tenant: str | None) -> models.Filter:
+def _owner(tenant: str | None) -> models.Condition:
+    """The tenant's own records (records from before tenants, with no such field, count as
+    the tenantless ones)."""
     from qdrant_client import models
 
-    # The tenant's own records (records from before tenants, with no such field, count as
-    # the tenantless ones) ...
-    owner: models.Condition = (
-        models.IsEmptyCondition(is_empty=models.PayloadField(key="tenant"))
-        if tenant is None
-        else models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))
-    )
-    # ... that are solved, or failures that at least say what fixed an error.
+    if tenant is None:
+        return models.IsEmptyCondition(is_empty=models.PayloadField(key="tenant"))
+    return models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))
+
+
+def _useful_records_filter(tenant: str | None, cutoff: datetime) -> models.Filter:
+    from qdrant_client import models
+
+    # The tenant's own unexpired records that are solved, or failures that at least say
+    # what fixed an error.
     return models.Filter(
-        must=[owner],
+        must=[
+            _owner(tenant),
+            models.FieldCondition(key="created_at", range=models.DatetimeRange(gte=cutoff)),
+        ],
         should=[
             models.FieldCondition(key="outcome", match=models.MatchValue(value="solved")),
             models.Filter(
@@ -417,6 +581,40 @@ def format_recall(
     if not sections:
         return ""
     return "\n".join([header, *sections])
+
+
+def _bounded(record: MemoryRecord) -> MemoryRecord:
+    """``record`` cut to what :func:`format_recall` shows of it, so a record's size is
+    bounded whatever the task and code."""
+    return record.model_copy(
+        update={
+            "task": _stored(record.task, RECALL_TEXT_MAX_CHARS),
+            "code": _stored(record.code, RECALL_CODE_MAX_CHARS),
+            "errors": [
+                _stored(error, RECALL_TEXT_MAX_CHARS) for error in record.errors[-STORED_ERRORS:]
+            ],
+            "fix": None if record.fix is None else _stored(record.fix, RECALL_TEXT_MAX_CHARS),
+        }
+    )
+
+
+def _stored(text: str, max_chars: int) -> str:
+    # Cut as format_recall cuts, so the prompt shows the same; a text that fits is kept as
+    # it is, and a long one of blanks keeps a mark (a task must not be empty).
+    if len(text) <= max_chars:
+        return text
+    return _cut(text, max_chars) or "..."
+
+
+def _created_at(payload: dict[str, Any] | None) -> datetime:
+    """A stored record's ``created_at``; one that is missing or unreadable counts as the
+    oldest (it is no record this version can recall)."""
+    value = (payload or {}).get("created_at")
+    try:
+        created_at = datetime.fromisoformat(value) if isinstance(value, str) else _OLDEST
+    except ValueError:
+        return _OLDEST
+    return created_at if created_at.tzinfo is not None else created_at.replace(tzinfo=UTC)
 
 
 def _cut(text: str, max_chars: int) -> str:

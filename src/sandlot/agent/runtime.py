@@ -15,6 +15,7 @@ in the sandbox).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import structlog
@@ -48,6 +49,9 @@ class AgentRuntime:
         self._provider = provider
         self._memory = memory
         self._memory_opened = False
+        # The first tasks at once must share one open: embedded Qdrant admits one client per
+        # folder, and a second open found it locked (a red team's 503s, 2026-12-07).
+        self._memory_opening = asyncio.Lock()
         self.max_attempts = max_attempts or self.settings.max_reflexion_attempts
         self.sandbox_options = dict(sandbox_options or {})
 
@@ -58,11 +62,16 @@ class AgentRuntime:
         return self._provider
 
     async def memory(self) -> Any | None:
-        if self._memory is None and self.settings.memory_enabled and not self._memory_opened:
-            from sandlot.agent.memory import AgentMemory
+        """The memory: the one given, else (with ``AGENT_MEMORY`` on) one opened on first use
+        and shared by every task after, those that asked at the same time included."""
+        if self._memory is not None or not self.settings.memory_enabled:
+            return self._memory
+        async with self._memory_opening:
+            if self._memory is None and not self._memory_opened:
+                from sandlot.agent.memory import AgentMemory
 
-            self._memory = await AgentMemory.open(self.settings)
-            self._memory_opened = True
+                self._memory = await AgentMemory.open(self.settings)
+                self._memory_opened = True
         return self._memory
 
     async def execute(

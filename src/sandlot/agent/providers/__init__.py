@@ -23,6 +23,9 @@ from sandlot.agent.providers.base import (
 )
 from sandlot.errors import ConfigError
 
+# Seed 000's name for the interface every provider implements.
+LLMProvider = Provider
+
 
 @dataclass(frozen=True)
 class ProviderSpec:
@@ -159,6 +162,7 @@ __all__ = [
     "Completion",
     "GenerationParams",
     "HttpProvider",
+    "LLMProvider",
     "Message",
     "Provider",
     "ProviderSpec",

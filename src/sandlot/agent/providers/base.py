@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 import httpx
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from sandlot.errors import (
     ModelOutputError,
@@ -53,7 +53,8 @@ class Message(BaseModel):
 
 
 class Completion(BaseModel):
-    """One reply of a model, with what it cost."""
+    """One reply of a model, with what it cost. ``text`` is always valid Unicode: lone
+    surrogates are replaced (see :func:`valid_text`)."""
 
     text: str
     provider: str
@@ -64,6 +65,25 @@ class Completion(BaseModel):
     finish_reason: str | None = Field(
         default=None, description="stop, length (max_tokens reached), or the provider's word."
     )
+
+    @field_validator("text")
+    @classmethod
+    def _valid_text(cls, text: str) -> str:
+        return valid_text(text)
+
+
+def valid_text(text: str) -> str:
+    """``text`` with every lone surrogate replaced by U+FFFD (a split pair is joined).
+
+    A provider's JSON may escape a lone surrogate (``"\\ud800"``), which decodes into a
+    ``str`` that no UTF-8 encoder takes: the code run, ``ast.parse`` and the server's reply
+    would each raise ``UnicodeEncodeError`` (a red team's 500 on POST /execute, 2026-12-07).
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 @dataclass(frozen=True)
@@ -180,7 +200,7 @@ class Provider(ABC):
         """The reply as it is produced."""
         params = self._params(max_tokens, temperature, stop)
         async for chunk in self._stream(as_messages(prompt, system), params):
-            yield chunk
+            yield valid_text(chunk)
 
     async def _stream(
         self, messages: list[Message], params: GenerationParams
