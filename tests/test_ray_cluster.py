@@ -82,10 +82,14 @@ def _ray_env(root: Path) -> dict[str, str]:
 
 def start_node(root: Path, node: str) -> None:
     resources = f'{{"sandlot_node": 1, "sandlot_node_{node}": 1}}'
+    # Each node stands for a machine of its own: the host's capacity it counts is its own
+    # (one ledger shared by three agents on this host held them all to this host's 2 cores).
+    # The raylet's environment is its workers', the node agent among them.
+    env = {**_ray_env(root), "SANDBOX_HOST_LEDGER_DIR": str(root / f"ledger-{node}")}
     subprocess.run(
         [RAY, "start", f"--address={IP}:6379", f"--node-ip-address={IP}", "--num-cpus=1",
          f"--resources={resources}", "--disable-usage-stats"],
-        env=_ray_env(root), check=True, capture_output=True, timeout=120,
+        env=env, check=True, capture_output=True, timeout=120,
     )  # fmt: skip
 
 
@@ -165,6 +169,16 @@ async def cluster(cluster_root: Path) -> AsyncIterator[ClusterManager]:
 
 async def test_a_hundred_sandboxes_spread_and_keep_their_state(cluster: ClusterManager) -> None:
     assert set(cluster.nodes()) == set(NODES)
+    # Each agent, a Ray worker Ray's memory monitor would kill (on by default), offers its
+    # sandboxes at most the memory under the monitor's threshold (red team, 2026-12-07).
+    from sandlot.core import admission
+    from sandlot.ray.node import RAY_MEMORY_HEADROOM, RAY_MEMORY_THRESHOLD
+
+    await cluster.refresh()
+    physical_mb = admission.physical_memory_mb(settings_for(Path(tempfile.gettempdir())))
+    for load in cluster.nodes().values():
+        under = physical_mb * (RAY_MEMORY_THRESHOLD - RAY_MEMORY_HEADROOM)
+        assert load.memory_free_mb <= under + 1, (load, physical_mb)
     infos = []
     for i in range(100):
         infos.append(await cluster.create(SandboxSpec(memory_mb=64)))
