@@ -467,3 +467,39 @@ async def test_memory_recalls_a_past_fix_into_the_prompt(
         assert "indentation" in prompt  # the failure that the fix answered
     finally:
         await memory.close()
+
+
+async def test_the_system_prompts_come_from_the_registry(
+    manager: SandboxManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seed 001's registry/prompts: the package's system prompts (the ones the benchmarks
+    ran with, word for word), any of them replaced by SANDLOT_REGISTRY_DIR/prompts/system.yaml,
+    and a file that is not prompts refused by name."""
+    from sandlot.agent.prompts import GENERATOR_SYSTEM, system_prompts
+    from sandlot.config import get_settings
+
+    packaged = system_prompts()
+    assert packaged.generator == GENERATOR_SYSTEM and GENERATOR_SYSTEM.startswith("You are an")
+    assert all(text.lower().startswith(f"you are the {r}") for r, text in packaged.roles.items())
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "system.yaml").write_text(
+        "generator: You write Python for the ACME test rig.\n"
+        "roles: {critic: You are the critic of ACME.}\n"
+    )
+    ours = system_prompts(tmp_path)
+    assert ours.generator == "You write Python for the ACME test rig."
+    assert ours.roles["critic"] == "You are the critic of ACME."
+    assert ours.roles["coder"] == packaged.roles["coder"]  # the others stay the package's
+    monkeypatch.setenv("SANDLOT_REGISTRY_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    try:
+        provider = ScriptedProvider([fenced("print(55)")])
+        result = await runtime(manager, provider).execute("Print 55")
+        assert result.success
+        assert provider.calls[0][0].content == "You write Python for the ACME test rig."
+    finally:
+        monkeypatch.delenv("SANDLOT_REGISTRY_DIR")
+        get_settings.cache_clear()
+    (tmp_path / "prompts" / "system.yaml").write_text("roles: {janitor: You are the janitor.}\n")
+    with pytest.raises(ConfigError, match="system.yaml"):
+        system_prompts.__wrapped__(tmp_path)

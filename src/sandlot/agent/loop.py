@@ -46,9 +46,9 @@ from sandlot.agent.models import (
     TaskSpec,
 )
 from sandlot.agent.prompts import (
-    GENERATOR_SYSTEM,
     conversation,
     critique_conversation,
+    current_prompts,
 )
 from sandlot.agent.providers.base import Provider
 from sandlot.errors import ModelOutputError, ProviderError
@@ -177,7 +177,7 @@ class ReflexionLoop:
         for _ in range(1 + (DUPLICATE_REDRAWS if attempts else 0)):
             try:
                 completion = await self.provider.generate(
-                    messages, system=GENERATOR_SYSTEM, temperature=temperature
+                    messages, system=current_prompts().generator, temperature=temperature
                 )
             except ProviderError as exc:
                 await self.emit(AgentEvent(event="error", attempt=number, data={"error": str(exc)}))
@@ -217,7 +217,7 @@ class ReflexionLoop:
             critique, completion = await self.provider.generate_json(
                 messages,
                 Critique,
-                system=GENERATOR_SYSTEM,
+                system=current_prompts().generator,
                 max_tokens=CRITIQUE_MAX_TOKENS,
             )
             text = f"{critique.diagnosis} Fix: {critique.fix}"

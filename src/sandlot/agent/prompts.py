@@ -10,13 +10,77 @@ turns.
 
 from __future__ import annotations
 
-from sandlot.agent.models import Attempt, TaskSpec
-from sandlot.agent.providers.base import Message
+from functools import cache
+from pathlib import Path
 
-GENERATOR_SYSTEM = (
-    "You are an expert Python programmer. You write correct, simple, self-contained Python 3 "
-    "code using only the standard library. The code runs with no network and no input."
-)
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sandlot.agent.models import AgentRole, Attempt, TaskSpec
+from sandlot.agent.providers.base import Message
+from sandlot.config import explain_invalid, get_settings
+from sandlot.environments import PACKAGED_REGISTRY
+from sandlot.errors import ConfigError
+
+# The system prompts live in the registry (seed 001's registry/prompts), no logic: the
+# package's, and any of them replaced by SANDLOT_REGISTRY_DIR/prompts/system.yaml.
+PROMPTS_FILE = Path("prompts") / "system.yaml"
+MAX_PROMPT_CHARS = 8000
+
+
+class SystemPrompts(BaseModel):
+    """What the generator is told, and what each role of the swarm is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    generator: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    roles: dict[AgentRole, str] = Field(min_length=len(AgentRole))
+
+
+class _Override(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    generator: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
+    roles: dict[AgentRole, str] = Field(default_factory=dict)
+
+
+def _read(path: Path) -> _Override:
+    try:
+        return _Override.model_validate(yaml.safe_load(path.read_text()) or {})
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"prompts file {path} is invalid: {exc}") from exc
+    except ValidationError as exc:
+        raise ConfigError(explain_invalid(exc, f"prompts file {path}")) from None
+
+
+@cache
+def system_prompts(registry_dir: Path | None = None) -> SystemPrompts:
+    """The package's system prompts, with those ``registry_dir/prompts/system.yaml`` gives
+    in their place.
+
+    Raises:
+        ConfigError: a prompts file that is not one (unknown keys or roles, empty prompts).
+    """
+    packaged = _read(PACKAGED_REGISTRY / PROMPTS_FILE)
+    generator, roles = packaged.generator, dict(packaged.roles)
+    own = registry_dir / PROMPTS_FILE if registry_dir is not None else None
+    if own is not None and own.is_file():
+        override = _read(own)
+        generator = override.generator or generator
+        roles.update(override.roles)
+    try:
+        return SystemPrompts(generator=generator or "", roles=roles)
+    except ValidationError as exc:
+        raise ConfigError(explain_invalid(exc, "the system prompts")) from None
+
+
+def current_prompts() -> SystemPrompts:
+    """The system prompts of this process's registry (``SANDLOT_REGISTRY_DIR``)."""
+    return system_prompts(get_settings().registry_dir)
+
+
+# The package's own, for reading and for tests.
+GENERATOR_SYSTEM = system_prompts().generator
 
 
 def _task(spec: TaskSpec) -> str:

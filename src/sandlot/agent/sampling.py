@@ -52,7 +52,7 @@ from sandlot.agent.models import (
     SamplePath,
     TaskSpec,
 )
-from sandlot.agent.prompts import GENERATOR_SYSTEM, generate_prompt
+from sandlot.agent.prompts import current_prompts, generate_prompt
 from sandlot.agent.providers.base import Completion, Provider
 from sandlot.errors import ProviderError
 
@@ -145,7 +145,7 @@ class SampleSelect:
         reply: Completion | ProviderError
         try:
             reply = await self.provider.generate(
-                generate_prompt(spec, recalled), system=GENERATOR_SYSTEM
+                generate_prompt(spec, recalled), system=current_prompts().generator
             )
         except ProviderError as exc:
             reply = exc
@@ -159,7 +159,7 @@ class SampleSelect:
         replies = await self.provider.generate_many(
             generate_prompt(spec, recalled),
             len(indices),
-            system=GENERATOR_SYSTEM,
+            system=current_prompts().generator,
             temperature=self.sample_temperature,
         )
         return [await self._drawn(i, reply) for i, reply in zip(indices, replies, strict=True)]
@@ -183,7 +183,7 @@ class SampleSelect:
         try:
             completion = await self.provider.generate(
                 tests_prompt(spec, self.generated_tests),
-                system=GENERATOR_SYSTEM,
+                system=current_prompts().generator,
                 max_tokens=TESTS_MAX_TOKENS,
             )
         except ProviderError as exc:

@@ -45,7 +45,7 @@ from sandlot.agent.models import (
     TaskSpec,
     Vote,
 )
-from sandlot.agent.prompts import GENERATOR_SYSTEM
+from sandlot.agent.prompts import current_prompts, system_prompts
 from sandlot.agent.providers.base import Completion, Provider
 from sandlot.errors import ModelOutputError, ProviderError
 
@@ -53,21 +53,9 @@ VOTE_MAX_TOKENS = 200
 DESIGN_MAX_TOKENS = 300
 
 
-# Each starts "You are the <role>": the scripted provider routes its replies by that.
-ROLE_PROMPTS: dict[AgentRole, str] = {
-    AgentRole.ARCHITECT: "You are the architect. You plan the structure of a solution: the "
-    "functions, the data structures, the edge cases to handle. You judge proposals on "
-    "whether they follow a sound design.",
-    AgentRole.CODER: "You are the coder. You write correct, clear Python that follows the "
-    "design and handles the edge cases. " + GENERATOR_SYSTEM,
-    AgentRole.CRITIC: "You are the critic. You look for bugs: wrong results, unhandled edge "
-    "cases, crashes. You judge proposals on correctness, using their test runs as evidence.",
-    AgentRole.SECURITY: "You are the security reviewer. You reject code that touches files "
-    "outside its task, opens network connections, runs shell commands, uses eval or exec on "
-    "input, or could hang or exhaust memory. Correct code that does none of this is safe.",
-    AgentRole.OPTIMIZER: "You are the optimizer. You write and prefer code that is simple "
-    "and efficient (time and memory) without losing correctness. " + GENERATOR_SYSTEM,
-}
+# Each starts "You are the <role>": the scripted provider routes its replies by that. The
+# package's; a run reads its registry's (prompts.current_prompts).
+ROLE_PROMPTS: dict[AgentRole, str] = dict(system_prompts().roles)
 PROPOSERS = (AgentRole.CODER, AgentRole.OPTIMIZER)
 
 
@@ -150,7 +138,7 @@ class Swarm:
         completion = await self.provider.generate(
             f"{memory}Task:\n{spec.prompt or spec.task}\n\nWrite a short design (at most 8 "
             "lines): the approach, the functions, the edge cases. No code.",
-            system=ROLE_PROMPTS[AgentRole.ARCHITECT],
+            system=current_prompts().roles[AgentRole.ARCHITECT],
             max_tokens=DESIGN_MAX_TOKENS,
         )
         return completion.text.strip(), completion
@@ -187,7 +175,7 @@ class Swarm:
                     f"{outcome}\nThe reviewers said:\n{feedback or '(nothing)'}\n\n"
                 )
             prompt += f"Write the complete {what} in one ```python block."
-            completion = await self.provider.generate(prompt, system=ROLE_PROMPTS[role])
+            completion = await self.provider.generate(prompt, system=current_prompts().roles[role])
             attempt = Attempt(number=number, code=extract_code(completion.text))
             attempt.charge(completion)
             await self.emit(
@@ -231,7 +219,7 @@ class Swarm:
         async def one(role: AgentRole) -> tuple[AgentRole, Vote | None]:
             try:
                 vote, _ = await self.provider.generate_json(
-                    prompt, Vote, system=ROLE_PROMPTS[role], max_tokens=VOTE_MAX_TOKENS
+                    prompt, Vote, system=current_prompts().roles[role], max_tokens=VOTE_MAX_TOKENS
                 )
             except ModelOutputError as exc:
                 errors.append(f"{role.value} abstained: {exc}")
