@@ -501,5 +501,5 @@ async def test_the_system_prompts_come_from_the_registry(
         monkeypatch.delenv("SANDLOT_REGISTRY_DIR")
         get_settings.cache_clear()
     (tmp_path / "prompts" / "system.yaml").write_text("roles: {janitor: You are the janitor.}\n")
-    with pytest.raises(ConfigError, match="system.yaml"):
+    with pytest.raises(ConfigError, match=r"system\.yaml"):
         system_prompts.__wrapped__(tmp_path)

@@ -403,3 +403,48 @@ def test_a_revoked_key_ends_its_agent_task_on_the_stream(data_root: Path) -> Non
             stop_server(process)
     assert events[-1]["type"] == "error", events
     assert events[-1]["error"]["code"] == "unauthenticated"
+
+
+def test_an_agent_from_the_registry_sets_the_mode_attempts_and_sandbox(
+    agent_server: str, model: tuple[WireServer, Script]
+) -> None:
+    """Seed 001's registry/agents: quick_answer is one attempt, single mode, in a 128 MB
+    sandbox; what a request gives itself comes first; an unknown agent is a typed 4xx."""
+    server, script = model
+    server.clear()
+    script.load(BROKEN, GOOD)
+    listed = httpx.get(agent_server + "/v1/agents", timeout=10)
+    assert {"code_executor", "quick_answer", "review_swarm"} <= {a["name"] for a in listed.json()}
+    task = {"task": "print 6", "agent": "quick_answer"}
+    result = httpx.post(agent_server + "/execute", json=task, timeout=60).json()
+    assert result["mode"] == "single" and len(result["attempts"]) == 1
+    assert result["status"] == "failed"  # its one attempt was the broken one
+    ended = httpx.get(agent_server + "/v1/sandboxes", params={"include_ended": "true"}).json()
+    assert ended[-1]["limits"]["memory_mb"] == 128 and ended[-1]["limits"]["timeout_s"] == 5
+    script.load(BROKEN, CRITIQUE, GOOD)
+    own = httpx.post(
+        agent_server + "/execute",
+        json={**task, "mode": "loop", "max_attempts": 2},
+        timeout=60,
+    ).json()
+    assert own["status"] == "solved" and len(own["attempts"]) == 2
+    unknown = httpx.post(agent_server + "/execute", json={"task": "x", "agent": "nobody"})
+    assert unknown.status_code == 422 and "quick_answer" in unknown.text
+
+
+def test_a_registry_dir_adds_and_replaces_agents(tmp_path: Path) -> None:
+    from sandlot.agent.agents import get_agent, load_agents
+    from sandlot.errors import ConfigError, InvalidRequest
+
+    (tmp_path / "agents").mkdir()
+    (tmp_path / "agents" / "mine.yaml").write_text(
+        "name: quick_answer\ndescription: ours\nmode: swarm\nsandbox: {network: true}\n"
+    )
+    ours = load_agents.__wrapped__(tmp_path)
+    assert ours["quick_answer"].mode == "swarm" and ours["quick_answer"].sandbox.spec().network
+    assert "code_executor" in ours
+    with pytest.raises(InvalidRequest, match="code_executor"):
+        get_agent("nobody")
+    (tmp_path / "agents" / "mine.yaml").write_text("name: x\ndescription: d\nmode: telepathy\n")
+    with pytest.raises(ConfigError, match=r"mine\.yaml"):
+        load_agents.__wrapped__(tmp_path)

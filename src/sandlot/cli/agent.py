@@ -79,16 +79,45 @@ def _mode(mode: str) -> tuple[str, str | None]:
     return mode, None
 
 
+def _agent_preset(
+    agent: str | None, mode: str | None, max_attempts: int | None, backend: str | None
+) -> tuple[str, str | None, int | None, dict[str, Any]]:
+    """The runtime's mode and the strategy it pins (:func:`_mode`), and ``--agent``'s
+    attempts and sandbox, where the command line gives none."""
+    sandbox_options: dict[str, Any] = {"backend": backend} if backend else {}
+    if agent is None:
+        return (*_mode(mode or "loop"), max_attempts, sandbox_options)
+    from sandlot.agent.agents import get_agent
+    from sandlot.config import get_settings
+
+    with errors_exit_2():
+        definition = get_agent(agent, get_settings().registry_dir)
+    shape = definition.sandbox.model_dump(exclude_none=True, exclude_defaults=True)
+    return (
+        *_mode(mode or definition.mode),
+        max_attempts or definition.max_attempts,
+        {**shape, **sandbox_options},
+    )
+
+
 def run(
     task: Annotated[str, typer.Argument(help="What the code should do, in words.")],
     mode: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--mode",
-            help="loop (AGENT_STRATEGY, sample_select by default) | single | reflexion | "
-            "sample_select | sample_select+reflexion | swarm",
+            help="loop (AGENT_STRATEGY, sample_select by default; the default) | single | "
+            "reflexion | sample_select | sample_select+reflexion | swarm",
         ),
-    ] = "loop",
+    ] = None,
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            "--agent",
+            help="A registry agent (registry/agents, SANDLOT_REGISTRY_DIR/agents): its mode, "
+            "attempts and sandbox, unless given here.",
+        ),
+    ] = None,
     provider: ProviderOpt = None,
     model: ModelOpt = None,
     max_attempts: AttemptsOpt = None,
@@ -96,7 +125,9 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Have the agent write code for TASK, run it in a sandbox, and fix it until it works."""
-    mode, strategy_override = _mode(mode)
+    mode, strategy_override, max_attempts, sandbox_options = _agent_preset(
+        agent, mode, max_attempts, backend
+    )
     from sandlot.agent.models import AgentEvent
     from sandlot.agent.runtime import AgentRuntime
 
@@ -134,7 +165,7 @@ def run(
         runtime = AgentRuntime(
             settings=settings,
             max_attempts=max_attempts,
-            sandbox_options={"backend": backend} if backend else None,
+            sandbox_options=sandbox_options or None,
         )
         try:
             return await runtime.execute(task, mode=mode, on_event=show)  # type: ignore[arg-type]

@@ -21,14 +21,15 @@ import contextlib
 import sys
 import uuid
 from collections.abc import Coroutine
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Depends, Request, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 from starlette.types import Message
 
 from sandlot._strict import problems
+from sandlot.agent.agents import AGENT_NAME_PATTERN, AgentDefinition, get_agent, load_agents
 from sandlot.agent.models import AgentEvent, AgentResult
 from sandlot.errors import (
     AgentTimeout,
@@ -43,7 +44,7 @@ from sandlot.models import SandboxStatus
 from sandlot.server import outbox as outbox_
 from sandlot.server import stream_jobs
 from sandlot.server.auth import Principal
-from sandlot.server.deps import ServerState, client_gone, refuse_upgrade, state_of
+from sandlot.server.deps import ServerState, caller, client_gone, refuse_upgrade, state_of
 from sandlot.server.outbox import error_message
 from sandlot.server.schemas import _Body
 
@@ -62,8 +63,23 @@ T = TypeVar("T")
 
 class AgentTaskRequest(_Body):
     task: str = Field(min_length=1, max_length=MAX_TASK_CHARS, description="What to build.")
-    mode: Literal["loop", "single", "swarm"] = "loop"
+    mode: Literal["loop", "single", "swarm"] | None = Field(
+        default=None, description="loop (the default), single or swarm; else the agent's."
+    )
     max_attempts: int | None = Field(default=None, ge=1, le=10)
+    agent: str | None = Field(
+        default=None,
+        pattern=AGENT_NAME_PATTERN,
+        description="A registry agent (GET /v1/agents): its mode, attempts and sandbox.",
+    )
+
+
+@router.get("/v1/agents", response_model=list[AgentDefinition])
+async def list_agents(
+    request: Request, who: Annotated[Principal, Depends(caller)]
+) -> list[AgentDefinition]:
+    """The registry's agents (seed 001's registry/agents): what ``"agent"`` may name."""
+    return list(load_agents(state_of(request).settings.registry_dir).values())
 
 
 def _runtime(state: ServerState) -> Any:
@@ -100,21 +116,23 @@ async def run_task(
     from sandlot.sandbox import AsyncSandbox
 
     who.require_write()
+    agent = get_agent(body.agent, state.settings.registry_dir) if body.agent else None
+    spec = agent.sandbox.spec() if agent is not None else None
     state.agent_tasks.acquire(who.tenant)
     try:
         runtime = _runtime(state)
-        info = await state.manager.create(owner=who.tenant, quota=state.quota_for(who))
+        info = await state.manager.create(spec, owner=who.tenant, quota=state.quota_for(who))
         try:
             # A Ray routing manager has the manager's verbs too (the SDK needs no more).
             sandbox = await AsyncSandbox.connect(info.id, manager=state.manager)  # type: ignore[arg-type]
             # The memory recalls and keeps the caller's own tasks only.
             work = runtime.execute(
                 body.task,
-                mode=body.mode,
+                mode=body.mode or (agent.mode if agent is not None else "loop"),
                 on_event=on_event,
                 sandbox=sandbox,
                 tenant=who.tenant,
-                max_attempts=body.max_attempts,
+                max_attempts=body.max_attempts or (agent.max_attempts if agent else None),
             )
             timeout_s = state.settings.agent_task_timeout_s
             return await first_of(
