@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 import re
 import select
 import shutil
@@ -34,6 +35,7 @@ import pytest
 from pydantic import ValidationError
 
 from sandlot import SandboxManager
+from sandlot.config import Settings
 from sandlot.core import execution
 from sandlot.core.background import CommandEnded, Webhook
 from sandlot.errors import ConfigError, InvalidRequest
@@ -959,6 +961,157 @@ def test_one_tenants_slow_names_hold_its_own_lookups_only(
         try:
             await hooks.check_url("b", "http://fast.example/")
             return time.monotonic() - start
+        finally:
+            gate.set()
+            await asyncio.gather(*slow, return_exceptions=True)
+            await hooks.aclose()
+
+    assert asyncio.run(run()) < 1.0
+
+
+# ---------------------------------------------------------------- red team on webhooks
+
+RT_HOST = "127.0.0.3"
+
+
+def _rt_hooks(allow: str = "", count: list[str] | None = None) -> wh.Webhooks:
+    return wh.Webhooks(
+        Settings(webhook_allow_cidrs=allow), (count if count is not None else []).append
+    )
+
+
+def _rt_fields(url: str, owner: str = "acme") -> dict[str, Any]:
+    return {
+        "info": SandboxInfo.model_construct(id="sb-1", owner=owner),
+        "command": CommandInfo(pid=7, command="true", started_at=time.time(), command_id="c" * 16),
+        "result": ExecResult(exit_code=0, stdout="hi\n", duration_ms=3.0),
+        "kill_reason": None,
+        "webhook": Webhook(url, None),
+    }
+
+
+def _rt_listen(handler: Any) -> tuple[socket.socket, int]:
+    ls = socket.socket()
+    ls.bind((RT_HOST, 0))
+    ls.listen(16)
+
+    def run() -> None:
+        while True:
+            try:
+                conn, _ = ls.accept()
+            except OSError:
+                return
+            threading.Thread(target=handler, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=run, daemon=True).start()
+    return ls, ls.getsockname()[1]
+
+
+def test_a_receivers_stream_of_1xx_answers_does_not_hold_the_event_loop() -> None:
+    """Failed before (red team, 2026-12-07). A receiver that answers `100 Continue` forever:
+    httpcore parsed each one on the server's event loop until the try's 5 s timeout. Measured
+    (rt15w): one such delivery took 4.5 s of CPU in 4.5 s (a whole core, the server's one loop),
+    eight took another tenant's GET from 2 ms to 118 ms median (p95 345 ms). A try should read a
+    bounded number of bytes (or 1xx answers) before its final status and give up past it."""
+    chunk = b"HTTP/1.1 100 Continue\r\n\r\n" * 4000
+
+    def flood(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                while True:
+                    conn.sendall(chunk)
+            except OSError:
+                pass
+
+    ls, port = _rt_listen(flood)
+    count: list[str] = []
+    hooks = _rt_hooks(f"{RT_HOST}/32", count)
+
+    async def run() -> float:
+        cpu = time.thread_time()  # this thread's: the event loop's, not the receiver's
+        hooks.on_event("command_ended", _rt_fields(f"http://{RT_HOST}:{port}/h"))
+        await asyncio.wait(list(hooks._tasks), timeout=20)
+        await hooks.aclose()
+        return time.thread_time() - cpu
+
+    try:
+        loop_cpu_s = asyncio.run(run())
+    finally:
+        ls.close()
+    assert count == ["failed"]
+    assert loop_cpu_s < 0.5, f"one delivery held the event loop for {loop_cpu_s:.2f} s of CPU"
+
+
+def test_no_log_line_holds_the_urls_path_or_query(caplog: pytest.LogCaptureFixture) -> None:
+    """Failed before (red team, 2026-12-07). The module promises logs name the URL's scheme, host
+    and port only (a path or query often holds a token). httpx's own INFO line ("HTTP Request:
+    POST http://ip:port/path?query ...") is logged at the server's default LOG_LEVEL=INFO for
+    every try: rt15w saw `HTTP Request: POST
+    http://127.0.0.2:18577/hook/TOKENplugh456?t=TOKENplugh456` in server.log."""
+    token = "TOKENplugh456"
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((RT_HOST, 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    count: list[str] = []
+    hooks = _rt_hooks(f"{RT_HOST}/32", count)
+    url = f"http://{RT_HOST}:{server.server_address[1]}/hook/{token}?t={token}"
+
+    async def run() -> None:
+        hooks.on_event("command_ended", _rt_fields(url))
+        await asyncio.wait(list(hooks._tasks), timeout=20)
+        await hooks.aclose()
+
+    caplog.set_level(logging.INFO)
+    try:
+        asyncio.run(run())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert count == ["delivered"]
+    assert token not in caplog.text
+
+
+def test_other_tenants_hung_names_do_not_take_every_resolver_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Failed before (red team, 2026-12-07): with DNS_PER_TENANT=2 of DNS_THREADS=8, four
+    tenants' names that never answer held all 8 threads, and a fifth tenant's check of a
+    name that resolves at once waited 5 s and was refused; its pending delivery failed with
+    no retry. Now a tenant holds one of 32."""
+    gate = threading.Event()
+
+    def lookup(host: str, port: int, *args: Any) -> Any:
+        if host.startswith("slow"):
+            gate.wait(30)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+
+    monkeypatch.setattr(wh.socket, "getaddrinfo", lookup)
+    hooks = _rt_hooks()
+
+    async def run() -> float:
+        slow = [
+            asyncio.create_task(hooks.check_url(f"evil{t}", f"http://slow{t}-{n}.example/"))
+            for t in range(4)
+            for n in range(wh.DNS_PER_TENANT)
+        ]
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        try:
+            await hooks.check_url("victim", "http://fast.example/")
+            return time.monotonic() - start
+        except InvalidRequest:
+            return time.monotonic() - start + 1000
         finally:
             gate.set()
             await asyncio.gather(*slow, return_exceptions=True)

@@ -55,6 +55,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 import socket
 import ssl
 import time
@@ -82,8 +83,13 @@ from sandlot.server.webhook_targets import (
     address_refusal,
     parse_target,
 )
+from sandlot.server.webhook_transport import bounded_transport
 
 log = structlog.get_logger(__name__)
+# httpx logs each request's whole URL at INFO, and a webhook's path and query often hold its
+# receiver's token: three lines a delivery reached the server's log (red team, 2026-12-07).
+for _library in ("httpx", "httpcore"):
+    logging.getLogger(_library).setLevel(logging.WARNING)
 
 EVENT = "command.completed"
 ATTEMPT_TIMEOUT_S = 5.0  # one try, all of it: resolving, connecting, TLS, sending, the status
@@ -92,10 +98,15 @@ BACKOFF_S = (1.0, 4.0)  # before the second and the third try
 MAX_TRIES = len(BACKOFF_S) + 1
 IN_FLIGHT = 8  # tries under way at once, server-wide
 TAIL_BYTES = 4096  # of each of stdout and stderr, in UTF-8
-DNS_THREADS = 8
-DNS_PER_TENANT = 2  # lookups of one tenant on those threads at once
+# A lookup cannot be interrupted, and a name whose servers never answer holds its thread for
+# the resolver's whole timeout: a tenant holds one thread at most, so that it takes 32
+# tenants' hung names, not 4 tenants' (red team, 2026-12-07: with 8 threads and 2 a tenant,
+# four tenants held them all and a fifth's webhook was refused, its delivery lost).
+DNS_THREADS = 32
+DNS_PER_TENANT = 1  # lookups of one tenant on those threads at once
 MAX_ADDRESSES = 32  # a name's addresses checked (all of them must pass)
 CLOSE_WAIT_S = 1.0
+MAX_REASON_CHARS = 300  # of a failure's reason in its log line
 DROP_LOG_EVERY_S = 60.0  # a tenant's dropped deliveries: logged once a minute
 FAILURE_LOG_EVERY_S = 10.0  # a tenant's failed (or refused) ones
 SETTING = "API_WEBHOOK_ALLOW_CIDRS"
@@ -479,8 +490,10 @@ class Webhooks:
             timeout = httpx.Timeout(ATTEMPT_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
             async with (
                 httpx.AsyncClient(
-                    verify=self._ssl_context(),
-                    trust_env=False,  # no proxy: the connection goes to the address checked
+                    # No proxy (the connection goes to the address checked), and what the try
+                    # reads is bounded (webhook_transport.py).
+                    transport=bounded_transport(self._ssl_context()),
+                    trust_env=False,
                     follow_redirects=False,
                     timeout=timeout,
                 ) as client,
@@ -508,7 +521,7 @@ class Webhooks:
         log.warning(
             "webhook not delivered",
             outcome=outcome,
-            reason=reason,
+            reason=reason[:MAX_REASON_CHARS],  # a receiver's garbage status line: 90 KB
             tries=tries,
             tenant=delivery.tenant,
             sandbox=delivery.fields["sandbox_id"],
