@@ -2,7 +2,8 @@
 
 The registry ships ``registry/environments/*.yaml`` in the package; a directory named by
 ``SANDLOT_REGISTRY_DIR`` adds its own ``environments/*.yaml`` (and replaces shipped ones
-of the same name). No environment is defined in code.
+of the same name). No environment is defined in code. :func:`read_declared` reads any file of
+the registry (tools, agents and prompts too).
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import hashlib
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from sandlot.config import explain_invalid
 from sandlot.errors import ConfigError
 
 PACKAGED_REGISTRY = Path(__file__).with_name("registry")
@@ -21,6 +24,7 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 # The environment a bubblewrap sandbox can run without a built tree: the host's own /usr.
 HOST_ENVIRONMENT = "python3"
+M = TypeVar("M", bound=BaseModel)
 
 
 class Environment(BaseModel):
@@ -59,14 +63,26 @@ class Environment(BaseModel):
         return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
 
+def read_declared(path: Path, model: type[M], what: str) -> M:
+    """One file of the registry (an environment, a tool, an agent, the prompts) as ``model``.
+
+    Raises:
+        ConfigError: not YAML, or not a ``what``: the file and each problem named.
+    """
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{what} file {path} is invalid: {exc}") from exc
+    try:
+        return model.model_validate({} if raw is None else raw)
+    except ValidationError as exc:
+        raise ConfigError(explain_invalid(exc, f"{what} file {path}")) from None
+
+
 def _load_dir(directory: Path) -> dict[str, Environment]:
     found: dict[str, Environment] = {}
     for path in sorted(directory.glob("environments/*.yaml")):
-        try:
-            raw = yaml.safe_load(path.read_text())
-            env = Environment.model_validate(raw)
-        except (OSError, yaml.YAMLError, ValidationError) as exc:
-            raise ConfigError(f"environment file {path} is invalid: {exc}") from exc
+        env = read_declared(path, Environment, "environment")
         if "python3" not in env.packages:
             raise ConfigError(f"environment file {path}: packages must include python3")
         found[env.name] = env

@@ -36,11 +36,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from sandlot._strict import problems
 from sandlot.config import explain_invalid
+from sandlot.environments import read_declared
 from sandlot.errors import ConfigError, InvalidRequest, ToolNotFound
 from sandlot.models import ExecResult
 from sandlot.requests import MAX_COMMAND_BYTES, NoNul, RunCommand, build
@@ -325,10 +325,7 @@ def default_registry(extra_dir: Path | None = None) -> ToolRegistry:
 def _load_dir(directory: Path) -> dict[str, ToolBase]:
     found: dict[str, ToolBase] = {}
     for path in sorted(directory.glob("*.yaml")):
-        try:
-            spec = ToolSpec.model_validate(yaml.safe_load(path.read_text()))
-        except (OSError, yaml.YAMLError, ValidationError) as exc:
-            raise ConfigError(f"tool file {path} is invalid: {exc}") from exc
+        spec = read_declared(path, ToolSpec, "tool")
         ToolValidator.check_spec(spec, str(path))
         found[spec.name] = DeclaredTool(spec)
     return found

@@ -20,12 +20,10 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from sandlot.config import explain_invalid
-from sandlot.environments import NAME_PATTERN, PACKAGED_REGISTRY
-from sandlot.errors import ConfigError, InvalidRequest
+from sandlot.environments import NAME_PATTERN, PACKAGED_REGISTRY, read_declared
+from sandlot.errors import InvalidRequest
 from sandlot.requests import SandboxSpec, build
 
 AGENT_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
@@ -67,12 +65,7 @@ class AgentDefinition(BaseModel):
 def _load_dir(directory: Path) -> dict[str, AgentDefinition]:
     found: dict[str, AgentDefinition] = {}
     for path in sorted(directory.glob("*.yaml")):
-        try:
-            agent = AgentDefinition.model_validate(yaml.safe_load(path.read_text()))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"agent file {path} is invalid: {exc}") from exc
-        except ValidationError as exc:
-            raise ConfigError(explain_invalid(exc, f"agent file {path}")) from None
+        agent = read_declared(path, AgentDefinition, "agent")
         found[agent.name] = agent
     return found
 

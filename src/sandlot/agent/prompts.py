@@ -13,13 +13,12 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandlot.agent.models import AgentRole, Attempt, TaskSpec
 from sandlot.agent.providers.base import Message
 from sandlot.config import explain_invalid, get_settings
-from sandlot.environments import PACKAGED_REGISTRY
+from sandlot.environments import PACKAGED_REGISTRY, read_declared
 from sandlot.errors import ConfigError
 
 # The system prompts live in the registry (seed 001's registry/prompts), no logic: the
@@ -44,15 +43,6 @@ class _Override(BaseModel):
     roles: dict[AgentRole, str] = Field(default_factory=dict)
 
 
-def _read(path: Path) -> _Override:
-    try:
-        return _Override.model_validate(yaml.safe_load(path.read_text()) or {})
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"prompts file {path} is invalid: {exc}") from exc
-    except ValidationError as exc:
-        raise ConfigError(explain_invalid(exc, f"prompts file {path}")) from None
-
-
 @cache
 def system_prompts(registry_dir: Path | None = None) -> SystemPrompts:
     """The package's system prompts, with those ``registry_dir/prompts/system.yaml`` gives
@@ -61,11 +51,11 @@ def system_prompts(registry_dir: Path | None = None) -> SystemPrompts:
     Raises:
         ConfigError: a prompts file that is not one (unknown keys or roles, empty prompts).
     """
-    packaged = _read(PACKAGED_REGISTRY / PROMPTS_FILE)
+    packaged = read_declared(PACKAGED_REGISTRY / PROMPTS_FILE, _Override, "prompts")
     generator, roles = packaged.generator, dict(packaged.roles)
     own = registry_dir / PROMPTS_FILE if registry_dir is not None else None
     if own is not None and own.is_file():
-        override = _read(own)
+        override = read_declared(own, _Override, "prompts")
         generator = override.generator or generator
         roles.update(override.roles)
     try:
