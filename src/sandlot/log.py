@@ -77,7 +77,3 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
         )
         root.addHandler(handler)
         root.setLevel(numeric)
-    # httpx and httpcore log each request's whole URL at INFO: a webhook's path and query
-    # often hold its receiver's token, which reached the server's log (red team, 2026-12-07).
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(max(numeric, logging.WARNING))

@@ -88,6 +88,7 @@ from sandlot.server.webhook_transport import bounded_transport
 log = structlog.get_logger(__name__)
 # httpx logs each request's whole URL at INFO, and a webhook's path and query often hold its
 # receiver's token: three lines a delivery reached the server's log (red team, 2026-12-07).
+# Set where webhooks are sent, whatever configured the process's logging.
 for _library in ("httpx", "httpcore"):
     logging.getLogger(_library).setLevel(logging.WARNING)
 
