@@ -17,6 +17,7 @@ notebook's output, a cloned project's dev server (it opened the agent's stream u
 from __future__ import annotations
 
 import re
+from functools import cache
 from urllib.parse import urlsplit
 
 from sandlot.errors import Forbidden
@@ -37,8 +38,14 @@ def _authority(text: str) -> tuple[str, int | None] | None:
     return (found["v6"] or found["name"]).lower(), int(port) if port else None
 
 
-def _names(text: str) -> set[str]:
-    return {h.strip().lower().strip("[]") for h in text.split(",") if h.strip()}
+@cache  # a setting's value: parsed once, not on every request
+def _names(text: str) -> frozenset[str]:
+    return frozenset(h.strip().lower().strip("[]") for h in text.split(",") if h.strip())
+
+
+@cache
+def _origins(text: str) -> frozenset[str]:
+    return frozenset(origin.rstrip("/") for origin in _names(text))
 
 
 def check_local(headers: object, allowed_hosts: str, allowed_origins: str = "") -> None:
@@ -61,7 +68,7 @@ def check_local(headers: object, allowed_hosts: str, allowed_origins: str = "") 
     origin = get("origin")
     if origin is None:
         return  # not a browser's page: a client of its own (curl, the SDK)
-    if origin.lower().rstrip("/") in {o.rstrip("/") for o in _names(allowed_origins)}:
+    if origin.lower().rstrip("/") in _origins(allowed_origins):
         return
     parts = urlsplit(origin) if origin != "null" else None
     try:
