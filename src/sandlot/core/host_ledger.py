@@ -106,8 +106,9 @@ class HostLedger:
         """Write what this manager's sandboxes reserve (call within :meth:`turn`): ``held``
         (those its store records show) and ``unstored`` (those it does not: pooled, and one
         starting for a pool), which its data directory's other managers count from here."""
-        line: dict[str, object] = {"device": self._device, **_summed([*held, *unstored])}
-        line["unstored"] = _summed(unstored)
+        outside = list(unstored)  # summed twice: an iterator would be spent by the first
+        line: dict[str, object] = {"device": self._device, **_summed([*held, *outside])}
+        line["unstored"] = _summed(outside)
         data = json.dumps(line).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
@@ -136,7 +137,7 @@ class HostLedger:
                 disk_mb = _amount(part.get("disk_mb", 0)) if same_disk else 0.0
             except (TypeError, ValueError):
                 # Not a line any sandlot wrote (it writes finite amounts): its directory is
-                # its own user's alone, so it is ours, broken; counted as nothing, said once.
+                # its own user's alone, so it is ours, broken): counted as nothing, and said.
                 log.warning("host ledger: a line is not amounts, skipped", path=entry.path)
                 continue
             memory_mb, cpu_cores, pids = values
