@@ -220,48 +220,31 @@ def test_the_cli_lists_and_runs_tools(live_server: LiveServer) -> None:
     import os
 
     env = {**os.environ, "SANDLOT_URL": live_server.url}
-    key = live_server.keys["alice"]
-    listed = subprocess.run(
-        [sys.executable, "-m", "sandlot.cli", "tools", "list", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "sandlot.cli", *args],
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    listed = cli("tools", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
     assert {t["name"] for t in json.loads(listed.stdout)} >= PACKAGED
     sid = httpx.post(
         f"{live_server.url}/v1/sandboxes", json={}, headers=live_server.headers("alice")
     ).json()["id"]
     try:
-        base = [sys.executable, "-m", "sandlot.cli", "sandbox", "tool", sid]
-        common = ["--api-key", key]
-        tree = subprocess.run(
-            [*base, "file_tree", "--arg", "depth=1", *common],
-            env=env,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        tool = ("sandbox", "tool", sid, "file_tree", "--api-key", live_server.keys["alice"])
+        tree = cli(*tool, "--arg", "depth=1")
         assert tree.returncode == 0 and tree.stdout.startswith("./"), tree.stderr
-        bad = subprocess.run(
-            [*base, "file_tree", "--arg", "depth=deep", *common],
-            env=env,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        bad = cli(*tool, "--arg", "depth=deep")
         assert bad.returncode == 2 and "depth" in bad.stdout + bad.stderr
         # Not JSON: a message and status 2, not a traceback (red team, 2026-12-07).
-        broken = subprocess.run(
-            [*base, "file_tree", "--args", "{bad", *common],
-            env=env,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        broken = cli(*tool, "--args", "{bad")
         said = broken.stdout + broken.stderr
         assert broken.returncode == 2 and "--args is not JSON" in said and "Traceback" not in said
     finally:
