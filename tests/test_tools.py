@@ -277,3 +277,22 @@ def test_what_a_command_cannot_hold_is_the_calls_error() -> None:
         ToolValidator.arguments(tool, {"pattern": "a\0b"})
     with pytest.raises(InvalidRequest, match="JSON"):
         ToolValidator.arguments(tool, {"pattern": "x", "max_count": 10**5000})
+
+
+def test_the_tool_and_agent_routes_take_a_key(live_server: LiveServer) -> None:
+    """Listing or running tools, and listing agents, with no key or a bad one: 401, typed,
+    before any route reads a thing."""
+    url = live_server.url
+    routes = [
+        ("GET", "/v1/tools", None),
+        ("GET", "/v1/tools/file_tree", None),
+        ("POST", "/v1/sandboxes/sb-0123456789abcdef/tools/file_tree", {"arguments": {}}),
+        ("GET", "/v1/agents", None),
+    ]
+    for headers in ({}, {"Authorization": "Bearer asb_not-a-key"}):
+        for method, path, body in routes:
+            answer = httpx.request(method, url + path, json=body, headers=headers)
+            assert answer.status_code == 401, (method, path, answer.text)
+            assert answer.json()["error"]["code"] == "unauthenticated"
+    viewer = live_server.headers("viewer")
+    assert httpx.get(url + "/v1/agents", headers=viewer).status_code == 200
