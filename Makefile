@@ -115,14 +115,15 @@ trees: venv
 # and the network walls with both backends at once (across them, and docker's bridge).
 pytest-docker: venv image
 	TEST_BACKENDS=$(DOCKER_TARGETS) $(VENV)/bin/pytest -q -k docker \
-	  tests/test_conformance.py tests/test_limits.py tests/test_docker.py
+	  tests/test_conformance.py tests/test_limits.py tests/test_docker.py tests/test_volumes.py
 	TEST_BACKENDS=docker $(VENV)/bin/pytest -q -k "docker and not runsc" tests/test_hostile.py
 	TEST_BACKENDS=docker $(VENV)/bin/pytest -q tests/test_network_walls.py
 
 # Everything on docker and docker+runsc, the hostile suite included (~10 minutes).
 test-docker: venv image
 	TEST_BACKENDS=$(DOCKER_TARGETS) $(VENV)/bin/pytest -q -k docker \
-	  tests/test_conformance.py tests/test_limits.py tests/test_docker.py tests/test_hostile.py
+	  tests/test_conformance.py tests/test_limits.py tests/test_docker.py tests/test_volumes.py \
+	  tests/test_hostile.py
 
 # Only the escape and exhaustion programs (they are also part of `make test`).
 test-hostile: venv

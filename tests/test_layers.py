@@ -23,7 +23,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("config", "requests", "environments", "tools", "_portal", "_sync"),
     ("backends",),  # isolation: knows nothing of owners, pools, TTLs
     ("core",),  # the manager and its rooms
-    ("service", "_runner", "client", "sandbox", "terminal", "_remote_jobs", "seed_client"),  # SDK
+    (
+        "service",
+        "_runner",
+        "client",
+        "sandbox",
+        "volume",
+        "terminal",
+        "_remote_jobs",
+        "seed_client",
+    ),  # SDK
     ("agent",),  # the LLM layer, built on the SDK only
     ("mcp",),  # the MCP tools, built on the SDK's service only
     ("ray",),  # node agents on a Ray cluster and the manager the server uses in front of them

@@ -34,6 +34,9 @@ from sandlot.errors import (
     SandboxNotRunning,
     SandboxPermissionError,
     SandboxStartError,
+    VolumeExists,
+    VolumeInUse,
+    VolumeNotFound,
 )
 from sandlot.models import (
     ArtifactInfo,
@@ -49,6 +52,8 @@ from sandlot.models import (
     SandboxInfo,
     SandboxLimits,
     SandboxStatus,
+    VolumeInfo,
+    VolumeMount,
 )
 from sandlot.requests import (
     FilePath,
@@ -61,11 +66,13 @@ from sandlot.requests import (
     WriteFile,
 )
 from sandlot.sandbox import AsyncSandbox, Sandbox
+from sandlot.volume import AsyncVolume, Volume
 
 __all__ = [
     "AgentRuntime",
     "ArtifactInfo",
     "AsyncSandbox",
+    "AsyncVolume",
     "AuthenticationError",
     "BackendUnavailable",
     "CommandInfo",
@@ -111,6 +118,12 @@ __all__ = [
     "SandboxStatus",
     "SetTimeout",
     "Settings",
+    "Volume",
+    "VolumeExists",
+    "VolumeInUse",
+    "VolumeInfo",
+    "VolumeMount",
+    "VolumeNotFound",
     "WriteFile",
     "__version__",
     "get_settings",

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from sandlot._portal import Portal
 from sandlot.errors import ConfigError
-from sandlot.service import BackgroundService, SandboxService
+from sandlot.service import BackgroundService, SandboxService, VolumeService
 
 T = TypeVar("T")
 E = TypeVar("E")
@@ -32,6 +32,11 @@ class Runner:
     def background(self) -> BackgroundService:
         if not isinstance(self.manager, BackgroundService):
             raise ConfigError(f"{type(self.manager).__name__} runs no background commands")
+        return self.manager
+
+    def volumes(self) -> VolumeService:
+        if not isinstance(self.manager, VolumeService):
+            raise ConfigError(f"{type(self.manager).__name__} keeps no named volumes")
         return self.manager
 
     async def aclose(self) -> None:

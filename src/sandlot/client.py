@@ -18,6 +18,7 @@ import base64
 import builtins
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from sandlot.errors import (
 from sandlot.models import (
     LISTING_TRUNCATED,
     TRUNCATED_HEADER,
+    VOLUME_NAME_PATTERN,
     ArtifactInfo,
     CommandInfo,
     DataCallback,
@@ -64,9 +66,11 @@ from sandlot.models import (
     Result,
     ResultCallback,
     SandboxInfo,
+    VolumeInfo,
 )
 from sandlot.requests import (
     CommandInput,
+    CreateVolume,
     FilePath,
     ListFiles,
     OpenPty,
@@ -218,6 +222,23 @@ class RemoteService:
             found += [SandboxInfo.model_validate(item) for item in data]
             if len(data) < LIST_PAGE:
                 return found
+
+    # -- named volumes
+
+    async def create_volume(self, request: CreateVolume) -> VolumeInfo:
+        response = await self._send("POST", "/v1/volumes", request, idempotent=False)
+        return VolumeInfo.model_validate(response.json())
+
+    async def list_volumes(self) -> builtins.list[VolumeInfo]:
+        data = await self._json("GET", "/v1/volumes", idempotent=True)
+        return [VolumeInfo.model_validate(item) for item in data]
+
+    async def get_volume(self, name: str) -> VolumeInfo:
+        data = await self._json("GET", f"/v1/volumes/{_volume_name(name)}", idempotent=True)
+        return VolumeInfo.model_validate(data)
+
+    async def delete_volume(self, name: str) -> None:
+        await self._call("DELETE", f"/v1/volumes/{_volume_name(name)}", idempotent=True)
 
     async def destroy(self, sandbox_id: str) -> SandboxInfo:
         data = await self._json("DELETE", f"/v1/sandboxes/{sandbox_id}", idempotent=True)
@@ -569,3 +590,10 @@ def response_error(response: httpx.Response) -> SandboxError:
         with contextlib.suppress(ValueError):
             error.retry_after_s = float(response.headers.get("retry-after", "1"))
     return error
+
+
+def _volume_name(name: str) -> str:
+    """A volume's name as it goes in a URL: only a valid one (no path of the server's)."""
+    if not re.fullmatch(VOLUME_NAME_PATTERN, name):
+        raise ConfigError(f"volume name {name!r} must match {VOLUME_NAME_PATTERN}")
+    return name

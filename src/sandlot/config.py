@@ -251,6 +251,12 @@ class Settings(BaseSettings):
         validation_alias=_env("SANDBOX_MAX_DISK_MB", "max_disk_mb"),
         description="Largest disk_mb a caller may ask for.",
     )
+    max_volume_mb: int = Field(
+        default=4096,
+        ge=1,
+        validation_alias=_env("SANDBOX_MAX_VOLUME_MB", "max_volume_mb"),
+        description="Largest size_mb a named volume may have.",
+    )
     max_output_file_limit_mb: int = Field(
         default=1024,
         ge=1,
@@ -443,6 +449,18 @@ class Settings(BaseSettings):
         ge=0,
         validation_alias=_env("TENANT_MAX_ARTIFACT_MB", "tenant_max_artifact_mb"),
         description="Default quota: kept artifacts of all a tenant's sandboxes.",
+    )
+    tenant_max_volumes: int = Field(
+        default=16,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_VOLUMES", "tenant_max_volumes"),
+        description="Default quota: named volumes a tenant may keep.",
+    )
+    tenant_max_volume_mb: int = Field(
+        default=8192,
+        ge=0,
+        validation_alias=_env("TENANT_MAX_VOLUME_MB", "tenant_max_volume_mb"),
+        description="Default quota: total size of a tenant's named volumes.",
     )
     host_memory_overcommit: float = Field(
         default=1.0,

@@ -15,6 +15,9 @@ file missing inside a sandbox.
     │   └── SandboxHeldElsewhere                 another live process on the data dir runs it
     ├── SandboxLost (RuntimeError)               its Ray node died or cannot be reached
     ├── NodeTimeout (TimeoutError)               a live Ray node did not finish a call in time
+    ├── VolumeNotFound (LookupError)             no such volume (or not yours)
+    ├── VolumeExists (FileExistsError)           a volume of that name is already yours
+    ├── VolumeInUse (RuntimeError)               attached to a live sandbox (one at a time)
     ├── SandboxStartError (RuntimeError)         the backend failed to start the guest
     ├── ImageBuildError (RuntimeError)           building an environment's image failed
     ├── GuestError (RuntimeError)                the guest broke the protocol or died mid-call
@@ -120,6 +123,24 @@ class NodeTimeout(SandboxError, TimeoutError):
     failed; the node and its sandboxes are fine (retrying is the caller's choice)."""
 
     code = "node_timeout"
+
+
+class VolumeNotFound(SandboxError, LookupError):
+    """No volume of that name (or not yours)."""
+
+    code = "volume_not_found"
+
+
+class VolumeExists(SandboxError, FileExistsError):
+    """A volume of that name is already yours."""
+
+    code = "volume_exists"
+
+
+class VolumeInUse(SandboxError, RuntimeError):
+    """The volume is attached to a live sandbox: one at a time, and none while deleted."""
+
+    code = "volume_in_use"
 
 
 class SandboxStartError(SandboxError, RuntimeError):
@@ -369,6 +390,9 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         SandboxLost,
         NodeTimeout,
         SandboxStartError,
+        VolumeNotFound,
+        VolumeExists,
+        VolumeInUse,
         ImageBuildError,
         GuestError,
         PidsExhausted,

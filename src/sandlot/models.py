@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sandlot._strict import Strict
 from sandlot.guest.wire import EXIT_CODE_MAX, EXIT_CODE_MIN, nests_within
@@ -256,6 +256,88 @@ class Quota(_Model):
     max_artifact_mb: int | None = Field(
         default=None, ge=0, description="Kept artifacts of all the tenant's sandboxes."
     )
+    max_volumes: int | None = Field(default=None, ge=0, description="Named volumes kept.")
+    max_volume_mb: int | None = Field(
+        default=None, ge=0, description="Total size of the tenant's named volumes."
+    )
+
+
+VOLUME_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+# Where volumes may go: inside the workspace, which each backend mounts writable and whose
+# mount points the host can make (the system's tree above it is read-only).
+VOLUME_ROOT = "/workspace"
+MAX_VOLUMES_PER_SANDBOX = 8
+_MAX_VOLUME_PATH_DEPTH = 8
+
+
+class VolumeMount(_Model):
+    """A named volume attached to a sandbox at ``mount_path``."""
+
+    name: str = Field(pattern=VOLUME_NAME_PATTERN, description="The volume's name.")
+    mount_path: str = Field(
+        max_length=512,
+        description="A directory under /workspace (made if missing), e.g. /workspace/data; "
+        "a relative path is taken from /workspace.",
+    )
+    read_only: bool = False
+
+    @field_validator("mount_path")
+    @classmethod
+    def _inside_workspace(cls, path: str) -> str:
+        inside = path.removeprefix(VOLUME_ROOT + "/") if path.startswith("/") else path
+        names = [n for n in inside.split("/") if n]
+        if (
+            (path.startswith("/") and not path.startswith(VOLUME_ROOT + "/"))
+            or not names
+            or len(names) > _MAX_VOLUME_PATH_DEPTH
+            or any(n in (".", "..") or "\0" in n or len(n.encode()) > 255 for n in names)
+        ):
+            raise ValueError(
+                f"mount_path {path[:80]!r} must be a directory under {VOLUME_ROOT} (at most "
+                f"{_MAX_VOLUME_PATH_DEPTH} names, none '.' or '..'), e.g. {VOLUME_ROOT}/data"
+            )
+        return f"{VOLUME_ROOT}/" + "/".join(names)
+
+    @property
+    def relative_path(self) -> str:
+        return self.mount_path.removeprefix(VOLUME_ROOT + "/")
+
+
+def check_volume_mounts(mounts: list[VolumeMount] | None) -> list[VolumeMount] | None:
+    """No volume twice, and no mount path at or inside another's."""
+    for i, a in enumerate(mounts or []):
+        for b in (mounts or [])[i + 1 :]:
+            if a.name == b.name:
+                raise ValueError(f"volume {a.name!r} is named twice")
+            if nests_path(a.mount_path, b.mount_path) or nests_path(b.mount_path, a.mount_path):
+                raise ValueError(f"mount paths {a.mount_path} and {b.mount_path} overlap")
+    return mounts
+
+
+def nests_path(outer: str, inner: str) -> bool:
+    return inner == outer or inner.startswith(outer + "/")
+
+
+# What ``Sandbox.create(volumes=...)`` takes: mounts, or ``{name: mount_path}``.
+Volumes = list[VolumeMount | dict[str, object]] | dict[str, str]
+
+
+def volume_mounts(volumes: Volumes | None) -> list[VolumeMount | dict[str, object]] | None:
+    """``volumes`` as the create's mounts (``{"data": "/workspace/data"}`` is one mount of
+    the volume "data", writable), validated with the rest of the create."""
+    if isinstance(volumes, dict):
+        return [{"name": name, "mount_path": path} for name, path in volumes.items()]
+    return volumes
+
+
+class VolumeInfo(_Model):
+    """A named volume: files of a tenant that outlive its sandboxes."""
+
+    name: str
+    size_mb: int = Field(description="Its cap: writes past it fail with ENOSPC.")
+    created_at: float = Field(description="Unix time, seconds.")
+    used_bytes: int = Field(default=0, description="Bytes of the host's disk it takes now.")
+    attached: bool = Field(default=False, description="Whether a live sandbox has it.")
 
 
 class SandboxInfo(_Model):
@@ -270,6 +352,7 @@ class SandboxInfo(_Model):
     limits: ResolvedLimits
     network: bool
     metadata: dict[str, str] = Field(default_factory=dict)
+    volumes: list[VolumeMount] = Field(default_factory=list, description="Its named volumes.")
     created_at: float = Field(description="Unix time, seconds.")
     last_active_at: float
     expires_at: float = Field(description="Absolute TTL deadline, Unix time.")

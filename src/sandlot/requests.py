@@ -28,7 +28,13 @@ from pydantic import (
 from sandlot._strict import Strict, at_most
 from sandlot.config import explain_invalid
 from sandlot.errors import ConfigError, InvalidRequest
-from sandlot.models import SandboxLimits
+from sandlot.models import (
+    MAX_VOLUMES_PER_SANDBOX,
+    VOLUME_NAME_PATTERN,
+    SandboxLimits,
+    VolumeMount,
+    check_volume_mounts,
+)
 
 MAX_SOURCE_CHARS = 1 << 20
 MAX_PATH_CHARS = 4096
@@ -156,12 +162,24 @@ class SandboxSpec(SandboxLimits):
     idle_timeout_s: float | None = Field(
         default=None, gt=0, le=MAX_TTL_S, description="Destroyed after this long unused."
     )
+    volumes: Annotated[list[VolumeMount] | None, AfterValidator(check_volume_mounts)] = Field(
+        default=None,
+        max_length=MAX_VOLUMES_PER_SANDBOX,
+        description="Named volumes to attach (one sandbox at a time each), under /workspace.",
+    )
 
     def limits(self) -> SandboxLimits:
         """The resource limits alone (unset ones stay None)."""
         return SandboxLimits.model_validate(
             self.model_dump(include=set(SandboxLimits.model_fields))
         )
+
+
+class CreateVolume(Request):
+    """A new named volume of the caller's, empty, capped at ``size_mb``."""
+
+    name: str = Field(pattern=VOLUME_NAME_PATTERN)
+    size_mb: int = Field(default=256, ge=1, le=1_048_576)
 
 
 class RunCode(Request):

@@ -30,6 +30,8 @@ from sandlot.models import (
     ResourceUsage,
     ResultCallback,
     SandboxInfo,
+    Volumes,
+    volume_mounts,
 )
 from sandlot.requests import (
     FilePath,
@@ -317,6 +319,7 @@ class AsyncSandbox:
         metadata: dict[str, str] | None = None,
         ttl_s: float | None = None,
         idle_timeout_s: float | None = None,
+        volumes: Volumes | None = None,
         manager: SandboxManager | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
@@ -326,6 +329,9 @@ class AsyncSandbox:
         ``backend`` is ``bubblewrap`` (default), ``docker`` or ``unsafe-local``; ``runtime``
         (docker only) is ``runc`` or ``runsc`` (gVisor); ``environment`` names a YAML
         registry entry (``python3``, ``node``; images need the docker backend).
+        ``volumes`` attaches named volumes (:class:`~sandlot.volume.Volume`) under
+        /workspace: ``{"data": "/workspace/data"}``, or a list of
+        :class:`~sandlot.models.VolumeMount` (``read_only`` there).
 
         Embedded by default; on a server with ``api_url`` (or ``SANDLOT_URL``), sending
         ``api_key`` (or ``SANDLOT_API_KEY``).
@@ -350,6 +356,7 @@ class AsyncSandbox:
             metadata=metadata,
             ttl_s=ttl_s,
             idle_timeout_s=idle_timeout_s,
+            volumes=volume_mounts(volumes),
         )
         runner = await cls._runner(manager, api_url, api_key)
         async with runner.closing_on_error():

@@ -22,8 +22,10 @@ from sandlot.models import (
     ResourceUsage,
     ResultCallback,
     SandboxInfo,
+    VolumeInfo,
 )
 from sandlot.requests import (
+    CreateVolume,
     FilePath,
     ListFiles,
     OpenPty,
@@ -84,6 +86,20 @@ class SandboxService(Protocol):
     async def list_artifacts(self, sandbox_id: str) -> builtins.list[ArtifactInfo]: ...
 
     async def read_artifact(self, sandbox_id: str, path: str) -> bytes: ...
+
+
+@runtime_checkable
+class VolumeService(Protocol):
+    """Named volumes: the embedded manager and the remote client keep them (a volume is
+    attached by a create's ``SandboxSpec.volumes``)."""
+
+    async def create_volume(self, request: CreateVolume) -> VolumeInfo: ...
+
+    async def list_volumes(self) -> builtins.list[VolumeInfo]: ...
+
+    async def get_volume(self, name: str) -> VolumeInfo: ...
+
+    async def delete_volume(self, name: str) -> None: ...
 
 
 @runtime_checkable

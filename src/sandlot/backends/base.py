@@ -74,6 +74,20 @@ class Check:
 
 
 @dataclass(frozen=True)
+class AttachedVolume:
+    """A named volume for a backend to attach: its image on the host (``core/volumes.py``
+    holds it for this sandbox alone) and where it goes inside."""
+
+    image: Path
+    mount_path: str  # absolute, under /workspace (models.VolumeMount)
+    read_only: bool = False
+
+    @property
+    def relative_path(self) -> str:
+        return self.mount_path.removeprefix("/workspace/")
+
+
+@dataclass(frozen=True)
 class GuestSpec:
     """What the manager asks a backend for."""
 
@@ -86,6 +100,7 @@ class GuestSpec:
     # Whose sandbox it is: its owner, or None for a pooled one not yet claimed. What it may
     # share with other sandboxes is bounded by it (the bubblewrap backend's guest templates).
     tenant: str | None = None
+    volumes: tuple[AttachedVolume, ...] = ()
 
 
 class Guest(Protocol):

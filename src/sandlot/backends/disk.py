@@ -104,7 +104,7 @@ def _copy_and_mount(template: Path | None, image: Path, mountpoint: Path, size_m
     mountpoint.mkdir(parents=True, exist_ok=True)
     try:
         _loop_mount(image, mountpoint)
-    except _NoLoopConfigure:
+    except NoLoopConfigure:
         return False
     _drop_lost_found(mountpoint)
     return True
@@ -206,6 +206,7 @@ def _sparse_copy(source: Path, target: Path, size_bytes: int) -> None:
 # ext4 with nosuid,nodev.
 _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A  # Linux >= 5.8; mount(8) does the same where it is missing
+_LO_FLAGS_READ_ONLY = 1
 _LO_FLAGS_AUTOCLEAR = 4
 _LOOP_INFO64_BYTES = 232
 _LO_FLAGS_OFFSET = 52  # of lo_flags in struct loop_info64
@@ -213,14 +214,14 @@ _MS_NOSUID, _MS_NODEV = 2, 4
 _LOOP_BUSY_RETRIES = 64
 
 
-class _NoLoopConfigure(Exception):
+class NoLoopConfigure(Exception):
     """This kernel has no LOOP_CONFIGURE: fall back to mount(8)."""
 
 
-def _loop_config(image_fd: int) -> bytes:
+def _loop_config(image_fd: int, flags: int = 0) -> bytes:
     """struct loop_config: the backing fd, block size 0 (default), loop_info64, reserved."""
     info = bytearray(_LOOP_INFO64_BYTES)
-    struct.pack_into("I", info, _LO_FLAGS_OFFSET, _LO_FLAGS_AUTOCLEAR)
+    struct.pack_into("I", info, _LO_FLAGS_OFFSET, _LO_FLAGS_AUTOCLEAR | flags)
     return struct.pack("II", image_fd, 0) + bytes(info) + bytes(8 * 8)
 
 
@@ -232,8 +233,31 @@ def _libc() -> ctypes.CDLL:
 
 def _loop_mount(image: Path, mountpoint: Path) -> None:
     """Attach ``image`` to a free loop device and mount it on ``mountpoint`` (blocking)."""
-    libc = _libc()
     image_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        device, device_fd = attach_loop(image_fd)
+    finally:
+        os.close(image_fd)
+    try:
+        flags = _MS_NOSUID | _MS_NODEV
+        data = MOUNT_DATA.encode()
+        if _libc().mount(device.encode(), str(mountpoint).encode(), b"ext4", flags, data):
+            code = ctypes.get_errno()
+            # Autoclear frees the device once the last fd closes, as it is unmounted.
+            raise SandboxStartError(f"could not mount {device}: {os.strerror(code)}")
+    finally:
+        os.close(device_fd)
+
+
+def attach_loop(image_fd: int, *, read_only: bool = False) -> tuple[str, int]:
+    """A free loop device backed by ``image_fd``, autoclear (freed once nothing mounts or
+    holds it open): its path and an open fd of it, for the caller to close once the file
+    system on it is mounted (blocking).
+
+    Raises:
+        NoLoopConfigure: this kernel or /dev cannot do it without mount(8).
+        SandboxStartError: no loop device could be had.
+    """
     ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     try:
         for _ in range(_LOOP_BUSY_RETRIES):
@@ -241,29 +265,24 @@ def _loop_mount(image: Path, mountpoint: Path) -> None:
             try:
                 device_fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
             except OSError as exc:  # no device node (a /dev without devtmpfs): mount(8)
-                raise _NoLoopConfigure from exc
+                raise NoLoopConfigure from exc
             try:
-                try:
-                    fcntl.ioctl(device_fd, _LOOP_CONFIGURE, _loop_config(image_fd))
-                except OSError as exc:
-                    if exc.errno == errno.EBUSY:  # another create took it first: next one
-                        continue
-                    if exc.errno in (errno.EINVAL, errno.ENOTTY):
-                        raise _NoLoopConfigure from exc
-                    raise SandboxStartError(f"could not attach a loop device: {exc}") from exc
-                flags = _MS_NOSUID | _MS_NODEV
-                data = MOUNT_DATA.encode()
-                if libc.mount(device.encode(), str(mountpoint).encode(), b"ext4", flags, data):
-                    code = ctypes.get_errno()
-                    # Autoclear frees the device once the last fd closes, as it is unmounted.
-                    raise SandboxStartError(f"could not mount {device}: {os.strerror(code)}")
-                return
-            finally:
+                fcntl.ioctl(
+                    device_fd,
+                    _LOOP_CONFIGURE,
+                    _loop_config(image_fd, _LO_FLAGS_READ_ONLY if read_only else 0),
+                )
+            except OSError as exc:
                 os.close(device_fd)
+                if exc.errno == errno.EBUSY:  # another create took it first: next one
+                    continue
+                if exc.errno in (errno.EINVAL, errno.ENOTTY):
+                    raise NoLoopConfigure from exc
+                raise SandboxStartError(f"could not attach a loop device: {exc}") from exc
+            return device, device_fd
         raise SandboxStartError("no free loop device (every one taken while trying)")
     finally:
         os.close(ctl)
-        os.close(image_fd)
 
 
 def mounted_below(root: Path) -> list[Path]:

@@ -104,6 +104,9 @@ class LocalBackend:
     async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
         return ResourceUsage()
 
+    def volumes_available(self, runtime: str | None = None) -> tuple[bool, str]:
+        return False, "unsafe-local runs sandboxes in no mount namespace of their own"
+
     def workspace_on_host(self, sandbox_id: str) -> Path | None:
         workspace = self._workspace(sandbox_id)
         return workspace if workspace.is_dir() else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from sandlot.cli import agent, image, keys, local, mcp, sandbox, serve, tools
+from sandlot.cli import agent, image, keys, local, mcp, sandbox, serve, tools, volume
 from sandlot.cli.common import errors_exit_2
 from sandlot.config import get_settings
 from sandlot.log import configure_logging
@@ -34,6 +34,7 @@ image.register(app)
 keys.register(app)
 sandbox.register(app)
 tools.register(app, sandbox.sandbox_app)
+volume.register(app)
 agent.register(app)
 
 __all__ = ["app"]

@@ -86,6 +86,8 @@ def keys_quota(
     max_cpu_cores: Annotated[float | None, typer.Option(min=0)] = None,
     max_disk_mb: Annotated[int | None, typer.Option(min=0)] = None,
     max_artifact_mb: Annotated[int | None, typer.Option(min=0)] = None,
+    max_volumes: Annotated[int | None, typer.Option(min=0)] = None,
+    max_volume_mb: Annotated[int | None, typer.Option(min=0)] = None,
 ) -> None:
     """Set a tenant's quota (values not given keep TENANT_MAX_* defaults)."""
     given = {
@@ -95,6 +97,8 @@ def keys_quota(
         "max_cpu_cores": max_cpu_cores,
         "max_disk_mb": max_disk_mb,
         "max_artifact_mb": max_artifact_mb,
+        "max_volumes": max_volumes,
+        "max_volume_mb": max_volume_mb,
     }
     with _auth_store() as store:
         store.set_quota(tenant, **{k: v for k, v in given.items() if v is not None})

@@ -30,6 +30,7 @@ from sandlot.cli.common import (
     shown,
     visible,
 )
+from sandlot.cli.volume import VolumeOpt, parse_volumes
 from sandlot.client import RemoteService
 from sandlot.requests import RunCode, RunCommand, SandboxSpec, build
 
@@ -64,11 +65,13 @@ def sandbox_create(
     runtime: RuntimeOpt = None,
     environment: EnvironmentOpt = None,
     ttl_s: Annotated[float | None, typer.Option("--ttl-s", help="Lifetime.")] = None,
+    volume: VolumeOpt = None,
     api_url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
     """Create a sandbox and print its id."""
     with errors_exit_2():
+        volumes = parse_volumes(volume)
         spec = build(
             SandboxSpec,
             memory_mb=memory_mb,
@@ -78,6 +81,7 @@ def sandbox_create(
             environment=environment,
             network=network,
             ttl_s=ttl_s,
+            volumes=volumes,
         )
     info = remote_call(api_url, api_key, lambda s: s.create(spec))
     typer.echo(visible(info.id))  # the server's: plain, for `SB=$(...)`, but no escapes

@@ -37,6 +37,8 @@ from sandlot.core.live import POOL_OWNER, Live, PoolKey
 from sandlot.core.pools import Pools, discard
 from sandlot.core.store import LIVE, Elsewhere, Store
 from sandlot.core.teardown import WAIT_FOR_ROOM_S, Teardowns
+from sandlot.core.volume_verbs import VolumeVerbs
+from sandlot.core.volumes import Lease
 from sandlot.errors import (
     BackendUnavailable,
     CapacityExhausted,
@@ -78,7 +80,7 @@ REAP_CONCURRENCY = 16
 Listener = Callable[[str, dict[str, Any]], None]
 
 
-class SandboxManager(JobVerbs, FileVerbs):
+class SandboxManager(JobVerbs, FileVerbs, VolumeVerbs):
     """Creates, runs, reaps and destroys sandboxes.
 
     Several managers (in one process or many) may share a data directory: each is its own
@@ -108,6 +110,7 @@ class SandboxManager(JobVerbs, FileVerbs):
         self._started = False
         self._listeners: list[Listener] = []
         self._background: dict[str, BackgroundCommands] = {}
+        self._init_volumes()
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, fields)`` on "created", "destroyed", "released" (its
@@ -315,6 +318,30 @@ class SandboxManager(JobVerbs, FileVerbs):
         resolved = self.settings.resolve_limits(spec.limits())
         network = self.settings.network if spec.network is None else spec.network
         admission.check_metadata(spec.metadata, self.settings.max_metadata_bytes)
+        # Taken before anything is admitted: the volumes are this sandbox's alone from here
+        # until its teardown has ended (or its create failed).
+        lease = (
+            await self._lease_volumes(self._backend(key.backend), key.runtime, owner, spec.volumes)
+            if spec.volumes
+            else None
+        )
+        try:
+            return await self._create(spec, key, resolved, network, owner, quota, lease)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+
+    async def _create(
+        self,
+        spec: SandboxSpec,
+        key: PoolKey,
+        resolved: ResolvedLimits,
+        network: bool,
+        owner: str,
+        quota: Quota | None,
+        lease: Lease | None,
+    ) -> SandboxInfo:
         fresh = False
         chosen: Live | None = None
         # Probed before the store's write lock is taken: only a filter runs under it.
@@ -331,8 +358,11 @@ class SandboxManager(JobVerbs, FileVerbs):
             infos = self._live_infos(instances.alive(elsewhere, gone))
             if quota is not None:
                 admission.check_quota(infos, owner, resolved, quota)
+            # A pooled sandbox was started without volumes: one with volumes starts afresh.
             taken = (
-                self._pools.take(key, resolved, network, spec.env, owner) if self._pools else None
+                self._pools.take(key, resolved, network, spec.env, owner)
+                if self._pools and lease is None
+                else None
             )
             if taken is not None:
                 # Ownership and clocks start now for a sandbox that waited in the pool.
@@ -345,6 +375,10 @@ class SandboxManager(JobVerbs, FileVerbs):
                 # Registered with its owner before the first await, so a concurrent create
                 # of the same owner in this process counts it against the quota.
                 made = self._new_live(key, resolved, network, spec.env, owner)
+                if lease is not None:
+                    made.spec = dataclasses.replace(made.spec, volumes=lease.volumes)
+                    made.info.volumes = list(spec.volumes or [])
+                    self._leases[made.id] = lease
                 self._live[made.id] = chosen = made
                 self._publish()
             fresh = True
@@ -366,11 +400,12 @@ class SandboxManager(JobVerbs, FileVerbs):
                 # Refused or not saved (the store failed): a new one was never started; a
                 # pooled one is already the caller's in memory, so it goes.
                 self._live.pop(chosen.id, None)
+                self._leases.pop(chosen.id, None)  # the caller releases it
                 if not fresh:
                     await discard(chosen)
             raise
         live = self._live[info.id]
-        if self._pools is not None:
+        if self._pools is not None and lease is None:
             self._pools.asked(key, resolved, network, spec.env, owner, served=not fresh)
         if fresh:
             await self._boot(live)
@@ -494,6 +529,8 @@ class SandboxManager(JobVerbs, FileVerbs):
             self._live.pop(live.id, None)
             with contextlib.suppress(Exception):
                 await live.backend.stop(live.id)
+            # Nothing of it runs: its volumes are free (the caller's release finds none).
+            self._release_lease(live.id)
             self._end(live.info, SandboxStatus.FAILED, "failed")
             self._emit(
                 "backend_error", backend=live.info.backend, code=getattr(exc, "code", "error")
@@ -570,6 +607,9 @@ class SandboxManager(JobVerbs, FileVerbs):
                 if live.conn is not None:
                     await live.conn.close()
                 await live.backend.halt(sandbox_id)
+            # Nothing of it runs: its volumes may be taken again at once (an attach waits
+            # for the kernel to drop the last mount: backends/volumes.py).
+            self._release_lease(sandbox_id)
         finally:
             self._live.pop(sandbox_id, None)
             # Its disk, cgroup and network go after we return (a destroy cut short by a
@@ -615,6 +655,7 @@ class SandboxManager(JobVerbs, FileVerbs):
 
     def _released(self, info: SandboxInfo) -> None:
         """Its teardown has ended (done or failed: a failed one's leftovers are the sweep's)."""
+        self._release_lease(info.id)
         try:
             self._store.release(info.id)
         except sqlite3.Error as exc:  # the others count it until this instance is gone

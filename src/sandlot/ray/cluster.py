@@ -28,11 +28,12 @@ from ray.exceptions import ActorUnavailableError
 from sandlot.config import Settings, get_settings
 from sandlot.core.live import node_of
 from sandlot.errors import (
+    BackendUnavailable,
     ConfigError,
     SandboxLost,
     SandboxNotFound,
 )
-from sandlot.models import ResourceUsage, SandboxInfo
+from sandlot.models import Quota, ResourceUsage, SandboxInfo, VolumeInfo
 from sandlot.ray import agents
 from sandlot.ray.calls import DEAD, GONE, SHORT_CALL, NodeSilent, awaited, settle, unwrap
 from sandlot.ray.node import NODE_RESOURCE
@@ -40,7 +41,7 @@ from sandlot.ray.placing import CreateVerbs
 from sandlot.ray.routing import NodeLoad
 from sandlot.ray.runs import RunVerbs
 from sandlot.ray.verbs import ForwardedVerbs
-from sandlot.requests import SetTimeout
+from sandlot.requests import CreateVolume, SetTimeout
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +52,31 @@ REFRESH_S = 1.0
 Listener = Callable[[str, dict[str, Any]], None]
 
 
-class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs):
+class NoVolumes:
+    """Named volumes live on one host's disk: a cluster has none (yet), and says so."""
+
+    @staticmethod
+    def _refuse() -> BackendUnavailable:
+        return BackendUnavailable(
+            "named volumes live on one host's disk: a Ray cluster does not have them yet"
+        )
+
+    async def create_volume(
+        self, request: CreateVolume, *, owner: str = "local", quota: Quota | None = None
+    ) -> VolumeInfo:
+        raise self._refuse()
+
+    async def list_volumes(self, *, owner: str = "local") -> builtins.list[VolumeInfo]:
+        raise self._refuse()
+
+    async def get_volume(self, name: str, *, owner: str = "local") -> VolumeInfo:
+        raise self._refuse()
+
+    async def delete_volume(self, name: str, *, owner: str = "local") -> None:
+        raise self._refuse()
+
+
+class ClusterManager(RunVerbs, CreateVerbs, ForwardedVerbs, NoVolumes):
     """SandboxManager's verbs over a Ray cluster's node agents."""
 
     def __init__(

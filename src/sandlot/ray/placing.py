@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sandlot.config import Settings
-from sandlot.errors import NodeTimeout, SandboxError, SandboxStartError
+from sandlot.errors import BackendUnavailable, NodeTimeout, SandboxError, SandboxStartError
 from sandlot.models import Quota, SandboxInfo, SandboxLimits
 from sandlot.ray.calls import GONE, NodeSilent, awaited, settle, unwrap
 from sandlot.ray.node import CREATE_BOUND_S
@@ -42,6 +42,10 @@ class CreateVerbs:
             and whatever the node's :meth:`SandboxManager.create` raises.
         """
         spec = spec or SandboxSpec()
+        if spec.volumes:
+            raise BackendUnavailable(
+                "named volumes live on one host's disk: a Ray cluster does not have them yet"
+            )
         limits = self.settings.resolve_limits(spec.limits())
         ticket = "ticket-" + secrets.token_hex(8)
         if quota is not None:

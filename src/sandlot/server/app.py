@@ -23,7 +23,7 @@ from sandlot.config import Settings, get_settings
 from sandlot.core import SandboxManager
 from sandlot.errors import SandboxError
 from sandlot.requests import RunCode, SandboxSpec
-from sandlot.server import agent, compat, mcp, routes, stream, tools
+from sandlot.server import agent, compat, mcp, routes, stream, tools, volumes
 from sandlot.server.auth import AuthStore
 from sandlot.server.deps import ServerState, error_response, sandbox_error_response, state_of
 from sandlot.server.guard import PUBLIC_PATHS, RequestGuard
@@ -103,6 +103,7 @@ def create_app(
     app.add_exception_handler(Exception, _unexpected_error)
     app.include_router(routes.router)
     app.include_router(tools.router)
+    app.include_router(volumes.router)
     app.include_router(stream.router)
     app.include_router(compat.router)
     app.include_router(agent.router)

@@ -34,6 +34,8 @@ QUOTA_COLUMNS = {
     "max_cpu_cores": "REAL",
     "max_disk_mb": "INTEGER",
     "max_artifact_mb": "INTEGER",
+    "max_volumes": "INTEGER",
+    "max_volume_mb": "INTEGER",
 }
 # Each request writes one audit row: one waits this long for another server process's.
 BUSY_TIMEOUT_S = 5.0

@@ -50,6 +50,9 @@ from sandlot.errors import (
     SandboxStartError,
     ToolNotFound,
     TooManyAgentTasks,
+    VolumeExists,
+    VolumeInUse,
+    VolumeNotFound,
 )
 from sandlot.models import Quota
 from sandlot.requests import SANDBOX_ID_PATTERN
@@ -81,6 +84,9 @@ HTTP_STATUS: dict[type[SandboxError], int] = {
     SandboxPermissionError: 403,
     SandboxNotFound: 404,
     ToolNotFound: 404,
+    VolumeNotFound: 404,
+    VolumeExists: 409,
+    VolumeInUse: 409,
     SandboxFileNotFound: 404,
     PathOutsideWorkspace: 400,
     ConfigError: 422,
@@ -234,6 +240,8 @@ class ServerState:
             max_cpu_cores=settings.tenant_max_cpu_cores,
             max_disk_mb=settings.tenant_max_disk_mb,
             max_artifact_mb=settings.tenant_max_artifact_mb,
+            max_volumes=settings.tenant_max_volumes,
+            max_volume_mb=settings.tenant_max_volume_mb,
         )
 
     def quota_for(self, principal: Principal) -> Quota | None:

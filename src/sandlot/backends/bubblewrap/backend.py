@@ -37,6 +37,7 @@ from typing import ClassVar
 import structlog
 
 from sandlot.backends import hostnet
+from sandlot.backends import volumes as host_volumes
 from sandlot.backends.base import (
     GUEST_PIDS_HEADROOM,
     Check,
@@ -282,7 +283,15 @@ class BubblewrapBackend(Launching):
             raise BackendUnavailable(f"the tree {tree} is not readable by this user")
         return tree
 
+    def volumes_available(self, runtime: str | None = None) -> tuple[bool, str]:
+        """Whether this backend can attach named volumes here, and why not."""
+        if self.rootless:
+            return False, "rootless bubblewrap has no loop devices to hold a volume's cap"
+        return host_volumes.available()
+
     async def _provision(self, spec: GuestSpec) -> Box:
+        if spec.volumes and not (ok_why := self.volumes_available())[0]:
+            raise BackendUnavailable(f"named volumes are not available here: {ok_why[1]}")
         system = self._system_root(spec.environment)
         # Before anything is held (a uid, a cgroup): a failed write leaves nothing to undo.
         shared_proc = self._proc_set(spec.tenant, spec.limits.memory_mb * 1024 * 1024)
@@ -314,6 +323,7 @@ class BubblewrapBackend(Launching):
                 release(lock_fd)  # nothing of it started yet
             raise
         box = Box(spec.sandbox_id, root, workspace, uid, lock_fd, cgroup, self._loop_ok)
+        box.volumes = spec.volumes
         box.system = system
         box.proc_files = shared_proc if shared_proc is not None else f"{root}/proc/"
         if spec.limits.cpu_cores < START_CPU_CORES and isinstance(cgroup, Cgroup):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandlot.backends.base import Guest
+from sandlot.backends.base import AttachedVolume, Guest
 from sandlot.backends.bubblewrap import netns
 from sandlot.backends.bubblewrap.rootless import NoCgroup
 from sandlot.backends.cgroups import Cgroup
@@ -34,6 +34,8 @@ class Box:
     # Its cgroup was seen empty with no guest started since: it stays so (only a process
     # inside can fork into it), so a destroy's stop need not read it again after its halt.
     emptied: bool = False
+    # Its named volumes, attached again by every start of its guest (launching.py).
+    volumes: tuple[AttachedVolume, ...] = ()
 
     @property
     def tmp(self) -> Path:

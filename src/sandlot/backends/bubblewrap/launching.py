@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 
 from sandlot.backends import hostnet, mountns
+from sandlot.backends import volumes as host_volumes
 from sandlot.backends.base import Guest, GuestProcess, GuestSpec
 from sandlot.backends.bubblewrap import launchns
 from sandlot.backends.bubblewrap.argv import (
@@ -423,9 +424,17 @@ class Launching:
                 raise
         except OSError as exc:
             raise SandboxStartError(f"could not prepare the sandbox's mounts: {exc}") from exc
+        # Named volumes (only where the manager mounts: _provision refuses them elsewhere),
+        # each a detached mount idmapped to this sandbox's uid, over its workspace's.
+        try:
+            volumes = host_volumes.open_all(box.volumes, box.uid)
+        except BaseException:
+            mountns.close_all(clones)
+            raise
 
         def work() -> None:
             mountns.attach_all(clones)
+            host_volumes.attach_all(volumes, WORKSPACE_INSIDE, box.uid)
             remount()
 
         try:
@@ -440,6 +449,7 @@ class Launching:
             ) from exc
         finally:
             mountns.close_all(clones)
+            mountns.close_all(volumes)
 
     @staticmethod
     async def _empty_cgroup(box: Box, timeout_s: float = 5.0) -> bool:

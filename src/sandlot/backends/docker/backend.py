@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import structlog
 
-from sandlot.backends import hostnet
+from sandlot.backends import hostnet, mountns
+from sandlot.backends import volumes as host_volumes
 from sandlot.backends.base import GUEST_PIDS_HEADROOM, Check, GuestSpec, instance_of
 from sandlot.backends.cgroups import Cgroup, CgroupDriver
 from sandlot.backends.devpts import DOCKER_OPTIONS, cap_ptys
@@ -106,6 +107,9 @@ KILL_ALL = ["/bin/sh", "-c", "kill -9 -1; kill -9 -1"]  # all of the uid but pid
 # start. The host limit gets this headroom; the user's limit is RLIMIT_NPROC, which gVisor
 # enforces per sandbox (its uids are its own).
 RUNSC_PIDS_HEADROOM = 512
+# gVisor's gofer reaches a bind's files as itself (root), which an idmapped mount does not
+# map: every write to a volume failed with EOVERFLOW (measured 2026-12-07, test_volumes.py).
+RUNSC_VOLUMES = "gVisor (runsc) cannot write through the idmapped mount a volume needs"
 # How the sentry (a Go program) exits when the host refuses it a thread: see _exit_cause.
 RUNSC_THREAD_EXHAUSTED = 2
 KILL_TIMEOUT_S = 10.0
@@ -252,6 +256,8 @@ class DockerBackend:
     async def _provision(self, client: docker.DockerClient, spec: GuestSpec) -> _Box:
         runtime = spec.runtime or self.settings.docker_runtime
         self._check_runtime(runtime, spec.network)
+        if spec.volumes and not (ok_why := self.volumes_available(runtime))[0]:
+            raise BackendUnavailable(f"named volumes are not available here: {ok_why[1]}")
         env = get_environment(spec.environment, self.settings.registry_dir)
         if env.name not in self._images_ok:
             await ensure_image(env, client)
@@ -283,6 +289,8 @@ class DockerBackend:
                 templates=self.data_dir / VOLUME_TEMPLATES,
             )
             write_proc_files(root / "proc", spec.limits.memory_mb * 1024 * 1024)
+            if spec.volumes:
+                await asyncio.to_thread(self._mount_volumes, box, spec)
             box.container_id = await asyncio.to_thread(
                 self._create_container, client, spec, env, box
             )
@@ -291,6 +299,27 @@ class DockerBackend:
             await self.stop(spec.sandbox_id)
             raise
         return box
+
+    def volumes_available(self, runtime: str | None = None) -> tuple[bool, str]:
+        """Whether this backend can attach named volumes here, and why not."""
+        if (runtime or self.settings.docker_runtime) == "runsc":
+            return False, RUNSC_VOLUMES
+        return host_volumes.available()
+
+    @staticmethod
+    def _mount_volumes(box: _Box, spec: GuestSpec) -> None:
+        """Each volume, idmapped to the sandbox's uid, on a host directory of its own that
+        the container binds (``vol-<i>``, an entry of the sandbox's directory: a teardown
+        finds a mount there and unmounts it before removing anything). It stays there for
+        the container's restarts, until :meth:`stop`."""
+        opened = host_volumes.open_all(spec.volumes, box.uid)
+        try:
+            for i, (fd, _) in enumerate(opened):
+                point = box.root / f"vol-{i}"
+                point.mkdir(mode=0o700)
+                mountns.attach(fd, str(point))
+        finally:
+            mountns.close_all(opened)
 
     async def _ensure_network(self, client: docker.DockerClient) -> None:
         """The bridge networked sandboxes are attached to, and the host's walls around it
@@ -321,6 +350,9 @@ class DockerBackend:
             Mount("/tmp", str(tmp), type="bind"),
             Mount(GUEST_DIR_INSIDE, str(self._guest_dir), type="bind", read_only=True),
         ]
+        for i, volume in enumerate(spec.volumes):
+            source = str(box.root / f"vol-{i}")
+            mounts.append(Mount(volume.mount_path, source, type="bind", read_only=volume.read_only))
         if box.runtime == "runc":
             for name in SYNTHESIZED:  # runc allows exactly these (lxcfs's) under /proc
                 source = str(box.root / "proc" / name)
@@ -469,7 +501,11 @@ class DockerBackend:
         box = self._boxes.pop(sandbox_id, None)
         if box is None or not box.removed:
             await self._remove(box, sandbox_id)
-        await remove_volume(box.root if box is not None else self.sandboxes_dir / sandbox_id)
+        root = box.root if box is not None else self.sandboxes_dir / sandbox_id
+        # Named volumes first, by name: their files are never the teardown's to remove.
+        for point in root.glob("vol-*"):
+            mountns.detach(str(point), missing_ok=True)
+        await remove_volume(root)
         if box is not None and box.uid_lock_fd is not None:
             release(box.uid_lock_fd)  # only once nothing of the sandbox's is left
             box.uid_lock_fd = None

@@ -1,0 +1,278 @@
+"""Named volumes: a tenant's files that outlive its sandboxes.
+
+A volume is a directory under ``<data dir>/volumes/<tenant's digest>/<name>/``: its ext4
+image (``disk.img``, sparse, capped at its size by being that size), its record
+(``volume.json``) and its lock file. It is attached to one live sandbox at a time, at a path
+inside ``/workspace`` (the backend mounts it: ``backends/volumes.py``). Two bounds on *in
+use*, both needed:
+
+- the lock file's ``flock``, held by the manager that attached it for the sandbox's life (and
+  dropped by the kernel if that manager dies): managers on one data directory never attach a
+  volume twice;
+- the loop device the kernel keeps for the image while any mount of it lives
+  (:func:`~sandlot.backends.volumes.attached`): a sandbox its dead manager left running (a
+  docker container) still holds its volume, and a destroyed sandbox holds it until its last
+  process has gone.
+
+Bounds: a volume's size (``SANDBOX_MAX_VOLUME_MB``), a tenant's volumes and their total size
+(the quota's ``max_volumes``, ``max_volume_mb``), and the host's disk: a volume is made only
+where the data directory's file system has room for it and for every existing volume's
+unwritten part (sparse images never overcommit the disk), past a reserve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandlot.backends import volumes as host_volumes
+from sandlot.backends.base import AttachedVolume
+from sandlot.errors import (
+    CapacityExhausted,
+    ConfigError,
+    QuotaExceeded,
+    VolumeExists,
+    VolumeInUse,
+    VolumeNotFound,
+)
+from sandlot.models import Quota, VolumeInfo, VolumeMount
+
+VOLUMES_DIR = "volumes"
+IMAGE = "disk.img"
+RECORD = "volume.json"
+LOCK = "lock"
+# A share of the data directory's file system no volume may take: the store, the sandboxes'
+# own disks and the host's other files live there too.
+DISK_RESERVE = 0.10
+# How long an attach waits for the volume's last sandbox to finish ending (its namespace
+# released by the kernel) before it says the volume is in use.
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+def tenant_dir_name(tenant: str) -> str:
+    """A tenant's directory: a digest, since a tenant's name may be any text."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:24]
+
+
+def check_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"volume name {name!r}: 1-63 lowercase letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass
+class Lease:
+    """The volumes one sandbox holds: their lock files, open and flocked, until released."""
+
+    volumes: tuple[AttachedVolume, ...]
+    fds: list[int]
+
+    def release(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+class VolumeStore:
+    def __init__(self, data_dir: Path, *, max_volume_mb: int) -> None:
+        self.root = data_dir / VOLUMES_DIR
+        self.max_volume_mb = max_volume_mb
+
+    # ------------------------------------------------------------------ records
+
+    def _dir(self, tenant: str, name: str) -> Path:
+        return self.root / tenant_dir_name(tenant) / check_name(name)
+
+    @contextlib.contextmanager
+    def _tenant_lock(self, tenant: str) -> Iterator[Path]:
+        """The tenant's directory, under its lock: one create or delete of its at a time,
+        across every process of the data directory (its quota is checked under it)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.chmod(0o700)
+        tenant_dir = self.root / tenant_dir_name(tenant)
+        tenant_dir.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(tenant_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield tenant_dir
+        finally:
+            os.close(fd)
+
+    def _info(self, directory: Path) -> VolumeInfo | None:
+        try:
+            record = json.loads((directory / RECORD).read_text())
+            image = directory / IMAGE
+            used = image.stat().st_blocks * 512
+        except (OSError, ValueError):
+            return None  # being made or deleted
+        info = VolumeInfo.model_validate(record)
+        info.used_bytes = used
+        info.attached = host_volumes.attached(image)
+        return info
+
+    def list(self, tenant: str) -> list[VolumeInfo]:
+        tenant_dir = self.root / tenant_dir_name(tenant)
+        try:
+            entries = sorted(tenant_dir.iterdir())
+        except FileNotFoundError:
+            return []
+        found = [self._info(e) for e in entries if _NAME.fullmatch(e.name)]
+        return [info for info in found if info is not None]
+
+    def get(self, tenant: str, name: str) -> VolumeInfo:
+        info = self._info(self._dir(tenant, name))
+        if info is None:
+            raise VolumeNotFound(f"no volume {name!r}")
+        return info
+
+    # ------------------------------------------------------------------ create, delete
+
+    def create(self, tenant: str, name: str, size_mb: int, quota: Quota | None) -> VolumeInfo:
+        """Make an empty volume of ``size_mb`` (blocking: mkfs.ext4, a few ms).
+
+        Raises:
+            ConfigError: a bad name, or a size over SANDBOX_MAX_VOLUME_MB.
+            VolumeExists: the tenant has one of that name.
+            QuotaExceeded: the tenant's volumes or their total size would pass its quota.
+            CapacityExhausted: the data directory's disk has no room for it.
+        """
+        check_name(name)
+        if not 1 <= size_mb <= self.max_volume_mb:
+            raise ConfigError(
+                f"size_mb={size_mb}: a volume is 1 to {self.max_volume_mb} MB "
+                "(SANDBOX_MAX_VOLUME_MB)"
+            )
+        with self._tenant_lock(tenant) as tenant_dir:
+            directory = tenant_dir / name
+            if directory.exists():
+                raise VolumeExists(f"a volume {name!r} exists already")
+            self._check_quota(tenant, size_mb, quota)
+            self._check_disk(size_mb)
+            partial = tenant_dir / f".new-{name}-{secrets.token_hex(4)}"
+            partial.mkdir(mode=0o700)
+            try:
+                host_volumes.mkfs_volume(partial / IMAGE, size_mb)
+                (partial / LOCK).touch(mode=0o600)
+                info = VolumeInfo(name=name, size_mb=size_mb, created_at=time.time())
+                record = info.model_dump(include={"name", "size_mb", "created_at"})
+                (partial / RECORD).write_text(json.dumps(record))
+                partial.rename(directory)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+        return self.get(tenant, name)
+
+    def _check_quota(self, tenant: str, size_mb: int, quota: Quota | None) -> None:
+        if quota is None:
+            return
+        held = self.list(tenant)
+        if quota.max_volumes is not None and len(held) + 1 > quota.max_volumes:
+            raise QuotaExceeded(
+                f"volume quota reached: {len(held)} of {quota.max_volumes} volumes; "
+                "delete one first"
+            )
+        total = sum(v.size_mb for v in held) + size_mb
+        if quota.max_volume_mb is not None and total > quota.max_volume_mb:
+            raise QuotaExceeded(
+                f"volume quota reached: {total} MB of volumes asked, {quota.max_volume_mb} MB "
+                "allowed"
+            )
+
+    def _check_disk(self, size_mb: int) -> None:
+        """Room on the data directory's disk for the new volume and for every volume's
+        unwritten part (they may all fill up), past :data:`DISK_RESERVE`."""
+        fs = os.statvfs(self.root)
+        free = fs.f_bavail * fs.f_frsize
+        reserve = DISK_RESERVE * fs.f_blocks * fs.f_frsize
+        unwritten = 0
+        for image in self.root.glob(f"*/*/{IMAGE}"):
+            with contextlib.suppress(OSError):
+                st = image.stat()
+                unwritten += max(0, st.st_size - st.st_blocks * 512)
+        needed = size_mb * 1024 * 1024 + unwritten
+        if needed > free - reserve:
+            raise CapacityExhausted(
+                f"no room on the host's disk for a {size_mb} MB volume: "
+                f"{max(0, int(free - reserve - unwritten)) // (1024 * 1024)} MB left for volumes"
+            )
+
+    def delete(self, tenant: str, name: str) -> None:
+        """Delete a volume and its files (blocking).
+
+        Raises:
+            VolumeNotFound: no such volume.
+            VolumeInUse: a live sandbox has it attached.
+        """
+        with self._tenant_lock(tenant) as tenant_dir:
+            directory = tenant_dir / check_name(name)
+            if not (directory / RECORD).exists():
+                raise VolumeNotFound(f"no volume {name!r}")
+            fd = self._lock(directory, name)
+            try:
+                if host_volumes.attached(directory / IMAGE):
+                    raise VolumeInUse(f"volume {name!r} is attached to a sandbox")
+                doomed = tenant_dir / f".deleted-{name}-{secrets.token_hex(4)}"
+                directory.rename(doomed)
+            finally:
+                os.close(fd)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    # ------------------------------------------------------------------ attach
+
+    @staticmethod
+    def _lock(directory: Path, name: str) -> int:
+        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise VolumeInUse(f"volume {name!r} is attached to another sandbox") from None
+        return fd
+
+    def lease(self, tenant: str, mounts: Sequence[VolumeMount]) -> Lease:
+        """Take ``mounts``' volumes for one sandbox of ``tenant`` (blocking: may wait up to
+        ``DETACH_WAIT_S`` for a volume's last sandbox to end).
+
+        Raises:
+            VolumeNotFound: the tenant has no volume of a name.
+            VolumeInUse: a volume is attached to another sandbox.
+        """
+        lease = Lease((), [])
+        try:
+            for mount in mounts:
+                fd, volume = self._take(tenant, mount)
+                lease.fds.append(fd)
+                lease.volumes += (volume,)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _take(self, tenant: str, mount: VolumeMount) -> tuple[int, AttachedVolume]:
+        directory = self._dir(tenant, mount.name)
+        if not (directory / RECORD).exists():
+            raise VolumeNotFound(f"no volume {mount.name!r}")
+        fd = self._lock(directory, mount.name)
+        image = directory / IMAGE
+        # Deleted while we took its lock; or its last sandbox has not ended.
+        gone = not (directory / RECORD).exists()
+        if gone or not host_volumes.wait_detached(image, host_volumes.DETACH_WAIT_S):
+            os.close(fd)
+            if gone:
+                raise VolumeNotFound(f"no volume {mount.name!r}")
+            raise VolumeInUse(f"volume {mount.name!r} is attached to another sandbox")
+        return fd, AttachedVolume(image, mount.mount_path, mount.read_only)
