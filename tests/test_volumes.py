@@ -8,8 +8,11 @@ mount elsewhere.
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -364,3 +367,41 @@ def test_docker_runsc_refuses_volumes_rather_than_failing_every_write(
     )
     with pytest.raises(BackendUnavailable, match="runsc"):
         get_portal().call(manager.create(spec, owner=owner))
+
+
+def test_the_cli_makes_lists_attaches_and_removes_volumes(
+    live_server: LiveServer, volumes_here: None
+) -> None:
+    env = {
+        **os.environ,
+        "SANDLOT_URL": live_server.url,
+        "SANDLOT_API_KEY": live_server.keys["bob"],
+    }
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "sandlot.cli", *args],
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    name = f"c{secrets.token_hex(3)}"
+    assert cli("volume", "create", name, "--size-mb", "16").returncode == 0
+    listed = cli("volume", "ls", "--json")
+    assert name in [v["name"] for v in json.loads(listed.stdout)], listed.stderr
+    bad = cli("sandbox", "create", "--volume", f"{name}:/etc")
+    assert bad.returncode == 2 and "--volume" in bad.stderr and "/workspace" in bad.stderr
+    made = cli("sandbox", "create", "--volume", f"{name}:/workspace/v:ro")
+    assert made.returncode == 0, made.stderr
+    sandbox_id = made.stdout.strip()
+    wrote = cli("sandbox", "exec", sandbox_id, "touch /workspace/v/x")
+    assert wrote.returncode != 0 and "Read-only" in wrote.stderr
+    busy = cli("volume", "rm", name)
+    assert busy.returncode == 2 and "attached" in busy.stderr
+    assert cli("sandbox", "rm", sandbox_id).returncode == 0
+    assert cli("volume", "rm", name).returncode == 0
+    gone = cli("volume", "rm", name)
+    assert gone.returncode == 2 and "no volume" in gone.stderr
