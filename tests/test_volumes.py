@@ -235,11 +235,81 @@ def test_a_tenants_volumes_are_bounded_by_its_quota(tmp_path: Path, volumes_here
         store.create("t", "b", 40, quota)
     store.create("t", "b", 16, quota)
     with pytest.raises(QuotaExceeded, match="2 volumes"):
-        store.create("t", "c", 1, quota)
+        store.create("t", "c", 8, quota)
     with pytest.raises(ConfigError, match="SANDBOX_MAX_VOLUME_MB"):
         store.create("u", "big", 65, None)
     assert [v.name for v in store.list("t")] == ["a", "b"]
     assert store.list("u") == []
+
+
+def test_a_lease_and_a_delete_of_one_volume_never_interleave(
+    tmp_path: Path, volumes_here: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Red team: a lease that opened the volume's lock file, then was delayed before its
+    flock, while the tenant deleted the volume and made one of the same name, locked the
+    old file and got the new image: a second lease of it was granted (two loop devices on
+    one ext4 image). The lease's open and flock now happen under the tenant's lock."""
+    import fcntl
+    import threading
+
+    import sandlot.core.volumes as core_volumes
+
+    store = VolumeStore(tmp_path, max_volume_mb=64)
+    store.create("t", "v", 8, None)
+    real_flock = fcntl.flock
+    in_window, go_on = threading.Event(), threading.Event()
+
+    def slow_flock(fd: int, op: int) -> None:
+        if threading.current_thread().name == "leaser" and op & fcntl.LOCK_NB:
+            in_window.set()
+            go_on.wait(10)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(core_volumes.fcntl, "flock", slow_flock)
+    leased: list[object] = []
+    leaser = threading.Thread(
+        target=lambda: leased.append(store.lease("t", [VolumeMount(name="v", mount_path="v")])),
+        name="leaser",
+    )
+    leaser.start()
+    assert in_window.wait(10)
+    outcome: list[BaseException | None] = []
+
+    def delete() -> None:
+        try:
+            store.delete("t", "v")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    deleter = threading.Thread(target=delete)
+    deleter.start()
+    deleter.join(0.3)
+    assert deleter.is_alive()  # waits for the lease, instead of slipping in between
+    go_on.set()
+    leaser.join(10)
+    deleter.join(10)
+    assert isinstance(outcome[0], VolumeInUse)
+    with pytest.raises(VolumeInUse):
+        store.lease("t", [VolumeMount(name="v", mount_path="w")])
+
+
+def test_a_volume_that_cannot_be_made_is_a_typed_error(
+    tmp_path: Path, volumes_here: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    store = VolumeStore(tmp_path, max_volume_mb=64)
+    with pytest.raises(ConfigError, match="8 to 64 MB"):
+        store.create("t", "tiny", 7, None)  # under 2 MB mkfs.ext4 makes no journal
+
+    def full(image: Path, size_mb: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(host_volumes, "mkfs_volume", full)
+    with pytest.raises(CapacityExhausted, match="no room"):
+        store.create("t", "v", 8, None)
+    assert store.list("t") == []  # nothing half-made is left
 
 
 def test_volumes_never_promise_more_disk_than_the_host_has(
@@ -340,17 +410,20 @@ def test_docker_runc_attaches_volumes_and_its_teardown_leaves_their_files(
     _volume(manager, owner, "dv")
     portal = get_portal()
     spec = SandboxSpec(
-        backend="docker", runtime="runc", volumes=[VolumeMount(name="dv", mount_path="v")]
+        backend="docker", runtime="runc", volumes=[VolumeMount(name="dv", mount_path="a/v")]
     )
     info = portal.call(manager.create(spec, owner=owner))
     with Sandbox.connect(info.id, manager=manager) as sb:
-        _run(sb, "echo kept > /workspace/v/f")
-        assert "idmapped" in _run(sb, "grep ' /workspace/v ' /proc/self/mountinfo")
+        _run(sb, "echo kept > /workspace/a/v/f")
+        assert "idmapped" in _run(sb, "grep ' /workspace/a/v ' /proc/self/mountinfo")
         assert int(_run(sb, "id -u")) != 65534  # docker runs as the sandbox's host uid
+        # The way to the mount point is the sandbox's, as on bubblewrap (red team: runc
+        # made it root's).
+        _run(sb, "touch /workspace/a/mine")
     portal.call(manager.settle())
     info = portal.call(manager.create(spec, owner=owner))
     with Sandbox.connect(info.id, manager=manager) as sb:
-        assert _run(sb, "cat /workspace/v/f") == "kept\n"
+        assert _run(sb, "cat /workspace/a/v/f") == "kept\n"
 
 
 @pytest.mark.skipif(

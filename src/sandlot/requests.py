@@ -179,7 +179,7 @@ class CreateVolume(Request):
     """A new named volume of the caller's, empty, capped at ``size_mb``."""
 
     name: str = Field(pattern=VOLUME_NAME_PATTERN)
-    size_mb: int = Field(default=256, ge=1, le=1_048_576)
+    size_mb: int = Field(default=256, ge=8, le=1_048_576)
 
 
 class RunCode(Request):

@@ -192,35 +192,9 @@ def attach_all(opened: Sequence[tuple[int, str]], top: str, owner: int) -> None:
 
 def attach_beneath(mount_fd: int, top: str, relative: str, owner: int) -> None:
     """Attach the detached ``mount_fd`` at ``top``/``relative`` in this thread's mount
-    namespace, making the directories of ``relative`` that are missing.
-
-    Each name is opened relative to its parent's descriptor, never through a symlink:
-    sandboxed code that left a symlink where a volume goes (a restarted guest reattaches into
-    a workspace it wrote) cannot send the mount elsewhere; the link is replaced. Directories
-    made are ``owner``'s (the sandbox's host uid), as the rest of its workspace.
-    """
-    fd = os.open(top, _PATH_DIR)
+    namespace (:func:`open_beneath` makes the way)."""
+    fd = open_beneath(top, relative, owner)
     try:
-        for name in relative.split("/"):
-            try:
-                # An O_PATH descriptor serves as the directory of an *at call.
-                os.mkdir(name, mode=0o755, dir_fd=fd)
-            except FileExistsError:
-                pass
-            else:  # the sandbox's, as its own directories are (``owner``: its host uid)
-                os.chown(name, owner, owner, dir_fd=fd, follow_symlinks=False)
-            try:
-                child = os.open(name, _PATH_DIR, dir_fd=fd)
-            except NotADirectoryError:
-                # A symlink or a file the sandbox left where its volume goes: its own entry
-                # in its own workspace, replaced by the mount point (unlink removes a link
-                # itself, never what it names). None of its code runs meanwhile.
-                os.unlink(name, dir_fd=fd)
-                os.mkdir(name, mode=0o755, dir_fd=fd)
-                os.chown(name, owner, owner, dir_fd=fd, follow_symlinks=False)
-                child = os.open(name, _PATH_DIR, dir_fd=fd)
-            os.close(fd)
-            fd = child
         _syscall(
             mountns.SYS_MOVE_MOUNT,
             mount_fd,
@@ -231,6 +205,46 @@ def attach_beneath(mount_fd: int, top: str, relative: str, owner: int) -> None:
         )
     finally:
         os.close(fd)
+
+
+def open_beneath(top: str, relative: str, owner: int) -> int:
+    """An O_PATH descriptor of the directory ``top``/``relative``, made where missing.
+
+    Each name is opened relative to its parent's descriptor, never through a symlink:
+    sandboxed code that left a symlink where a volume goes (a restarted guest reattaches into
+    a workspace it wrote) cannot send the mount elsewhere; the link is replaced. Directories
+    made are ``owner``'s (the sandbox's host uid), as the rest of its workspace.
+    """
+    fd = os.open(top, _PATH_DIR)
+    try:
+        for name in relative.split("/"):
+            child = _child_dir(fd, name, owner)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _child_dir(fd: int, name: str, owner: int) -> int:
+    try:
+        # An O_PATH descriptor serves as the directory of an *at call.
+        os.mkdir(name, mode=0o755, dir_fd=fd)
+    except FileExistsError:
+        pass
+    else:  # the sandbox's, as its own directories are (``owner``: its host uid)
+        os.chown(name, owner, owner, dir_fd=fd, follow_symlinks=False)
+    try:
+        return os.open(name, _PATH_DIR, dir_fd=fd)
+    except NotADirectoryError:
+        # A symlink or a file the sandbox left where its volume goes: its own entry in its
+        # own workspace, replaced by the mount point (unlink removes a link itself, never
+        # what it names). None of its code runs meanwhile.
+        os.unlink(name, dir_fd=fd)
+        os.mkdir(name, mode=0o755, dir_fd=fd)
+        os.chown(name, owner, owner, dir_fd=fd, follow_symlinks=False)
+        return os.open(name, _PATH_DIR, dir_fd=fd)
 
 
 def attached(image: Path) -> bool:

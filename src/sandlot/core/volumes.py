@@ -23,6 +23,7 @@ unwritten part (sparse images never overcommit the disk), past a reserve.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -41,6 +42,7 @@ from sandlot.errors import (
     CapacityExhausted,
     ConfigError,
     QuotaExceeded,
+    SandboxError,
     VolumeExists,
     VolumeInUse,
     VolumeNotFound,
@@ -54,6 +56,8 @@ LOCK = "lock"
 # A share of the data directory's file system no volume may take: the store, the sandboxes'
 # own disks and the host's other files live there too.
 DISK_RESERVE = 0.10
+# mkfs.ext4 gives a volume under 2 MB no journal; the smallest volume has one.
+MIN_VOLUME_MB = 8
 # How long an attach waits for the volume's last sandbox to finish ending (its namespace
 # released by the kernel) before it says the volume is in use.
 
@@ -63,6 +67,13 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 def tenant_dir_name(tenant: str) -> str:
     """A tenant's directory: a digest, since a tenant's name may be any text."""
     return hashlib.sha256(tenant.encode()).hexdigest()[:24]
+
+
+def _made_error(exc: OSError) -> SandboxError:
+    """Why a volume could not be made, typed: the host's disk is full, or something else."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CapacityExhausted(f"no room on the host's disk for the volume: {exc}")
+    return SandboxError(f"could not make the volume: {exc}")
 
 
 def check_name(name: str) -> str:
@@ -151,9 +162,9 @@ class VolumeStore:
             CapacityExhausted: the data directory's disk has no room for it.
         """
         check_name(name)
-        if not 1 <= size_mb <= self.max_volume_mb:
+        if not MIN_VOLUME_MB <= size_mb <= self.max_volume_mb:
             raise ConfigError(
-                f"size_mb={size_mb}: a volume is 1 to {self.max_volume_mb} MB "
+                f"size_mb={size_mb}: a volume is {MIN_VOLUME_MB} to {self.max_volume_mb} MB "
                 "(SANDBOX_MAX_VOLUME_MB)"
             )
         with self._tenant_lock(tenant) as tenant_dir:
@@ -165,7 +176,10 @@ class VolumeStore:
             partial = tenant_dir / f".new-{name}-{secrets.token_hex(4)}"
             partial.mkdir(mode=0o700)
             try:
-                host_volumes.mkfs_volume(partial / IMAGE, size_mb)
+                try:
+                    host_volumes.mkfs_volume(partial / IMAGE, size_mb)
+                except OSError as exc:
+                    raise _made_error(exc) from exc
                 (partial / LOCK).touch(mode=0o600)
                 info = VolumeInfo(name=name, size_mb=size_mb, created_at=time.time())
                 record = info.model_dump(include={"name", "size_mb", "created_at"})
@@ -263,16 +277,18 @@ class VolumeStore:
         return lease
 
     def _take(self, tenant: str, mount: VolumeMount) -> tuple[int, AttachedVolume]:
-        directory = self._dir(tenant, mount.name)
-        if not (directory / RECORD).exists():
-            raise VolumeNotFound(f"no volume {mount.name!r}")
-        fd = self._lock(directory, mount.name)
-        image = directory / IMAGE
-        # Deleted while we took its lock; or its last sandbox has not ended.
-        gone = not (directory / RECORD).exists()
-        if gone or not host_volumes.wait_detached(image, host_volumes.DETACH_WAIT_S):
-            os.close(fd)
-            if gone:
+        # Found and locked under the tenant's lock, which a delete holds while it checks the
+        # volume's lock and renames it away: a lock file opened here is the volume's own, never
+        # one a delete (and a create of the same name) has replaced meanwhile, whose flock
+        # would guard nothing (red team: a second lease of one image).
+        with self._tenant_lock(tenant) as tenant_dir:
+            directory = tenant_dir / check_name(mount.name)
+            if not (directory / RECORD).exists():
                 raise VolumeNotFound(f"no volume {mount.name!r}")
+            fd = self._lock(directory, mount.name)
+        image = directory / IMAGE
+        # Its last sandbox may still be ending (its mount namespace not yet released).
+        if not host_volumes.wait_detached(image, host_volumes.DETACH_WAIT_S):
+            os.close(fd)
             raise VolumeInUse(f"volume {mount.name!r} is attached to another sandbox")
         return fd, AttachedVolume(image, mount.mount_path, mount.read_only)

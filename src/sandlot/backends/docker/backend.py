@@ -312,6 +312,9 @@ class DockerBackend:
         the container binds (``vol-<i>``, an entry of the sandbox's directory: a teardown
         finds a mount there and unmounts it before removing anything). It stays there for
         the container's restarts, until :meth:`stop`."""
+        # The way to each mount point made now, the sandbox's (runc would make it root's).
+        for volume in spec.volumes:
+            os.close(host_volumes.open_beneath(str(box.workspace), volume.relative_path, box.uid))
         opened = host_volumes.open_all(spec.volumes, box.uid)
         try:
             for i, (fd, _) in enumerate(opened):
