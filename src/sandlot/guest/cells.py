@@ -274,24 +274,26 @@ class Kernel:
         return True
 
     def stop(self):
-        if self.proc is not None:
+        # Taken once: the rewarm thread may set or clear them meanwhile (the supervisor's
+        # last stop runs beside it, without the lock), and a second look could find None.
+        proc, self.proc = self.proc, None
+        channel, self.channel = self.channel, None
+        if proc is not None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
                 # A kernel forked a moment ago may not lead its group yet: end it by pid.
                 try:
-                    os.kill(self.proc.pid, signal.SIGKILL)
+                    os.kill(proc.pid, signal.SIGKILL)
                 except OSError:
                     pass
-            self.proc.wait()
-            forget(self.proc)
-            for stream in (self.proc.stdout, self.proc.stderr):
+            proc.wait()
+            forget(proc)
+            for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
-            self.proc = None
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        if channel is not None:
+            channel.close()
 
 
 class Cells:

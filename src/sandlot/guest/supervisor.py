@@ -271,7 +271,12 @@ def supervisor_main():
             supervisor.send_error(
                 request.get("id"), "pids_exhausted", "the sandbox has no free process slots"
             )
-    supervisor.kernel.stop()
+    try:
+        supervisor.kernel.stop()
+    except Exception:  # the guest ends whatever the kernel's state; say why, then go
+        import traceback  # here only: an import on every guest's start costs its time
+
+        traceback.print_exc()
     # Out without the interpreter's finalization: a daemon thread (the kernel's rewarm, cut
     # short by the stop above) may still be printing to stderr, and finalizing while it holds
     # stderr's lock aborts the process (SIGABRT instead of exit 0). Frames are written with
