@@ -3,10 +3,12 @@
 It owns what backends do not: ids, owners and quotas, TTL and idle reaping, the SQLite store
 and crash recovery. Each verb takes one typed request (:mod:`sandlot.requests`) and hands the
 work to the room that does it: :mod:`~sandlot.core.execution` (one run),
-:mod:`~sandlot.core.pools`, and through the verbs' mixins (:mod:`~sandlot.core.job_verbs`,
-:mod:`~sandlot.core.file_verbs`, which find a sandbox with :mod:`~sandlot.core.lookup`)
-:mod:`~sandlot.core.background`, :mod:`~sandlot.core.files` and
-:mod:`~sandlot.core.artifacts`; a :class:`~sandlot.core.live.Live` owns its guest link.
+:mod:`~sandlot.core.pools`, and through the verbs' mixins (:mod:`~sandlot.core.creates`,
+:mod:`~sandlot.core.job_verbs`, :mod:`~sandlot.core.file_verbs`,
+:mod:`~sandlot.core.volume_verbs`, which find a sandbox with :mod:`~sandlot.core.lookup`)
+:mod:`~sandlot.core.admission`, :mod:`~sandlot.core.background`, :mod:`~sandlot.core.files`,
+:mod:`~sandlot.core.artifacts` and :mod:`~sandlot.core.volumes`; a
+:class:`~sandlot.core.live.Live` owns its guest link.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import dataclasses
 import functools
 import sqlite3
 import time
@@ -28,33 +29,27 @@ from sandlot.backends import Backend, create_backend
 from sandlot.config import Settings, get_settings
 from sandlot.core import admission, execution, instances, placement, recovery
 from sandlot.core.admission import HostCapacity
-from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts, artifact_limit_bytes
+from sandlot.core.artifacts import EXPORT_TIMEOUT_S, Artifacts
 from sandlot.core.background import BackgroundCommands
+from sandlot.core.creates import CreateVerbs
 from sandlot.core.file_verbs import FileVerbs
-from sandlot.core.host_ledger import HostLedger, Reservation
+from sandlot.core.host_ledger import HostLedger
 from sandlot.core.job_verbs import JobVerbs
-from sandlot.core.live import POOL_OWNER, Live, PoolKey
-from sandlot.core.pools import Pools, discard
-from sandlot.core.store import LIVE, Elsewhere, Store
-from sandlot.core.teardown import WAIT_FOR_ROOM_S, Teardowns
-from sandlot.core.volume_verbs import VolumeVerbs
-from sandlot.core.volumes import Lease
+from sandlot.core.live import Live
+from sandlot.core.pools import Pools
+from sandlot.core.store import LIVE, Store
+from sandlot.core.teardown import Teardowns
 from sandlot.errors import (
     BackendUnavailable,
-    CapacityExhausted,
     ConfigError,
-    QuotaExceeded,
     SandboxError,
     SandboxNotFound,
     SandboxNotRunning,
-    SandboxStartError,
 )
 from sandlot.log import configure_logging
 from sandlot.models import (
     ExecResult,
     OutputCallback,
-    Quota,
-    ResolvedLimits,
     ResourceUsage,
     ResultCallback,
     SandboxInfo,
@@ -63,15 +58,11 @@ from sandlot.models import (
 from sandlot.requests import (
     RunCode,
     RunCommand,
-    SandboxSpec,
     SetTimeout,
 )
 
 log = structlog.get_logger(__name__)
 
-# How often a refused create looks again at other processes' teardowns (a teardown takes
-# a few ms; other processes do not tell us when theirs end).
-HELD_ELSEWHERE_POLL_S = 0.02
 # Destroys the reaper runs at once (reap()): each sandbox past its TTL or idle time is
 # destroyed on its own, so one whose teardown is slow holds no other.
 REAP_CONCURRENCY = 16
@@ -80,7 +71,7 @@ REAP_CONCURRENCY = 16
 Listener = Callable[[str, dict[str, Any]], None]
 
 
-class SandboxManager(JobVerbs, FileVerbs, VolumeVerbs):
+class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
     """Creates, runs, reaps and destroys sandboxes.
 
     Several managers (in one process or many) may share a data directory: each is its own
@@ -291,262 +282,6 @@ class SandboxManager(JobVerbs, FileVerbs, VolumeVerbs):
             self._backends[name] = create_backend(name, self._instance.settings(self.settings))
         return self._backends[name]
 
-    # ------------------------------------------------------------------ creating
-
-    async def create(
-        self,
-        spec: SandboxSpec | None = None,
-        *,
-        owner: str = "local",
-        quota: Quota | None = None,
-    ) -> SandboxInfo:
-        """Start a sandbox and return once its guest answers (from a warm pool where one holds
-        exactly what is asked for).
-
-        Raises:
-            ConfigError: an unknown backend or an out-of-range setting.
-            QuotaExceeded: ``owner`` already holds ``quota`` worth of live sandboxes.
-            CapacityExhausted: the host has no room for the sandbox's limits.
-            FileDescriptorsExhausted: this process has too few file descriptors left
-                (a CapacityExhausted).
-            BackendUnavailable: the backend cannot run on this host.
-            SandboxStartError: the backend failed to start the guest.
-        """
-        self._require_started()
-        spec = spec or SandboxSpec()
-        key = self.placement(spec.backend, spec.runtime, spec.environment)
-        resolved = self.settings.resolve_limits(spec.limits())
-        network = self.settings.network if spec.network is None else spec.network
-        admission.check_metadata(spec.metadata, self.settings.max_metadata_bytes)
-        # Taken before anything is admitted: the volumes are this sandbox's alone from here
-        # until its teardown has ended (or its create failed).
-        lease = (
-            await self._lease_volumes(self._backend(key.backend), key.runtime, owner, spec.volumes)
-            if spec.volumes
-            else None
-        )
-        try:
-            return await self._create(spec, key, resolved, network, owner, quota, lease)
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-
-    async def _create(
-        self,
-        spec: SandboxSpec,
-        key: PoolKey,
-        resolved: ResolvedLimits,
-        network: bool,
-        owner: str,
-        quota: Quota | None,
-        lease: Lease | None,
-    ) -> SandboxInfo:
-        fresh = False
-        chosen: Live | None = None
-        # Probed before the store's write lock is taken: only a filter runs under it.
-        gone = instances.gone_of(self._store.live_elsewhere(), self.settings.data_dir)
-        # Recorded with the sandbox: a manager that keeps its artifacts after this one died
-        # (core/recovery.py) keeps them within it too.
-        limit = artifact_limit_bytes(quota)
-
-        def decide(elsewhere: Elsewhere) -> SandboxInfo:
-            # Run inside the store's write transaction (no await): the other processes'
-            # live records and this one's sandboxes are counted, and the new record saved,
-            # before any other process on the data directory can admit one.
-            nonlocal fresh, chosen
-            infos = self._live_infos(instances.alive(elsewhere, gone))
-            if quota is not None:
-                admission.check_quota(infos, owner, resolved, quota)
-            # A pooled sandbox was started without volumes: one with volumes starts afresh.
-            taken = (
-                self._pools.take(key, resolved, network, spec.env, owner)
-                if self._pools and lease is None
-                else None
-            )
-            if taken is not None:
-                # Ownership and clocks start now for a sandbox that waited in the pool.
-                self._claim(taken, spec, owner, quota)
-                self._live[taken.id] = chosen = taken
-                return taken.info
-            # A pooled sandbox was reserved when it was started; a new one reserves now.
-            with self._host_turn():
-                self._check_host(infos, resolved)
-                # Registered with its owner before the first await, so a concurrent create
-                # of the same owner in this process counts it against the quota.
-                made = self._new_live(key, resolved, network, spec.env, owner)
-                if lease is not None:
-                    made.spec = dataclasses.replace(made.spec, volumes=lease.volumes)
-                    made.info.volumes = list(spec.volumes or [])
-                    self._leases[made.id] = lease
-                self._live[made.id] = chosen = made
-                self._publish()
-            fresh = True
-            return made.info
-
-        try:
-            try:
-                info = self._store.admit(decide, artifact_limit_bytes=limit)
-            except (QuotaExceeded, CapacityExhausted) as refused:
-                # The room may be held by sandboxes destroyed a moment ago: the owner's own
-                # for its quota, anyone's for the host's. Once those teardowns end (or a
-                # bound passes), decide again; with none under way, no wait.
-                mine = owner if isinstance(refused, QuotaExceeded) else None
-                if not await self._wait_for_room(mine, gone):
-                    raise
-                info = self._store.admit(decide, artifact_limit_bytes=limit)
-        except BaseException:
-            if chosen is not None:
-                # Refused or not saved (the store failed): a new one was never started; a
-                # pooled one is already the caller's in memory, so it goes.
-                self._live.pop(chosen.id, None)
-                self._leases.pop(chosen.id, None)  # the caller releases it
-                if not fresh:
-                    await discard(chosen)
-            raise
-        live = self._live[info.id]
-        if self._pools is not None and lease is None:
-            self._pools.asked(key, resolved, network, spec.env, owner, served=not fresh)
-        if fresh:
-            await self._boot(live)
-            self._claim(live, spec, owner, quota)
-            self._store.save(info)
-        self._emit("created", info=info)
-        log.info(
-            "sandbox created",
-            sandbox=info.id,
-            backend=key.backend,
-            runtime=key.runtime,
-            environment=key.environment,
-            memory_mb=resolved.memory_mb,
-            network=network,
-        )
-        return info.model_copy()
-
-    def _claim(self, live: Live, spec: SandboxSpec, owner: str, quota: Quota | None) -> None:
-        """The sandbox is the caller's: its owner, metadata and clocks start now (also for
-        one that waited in a pool)."""
-        now = time.time()
-        info = live.info
-        info.owner = owner
-        # A guest restarted later (state_lost) is the owner's from then on.
-        live.spec = dataclasses.replace(live.spec, tenant=owner)
-        info.metadata = spec.metadata or {}
-        live.quota = quota
-        info.created_at = info.last_active_at = now
-        info.expires_at = now + (spec.ttl_s or self.settings.ttl_s)
-        info.idle_timeout_s = spec.idle_timeout_s or self.settings.idle_timeout_s
-        info.status = SandboxStatus.RUNNING
-
-    def placement(
-        self, backend: str | None, runtime: str | None, environment: str | None
-    ) -> PoolKey:
-        """Check the backend, runtime and environment go together; name them canonically.
-
-        Raises:
-            ConfigError: an unknown name, a combination the backend cannot run, or an
-                unsafe backend without SANDBOX_ALLOW_UNSAFE.
-        """
-        return placement.resolve(self.settings, self._backend, backend, runtime, environment)
-
-    def _new_live(
-        self,
-        key: PoolKey,
-        limits: ResolvedLimits,
-        network: bool,
-        env: dict[str, str] | None,
-        owner: str,
-    ) -> Live:
-        settings = self.settings
-        backend = self._backend(key.backend)
-        return Live.new(
-            key,
-            backend,
-            limits,
-            network,
-            env,
-            owner,
-            ttl_s=settings.ttl_s,
-            idle_timeout_s=settings.idle_timeout_s,
-        )
-
-    def _new_pooled(self, key: PoolKey, tenant: str | None) -> Live:
-        """A sandbox for a pool, started for ``tenant`` (pools.py) where guests fork from a
-        template per tenant; else for anyone."""
-        limits = self.settings.resolve_limits(None)
-        infos = self._live_infos()  # read before the host's turn: none waits on a store in it
-        with self._host_turn():
-            self._check_host(infos, limits)
-            self._publish(also=limits)  # the pool registers it once this returns
-        live = self._new_live(key, limits, self.settings.network, None, POOL_OWNER)
-        if self.settings.guest_template_scope == "tenant":
-            live.spec = dataclasses.replace(live.spec, tenant=tenant)
-        return live
-
-    def _host_turn(self) -> contextlib.AbstractContextManager[None]:
-        return self._ledger.turn() if self._ledger is not None else contextlib.nullcontext()
-
-    def _check_host(self, infos: builtins.list[SandboxInfo], limits: ResolvedLimits) -> None:
-        """Whether the host holds one more sandbox of ``limits`` (within the host's turn):
-        beside ``infos``, this process's pools and the other data directories' managers."""
-        elsewhere = self._ledger.elsewhere() if self._ledger is not None else []
-        admission.check_host(
-            [*self._reserved(infos), *elsewhere],
-            limits,
-            self._capacity,
-            held_here=self._held_here(),
-        )
-
-    def _publish(self, also: ResolvedLimits | None = None) -> None:
-        """Tell the host's ledger what this process's sandboxes reserve (within the turn):
-        live and starting, pooled, and those being torn down."""
-        if self._ledger is None:
-            return
-        held: builtins.list[Reservation] = [live.info.limits for live in self._live.values()]
-        held += [info.limits for info in self._teardowns.infos()]
-        unstored: builtins.list[Reservation] = [*self._pools.reserved()] if self._pools else []
-        unstored += [also] if also is not None else []
-        self._ledger.publish(held, unstored)
-
-    def _reserved(self, infos: builtins.list[SandboxInfo]) -> builtins.list[Reservation]:
-        """The limits of every sandbox the host holds: ``infos`` (the live ones, this
-        process's and the other instances'), and the pooled and starting ones."""
-        held: builtins.list[Reservation] = [info.limits for info in infos]
-        if self._pools is not None:
-            held += self._pools.reserved()
-        return held
-
-    def _held_here(self) -> int:
-        """Sandboxes this process holds file descriptors for: live, starting and pooled."""
-        return len(self._live) + (len(self._pools.reserved()) if self._pools else 0)
-
-    async def _boot(self, live: Live) -> None:
-        """Start the guest of a new sandbox; on failure remove every trace of it."""
-        try:
-            async with live.lock:
-                await live.start_guest()
-        except BaseException as exc:
-            self._live.pop(live.id, None)
-            with contextlib.suppress(Exception):
-                await live.backend.stop(live.id)
-            # Nothing of it runs: its volumes are free (the caller's release finds none).
-            self._release_lease(live.id)
-            self._end(live.info, SandboxStatus.FAILED, "failed")
-            self._emit(
-                "backend_error", backend=live.info.backend, code=getattr(exc, "code", "error")
-            )
-            # EMFILE (raw, or under a backend's error) is the process's limit, not the
-            # sandbox's fault: say which limit.
-            out_of_fds = admission.fds_exhausted_error(exc)
-            if out_of_fds is not None and not isinstance(exc, asyncio.CancelledError):
-                raise out_of_fds from exc
-            if isinstance(exc, SandboxError | asyncio.CancelledError):
-                raise
-            # Not a failure any backend names: a fault of ours (an EBADF seen twice in CI,
-            # 2026-11-27/28, cause not found), so its traceback goes to the log.
-            log.exception("sandbox start failed unexpectedly", sandbox=live.id)
-            raise SandboxStartError(f"sandbox failed to start: {exc}") from exc
-
     # ------------------------------------------------------------------ records and ending
 
     async def list(
@@ -620,30 +355,6 @@ class SandboxManager(JobVerbs, FileVerbs, VolumeVerbs):
         self._emit("destroyed", info=live.info)
         log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)
         return live.info.model_copy()
-
-    async def _wait_for_room(self, owner: str | None, gone: set[str]) -> bool:
-        """Wait for the teardowns under way at the refusal that could free the room a create
-        was refused (``owner``'s for a quota, anyone's for the host): this process's, then
-        those of the other live processes of the data directory, seen in the store (polled:
-        they tell us nothing), each at most WAIT_FOR_ROOM_S. False if there were none.
-
-        Raises:
-            SandboxNotRunning: the manager began to close meanwhile (its store may be closed
-                by then: nothing more is read from it).
-        """
-        elsewhere = {i for i, inst in self._store.held_elsewhere(owner).items() if inst not in gone}
-        waited = await self._teardowns.wait_for_room(owner)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + WAIT_FOR_ROOM_S
-        while elsewhere and loop.time() < deadline:
-            waited = True
-            await asyncio.sleep(HELD_ELSEWHERE_POLL_S)
-            if self._closing:
-                break
-            elsewhere &= self._store.held_elsewhere(owner).keys()
-        if waited and self._closing:
-            raise SandboxNotRunning("the SandboxManager is closing")
-        return waited
 
     def _end(
         self, info: SandboxInfo, status: SandboxStatus, reason: str, *, held: bool = False
