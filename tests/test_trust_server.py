@@ -19,7 +19,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 import httpx
@@ -484,6 +484,44 @@ def test_a_keyed_download_is_not_cut_by_keyless_newcomers_at_the_cap(data_root: 
             if attacker.is_alive():
                 attacker.join()
         assert received == 16 << 20
+
+
+async def test_a_keyed_answers_unsent_tail_keeps_its_connection_from_eviction() -> None:
+    """An answer is complete for uvicorn once written to the transport's buffer; evicted
+    then, its last bytes were dropped: the download above lost its last 10 KB of 16 MiB
+    under two test workers (2026-12-07). The connection waits on its client, and can be
+    evicted, only once they are sent."""
+    from sandlot.server.connections import ConnectionCount, ConnectionLimits
+    from sandlot.server.transport import FLUSH_POLL_S, guarded_protocol
+
+    class Transport:
+        buffered = 10_000
+
+        def is_closing(self) -> bool:
+            return False
+
+        def get_write_buffer_size(self) -> int:
+            return self.buffered
+
+    class AnsweredKeyed:
+        response_complete = True
+        scope: ClassVar[dict[str, object]] = {"state": {"principal": object()}}
+
+    count = ConnectionCount(ConnectionLimits(10, 0, 5.0, 5.0, 8192))
+    connection = object.__new__(guarded_protocol(count))
+    transport = Transport()
+    connection.transport = transport  # type: ignore[assignment]
+    connection.loop = asyncio.get_running_loop()
+    connection.cycle = AnsweredKeyed()  # type: ignore[assignment]
+    connection._admitted_ip = "127.0.0.1"
+    connection._expect_headers()
+    assert connection not in count.waiting
+    await asyncio.sleep(FLUSH_POLL_S * 3)
+    assert connection not in count.waiting  # still unsent
+    transport.buffered = 0
+    await asyncio.sleep(FLUSH_POLL_S * 3)
+    assert connection in count.waiting
+    connection._disarm()
 
 
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:

@@ -51,6 +51,8 @@ LINGER_S = 2.0
 LINGER_BYTES = 64 << 20
 # Requests one connection may have queued behind the one being served (HTTP/1.1 pipelining).
 MAX_PIPELINED = 16
+# How often a connection whose keyed answer is still being sent looks again (_waits_once_sent).
+FLUSH_POLL_S = 0.05
 # A connection over a cap is told why before it is closed (429 ``too_many_connections``,
 # nothing of its request read), so that a client knows it may send that request again, even
 # one that is not idempotent: closed unread, it could not tell "never read" from "lost after
@@ -137,6 +139,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         _lingering = False  # answered; the rest of its body is being dropped
         _lingered_bytes = 0
         _write_deadline: asyncio.TimerHandle | None = None  # while the client reads nothing
+        _flush_poll: asyncio.TimerHandle | None = None  # a keyed answer's tail not yet sent
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             failures = count.auth_failures
@@ -333,9 +336,31 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             if not self._busy():
                 # Else a pipelined request's head: the connection is still being served
                 # (evicted, it lost an answer under way), and waits once that is done.
-                self._waits_on_client()
+                self._waits_once_sent()
             self._header_bytes = 0
             self._arm(limits.header_timeout_s, self._headers_late)
+
+        def _waits_once_sent(self) -> None:
+            """Evictable once a keyed answer's last bytes have left the transport's buffer:
+            an answer is complete for uvicorn when it is written there, and an eviction
+            (an abort) drops what is left. A keyed download read at a modest pace lost its
+            last 10 KB of 16 MiB so, to keyless newcomers at the cap (two test workers,
+            2026-12-07). Polled: asyncio says when a buffer drains below its low-water
+            mark, not when it is empty. A keyless answer's tail is not waited for: a client
+            that reads nothing of small answers would hold its slot (it is cut by the
+            header timeout meanwhile either way)."""
+            self._flush_poll = None
+            if self.transport.is_closing() or not self._in_headers or self._busy():
+                return  # gone, or a request of it is being served again
+            if self._keyed() and self.transport.get_write_buffer_size() > 0:
+                self._flush_poll = self.loop.call_later(FLUSH_POLL_S, self._waits_once_sent)
+                return
+            self._waits_on_client()
+
+        def _cancel_flush_poll(self) -> None:
+            if self._flush_poll is not None:
+                self._flush_poll.cancel()
+                self._flush_poll = None
 
         def _busy(self) -> bool:
             """A request of this connection is being served, or queued to be (uvicorn serves
@@ -352,6 +377,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
                 self._deadline = None
 
         def _leave_count(self) -> None:
+            self._cancel_flush_poll()
             count.served(self)  # no longer waiting, whatever it waited for
             if self._admitted_ip is not None:
                 count.release(self._admitted_ip)
