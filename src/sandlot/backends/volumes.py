@@ -21,7 +21,9 @@ import ctypes
 import errno
 import os
 import subprocess
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,6 +71,34 @@ def _syscall(number: int, *args: object) -> int:
     return result
 
 
+# User namespaces kept for the uids that attached volumes lately: a uid's mapping never
+# changes, and making one is a process (~1.5 ms of a volume's ~8 ms on a lifecycle).
+USERNS_CACHED = 64
+_userns: OrderedDict[tuple[int, int], int] = OrderedDict()
+_userns_lock = threading.Lock()
+
+
+def cached_userns(host_uid: int, host_gid: int) -> int:
+    """:func:`idmap_userns` for ``host_uid``, kept (the caller must not close it): at most
+    :data:`USERNS_CACHED`, the least recently used closed first."""
+    key = (host_uid, host_gid)
+    with _userns_lock:
+        fd = _userns.get(key)
+        if fd is not None:
+            _userns.move_to_end(key)
+            return fd
+    fd = idmap_userns(host_uid, host_gid)
+    with _userns_lock:
+        if key in _userns:  # another thread made one meanwhile: keep theirs
+            os.close(fd)
+            return _userns[key]
+        _userns[key] = fd
+        while len(_userns) > USERNS_CACHED:
+            _, oldest = _userns.popitem(last=False)
+            os.close(oldest)
+    return fd
+
+
 def idmap_userns(host_uid: int, host_gid: int) -> int:
     """An fd of a new user namespace whose only ids are :data:`SANDBOX_UID` as ``host_uid``
     (and its gid as ``host_gid``): the idmapping of a volume's mount for that sandbox.
@@ -105,9 +135,35 @@ def idmap_userns(host_uid: int, host_gid: int) -> int:
         child.wait()
 
 
-def open_volume(image: Path, host_uid: int, host_gid: int, *, read_only: bool) -> int:
+def sandbox_userns(pid: int, host_uid: int) -> int | None:
+    """An fd of ``pid``'s user namespace where it maps :data:`SANDBOX_UID` to ``host_uid``
+    and nothing else, for uids and gids alike (a bubblewrap sandbox's own, read from the
+    host: what its files' idmapping must be), else None. Saves making one (a process)."""
+    want = [str(SANDBOX_UID), str(host_uid), "1"]
+    proc = f"/proc/{pid}"
+    try:
+        fd = os.open(f"{proc}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        # Read after the open: the namespace held is the one whose maps are read (a pid
+        # gone and reused in between names another process, whose maps differ: its uid is
+        # not this sandbox's, which holds ``host_uid``).
+        maps = [Path(f"{proc}/{name}").read_text().split() for name in ("uid_map", "gid_map")]
+    except OSError:
+        maps = []
+    if maps != [want, want]:
+        os.close(fd)
+        return None
+    return fd
+
+
+def open_volume(
+    image: Path, host_uid: int, host_gid: int, *, read_only: bool, userns: int | None = None
+) -> int:
     """A detached mount of the ext4 ``image``, nosuid and nodev (and read-only if asked),
-    idmapped so that its files are ``host_uid``'s: an fd for :func:`attach_beneath`, which
+    idmapped so that its files are ``host_uid``'s (by ``userns``, a user namespace mapping
+    SANDBOX_UID to it, or one made or kept for it): an fd for :func:`attach_beneath`, which
     the caller closes (blocking).
 
     Raises:
@@ -123,7 +179,6 @@ def open_volume(image: Path, host_uid: int, host_gid: int, *, read_only: bool) -
             raise SandboxStartError("volumes need LOOP_CONFIGURE (Linux >= 5.8)") from exc
     finally:
         os.close(image_fd)
-    userns = -1
     try:
         fs = _syscall(SYS_FSOPEN, b"ext4", FSOPEN_CLOEXEC)
         try:
@@ -137,7 +192,8 @@ def open_volume(image: Path, host_uid: int, host_gid: int, *, read_only: bool) -
         finally:
             os.close(fs)
         try:
-            userns = idmap_userns(host_uid, host_gid)
+            if userns is None:
+                userns = cached_userns(host_uid, host_gid)
             attr = MountAttr(MOUNT_ATTR_IDMAP, 0, mountns.MS_PRIVATE, userns)
             _syscall(
                 mountns.SYS_MOUNT_SETATTR,
@@ -155,32 +211,47 @@ def open_volume(image: Path, host_uid: int, host_gid: int, *, read_only: bool) -
     except OSError as exc:
         raise SandboxStartError(f"could not mount the volume {image.parent.name}: {exc}") from exc
     finally:
-        if userns >= 0:
-            os.close(userns)
         os.close(device_fd)  # autoclear: the device goes with the file system's last mount
 
 
-def open_all(volumes: Sequence[AttachedVolume], host_uid: int) -> list[tuple[int, str]]:
+def open_all(
+    volumes: Sequence[AttachedVolume],
+    host_uid: int,
+    *,
+    sandbox_pid: int | None = None,
+    first: bool = False,
+) -> list[tuple[int, str]]:
     """Each volume opened (:func:`open_volume`) for the sandbox of ``host_uid``, once its
     previous mounts have gone (a restarted guest's old namespace may still be ending: two
     mounts of one image through two loop devices would corrupt it): ``(fd, relative mount
-    path)`` pairs for :func:`attach_all`, closed by the caller (``mountns.close_all``)."""
+    path)`` pairs for :func:`attach_all`, closed by the caller (``mountns.close_all``).
+    ``sandbox_pid``: a process in the sandbox's user namespace, whose mapping serves
+    (:func:`sandbox_userns`). ``first``: the sandbox's first start, just after its lease
+    found the volumes free under their locks (no look again: ~1 ms a volume)."""
+    if not volumes:
+        return []
+    userns = sandbox_userns(sandbox_pid, host_uid) if sandbox_pid is not None else None
     opened: list[tuple[int, str]] = []
     try:
-        opened.extend((_open_alone(v, host_uid), v.relative_path) for v in volumes)
+        opened.extend(
+            (_open_alone(v, host_uid, userns, first=first), v.relative_path) for v in volumes
+        )
     except BaseException:
         for fd, _ in opened:
             os.close(fd)
         raise
+    finally:
+        if userns is not None:
+            os.close(userns)
     return opened
 
 
-def _open_alone(volume: AttachedVolume, host_uid: int) -> int:
-    if not wait_detached(volume.image, DETACH_WAIT_S):
+def _open_alone(volume: AttachedVolume, host_uid: int, userns: int | None, *, first: bool) -> int:
+    if not first and not wait_detached(volume.image, DETACH_WAIT_S):
         raise SandboxStartError(
             f"the volume {volume.image.parent.name} is still attached elsewhere"
         )
-    return open_volume(volume.image, host_uid, host_uid, read_only=volume.read_only)
+    return open_volume(volume.image, host_uid, host_uid, read_only=volume.read_only, userns=userns)
 
 
 def attach_all(opened: Sequence[tuple[int, str]], top: str, owner: int) -> None:

@@ -34,8 +34,10 @@ class Box:
     # Its cgroup was seen empty with no guest started since: it stays so (only a process
     # inside can fork into it), so a destroy's stop need not read it again after its halt.
     emptied: bool = False
-    # Its named volumes, attached again by every start of its guest (launching.py).
+    # Its named volumes, attached again by every start of its guest (launching.py); once
+    # they have been, a restart waits for the old guest's mounts of them to go first.
     volumes: tuple[AttachedVolume, ...] = ()
+    volumes_attached: bool = False
 
     @property
     def tmp(self) -> Path:

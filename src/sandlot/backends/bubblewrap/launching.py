@@ -427,7 +427,8 @@ class Launching:
         # Named volumes (only where the manager mounts: _provision refuses them elsewhere),
         # each a detached mount idmapped to this sandbox's uid, over its workspace's.
         try:
-            volumes = host_volumes.open_all(box.volumes, box.uid)
+            first, box.volumes_attached = not box.volumes_attached, bool(box.volumes)
+            volumes = host_volumes.open_all(box.volumes, box.uid, sandbox_pid=pid, first=first)
         except BaseException:
             mountns.close_all(clones)
             raise
