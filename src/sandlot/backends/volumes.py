@@ -321,19 +321,24 @@ def _child_dir(fd: int, name: str, owner: int) -> int:
 def attached(image: Path) -> bool:
     """Whether a loop device is backed by ``image`` (whoever attached it): a volume mounted
     in some sandbox, or one whose last sandbox is still ending."""
-    target = os.fsencode(os.path.realpath(image))
+    return os.fsencode(os.path.realpath(image)) in backing_files()
+
+
+def backing_files() -> set[bytes]:
+    """The files the host's loop devices are backed by, resolved: one look at each device
+    (a sandbox's disk is one too), for every volume a listing asks about."""
+    found: set[bytes] = set()
     try:
         devices = list(Path("/sys/block").glob("loop*"))
     except OSError:
-        return False
+        return found
     for device in devices:
         try:
             backing = (device / "loop/backing_file").read_bytes().rstrip(b"\n")
         except OSError:
             continue
-        if backing.removesuffix(b" (deleted)") == target:
-            return True
-    return False
+        found.add(backing.removesuffix(b" (deleted)"))
+    return found
 
 
 def wait_detached(image: Path, timeout_s: float) -> bool:

@@ -123,7 +123,7 @@ class VolumeStore:
         finally:
             os.close(fd)
 
-    def _info(self, directory: Path) -> VolumeInfo | None:
+    def _info(self, directory: Path, in_use: set[bytes] | None = None) -> VolumeInfo | None:
         try:
             record = json.loads((directory / RECORD).read_text())
             image = directory / IMAGE
@@ -132,7 +132,9 @@ class VolumeStore:
             return None  # being made or deleted
         info = VolumeInfo.model_validate(record)
         info.used_bytes = used
-        info.attached = host_volumes.attached(image)
+        if in_use is None:
+            in_use = host_volumes.backing_files()
+        info.attached = os.fsencode(os.path.realpath(image)) in in_use
         return info
 
     def list(self, tenant: str) -> list[VolumeInfo]:
@@ -141,7 +143,8 @@ class VolumeStore:
             entries = sorted(tenant_dir.iterdir())
         except FileNotFoundError:
             return []
-        found = [self._info(e) for e in entries if _NAME.fullmatch(e.name)]
+        in_use = host_volumes.backing_files()
+        found = [self._info(e, in_use) for e in entries if _NAME.fullmatch(e.name)]
         return [info for info in found if info is not None]
 
     def get(self, tenant: str, name: str) -> VolumeInfo:
