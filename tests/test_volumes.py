@@ -8,6 +8,7 @@ mount elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -478,3 +479,34 @@ def test_the_cli_makes_lists_attaches_and_removes_volumes(
     assert cli("volume", "rm", name).returncode == 0
     gone = cli("volume", "rm", name)
     assert gone.returncode == 2 and "no volume" in gone.stderr
+
+
+async def test_an_mcp_client_attaches_its_tenants_volume(
+    live_server: LiveServer, volumes_here: None
+) -> None:
+    """An agent over MCP keeps files across sessions: ``create_sandbox`` takes volumes,
+    as the key's tenant's (another tenant's name is not found)."""
+    from tests.test_mcp import http_session, texts
+
+    name = f"m{secrets.token_hex(3)}"
+    remote = {"api_url": live_server.url, "api_key": live_server.keys["alice"]}
+    Volume.create(name, size_mb=16, **remote)
+    try:
+        url = live_server.url + "/mcp"
+        for text in ("first", "second"):
+            async with http_session(url, live_server.headers("alice")) as session:
+                made = await session.call_tool("create_sandbox", {"volumes": {name: "mem"}})
+                assert not made.is_error, texts(made)
+                sandbox_id = texts(made)[0]
+                ran = await session.call_tool(
+                    "run_command",
+                    {"command": f"cat mem/log; echo {text} >> mem/log", "sandbox_id": sandbox_id},
+                )
+                seen = "\n".join(texts(ran))
+                assert ("first" in seen) == (text == "second"), seen
+                await session.call_tool("destroy_sandbox", {"sandbox_id": sandbox_id})
+        async with http_session(url, live_server.headers("bob")) as session:
+            refused = await session.call_tool("create_sandbox", {"volumes": {name: "mem"}})
+            assert refused.is_error and "no volume" in "\n".join(texts(refused))
+    finally:
+        await asyncio.to_thread(Volume.delete, name, **remote)

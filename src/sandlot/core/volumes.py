@@ -240,7 +240,8 @@ class VolumeStore:
                 raise VolumeNotFound(f"no volume {name!r}")
             fd = self._lock(directory, name)
             try:
-                if host_volumes.attached(directory / IMAGE):
+                # A sandbox destroyed a moment ago may still be ending (its mount with it).
+                if not host_volumes.wait_detached(directory / IMAGE, host_volumes.DETACH_WAIT_S):
                     raise VolumeInUse(f"volume {name!r} is attached to a sandbox")
                 doomed = tenant_dir / f".deleted-{name}-{secrets.token_hex(4)}"
                 directory.rename(doomed)

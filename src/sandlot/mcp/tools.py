@@ -17,7 +17,7 @@ from sandlot._version import __version__
 from sandlot.config import get_settings
 from sandlot.errors import InvalidRequest, SandboxError, SandboxNotFound
 from sandlot.mcp.sessions import Binding, DefaultSandboxes, Resolver, SessionKey
-from sandlot.models import ExecResult, Result
+from sandlot.models import ExecResult, Result, volume_mounts
 from sandlot.requests import (
     SANDBOX_ID_PATTERN,
     FilePath,
@@ -150,10 +150,13 @@ def _lifecycle_tools(server: MCPServer[Any], call: CallMaker, defaults: DefaultS
         memory_mb: int | None = None,
         timeout_s: float | None = None,
         network: bool | None = None,
+        volumes: dict[str, str] | None = None,
     ) -> str:
         """Start a new sandbox and return its id. It lives until destroy_sandbox or its TTL.
         environment: a registry name (python3 by default); memory_mb: its memory cap;
-        timeout_s: each run's default time limit; network: give it a network (default off)."""
+        timeout_s: each run's default time limit; network: give it a network (default off);
+        volumes: named volumes to attach, {name: directory under /workspace}, whose files
+        outlive the sandbox (made with the REST API or `sandlot volume create`)."""
         with tool_errors():
             spec = build(
                 SandboxSpec,
@@ -161,6 +164,7 @@ def _lifecycle_tools(server: MCPServer[Any], call: CallMaker, defaults: DefaultS
                 memory_mb=memory_mb,
                 timeout_s=timeout_s,
                 network=network,
+                volumes=volume_mounts(volumes),
             )
             info = await call(ctx).service.create(spec)
         return info.id
