@@ -486,19 +486,22 @@ def test_a_keyed_download_is_not_cut_by_keyless_newcomers_at_the_cap(data_root: 
         assert received == 16 << 20
 
 
-async def test_a_keyed_answers_unsent_tail_keeps_its_connection_from_eviction() -> None:
+async def test_a_keyed_answers_unsent_tail_keeps_its_connection_from_eviction_for_a_while() -> None:
     """An answer is complete for uvicorn once written to the transport's buffer; evicted
     then, its last bytes were dropped: the download above lost its last 10 KB of 16 MiB
     under two test workers (2026-12-07). The connection waits on its client, and can be
-    evicted, only once they are sent."""
+    evicted, once they are sent; but no longer than the body idle time, and not once the
+    transport is closing: unbounded, 20 keyed downloads that each left a tail unread held
+    the whole connection cap for good (red team, 2026-12-07)."""
     from sandlot.server.connections import ConnectionCount, ConnectionLimits
     from sandlot.server.transport import FLUSH_POLL_S, guarded_protocol
 
     class Transport:
         buffered = 10_000
+        closing = False
 
         def is_closing(self) -> bool:
-            return False
+            return self.closing
 
         def get_write_buffer_size(self) -> int:
             return self.buffered
@@ -507,21 +510,35 @@ async def test_a_keyed_answers_unsent_tail_keeps_its_connection_from_eviction() 
         response_complete = True
         scope: ClassVar[dict[str, object]] = {"state": {"principal": object()}}
 
-    count = ConnectionCount(ConnectionLimits(10, 0, 5.0, 5.0, 8192))
-    connection = object.__new__(guarded_protocol(count))
-    transport = Transport()
-    connection.transport = transport  # type: ignore[assignment]
-    connection.loop = asyncio.get_running_loop()
-    connection.cycle = AnsweredKeyed()  # type: ignore[assignment]
-    connection._admitted_ip = "127.0.0.1"
-    connection._expect_headers()
-    assert connection not in count.waiting
+    body_idle_timeout_s = 0.5
+    count = ConnectionCount(ConnectionLimits(10, 0, 5.0, body_idle_timeout_s, 8192))
+
+    def answered() -> tuple[Any, Transport]:
+        connection = object.__new__(guarded_protocol(count))
+        transport = Transport()
+        connection.transport = transport
+        connection.loop = asyncio.get_running_loop()
+        connection.cycle = AnsweredKeyed()
+        connection._admitted_ip = "127.0.0.1"
+        connection._expect_headers()
+        return connection, transport
+
+    drained, drained_transport = answered()
+    unread, _ = answered()
+    closing, closing_transport = answered()
     await asyncio.sleep(FLUSH_POLL_S * 3)
-    assert connection not in count.waiting  # still unsent
-    transport.buffered = 0
+    assert not {drained, unread, closing} & count.waiting.keys()  # tails still unsent
+    drained_transport.buffered = 0
+    closing_transport.closing = True
     await asyncio.sleep(FLUSH_POLL_S * 3)
-    assert connection in count.waiting
-    connection._disarm()
+    assert drained in count.waiting  # sent: evictable
+    assert closing in count.waiting  # closing: evictable as before
+    assert unread not in count.waiting
+    await asyncio.sleep(body_idle_timeout_s)
+    assert unread in count.waiting  # never read, past the bound: evictable
+    for connection in (drained, unread, closing):
+        connection._disarm()
+        connection._cancel_flush_poll()
 
 
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:

@@ -214,7 +214,10 @@ def test_a_symlink_where_the_volume_goes_does_not_move_the_mount(
         get_portal().call(manager._live[sb.id].drop_guest())
         assert _run(sb, "cat /workspace/a/b/f") == "secret\n"
         assert _run(sb, "test -L /workspace/a || echo dir") == "dir\n"
-        assert not Path("/usr/b").exists()
+        # Inside the sandbox (where a followed link would have put it): nothing on /usr/b,
+        # and the volume's mount is at the path asked for.
+        assert _run(sb, "test -e /usr/b || echo none") == "none\n"
+        assert " /workspace/a/b " in _run(sb, "cat /proc/self/mountinfo")
         # A file where a directory of the path goes.
         _run(sb, "mv /workspace/a /workspace/old2 && echo x > /workspace/a")
         get_portal().call(manager._live[sb.id].drop_guest())
@@ -293,6 +296,7 @@ def test_a_lease_and_a_delete_of_one_volume_never_interleave(
     assert isinstance(outcome[0], VolumeInUse)
     with pytest.raises(VolumeInUse):
         store.lease("t", [VolumeMount(name="v", mount_path="w")])
+    leased[0].release()  # type: ignore[attr-defined]
 
 
 def test_a_volume_that_cannot_be_made_is_a_typed_error(
@@ -311,6 +315,42 @@ def test_a_volume_that_cannot_be_made_is_a_typed_error(
     with pytest.raises(CapacityExhausted, match="no room"):
         store.create("t", "v", 8, None)
     assert store.list("t") == []  # nothing half-made is left
+
+
+async def test_a_create_cancelled_while_it_takes_its_lease_holds_no_volume(
+    data_root: Path, volumes_here: None
+) -> None:
+    """Red team: the lease is taken in a thread; a create cancelled meanwhile (the tenant's
+    lock held a moment by another of its calls) left a lease nobody held, and the volume was
+    "in use" until the process ended."""
+    import fcntl
+
+    from sandlot.core.volumes import DIR_LOCK, VOLUMES_DIR
+
+    data_dir = data_root / f"cancel-{secrets.token_hex(3)}"
+    manager = SandboxManager(make_settings(data_dir))
+    await manager.start()
+    try:
+        from sandlot.requests import CreateVolume
+
+        await manager.create_volume(CreateVolume(name="v", size_mb=8), owner="t")
+        lock = data_dir / VOLUMES_DIR / tenant_dir_name("t") / DIR_LOCK
+        fd = os.open(lock, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another call of the tenant's, under way
+        spec = SandboxSpec(volumes=[VolumeMount(name="v", mount_path="v")])
+        create = asyncio.create_task(manager.create(spec, owner="t"))
+        await asyncio.sleep(0.3)
+        create.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await create
+        os.close(fd)  # that call ends; the cancelled create's thread takes the lease now
+        await asyncio.sleep(0.3)
+        info = await manager.create(spec, owner="t")  # was: volume_in_use, for good
+        await manager.destroy(info.id)
+        await manager.settle()
+        await manager.delete_volume("v", owner="t")
+    finally:
+        await manager.close()
 
 
 def test_volumes_never_promise_more_disk_than_the_host_has(
@@ -372,6 +412,8 @@ def test_volumes_over_rest_are_the_keys_tenants(
         bad = http.post("/v1/volumes", json={"name": "../x"}, headers=alice)
         assert bad.status_code == 422
         assert http.get(f"/v1/volumes/{name}", headers=bob).status_code == 404
+        own = http.get(f"/v1/volumes/{name}", headers=alice)
+        assert own.status_code == 200 and own.json()["size_mb"] == 16
         assert name not in [v["name"] for v in http.get("/v1/volumes", headers=bob).json()]
         body = {"volumes": [{"name": name, "mount_path": "/workspace/v"}]}
         refused = http.post("/v1/sandboxes", json=body, headers=bob)
@@ -392,6 +434,7 @@ def test_volumes_over_rest_are_the_keys_tenants(
     with Sandbox.create(volumes={name: "w"}, **remote) as sb:
         assert _run(sb, "cat /workspace/w/f") == "hi\n"
     assert [v.name for v in Volume.list(**remote) if v.name == name] == [name]
+    assert Volume.get(name, **remote).used_bytes > 0
     Volume.delete(name, **remote)
 
 
@@ -406,8 +449,8 @@ def test_docker_runc_attaches_volumes_and_its_teardown_leaves_their_files(
     manager: SandboxManager, owner: str
 ) -> None:
     """On runc the volume is bound from a host directory of the sandbox's (``vol-<i>``);
-    the container's removal and the directory's teardown leave the volume's files whole;
-    a container restart (runc binds again) still finds the volume."""
+    the container's removal and the directory's teardown leave the volume's files whole,
+    for the next sandbox."""
     _volume(manager, owner, "dv")
     portal = get_portal()
     spec = SandboxSpec(

@@ -263,6 +263,8 @@ class Quota(_Model):
 
 
 VOLUME_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+# mkfs.ext4 gives a volume under 2 MB no journal; the smallest volume has one.
+MIN_VOLUME_MB = 8
 # Where volumes may go: inside the workspace, which each backend mounts writable and whose
 # mount points the host can make (the system's tree above it is read-only).
 VOLUME_ROOT = "/workspace"
@@ -297,10 +299,6 @@ class VolumeMount(_Model):
                 f"{_MAX_VOLUME_PATH_DEPTH} names, none '.' or '..'), e.g. {VOLUME_ROOT}/data"
             )
         return f"{VOLUME_ROOT}/" + "/".join(names)
-
-    @property
-    def relative_path(self) -> str:
-        return self.mount_path.removeprefix(VOLUME_ROOT + "/")
 
 
 def check_volume_mounts(mounts: list[VolumeMount] | None) -> list[VolumeMount] | None:

@@ -30,6 +30,7 @@ from sandlot.config import explain_invalid
 from sandlot.errors import ConfigError, InvalidRequest
 from sandlot.models import (
     MAX_VOLUMES_PER_SANDBOX,
+    MIN_VOLUME_MB,
     VOLUME_NAME_PATTERN,
     SandboxLimits,
     VolumeMount,
@@ -179,7 +180,8 @@ class CreateVolume(Request):
     """A new named volume of the caller's, empty, capped at ``size_mb``."""
 
     name: str = Field(pattern=VOLUME_NAME_PATTERN)
-    size_mb: int = Field(default=256, ge=8, le=1_048_576)
+    # The setting SANDBOX_MAX_VOLUME_MB is the real ceiling (checked where it is known).
+    size_mb: int = Field(default=256, ge=MIN_VOLUME_MB, le=1_048_576)
 
 
 class RunCode(Request):

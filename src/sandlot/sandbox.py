@@ -423,16 +423,7 @@ class AsyncSandbox:
     async def _runner(
         manager: SandboxManager | None, api_url: str | None, api_key: str | None
     ) -> Runner:
-        if manager is not None:
-            return Runner(manager, None)
-        settings = get_settings()
-        url = api_url or settings.api_url
-        if url:
-            from sandlot.client import RemoteService
-
-            return Runner(RemoteService(url, api_key or settings.api_key), None)
-        portal = get_portal()
-        return Runner(await asyncio.to_thread(default_manager), portal)
+        return await runner_for(manager, api_url, api_key)
 
     async def run_code(
         self,
@@ -646,3 +637,20 @@ class Sandbox(SyncTwin[AsyncSandbox]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.kill()
+
+
+async def runner_for(
+    manager: SandboxManager | None, api_url: str | None, api_key: str | None
+) -> Runner:
+    """What the SDK's calls run on: ``manager``; else a server at ``api_url`` (or
+    SANDLOT_URL) with ``api_key``; else the process's default embedded manager."""
+    if manager is not None:
+        return Runner(manager, None)
+    settings = get_settings()
+    url = api_url or settings.api_url
+    if url:
+        from sandlot.client import RemoteService
+
+        return Runner(RemoteService(url, api_key or settings.api_key), None)
+    portal = get_portal()
+    return Runner(await asyncio.to_thread(default_manager), portal)

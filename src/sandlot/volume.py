@@ -23,7 +23,7 @@ from sandlot._sync import blocking_classmethod
 from sandlot.core import SandboxManager
 from sandlot.models import VolumeInfo
 from sandlot.requests import CreateVolume, build
-from sandlot.sandbox import AsyncSandbox
+from sandlot.sandbox import runner_for
 
 
 class AsyncVolume:
@@ -97,7 +97,7 @@ class AsyncVolume:
 async def _runner(
     manager: SandboxManager | None, api_url: str | None, api_key: str | None
 ) -> AsyncIterator[Runner]:
-    runner = await AsyncSandbox._runner(manager, api_url, api_key)
+    runner = await runner_for(manager, api_url, api_key)
     try:
         yield runner
     finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
 from sandlot.config import Settings
-from sandlot.models import ResolvedLimits, ResourceUsage
+from sandlot.models import VOLUME_ROOT, ResolvedLimits, ResourceUsage
 
 STDERR_TAIL_BYTES = 8192
 # Process slots a restarted guest needs free in its pids cgroup to start and run a command.
@@ -84,7 +84,7 @@ class AttachedVolume:
 
     @property
     def relative_path(self) -> str:
-        return self.mount_path.removeprefix("/workspace/")
+        return self.mount_path.removeprefix(VOLUME_ROOT + "/")
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,11 @@ class Backend(Protocol):
 
     async def sweep(self, keep: Collection[str]) -> list[str]:
         """Remove every sandbox of this backend instance not in ``keep``; return their ids."""
+        ...
+
+    def volumes_available(self, runtime: str | None = None) -> tuple[bool, str]:
+        """Whether this backend (with ``runtime``) can attach named volumes on this host,
+        and why not (``GuestSpec.volumes``; a backend that cannot refuses a spec with any)."""
         ...
 
     def workspace_on_host(self, sandbox_id: str) -> Path | None:

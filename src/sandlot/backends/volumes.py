@@ -6,10 +6,14 @@ sandbox has inside) and every attach is an *idmapped* mount that shows them as t
 sandbox's host uid. Nothing walks or chowns a volume's files: the host never follows a name
 sandboxed code wrote there.
 
-The mount is made detached (``fsopen``/``fsmount``): it never appears on any host path, so no
-teardown of a sandbox's directory can reach into it, and the kernel unmounts it (and frees its
-autoclear loop device) when the last mount namespace holding it ends. That loop device is the
-truth about whether a volume is in use (:func:`attached`), whichever process attached it.
+The mount is made detached (``fsopen``/``fsmount``). On bubblewrap it is attached only in the
+sandbox's mount namespace and never appears on a host path, so no teardown of a sandbox's
+directory can reach into it; docker binds it from a directory of the sandbox's (``vol-<i>``),
+unmounted by name before that directory is removed. The kernel unmounts the file system (and
+frees its autoclear loop device) when its last mount goes. That loop device is the truth about
+whether a volume is in use (:func:`attached`), whichever process attached it.
+
+A sandbox's uid and gid are one number (``uids.py``; docker's ``user`` is ``uid:uid``).
 
 Needs root, loop devices and Linux >= 5.12 with ext4 idmapped mounts; :func:`available`
 says whether this host has them.
@@ -74,20 +78,20 @@ def _syscall(number: int, *args: object) -> int:
 # User namespaces kept for the uids that attached volumes lately: a uid's mapping never
 # changes, and making one is a process (~1.5 ms of a volume's ~8 ms on a lifecycle).
 USERNS_CACHED = 64
-_userns: OrderedDict[tuple[int, int], int] = OrderedDict()
+_userns: OrderedDict[int, int] = OrderedDict()
 _userns_lock = threading.Lock()
 
 
-def cached_userns(host_uid: int, host_gid: int) -> int:
+def cached_userns(host_uid: int) -> int:
     """:func:`idmap_userns` for ``host_uid``, kept (the caller must not close it): at most
     :data:`USERNS_CACHED`, the least recently used closed first."""
-    key = (host_uid, host_gid)
+    key = host_uid
     with _userns_lock:
         fd = _userns.get(key)
         if fd is not None:
             _userns.move_to_end(key)
             return fd
-    fd = idmap_userns(host_uid, host_gid)
+    fd = idmap_userns(host_uid)
     with _userns_lock:
         if key in _userns:  # another thread made one meanwhile: keep theirs
             os.close(fd)
@@ -99,9 +103,9 @@ def cached_userns(host_uid: int, host_gid: int) -> int:
     return fd
 
 
-def idmap_userns(host_uid: int, host_gid: int) -> int:
-    """An fd of a new user namespace whose only ids are :data:`SANDBOX_UID` as ``host_uid``
-    (and its gid as ``host_gid``): the idmapping of a volume's mount for that sandbox.
+def idmap_userns(host_uid: int) -> int:
+    """An fd of a new user namespace whose only uid and gid are :data:`SANDBOX_UID` as
+    ``host_uid``: the idmapping of a volume's mount for that sandbox.
 
     A process in a multithreaded program cannot unshare a user namespace itself, so a
     short-lived ``unshare --user`` child makes one; its namespace outlives it in the fd.
@@ -113,23 +117,22 @@ def idmap_userns(host_uid: int, host_gid: int) -> int:
         stderr=subprocess.DEVNULL,
         close_fds=True,
     )
+    # The child is ours and unreaped until the wait below (a poll that finds it ended
+    # reaps it, and then we stop): its pid names no other process meanwhile.
+    proc = f"/proc/{child.pid}"
     try:
         mine = Path("/proc/self/ns/user").stat().st_ino
         deadline = time.monotonic() + _USERNS_WAIT_S
-        # Held by a pidfd from here on: the pid cannot name another process under us.
-        pidfd = os.pidfd_open(child.pid)
-        try:
-            while Path(f"/proc/{child.pid}/ns/user").stat().st_ino == mine:
-                if child.poll() is not None or time.monotonic() > deadline:
-                    raise SandboxStartError("could not make a user namespace for a volume")
-                time.sleep(0.001)
-            proc = f"/proc/{child.pid}"
-            Path(proc, "uid_map").write_text(f"{SANDBOX_UID} {host_uid} 1\n")
-            Path(proc, "setgroups").write_text("deny")
-            Path(proc, "gid_map").write_text(f"{SANDBOX_UID} {host_gid} 1\n")
-            return os.open(f"{proc}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        finally:
-            os.close(pidfd)
+        while Path(f"{proc}/ns/user").stat().st_ino == mine:
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise SandboxStartError("could not make a user namespace for a volume")
+            time.sleep(0.001)
+        Path(proc, "uid_map").write_text(f"{SANDBOX_UID} {host_uid} 1\n")
+        Path(proc, "setgroups").write_text("deny")
+        Path(proc, "gid_map").write_text(f"{SANDBOX_UID} {host_uid} 1\n")
+        return os.open(f"{proc}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:  # it died between our looks: no namespace to read
+        raise SandboxStartError(f"could not make a user namespace for a volume: {exc}") from exc
     finally:
         child.kill()
         child.wait()
@@ -158,25 +161,29 @@ def sandbox_userns(pid: int, host_uid: int) -> int | None:
     return fd
 
 
-def open_volume(
-    image: Path, host_uid: int, host_gid: int, *, read_only: bool, userns: int | None = None
-) -> int:
+def open_volume(image: Path, host_uid: int, *, read_only: bool, userns: int | None = None) -> int:
     """A detached mount of the ext4 ``image``, nosuid and nodev (and read-only if asked),
     idmapped so that its files are ``host_uid``'s (by ``userns``, a user namespace mapping
     SANDBOX_UID to it, or one made or kept for it): an fd for :func:`attach_beneath`, which
     the caller closes (blocking).
 
     Raises:
-        SandboxStartError: no loop device, or the image would not mount (a volume whose
-            file system is damaged).
+        SandboxStartError: the image could not be opened, no loop device could be had, or
+            the image would not mount (a volume whose file system is damaged).
     """
+    try:
+        return _open_volume(image, host_uid, read_only=read_only, userns=userns)
+    except NoLoopConfigure as exc:
+        raise SandboxStartError("volumes need LOOP_CONFIGURE (Linux >= 5.8)") from exc
+    except OSError as exc:
+        raise SandboxStartError(f"could not mount the volume {image.parent.name}: {exc}") from exc
+
+
+def _open_volume(image: Path, host_uid: int, *, read_only: bool, userns: int | None) -> int:
     flags = os.O_RDONLY if read_only else os.O_RDWR
     image_fd = os.open(image, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        try:
-            device, device_fd = attach_loop(image_fd, read_only=read_only)
-        except NoLoopConfigure as exc:
-            raise SandboxStartError("volumes need LOOP_CONFIGURE (Linux >= 5.8)") from exc
+        device, device_fd = attach_loop(image_fd, read_only=read_only)
     finally:
         os.close(image_fd)
     try:
@@ -192,9 +199,8 @@ def open_volume(
         finally:
             os.close(fs)
         try:
-            if userns is None:
-                userns = cached_userns(host_uid, host_gid)
-            attr = MountAttr(MOUNT_ATTR_IDMAP, 0, mountns.MS_PRIVATE, userns)
+            idmap = userns if userns is not None else cached_userns(host_uid)
+            attr = MountAttr(MOUNT_ATTR_IDMAP, 0, mountns.MS_PRIVATE, idmap)
             _syscall(
                 mountns.SYS_MOUNT_SETATTR,
                 mount,
@@ -206,10 +212,7 @@ def open_volume(
         except BaseException:
             os.close(mount)
             raise
-        else:
-            return mount
-    except OSError as exc:
-        raise SandboxStartError(f"could not mount the volume {image.parent.name}: {exc}") from exc
+        return mount
     finally:
         os.close(device_fd)  # autoclear: the device goes with the file system's last mount
 
@@ -251,7 +254,7 @@ def _open_alone(volume: AttachedVolume, host_uid: int, userns: int | None, *, fi
         raise SandboxStartError(
             f"the volume {volume.image.parent.name} is still attached elsewhere"
         )
-    return open_volume(volume.image, host_uid, host_uid, read_only=volume.read_only, userns=userns)
+    return open_volume(volume.image, host_uid, read_only=volume.read_only, userns=userns)
 
 
 def attach_all(opened: Sequence[tuple[int, str]], top: str, owner: int) -> None:

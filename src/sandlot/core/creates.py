@@ -85,7 +85,9 @@ class CreateVerbs(VolumeVerbs, Lookup):
             CapacityExhausted: the host has no room for the sandbox's limits.
             FileDescriptorsExhausted: this process has too few file descriptors left
                 (a CapacityExhausted).
-            BackendUnavailable: the backend cannot run on this host.
+            BackendUnavailable: the backend cannot run on this host (or attach volumes).
+            VolumeNotFound: ``owner`` has no volume of a name ``spec.volumes`` gives.
+            VolumeInUse: one of them is attached to another sandbox.
             SandboxStartError: the backend failed to start the guest.
         """
         self._require_started()
@@ -95,7 +97,7 @@ class CreateVerbs(VolumeVerbs, Lookup):
         network = self.settings.network if spec.network is None else spec.network
         admission.check_metadata(spec.metadata, self.settings.max_metadata_bytes)
         # Taken before anything is admitted: the volumes are this sandbox's alone from here
-        # until its teardown has ended (or its create failed).
+        # until its destroy has halted it (or its create failed).
         lease = (
             await self._lease_volumes(self._backend(key.backend), key.runtime, owner, spec.volumes)
             if spec.volumes

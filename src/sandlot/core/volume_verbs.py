@@ -1,5 +1,7 @@
 """The manager's verbs on named volumes (:mod:`~sandlot.core.volumes`), and the leases that
-keep each attached volume to its one sandbox until that sandbox's teardown has ended."""
+keep each attached volume to its one sandbox until its destroy has halted it (or its create
+failed): none of its processes runs then, and a next attach waits for the kernel to drop
+the volume's last mount (``backends/volumes.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ class VolumeVerbs:
 
     settings: Settings
     _volumes: VolumeStore
-    # The volumes each live (or still ending) sandbox holds, by sandbox id.
+    # The volumes each live sandbox holds, by sandbox id.
     _leases: dict[str, Lease]
 
     def _init_volumes(self) -> None:
@@ -35,10 +37,11 @@ class VolumeVerbs:
         """Make an empty volume of ``owner``'s.
 
         Raises:
-            ConfigError: a size over SANDBOX_MAX_VOLUME_MB.
+            ConfigError: a bad name, or a size under 8 MB or over SANDBOX_MAX_VOLUME_MB.
             VolumeExists: ``owner`` has a volume of that name.
             QuotaExceeded: past the owner's max_volumes or max_volume_mb.
             CapacityExhausted: the data directory's disk has no room for it.
+            BackendUnavailable: this host could not make it (mkfs.ext4 failed).
         """
         return await asyncio.to_thread(
             self._volumes.create, owner, request.name, request.size_mb, quota
@@ -48,7 +51,7 @@ class VolumeVerbs:
         return await asyncio.to_thread(self._volumes.list, owner)
 
     async def get_volume(self, name: str, *, owner: str = "local") -> VolumeInfo:
-        """Raises: VolumeNotFound."""
+        """Raises: ConfigError (a bad name), VolumeNotFound."""
         return await asyncio.to_thread(self._volumes.get, owner, name)
 
     async def delete_volume(self, name: str, *, owner: str = "local") -> None:
@@ -69,14 +72,22 @@ class VolumeVerbs:
             BackendUnavailable: the backend cannot attach volumes on this host.
             VolumeNotFound, VolumeInUse: as :meth:`VolumeStore.lease`.
         """
-        # An optional verb: a plugin backend without it attaches no volumes.
-        available = getattr(backend, "volumes_available", None)
-        ok, why = available(runtime) if available is not None else (False, "not supported")
+        ok, why = backend.volumes_available(runtime)
         if not ok:
             raise BackendUnavailable(
                 f"named volumes are not available on the {backend.name} backend here: {why}"
             )
-        return await asyncio.to_thread(self._volumes.lease, owner, mounts)
+        # The lease is taken in a thread, which a cancelled create cannot stop: shielded,
+        # and released when the thread ends if its create is gone by then. Unshielded, a
+        # create cancelled while the tenant's lock was held (or during the wait for a
+        # previous sandbox to let go) left a lease nobody held: the volume "in use" until
+        # the process ended (red team, 2026-12-07).
+        taking = asyncio.ensure_future(asyncio.to_thread(self._volumes.lease, owner, mounts))
+        try:
+            return await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            taking.add_done_callback(_release_orphan)
+            raise
 
     def _release_lease(self, sandbox_id: str) -> None:
         """The sandbox is gone (its teardown ended, or it never started): its volumes may
@@ -84,3 +95,9 @@ class VolumeVerbs:
         lease = self._leases.pop(sandbox_id, None)
         if lease is not None:
             lease.release()
+
+
+def _release_orphan(taking: asyncio.Future[Lease]) -> None:
+    """A lease whose create was cancelled while it was being taken: given back."""
+    if not taking.cancelled() and taking.exception() is None:
+        taking.result().release()

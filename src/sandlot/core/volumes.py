@@ -39,6 +39,7 @@ from pathlib import Path
 from sandlot.backends import volumes as host_volumes
 from sandlot.backends.base import AttachedVolume
 from sandlot.errors import (
+    BackendUnavailable,
     CapacityExhausted,
     ConfigError,
     QuotaExceeded,
@@ -47,21 +48,23 @@ from sandlot.errors import (
     VolumeInUse,
     VolumeNotFound,
 )
-from sandlot.models import Quota, VolumeInfo, VolumeMount
+from sandlot.models import (
+    MIN_VOLUME_MB,
+    VOLUME_NAME_PATTERN,
+    Quota,
+    VolumeInfo,
+    VolumeMount,
+)
 
 VOLUMES_DIR = "volumes"
 IMAGE = "disk.img"
 RECORD = "volume.json"
 LOCK = "lock"
+DIR_LOCK = ".lock"  # a tenant's directory's, and the volumes root's
 # A share of the data directory's file system no volume may take: the store, the sandboxes'
 # own disks and the host's other files live there too.
-DISK_RESERVE = 0.10
-# mkfs.ext4 gives a volume under 2 MB no journal; the smallest volume has one.
-MIN_VOLUME_MB = 8
-# How long an attach waits for the volume's last sandbox to finish ending (its namespace
-# released by the kernel) before it says the volume is in use.
-
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+DISK_RESERVE_FRACTION = 0.10
+_NAME = re.compile(VOLUME_NAME_PATTERN)
 
 
 def tenant_dir_name(tenant: str) -> str:
@@ -70,10 +73,11 @@ def tenant_dir_name(tenant: str) -> str:
 
 
 def _made_error(exc: OSError) -> SandboxError:
-    """Why a volume could not be made, typed: the host's disk is full, or something else."""
+    """Why a volume could not be made, typed: the host's disk is full, or the host cannot
+    make one (mkfs.ext4 failed)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return CapacityExhausted(f"no room on the host's disk for the volume: {exc}")
-    return SandboxError(f"could not make the volume: {exc}")
+    return BackendUnavailable(f"this host could not make the volume: {exc}")
 
 
 def check_name(name: str) -> str:
@@ -110,28 +114,22 @@ class VolumeStore:
 
     @contextlib.contextmanager
     def _tenant_lock(self, tenant: str) -> Iterator[Path]:
-        """The tenant's directory, under its lock: one create or delete of its at a time,
-        across every process of the data directory (its quota is checked under it)."""
+        """The tenant's directory, under its lock: one create, delete or lease of its at a
+        time, across every process of the data directory (its quota is checked under it)."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.root.chmod(0o700)
         tenant_dir = self.root / tenant_dir_name(tenant)
         tenant_dir.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(tenant_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with _flocked(tenant_dir / DIR_LOCK):
             yield tenant_dir
-        finally:
-            os.close(fd)
 
     def _info(self, directory: Path, in_use: set[bytes] | None = None) -> VolumeInfo | None:
+        image = directory / IMAGE
         try:
-            record = json.loads((directory / RECORD).read_text())
-            image = directory / IMAGE
-            used = image.stat().st_blocks * 512
-        except (OSError, ValueError):
-            return None  # being made or deleted
-        info = VolumeInfo.model_validate(record)
-        info.used_bytes = used
+            info = VolumeInfo.model_validate_json((directory / RECORD).read_bytes())
+            info.used_bytes = image.stat().st_blocks * 512
+        except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
+            return None  # being made or deleted (or a record no sandlot wrote)
         if in_use is None:
             in_use = host_volumes.backing_files()
         info.attached = os.fsencode(os.path.realpath(image)) in in_use
@@ -159,10 +157,12 @@ class VolumeStore:
         """Make an empty volume of ``size_mb`` (blocking: mkfs.ext4, a few ms).
 
         Raises:
-            ConfigError: a bad name, or a size over SANDBOX_MAX_VOLUME_MB.
+            ConfigError: a bad name, or a size under MIN_VOLUME_MB or over
+                SANDBOX_MAX_VOLUME_MB.
             VolumeExists: the tenant has one of that name.
             QuotaExceeded: the tenant's volumes or their total size would pass its quota.
             CapacityExhausted: the data directory's disk has no room for it.
+            BackendUnavailable: this host could not make it (mkfs.ext4 failed).
         """
         check_name(name)
         if not MIN_VOLUME_MB <= size_mb <= self.max_volume_mb:
@@ -175,23 +175,30 @@ class VolumeStore:
             if directory.exists():
                 raise VolumeExists(f"a volume {name!r} exists already")
             self._check_quota(tenant, size_mb, quota)
-            self._check_disk(size_mb)
-            partial = tenant_dir / f".new-{name}-{secrets.token_hex(4)}"
-            partial.mkdir(mode=0o700)
-            try:
-                try:
-                    host_volumes.mkfs_volume(partial / IMAGE, size_mb)
-                except OSError as exc:
-                    raise _made_error(exc) from exc
-                (partial / LOCK).touch(mode=0o600)
-                info = VolumeInfo(name=name, size_mb=size_mb, created_at=time.time())
-                record = info.model_dump(include={"name", "size_mb", "created_at"})
-                (partial / RECORD).write_text(json.dumps(record))
-                partial.rename(directory)
-            except BaseException:
-                shutil.rmtree(partial, ignore_errors=True)
-                raise
+            # Every tenant's volumes share the disk: one check and make at a time, across the
+            # data directory's processes, or two could pass the check for the same room.
+            with _flocked(self.root / DIR_LOCK):
+                self._check_disk(size_mb)
+                self._make(tenant_dir, name, size_mb)
         return self.get(tenant, name)
+
+    @staticmethod
+    def _make(tenant_dir: Path, name: str, size_mb: int) -> None:
+        partial = tenant_dir / f".new-{name}-{secrets.token_hex(4)}"
+        partial.mkdir(mode=0o700)
+        try:
+            try:
+                host_volumes.mkfs_volume(partial / IMAGE, size_mb)
+            except OSError as exc:
+                raise _made_error(exc) from exc
+            (partial / LOCK).touch(mode=0o600)
+            info = VolumeInfo(name=name, size_mb=size_mb, created_at=time.time())
+            record = info.model_dump(include={"name", "size_mb", "created_at"})
+            (partial / RECORD).write_text(json.dumps(record))
+            partial.rename(tenant_dir / name)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
 
     def _check_quota(self, tenant: str, size_mb: int, quota: Quota | None) -> None:
         if quota is None:
@@ -211,42 +218,42 @@ class VolumeStore:
 
     def _check_disk(self, size_mb: int) -> None:
         """Room on the data directory's disk for the new volume and for every volume's
-        unwritten part (they may all fill up), past :data:`DISK_RESERVE`."""
+        unwritten part (they may all fill up), past :data:`DISK_RESERVE_FRACTION`."""
         fs = os.statvfs(self.root)
-        free = fs.f_bavail * fs.f_frsize
-        reserve = DISK_RESERVE * fs.f_blocks * fs.f_frsize
-        unwritten = 0
+        free_bytes = fs.f_bavail * fs.f_frsize
+        reserve_bytes = int(DISK_RESERVE_FRACTION * fs.f_blocks * fs.f_frsize)
+        unwritten_bytes = 0
         for image in self.root.glob(f"*/*/{IMAGE}"):
             with contextlib.suppress(OSError):
                 st = image.stat()
-                unwritten += max(0, st.st_size - st.st_blocks * 512)
-        needed = size_mb * 1024 * 1024 + unwritten
-        if needed > free - reserve:
+                unwritten_bytes += max(0, st.st_size - st.st_blocks * 512)
+        left_bytes = free_bytes - reserve_bytes - unwritten_bytes
+        if size_mb * 1024 * 1024 > left_bytes:
             raise CapacityExhausted(
                 f"no room on the host's disk for a {size_mb} MB volume: "
-                f"{max(0, int(free - reserve - unwritten)) // (1024 * 1024)} MB left for volumes"
+                f"{max(0, left_bytes) // (1024 * 1024)} MB left for volumes"
             )
 
     def delete(self, tenant: str, name: str) -> None:
         """Delete a volume and its files (blocking).
 
         Raises:
+            ConfigError: a bad name.
             VolumeNotFound: no such volume.
             VolumeInUse: a live sandbox has it attached.
         """
-        with self._tenant_lock(tenant) as tenant_dir:
-            directory = tenant_dir / check_name(name)
-            if not (directory / RECORD).exists():
-                raise VolumeNotFound(f"no volume {name!r}")
-            fd = self._lock(directory, name)
-            try:
-                # A sandbox destroyed a moment ago may still be ending (its mount with it).
-                if not host_volumes.wait_detached(directory / IMAGE, host_volumes.DETACH_WAIT_S):
-                    raise VolumeInUse(f"volume {name!r} is attached to a sandbox")
+        # Its lock taken like a lease's (no sandbox can take it after), then the wait for a
+        # sandbox destroyed a moment ago to let go of its mount, outside the tenant's lock
+        # (its other creates, deletes and leases go on meanwhile).
+        fd, directory = self._locked(tenant, name)
+        try:
+            if not host_volumes.wait_detached(directory / IMAGE, host_volumes.DETACH_WAIT_S):
+                raise VolumeInUse(f"volume {name!r} is attached to a sandbox")
+            with self._tenant_lock(tenant) as tenant_dir:
                 doomed = tenant_dir / f".deleted-{name}-{secrets.token_hex(4)}"
                 directory.rename(doomed)
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
         shutil.rmtree(doomed, ignore_errors=True)
 
     # ------------------------------------------------------------------ attach
@@ -266,6 +273,7 @@ class VolumeStore:
         ``DETACH_WAIT_S`` for a volume's last sandbox to end).
 
         Raises:
+            ConfigError: a bad name.
             VolumeNotFound: the tenant has no volume of a name.
             VolumeInUse: a volume is attached to another sandbox.
         """
@@ -280,19 +288,34 @@ class VolumeStore:
             raise
         return lease
 
-    def _take(self, tenant: str, mount: VolumeMount) -> tuple[int, AttachedVolume]:
-        # Found and locked under the tenant's lock, which a delete holds while it checks the
-        # volume's lock and renames it away: a lock file opened here is the volume's own, never
-        # one a delete (and a create of the same name) has replaced meanwhile, whose flock
-        # would guard nothing (red team: a second lease of one image).
+    def _locked(self, tenant: str, name: str) -> tuple[int, Path]:
+        """The volume's lock, taken (an fd to close), and its directory. Found and locked
+        under the tenant's lock, which a delete holds while it renames a volume away: a lock
+        file opened here is the volume's own, never one a delete (and a create of the same
+        name) replaced meanwhile, whose flock would guard nothing (red team: a second lease
+        of one image)."""
         with self._tenant_lock(tenant) as tenant_dir:
-            directory = tenant_dir / check_name(mount.name)
+            directory = tenant_dir / check_name(name)
             if not (directory / RECORD).exists():
-                raise VolumeNotFound(f"no volume {mount.name!r}")
-            fd = self._lock(directory, mount.name)
+                raise VolumeNotFound(f"no volume {name!r}")
+            return self._lock(directory, name), directory
+
+    def _take(self, tenant: str, mount: VolumeMount) -> tuple[int, AttachedVolume]:
+        fd, directory = self._locked(tenant, mount.name)
         image = directory / IMAGE
         # Its last sandbox may still be ending (its mount namespace not yet released).
         if not host_volumes.wait_detached(image, host_volumes.DETACH_WAIT_S):
             os.close(fd)
             raise VolumeInUse(f"volume {mount.name!r} is attached to another sandbox")
         return fd, AttachedVolume(image, mount.mount_path, mount.read_only)
+
+
+@contextlib.contextmanager
+def _flocked(path: Path) -> Iterator[None]:
+    """``path`` (made if missing) exclusively locked, for the block's length."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

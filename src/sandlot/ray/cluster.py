@@ -37,7 +37,7 @@ from sandlot.models import Quota, ResourceUsage, SandboxInfo, VolumeInfo
 from sandlot.ray import agents
 from sandlot.ray.calls import DEAD, GONE, SHORT_CALL, NodeSilent, awaited, settle, unwrap
 from sandlot.ray.node import NODE_RESOURCE
-from sandlot.ray.placing import CreateVerbs
+from sandlot.ray.placing import NO_VOLUMES_ON_RAY, CreateVerbs
 from sandlot.ray.routing import NodeLoad
 from sandlot.ray.runs import RunVerbs
 from sandlot.ray.verbs import ForwardedVerbs
@@ -57,9 +57,7 @@ class NoVolumes:
 
     @staticmethod
     def _refuse() -> BackendUnavailable:
-        return BackendUnavailable(
-            "named volumes live on one host's disk: a Ray cluster does not have them yet"
-        )
+        return BackendUnavailable(NO_VOLUMES_ON_RAY)
 
     async def create_volume(
         self, request: CreateVolume, *, owner: str = "local", quota: Quota | None = None

@@ -18,6 +18,8 @@ from sandlot.ray.node import CREATE_BOUND_S
 from sandlot.ray.routing import NodeLoad, choose
 from sandlot.requests import SandboxSpec
 
+NO_VOLUMES_ON_RAY = "named volumes live on one host's disk: a Ray cluster does not have them yet"
+
 
 class CreateVerbs:
     settings: Settings
@@ -43,9 +45,7 @@ class CreateVerbs:
         """
         spec = spec or SandboxSpec()
         if spec.volumes:
-            raise BackendUnavailable(
-                "named volumes live on one host's disk: a Ray cluster does not have them yet"
-            )
+            raise BackendUnavailable(NO_VOLUMES_ON_RAY)
         limits = self.settings.resolve_limits(spec.limits())
         ticket = "ticket-" + secrets.token_hex(8)
         if quota is not None:

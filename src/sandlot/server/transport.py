@@ -140,6 +140,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
         _lingered_bytes = 0
         _write_deadline: asyncio.TimerHandle | None = None  # while the client reads nothing
         _flush_poll: asyncio.TimerHandle | None = None  # a keyed answer's tail not yet sent
+        _tail_deadline: float | None = None  # the loop's time it is waited for until
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             failures = count.auth_failures
@@ -209,6 +210,8 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
+            self._cancel_flush_poll()
+            self._tail_deadline = None
             count.served(self)
             self._arm(limits.body_idle_timeout_s, self._body_stalled)
             super().on_headers_complete()
@@ -280,7 +283,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             if self._message_done:
                 self._expect_headers()
             elif self._in_headers:
-                self._waits_on_client()  # a pipelined request's head, still arriving
+                self._waits_once_sent()  # a pipelined request's head, still arriving
             else:
                 self._linger()  # this request's body, answered before it was all in
 
@@ -328,7 +331,7 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self._lingering = True
             self._lingered_bytes = 0
             self._arm(LINGER_S, self.transport.close)
-            self._waits_on_client()
+            self._waits_once_sent()
 
         def _expect_headers(self) -> None:
             self._lingering = False
@@ -341,7 +344,8 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             self._arm(limits.header_timeout_s, self._headers_late)
 
         def _waits_once_sent(self) -> None:
-            """Evictable once a keyed answer's last bytes have left the transport's buffer:
+            """Evictable once a keyed answer's last bytes have left the transport's buffer
+            (waiting for a next request's head, or dropping the rest of an answered body):
             an answer is complete for uvicorn when it is written there, and an eviction
             (an abort) drops what is left. A keyed download read at a modest pace lost its
             last 10 KB of 16 MiB so, to keyless newcomers at the cap (two test workers,
@@ -349,12 +353,28 @@ def guarded_protocol(count: ConnectionCount) -> type[HttpToolsProtocol]:
             mark, not when it is empty. A keyless answer's tail is not waited for: a client
             that reads nothing of small answers would hold its slot (it is cut by the
             header timeout meanwhile either way)."""
-            self._flush_poll = None
-            if self.transport.is_closing() or not self._in_headers or self._busy():
-                return  # gone, or a request of it is being served again
-            if self._keyed() and self.transport.get_write_buffer_size() > 0:
+            self._cancel_flush_poll()
+            if not (self._in_headers or self._lingering) or self._busy():
+                self._tail_deadline = None
+                return  # a request of it is being served again
+            # Waited for no longer than a client that reads nothing is (the body idle time):
+            # a tail under the high-water mark never pauses writing, so no write deadline
+            # drops such a client, and a closing transport waits for its buffer forever.
+            # Unbounded, 20 keyed downloads that left 3-64 KiB unread each held a server's
+            # whole connection cap for good (red team, 2026-12-07). Past the bound, or once
+            # the transport is closing, the connection is evictable as any other.
+            now = self.loop.time()
+            if self._tail_deadline is None:
+                self._tail_deadline = now + limits.body_idle_timeout_s
+            if (
+                self._keyed()
+                and self.transport.get_write_buffer_size() > 0
+                and not self.transport.is_closing()
+                and now < self._tail_deadline
+            ):
                 self._flush_poll = self.loop.call_later(FLUSH_POLL_S, self._waits_once_sent)
                 return
+            self._tail_deadline = None
             self._waits_on_client()
 
         def _cancel_flush_poll(self) -> None:

@@ -499,19 +499,27 @@ class DockerBackend:
         if box is not None and not box.removed:
             await self._remove(box, sandbox_id)
             box.removed = True
+            # Its named volumes are free once it has halted (the manager's lease ends
+            # then): the container's gone, so their last mount is this one.
+            self._detach_volumes(box.root)
 
     async def stop(self, sandbox_id: str) -> None:
         box = self._boxes.pop(sandbox_id, None)
         if box is None or not box.removed:
             await self._remove(box, sandbox_id)
         root = box.root if box is not None else self.sandboxes_dir / sandbox_id
-        # Named volumes first, by name: their files are never the teardown's to remove.
-        for point in root.glob("vol-*"):
-            mountns.detach(str(point), missing_ok=True)
+        self._detach_volumes(root)
         await remove_volume(root)
         if box is not None and box.uid_lock_fd is not None:
             release(box.uid_lock_fd)  # only once nothing of the sandbox's is left
             box.uid_lock_fd = None
+
+    @staticmethod
+    def _detach_volumes(root: Path) -> None:
+        """Unmount the named volumes bound from ``root`` (by name: their files are never a
+        teardown's to remove)."""
+        for point in root.glob("vol-*"):
+            mountns.detach(str(point), missing_ok=True)
 
     async def _remove(self, box: _Box | None, sandbox_id: str) -> None:
         if box is not None and box.guest is not None:
