@@ -149,6 +149,18 @@ def jail(manager: SandboxManager, isolated_backend: str) -> Iterator[Sandbox]:
     sb.kill()
 
 
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``sandlot ARGS...`` as a user runs it, in ``env``: its exit code and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "sandlot.cli", *args],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 # ---------------------------------------------------------------------- a real server
 
 

@@ -27,7 +27,7 @@ from sandlot.tools import (
     ToolSpec,
     ToolValidator,
 )
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, run_cli
 
 PACKAGED = {"edit_file", "file_tree", "search_files"}
 
@@ -222,14 +222,7 @@ def test_the_cli_lists_and_runs_tools(live_server: LiveServer) -> None:
     env = {**os.environ, "SANDLOT_URL": live_server.url}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "sandlot.cli", *args],
-            env=env,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return run_cli(env, *args)
 
     listed = cli("tools", "list", "--json")
     assert listed.returncode == 0, listed.stderr

@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from sandlot.core.volumes import IMAGE, VolumeStore, tenant_dir_name
 from sandlot.errors import BackendUnavailable, CapacityExhausted
 from sandlot.models import Quota
 from sandlot.requests import SandboxSpec
-from tests.conftest import EXTRA_TARGETS, LiveServer, make_settings
+from tests.conftest import EXTRA_TARGETS, LiveServer, make_settings, run_cli
 
 
 def _tenant() -> str:
@@ -496,14 +495,7 @@ def test_the_cli_makes_lists_attaches_and_removes_volumes(
     }
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "sandlot.cli", *args],
-            env=env,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return run_cli(env, *args)
 
     name = f"c{secrets.token_hex(3)}"
     assert cli("volume", "create", name, "--size-mb", "16").returncode == 0
