@@ -350,6 +350,22 @@ async def test_a_sandbox_through_the_node_agent(cluster: ClusterManager) -> None
         await cluster.get("sb-nosuchnode-0123456789abcdef")
 
 
+async def test_a_cluster_says_it_has_no_named_volumes(cluster: ClusterManager) -> None:
+    """A volume is one host's disk: a cluster refuses it, saying why, rather than attaching
+    whichever node's volume of that name the create lands on."""
+    from sandlot.errors import BackendUnavailable
+    from sandlot.models import VolumeMount
+    from sandlot.requests import CreateVolume
+
+    with pytest.raises(BackendUnavailable, match="Ray cluster"):
+        await cluster.create(SandboxSpec(volumes=[VolumeMount(name="v", mount_path="v")]))
+    with pytest.raises(BackendUnavailable, match="Ray cluster"):
+        await cluster.create_volume(CreateVolume(name="v"))
+    with pytest.raises(BackendUnavailable, match="Ray cluster"):
+        await cluster.list_volumes()
+    assert await cluster.list() == []  # nothing was started
+
+
 async def test_a_terminal_through_the_node_agent(cluster: ClusterManager) -> None:
     """A terminal is forwarded like a background command: open, type, resize, read its output
     window, kill; a callback (which Ray does not carry yet) is refused, not dropped."""
