@@ -498,7 +498,10 @@ def test_the_cli_makes_lists_attaches_and_removes_volumes(
         return run_cli(env, *args)
 
     name = f"c{secrets.token_hex(3)}"
-    assert cli("volume", "create", name, "--size-mb", "16").returncode == 0
+    made_volume = cli("volume", "create", name, "--size-mb", "16", "--json")
+    assert json.loads(made_volume.stdout)["size_mb"] == 16, made_volume.stderr
+    got = cli("volume", "get", name, "--json")
+    assert json.loads(got.stdout)["attached"] is False, got.stderr
     listed = cli("volume", "ls", "--json")
     assert name in [v["name"] for v in json.loads(listed.stdout)], listed.stderr
     bad = cli("sandbox", "create", "--volume", f"{name}:/etc")

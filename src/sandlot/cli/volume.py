@@ -20,7 +20,7 @@ from sandlot.cli.common import (
     shown,
 )
 from sandlot.errors import ConfigError
-from sandlot.models import VolumeMount
+from sandlot.models import VolumeInfo, VolumeMount
 from sandlot.requests import CreateVolume, build
 
 volume_app = typer.Typer(
@@ -69,12 +69,28 @@ def volume_create(
     size_mb: Annotated[int, typer.Option("--size-mb", help="Its cap (MiB).")] = 256,
     api_url: UrlOpt = None,
     api_key: KeyOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Make an empty volume."""
+    """Make an empty volume (prints its name)."""
     with errors_exit_2():
         request = build(CreateVolume, name=name, size_mb=size_mb)
     info = remote_call(api_url, api_key, lambda s: s.create_volume(request))
+    if as_json:
+        print_json(info.model_dump(mode="json"))
+        return
     typer.echo(shown(info.name))
+
+
+@volume_app.command("get")
+def volume_get(
+    name: str, api_url: UrlOpt = None, api_key: KeyOpt = None, as_json: JsonOpt = False
+) -> None:
+    """One volume: its size, what it uses, whether a sandbox has it."""
+    info = remote_call(api_url, api_key, lambda s: s.get_volume(name))
+    if as_json:
+        print_json(info.model_dump(mode="json"))
+        return
+    _table([info])
 
 
 @volume_app.command("ls")
@@ -84,6 +100,10 @@ def volume_ls(api_url: UrlOpt = None, api_key: KeyOpt = None, as_json: JsonOpt =
     if as_json:
         print_json([info.model_dump(mode="json") for info in infos])
         return
+    _table(infos)
+
+
+def _table(infos: list[VolumeInfo]) -> None:
     table = Table("name", "size_mb", "used_mb", "attached", "age")
     now = time.time()
     for info in infos:
