@@ -93,7 +93,7 @@ def instrument() -> None:
     timed(live_module.Live, "start_guest", "create: backend.start + the guest's ready")
     timed(bw.BubblewrapBackend, "start", "create: backend.start")
     timed(bw.BubblewrapBackend, "_provision", "create: provision (cgroup, volume, /proc files)")
-    timed(bw, "make_volume", "create: the workspace volume (mkfs, loop, mount)")
+    timed(bw, "make_sandbox_disk", "create: the workspace volume (mkfs, loop, mount)")
     timed(bw, "write_proc_files", "create: /proc files")
     timed(bw.BubblewrapBackend, "_spawn", "create: spawn the bwrap chain")
     timed(bw.BubblewrapBackend, "_go", "create: 'go' to the launcher")
@@ -105,7 +105,7 @@ def instrument() -> None:
     timed(guest_link.GuestConnection, "wait_ready", "create: the guest's ready")
     timed(bw.BubblewrapBackend, "stop", "destroy: backend.stop")
     timed(bw.BubblewrapBackend, "_end_guest", "destroy: end the guest")
-    timed(bw, "remove_volume", "destroy: unmount and remove the volume")
+    timed(bw, "remove_sandbox_disk", "destroy: unmount and remove the volume")
 
 
 def _p50(values: list[float]) -> float:

@@ -204,7 +204,7 @@ async def test_a_volume_is_removed_without_reading_the_mount_table(
     # unmounts the volume by name, busy or not, and reads it only when something else is
     # mounted below the sandbox's directory.
     root = tmp_path / "sb-1"
-    await disk.make_volume(root, 8, os.getuid(), capped=True, templates=tmp_path / "t")
+    await disk.make_sandbox_disk(root, 8, os.getuid(), capped=True, templates=tmp_path / "t")
     held = os.open(root / "volume" / "tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def no_table(_root: Path) -> list[Path]:
@@ -212,12 +212,12 @@ async def test_a_volume_is_removed_without_reading_the_mount_table(
 
     monkeypatch.setattr(disk, "mounted_below", no_table)
     try:
-        await disk.remove_volume(root)  # the open directory makes the plain unmount EBUSY
+        await disk.remove_sandbox_disk(root)  # the open directory makes the plain unmount EBUSY
         assert not root.exists()
         assert all(line.split()[1] != str(root / "volume") for line in _mounts())
     finally:
         os.close(held)
-    await disk.remove_volume(root)  # idempotent
+    await disk.remove_sandbox_disk(root)  # idempotent
     assert await _no_device_left(tmp_path)
 
 
@@ -228,13 +228,13 @@ async def test_a_mount_someone_else_made_in_a_volume_root_is_unmounted_not_empti
     # before deleting anything, so what it shows outside survives (rmtree crosses mounts; a
     # red team's find).
     root = tmp_path / "sb-2"
-    await disk.make_volume(root, 8, os.getuid(), capped=True, templates=tmp_path / "t")
+    await disk.make_sandbox_disk(root, 8, os.getuid(), capped=True, templates=tmp_path / "t")
     outside = tmp_path / "operator"
     outside.mkdir()
     (outside / "notes").write_text("keep")
     (root / "other").mkdir()
     subprocess.run(["mount", "--bind", str(outside), str(root / "other")], check=True)
-    await disk.remove_volume(root)
+    await disk.remove_sandbox_disk(root)
     assert not root.exists()
     assert all(not line.split()[1].startswith(str(root)) for line in _mounts())
     assert (outside / "notes").read_text() == "keep"

@@ -102,7 +102,7 @@ async def test_the_launch_namespace_holds_no_live_sandboxs_volume(data_root: Pat
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("root_bubblewrap")
 @pytest.mark.parametrize(
-    "failing", ["wait_for_block", "wait_for_exec", "clone_writable", "make_volume"]
+    "failing", ["wait_for_block", "wait_for_exec", "clone_writable", "make_sandbox_disk"]
 )
 async def test_a_create_that_fails_while_its_volume_is_made_or_attached_leaves_nothing(
     data_root: Path, monkeypatch: pytest.MonkeyPatch, failing: str
@@ -129,9 +129,11 @@ async def test_a_create_that_fails_while_its_volume_is_made_or_attached_leaves_n
             await asyncio.sleep(0.05)  # bwrap is under way by then
             fails()
 
-        owners = {"clone_writable": mountns, "make_volume": module}
+        owners = {"clone_writable": mountns, "make_sandbox_disk": module}
         owner = owners.get(failing, launching)  # wait_for_block, wait_for_exec
-        monkeypatch.setattr(owner, failing, fails_later if failing == "make_volume" else fails)
+        monkeypatch.setattr(
+            owner, failing, fails_later if failing == "make_sandbox_disk" else fails
+        )
         with pytest.raises(Exception, match="failed today"):
             await mgr.create(SandboxSpec())
         monkeypatch.undo()

@@ -873,7 +873,7 @@ async def test_a_create_cancelled_at_the_join_unwinds_at_once_and_leaves_nothing
         elif where == "before its guest joins":
             monkeypatch.setattr(bubblewrap_backend.BubblewrapBackend, "_join", never_joins)
         else:
-            monkeypatch.setattr(bubblewrap_backend, "make_volume", no_volume_yet)
+            monkeypatch.setattr(bubblewrap_backend, "make_sandbox_disk", no_volume_yet)
         create = asyncio.ensure_future(mgr.create(SandboxSpec()))
         async with asyncio.timeout(15):
             await blocked.wait()

@@ -1095,7 +1095,7 @@ def test_a_create_that_fails_while_its_disk_is_made_leaves_nothing(
     get_portal().call(manager.settle())  # its files go after the kill returns
     backend = manager._backend("bubblewrap")
     before = set(backend.sandboxes_dir.iterdir())
-    monkeypatch.setattr(bwrap_module, "make_volume", no_disk)
+    monkeypatch.setattr(bwrap_module, "make_sandbox_disk", no_disk)
     with pytest.raises(SandboxError, match="no disk today"):
         Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)
     assert seen["chain"], seen
@@ -1192,13 +1192,13 @@ def test_a_launcher_that_cannot_enter_its_cgroup_says_why(
     # "Connection lost" (a review's find), and nothing runs outside a cgroup.
     from sandlot.backends.cgroups import Cgroup
 
-    real_make_volume = bwrap_module.make_volume
+    real_make_volume = bwrap_module.make_sandbox_disk
 
     async def slow_disk(*args: Any, **kwargs: Any) -> None:
         await real_make_volume(*args, **kwargs)
         await asyncio.sleep(0.2)  # the launcher has failed and exited by now
 
-    monkeypatch.setattr(bwrap_module, "make_volume", slow_disk)
+    monkeypatch.setattr(bwrap_module, "make_sandbox_disk", slow_disk)
     monkeypatch.setattr(Cgroup, "enter_files", property(lambda self: [Path(enter_file)]))
     with pytest.raises(SandboxError, match=rf"launcher failed.*{said}") as failed:
         Sandbox.create(manager=manager, **placement("bubblewrap"), timeout_s=10)

@@ -48,7 +48,7 @@ async def _run(*argv: str) -> None:
 
 
 # Under the data directory: the empty images new disks are copied from.
-VOLUME_TEMPLATES = "volume-templates"
+DISK_TEMPLATES = "volume-templates"
 # No journal and lazy tables: a scratch disk that dies with the sandbox. No resize inode
 # either: nothing grows a sandbox's disk, and its reserved blocks were most of an empty
 # image (a 64 MB one holds 116 KiB without them, 376 with; 1 GB: 144, 656), all of it
@@ -317,7 +317,7 @@ def _umount2(mountpoint: Path, flags: int) -> bool:
     return result == 0
 
 
-def volume_paths(root: Path) -> tuple[Path, Path]:
+def disk_paths(root: Path) -> tuple[Path, Path]:
     """A sandbox's ``/workspace`` and ``/tmp`` on the host, inside its directory ``root``."""
     volume = root / "volume"
     return volume / "workspace", volume / "tmp"
@@ -333,7 +333,7 @@ def _private_dir(path: Path, traverse_gid: int | None) -> None:
     path.chmod(0o700 if traverse_gid is None else 0o710)
 
 
-async def make_volume(
+async def make_sandbox_disk(
     root: Path,
     size_mb: int,
     uid: int,
@@ -355,40 +355,40 @@ async def make_volume(
     """
     template = await _template(templates, size_mb) if capped else None
     if capped and template is None:  # past MAX_TEMPLATES sizes: mkfs.ext4, a process
-        _volume_root(root, traverse_gid)
-        await create_loop_disk(root / "disk.img", volume_paths(root)[0].parent, size_mb, templates)
-        _volume_dirs(root, uid, traverse_gid)
+        _disk_root(root, traverse_gid)
+        await create_loop_disk(root / "disk.img", disk_paths(root)[0].parent, size_mb, templates)
+        _disk_dirs(root, uid, traverse_gid)
         return
     # The usual create: every step in one thread's turn (a turn costs the event loop a wakeup
     # and a future's callbacks; the steps are a dozen system calls).
-    if not await asyncio.to_thread(_make_volume_now, root, size_mb, uid, template, traverse_gid):
-        await _mount_by_mount8(root / "disk.img", volume_paths(root)[0].parent)
-        _volume_dirs(root, uid, traverse_gid)
+    if not await asyncio.to_thread(_make_disk_now, root, size_mb, uid, template, traverse_gid):
+        await _mount_by_mount8(root / "disk.img", disk_paths(root)[0].parent)
+        _disk_dirs(root, uid, traverse_gid)
 
 
-def _make_volume_now(
+def _make_disk_now(
     root: Path, size_mb: int, uid: int, template: Path | None, traverse_gid: int | None
 ) -> bool:
-    """:func:`make_volume` with the disk copied from ``template`` (None: no disk); False
+    """:func:`make_sandbox_disk` with the disk copied from ``template`` (None: no disk); False
     where the disk is copied but only mount(8) can attach it (the rest is then left to do)."""
-    _volume_root(root, traverse_gid)
-    volume = volume_paths(root)[0].parent
+    _disk_root(root, traverse_gid)
+    volume = disk_paths(root)[0].parent
     if template is None:
         volume.mkdir(mode=0o700)
     elif not _copy_and_mount(template, root / "disk.img", volume, size_mb):
         return False
-    _volume_dirs(root, uid, traverse_gid)
+    _disk_dirs(root, uid, traverse_gid)
     return True
 
 
-def _volume_root(root: Path, traverse_gid: int | None) -> None:
+def _disk_root(root: Path, traverse_gid: int | None) -> None:
     root.mkdir(mode=0o700)
     _private_dir(root, traverse_gid)
 
 
-def _volume_dirs(root: Path, uid: int, traverse_gid: int | None) -> None:
+def _disk_dirs(root: Path, uid: int, traverse_gid: int | None) -> None:
     """The volume's own directory private, /workspace and /tmp in it ``uid``'s."""
-    workspace, tmp = volume_paths(root)
+    workspace, tmp = disk_paths(root)
     _private_dir(workspace.parent, traverse_gid)
     for inside in (workspace, tmp):
         inside.mkdir(mode=0o700)
@@ -475,30 +475,30 @@ def _remove_tree(root: Path) -> None:
         remove_tree(root)
 
 
-async def remove_volume(root: Path) -> None:
+async def remove_sandbox_disk(root: Path) -> None:
     """Unmount everything below ``root`` and delete it (idempotent)."""
-    await asyncio.to_thread(remove_volume_now, root)
+    await asyncio.to_thread(remove_sandbox_disk_now, root)
 
 
-def remove_volume_now(root: Path) -> None:
-    """:func:`remove_volume`, blocking: for a caller already off the event loop."""
+def remove_sandbox_disk_now(root: Path) -> None:
+    """:func:`remove_sandbox_disk`, blocking: for a caller already off the event loop."""
     # The one mount a sandbox's directory holds is its volume's: it is unmounted by name,
     # without a read of the mount table, which grows with every live sandbox (3.7 ms of the
     # event loop a destroy with 1,000 live). Nothing else is mounted there by sandlot: only
     # when someone else's mount is found on ``root`` or an entry of it, or ``root`` survives
     # (a deeper one: rmdir's EBUSY), is the table read.
-    if _unmount_volume_and_remove(root):
+    if _unmount_disk_and_remove(root):
         return
     for mountpoint in mounted_below(root):
         _unmount_now(mountpoint)
     _remove_tree(root)
 
 
-def _unmount_volume_and_remove(root: Path) -> bool:
+def _unmount_disk_and_remove(root: Path) -> bool:
     """Unmount the volume of ``root`` if it is mounted (lazily if busy), then delete
     ``root`` unless something else is mounted on it or on an entry of it; whether it is
     gone."""
-    volume = volume_paths(root)[0].parent
+    volume = disk_paths(root)[0].parent
     if not _umount2(volume, _UMOUNT_NOFOLLOW) and ctypes.get_errno() == errno.EBUSY:
         _umount2(volume, _UMOUNT_NOFOLLOW | _MNT_DETACH)
     # Any other error says nothing is mounted there: EINVAL (not a mount point), ENOENT,

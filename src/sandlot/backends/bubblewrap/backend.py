@@ -70,13 +70,13 @@ from sandlot.backends.bubblewrap.template import (
 from sandlot.backends.cgroups import Cgroup, CgroupDriver, CgroupLimits
 from sandlot.backends.delegation import find_delegated, prepare
 from sandlot.backends.disk import (
-    VOLUME_TEMPLATES,
+    DISK_TEMPLATES,
+    disk_paths,
     disk_used_bytes,
     loop_disks_available,
-    make_volume,
-    remove_volume,
-    remove_volume_now,
-    volume_paths,
+    make_sandbox_disk,
+    remove_sandbox_disk,
+    remove_sandbox_disk_now,
 )
 from sandlot.backends.hostwide import raise_file_max
 from sandlot.backends.launch import (
@@ -308,7 +308,7 @@ class BubblewrapBackend(Launching):
             assert self._uids is not None
             uid, lock_fd = self._uids.acquire()
         root = self.sandboxes_dir / spec.sandbox_id
-        workspace, _ = volume_paths(root)
+        workspace, _ = disk_paths(root)
         limits = CgroupLimits(
             memory_bytes=spec.limits.memory_mb * 1024 * 1024,
             pids_max=spec.limits.pids,
@@ -339,12 +339,12 @@ class BubblewrapBackend(Launching):
                 raise
 
         async def make_files() -> None:
-            await make_volume(
+            await make_sandbox_disk(
                 root,
                 spec.limits.disk_mb,
                 uid,
                 capped=self._loop_ok,
-                templates=self.data_dir / VOLUME_TEMPLATES,
+                templates=self.data_dir / DISK_TEMPLATES,
                 traverse_gid=uid,
             )
             if shared_proc is None:
@@ -474,7 +474,7 @@ class BubblewrapBackend(Launching):
 
     @staticmethod
     def _release_volume_now(box: Box) -> None:
-        remove_volume_now(box.root)
+        remove_sandbox_disk_now(box.root)
         if box.uid_lock_fd is not None:
             release(box.uid_lock_fd)  # only once nothing of the sandbox's is left
 
@@ -485,7 +485,7 @@ class BubblewrapBackend(Launching):
         await netns.remove(netns.netns_prefix(self.instance) + sandbox_id)
         root = self.sandboxes_dir / sandbox_id
         if root.exists():
-            await remove_volume(root)
+            await remove_sandbox_disk(root)
 
     async def usage(self, sandbox_id: str, *, full: bool = True) -> ResourceUsage:
         box = self._boxes.get(sandbox_id)
@@ -503,7 +503,7 @@ class BubblewrapBackend(Launching):
         return usage
 
     def workspace_on_host(self, sandbox_id: str) -> Path | None:
-        workspace, _ = volume_paths(self.sandboxes_dir / sandbox_id)
+        workspace, _ = disk_paths(self.sandboxes_dir / sandbox_id)
         return workspace if workspace.is_dir() else None
 
     async def sweep(self, keep: Collection[str]) -> list[str]:

@@ -41,5 +41,5 @@ class Box:
 
     @property
     def tmp(self) -> Path:
-        """Its /tmp on the host: beside the workspace, on the same volume (volume_paths)."""
+        """Its /tmp on the host: beside the workspace, on the same volume (disk_paths)."""
         return self.workspace.parent / "tmp"

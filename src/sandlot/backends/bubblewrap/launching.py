@@ -1,7 +1,7 @@
 """How the bubblewrap backend starts a sandbox's bwrap and guest: afresh, through the chain
 of ``sh`` (into the cgroup, then the wait for "go"), nsenter or setpriv and bwrap; or forked
 by the system's guest template (template.py, forks.py), which execs bwrap itself and forks the
-guest into its namespaces. Either way, where it can, the manager makes the volume while bwrap
+guest into its namespaces. Either way, where it can, the manager makes the disk while bwrap
 starts and attaches it and /proc's masks inside (``_mount_inside``), in the launch namespace
 (launchns.py) that keeps every other sandbox's mounts out of bwrap's way. A mixin of
 :class:`~sandlot.backends.bubblewrap.backend.BubblewrapBackend`, which holds the state named
@@ -115,7 +115,7 @@ class Launching:
         files: Callable[[], Awaitable[None]] | None = None,
     ) -> Guest:
         """Start the sandbox's bwrap and its guest. ``before_go`` runs before bwrap starts
-        (the network it starts in); ``files`` makes the sandbox's volume and /proc files:
+        (the network it starts in); ``files`` makes the sandbox's disk and /proc files:
         while bwrap starts, where the manager mounts them itself (root, with the mount API),
         else before (bwrap binds them). Where the system has a template (:meth:`_template`),
         the template forks bwrap's launcher and the guest (:meth:`_launch_templated`), and is
@@ -123,7 +123,7 @@ class Launching:
         chain of :meth:`_launch` starts the guest afresh."""
         # As root, the manager masks /proc and bounds the sandbox's terminals once bwrap has
         # made its own mounts; where this kernel has the mount API (Linux >= 5.12) it also
-        # attaches the volume then. Else bwrap makes the masks and binds the volume itself.
+        # attaches the disk then. Else bwrap makes the masks and binds the disk itself.
         manager_mounts = not self.rootless and mountns.supported()
         template = await self._template(box, spec) if manager_mounts else None
         if template is None:
@@ -218,7 +218,7 @@ class Launching:
     ) -> Guest:
         """:meth:`_spawn`'s work where ``template`` forks the launcher (``launch_bwrap``: no
         sh, no nsenter) and then the guest. The network (``before_go``) comes first, as bwrap
-        starts in it; the volume is made while bwrap starts."""
+        starts in it; the disk is made while bwrap starts."""
         if before_go is not None:
             await before_go()
         argv = self._argvs.bwrap(
@@ -333,7 +333,7 @@ class Launching:
         files: Callable[[], Awaitable[None]] | None,
         join: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
-        """Make the volume while bwrap makes the namespace (the ~4 ms of the volume were on
+        """Make the disk while bwrap makes the namespace (the ~4 ms of the disk were on
         every create's path), then attach it and the masks there. The guest starts its
         interpreter meanwhile; it runs nothing of the sandbox's before the host's key, which
         comes after this returns, and it enters /workspace only then (supervisor.py). With
@@ -398,14 +398,14 @@ class Launching:
         return pid
 
     def _finish_namespace(self, info_fd: int, bwrap_pid: int, box: Box) -> None:
-        """Where bwrap made the masks and bound the volume: bound the terminals only."""
+        """Where bwrap made the masks and bound the disk: bound the terminals only."""
         pid = self._first_pid(info_fd)
         self._mount_inside(pid, bwrap_pid, box, manager_mounts=False)
 
     def _mount_inside(self, pid: int, bwrap_pid: int, box: Box, *, manager_mounts: bool) -> None:
-        """In the sandbox's mount namespace (``pid``'s, bwrap's child), attach the volume
+        """In the sandbox's mount namespace (``pid``'s, bwrap's child), attach the disk
         (/workspace and /tmp, nosuid and nodev as bwrap's binds) and /proc's masks, if
-        ``manager_mounts``, and cap its devpts instance. The guest runs no code of the sandbox's
+        ``manager_mounts``, its named volumes under /workspace, and cap its devpts instance. The guest runs no code of the sandbox's
         before the host sends its key, which comes after this returns."""
         max_ptys = self.settings.max_ptys
         remount = remounter(max_ptys, BWRAP_OPTIONS)
@@ -442,10 +442,10 @@ class Launching:
             # The launchers before bwrap (sh, setpriv, nsenter) exec it: our child is bwrap.
             mountns.run_inside(pid, work, parent=bwrap_pid)
         except OSError as exc:
-            # The sandbox must not run without its volume, with /proc unmasked or with its
+            # The sandbox must not run without its disk and volumes, with /proc unmasked or with its
             # terminals unbounded.
             raise SandboxStartError(
-                f"could not mount the sandbox's volume, mask its /proc and bound its "
+                f"could not mount the sandbox's disk and volumes, mask its /proc and bound its "
                 f"terminals (devpts max={max_ptys}): {exc}"
             ) from exc
         finally:

@@ -38,12 +38,12 @@ from sandlot.backends.base import GUEST_PIDS_HEADROOM, Check, GuestSpec, instanc
 from sandlot.backends.cgroups import Cgroup, CgroupDriver
 from sandlot.backends.devpts import DOCKER_OPTIONS, cap_ptys
 from sandlot.backends.disk import (
-    VOLUME_TEMPLATES,
+    DISK_TEMPLATES,
+    disk_paths,
     disk_used_bytes,
     loop_disks_available,
-    make_volume,
-    remove_volume,
-    volume_paths,
+    make_sandbox_disk,
+    remove_sandbox_disk,
 )
 from sandlot.backends.docker.dockerd import (
     LABEL,
@@ -265,7 +265,7 @@ class DockerBackend:
         if spec.network:
             await self._ensure_network(client)
         root = self.sandboxes_dir / spec.sandbox_id
-        workspace, _ = volume_paths(root)
+        workspace, _ = disk_paths(root)
         assert self._uids is not None  # made by _connect, which _ready ran
         uid, lock_fd = self._uids.acquire()
         box = _Box(
@@ -281,12 +281,12 @@ class DockerBackend:
         )
         self._boxes[spec.sandbox_id] = box
         try:
-            await make_volume(
+            await make_sandbox_disk(
                 root,
                 spec.limits.disk_mb,
                 uid,
                 capped=self._loop_ok,
-                templates=self.data_dir / VOLUME_TEMPLATES,
+                templates=self.data_dir / DISK_TEMPLATES,
             )
             write_proc_files(root / "proc", spec.limits.memory_mb * 1024 * 1024)
             if spec.volumes:
@@ -347,7 +347,7 @@ class DockerBackend:
         if box.runtime == "runsc":
             ulimits.append(Ulimit(name="nproc", soft=limits.pids, hard=limits.pids))
             pids += RUNSC_PIDS_HEADROOM
-        workspace, tmp = volume_paths(box.root)
+        workspace, tmp = disk_paths(box.root)
         mounts = [
             Mount(WORKSPACE_INSIDE, str(workspace), type="bind"),
             Mount("/tmp", str(tmp), type="bind"),
@@ -509,7 +509,7 @@ class DockerBackend:
             await self._remove(box, sandbox_id)
         root = box.root if box is not None else self.sandboxes_dir / sandbox_id
         self._detach_volumes(root)
-        await remove_volume(root)
+        await remove_sandbox_disk(root)
         if box is not None and box.uid_lock_fd is not None:
             release(box.uid_lock_fd)  # only once nothing of the sandbox's is left
             box.uid_lock_fd = None
@@ -633,7 +633,7 @@ class DockerBackend:
         return False, None
 
     def workspace_on_host(self, sandbox_id: str) -> Path | None:
-        workspace, _ = volume_paths(self.sandboxes_dir / sandbox_id)
+        workspace, _ = disk_paths(self.sandboxes_dir / sandbox_id)
         return workspace if workspace.is_dir() else None
 
     async def sweep(self, keep: Collection[str]) -> list[str]:
