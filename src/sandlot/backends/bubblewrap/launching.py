@@ -405,8 +405,9 @@ class Launching:
     def _mount_inside(self, pid: int, bwrap_pid: int, box: Box, *, manager_mounts: bool) -> None:
         """In the sandbox's mount namespace (``pid``'s, bwrap's child), attach the disk
         (/workspace and /tmp, nosuid and nodev as bwrap's binds) and /proc's masks, if
-        ``manager_mounts``, its named volumes under /workspace, and cap its devpts instance. The guest runs no code of the sandbox's
-        before the host sends its key, which comes after this returns."""
+        ``manager_mounts``, its named volumes under /workspace, and cap its devpts instance.
+        The guest runs no code of the sandbox's before the host sends its key, which comes
+        after this returns."""
         max_ptys = self.settings.max_ptys
         remount = remounter(max_ptys, BWRAP_OPTIONS)
         mounts = []
