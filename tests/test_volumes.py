@@ -543,6 +543,14 @@ async def test_an_mcp_client_attaches_its_tenants_volume(
                 seen = "\n".join(texts(ran))
                 assert ("first" in seen) == (text == "second"), seen
                 await session.call_tool("destroy_sandbox", {"sandbox_id": sandbox_id})
+        async with http_session(url, live_server.headers("alice")) as session:
+            made = await session.call_tool("create_sandbox", {"volumes": {name: "mem:ro"}})
+            sandbox_id = texts(made)[0]
+            ran = await session.call_tool(
+                "run_command", {"command": "echo x >> mem/log", "sandbox_id": sandbox_id}
+            )
+            assert "Read-only" in "\n".join(texts(ran)), texts(ran)
+            await session.call_tool("destroy_sandbox", {"sandbox_id": sandbox_id})
         async with http_session(url, live_server.headers("bob")) as session:
             refused = await session.call_tool("create_sandbox", {"volumes": {name: "mem"}})
             assert refused.is_error and "no volume" in "\n".join(texts(refused))

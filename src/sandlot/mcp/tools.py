@@ -17,7 +17,7 @@ from sandlot._version import __version__
 from sandlot.config import get_settings
 from sandlot.errors import InvalidRequest, SandboxError, SandboxNotFound
 from sandlot.mcp.sessions import Binding, DefaultSandboxes, Resolver, SessionKey
-from sandlot.models import ExecResult, Result, volume_mounts
+from sandlot.models import ExecResult, Result
 from sandlot.requests import (
     SANDBOX_ID_PATTERN,
     FilePath,
@@ -156,7 +156,8 @@ def _lifecycle_tools(server: MCPServer[Any], call: CallMaker, defaults: DefaultS
         environment: a registry name (python3 by default); memory_mb: its memory cap;
         timeout_s: each run's default time limit; network: give it a network (default off);
         volumes: named volumes to attach, {name: directory under /workspace}, whose files
-        outlive the sandbox (made with the REST API or `sandlot volume create`)."""
+        outlive the sandbox (made with the REST API or `sandlot volume create`); a directory
+        ending in ":ro" is mounted read-only."""
         with tool_errors():
             spec = build(
                 SandboxSpec,
@@ -164,7 +165,7 @@ def _lifecycle_tools(server: MCPServer[Any], call: CallMaker, defaults: DefaultS
                 memory_mb=memory_mb,
                 timeout_s=timeout_s,
                 network=network,
-                volumes=volume_mounts(volumes),
+                volumes=_mounts(volumes),
             )
             info = await call(ctx).service.create(spec)
         return info.id
@@ -477,3 +478,14 @@ def file_content(path: str, data: bytes) -> ContentBlock:
     if mime is not None:
         return ImageContent(type="image", data=base64.b64encode(data).decode(), mime_type=mime)
     return TextContent(type="text", text=text or "")
+
+
+def _mounts(volumes: dict[str, str] | None) -> list[dict[str, object]] | None:
+    """``create_sandbox``'s ``{name: path[:ro]}`` as the create's mounts (as the CLI's
+    ``--volume NAME:PATH:ro``)."""
+    if volumes is None:
+        return None
+    return [
+        {"name": name, "mount_path": path.removesuffix(":ro"), "read_only": path.endswith(":ro")}
+        for name, path in volumes.items()
+    ]
