@@ -26,6 +26,17 @@ for _key in list(os.environ):
     if _key.startswith(("SANDBOX_", "SANDLOT_", "AGENT_SANDBOX_", "LOG_")):
         del os.environ[_key]
 
+# Two test workers (pytest-xdist, `make test`) are two runs on one host: each gets a uid
+# range of its own (and its own data directories, made below), so that a check for a
+# sandbox's leftover processes by uid never counts the other worker's live sandboxes (a CI run
+# on two workers took another worker's sandbox, in the same uid range, for a leak:
+# 2026-12-07). They share the cgroup root, where each manager's sandboxes are its instance's
+# (leaks.sandbox_procs tells another instance's processes by that).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
+    os.environ["SANDBOX_UID_BASE"] = str(200_000 + 20_000 * int(_WORKER[2:]))
+    os.environ["SANDBOX_UID_COUNT"] = "10000"
+
 # Test targets beyond the embedded ones, e.g. TEST_BACKENDS=docker,docker+runsc (`make
 # test-docker`). A target named here must run: it fails rather than skips when it cannot.
 EXTRA_TARGETS = [t for t in os.environ.get("TEST_BACKENDS", "").split(",") if t.strip()]

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -368,7 +369,11 @@ def test_a_rebuild_never_pulls_a_tree_from_under_a_live_sandbox(
         # The sandbox still runs on its own (now replaced) tree, whole.
         assert sb.commands.run("cat /.sandlot-tree.json < /dev/null").stdout == before
         assert sb.run_code("import six; six.__version__").text == "'1.16.0'"
-    # Unused now: the next build removes it.
+    # Unused once the sandbox's last process (its guest template's, which ends after it) has
+    # gone, which a loaded machine takes a moment for: then the next build removes it.
+    deadline = time.monotonic() + 10
+    while kept[0].name in trees_in_use() and time.monotonic() < deadline:
+        time.sleep(0.1)
     build_tree(env, ROOTFS_DIR, DEBS, force=True, progress=lambda _: None)
     assert not kept[0].exists()
 
