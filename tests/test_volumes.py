@@ -403,7 +403,15 @@ def test_volumes_over_rest_are_the_keys_tenants(
     alice, bob = live_server.headers("alice"), live_server.headers("bob")
     name = f"r{secrets.token_hex(3)}"
     with httpx.Client(base_url=url, timeout=60) as http:
-        assert http.post("/v1/volumes", json={"name": name, "size_mb": 16}).status_code == 401
+        # No key, a bad key: nothing of any route; a viewer: nothing that writes.
+        bad = {"Authorization": "Bearer asb_not-a-key"}
+        for headers in ({}, bad):
+            assert http.post("/v1/volumes", json={"name": name}, headers=headers).status_code == 401
+            assert http.get("/v1/volumes", headers=headers).status_code == 401
+            assert http.get(f"/v1/volumes/{name}", headers=headers).status_code == 401
+            assert http.delete(f"/v1/volumes/{name}", headers=headers).status_code == 401
+        viewer = live_server.headers("viewer")
+        assert http.post("/v1/volumes", json={"name": name}, headers=viewer).status_code == 403
         made = http.post("/v1/volumes", json={"name": name, "size_mb": 16}, headers=alice)
         assert made.status_code == 201, made.text
         again = http.post("/v1/volumes", json={"name": name}, headers=alice)
@@ -420,6 +428,7 @@ def test_volumes_over_rest_are_the_keys_tenants(
         created = http.post("/v1/sandboxes", json=body, headers=alice)
         assert created.status_code == 201, created.text
         sandbox_id = created.json()["id"]
+        assert http.delete(f"/v1/volumes/{name}", headers=viewer).status_code == 403
         busy = http.delete(f"/v1/volumes/{name}", headers=alice)
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "volume_in_use"
         assert http.delete(f"/v1/sandboxes/{sandbox_id}", headers=alice).status_code == 200

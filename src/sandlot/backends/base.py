@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
 from sandlot.config import Settings
+from sandlot.errors import BackendUnavailable
 from sandlot.models import VOLUME_ROOT, ResolvedLimits, ResourceUsage
 
 STDERR_TAIL_BYTES = 8192
@@ -101,6 +102,19 @@ class GuestSpec:
     # share with other sandboxes is bounded by it (the bubblewrap backend's guest templates).
     tenant: str | None = None
     volumes: tuple[AttachedVolume, ...] = ()
+
+
+def require_volumes(backend: Backend, runtime: str | None) -> None:
+    """Raise unless ``backend`` (with ``runtime``) can attach named volumes on this host.
+
+    Raises:
+        BackendUnavailable: it cannot, saying why.
+    """
+    ok, why = backend.volumes_available(runtime)
+    if not ok:
+        raise BackendUnavailable(
+            f"named volumes are not available on the {backend.name} backend here: {why}"
+        )
 
 
 class Guest(Protocol):

@@ -9,10 +9,9 @@ import asyncio
 import builtins
 from collections.abc import Sequence
 
-from sandlot.backends.base import Backend
+from sandlot.backends.base import Backend, require_volumes
 from sandlot.config import Settings
 from sandlot.core.volumes import Lease, VolumeStore
-from sandlot.errors import BackendUnavailable
 from sandlot.models import Quota, VolumeInfo, VolumeMount
 from sandlot.requests import CreateVolume
 
@@ -72,11 +71,7 @@ class VolumeVerbs:
             BackendUnavailable: the backend cannot attach volumes on this host.
             VolumeNotFound, VolumeInUse: as :meth:`VolumeStore.lease`.
         """
-        ok, why = backend.volumes_available(runtime)
-        if not ok:
-            raise BackendUnavailable(
-                f"named volumes are not available on the {backend.name} backend here: {why}"
-            )
+        require_volumes(backend, runtime)
         # The lease is taken in a thread, which a cancelled create cannot stop: shielded,
         # and released when the thread ends if its create is gone by then. Unshielded, a
         # create cancelled while the tenant's lock was held (or during the wait for a

@@ -22,6 +22,7 @@ unwritten part (sparse images never overcommit the disk), past a reserve.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import fcntl
@@ -136,12 +137,15 @@ class VolumeStore:
         return info
 
     def list(self, tenant: str) -> list[VolumeInfo]:
+        return self._list(tenant, host_volumes.backing_files())
+
+    def _list(self, tenant: str, in_use: set[bytes]) -> builtins.list[VolumeInfo]:
+        """The tenant's volumes; ``attached`` from ``in_use`` (the loop devices' files)."""
         tenant_dir = self.root / tenant_dir_name(tenant)
         try:
             entries = sorted(tenant_dir.iterdir())
         except FileNotFoundError:
             return []
-        in_use = host_volumes.backing_files()
         found = [self._info(e, in_use) for e in entries if _NAME.fullmatch(e.name)]
         return [info for info in found if info is not None]
 
@@ -203,7 +207,7 @@ class VolumeStore:
     def _check_quota(self, tenant: str, size_mb: int, quota: Quota | None) -> None:
         if quota is None:
             return
-        held = self.list(tenant)
+        held = self._list(tenant, set())  # sizes and a count: no look at the loop devices
         if quota.max_volumes is not None and len(held) + 1 > quota.max_volumes:
             raise QuotaExceeded(
                 f"volume quota reached: {len(held)} of {quota.max_volumes} volumes; "

@@ -44,6 +44,7 @@ from sandlot.backends.base import (
     Guest,
     GuestSpec,
     instance_of,
+    require_volumes,
 )
 from sandlot.backends.bubblewrap import netns
 from sandlot.backends.bubblewrap.argv import (
@@ -290,8 +291,8 @@ class BubblewrapBackend(Launching):
         return host_volumes.available()
 
     async def _provision(self, spec: GuestSpec) -> Box:
-        if spec.volumes and not (ok_why := self.volumes_available())[0]:
-            raise BackendUnavailable(f"named volumes are not available here: {ok_why[1]}")
+        if spec.volumes:
+            require_volumes(self, spec.runtime)
         system = self._system_root(spec.environment)
         # Before anything is held (a uid, a cgroup): a failed write leaves nothing to undo.
         shared_proc = self._proc_set(spec.tenant, spec.limits.memory_mb * 1024 * 1024)

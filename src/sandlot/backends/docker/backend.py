@@ -34,7 +34,13 @@ import structlog
 
 from sandlot.backends import hostnet, mountns
 from sandlot.backends import volumes as host_volumes
-from sandlot.backends.base import GUEST_PIDS_HEADROOM, Check, GuestSpec, instance_of
+from sandlot.backends.base import (
+    GUEST_PIDS_HEADROOM,
+    Check,
+    GuestSpec,
+    instance_of,
+    require_volumes,
+)
 from sandlot.backends.cgroups import Cgroup, CgroupDriver
 from sandlot.backends.devpts import DOCKER_OPTIONS, cap_ptys
 from sandlot.backends.disk import (
@@ -256,8 +262,8 @@ class DockerBackend:
     async def _provision(self, client: docker.DockerClient, spec: GuestSpec) -> _Box:
         runtime = spec.runtime or self.settings.docker_runtime
         self._check_runtime(runtime, spec.network)
-        if spec.volumes and not (ok_why := self.volumes_available(runtime))[0]:
-            raise BackendUnavailable(f"named volumes are not available here: {ok_why[1]}")
+        if spec.volumes:
+            require_volumes(self, runtime)
         env = get_environment(spec.environment, self.settings.registry_dir)
         if env.name not in self._images_ok:
             await ensure_image(env, client)
