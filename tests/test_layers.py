@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
         "seed_client",
     ),  # SDK
     ("agent",),  # the LLM layer, built on the SDK only
+    ("lifecycle",),  # seed 001's sessions: the SDK, with the registry's agents
     ("mcp",),  # the MCP tools, built on the SDK's service only
     ("ray",),  # node agents on a Ray cluster and the manager the server uses in front of them
     ("server",),  # REST/WS over the core (and the agent layer for /execute)

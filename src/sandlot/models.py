@@ -383,6 +383,35 @@ class Listing(list[FileInfo]):
         self.truncated = truncated
 
 
+class SessionCodeResponse(_Model):
+    """Seed 001's answer to running code in a session (``POST /api/e2b/execute``, and
+    :meth:`sandlot.lifecycle.UnifiedSandboxManager.execute_code`)."""
+
+    stdout: str
+    stderr: str
+    results: list[str]
+    error: str | None
+    artifacts: list[str]
+    artifacts_truncated: bool = Field(
+        default=False,
+        description="The artifacts directory held more than a listing returns (100,000 "
+        "entries or 4 MiB of names): ``artifacts`` is not all of it.",
+    )
+
+    @classmethod
+    def of(cls, result: ExecResult, artifacts: Listing) -> SessionCodeResponse:
+        """``result``'s answer, with the files listed under ``artifacts/``."""
+        error = result.error
+        return cls(
+            stdout=result.stdout,
+            stderr=result.stderr,
+            results=[result.text] if result.text is not None else [],
+            error=(error.traceback or f"{error.type}: {error.message}") if error else None,
+            artifacts=[f.path for f in artifacts if f.type == "file"],
+            artifacts_truncated=artifacts.truncated is not None,
+        )
+
+
 TRUNCATED_HEADER = "X-Listing-Truncated"
 LISTING_TRUNCATED = (
     "the listing stopped at its bound (100,000 entries or 4 MiB of names and paths): list a "

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from sandlot.agent.models import AgentResult
 from sandlot.backends import KNOWN_BACKENDS
 from sandlot.errors import SandboxFileError
-from sandlot.models import FileInfo, Listing, SandboxInfo
+from sandlot.models import FileInfo, Listing, SandboxInfo, SessionCodeResponse
 from sandlot.requests import (
     SANDBOX_ID_PATTERN,
     ListFiles,
@@ -37,7 +37,6 @@ from sandlot.server.schemas import (
     LegacyExecuteRequest,
     LegacyExecuteResponse,
     SessionCodeRequest,
-    SessionCodeResponse,
     SessionCreateRequest,
     SessionCreateResponse,
     SessionFileWrite,
@@ -159,14 +158,7 @@ async def api_execute(
             owner=who.owner_filter,
             checking=checking,
         )
-    return SessionCodeResponse(
-        stdout=r.stdout,
-        stderr=r.stderr,
-        results=[r.text] if r.text is not None else [],
-        error=r.error.traceback or f"{r.error.type}: {r.error.message}" if r.error else None,
-        artifacts=[f.path for f in files if f.type == "file"],
-        artifacts_truncated=files.truncated is not None,
-    )
+    return SessionCodeResponse.of(r, files)
 
 
 @router.get("/api/e2b/files/{session_id}", response_model=list[FileInfo])

@@ -83,19 +83,6 @@ class SessionCodeRequest(_Body):
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
 
 
-class SessionCodeResponse(_Body):
-    stdout: str
-    stderr: str
-    results: list[str]
-    error: str | None
-    artifacts: list[str]
-    artifacts_truncated: bool = Field(
-        default=False,
-        description="The artifacts directory held more than a listing returns (100,000 "
-        "entries or 4 MiB of names): ``artifacts`` is not all of it.",
-    )
-
-
 class SessionFileWrite(_Body):
     session_id: str = Field(pattern=SANDBOX_ID_PATTERN)
     path: NoNul = Field(min_length=1, max_length=4096)
