@@ -17,6 +17,7 @@ from sandlot import (
     SandboxNotRunning,
 )
 from sandlot.lifecycle import Lifecycle, _inside
+from tests.conftest import LiveServer
 
 pytestmark = pytest.mark.usefixtures("root_bubblewrap")
 
@@ -141,7 +142,13 @@ def test_another_lifecycle_on_the_same_storage_carries_on_a_session(
     assert [s["session_id"] for s in second.sessions()] == [first["session_id"]]
     assert second.sandbox_mgr.execute_code(first["session_id"], "x + 1")["results"] == ["42"]
     assert second.stop(first["session_id"])["status"] == "stopped"
-    assert lifecycle.get(first["session_id"])["executions"] == 2
+    # Leaving a Lifecycle lets go of what it carried on from elsewhere, and stops nothing.
+    carried = lifecycle.start()
+    with Lifecycle(storage_path=tmp_path / "storage", manager=manager) as third:
+        third.sandbox_mgr.execute_code(carried["session_id"], "1")
+    assert lifecycle.sandbox_mgr.execute_code(carried["session_id"], "2")["results"] == ["2"]
+    lifecycle.stop(carried["session_id"])
+    assert lifecycle.get(first["session_id"])["executions"] == 2  # both Lifecycles' calls
 
     # A session whose sandbox went behind its back is "lost", and says so.
     lost = lifecycle.start()
@@ -149,7 +156,8 @@ def test_another_lifecycle_on_the_same_storage_carries_on_a_session(
     with pytest.raises(SandboxNotRunning, match="lost"):
         second.sandbox_mgr.execute_code(lost["session_id"], "1")
     assert second.get(lost["session_id"])["status"] == "lost"
-    assert lifecycle.stop(lost["session_id"])["status"] == "lost"
+    # The Lifecycle that holds it still stops it (a destroy of a destroyed sandbox is none).
+    assert lifecycle.stop(lost["session_id"])["status"] == "stopped"
 
 
 def test_its_own_runtime_is_closed_with_it(tmp_path: Path, data_root: Path) -> None:
@@ -228,3 +236,30 @@ def test_an_artifacts_path_stays_below_its_folder(path: str, ok: bool, tmp_path:
     assert (target is not None) == ok
     if target is not None:
         assert target.is_relative_to(tmp_path)
+
+
+def test_sessions_on_a_server_keep_their_records_here(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
+    where = {"api_url": live_server.url, "api_key": live_server.keys["alice"]}
+    with Lifecycle(storage_path=tmp_path / "storage", **where) as lifecycle:
+        session = lifecycle.start(environment="Python3")
+        sid = session["session_id"]
+        out = lifecycle.sandbox_mgr.execute_code(
+            sid, "import os\nos.makedirs('artifacts', exist_ok=True)\nopen('artifacts/r.txt', 'w')"
+        )
+        assert out["artifacts"] == ["artifacts/r.txt"] and out["error"] is None
+        # Another key's tenant cannot carry on alice's session from the same records.
+        other = Lifecycle(
+            storage_path=tmp_path / "storage",
+            api_url=live_server.url,
+            api_key=live_server.keys["bob"],
+        )
+        with pytest.raises(SandboxNotRunning, match="lost"):
+            other.sandbox_mgr.execute_code(sid, "1")
+        assert lifecycle.get(sid)["status"] == "lost"  # as the records say now
+        with Sandbox.connect(session["sandbox_id"], **where) as still:
+            assert still.info.status == "running"  # alice's key still sees it
+        # The Lifecycle holding it stops it whatever the records say, artifacts and all.
+        stopped = lifecycle.stop(sid)
+        assert (stopped["status"], stopped["artifacts"]) == ("stopped", ["r.txt"])

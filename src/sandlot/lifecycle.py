@@ -226,7 +226,8 @@ class Lifecycle:
         self._manager = manager
         self._api_url = api_url
         self._api_key = api_key
-        self._open: dict[str, Sandbox] = {}  # session id -> its sandbox, started here
+        self._open: dict[str, Sandbox] = {}  # session id -> its sandbox, held here
+        self._started: set[str] = set()  # the sessions started here (close() stops them)
         self._lock = threading.RLock()
         self.sandbox_mgr = UnifiedSandboxManager(self)
 
@@ -264,9 +265,13 @@ class Lifecycle:
                 raise InvalidRequest(
                     f"sandbox {sandbox_id} is not session {session_id}'s ({record.sandbox_id})"
                 )
-            if record.status != "running":
+            held = self._open.pop(session_id, None)
+            self._started.discard(session_id)
+            # A sandbox held here is stopped whatever the record says (another Lifecycle may
+            # have marked it lost: one whose key cannot see it).
+            if held is None and record.status != "running":
                 return record.model_dump(mode="json")
-            sandbox = self._open.pop(session_id, None) or self._connect(record)
+            sandbox = held or self._connect(record)
             if sandbox is not None:
                 sandbox.kill()
                 record.artifacts = self._save_artifacts(session_id, sandbox)
@@ -284,12 +289,15 @@ class Lifecycle:
         return [record.model_dump(mode="json") for record in self.state_mgr.list()]
 
     def close(self) -> None:
-        """Stop the sessions started here that are still running; close the runtime this
-        made (``runtime_path``)."""
+        """Stop the sessions started here that are still running, let go of those carried on
+        from elsewhere (they run on), and close the runtime this made (``runtime_path``)."""
         try:
             for session_id in list(self._open):
                 try:
-                    self.stop(session_id)
+                    if session_id in self._started:
+                        self.stop(session_id)
+                    else:
+                        self._open.pop(session_id).detach()
                 except SandboxError as exc:
                     log.warning("session_stop_failed", session_id=session_id, error=str(exc))
         finally:
@@ -349,6 +357,7 @@ class Lifecycle:
                 sandbox.kill()  # no record, no session: nothing left running unrecorded
                 raise
             self._open[session_id] = sandbox
+            self._started.add(session_id)
         return record
 
     def _recorded(self, session_id: str) -> bool:
@@ -383,8 +392,10 @@ class Lifecycle:
             )
         except SandboxNotFound:
             sandbox = None
-        if sandbox is not None and sandbox.info.status == "running":
-            return sandbox
+        if sandbox is not None:
+            if sandbox.info.status == "running":
+                return sandbox
+            sandbox.detach()
         record.status = "lost"
         record.stopped_at = datetime.now(UTC)
         self.state_mgr.save(record)

@@ -498,6 +498,12 @@ class AsyncSandbox:
 
     close = kill
 
+    async def detach(self) -> None:
+        """Let go of this object without destroying the sandbox: on a server, its client's
+        connections are closed (a later call opens them again). The sandbox runs on until
+        its timeout; ``connect`` finds it by id."""
+        await self._run.aclose()
+
     async def __aenter__(self) -> Self:
         return self
 
@@ -623,6 +629,7 @@ class Sandbox(SyncTwin[AsyncSandbox]):
     set_timeout = blocking(AsyncSandbox.set_timeout)
     kill = blocking(AsyncSandbox.kill)
     close = kill
+    detach = blocking(AsyncSandbox.detach)
 
     @property
     def id(self) -> str:
