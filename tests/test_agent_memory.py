@@ -22,12 +22,14 @@ from sandlot.agent.memory import (
     DEFAULT_MAX_RECORDS,
     DEFAULT_MAX_RECORDS_PER_TENANT,
     DEFAULT_RETENTION_S,
+    SOLVED_BONUS,
+    AgentMemory,
+)
+from sandlot.agent.recall import (
     RECALL_CODE_MAX_CHARS,
     RECALL_MAX_CHARS,
     RECALL_TEXT_MAX_CHARS,
-    SOLVED_BONUS,
     STORED_ERRORS,
-    AgentMemory,
     MemoryRecord,
     format_recall,
 )

@@ -1,8 +1,9 @@
 """Vector memory of the agent layer: past tasks, the errors met on the way, the fixes that worked.
 
-Each finished task becomes a :class:`MemoryRecord`. Its task text is embedded and stored in
-Qdrant with the record as payload; before writing code for a new task the agent recalls the
-most similar records, and :func:`format_recall` turns them into a short prompt section.
+Each finished task becomes a :class:`~sandlot.agent.recall.MemoryRecord`. Its task text is
+embedded and stored in Qdrant with the record as payload; before writing code for a new task
+the agent recalls the most similar records, and :func:`~sandlot.agent.recall.format_recall`
+turns them into a short prompt section (both in :mod:`sandlot.agent.recall`).
 
 Where the vectors live (:meth:`AgentMemory.open`):
 
@@ -46,17 +47,22 @@ import importlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import structlog
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from sandlot.agent.embedders import DEFAULT_MIN_SCORE, Embedder, HashingEmbedder
+from sandlot.agent.recall import (
+    MemoryRecord,
+    bounded,
+    created_at,
+)
 from sandlot.errors import BackendUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -75,13 +81,6 @@ INSTALL_HINT = "pip install 'sandlot[memory]'"
 SOLVED_BONUS = 0.05
 # Qdrant is asked for more than `limit` hits so that the solved-first re-ranking has a choice.
 CANDIDATES_PER_HIT = 3
-# Bounds of format_recall: the local model has a 4096-token context, most of it for the task.
-RECALL_MAX_CHARS = 1500
-RECALL_CODE_MAX_CHARS = 500
-RECALL_TEXT_MAX_CHARS = 200
-RECALL_MIN_SECTION_CHARS = 80  # less than this of a record tells the model nothing
-# What a record keeps of its errors: the runtime passes its last three, recall shows one.
-STORED_ERRORS = 3
 # Bounds of what is kept (AGENT_MEMORY_MAX_RECORDS_PER_TENANT and the rest, in AgentSettings).
 DEFAULT_MAX_RECORDS_PER_TENANT = 500
 DEFAULT_MAX_RECORDS = 5_000
@@ -93,34 +92,8 @@ TRIM_TO_SHARE = 0.9
 # (each tenant's own at every store of theirs).
 PURGE_INTERVAL_S = 3600.0
 SCROLL_BATCH = 1000
-_OLDEST = datetime.min.replace(tzinfo=UTC)
 
 T = TypeVar("T")
-
-
-class MemoryRecord(BaseModel):
-    """One finished task, as the agent remembers it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    task: str = Field(min_length=1, description="The task as the user asked it.")
-    code: str = Field(description="The final code if solved, else the last code tried.")
-    outcome: Literal["solved", "failed"] = Field(description="Whether the last code passed.")
-    errors: list[str] = Field(
-        default_factory=list, description="Short summaries of the errors met on the way."
-    )
-    fix: str | None = Field(
-        default=None, description="The critique that led to the working code, if one did."
-    )
-    attempts: int = Field(default=1, ge=1, description="Code generations the task took.")
-    created_at: AwareDatetime = Field(
-        default_factory=lambda: datetime.now(UTC), description="When the task finished (UTC)."
-    )
-    tenant: str | None = Field(
-        default=None,
-        description="Whose task it was (the server's tenant); None for the SDK's and CLI's "
-        "own runs. Recalled only for the same tenant.",
-    )
 
 
 def _import_qdrant() -> Any:
@@ -284,7 +257,7 @@ class AgentMemory:
         vector = await self._embed(record.task)
         point_id = str(uuid.uuid4())
         point = models.PointStruct(
-            id=point_id, vector=vector, payload=_bounded(record).model_dump(mode="json")
+            id=point_id, vector=vector, payload=bounded(record).model_dump(mode="json")
         )
         await self._call(self._store, point, record.tenant)
         return point_id
@@ -297,7 +270,7 @@ class AgentMemory:
         self._client.upsert(COLLECTION_NAME, points=[point], wait=True)
         cutoff = self._cutoff()
         if self._tenant_ages is not None and tenant in self._tenant_ages:
-            ages = [*self._tenant_ages[tenant], (_created_at(point.payload), point.id)]
+            ages = [*self._tenant_ages[tenant], (created_at(point.payload), point.id)]
         else:
             ages = self._ages(models.Filter(must=[_owner(tenant)]))
         kept = self._keep_newest(ages, self.max_records_per_tenant, cutoff)
@@ -347,7 +320,7 @@ class AgentMemory:
                 with_payload=["created_at"],
                 with_vectors=False,
             )
-            ages += [(_created_at(point.payload), point.id) for point in points]
+            ages += [(created_at(point.payload), point.id) for point in points]
             if offset is None:
                 return ages
 
@@ -545,80 +518,3 @@ def _useful_records_filter(tenant: str | None, cutoff: datetime) -> models.Filte
             ),
         ],
     )
-
-
-def format_recall(
-    hits: Sequence[tuple[MemoryRecord, float]], max_chars: int = RECALL_MAX_CHARS
-) -> str:
-    """A compact prompt section of recalled records, at most ``max_chars`` characters.
-
-    Empty when there are no hits, so the caller can add it unconditionally. Code and texts are
-    cut to fixed lengths; records that would overflow the budget are left out, except the
-    best one, which is cut to fit.
-    """
-    if not hits:
-        return ""
-    header = "Similar past tasks (use what helps, ignore the rest):"
-    sections: list[str] = []
-    used_chars = len(header)
-    for number, (record, score) in enumerate(hits, start=1):
-        lines = [f"{number}. {_cut(record.task, RECALL_TEXT_MAX_CHARS)} (similarity {score:.2f})"]
-        if record.errors:
-            lines.append(f"   failed with: {_cut(record.errors[-1], RECALL_TEXT_MAX_CHARS)}")
-        if record.fix:
-            lines.append(f"   fixed by: {_cut(record.fix, RECALL_TEXT_MAX_CHARS)}")
-        verdict = "worked" if record.outcome == "solved" else "last try, still failing"
-        lines.append(f"   {verdict}:\n{_cut(record.code, RECALL_CODE_MAX_CHARS)}")
-        section = "\n".join(lines)
-        left_chars = max_chars - used_chars - 1
-        if len(section) > left_chars:
-            # The best hit is worth a cut; later ones are not worth crowding it.
-            if sections or left_chars < RECALL_MIN_SECTION_CHARS:
-                break
-            section = _cut(section, left_chars)
-        sections.append(section)
-        used_chars += 1 + len(section)
-    if not sections:
-        return ""
-    return "\n".join([header, *sections])
-
-
-def _bounded(record: MemoryRecord) -> MemoryRecord:
-    """``record`` cut to what :func:`format_recall` shows of it, so a record's size is
-    bounded whatever the task and code."""
-    return record.model_copy(
-        update={
-            "task": _stored(record.task, RECALL_TEXT_MAX_CHARS),
-            "code": _stored(record.code, RECALL_CODE_MAX_CHARS),
-            "errors": [
-                _stored(error, RECALL_TEXT_MAX_CHARS) for error in record.errors[-STORED_ERRORS:]
-            ],
-            "fix": None if record.fix is None else _stored(record.fix, RECALL_TEXT_MAX_CHARS),
-        }
-    )
-
-
-def _stored(text: str, max_chars: int) -> str:
-    # Cut as format_recall cuts, so the prompt shows the same; a text that fits is kept as
-    # it is, and a long one of blanks keeps a mark (a task must not be empty).
-    if len(text) <= max_chars:
-        return text
-    return _cut(text, max_chars) or "..."
-
-
-def _created_at(payload: dict[str, Any] | None) -> datetime:
-    """A stored record's ``created_at``; one that is missing or unreadable counts as the
-    oldest (it is no record this version can recall)."""
-    value = (payload or {}).get("created_at")
-    try:
-        created_at = datetime.fromisoformat(value) if isinstance(value, str) else _OLDEST
-    except ValueError:
-        return _OLDEST
-    return created_at if created_at.tzinfo is not None else created_at.replace(tzinfo=UTC)
-
-
-def _cut(text: str, max_chars: int) -> str:
-    text = text.strip()
-    if len(text) <= max_chars:
-        return text
-    return text[: max_chars - 4].rstrip() + " ..."

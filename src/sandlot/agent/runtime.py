@@ -153,7 +153,7 @@ class AgentRuntime:
     async def _recall(self, memory: Any | None, spec: TaskSpec, tenant: str | None) -> str:
         if memory is None:
             return ""
-        from sandlot.agent.memory import format_recall
+        from sandlot.agent.recall import format_recall
 
         hits = await memory.recall(spec.prompt or spec.task, tenant=tenant)
         return str(format_recall(hits)) if hits else ""
@@ -161,7 +161,7 @@ class AgentRuntime:
     async def _remember(self, memory: Any | None, result: AgentResult, tenant: str | None) -> None:
         if memory is None or result.status == "error" or not result.code:
             return
-        from sandlot.agent.memory import MemoryRecord
+        from sandlot.agent.recall import MemoryRecord
 
         fix = None
         if result.success and len(result.attempts) > 1:
