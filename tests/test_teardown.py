@@ -314,3 +314,31 @@ async def test_a_create_waiting_for_another_process_gives_up_at_close(
     finally:
         for mgr in (there, here):
             await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_destroy_the_store_cannot_record_still_frees_the_sandbox(
+    local_manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk: the store cannot write. The destroy that frees the disk is no error,
+    its teardown goes on, and the record is saved once it has (a red team's full disk made
+    every destroy raise, 2026-12-07)."""
+    import sqlite3
+
+    mgr = local_manager
+    info = await mgr.create(SandboxSpec())
+    real_save = type(mgr._store).save
+    failures = []
+
+    def save(this: object, record: object, *, held: bool = False) -> None:
+        if held and not failures:  # the destroy's record, once
+            failures.append(record)
+            raise sqlite3.OperationalError("database or disk is full")
+        real_save(this, record, held=held)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(mgr._store), "save", save)
+    ended = await mgr.destroy(info.id)
+    assert failures and ended.status == SandboxStatus.DESTROYED
+    await mgr.settle()
+    assert (await mgr.get(info.id)).status == SandboxStatus.DESTROYED
+    assert not mgr._unsaved

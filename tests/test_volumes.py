@@ -73,6 +73,15 @@ def test_a_mount_path_outside_the_workspace_is_refused(path: str) -> None:
         VolumeMount(name="v", mount_path=path)
 
 
+@pytest.mark.parametrize("path", ["artifacts", "/workspace/artifacts", "artifacts/sub"])
+def test_no_volume_is_mounted_where_the_artifacts_are_kept_from(path: str) -> None:
+    # Artifacts are copied from the sandbox's own disk, within its use: a volume there kept
+    # most of its files from being kept (red team, 2026-12-07).
+    with pytest.raises(ValidationError, match="not be mounted at or under /workspace/artifacts"):
+        VolumeMount(name="v", mount_path=path)
+    assert VolumeMount(name="v", mount_path="artifacts2").mount_path == "/workspace/artifacts2"
+
+
 def test_two_mounts_may_not_share_a_volume_or_nest() -> None:
     with pytest.raises(ValidationError, match="named twice"):
         SandboxSpec(
@@ -373,6 +382,89 @@ def test_volumes_never_promise_more_disk_than_the_host_has(
         store.create("t", "b", 100, None)
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def small_disk(data_root: Path, volumes_here: None) -> Iterator[Path]:
+    """A data directory on a file system of its own, 300 MB (sandbox uids can walk in)."""
+    image = data_root / f"small-{secrets.token_hex(4)}.img"
+    subprocess.run(["truncate", "-s", "300M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    mount = data_root / f"small-{secrets.token_hex(4)}"
+    mount.mkdir(mode=0o711)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+    mount.chmod(0o711)
+    try:
+        yield mount / "data"
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+        image.unlink()
+
+
+def _small_manager(data_dir: Path) -> SandboxManager:
+    manager = SandboxManager(make_settings(data_dir, disk_mb=16, max_disk_mb=1000))
+    get_portal().call(manager.start())
+    return manager
+
+
+def _capacity_mb(manager: SandboxManager) -> float:
+    return manager._capacity.disk_mb
+
+
+def test_volumes_and_sandbox_disks_share_one_count_of_the_disk(small_disk: Path) -> None:
+    """A volume and a sandbox's disk are sparse files on one disk, either may fill: each is
+    counted at its full size against the same room. Counted apart, a volume and a sandbox
+    each passed its own check, filled the disk together, and the volume's ext4 was
+    corrupted, another sandbox's writes were lost and the store could write nothing (red
+    team, 2026-12-07)."""
+    from sandlot.requests import CreateVolume
+
+    portal = get_portal()
+    manager = _small_manager(small_disk)
+    try:
+        room = _capacity_mb(manager)
+        assert 200 < room < 300
+        # A volume first: the sandboxes' disks get what is left of the room.
+        portal.call(manager.create_volume(CreateVolume(name="big", size_mb=150)))
+        with pytest.raises(CapacityExhausted, match="named volumes 150"):
+            portal.call(manager.create(SandboxSpec(disk_mb=int(room - 150) + 8)))
+        live = portal.call(manager.create(SandboxSpec(disk_mb=int(room - 150) - 24)))
+        # A sandbox's disk counts against a new volume, as the volumes count against it.
+        with pytest.raises(CapacityExhausted, match="no room on the host's disk"):
+            portal.call(manager.create_volume(CreateVolume(name="more", size_mb=40)))
+        portal.call(manager.create_volume(CreateVolume(name="small", size_mb=16)))
+        portal.call(manager.destroy(live.id))
+        portal.call(manager.settle())
+        # Its disk is the room's again.
+        portal.call(manager.create_volume(CreateVolume(name="more", size_mb=40)))
+    finally:
+        portal.call(manager.close())
+
+
+def test_a_volumes_written_part_is_not_counted_twice_after_a_restart(small_disk: Path) -> None:
+    """The free space a manager measures at its start leaves out what the volumes hold
+    already; counted at their full size beside it, that part is given back."""
+    from sandlot.requests import CreateVolume
+
+    portal = get_portal()
+    manager = _small_manager(small_disk)
+    try:
+        room = _capacity_mb(manager)
+        portal.call(manager.create_volume(CreateVolume(name="filled", size_mb=120)))
+        mounts = [VolumeMount(name="filled", mount_path="v")]
+        info = portal.call(manager.create(SandboxSpec(volumes=mounts)))
+        sb = Sandbox.connect(info.id, manager=manager)
+        _run(sb, "dd if=/dev/urandom of=v/data bs=1M count=100 conv=fsync status=none")
+        sb.kill()
+    finally:
+        portal.call(manager.close())
+    manager = _small_manager(small_disk)
+    try:
+        # The same room as before the volume was filled, within a few MB of metadata.
+        assert abs(_capacity_mb(manager) - room) < 12
+        portal.call(manager.create(SandboxSpec(disk_mb=int(room - 120) - 16)))
+    finally:
+        portal.call(manager.close())
 
 
 def test_a_backend_without_volumes_says_so(tmp_path: Path) -> None:

@@ -298,6 +298,14 @@ class VolumeMount(_Model):
                 f"mount_path {path[:80]!r} must be a directory under {VOLUME_ROOT} (at most "
                 f"{_MAX_VOLUME_PATH_DEPTH} names, none '.' or '..'), e.g. {VOLUME_ROOT}/data"
             )
+        if names[0] == "artifacts":
+            # A sandbox's artifacts are copied from its own disk when it ends, within that
+            # disk's use: a volume there would keep most of its files from being kept.
+            raise ValueError(
+                f"mount_path {path[:80]!r}: a volume cannot be mounted at or under "
+                f"{VOLUME_ROOT}/artifacts (a sandbox's artifacts come from its own disk); "
+                f"mount it elsewhere, e.g. {VOLUME_ROOT}/data"
+            )
         return f"{VOLUME_ROOT}/" + "/".join(names)
 
 

@@ -7,8 +7,9 @@ any of them may grow to its limit at any moment:
   disk (kept artifacts are bounded when they are kept, see ``artifacts.py``);
 - the host's capacity, measured when the manager starts: memory (RAM times an overcommit
   factor), CPU (cores times a factor), pids (a share of the kernel's process table) and disk
-  (a share of the space free in the data directory). A sandbox the host cannot hold is
-  refused with :class:`CapacityExhausted`, never started into a host crash;
+  (a share of the space free in the data directory, which the sandboxes' disks and the named
+  volumes share, each counted at its full size). A sandbox the host cannot hold is refused
+  with :class:`CapacityExhausted`, never started into a host crash;
 - this process's file descriptors (``RLIMIT_NOFILE``): the manager holds a few per sandbox,
   so a create that would leave too few is refused with :class:`FileDescriptorsExhausted`
   before anything starts (the manager raises the soft limit to the hard one at start).
@@ -64,13 +65,18 @@ class HostCapacity:
     fds_at_start: int | None = None
 
     @classmethod
-    def measure(cls, settings: Settings) -> HostCapacity:
+    def measure(cls, settings: Settings, volumes_written_mb: float = 0.0) -> HostCapacity:
+        """``volumes_written_mb``: what the named volumes' images take of the data
+        directory's disk now. Volumes are counted at their full size against the disk
+        (:func:`check_host`), so the part of them already written, which the free space
+        leaves out, is given back here, or it would be counted twice."""
         stat = os.statvfs(settings.data_dir)
+        free_mb = stat.f_bavail * stat.f_frsize / (1 << 20)
         return cls(
             memory_mb=host_memory_mb(settings),
             cpu_cores=(os.cpu_count() or 1) * settings.host_cpu_overcommit,
             pids=int(_kernel_tasks_max() * settings.host_pids_fraction),
-            disk_mb=stat.f_bavail * stat.f_frsize / (1 << 20) * settings.host_disk_fraction,
+            disk_mb=(free_mb + volumes_written_mb) * settings.host_disk_fraction,
             fds_at_start=open_fds(),
         )
 
@@ -81,11 +87,15 @@ def check_host(
     host: HostCapacity,
     *,
     held_here: int,
+    volumes_mb: float = 0.0,
 ) -> None:
     """Raise if the host cannot hold one more sandbox of ``new`` beside ``reserved`` (every
     process's on this data directory, and the other data directories' managers' totals:
-    :mod:`~sandlot.core.host_ledger`), and this process one more beside the ``held_here``
-    it holds (file descriptors are per process: other processes' sandboxes hold none here).
+    :mod:`~sandlot.core.host_ledger`) and the named volumes' ``volumes_mb`` (their full
+    sizes: a volume and a sandbox's disk are sparse files on the same disk, either may fill
+    up; counted apart, the two filled the disk and corrupted a volume, red team
+    2026-12-07), and this process one more beside the ``held_here`` it holds (file
+    descriptors are per process: other processes' sandboxes hold none here).
 
     Raises:
         CapacityExhausted: a resource would be over the host's capacity (the message names
@@ -102,12 +112,32 @@ def check_host(
     )
     for name, capacity, setting in bounds:
         total = sum(getattr(limits, name) for limits in held) + getattr(new, name)
+        volumes = ""
+        if name == "disk_mb" and volumes_mb:
+            total += volumes_mb
+            volumes = f" and named volumes {volumes_mb:g}"
         if total > capacity:
             raise CapacityExhausted(
-                f"this host has no room for {name}={getattr(new, name)} more: live sandboxes "
-                f"reserve {total - getattr(new, name):g} of {capacity:g}; retry when some "
-                f"end, ask for less, or raise {setting}"
+                f"this host has no room for {name}={getattr(new, name)} more: live sandboxes"
+                f"{volumes} reserve {total - getattr(new, name):g} of {capacity:g}; retry when "
+                f"some end, ask for less, or raise {setting}"
             )
+
+
+def check_volume_room(
+    sandboxes_disk_mb: float, volumes_mb: float, size_mb: int, host: HostCapacity
+) -> None:
+    """Raise CapacityExhausted if a new volume of ``size_mb`` does not fit the disk beside
+    the sandboxes' disks (every live manager's on this file system) and the other volumes
+    (their full sizes), the same bound :func:`check_host` holds a sandbox's disk to."""
+    committed = sandboxes_disk_mb + volumes_mb
+    if committed + size_mb > host.disk_mb:
+        raise CapacityExhausted(
+            f"no room on the host's disk for a {size_mb} MB volume: sandboxes' disks "
+            f"({sandboxes_disk_mb:g} MB) and volumes ({volumes_mb:g} MB) are {committed:g} MB "
+            f"of {host.disk_mb:g}; delete a volume, retry when sandboxes end, or raise "
+            "SANDBOX_HOST_DISK_FRACTION"
+        )
 
 
 # ---------------------------------------------------------------------- file descriptors

@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -273,7 +274,25 @@ class CreateVerbs(VolumeVerbs, Lookup):
             limits,
             self._capacity,
             held_here=self._held_here(),
+            volumes_mb=self._volumes.committed_mb(),
         )
+
+    @contextlib.contextmanager
+    def _volume_room(self, size_mb: int) -> Iterator[None]:
+        """Refuse a new volume the disk cannot hold beside every sandbox's disk and the other
+        volumes; hold the host's turn while it is made, so no sandbox is admitted against
+        the same room (called in the volume's worker thread: the turn is a file lock)."""
+        with self._host_turn():
+            if self._ledger is not None:
+                sandboxes_mb = self._ledger.disk_reserved_mb()
+            else:  # no ledger: this process's own, as its admission counts them
+                held = [*self._reserved([live.info for live in list(self._live.values())])]
+                held += [info.limits for info in self._teardowns.infos()]
+                sandboxes_mb = sum(limits.disk_mb for limits in held)
+            admission.check_volume_room(
+                sandboxes_mb, self._volumes.committed_mb(), size_mb, self._capacity
+            )
+            yield
 
     def _publish(self, also: ResolvedLimits | None = None) -> None:
         """Tell the host's ledger what this process's sandboxes reserve (within the turn):

@@ -144,6 +144,23 @@ class HostLedger:
             found.append(Reserved(memory_mb, cpu_cores, int(pids), disk_mb))
         return found
 
+    def disk_reserved_mb(self) -> float:
+        """The disk every live manager's sandboxes reserve on this data directory's file
+        system, this manager's own and its data directory's other managers' included
+        (call within :meth:`turn`): what a new named volume shares the disk with."""
+        total = 0.0
+        for entry in os.scandir(self._root):
+            if entry.name.startswith(".") or not entry.name.endswith(".json"):
+                continue
+            line = _live_line(Path(entry.path))
+            if line is None or line.get("device") != self._device:
+                continue
+            try:
+                total += _amount(line.get("disk_mb", 0))
+            except (TypeError, ValueError):
+                log.warning("host ledger: a line is not amounts, skipped", path=entry.path)
+        return total
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._path.unlink()

@@ -87,6 +87,9 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
         # "released": a destroyed sandbox's disk, cgroup and network are gone.
         self._teardowns = Teardowns(self._released)
         self._closing = False
+        # Destroyed sandboxes whose record the store could not save (a full disk): saved
+        # again when their teardown ends.
+        self._unsaved: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         # The reaper's destroys under way, REAP_CONCURRENCY at once (reap()).
         self._reaping: dict[str, asyncio.Task[None]] = {}
@@ -176,7 +179,7 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
         # Before measuring: the soft limit (often 1024) would cap us at ~200 sandboxes.
         admission.raise_nofile_limit()
         # Measured after the sweep: nothing of ours holds the host's memory or disk now.
-        self._capacity = HostCapacity.measure(self.settings)
+        self._capacity = HostCapacity.measure(self.settings, self._volumes.written_mb())
         self._dead_peers = recovery.DeadPeers(
             functools.partial(self._recover, set()), data_dir, self._instance.id
         )
@@ -351,7 +354,14 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
             # cancellation too: the stop kills whatever still runs), and its record says so
             # either way: left "running", other processes counted it for good.
             self._teardowns.start(live)
-            self._end(live.info, SandboxStatus.DESTROYED, reason, held=True)
+            try:
+                self._end(live.info, SandboxStatus.DESTROYED, reason, held=True)
+            except sqlite3.Error as exc:
+                # A full disk (a red team filled it, 2026-12-07) must not turn the destroy
+                # that frees it into an error: the sandbox is halted and its teardown, which
+                # removes its disk, is under way; the record is saved when that ends.
+                log.warning("destroy not recorded yet", sandbox=sandbox_id, error=repr(exc))
+                self._unsaved.add(sandbox_id)
         self._emit("destroyed", info=live.info)
         log.info("sandbox destroyed", sandbox=sandbox_id, reason=reason)
         return live.info.model_copy()
@@ -368,6 +378,9 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
         """Its teardown has ended (done or failed: a failed one's leftovers are the sweep's)."""
         self._release_lease(info.id)
         try:
+            if info.id in self._unsaved:
+                self._unsaved.discard(info.id)
+                self._store.save(info)  # its destroy's record, once its disk is free
             self._store.release(info.id)
         except sqlite3.Error as exc:  # the others count it until this instance is gone
             log.warning("teardown's release not recorded", sandbox=info.id, error=repr(exc))

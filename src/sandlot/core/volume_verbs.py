@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sandlot.backends.base import Backend, require_volumes
 from sandlot.config import Settings
@@ -24,6 +26,10 @@ class VolumeVerbs:
     # The volumes each live sandbox holds, by sandbox id.
     _leases: dict[str, Lease]
 
+    if TYPE_CHECKING:
+
+        def _volume_room(self, size_mb: int) -> contextlib.AbstractContextManager[None]: ...
+
     def _init_volumes(self) -> None:
         self._volumes = VolumeStore(
             self.settings.data_dir, max_volume_mb=self.settings.max_volume_mb
@@ -39,11 +45,12 @@ class VolumeVerbs:
             ConfigError: a bad name, or a size under 8 MB or over SANDBOX_MAX_VOLUME_MB.
             VolumeExists: ``owner`` has a volume of that name.
             QuotaExceeded: past the owner's max_volumes or max_volume_mb.
-            CapacityExhausted: the data directory's disk has no room for it.
+            CapacityExhausted: the data directory's disk has no room for it beside the
+                sandboxes' disks and the other volumes.
             BackendUnavailable: this host could not make it (mkfs.ext4 failed).
         """
         return await asyncio.to_thread(
-            self._volumes.create, owner, request.name, request.size_mb, quota
+            self._volumes.create, owner, request.name, request.size_mb, quota, self._volume_room
         )
 
     async def list_volumes(self, *, owner: str = "local") -> builtins.list[VolumeInfo]:

@@ -33,7 +33,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,9 +155,40 @@ class VolumeStore:
             raise VolumeNotFound(f"no volume {name!r}")
         return info
 
+    def images(self) -> Iterator[os.stat_result]:
+        """Every volume image in the data directory, every tenant's, those being made or
+        deleted too (each may still fill to its size)."""
+        try:
+            tenants = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return
+        for tenant in tenants:
+            if not tenant.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(tenant.path):
+                    with contextlib.suppress(OSError):
+                        yield (Path(entry.path) / IMAGE).lstat()
+
+    def committed_mb(self) -> float:
+        """What the volumes may take of the disk, written or not: each one's full size. The
+        sandboxes' disks share that disk, so admission counts these beside them."""
+        return sum(st.st_size for st in self.images()) / (1 << 20)
+
+    def written_mb(self) -> float:
+        """What the volumes' images take of the disk now."""
+        return sum(st.st_blocks * 512 for st in self.images()) / (1 << 20)
+
     # ------------------------------------------------------------------ create, delete
 
-    def create(self, tenant: str, name: str, size_mb: int, quota: Quota | None) -> VolumeInfo:
+    def create(
+        self,
+        tenant: str,
+        name: str,
+        size_mb: int,
+        quota: Quota | None,
+        room: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
+    ) -> VolumeInfo:
         """Make an empty volume of ``size_mb`` (blocking: mkfs.ext4, a few ms).
 
         Raises:
@@ -165,8 +196,13 @@ class VolumeStore:
                 SANDBOX_MAX_VOLUME_MB.
             VolumeExists: the tenant has one of that name.
             QuotaExceeded: the tenant's volumes or their total size would pass its quota.
-            CapacityExhausted: the data directory's disk has no room for it.
+            CapacityExhausted: the data directory's disk has no room for it, or ``room``
+                refused it (the manager's: the sandboxes' disks and the other volumes).
             BackendUnavailable: this host could not make it (mkfs.ext4 failed).
+
+        ``room(size_mb)`` is entered around the check and the make: it refuses a volume
+        the host's disk cannot hold beside everything else committed to it, and holds the
+        host's turn (no sandbox admitted meanwhile) until the volume's image exists.
         """
         check_name(name)
         if not MIN_VOLUME_MB <= size_mb <= self.max_volume_mb:
@@ -181,7 +217,10 @@ class VolumeStore:
             self._check_quota(tenant, size_mb, quota)
             # Every tenant's volumes share the disk: one check and make at a time, across the
             # data directory's processes, or two could pass the check for the same room.
-            with _flocked(self.root / DIR_LOCK):
+            with (
+                _flocked(self.root / DIR_LOCK),
+                room(size_mb) if room is not None else contextlib.nullcontext(),
+            ):
                 self._check_disk(size_mb)
                 self._make(tenant_dir, name, size_mb)
         return self.get(tenant, name)
