@@ -196,6 +196,51 @@ def test_no_write_passes_a_volumes_size(manager: SandboxManager, owner: str) -> 
     assert image.stat().st_blocks * 512 <= 16 * 1024 * 1024
 
 
+def _create_ro(manager: SandboxManager, owner: str, name: str) -> Sandbox:
+    mounts = [VolumeMount(name=name, mount_path="data", read_only=True)]
+    info = get_portal().call(manager.create(SandboxSpec(volumes=mounts), owner=owner))
+    return Sandbox.connect(info.id, manager=manager)
+
+
+def test_many_sandboxes_read_a_volume_at_once_and_none_writes_beside_them(
+    manager: SandboxManager, owner: str
+) -> None:
+    """A dataset for many rollouts: read-only mounts of one volume share it; a writer waits
+    for every reader to go, and a reader for the writer (two mounts of an ext4 where one
+    writes would corrupt it)."""
+    _volume(manager, owner, "shared")
+    portal = get_portal()
+    with _create(manager, owner, shared="data") as writer:
+        _run(writer, "echo v1 > /workspace/data/f")
+        with pytest.raises(VolumeInUse, match="read-write"):
+            _create_ro(manager, owner, "shared")
+    readers = [_create_ro(manager, owner, "shared") for _ in range(3)]
+    try:
+        for reader in readers:
+            assert _run(reader, "cat /workspace/data/f") == "v1\n"
+            assert reader.commands.run("echo x > /workspace/data/g").exit_code != 0
+        assert _run(readers[0], "grep ' /workspace/data ' /proc/self/mountinfo").split()[5][:2] == (
+            "ro"
+        )
+        with pytest.raises(VolumeInUse):
+            _create(manager, owner, shared="data")
+        with pytest.raises(VolumeInUse):
+            portal.call(manager.delete_volume("shared", owner=owner))
+        # Each reader's idmapped mount shows the files as its own sandbox user's.
+        assert {_run(r, "stat -c %u /workspace/data/f") for r in readers} == {
+            _run(readers[0], "id -u")
+        }
+        readers.pop().kill()
+        with pytest.raises(VolumeInUse):
+            _create(manager, owner, shared="data")  # two readers are still there
+    finally:
+        for reader in readers:
+            reader.kill()
+    # The readers gone, a writer has it again (no wait for their teardowns).
+    with _create(manager, owner, shared="data") as writer:
+        _run(writer, "echo v2 > /workspace/data/f")
+
+
 def test_a_read_only_mount_refuses_writes(manager: SandboxManager, owner: str) -> None:
     _volume(manager, owner, "ro")
     mounts = [VolumeMount(name="ro", mount_path="ro", read_only=True)]

@@ -250,7 +250,7 @@ def open_all(
 
 
 def _open_alone(volume: AttachedVolume, host_uid: int, userns: int | None, *, first: bool) -> int:
-    if not first and not wait_detached(volume.image, DETACH_WAIT_S):
+    if not first and not wait_detached(volume.image, DETACH_WAIT_S, writers_only=volume.read_only):
         raise SandboxStartError(
             f"the volume {volume.image.parent.name} is still attached elsewhere"
         )
@@ -321,15 +321,18 @@ def _child_dir(fd: int, name: str, owner: int) -> int:
         return os.open(name, _PATH_DIR, dir_fd=fd)
 
 
-def attached(image: Path) -> bool:
+def attached(image: Path, *, writable_only: bool = False) -> bool:
     """Whether a loop device is backed by ``image`` (whoever attached it): a volume mounted
-    in some sandbox, or one whose last sandbox is still ending."""
-    return os.fsencode(os.path.realpath(image)) in backing_files()
+    in some sandbox, or one whose last sandbox is still ending. ``writable_only``: only a
+    read-write device counts (read-only mounts of one image may be many at once)."""
+    resolved = os.fsencode(os.path.realpath(image))
+    return resolved in backing_files(writable_only=writable_only)
 
 
-def backing_files() -> set[bytes]:
+def backing_files(*, writable_only: bool = False) -> set[bytes]:
     """The files the host's loop devices are backed by, resolved: one look at each device
-    (a sandbox's disk is one too), for every volume a listing asks about."""
+    (a sandbox's disk is one too), for every volume a listing asks about; ``writable_only``:
+    those of read-write devices."""
     found: set[bytes] = set()
     try:
         devices = list(Path("/sys/block").glob("loop*"))
@@ -338,17 +341,21 @@ def backing_files() -> set[bytes]:
     for device in devices:
         try:
             backing = (device / "loop/backing_file").read_bytes().rstrip(b"\n")
+            if writable_only and (device / "ro").read_bytes().strip() == b"1":
+                continue
         except OSError:
             continue
         found.add(backing.removesuffix(b" (deleted)"))
     return found
 
 
-def wait_detached(image: Path, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for ``image``'s loop device to go (its last sandbox's
-    namespace ending); whether it went."""
+def wait_detached(image: Path, timeout_s: float, *, writers_only: bool = False) -> bool:
+    """Wait up to ``timeout_s`` for ``image``'s loop devices to go (its last sandbox's
+    namespace ending); whether they went. ``writers_only``: for a read-only attach, which
+    may sit beside other read-only ones, but never beside a read-write one (two mounts of
+    an ext4 where one writes would corrupt it)."""
     deadline = time.monotonic() + timeout_s
-    while attached(image):
+    while attached(image, writable_only=writers_only):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)

@@ -2,22 +2,25 @@
 
 A volume is a directory under ``<data dir>/volumes/<tenant's digest>/<name>/``: its ext4
 image (``disk.img``, sparse, capped at its size by being that size), its record
-(``volume.json``) and its lock file. It is attached to one live sandbox at a time, at a path
-inside ``/workspace`` (the backend mounts it: ``backends/volumes.py``). Two bounds on *in
-use*, both needed:
+(``volume.json``) and its lock file. It is attached, at a path inside ``/workspace`` (the
+backend mounts it: ``backends/volumes.py``), to one live sandbox that may write it, or to
+any number that mount it read-only, never both: two mounts of one ext4 where one writes
+would corrupt it. Two bounds on *in use*, both needed:
 
 - the lock file's ``flock``, held by the manager that attached it for the sandbox's life (and
-  dropped by the kernel if that manager dies): managers on one data directory never attach a
-  volume twice;
-- the loop device the kernel keeps for the image while any mount of it lives
-  (:func:`~sandlot.backends.volumes.attached`): a sandbox its dead manager left running (a
-  docker container) still holds its volume, and a destroyed sandbox holds it until its last
-  process has gone.
+  dropped by the kernel if that manager dies), exclusive for a writer and a delete, shared
+  by readers: managers on one data directory never attach a volume to a writer beside
+  anyone;
+- the loop devices the kernel keeps for the image while any mount of it lives
+  (:func:`~sandlot.backends.volumes.attached`; a reader's is read-only): a sandbox its dead
+  manager left running (a docker container) still holds its volume, and a destroyed sandbox
+  holds it until its last process has gone.
 
 Bounds: a volume's size (``SANDBOX_MAX_VOLUME_MB``), a tenant's volumes and their total size
-(the quota's ``max_volumes``, ``max_volume_mb``), and the host's disk: a volume is made only
-where the data directory's file system has room for it and for every existing volume's
-unwritten part (sparse images never overcommit the disk), past a reserve.
+(the quota's ``max_volumes``, ``max_volume_mb``), and the host's disk, shared with the
+sandboxes' disks (the manager's count, ``admission``); and a volume is made only where the
+data directory's file system has room for it and for every existing volume's unwritten part,
+past a reserve.
 """
 
 from __future__ import annotations
@@ -302,13 +305,16 @@ class VolumeStore:
     # ------------------------------------------------------------------ attach
 
     @staticmethod
-    def _lock(directory: Path, name: str) -> int:
+    def _lock(directory: Path, name: str, *, shared: bool = False) -> int:
+        """The volume's lock: shared by the sandboxes that mount it read-only, exclusive
+        for one that writes it (and for a delete)."""
         fd = os.open(directory / LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise VolumeInUse(f"volume {name!r} is attached to another sandbox") from None
+            held = "read-write to another sandbox" if shared else "to another sandbox"
+            raise VolumeInUse(f"volume {name!r} is attached {held}") from None
         return fd
 
     def lease(self, tenant: str, mounts: Sequence[VolumeMount]) -> Lease:
@@ -318,7 +324,8 @@ class VolumeStore:
         Raises:
             ConfigError: a bad name.
             VolumeNotFound: the tenant has no volume of a name.
-            VolumeInUse: a volume is attached to another sandbox.
+            VolumeInUse: a volume is attached to another sandbox (for a read-only mount:
+                to one that writes it).
         """
         lease = Lease((), [])
         try:
@@ -331,7 +338,7 @@ class VolumeStore:
             raise
         return lease
 
-    def _locked(self, tenant: str, name: str) -> tuple[int, Path]:
+    def _locked(self, tenant: str, name: str, *, shared: bool = False) -> tuple[int, Path]:
         """The volume's lock, taken (an fd to close), and its directory. Found and locked
         under the tenant's lock, which a delete holds while it renames a volume away: a lock
         file opened here is the volume's own, never one a delete (and a create of the same
@@ -341,13 +348,15 @@ class VolumeStore:
             directory = tenant_dir / check_name(name)
             if not (directory / RECORD).exists():
                 raise VolumeNotFound(f"no volume {name!r}")
-            return self._lock(directory, name), directory
+            return self._lock(directory, name, shared=shared), directory
 
     def _take(self, tenant: str, mount: VolumeMount) -> tuple[int, AttachedVolume]:
-        fd, directory = self._locked(tenant, mount.name)
+        shared = mount.read_only
+        fd, directory = self._locked(tenant, mount.name, shared=shared)
         image = directory / IMAGE
-        # Its last sandbox may still be ending (its mount namespace not yet released).
-        if not host_volumes.wait_detached(image, host_volumes.DETACH_WAIT_S):
+        # Its last writer (or, for a writer, its last sandbox) may still be ending (its
+        # mount namespace not yet released).
+        if not host_volumes.wait_detached(image, host_volumes.DETACH_WAIT_S, writers_only=shared):
             os.close(fd)
             raise VolumeInUse(f"volume {mount.name!r} is attached to another sandbox")
         return fd, AttachedVolume(image, mount.mount_path, mount.read_only)
