@@ -446,8 +446,9 @@ def small_disk(data_root: Path, volumes_here: None) -> Iterator[Path]:
         image.unlink()
 
 
-def _small_manager(data_dir: Path) -> SandboxManager:
-    manager = SandboxManager(make_settings(data_dir, disk_mb=16, max_disk_mb=1000))
+def _small_manager(data_dir: Path, ledger: Path | None = None) -> SandboxManager:
+    extra = {"host_ledger_dir": ledger} if ledger is not None else {}
+    manager = SandboxManager(make_settings(data_dir, disk_mb=16, max_disk_mb=1000, **extra))
     get_portal().call(manager.start())
     return manager
 
@@ -508,6 +509,58 @@ def test_a_volumes_written_part_is_not_counted_twice_after_a_restart(small_disk:
         # The same room as before the volume was filled, within a few MB of metadata.
         assert abs(_capacity_mb(manager) - room) < 12
         portal.call(manager.create(SandboxSpec(disk_mb=int(room - 120) - 16)))
+    finally:
+        portal.call(manager.close())
+
+
+def test_two_data_directories_on_one_disk_count_each_others_volumes(small_disk: Path) -> None:
+    """Two data directories' managers on one file system (one host ledger, as
+    /run/sandlot/reserved is): one's volumes and the other's disks fill the same disk. Each
+    counted only its own volumes: a 500 MB volume and a 700 MB disk were admitted on 900 MB
+    free, and the volume's ext4 was corrupted (red team, 2026-12-07)."""
+    from sandlot.requests import CreateVolume
+
+    portal = get_portal()
+    ledger = small_disk.parent / "ledger"
+    a = _small_manager(small_disk.parent / "a", ledger)
+    b = _small_manager(small_disk.parent / "b", ledger)
+    try:
+        room = _capacity_mb(b)
+        portal.call(a.create_volume(CreateVolume(name="a-vol", size_mb=150)))
+        with pytest.raises(CapacityExhausted):
+            portal.call(b.create(SandboxSpec(disk_mb=int(room - 150) + 8)))
+        disk = portal.call(b.create(SandboxSpec(disk_mb=int(room - 150) - 40)))
+        # And the other way: B's disk counts against a volume of A's.
+        with pytest.raises(CapacityExhausted, match="no room on the host's disk"):
+            portal.call(a.create_volume(CreateVolume(name="more", size_mb=60)))
+        portal.call(b.destroy(disk.id))
+        portal.call(b.settle())
+        portal.call(a.delete_volume("a-vol"))
+        # The volume deleted, B has the room again.
+        portal.call(b.create(SandboxSpec(disk_mb=int(room - 150) + 8)))
+    finally:
+        portal.call(a.close())
+        portal.call(b.close())
+
+
+def test_what_was_written_since_the_start_is_room_no_more(small_disk: Path) -> None:
+    """The count against the start's free space misses what is written outside it since:
+    kept artifacts (a tenant's 380 MB of them, then a disk admitted to the room they took,
+    whose fill corrupted another tenant's volume: red team, 2026-12-07), the store, other
+    programs. Each create also measures the disk as it is now."""
+    portal = get_portal()
+    manager = _small_manager(small_disk)
+    try:
+        room = _capacity_mb(manager)
+        info = portal.call(manager.create(SandboxSpec(disk_mb=120)))
+        sb = Sandbox.connect(info.id, manager=manager)
+        _run(sb, "mkdir -p artifacts && head -c 100M /dev/urandom > artifacts/kept.bin")
+        sb.kill()  # its artifacts are kept in the data directory: 100 MB of the disk
+        portal.call(manager.settle())
+        assert [a.size_bytes for a in sb.artifacts()] == [100 << 20]
+        with pytest.raises(CapacityExhausted, match="MB free now"):
+            portal.call(manager.create(SandboxSpec(disk_mb=int(room) - 60)))
+        portal.call(manager.create(SandboxSpec(disk_mb=int(room) - 130)))
     finally:
         portal.call(manager.close())
 

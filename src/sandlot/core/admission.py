@@ -63,6 +63,10 @@ class HostCapacity:
     disk_mb: float
     # File descriptors the process held before any sandbox (None: not checked).
     fds_at_start: int | None = None
+    # What the disk keeps free of every commitment, whatever else writes to it (kept
+    # artifacts, the store, other programs): the share of the start's free space that
+    # SANDBOX_HOST_DISK_FRACTION leaves out (check_disk_now).
+    disk_slack_mb: float = 0.0
 
     @classmethod
     def measure(cls, settings: Settings, volumes_written_mb: float = 0.0) -> HostCapacity:
@@ -78,6 +82,7 @@ class HostCapacity:
             pids=int(_kernel_tasks_max() * settings.host_pids_fraction),
             disk_mb=(free_mb + volumes_written_mb) * settings.host_disk_fraction,
             fds_at_start=open_fds(),
+            disk_slack_mb=free_mb * (1 - settings.host_disk_fraction),
         )
 
 
@@ -122,6 +127,29 @@ def check_host(
                 f"{volumes} reserve {total - getattr(new, name):g} of {capacity:g}; retry when "
                 f"some end, ask for less, or raise {setting}"
             )
+
+
+def check_disk_now(data_dir: Path, unwritten_mb: float, new_mb: float, host: HostCapacity) -> None:
+    """Raise CapacityExhausted unless the data directory's disk, as free as it is now, holds
+    ``new_mb`` more beside ``unwritten_mb`` (what the live sandboxes' disks and the volumes
+    may still write) and the slack. The count against the start's free space
+    (:func:`check_host`) misses what was written since outside it: kept artifacts, the store,
+    other data directories' volumes, other programs; a tenant's kept artifacts alone took
+    the room a disk was then admitted to, and the disk's fill corrupted another tenant's
+    volume (red team, 2026-12-07)."""
+    try:
+        stat = os.statvfs(data_dir)
+    except OSError:
+        return  # no data directory to measure (a test's manager that was never started)
+    free_mb = stat.f_bavail * stat.f_frsize / (1 << 20)
+    room_mb = free_mb - host.disk_slack_mb - unwritten_mb
+    if new_mb > room_mb:
+        raise CapacityExhausted(
+            f"the host's disk has no room for {new_mb:g} MB more: {free_mb:.0f} MB free now, "
+            f"{unwritten_mb:.0f} MB of it promised to live sandboxes' disks and named volumes, "
+            f"{host.disk_slack_mb:.0f} MB kept free; retry when some end, delete volumes or "
+            "kept artifacts, or free disk space"
+        )
 
 
 def check_volume_room(

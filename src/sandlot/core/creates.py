@@ -267,32 +267,61 @@ class CreateVerbs(VolumeVerbs, Lookup):
 
     def _check_host(self, infos: builtins.list[SandboxInfo], limits: ResolvedLimits) -> None:
         """Whether the host holds one more sandbox of ``limits`` (within the host's turn):
-        beside ``infos``, this process's pools and the other data directories' managers."""
-        elsewhere = self._ledger.elsewhere() if self._ledger is not None else []
+        beside ``infos``, this process's pools and the other data directories' managers, and
+        every named volume on the data directory's disk; and whether that disk, as free as it
+        is now, still holds every disk and volume promised."""
+        reserved = [*self._reserved(infos)]
+        volumes_full, volumes_unwritten = self._volumes.totals_mb()
+        if self._ledger is not None:
+            reserved += self._ledger.elsewhere()
+            other_full, other_unwritten = self._ledger.volumes_elsewhere()
+            volumes_full += other_full
+            volumes_unwritten += other_unwritten
         admission.check_host(
-            [*self._reserved(infos), *elsewhere],
+            reserved,
             limits,
             self._capacity,
             held_here=self._held_here(),
-            volumes_mb=self._volumes.committed_mb(),
+            volumes_mb=volumes_full,
+        )
+        promised_mb = sum(r.disk_mb for r in reserved) + volumes_unwritten
+        admission.check_disk_now(
+            self.settings.data_dir, promised_mb, limits.disk_mb, self._capacity
         )
 
     @contextlib.contextmanager
     def _volume_room(self, size_mb: int) -> Iterator[None]:
         """Refuse a new volume the disk cannot hold beside every sandbox's disk and the other
-        volumes; hold the host's turn while it is made, so no sandbox is admitted against
-        the same room (called in the volume's worker thread: the turn is a file lock)."""
+        volumes (this data directory's and the others' on its file system), counted against
+        the start's free space and against the free space now; hold the host's turn while it
+        is made, so no sandbox is admitted against the same room, and publish it (called in
+        the volume's worker thread: the turn is a file lock)."""
         with self._host_turn():
+            own_full, own_unwritten = self._volumes.totals_mb()
             if self._ledger is not None:
                 sandboxes_mb = self._ledger.disk_reserved_mb()
+                other_full, other_unwritten = self._ledger.volumes_elsewhere()
             else:  # no ledger: this process's own, as its admission counts them
                 held = [*self._reserved([live.info for live in list(self._live.values())])]
                 held += [info.limits for info in self._teardowns.infos()]
                 sandboxes_mb = sum(limits.disk_mb for limits in held)
+                other_full = other_unwritten = 0.0
             admission.check_volume_room(
-                sandboxes_mb, self._volumes.committed_mb(), size_mb, self._capacity
+                sandboxes_mb, own_full + other_full, size_mb, self._capacity
+            )
+            admission.check_disk_now(
+                self.settings.data_dir,
+                sandboxes_mb + own_unwritten + other_unwritten,
+                size_mb,
+                self._capacity,
             )
             yield
+            self._publish_volumes()
+
+    def _publish_volumes(self) -> None:
+        """Tell the host's ledger this data directory's volumes (within the host's turn)."""
+        if self._ledger is not None:
+            self._ledger.publish_volumes(self._volumes.totals_mb())
 
     def _publish(self, also: ResolvedLimits | None = None) -> None:
         """Tell the host's ledger what this process's sandboxes reserve (within the turn):

@@ -180,6 +180,9 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
         admission.raise_nofile_limit()
         # Measured after the sweep: nothing of ours holds the host's memory or disk now.
         self._capacity = HostCapacity.measure(self.settings, self._volumes.written_mb())
+        if self._ledger is not None:
+            with self._ledger.turn():  # the other data directories count its volumes now
+                self._publish_volumes()
         self._dead_peers = recovery.DeadPeers(
             functools.partial(self._recover, set()), data_dir, self._instance.id
         )

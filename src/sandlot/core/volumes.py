@@ -176,7 +176,15 @@ class VolumeStore:
     def committed_mb(self) -> float:
         """What the volumes may take of the disk, written or not: each one's full size. The
         sandboxes' disks share that disk, so admission counts these beside them."""
-        return sum(st.st_size for st in self.images()) / (1 << 20)
+        return self.totals_mb()[0]
+
+    def totals_mb(self) -> tuple[float, float]:
+        """The volumes' full size and their unwritten part, in MB (one look at each)."""
+        full = unwritten = 0
+        for st in self.images():
+            full += st.st_size
+            unwritten += max(0, st.st_size - st.st_blocks * 512)
+        return full / (1 << 20), unwritten / (1 << 20)
 
     def written_mb(self) -> float:
         """What the volumes' images take of the disk now."""
