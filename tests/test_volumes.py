@@ -35,7 +35,7 @@ from sandlot._portal import get_portal
 from sandlot.backends import volumes as host_volumes
 from sandlot.core.volumes import IMAGE, VolumeStore, tenant_dir_name
 from sandlot.errors import BackendUnavailable, CapacityExhausted
-from sandlot.models import Quota
+from sandlot.models import Quota, volume_mounts
 from sandlot.requests import SandboxSpec
 from tests.conftest import EXTRA_TARGETS, LiveServer, make_settings, run_cli
 
@@ -249,6 +249,11 @@ def test_a_read_only_mount_refuses_writes(manager: SandboxManager, owner: str) -
     with Sandbox.connect(info.id, manager=manager) as sb:
         result = sb.commands.run("touch /workspace/ro/x")
         assert result.exit_code != 0 and "Read-only" in result.stderr
+    # The SDK's {name: path} takes ":ro" as docker's -v does (and MCP's create_sandbox).
+    assert volume_mounts({"ro": "data:ro", "rw": "/workspace/w"}) == [
+        {"name": "ro", "mount_path": "data", "read_only": True},
+        {"name": "rw", "mount_path": "/workspace/w", "read_only": False},
+    ]
 
 
 def test_a_symlink_where_the_volume_goes_does_not_move_the_mount(

@@ -330,9 +330,17 @@ Volumes = list[VolumeMount | dict[str, object]] | dict[str, str]
 
 def volume_mounts(volumes: Volumes | None) -> list[VolumeMount | dict[str, object]] | None:
     """``volumes`` as the create's mounts (``{"data": "/workspace/data"}`` is one mount of
-    the volume "data", writable), validated with the rest of the create."""
+    the volume "data", writable; ``"/workspace/data:ro"`` read-only, as docker's ``-v``),
+    validated with the rest of the create."""
     if isinstance(volumes, dict):
-        return [{"name": name, "mount_path": path} for name, path in volumes.items()]
+        return [
+            {
+                "name": name,
+                "mount_path": path.removesuffix(":ro"),
+                "read_only": path.endswith(":ro"),
+            }
+            for name, path in volumes.items()
+        ]
     return volumes
 
 

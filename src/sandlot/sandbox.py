@@ -330,8 +330,8 @@ class AsyncSandbox:
         (docker only) is ``runc`` or ``runsc`` (gVisor); ``environment`` names a YAML
         registry entry (``python3``, ``node``; images need the docker backend).
         ``volumes`` attaches named volumes (:class:`~sandlot.volume.Volume`) under
-        /workspace: ``{"data": "/workspace/data"}``, or a list of
-        :class:`~sandlot.models.VolumeMount` (``read_only`` there).
+        /workspace: ``{"data": "/workspace/data"}`` (``"/workspace/data:ro"`` read-only),
+        or a list of :class:`~sandlot.models.VolumeMount` (``read_only`` there).
 
         Embedded by default; on a server with ``api_url`` (or ``SANDLOT_URL``), sending
         ``api_key`` (or ``SANDLOT_API_KEY``).

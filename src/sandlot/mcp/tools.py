@@ -17,7 +17,7 @@ from sandlot._version import __version__
 from sandlot.config import get_settings
 from sandlot.errors import InvalidRequest, SandboxError, SandboxNotFound
 from sandlot.mcp.sessions import Binding, DefaultSandboxes, Resolver, SessionKey
-from sandlot.models import ExecResult, Result
+from sandlot.models import ExecResult, Result, volume_mounts
 from sandlot.requests import (
     SANDBOX_ID_PATTERN,
     FilePath,
@@ -165,7 +165,7 @@ def _lifecycle_tools(server: MCPServer[Any], call: CallMaker, defaults: DefaultS
                 memory_mb=memory_mb,
                 timeout_s=timeout_s,
                 network=network,
-                volumes=_mounts(volumes),
+                volumes=volume_mounts(volumes),  # {name: path[:ro]}
             )
             info = await call(ctx).service.create(spec)
         return info.id
@@ -478,14 +478,3 @@ def file_content(path: str, data: bytes) -> ContentBlock:
     if mime is not None:
         return ImageContent(type="image", data=base64.b64encode(data).decode(), mime_type=mime)
     return TextContent(type="text", text=text or "")
-
-
-def _mounts(volumes: dict[str, str] | None) -> list[dict[str, object]] | None:
-    """``create_sandbox``'s ``{name: path[:ro]}`` as the create's mounts (as the CLI's
-    ``--volume NAME:PATH:ro``)."""
-    if volumes is None:
-        return None
-    return [
-        {"name": name, "mount_path": path.removesuffix(":ro"), "read_only": path.endswith(":ro")}
-        for name, path in volumes.items()
-    ]
