@@ -1,4 +1,4 @@
-"""Turns on one shared model (``providers/turns.py``): one call at a time, the waiting calls
+"""Turns on one shared model (``sandlot/_turns.py``): one call at a time, the waiting calls
 served round robin by tenant."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from sandlot.agent.providers.turns import FairTurns
+from sandlot._turns import FairTurns
 
 
 async def _served_order(queued: list[str], holder: str = "first") -> list[str]:

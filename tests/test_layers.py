@@ -19,7 +19,7 @@ ROOT = Path(sandlot.__file__).parent
 # matches a module's dotted name (without "sandlot.") gives its layer.
 LAYERS: list[tuple[str, ...]] = [
     # No sandlot imports but these:
-    ("errors", "_version", "_strict", "models", "log", "guest", "_sqlite", "_fs"),
+    ("errors", "_version", "_strict", "models", "log", "guest", "_sqlite", "_fs", "_turns"),
     ("config", "requests", "environments", "tools", "_portal", "_sync"),
     ("backends",),  # isolation: knows nothing of owners, pools, TTLs
     ("core",),  # the manager and its rooms

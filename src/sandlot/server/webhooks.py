@@ -60,16 +60,15 @@ import socket
 import ssl
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import structlog
 
+from sandlot._turns import FairTurns
 from sandlot._version import __version__
 from sandlot.config import Settings, ip_networks
 from sandlot.core.background import Webhook
@@ -149,58 +148,6 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
     return f"t={timestamp},v1={mac.hexdigest()}"
 
 
-class TenantTurns:
-    """At most ``limit`` holders at once; the tenants waiting take the free places in turn
-    (round robin), so one tenant's receivers that hang delay another's by at most one try
-    of each waiting tenant, not by its whole queue."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        # Each waiting tenant's waiters; the dict's order is the rotation.
-        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
-
-    @asynccontextmanager
-    async def turn(self, tenant: str) -> AsyncIterator[None]:
-        if self.held < self.limit and not self._waiting:
-            self.held += 1
-        else:
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting.setdefault(tenant, deque()).append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._pass_on()  # handed its place, then cancelled: the place goes on
-                else:
-                    self._forget(tenant, waiter)
-                raise
-        try:
-            yield
-        finally:
-            self._pass_on()
-
-    def _forget(self, tenant: str, waiter: asyncio.Future[None]) -> None:
-        queue = self._waiting.get(tenant)
-        if queue is not None and waiter in queue:
-            queue.remove(waiter)
-            if not queue:
-                del self._waiting[tenant]
-
-    def _pass_on(self) -> None:
-        """A place is free: to the next tenant in the rotation, else back to the pool."""
-        while self._waiting:
-            tenant = next(iter(self._waiting))
-            queue = self._waiting.pop(tenant)
-            waiter = queue.popleft()
-            if queue:
-                self._waiting[tenant] = queue  # to the back of the rotation
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self.held -= 1
-
-
 class _Throttle:
     """Log a (tenant, kind) at most once every ``every_s``, saying how many were not."""
 
@@ -278,7 +225,7 @@ class Webhooks:
         self.pending_per_tenant = settings.webhooks_pending_per_tenant
         self._count = count or (lambda outcome: None)
         self.pending: dict[str, int] = {}  # tenant -> deliveries queued or under way
-        self.turns = TenantTurns(IN_FLIGHT)
+        self.turns = FairTurns(IN_FLIGHT)  # round robin by tenant
         self._tasks: set[asyncio.Task[None]] = set()
         self._dns: ThreadPoolExecutor | None = None
         self._dns_turns: dict[str, asyncio.Semaphore] = {}  # tenant -> its lookups' turns

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from sandlot._turns import FairTurns
 from sandlot.agent.providers.base import (
     CALLER,
     Completion,
@@ -37,7 +38,6 @@ from sandlot.agent.providers.base import (
     Message,
     Provider,
 )
-from sandlot.agent.providers.turns import FairTurns
 from sandlot.agent.weights import is_fetched, model_path, shipped_model
 from sandlot.errors import ConfigError, ProviderError
 
@@ -234,9 +234,9 @@ class LocalProvider(Provider):
             submitted = model.executor.submit(model.run, job, stop, caller)
             future = asyncio.wrap_future(submitted)
         except BaseException:
-            turn.release()
+            turn.release(caller)
             raise
-        future.add_done_callback(lambda _: turn.release())
+        future.add_done_callback(lambda _: turn.release(caller))
         return future
 
     async def _call(self, job: Job[T]) -> T:
