@@ -8,7 +8,7 @@ Every verb takes the sandbox id and one typed request from :mod:`sandlot.request
 from __future__ import annotations
 
 import builtins
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sandlot.models import (
     ArtifactInfo,
@@ -37,6 +37,7 @@ from sandlot.requests import (
     SetTimeout,
     WriteFile,
 )
+from sandlot.tools import ToolRegistry
 
 
 class SandboxService(Protocol):
@@ -100,6 +101,21 @@ class VolumeService(Protocol):
     async def get_volume(self, name: str) -> VolumeInfo: ...
 
     async def delete_volume(self, name: str) -> None: ...
+
+
+@runtime_checkable
+class ToolService(Protocol):
+    """A service that runs registry tools itself (the server's MCP service: it audits the
+    call as a tool's); others run a tool as the command it builds."""
+
+    async def run_tool(
+        self,
+        sandbox_id: str,
+        registry: ToolRegistry,
+        name: str,
+        arguments: dict[str, Any] | None,
+        timeout_s: float | None,
+    ) -> ExecResult: ...
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from sandlot.requests import (
     WriteFile,
     build,
 )
-from sandlot.service import SandboxService
+from sandlot.service import SandboxService, ToolService
 from sandlot.tools import ToolExecutor, ToolRegistry, default_registry
 
 # A file read whole into one MCP message: past this, the client gets an error naming the size.
@@ -240,10 +240,8 @@ def _registry_tools(server: MCPServer[Any], call: CallMaker, registry: ToolRegis
 
             async def run(target: str) -> ExecResult:
                 # A server's service audits the call as a tool's (server/mcp.py).
-                audited = getattr(this.service, "run_tool", None)
-                if audited is not None:
-                    result: ExecResult = await audited(target, registry, name, arguments, timeout_s)
-                    return result
+                if isinstance(this.service, ToolService):
+                    return await this.service.run_tool(target, registry, name, arguments, timeout_s)
                 executor = ToolExecutor(
                     registry, lambda command: this.service.run_command(target, command)
                 )
