@@ -108,3 +108,36 @@ def test_only_another_callers_wait_asks_a_long_job_to_give_way() -> None:
         await asyncio.gather(own, other, return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_with_several_places_none_is_given_twice_and_callers_take_turns() -> None:
+    """Webhook deliveries hold a few places at once (``IN_FLIGHT``): never more than that,
+    every place given back, and a waiting caller served after at most one call of each
+    other caller."""
+
+    async def run() -> list[str]:
+        turns, served, inside = FairTurns(3), [], [0]
+        gate = asyncio.Event()
+
+        async def call(caller: str) -> None:
+            async with turns.turn(caller):
+                inside[0] += 1
+                assert inside[0] <= 3
+                served.append(caller)
+                await gate.wait()
+                inside[0] -= 1
+
+        tasks = [asyncio.create_task(call("a")) for _ in range(8)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(call("b")), asyncio.create_task(call("c"))]
+        await asyncio.sleep(0)
+        assert turns.held == 3 and turns.waiting() == {"a": 5, "b": 1, "c": 1}
+        tasks[4].cancel()  # a waiting call gone: its place is no one's
+        gate.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert turns.held == 0 and turns.waiting() == {}
+        return served
+
+    served = asyncio.run(run())
+    assert served[:3] == ["a", "a", "a"] and set(served[3:6]) == {"a", "b", "c"}
+    assert len(served) == 9

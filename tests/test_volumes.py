@@ -78,8 +78,10 @@ def test_no_volume_is_mounted_where_the_artifacts_are_kept_from(path: str) -> No
     # Artifacts are copied from the sandbox's own disk, within its use: a volume there kept
     # most of its files from being kept (red team, 2026-12-07).
     with pytest.raises(ValidationError, match="not be mounted at or under /workspace/artifacts"):
-        VolumeMount(name="v", mount_path=path)
-    assert VolumeMount(name="v", mount_path="artifacts2").mount_path == "/workspace/artifacts2"
+        SandboxSpec(volumes=[VolumeMount(name="v", mount_path=path)])
+    assert SandboxSpec(volumes=[{"name": "v", "mount_path": "artifacts2"}]).volumes
+    # A record that has one (made before the check) still reads: the check is the create's.
+    assert VolumeMount(name="v", mount_path=path).mount_path.startswith("/workspace/artifacts")
 
 
 def test_two_mounts_may_not_share_a_volume_or_nest() -> None:
@@ -250,9 +252,10 @@ def test_a_read_only_mount_refuses_writes(manager: SandboxManager, owner: str) -
         result = sb.commands.run("touch /workspace/ro/x")
         assert result.exit_code != 0 and "Read-only" in result.stderr
     # The SDK's {name: path} takes ":ro" as docker's -v does (and MCP's create_sandbox).
-    assert volume_mounts({"ro": "data:ro", "rw": "/workspace/w"}) == [
+    assert volume_mounts({"ro": "data:ro", "rw": "/workspace/w", "rw2": "x:rw"}) == [
         {"name": "ro", "mount_path": "data", "read_only": True},
         {"name": "rw", "mount_path": "/workspace/w", "read_only": False},
+        {"name": "rw2", "mount_path": "x", "read_only": False},
     ]
 
 
@@ -566,6 +569,76 @@ def test_what_was_written_since_the_start_is_room_no_more(small_disk: Path) -> N
         with pytest.raises(CapacityExhausted, match="MB free now"):
             portal.call(manager.create(SandboxSpec(disk_mb=int(room) - 60)))
         portal.call(manager.create(SandboxSpec(disk_mb=int(room) - 130)))
+    finally:
+        portal.call(manager.close())
+
+
+def test_a_data_directorys_volumes_count_after_the_manager_that_made_them_ends(
+    small_disk: Path,
+) -> None:
+    """Each manager kept its own data directory's volume totals in the ledger; one that made
+    a volume and ended took the volume out of every other data directory's count, and the
+    disk filled under it (red team, 2026-12-07). The totals are read from the data
+    directory itself now."""
+    from sandlot.requests import CreateVolume
+
+    portal = get_portal()
+    ledger = small_disk.parent / "ledger"
+    a1 = _small_manager(small_disk.parent / "a", ledger)
+    a2 = _small_manager(small_disk.parent / "a", ledger)
+    b = _small_manager(small_disk.parent / "b", ledger)
+    try:
+        room = _capacity_mb(b)
+        portal.call(a2.create_volume(CreateVolume(name="kept", size_mb=150)))
+        portal.call(a2.close())
+        with pytest.raises(CapacityExhausted):
+            portal.call(b.create(SandboxSpec(disk_mb=int(room - 150) + 8)))
+    finally:
+        for manager in (a1, a2, b):
+            portal.call(manager.close())
+
+
+def test_a_disks_written_part_is_not_counted_twice(small_disk: Path) -> None:
+    """The free space leaves out what a live disk has written, and its reservation counted
+    it again: a tenant writing within its own disk took twice that of the host's room, and a
+    create that fit was refused (red team, 2026-12-07)."""
+    portal = get_portal()
+    manager = _small_manager(small_disk)
+    try:
+        writer = Sandbox.connect(
+            portal.call(manager.create(SandboxSpec(disk_mb=150))).id, manager=manager
+        )
+        _run(writer, "head -c 110M /dev/zero > big && sync")
+        # Counted twice, nothing more fit; counted once, 60 MB does.
+        portal.call(manager.create(SandboxSpec(disk_mb=60)))
+        writer.kill()
+    finally:
+        portal.call(manager.close())
+
+
+def test_artifacts_are_kept_only_where_the_disk_has_room_for_them(small_disk: Path) -> None:
+    """A destroy copies its artifacts out while its disk still holds them: 270 MB copied so
+    filled the disk under another tenant's volume (red team, 2026-12-07). An export holds
+    room on the disk first, and keeps what fits, smallest first."""
+    portal = get_portal()
+    manager = _small_manager(small_disk)
+    try:
+        other = portal.call(manager.create(SandboxSpec(disk_mb=60)))  # may fill at any time
+        sb = Sandbox.connect(
+            portal.call(manager.create(SandboxSpec(disk_mb=150))).id, manager=manager
+        )
+        _run(
+            sb,
+            "mkdir -p artifacts && head -c 1M /dev/urandom > artifacts/small"
+            " && head -c 120M /dev/urandom > artifacts/big",
+        )
+        sb.kill()
+        portal.call(manager.settle())
+        assert [a.path for a in sb.artifacts()] == ["small"]
+        # What the other sandbox was promised is still there to write.
+        fs = os.statvfs(small_disk)
+        assert fs.f_bavail * fs.f_frsize >= 60 << 20
+        portal.call(manager.destroy(other.id))
     finally:
         portal.call(manager.close())
 

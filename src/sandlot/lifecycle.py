@@ -265,17 +265,18 @@ class Lifecycle:
                 raise InvalidRequest(
                     f"sandbox {sandbox_id} is not session {session_id}'s ({record.sandbox_id})"
                 )
-            held = self._open.pop(session_id, None)
-            self._started.discard(session_id)
+            held = self._open.get(session_id)
             # A sandbox held here is stopped whatever the record says (another Lifecycle may
             # have marked it lost: one whose key cannot see it).
             if held is None and record.status != "running":
                 return record.model_dump(mode="json")
             sandbox = held or self._connect(record)
             if sandbox is not None:
-                sandbox.kill()
-                record.artifacts = self._save_artifacts(session_id, sandbox)
+                sandbox.kill()  # raises: still held here, for the next stop or close()
+                record.artifacts = self._save_artifacts(session_id, sandbox) or record.artifacts
                 record.status = "stopped"
+            self._open.pop(session_id, None)
+            self._started.discard(session_id)
             record.stopped_at = datetime.now(UTC)
             self.state_mgr.save(record)
             return record.model_dump(mode="json")
@@ -298,8 +299,8 @@ class Lifecycle:
                         self.stop(session_id)
                     else:
                         self._open.pop(session_id).detach()
-                except SandboxError as exc:
-                    log.warning("session_stop_failed", session_id=session_id, error=str(exc))
+                except Exception as exc:
+                    log.warning("session_stop_failed", session_id=session_id, error=repr(exc))
         finally:
             if self._own_manager is not None:
                 manager, self._own_manager = self._own_manager, None

@@ -298,19 +298,22 @@ class VolumeMount(_Model):
                 f"mount_path {path[:80]!r} must be a directory under {VOLUME_ROOT} (at most "
                 f"{_MAX_VOLUME_PATH_DEPTH} names, none '.' or '..'), e.g. {VOLUME_ROOT}/data"
             )
-        if names[0] == "artifacts":
-            # A sandbox's artifacts are copied from its own disk when it ends, within that
-            # disk's use: a volume there would keep most of its files from being kept.
-            raise ValueError(
-                f"mount_path {path[:80]!r}: a volume cannot be mounted at or under "
-                f"{VOLUME_ROOT}/artifacts (a sandbox's artifacts come from its own disk); "
-                f"mount it elsewhere, e.g. {VOLUME_ROOT}/data"
-            )
         return f"{VOLUME_ROOT}/" + "/".join(names)
 
 
 def check_volume_mounts(mounts: list[VolumeMount] | None) -> list[VolumeMount] | None:
-    """No volume twice, and no mount path at or inside another's."""
+    """No volume twice, no mount path at or inside another's, and none where the artifacts
+    are kept from (a create's check: a record from before it still reads)."""
+    for mount in mounts or []:
+        if nests_path(f"{VOLUME_ROOT}/artifacts", mount.mount_path):
+            # A sandbox's artifacts are copied from its own disk when it ends, within that
+            # disk's use: a volume there kept most of its files from being kept (red team,
+            # 2026-12-07).
+            raise ValueError(
+                f"mount_path {mount.mount_path[:80]!r}: a volume cannot be mounted at or under "
+                f"{VOLUME_ROOT}/artifacts (a sandbox's artifacts come from its own disk); "
+                f"mount it elsewhere, e.g. {VOLUME_ROOT}/data"
+            )
     for i, a in enumerate(mounts or []):
         for b in (mounts or [])[i + 1 :]:
             if a.name == b.name:
@@ -330,13 +333,14 @@ Volumes = list[VolumeMount | dict[str, object]] | dict[str, str]
 
 def volume_mounts(volumes: Volumes | None) -> list[VolumeMount | dict[str, object]] | None:
     """``volumes`` as the create's mounts (``{"data": "/workspace/data"}`` is one mount of
-    the volume "data", writable; ``"/workspace/data:ro"`` read-only, as docker's ``-v``),
+    the volume "data", writable; ``"/workspace/data:ro"`` read-only and ``":rw"`` writable,
+    as docker's ``-v``),
     validated with the rest of the create."""
     if isinstance(volumes, dict):
         return [
             {
                 "name": name,
-                "mount_path": path.removesuffix(":ro"),
+                "mount_path": path.removesuffix(":ro").removesuffix(":rw"),
                 "read_only": path.endswith(":ro"),
             }
             for name, path in volumes.items()

@@ -21,6 +21,7 @@ cannot both slip under a bound.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import resource
 from collections.abc import Iterable
@@ -129,6 +130,20 @@ def check_host(
             )
 
 
+def disk_room_now_mb(
+    data_dir: Path, unwritten_mb: float, host: HostCapacity
+) -> tuple[float, float]:
+    """What the data directory's disk can still take now beside ``unwritten_mb`` promised
+    and the slack, and its free space, in MB (infinite where it cannot be measured: a test's
+    manager that never started)."""
+    try:
+        stat = os.statvfs(data_dir)
+    except OSError:
+        return math.inf, math.inf
+    free_mb = stat.f_bavail * stat.f_frsize / (1 << 20)
+    return free_mb - host.disk_slack_mb - unwritten_mb, free_mb
+
+
 def check_disk_now(data_dir: Path, unwritten_mb: float, new_mb: float, host: HostCapacity) -> None:
     """Raise CapacityExhausted unless the data directory's disk, as free as it is now, holds
     ``new_mb`` more beside ``unwritten_mb`` (what the live sandboxes' disks and the volumes
@@ -137,12 +152,7 @@ def check_disk_now(data_dir: Path, unwritten_mb: float, new_mb: float, host: Hos
     other data directories' volumes, other programs; a tenant's kept artifacts alone took
     the room a disk was then admitted to, and the disk's fill corrupted another tenant's
     volume (red team, 2026-12-07)."""
-    try:
-        stat = os.statvfs(data_dir)
-    except OSError:
-        return  # no data directory to measure (a test's manager that was never started)
-    free_mb = stat.f_bavail * stat.f_frsize / (1 << 20)
-    room_mb = free_mb - host.disk_slack_mb - unwritten_mb
+    room_mb, free_mb = disk_room_now_mb(data_dir, unwritten_mb, host)
     if new_mb > room_mb:
         raise CapacityExhausted(
             f"the host's disk has no room for {new_mb:g} MB more: {free_mb:.0f} MB free now, "

@@ -16,6 +16,7 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -116,14 +117,19 @@ class Artifacts:
     def _dir(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id
 
-    async def export(self, live: Live) -> None:
+    async def export(
+        self,
+        live: Live,
+        disk_room: Callable[[int], contextlib.AbstractContextManager[int]] | None = None,
+    ) -> None:
         """Copy /workspace/artifacts out of a sandbox about to be destroyed.
 
         Each path must be a plain relative path that stays below the artifact directory on
         the host. All files together stay within what the sandbox's disk holds (at most its
         size) and what is left of its owner's artifact quota, smallest first. One file that
         cannot be copied (unreadable, vanished, over the budget) is skipped and never leaves
-        a partial copy; the others are still kept.
+        a partial copy; the others are still kept. ``disk_room(bytes)`` holds room on the
+        host's disk for the copies and says how much (the manager's count of it).
         """
         if live.conn is None or not live.conn.alive:
             return
@@ -135,15 +141,21 @@ class Artifacts:
             return  # no artifacts directory
         skips = _Skips(live.id)
         try:
-            await self._export_listed(live, listing, skips)
+            wanted = await _budget(live)
+            with disk_room(wanted) if disk_room is not None else _as_is(wanted) as budget:
+                if budget < wanted:
+                    skips.add("no room on the host's disk", bytes_kept_at_most=budget)
+                await self._export_listed(live, listing, skips, budget)
         finally:
             skips.close()
 
-    async def _export_listed(self, live: Live, listing: dict[str, Any], skips: _Skips) -> None:
+    async def _export_listed(
+        self, live: Live, listing: dict[str, Any], skips: _Skips, budget: int
+    ) -> None:
         for problem in listing.get("errors", []):
             skips.add("the guest could not list it", problem=problem)
         dest_root = self._dir(live.id).resolve()
-        budget, owner = await _budget(live), live.info.owner
+        owner = live.info.owner
         limit = artifact_limit_bytes(live.quota)
         files = [entry for entry in listing.get("entries", []) if entry.get("type") == "file"]
         # Smallest first: within the budget as many are kept as fit, and a file that would
@@ -540,3 +552,8 @@ def _utf8(name: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def _as_is(budget: int) -> Iterator[int]:
+    yield budget

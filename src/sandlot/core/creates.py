@@ -13,7 +13,7 @@ import builtins
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -23,14 +23,16 @@ from sandlot.core import admission, instances, placement
 from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import artifact_limit_bytes
 from sandlot.core.host_ledger import HostLedger, Reservation
+from sandlot.core.instances import disks_written_mb
 from sandlot.core.live import POOL_OWNER, Live, PoolKey
 from sandlot.core.lookup import Lookup
 from sandlot.core.pools import Pools, discard
 from sandlot.core.store import Elsewhere
 from sandlot.core.teardown import WAIT_FOR_ROOM_S, Teardowns
 from sandlot.core.volume_verbs import VolumeVerbs
-from sandlot.core.volumes import Lease
+from sandlot.core.volumes import Lease, volume_totals_mb
 from sandlot.errors import (
+    BackendUnavailable,
     CapacityExhausted,
     QuotaExceeded,
     SandboxError,
@@ -55,6 +57,8 @@ class CreateVerbs(VolumeVerbs, Lookup):
     _capacity: HostCapacity
     _teardowns: Teardowns
     _closing: bool
+    # MB that artifacts being kept now may still write (a destroy's export): promised.
+    _exporting_mb: float
 
     if TYPE_CHECKING:
 
@@ -271,12 +275,9 @@ class CreateVerbs(VolumeVerbs, Lookup):
         every named volume on the data directory's disk; and whether that disk, as free as it
         is now, still holds every disk and volume promised."""
         reserved = [*self._reserved(infos)]
-        volumes_full, volumes_unwritten = self._volumes.totals_mb()
         if self._ledger is not None:
             reserved += self._ledger.elsewhere()
-            other_full, other_unwritten = self._ledger.volumes_elsewhere()
-            volumes_full += other_full
-            volumes_unwritten += other_unwritten
+        volumes_full, volumes_unwritten = self._volume_totals()
         admission.check_host(
             reserved,
             limits,
@@ -284,44 +285,92 @@ class CreateVerbs(VolumeVerbs, Lookup):
             held_here=self._held_here(),
             volumes_mb=volumes_full,
         )
-        promised_mb = sum(r.disk_mb for r in reserved) + volumes_unwritten
-        admission.check_disk_now(
-            self.settings.data_dir, promised_mb, limits.disk_mb, self._capacity
-        )
+        disks_mb = sum(r.disk_mb for r in reserved)
+
+        def live_ids() -> set[str]:
+            pooled = self._pools.ids() if self._pools is not None else set()
+            return {info.id for info in infos} | pooled
+
+        self._check_disk_now(disks_mb, volumes_unwritten, limits.disk_mb, live_ids)
+
+    def _check_disk_now(
+        self,
+        disks_mb: float,
+        volumes_unwritten_mb: float,
+        new_mb: float,
+        live_ids: Callable[[], set[str]],
+    ) -> None:
+        """:func:`admission.check_disk_now` for ``new_mb`` beside the live disks' reserved
+        ``disks_mb``, the volumes' unwritten part and the artifacts being kept now. The live
+        disks count at full size, whose written part the free space already leaves out; so
+        before refusing, what the disks of ``live_ids`` (this data directory's) really have
+        written is looked at and given back (a tenant's writes within its disk otherwise took
+        twice their size of the host's room: red team, 2026-12-07)."""
+        promised_mb = disks_mb + volumes_unwritten_mb + self._exporting_mb
+        data_dir = self.settings.data_dir
+        try:
+            admission.check_disk_now(data_dir, promised_mb, new_mb, self._capacity)
+        except CapacityExhausted:
+            written_mb = disks_written_mb(data_dir, live_ids())
+            admission.check_disk_now(data_dir, promised_mb - written_mb, new_mb, self._capacity)
+
+    @contextlib.contextmanager
+    def _disk_for_artifacts(self, want_bytes: int) -> Iterator[int]:
+        """Room on the host's disk for a destroy's export of up to ``want_bytes`` of
+        artifacts, held (promised to it) until the export ends: the bytes it may copy. The
+        sandbox's disk still holds them while they are copied: an export of 270 MB beside it
+        filled the disk under another tenant's volume (red team, 2026-12-07)."""
+        infos = self._live_infos()
+        with self._host_turn():
+            reserved = [*self._reserved(infos)]
+            if self._ledger is not None:
+                reserved += self._ledger.elsewhere()
+            _, volumes_unwritten = self._volume_totals()
+            ids = {info.id for info in infos} | (self._pools.ids() if self._pools else set())
+            data_dir = self.settings.data_dir
+            promised_mb = sum(r.disk_mb for r in reserved) + volumes_unwritten
+            promised_mb += self._exporting_mb - disks_written_mb(data_dir, ids)
+            room_mb, _ = admission.disk_room_now_mb(data_dir, promised_mb, self._capacity)
+            granted_mb = max(0.0, min(want_bytes / (1 << 20), room_mb))
+            self._exporting_mb += granted_mb
+        try:
+            yield int(granted_mb * (1 << 20))
+        finally:
+            self._exporting_mb -= granted_mb
+
+    def _volume_totals(self) -> tuple[float, float]:
+        """Every named volume on the data directory's file system: this data directory's and
+        the other live managers' (read now from their data directories), full and unwritten
+        MB."""
+        full, unwritten = self._volumes.totals_mb()
+        if self._ledger is not None:
+            other_full, other_unwritten = self._ledger.volumes_elsewhere(volume_totals_mb)
+            full, unwritten = full + other_full, unwritten + other_unwritten
+        return full, unwritten
 
     @contextlib.contextmanager
     def _volume_room(self, size_mb: int) -> Iterator[None]:
         """Refuse a new volume the disk cannot hold beside every sandbox's disk and the other
         volumes (this data directory's and the others' on its file system), counted against
         the start's free space and against the free space now; hold the host's turn while it
-        is made, so no sandbox is admitted against the same room, and publish it (called in
-        the volume's worker thread: the turn is a file lock)."""
-        with self._host_turn():
-            own_full, own_unwritten = self._volumes.totals_mb()
-            if self._ledger is not None:
-                sandboxes_mb = self._ledger.disk_reserved_mb()
-                other_full, other_unwritten = self._ledger.volumes_elsewhere()
+        is made, so no sandbox is admitted against the same room (called in the volume's
+        worker thread: the turn is a file lock, and what it reads of this process's state is
+        copied in one step)."""
+        ledger = self._ledger  # once: a close() meanwhile sets it to None
+        if self._capacity is None:
+            raise BackendUnavailable("the manager is not started: start() it first")
+        with ledger.turn() if ledger is not None else contextlib.nullcontext():
+            volumes_full, volumes_unwritten = self._volume_totals()
+            if ledger is not None:
+                disks_mb = ledger.disk_reserved_mb()
             else:  # no ledger: this process's own, as its admission counts them
-                held = [*self._reserved([live.info for live in list(self._live.values())])]
+                lives = list(self._live.values())
+                held = [live.info.limits for live in lives]
                 held += [info.limits for info in self._teardowns.infos()]
-                sandboxes_mb = sum(limits.disk_mb for limits in held)
-                other_full = other_unwritten = 0.0
-            admission.check_volume_room(
-                sandboxes_mb, own_full + other_full, size_mb, self._capacity
-            )
-            admission.check_disk_now(
-                self.settings.data_dir,
-                sandboxes_mb + own_unwritten + other_unwritten,
-                size_mb,
-                self._capacity,
-            )
+                disks_mb = sum(limits.disk_mb for limits in held)
+            admission.check_volume_room(disks_mb, volumes_full, size_mb, self._capacity)
+            self._check_disk_now(disks_mb, volumes_unwritten, size_mb, lambda: set(self._live))
             yield
-            self._publish_volumes()
-
-    def _publish_volumes(self) -> None:
-        """Tell the host's ledger this data directory's volumes (within the host's turn)."""
-        if self._ledger is not None:
-            self._ledger.publish_volumes(self._volumes.totals_mb())
 
     def _publish(self, also: ResolvedLimits | None = None) -> None:
         """Tell the host's ledger what this process's sandboxes reserve (within the turn):

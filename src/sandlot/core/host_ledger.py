@@ -22,7 +22,7 @@ import fcntl
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -73,8 +73,9 @@ class HostLedger:
         self._path = root / f"{self._prefix}{instance}.json"
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._line: dict[str, object] = {"device": self._device}
-        self._volume_totals = (0.0, 0.0)
+        self._data_dir = str(data_dir.resolve())
+        with contextlib.suppress(OSError):
+            self.publish([], [])  # its data directory named from the start (its volumes)
 
     @classmethod
     def open(cls, root: Path, data_dir: Path, instance: str) -> HostLedger | None:
@@ -108,22 +109,12 @@ class HostLedger:
         """Write what this manager's sandboxes reserve (call within :meth:`turn`): ``held``
         (those its store records show) and ``unstored`` (those it does not: pooled, and one
         starting for a pool), which its data directory's other managers count from here;
-        with the volumes last published."""
+        and where its data directory is, whose named volumes the others read for themselves
+        (:meth:`volumes_elsewhere`)."""
         outside = list(unstored)  # summed twice: an iterator would be spent by the first
-        self._line = {"device": self._device, **_summed([*held, *outside])}
-        self._line["unstored"] = _summed(outside)
-        self._write()
-
-    def publish_volumes(self, totals: tuple[float, float]) -> None:
-        """Write this data directory's named volumes, their full size and unwritten part in
-        MB (call within :meth:`turn`): they share the disk with every data directory's on
-        that file system. The sandboxes' part is the last published."""
-        self._volume_totals = totals
-        self._write()
-
-    def _write(self) -> None:
-        line = {**self._line}
-        line["volumes_mb"], line["volumes_unwritten_mb"] = self._volume_totals
+        line: dict[str, object] = {"device": self._device, **_summed([*held, *outside])}
+        line["unstored"] = _summed(outside)
+        line["data_dir"] = self._data_dir
         data = json.dumps(line).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
@@ -176,14 +167,16 @@ class HostLedger:
                 log.warning("host ledger: a line is not amounts, skipped", path=entry.path)
         return total
 
-    def volumes_elsewhere(self) -> tuple[float, float]:
+    def volumes_elsewhere(
+        self, totals: Callable[[Path], tuple[float, float]]
+    ) -> tuple[float, float]:
         """The named volumes of the other data directories on this file system (call within
-        :meth:`turn`): their full size and unwritten part in MB, each data directory's once
-        (its managers each write the same totals; the largest is taken). A volume of
-        another data directory and a disk of this one fill the same disk (red team,
-        2026-12-07: counted by neither, they corrupted a volume)."""
-        full: dict[str, float] = {}
-        unwritten: dict[str, float] = {}
+        :meth:`turn`): ``totals(data_dir)``, read now from each live manager's data
+        directory, each once. A volume of another data directory and a disk of this one fill
+        the same disk (red team, 2026-12-07: counted by neither, they corrupted a volume);
+        totals each manager kept of its own went stale when another manager of its data
+        directory made a volume and ended (the next round)."""
+        found: set[str] = set()
         for entry in os.scandir(self._root):
             name = entry.name
             if name.startswith((".", self._prefix)) or not name.endswith(".json"):
@@ -191,16 +184,14 @@ class HostLedger:
             line = _live_line(Path(entry.path))
             if line is None or line.get("device") != self._device:
                 continue
-            data_dir = "-".join(name.split("-", 2)[:2])  # its data directory's device, inode
-            try:
-                size = _amount(line.get("volumes_mb", 0))
-                left = _amount(line.get("volumes_unwritten_mb", 0))
-            except (TypeError, ValueError):
-                log.warning("host ledger: a line is not amounts, skipped", path=entry.path)
-                continue
-            full[data_dir] = max(full.get(data_dir, 0.0), size)
-            unwritten[data_dir] = max(unwritten.get(data_dir, 0.0), left)
-        return sum(full.values()), sum(unwritten.values())
+            data_dir = line.get("data_dir")
+            if isinstance(data_dir, str) and data_dir.startswith("/"):
+                found.add(data_dir)
+        full = unwritten = 0.0
+        for data_dir in sorted(found):
+            size, left = totals(Path(data_dir))
+            full, unwritten = full + size, unwritten + left
+        return full, unwritten
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

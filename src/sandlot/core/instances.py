@@ -343,3 +343,34 @@ def _age_s(path: Path) -> float:
         return time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return 0.0
+
+
+# Where each backend keeps a sandbox's directory, under its instance's (the disk image is
+# ``disk.img`` there: backends/disk.py).
+SANDBOX_DIRS = ("sandboxes", "docker-sandboxes")
+DISK_IMAGE = "disk.img"
+
+
+def disks_written_mb(data_dir: Path, ids: set[str]) -> float:
+    """What the disk images of the sandboxes ``ids`` (any instance's of ``data_dir``) hold
+    now, in MB: the part of their reservations the disk's free space already leaves out."""
+    if not ids:
+        return 0.0
+    written = 0
+    try:
+        instances = list(os.scandir(data_dir / INSTANCES))
+    except OSError:
+        return 0.0
+    for instance in instances:
+        for kind in SANDBOX_DIRS:
+            try:
+                entries = list(os.scandir(Path(instance.path) / kind))
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.name not in ids:
+                    continue
+                with contextlib.suppress(OSError):
+                    st = (Path(entry.path) / DISK_IMAGE).lstat()
+                    written += min(st.st_size, st.st_blocks * 512)
+    return written / (1 << 20)

@@ -90,6 +90,7 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
         # Destroyed sandboxes whose record the store could not save (a full disk): saved
         # again when their teardown ends.
         self._unsaved: set[str] = set()
+        self._exporting_mb = 0.0  # room on the disk held for artifacts being kept now
         self._reaper: asyncio.Task[None] | None = None
         # The reaper's destroys under way, REAP_CONCURRENCY at once (reap()).
         self._reaping: dict[str, asyncio.Task[None]] = {}
@@ -180,9 +181,6 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
         admission.raise_nofile_limit()
         # Measured after the sweep: nothing of ours holds the host's memory or disk now.
         self._capacity = HostCapacity.measure(self.settings, self._volumes.written_mb())
-        if self._ledger is not None:
-            with self._ledger.turn():  # the other data directories count its volumes now
-                self._publish_volumes()
         self._dead_peers = recovery.DeadPeers(
             functools.partial(self._recover, set()), data_dir, self._instance.id
         )
@@ -342,7 +340,7 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
             async with live.lock:
                 try:
                     async with asyncio.timeout(EXPORT_TIMEOUT_S):
-                        await self._artifacts.export(live)
+                        await self._artifacts.export(live, self._disk_for_artifacts)
                 except (SandboxError, OSError, TimeoutError) as exc:
                     log.warning("artifacts not kept", sandbox=sandbox_id, error=repr(exc))
                 if live.conn is not None:
@@ -382,8 +380,8 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
         self._release_lease(info.id)
         try:
             if info.id in self._unsaved:
-                self._unsaved.discard(info.id)
                 self._store.save(info)  # its destroy's record, once its disk is free
+                self._unsaved.discard(info.id)
             self._store.release(info.id)
         except sqlite3.Error as exc:  # the others count it until this instance is gone
             log.warning("teardown's release not recorded", sandbox=info.id, error=repr(exc))

@@ -49,7 +49,8 @@ class Teardowns:
 
     def infos(self) -> list[SandboxInfo]:
         """The records of the sandboxes still being torn down (they hold their limits)."""
-        return [live.info for live, _ in self._under_way.values()]
+        # Copied in one step first: a volume's create reads this from its worker thread.
+        return [live.info for live, _ in list(self._under_way.values())]
 
     async def wait_for_room(self, owner: str | None) -> bool:
         """Wait, at most :data:`WAIT_FOR_ROOM_S`, for the teardowns under way now of

@@ -30,10 +30,6 @@ class VolumeVerbs:
 
         def _volume_room(self, size_mb: int) -> contextlib.AbstractContextManager[None]: ...
 
-        def _host_turn(self) -> contextlib.AbstractContextManager[None]: ...
-
-        def _publish_volumes(self) -> None: ...
-
     def _init_volumes(self) -> None:
         self._volumes = VolumeStore(
             self.settings.data_dir, max_volume_mb=self.settings.max_volume_mb
@@ -72,11 +68,6 @@ class VolumeVerbs:
             VolumeInUse: a live sandbox has it attached (destroy that first).
         """
         await asyncio.to_thread(self._volumes.delete, owner, name)
-        await asyncio.to_thread(self._published_volumes)
-
-    def _published_volumes(self) -> None:
-        with self._host_turn():  # its room is the host's again, for every data directory
-            self._publish_volumes()
 
     async def _lease_volumes(
         self, backend: Backend, runtime: str | None, owner: str, mounts: Sequence[VolumeMount]

@@ -161,17 +161,7 @@ class VolumeStore:
     def images(self) -> Iterator[os.stat_result]:
         """Every volume image in the data directory, every tenant's, those being made or
         deleted too (each may still fill to its size)."""
-        try:
-            tenants = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return
-        for tenant in tenants:
-            if not tenant.is_dir(follow_symlinks=False):
-                continue
-            with contextlib.suppress(OSError):
-                for entry in os.scandir(tenant.path):
-                    with contextlib.suppress(OSError):
-                        yield (Path(entry.path) / IMAGE).lstat()
+        return _images(self.root)
 
     def committed_mb(self) -> float:
         """What the volumes may take of the disk, written or not: each one's full size. The
@@ -180,11 +170,7 @@ class VolumeStore:
 
     def totals_mb(self) -> tuple[float, float]:
         """The volumes' full size and their unwritten part, in MB (one look at each)."""
-        full = unwritten = 0
-        for st in self.images():
-            full += st.st_size
-            unwritten += max(0, st.st_size - st.st_blocks * 512)
-        return full / (1 << 20), unwritten / (1 << 20)
+        return volume_totals_mb(self.root.parent)
 
     def written_mb(self) -> float:
         """What the volumes' images take of the disk now."""
@@ -379,3 +365,26 @@ def _flocked(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def volume_totals_mb(data_dir: Path) -> tuple[float, float]:
+    """A data directory's named volumes: their full size and unwritten part, in MB."""
+    full = unwritten = 0
+    for st in _images(data_dir / VOLUMES_DIR):
+        full += st.st_size
+        unwritten += max(0, st.st_size - st.st_blocks * 512)
+    return full / (1 << 20), unwritten / (1 << 20)
+
+
+def _images(root: Path) -> Iterator[os.stat_result]:
+    try:
+        tenants = list(os.scandir(root))
+    except FileNotFoundError:
+        return
+    for tenant in tenants:
+        if not tenant.is_dir(follow_symlinks=False):
+            continue
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(tenant.path):
+                with contextlib.suppress(OSError):
+                    yield (Path(entry.path) / IMAGE).lstat()
