@@ -243,6 +243,28 @@ def test_many_sandboxes_read_a_volume_at_once_and_none_writes_beside_them(
         _run(writer, "echo v2 > /workspace/data/f")
 
 
+def test_a_journal_to_replay_is_said_to_a_reader_and_a_writer_replays_it(
+    manager: SandboxManager, owner: str
+) -> None:
+    _volume(manager, owner, "crashed")
+    image = manager.settings.data_dir / "volumes" / tenant_dir_name(owner) / "crashed" / IMAGE
+    # As a host crash mid-write leaves it.
+    subprocess.run(
+        ["debugfs", "-w", "-R", "feature needs_recovery", str(image)],
+        check=True,
+        capture_output=True,
+    )
+    from sandlot.errors import SandboxStartError
+
+    with pytest.raises(SandboxStartError, match="journal needs replaying"):
+        _create_ro(manager, owner, "crashed")
+    with _create(manager, owner, crashed="data") as writer:
+        _run(writer, "echo ok > /workspace/data/f")
+    get_portal().call(manager.settle())
+    with _create_ro(manager, owner, "crashed") as reader:
+        assert _run(reader, "cat /workspace/data/f") == "ok\n"
+
+
 def test_a_read_only_mount_refuses_writes(manager: SandboxManager, owner: str) -> None:
     _volume(manager, owner, "ro")
     mounts = [VolumeMount(name="ro", mount_path="ro", read_only=True)]

@@ -176,6 +176,13 @@ def open_volume(image: Path, host_uid: int, *, read_only: bool, userns: int | No
     except NoLoopConfigure as exc:
         raise SandboxStartError("volumes need LOOP_CONFIGURE (Linux >= 5.8)") from exc
     except OSError as exc:
+        if read_only and exc.errno == errno.EROFS:
+            # ext4 replays a journal only where it may write (a host crash mid-write left
+            # one to replay): a read-only attach cannot.
+            raise SandboxStartError(
+                f"the volume {image.parent.name} was not cleanly detached and its journal "
+                "needs replaying: attach it once read-write, then read-only"
+            ) from exc
         raise SandboxStartError(f"could not mount the volume {image.parent.name}: {exc}") from exc
 
 
