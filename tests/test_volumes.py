@@ -665,6 +665,42 @@ def test_artifacts_are_kept_only_where_the_disk_has_room_for_them(small_disk: Pa
         portal.call(manager.close())
 
 
+def test_a_crashed_managers_artifacts_are_kept_only_where_the_disk_has_room(
+    small_disk: Path,
+) -> None:
+    """A manager that recovers a crashed one's sandboxes copies their artifacts while their
+    disks still hold them; unbounded by the disk, 371 MB so copied took the room another
+    manager's volume was promised, and its writes failed (red team, 2026-12-07)."""
+    from sandlot.requests import CreateVolume
+    from tests.test_recovery import crash_a_manager
+
+    portal = get_portal()
+    small_disk.mkdir()
+    big = "import os\nopen('artifacts/big.bin', 'wb').write(os.urandom(50 << 20))"
+    crashed = crash_a_manager(small_disk, count=1, extra=big)
+    live = _small_manager(small_disk)  # recovers the crashed one's sandbox at its start
+    live_ids = {a.path for a in portal.call(live.list_artifacts(crashed[0]["id"]))}
+    assert "big.bin" in live_ids  # room enough then: kept
+    portal.call(live.close())
+
+    survivor = _small_manager(small_disk)
+    try:
+        fs = os.statvfs(small_disk)
+        free_mb = fs.f_bavail * fs.f_frsize / (1 << 20)
+        # Promised to a volume: all that is free past the slack but a disk of 64 MB and 10.
+        size = int(free_mb - survivor._capacity.disk_slack_mb - 74)
+        portal.call(survivor.create_volume(CreateVolume(name="promised", size_mb=size)))
+        crashed = crash_a_manager(small_disk, count=1, extra=big)
+        recovering = _small_manager(small_disk)
+        kept = {a.path for a in portal.call(recovering.list_artifacts(crashed[0]["id"]))}
+        assert "out.txt" in kept and "big.bin" not in kept
+        fs = os.statvfs(small_disk)
+        assert fs.f_bavail * fs.f_frsize >= size << 20  # the volume can still be filled
+        portal.call(recovering.close())
+    finally:
+        portal.call(survivor.close())
+
+
 def test_a_backend_without_volumes_says_so(tmp_path: Path) -> None:
     settings = make_settings(tmp_path / "d", backend="unsafe-local")
     portal = get_portal()

@@ -34,6 +34,9 @@ from sandlot.models import ArtifactInfo, Quota, SandboxInfo
 log = structlog.get_logger(__name__)
 
 ARTIFACTS_DIR = "artifacts"
+# Holds room on the host's disk for an export that may copy up to the bytes given, for the
+# block: the bytes it may copy (the manager's count of the disk, creates._disk_for_artifacts).
+DiskRoom = Callable[[int], contextlib.AbstractContextManager[int]]
 # Copies under way, beside the sandboxes' directories (whose names are sandbox ids): a name
 # next to the kept files (``.<name>.partial``) could be an artifact's own, and the copy
 # replaced that artifact, leaving its record with no file (red team, 2026-11-25).
@@ -117,11 +120,7 @@ class Artifacts:
     def _dir(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id
 
-    async def export(
-        self,
-        live: Live,
-        disk_room: Callable[[int], contextlib.AbstractContextManager[int]] | None = None,
-    ) -> None:
+    async def export(self, live: Live, disk_room: DiskRoom | None = None) -> None:
         """Copy /workspace/artifacts out of a sandbox about to be destroyed.
 
         Each path must be a plain relative path that stays below the artifact directory on
@@ -239,16 +238,20 @@ class Artifacts:
         fd, name = tempfile.mkstemp(prefix="copy-", dir=staging)
         return fd, Path(name)
 
-    async def export_from_host(self, info: SandboxInfo, workspace: Path) -> None:
+    async def export_from_host(
+        self, info: SandboxInfo, workspace: Path, disk_room: DiskRoom | None = None
+    ) -> None:
         """Keep the artifacts of an orphan (a crashed manager's sandbox, its guest gone) by
         reading its workspace on the host, as hostile: no symlink is followed at any depth,
         only regular files are read, within the sandbox's disk size and 100,000 entries, and
         within what is left of its owner's artifact quota (the one recorded at its create),
         as a destroy's export is: at most :data:`MAX_KEPT_FILES` files, for at most
-        :data:`EXPORT_TIMEOUT_S`."""
-        await asyncio.to_thread(self._copy_from_host, info, workspace)
+        :data:`EXPORT_TIMEOUT_S`; and within the room ``disk_room`` holds on the disk."""
+        wanted = await asyncio.to_thread(_host_budget, info, workspace)
+        with disk_room(wanted) if disk_room is not None else _as_is(wanted) as budget:
+            await asyncio.to_thread(self._copy_from_host, info, workspace, budget)
 
-    def _copy_from_host(self, info: SandboxInfo, workspace: Path) -> None:
+    def _copy_from_host(self, info: SandboxInfo, workspace: Path, budget: int) -> None:
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             top = os.open(workspace, flags)
@@ -260,7 +263,7 @@ class Artifacts:
             return  # no artifacts directory
         finally:
             os.close(top)
-        walk = _HostWalk(self, info, self._dir(info.id).resolve(), workspace)
+        walk = _HostWalk(self, info, self._dir(info.id).resolve(), budget)
         try:
             walk.directory(artifacts, PurePosixPath(), depth=0)
         finally:
@@ -425,12 +428,12 @@ class _HostWalk:
     MAX_ENTRIES = 100_000
 
     def __init__(
-        self, artifacts: Artifacts, info: SandboxInfo, dest_root: Path, workspace: Path
+        self, artifacts: Artifacts, info: SandboxInfo, dest_root: Path, budget: int
     ) -> None:
         self.artifacts = artifacts
         self.info = info
         self.dest_root = dest_root
-        self.budget = _host_budget(info, workspace)
+        self.budget = budget
         self.limit = artifacts.store.artifact_limit(info.id)
         self.entries = 0
         self.files = 0
@@ -490,6 +493,11 @@ class _HostWalk:
         try:
             st = os.fstat(src)
             if not stat.S_ISREG(st.st_mode):
+                return
+            if st.st_size > self.budget:
+                # Not read at all (what is left may keep the smaller ones): past what its
+                # disk held or the host's disk has room for.
+                self.skips.add("larger than what is left to keep", path=kept)
                 return
             # Reserved against the owner's quota before the copy, which may read no more:
             # the orphan's processes may still be writing to it until the sweep.

@@ -316,22 +316,34 @@ class CreateVerbs(VolumeVerbs, Lookup):
 
     @contextlib.contextmanager
     def _disk_for_artifacts(self, want_bytes: int) -> Iterator[int]:
-        """Room on the host's disk for a destroy's export of up to ``want_bytes`` of
-        artifacts, held (promised to it) until the export ends: the bytes it may copy. The
-        sandbox's disk still holds them while they are copied: an export of 270 MB beside it
-        filled the disk under another tenant's volume (red team, 2026-12-07)."""
+        """Room on the host's disk for an export of up to ``want_bytes`` of artifacts (a
+        destroy's, or a crashed manager's orphan's at recovery), held (promised to it) until
+        the export ends: the bytes it may copy. The sandbox's disk still holds them while
+        they are copied: an export of 270 MB beside it filled the disk under another
+        tenant's volume, and so did a recovery's (red team, 2026-12-07)."""
+        capacity = self._capacity or HostCapacity.measure(
+            self.settings, self._volumes.written_mb()
+        )  # at the start's recovery, before the manager measures it
         infos = self._live_infos()
+        want_mb = want_bytes / (1 << 20)
+        data_dir = self.settings.data_dir
         with self._host_turn():
             reserved = [*self._reserved(infos)]
             if self._ledger is not None:
                 reserved += self._ledger.elsewhere()
             _, volumes_unwritten = self._volume_totals()
-            ids = {info.id for info in infos} | (self._pools.ids() if self._pools else set())
-            data_dir = self.settings.data_dir
             promised_mb = sum(r.disk_mb for r in reserved) + volumes_unwritten
-            promised_mb += self._exporting_mb - disks_written_mb(data_dir, ids)
-            room_mb, _ = admission.disk_room_now_mb(data_dir, promised_mb, self._capacity)
-            granted_mb = max(0.0, min(want_bytes / (1 << 20), room_mb))
+            promised_mb += self._exporting_mb
+            room_mb, _ = admission.disk_room_now_mb(data_dir, promised_mb, capacity)
+            if room_mb < want_mb:
+                # Live disks count at full size, whose written part the free space leaves
+                # out: looked at only where it matters (a look at each live disk).
+                pooled = self._pools.ids() if self._pools is not None else set()
+                written_mb = disks_written_mb(data_dir, {i.id for i in infos} | pooled)
+                room_mb, _ = admission.disk_room_now_mb(
+                    data_dir, promised_mb - written_mb, capacity
+                )
+            granted_mb = max(0.0, min(want_mb, room_mb))
             self._exporting_mb += granted_mb
         try:
             yield int(granted_mb * (1 << 20))
@@ -349,13 +361,15 @@ class CreateVerbs(VolumeVerbs, Lookup):
         return full, unwritten
 
     @contextlib.contextmanager
-    def _volume_room(self, size_mb: int) -> Iterator[None]:
+    def _volume_room(self, size_mb: int, live_ids: set[str] | None = None) -> Iterator[None]:
         """Refuse a new volume the disk cannot hold beside every sandbox's disk and the other
         volumes (this data directory's and the others' on its file system), counted against
         the start's free space and against the free space now; hold the host's turn while it
         is made, so no sandbox is admitted against the same room (called in the volume's
         worker thread: the turn is a file lock, and what it reads of this process's state is
-        copied in one step)."""
+        copied in one step). ``live_ids``: the data directory's live sandboxes (every
+        process's, from the store, read on the loop), whose disks' written part is given back
+        before a refusal."""
         ledger = self._ledger  # once: a close() meanwhile sets it to None
         if self._capacity is None:
             raise BackendUnavailable("the manager is not started: start() it first")
@@ -369,7 +383,8 @@ class CreateVerbs(VolumeVerbs, Lookup):
                 held += [info.limits for info in self._teardowns.infos()]
                 disks_mb = sum(limits.disk_mb for limits in held)
             admission.check_volume_room(disks_mb, volumes_full, size_mb, self._capacity)
-            self._check_disk_now(disks_mb, volumes_unwritten, size_mb, lambda: set(self._live))
+            ids = live_ids if live_ids is not None else set(self._live)
+            self._check_disk_now(disks_mb, volumes_unwritten, size_mb, lambda: ids)
             yield
 
     def _publish(self, also: ResolvedLimits | None = None) -> None:

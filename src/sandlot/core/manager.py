@@ -196,6 +196,7 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
             self.settings,
             self._instance.id,
             extra_backends | {self.settings.backend},
+            self._disk_for_artifacts,
         )
         for info in orphans:
             self._end(info, SandboxStatus.DESTROYED, "recovered")

@@ -22,7 +22,7 @@ import structlog
 from sandlot.backends import KNOWN_BACKENDS, Backend, create_backend
 from sandlot.config import Settings
 from sandlot.core import instances
-from sandlot.core.artifacts import Artifacts
+from sandlot.core.artifacts import Artifacts, DiskRoom
 from sandlot.core.store import Store
 from sandlot.errors import SandboxError
 from sandlot.models import SandboxInfo
@@ -68,13 +68,19 @@ class DeadPeers:
 
 
 async def recover(
-    store: Store, artifacts: Artifacts, settings: Settings, mine: str, legacy_backends: set[str]
+    store: Store,
+    artifacts: Artifacts,
+    settings: Settings,
+    mine: str,
+    legacy_backends: set[str],
+    disk_room: DiskRoom | None = None,
 ) -> list[SandboxInfo]:
     """Recover every dead instance but ``mine``; return the orphans' records (to be ended).
 
     ``legacy_backends`` (the default one and those the pools use) are swept in a
     pre-instance layout besides those its records name (its pooled sandboxes were never
-    stored).
+    stored). ``disk_room``: what holds room on the host's disk for an orphan's artifacts
+    before they are copied (the manager's count of the disk).
     """
     data_dir = settings.data_dir
     fd = await asyncio.to_thread(instances.lock_recovery, data_dir)
@@ -92,7 +98,9 @@ async def recover(
             )
             swept = False
             try:
-                swept = await _recover_one(records, names, dead.settings(settings), artifacts)
+                swept = await _recover_one(
+                    records, names, dead.settings(settings), artifacts, disk_room
+                )
             finally:
                 dead.remove(sweep_ok=swept)
             if swept:
@@ -101,7 +109,7 @@ async def recover(
         legacy = store.list(live_only=True, instance="")
         if legacy or instances.legacy_leftovers(data_dir):
             names = store.backends_used("") | legacy_backends
-            if await _recover_one(legacy, names, settings, artifacts):
+            if await _recover_one(legacy, names, settings, artifacts, disk_room):
                 instances.remove_legacy(data_dir)
             orphans += legacy
         return orphans
@@ -110,7 +118,11 @@ async def recover(
 
 
 async def _recover_one(
-    records: list[SandboxInfo], names: set[str], settings: Settings, artifacts: Artifacts
+    records: list[SandboxInfo],
+    names: set[str],
+    settings: Settings,
+    artifacts: Artifacts,
+    disk_room: DiskRoom | None,
 ) -> bool:
     """Keep the records' artifacts, sweep the named backends of one dead instance (its
     ``settings.data_dir``); return whether every sweep succeeded."""
@@ -124,7 +136,7 @@ async def _recover_one(
             swept = False
     try:
         for info in records:
-            await _rescue_artifacts(info, artifacts, backends.get(info.backend))
+            await _rescue_artifacts(info, artifacts, backends.get(info.backend), disk_room)
         for name, backend in backends.items():
             try:
                 removed = await backend.sweep(keep=())
@@ -144,13 +156,13 @@ async def _recover_one(
 
 
 async def _rescue_artifacts(
-    info: SandboxInfo, artifacts: Artifacts, backend: Backend | None
+    info: SandboxInfo, artifacts: Artifacts, backend: Backend | None, disk_room: DiskRoom | None
 ) -> None:
     if backend is None:
         return
     try:
         workspace = backend.workspace_on_host(info.id)
         if workspace is not None:
-            await artifacts.export_from_host(info, workspace)
+            await artifacts.export_from_host(info, workspace, disk_room)
     except Exception as exc:  # the orphan's remains are hostile: any failure
         log.warning("artifacts of an orphan not kept", sandbox=info.id, error=repr(exc))

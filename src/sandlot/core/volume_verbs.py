@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from sandlot.backends.base import Backend, require_volumes
 from sandlot.config import Settings
 from sandlot.core.volumes import Lease, VolumeStore
-from sandlot.models import Quota, VolumeInfo, VolumeMount
+from sandlot.models import Quota, SandboxInfo, VolumeInfo, VolumeMount
 from sandlot.requests import CreateVolume
 
 
@@ -28,7 +29,13 @@ class VolumeVerbs:
 
     if TYPE_CHECKING:
 
-        def _volume_room(self, size_mb: int) -> contextlib.AbstractContextManager[None]: ...
+        def _volume_room(
+            self, size_mb: int, live_ids: set[str] | None = None
+        ) -> contextlib.AbstractContextManager[None]: ...
+
+        def _live_infos(
+            self, elsewhere: builtins.list[SandboxInfo] | None = None
+        ) -> builtins.list[SandboxInfo]: ...
 
     def _init_volumes(self) -> None:
         self._volumes = VolumeStore(
@@ -49,8 +56,11 @@ class VolumeVerbs:
                 sandboxes' disks and the other volumes.
             BackendUnavailable: this host could not make it (mkfs.ext4 failed).
         """
+        # The data directory's live sandboxes, from the store (read here, on the loop).
+        live_ids = {info.id for info in self._live_infos()}
+        room = functools.partial(self._volume_room, live_ids=live_ids)
         return await asyncio.to_thread(
-            self._volumes.create, owner, request.name, request.size_mb, quota, self._volume_room
+            self._volumes.create, owner, request.name, request.size_mb, quota, room
         )
 
     async def list_volumes(self, *, owner: str = "local") -> builtins.list[VolumeInfo]:
