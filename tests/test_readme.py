@@ -124,6 +124,6 @@ def test_server_setup_commands_run(env: dict[str, str]) -> None:
 def test_license_is_the_one_pyproject_names() -> None:
     license_text = (README.parent / "LICENSE").read_text()
     pyproject = tomllib.loads((README.parent / "pyproject.toml").read_text())
-    assert pyproject["project"]["license"] == {"text": "MIT"}
+    assert pyproject["project"]["license"] == "MIT"  # an SPDX expression (PEP 639)
     assert license_text.startswith("MIT License\n")
     assert "Copyright (c) 2026 the sandlot authors" in license_text
