@@ -701,6 +701,37 @@ def test_a_crashed_managers_artifacts_are_kept_only_where_the_disk_has_room(
         portal.call(survivor.close())
 
 
+def test_kept_artifacts_pay_for_their_inodes_and_directories(small_disk: Path) -> None:
+    """Empty files cost an export nothing: 10,000 of them 8 deep took 138 MB and every inode
+    of the data directory's file system at 0 bytes charged (red team, 2026-12-07). Each kept
+    file now costs its blocks, one more, and a block for each directory above it, within
+    what its disk held; and an export leaves a tenth of the inodes."""
+    portal = get_portal()
+    manager = _small_manager(small_disk)
+    try:
+        info = portal.call(manager.create(SandboxSpec(disk_mb=64)))
+        sb = Sandbox.connect(info.id, manager=manager)
+        _run(
+            sb,
+            "cd /workspace && for i in $(seq 2000); do mkdir -p artifacts/$i/a/b; "
+            ": > artifacts/$i/a/b/f; done",
+        )
+        used = portal.call(manager.usage(info.id)).disk_used_bytes
+        assert used is not None
+        before = os.statvfs(small_disk).f_ffree
+        sb.kill()
+        portal.call(manager.settle())
+        kept = portal.call(manager.list_artifacts(info.id))
+        taken = sum(1 for _ in (small_disk / "artifacts" / info.id).rglob("*"))
+        # Each kept file took its inode and at most its three directories', all paid for.
+        assert taken <= 4 * len(kept)
+        assert len(kept) * 4 * 4096 <= used + 4096
+        assert 0 < len(kept) < 2000
+        assert os.statvfs(small_disk).f_ffree >= before - taken
+    finally:
+        portal.call(manager.close())
+
+
 def test_a_backend_without_volumes_says_so(tmp_path: Path) -> None:
     settings = make_settings(tmp_path / "d", backend="unsafe-local")
     portal = get_portal()

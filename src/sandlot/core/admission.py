@@ -20,6 +20,7 @@ cannot both slip under a bound.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -130,6 +131,11 @@ def check_host(
             )
 
 
+# Below this share of its inodes free, the data directory's disk takes no new sandbox or
+# volume (what is left is the store's and the live sandboxes').
+INODE_RESERVE_FRACTION = 0.05
+
+
 def disk_room_now_mb(
     data_dir: Path, unwritten_mb: float, host: HostCapacity
 ) -> tuple[float, float]:
@@ -153,6 +159,13 @@ def check_disk_now(data_dir: Path, unwritten_mb: float, new_mb: float, host: Hos
     the room a disk was then admitted to, and the disk's fill corrupted another tenant's
     volume (red team, 2026-12-07)."""
     room_mb, free_mb = disk_room_now_mb(data_dir, unwritten_mb, host)
+    with contextlib.suppress(OSError):
+        fs = os.statvfs(data_dir)
+        if fs.f_files and fs.f_favail < fs.f_files * INODE_RESERVE_FRACTION:
+            raise CapacityExhausted(
+                f"the host's disk is out of inodes: {fs.f_favail} of {fs.f_files} free; "
+                "retry when sandboxes end, or delete kept artifacts or volumes"
+            )
     if new_mb > room_mb:
         raise CapacityExhausted(
             f"the host's disk has no room for {new_mb:g} MB more: {free_mb:.0f} MB free now, "

@@ -26,7 +26,7 @@ from sandlot._fs import remove_tree
 from sandlot.backends.disk import disk_used_bytes
 from sandlot.core.files import read_through
 from sandlot.core.live import Live
-from sandlot.core.store import PENDING_ARTIFACT_TTL_S, Store
+from sandlot.core.store import BLOCK_BYTES, PENDING_ARTIFACT_TTL_S, Store, artifact_charge
 from sandlot.errors import SandboxError, SandboxFileNotFound
 from sandlot.guest.ops import Op
 from sandlot.models import ArtifactInfo, Quota, SandboxInfo
@@ -47,6 +47,8 @@ STAGING_DIR = ".staging"
 # reaper pass, as the staging copies are.
 TRASH_DIR = ".trash"
 MIB = 1 << 20
+# What any export may keep, whatever little its disk holds (a few hundred small files).
+MIN_EXPORT_BYTES = MIB
 # Artifacts are read through the guest, which sandboxed code can slow down: bound the wait.
 # A crashed manager's orphans are read on the host, within the same time.
 EXPORT_TIMEOUT_S = 60.0
@@ -92,7 +94,7 @@ async def _budget(live: Live) -> int:
         used = (await live.backend.usage(live.id)).disk_used_bytes
     except (SandboxError, OSError):
         used = None
-    return live.disk_bytes if used is None else min(live.disk_bytes, used)
+    return live.disk_bytes if used is None else min(live.disk_bytes, _at_least(used))
 
 
 def _host_budget(info: SandboxInfo, workspace: Path) -> int:
@@ -100,7 +102,14 @@ def _host_budget(info: SandboxInfo, workspace: Path) -> int:
     it is a capped disk (else the host's, above the disk size: no bound but that)."""
     used = disk_used_bytes(workspace)
     disk_bytes = info.limits.disk_mb * MIB
-    return disk_bytes if used is None else min(disk_bytes, used)
+    return disk_bytes if used is None else min(disk_bytes, _at_least(used))
+
+
+def _at_least(used: int) -> int:
+    """An export's budget from what its disk holds, with room for a few small files: a kept
+    file costs the host its 4 KiB blocks, one more and its directories' (``_host_cost``),
+    where the sandbox's small disk holds it in 1 KiB blocks."""
+    return max(used, MIN_EXPORT_BYTES)
 
 
 def artifact_limit_bytes(quota: Quota | None) -> int | None:
@@ -167,14 +176,20 @@ class Artifacts:
                 files=len(files),
                 kept=MAX_KEPT_FILES,
             )
+        inodes = _inodes_left(self.root.parent)
         for entry in files[:MAX_KEPT_FILES]:
             target = _target(dest_root, entry)
             if target is None or budget <= 0:
                 continue
             rel, kept = str(entry["path"]), str(target.relative_to(dest_root))
+            cost = _host_cost(_listed_size(entry), kept)
+            if cost > budget or _inodes(kept) > inodes:
+                skips.add("more than the host's disk has left to keep", path=rel)
+                continue
+            inodes -= _inodes(kept)
             # Its listed size (the sandbox's word) is reserved against the owner's quota
             # before the copy, which may read no more than that.
-            size_bytes = min(budget, _listed_size(entry))
+            size_bytes = _listed_size(entry)
             if not self.store.reserve_artifact(owner, live.id, kept, size_bytes, limit):
                 skips.add("over the owner's quota", path=rel)
                 continue
@@ -189,9 +204,9 @@ class Artifacts:
                 # before, so each sparse file of a TB read a whole disk's worth again (50 of
                 # them: 60 s, 20 s of the manager's CPU and 3.6 GiB written a destroy; red
                 # team, 2026-12-06).
-                budget -= size_bytes
+                budget -= cost
                 continue
-            budget -= size
+            budget -= _host_cost(size, kept)
             self.store.add_artifact(
                 ArtifactInfo(
                     sandbox_id=live.id,
@@ -414,6 +429,36 @@ def _may_have_artifacts(live: Live) -> bool:
     return True
 
 
+# Of the host file system's inodes, the share no export takes: the store, the sandboxes'
+# disks and everything else need theirs (red team, 2026-12-07: 10,000 empty files 8 deep,
+# kept at a recovery, took every inode of the data directory's file system).
+INODE_RESERVE_FRACTION = 0.1
+
+
+def _host_cost(size_bytes: int, kept: str) -> int:
+    """What keeping a file of ``size_bytes`` at ``kept`` may take of the host's disk: its
+    blocks, one more (its inode's share, as the quota charges), and a block for each
+    directory it may need. An empty file cost nothing, and 10,000 of them 8 deep took 138 MB
+    and 38,000 inodes at 0 bytes charged (red team, 2026-12-07)."""
+    return artifact_charge(size_bytes) + BLOCK_BYTES * (_inodes(kept) - 1)
+
+
+def _inodes(kept: str) -> int:
+    """Inodes keeping a file at ``kept`` may take: itself and each directory above it."""
+    return len(PurePosixPath(kept).parts)
+
+
+def _inodes_left(path: Path) -> int:
+    """Inodes an export may take on ``path``'s file system, past the reserve."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return 0
+    if fs.f_files == 0:  # a file system without an inode count (btrfs)
+        return MAX_KEPT_FILES * 33
+    return max(0, fs.f_favail - int(fs.f_files * INODE_RESERVE_FRACTION))
+
+
 def _private_dirs(root: Path, leaf: Path) -> None:
     """Make ``leaf`` and its parents up to ``root`` as directories only this user can enter."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -434,6 +479,7 @@ class _HostWalk:
         self.info = info
         self.dest_root = dest_root
         self.budget = budget
+        self.inodes = _inodes_left(artifacts.root.parent)
         self.limit = artifacts.store.artifact_limit(info.id)
         self.entries = 0
         self.files = 0
@@ -494,14 +540,15 @@ class _HostWalk:
             st = os.fstat(src)
             if not stat.S_ISREG(st.st_mode):
                 return
-            if st.st_size > self.budget:
+            if _host_cost(st.st_size, kept) > self.budget or _inodes(kept) > self.inodes:
                 # Not read at all (what is left may keep the smaller ones): past what its
                 # disk held or the host's disk has room for.
-                self.skips.add("larger than what is left to keep", path=kept)
+                self.skips.add("more than the host's disk has left to keep", path=kept)
                 return
+            self.inodes -= _inodes(kept)
             # Reserved against the owner's quota before the copy, which may read no more:
             # the orphan's processes may still be writing to it until the sweep.
-            reserved = min(self.budget, st.st_size)
+            reserved = st.st_size
             if not store.reserve_artifact(
                 self.info.owner, self.info.id, kept, reserved, self.limit
             ):
@@ -519,11 +566,11 @@ class _HostWalk:
             except BaseException:
                 partial.unlink(missing_ok=True)
                 store.drop_artifact(self.info.id, kept)
-                self.budget -= reserved  # what it may have read, as a destroy's export
+                self.budget -= _host_cost(reserved, kept)  # as a destroy's export
                 raise
         finally:
             os.close(src)
-        self.budget -= size
+        self.budget -= _host_cost(size, kept)
         store.add_artifact(
             ArtifactInfo(
                 sandbox_id=self.info.id,

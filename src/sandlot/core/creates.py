@@ -59,6 +59,7 @@ class CreateVerbs(VolumeVerbs, Lookup):
     _closing: bool
     # MB that artifacts being kept now may still write (a destroy's export): promised.
     _exporting_mb: float
+    _recovery_capacity: HostCapacity | None
 
     if TYPE_CHECKING:
 
@@ -321,9 +322,14 @@ class CreateVerbs(VolumeVerbs, Lookup):
         the export ends: the bytes it may copy. The sandbox's disk still holds them while
         they are copied: an export of 270 MB beside it filled the disk under another
         tenant's volume, and so did a recovery's (red team, 2026-12-07)."""
-        capacity = self._capacity or HostCapacity.measure(
-            self.settings, self._volumes.written_mb()
-        )  # at the start's recovery, before the manager measures it
+        if self._capacity is None and self._recovery_capacity is None:
+            # The start's recovery, before the manager measures its own: measured once for
+            # all its orphans, or each one's copy would shrink the slack for the next.
+            self._recovery_capacity = HostCapacity.measure(
+                self.settings, self._volumes.written_mb()
+            )
+        capacity = self._capacity or self._recovery_capacity
+        assert capacity is not None
         infos = self._live_infos()
         want_mb = want_bytes / (1 << 20)
         data_dir = self.settings.data_dir

@@ -91,6 +91,7 @@ class SandboxManager(JobVerbs, FileVerbs, CreateVerbs):
         # again when their teardown ends.
         self._unsaved: set[str] = set()
         self._exporting_mb = 0.0  # room on the disk held for artifacts being kept now
+        self._recovery_capacity: HostCapacity | None = None  # the start's, before its own
         self._reaper: asyncio.Task[None] | None = None
         # The reaper's destroys under way, REAP_CONCURRENCY at once (reap()).
         self._reaping: dict[str, asyncio.Task[None]] = {}
