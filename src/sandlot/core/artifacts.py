@@ -47,7 +47,7 @@ STAGING_DIR = ".staging"
 # reaper pass, as the staging copies are.
 TRASH_DIR = ".trash"
 MIB = 1 << 20
-# What any export may keep, whatever little its disk holds (a few hundred small files).
+# What any export may take of the host's disk beyond its content (a few hundred small files).
 MIN_EXPORT_BYTES = MIB
 # Artifacts are read through the guest, which sandboxed code can slow down: bound the wait.
 # A crashed manager's orphans are read on the host, within the same time.
@@ -94,7 +94,7 @@ async def _budget(live: Live) -> int:
         used = (await live.backend.usage(live.id)).disk_used_bytes
     except (SandboxError, OSError):
         used = None
-    return live.disk_bytes if used is None else min(live.disk_bytes, _at_least(used))
+    return live.disk_bytes if used is None else min(live.disk_bytes, used)
 
 
 def _host_budget(info: SandboxInfo, workspace: Path) -> int:
@@ -102,14 +102,15 @@ def _host_budget(info: SandboxInfo, workspace: Path) -> int:
     it is a capped disk (else the host's, above the disk size: no bound but that)."""
     used = disk_used_bytes(workspace)
     disk_bytes = info.limits.disk_mb * MIB
-    return disk_bytes if used is None else min(disk_bytes, _at_least(used))
+    return disk_bytes if used is None else min(disk_bytes, used)
 
 
-def _at_least(used: int) -> int:
-    """An export's budget from what its disk holds, with room for a few small files: a kept
-    file costs the host its 4 KiB blocks, one more and its directories' (``_host_cost``),
-    where the sandbox's small disk holds it in 1 KiB blocks."""
-    return max(used, MIN_EXPORT_BYTES)
+def _room_wanted(budget: int) -> int:
+    """The host's disk an export of ``budget`` bytes of content may take: the content and as
+    much again (at least 1 MiB) for what each kept file costs beyond it, its inode's block
+    and its directories' (``_host_cost``), where the sandbox's small disk held them in 1 KiB
+    blocks."""
+    return budget + max(MIN_EXPORT_BYTES, budget)
 
 
 def artifact_limit_bytes(quota: Quota | None) -> int | None:
@@ -149,17 +150,20 @@ class Artifacts:
             return  # no artifacts directory
         skips = _Skips(live.id)
         try:
-            wanted = await _budget(live)
-            with disk_room(wanted) if disk_room is not None else _as_is(wanted) as budget:
-                if budget < wanted:
-                    skips.add("no room on the host's disk", bytes_kept_at_most=budget)
-                await self._export_listed(live, listing, skips, budget)
+            budget = await _budget(live)
+            wanted = _room_wanted(budget)
+            with disk_room(wanted) if disk_room is not None else _as_is(wanted) as room:
+                if room < wanted:
+                    skips.add("no room on the host's disk", bytes_kept_at_most=room)
+                await self._export_listed(live, listing, skips, budget, room)
         finally:
             skips.close()
 
     async def _export_listed(
-        self, live: Live, listing: dict[str, Any], skips: _Skips, budget: int
+        self, live: Live, listing: dict[str, Any], skips: _Skips, budget: int, room: int
     ) -> None:
+        """``budget``: the content it may copy (what its disk held); ``room``: what it may
+        take of the host's disk, each file at its :func:`_host_cost`."""
         for problem in listing.get("errors", []):
             skips.add("the guest could not list it", problem=problem)
         dest_root = self._dir(live.id).resolve()
@@ -182,14 +186,13 @@ class Artifacts:
             if target is None or budget <= 0:
                 continue
             rel, kept = str(entry["path"]), str(target.relative_to(dest_root))
-            cost = _host_cost(_listed_size(entry), kept)
-            if cost > budget or _inodes(kept) > inodes:
+            if _host_cost(_listed_size(entry), kept) > room or _inodes(kept) > inodes:
                 skips.add("more than the host's disk has left to keep", path=rel)
                 continue
             inodes -= _inodes(kept)
             # Its listed size (the sandbox's word) is reserved against the owner's quota
             # before the copy, which may read no more than that.
-            size_bytes = _listed_size(entry)
+            size_bytes = min(budget, _listed_size(entry))
             if not self.store.reserve_artifact(owner, live.id, kept, size_bytes, limit):
                 skips.add("over the owner's quota", path=rel)
                 continue
@@ -204,9 +207,11 @@ class Artifacts:
                 # before, so each sparse file of a TB read a whole disk's worth again (50 of
                 # them: 60 s, 20 s of the manager's CPU and 3.6 GiB written a destroy; red
                 # team, 2026-12-06).
-                budget -= cost
+                budget -= size_bytes
+                room -= _host_cost(size_bytes, kept)
                 continue
-            budget -= _host_cost(size, kept)
+            budget -= size
+            room -= _host_cost(size, kept)
             self.store.add_artifact(
                 ArtifactInfo(
                     sandbox_id=live.id,
@@ -262,11 +267,12 @@ class Artifacts:
         within what is left of its owner's artifact quota (the one recorded at its create),
         as a destroy's export is: at most :data:`MAX_KEPT_FILES` files, for at most
         :data:`EXPORT_TIMEOUT_S`; and within the room ``disk_room`` holds on the disk."""
-        wanted = await asyncio.to_thread(_host_budget, info, workspace)
-        with disk_room(wanted) if disk_room is not None else _as_is(wanted) as budget:
-            await asyncio.to_thread(self._copy_from_host, info, workspace, budget)
+        budget = await asyncio.to_thread(_host_budget, info, workspace)
+        wanted = _room_wanted(budget)
+        with disk_room(wanted) if disk_room is not None else _as_is(wanted) as room:
+            await asyncio.to_thread(self._copy_from_host, info, workspace, budget, room)
 
-    def _copy_from_host(self, info: SandboxInfo, workspace: Path, budget: int) -> None:
+    def _copy_from_host(self, info: SandboxInfo, workspace: Path, budget: int, room: int) -> None:
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             top = os.open(workspace, flags)
@@ -278,7 +284,7 @@ class Artifacts:
             return  # no artifacts directory
         finally:
             os.close(top)
-        walk = _HostWalk(self, info, self._dir(info.id).resolve(), budget)
+        walk = _HostWalk(self, info, self._dir(info.id).resolve(), budget, room)
         try:
             walk.directory(artifacts, PurePosixPath(), depth=0)
         finally:
@@ -473,12 +479,13 @@ class _HostWalk:
     MAX_ENTRIES = 100_000
 
     def __init__(
-        self, artifacts: Artifacts, info: SandboxInfo, dest_root: Path, budget: int
+        self, artifacts: Artifacts, info: SandboxInfo, dest_root: Path, budget: int, room: int
     ) -> None:
         self.artifacts = artifacts
         self.info = info
         self.dest_root = dest_root
-        self.budget = budget
+        self.budget = budget  # content: what its disk held
+        self.room = room  # the host's disk, each file at its _host_cost
         self.inodes = _inodes_left(artifacts.root.parent)
         self.limit = artifacts.store.artifact_limit(info.id)
         self.entries = 0
@@ -495,7 +502,12 @@ class _HostWalk:
             names = list(itertools.islice((e.name for e in found), self._room()))
         for name in names:
             self.entries += 1
-            if self.entries > self.MAX_ENTRIES or self.budget <= 0 or self._spent():
+            if (
+                self.entries > self.MAX_ENTRIES
+                or self.budget <= 0
+                or self.room < BLOCK_BYTES
+                or self._spent()
+            ):
                 return
             if not _utf8(name):
                 self.skips.add("its name is not UTF-8")
@@ -540,7 +552,7 @@ class _HostWalk:
             st = os.fstat(src)
             if not stat.S_ISREG(st.st_mode):
                 return
-            if _host_cost(st.st_size, kept) > self.budget or _inodes(kept) > self.inodes:
+            if _host_cost(st.st_size, kept) > self.room or _inodes(kept) > self.inodes:
                 # Not read at all (what is left may keep the smaller ones): past what its
                 # disk held or the host's disk has room for.
                 self.skips.add("more than the host's disk has left to keep", path=kept)
@@ -548,7 +560,7 @@ class _HostWalk:
             self.inodes -= _inodes(kept)
             # Reserved against the owner's quota before the copy, which may read no more:
             # the orphan's processes may still be writing to it until the sweep.
-            reserved = st.st_size
+            reserved = min(self.budget, st.st_size)
             if not store.reserve_artifact(
                 self.info.owner, self.info.id, kept, reserved, self.limit
             ):
@@ -566,11 +578,13 @@ class _HostWalk:
             except BaseException:
                 partial.unlink(missing_ok=True)
                 store.drop_artifact(self.info.id, kept)
-                self.budget -= _host_cost(reserved, kept)  # as a destroy's export
+                self.budget -= reserved  # what it may have read, as a destroy's export
+                self.room -= _host_cost(reserved, kept)
                 raise
         finally:
             os.close(src)
-        self.budget -= _host_cost(size, kept)
+        self.budget -= size
+        self.room -= _host_cost(size, kept)
         store.add_artifact(
             ArtifactInfo(
                 sandbox_id=self.info.id,
