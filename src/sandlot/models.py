@@ -334,8 +334,7 @@ Volumes = list[VolumeMount | dict[str, object]] | dict[str, str]
 def volume_mounts(volumes: Volumes | None) -> list[VolumeMount | dict[str, object]] | None:
     """``volumes`` as the create's mounts (``{"data": "/workspace/data"}`` is one mount of
     the volume "data", writable; ``"/workspace/data:ro"`` read-only and ``":rw"`` writable,
-    as docker's ``-v``),
-    validated with the rest of the create."""
+    as docker's ``-v``), validated with the rest of the create."""
     if isinstance(volumes, dict):
         return [
             {

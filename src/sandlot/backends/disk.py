@@ -49,6 +49,8 @@ async def _run(*argv: str) -> None:
 
 # Under the data directory: the empty images new disks are copied from.
 DISK_TEMPLATES = "volume-templates"
+# A sandbox's disk image, in its directory (core/instances.py counts what each has written).
+DISK_IMAGE = "disk.img"
 # No journal and lazy tables: a scratch disk that dies with the sandbox. No resize inode
 # either: nothing grows a sandbox's disk, and its reserved blocks were most of an empty
 # image (a 64 MB one holds 116 KiB without them, 376 with; 1 GB: 144, 656), all of it
@@ -356,13 +358,13 @@ async def make_sandbox_disk(
     template = await _template(templates, size_mb) if capped else None
     if capped and template is None:  # past MAX_TEMPLATES sizes: mkfs.ext4, a process
         _disk_root(root, traverse_gid)
-        await create_loop_disk(root / "disk.img", disk_paths(root)[0].parent, size_mb, templates)
+        await create_loop_disk(root / DISK_IMAGE, disk_paths(root)[0].parent, size_mb, templates)
         _disk_dirs(root, uid, traverse_gid)
         return
     # The usual create: every step in one thread's turn (a turn costs the event loop a wakeup
     # and a future's callbacks; the steps are a dozen system calls).
     if not await asyncio.to_thread(_make_disk_now, root, size_mb, uid, template, traverse_gid):
-        await _mount_by_mount8(root / "disk.img", disk_paths(root)[0].parent)
+        await _mount_by_mount8(root / DISK_IMAGE, disk_paths(root)[0].parent)
         _disk_dirs(root, uid, traverse_gid)
 
 
@@ -375,7 +377,7 @@ def _make_disk_now(
     volume = disk_paths(root)[0].parent
     if template is None:
         volume.mkdir(mode=0o700)
-    elif not _copy_and_mount(template, root / "disk.img", volume, size_mb):
+    elif not _copy_and_mount(template, root / DISK_IMAGE, volume, size_mb):
         return False
     _disk_dirs(root, uid, traverse_gid)
     return True

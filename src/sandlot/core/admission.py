@@ -20,12 +20,11 @@ cannot both slip under a bound.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import math
 import os
 import resource
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,39 +136,73 @@ INODE_RESERVE_FRACTION = 0.05
 
 
 def disk_room_now_mb(
-    data_dir: Path, unwritten_mb: float, host: HostCapacity
-) -> tuple[float, float]:
+    data_dir: Path,
+    unwritten_mb: float,
+    host: HostCapacity,
+    *,
+    want_mb: float = 0.0,
+    written_mb: Callable[[], float] | None = None,
+) -> float:
     """What the data directory's disk can still take now beside ``unwritten_mb`` promised
-    and the slack, and its free space, in MB (infinite where it cannot be measured: a test's
-    manager that never started)."""
+    and the slack, in MB (infinite where it cannot be measured: a test's manager that never
+    started). ``written_mb``: what the live disks counted at full size in ``unwritten_mb``
+    have written, which the free space already leaves out; asked for (a look at each disk)
+    only where the room is less than ``want_mb``."""
     try:
         stat = os.statvfs(data_dir)
     except OSError:
-        return math.inf, math.inf
-    free_mb = stat.f_bavail * stat.f_frsize / (1 << 20)
-    return free_mb - host.disk_slack_mb - unwritten_mb, free_mb
+        return math.inf
+    return _room_mb(stat, unwritten_mb, host, want_mb, written_mb)
 
 
-def check_disk_now(data_dir: Path, unwritten_mb: float, new_mb: float, host: HostCapacity) -> None:
+def _room_mb(
+    stat: os.statvfs_result,
+    unwritten_mb: float,
+    host: HostCapacity,
+    want_mb: float,
+    written_mb: Callable[[], float] | None,
+) -> float:
+    room_mb = _free_mb(stat) - host.disk_slack_mb - unwritten_mb
+    if room_mb < want_mb and written_mb is not None:
+        room_mb += written_mb()
+    return room_mb
+
+
+def _free_mb(stat: os.statvfs_result) -> float:
+    return stat.f_bavail * stat.f_frsize / (1 << 20)
+
+
+def check_disk_now(
+    data_dir: Path,
+    unwritten_mb: float,
+    new_mb: float,
+    host: HostCapacity,
+    written_mb: Callable[[], float] | None = None,
+) -> None:
     """Raise CapacityExhausted unless the data directory's disk, as free as it is now, holds
     ``new_mb`` more beside ``unwritten_mb`` (what the live sandboxes' disks and the volumes
-    may still write) and the slack. The count against the start's free space
-    (:func:`check_host`) misses what was written since outside it: kept artifacts, the store,
-    other data directories' volumes, other programs; a tenant's kept artifacts alone took
-    the room a disk was then admitted to, and the disk's fill corrupted another tenant's
-    volume (red team, 2026-12-07)."""
-    room_mb, free_mb = disk_room_now_mb(data_dir, unwritten_mb, host)
-    with contextlib.suppress(OSError):
-        fs = os.statvfs(data_dir)
-        if fs.f_files and fs.f_favail < fs.f_files * INODE_RESERVE_FRACTION:
-            raise CapacityExhausted(
-                f"the host's disk is out of inodes: {fs.f_favail} of {fs.f_files} free; "
-                "retry when sandboxes end, or delete kept artifacts or volumes"
-            )
+    may still write; ``written_mb`` as :func:`disk_room_now_mb`'s) and the slack, and has
+    inodes past its reserve. The count against the start's free space (:func:`check_host`)
+    misses what was written since outside it: kept artifacts, the store, other data
+    directories' volumes, other programs; a tenant's kept artifacts alone took the room a
+    disk was then admitted to, and the disk's fill corrupted another tenant's volume (red
+    team, 2026-12-07)."""
+    try:
+        stat = os.statvfs(data_dir)
+    except OSError:
+        return  # no data directory to measure (a test's manager that was never started)
+    if stat.f_files and stat.f_favail < stat.f_files * INODE_RESERVE_FRACTION:
+        raise CapacityExhausted(
+            f"the host's disk is out of inodes: {stat.f_favail} of {stat.f_files} free; "
+            "retry when sandboxes end, or delete kept artifacts or volumes"
+        )
+    room_mb = _room_mb(stat, unwritten_mb, host, new_mb, written_mb)
     if new_mb > room_mb:
+        free_mb = _free_mb(stat)
+        promised_mb = free_mb - host.disk_slack_mb - room_mb
         raise CapacityExhausted(
             f"the host's disk has no room for {new_mb:g} MB more: {free_mb:.0f} MB free now, "
-            f"{unwritten_mb:.0f} MB of it promised to live sandboxes' disks and named volumes, "
+            f"{promised_mb:.0f} MB of it promised to live sandboxes' disks and named volumes, "
             f"{host.disk_slack_mb:.0f} MB kept free; retry when some end, delete volumes or "
             "kept artifacts, or free disk space"
         )

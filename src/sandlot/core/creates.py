@@ -12,6 +12,7 @@ import asyncio
 import builtins
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from sandlot.backends import Backend
 from sandlot.core import admission, instances, placement
 from sandlot.core.admission import HostCapacity
 from sandlot.core.artifacts import artifact_limit_bytes
-from sandlot.core.host_ledger import HostLedger, Reservation
+from sandlot.core.host_ledger import HostLedger, LedgerView, Reservation
 from sandlot.core.instances import disks_written_mb
 from sandlot.core.live import POOL_OWNER, Live, PoolKey
 from sandlot.core.lookup import Lookup
@@ -275,10 +276,9 @@ class CreateVerbs(VolumeVerbs, Lookup):
         beside ``infos``, this process's pools and the other data directories' managers, and
         every named volume on the data directory's disk; and whether that disk, as free as it
         is now, still holds every disk and volume promised."""
-        reserved = [*self._reserved(infos)]
-        if self._ledger is not None:
-            reserved += self._ledger.elsewhere()
-        volumes_full, volumes_unwritten = self._volume_totals()
+        view = self._ledger.read() if self._ledger is not None else None
+        reserved = self._host_reserved(infos, view)
+        volumes_full, volumes_unwritten = self._volume_totals(view)
         admission.check_host(
             reserved,
             limits,
@@ -287,33 +287,45 @@ class CreateVerbs(VolumeVerbs, Lookup):
             volumes_mb=volumes_full,
         )
         disks_mb = sum(r.disk_mb for r in reserved)
+        self._check_disk_now(
+            disks_mb, volumes_unwritten, limits.disk_mb, self._capacity, self._written(infos)
+        )
 
-        def live_ids() -> set[str]:
+    def _host_reserved(
+        self, infos: builtins.list[SandboxInfo], view: LedgerView | None
+    ) -> builtins.list[Reservation]:
+        """Every sandbox the host holds: ``infos``, this process's pools, and what the other
+        managers' lines in ``view`` add."""
+        reserved = self._reserved(infos)
+        if view is not None:
+            reserved += view.elsewhere()
+        return reserved
+
+    def _written(self, infos: builtins.list[SandboxInfo]) -> Callable[[], float]:
+        """What the disks of ``infos`` and this process's pools have written (MB; a look at
+        each, when asked): counted at full size, whose written part the free space already
+        leaves out (a tenant's writes within its disk otherwise took twice their size of the
+        host's room: red team, 2026-12-07)."""
+
+        def written_mb() -> float:
             pooled = self._pools.ids() if self._pools is not None else set()
-            return {info.id for info in infos} | pooled
+            return disks_written_mb(self.settings.data_dir, {i.id for i in infos} | pooled)
 
-        self._check_disk_now(disks_mb, volumes_unwritten, limits.disk_mb, live_ids)
+        return written_mb
 
     def _check_disk_now(
         self,
         disks_mb: float,
         volumes_unwritten_mb: float,
         new_mb: float,
-        live_ids: Callable[[], set[str]],
+        capacity: HostCapacity,
+        written_mb: Callable[[], float],
     ) -> None:
         """:func:`admission.check_disk_now` for ``new_mb`` beside the live disks' reserved
-        ``disks_mb``, the volumes' unwritten part and the artifacts being kept now. The live
-        disks count at full size, whose written part the free space already leaves out; so
-        before refusing, what the disks of ``live_ids`` (this data directory's) really have
-        written is looked at and given back (a tenant's writes within its disk otherwise took
-        twice their size of the host's room: red team, 2026-12-07)."""
+        ``disks_mb`` (``written_mb`` of them given back before a refusal), the volumes'
+        unwritten part and the artifacts being kept now."""
         promised_mb = disks_mb + volumes_unwritten_mb + self._exporting_mb
-        data_dir = self.settings.data_dir
-        try:
-            admission.check_disk_now(data_dir, promised_mb, new_mb, self._capacity)
-        except CapacityExhausted:
-            written_mb = disks_written_mb(data_dir, live_ids())
-            admission.check_disk_now(data_dir, promised_mb - written_mb, new_mb, self._capacity)
+        admission.check_disk_now(self.settings.data_dir, promised_mb, new_mb, capacity, written_mb)
 
     @contextlib.contextmanager
     def _disk_for_artifacts(self, want_bytes: int) -> Iterator[int]:
@@ -332,23 +344,18 @@ class CreateVerbs(VolumeVerbs, Lookup):
         assert capacity is not None
         infos = self._live_infos()
         want_mb = want_bytes / (1 << 20)
-        data_dir = self.settings.data_dir
         with self._host_turn():
-            reserved = [*self._reserved(infos)]
-            if self._ledger is not None:
-                reserved += self._ledger.elsewhere()
-            _, volumes_unwritten = self._volume_totals()
+            view = self._ledger.read() if self._ledger is not None else None
+            reserved = self._host_reserved(infos, view)
+            _, volumes_unwritten = self._volume_totals(view)
             promised_mb = sum(r.disk_mb for r in reserved) + volumes_unwritten
-            promised_mb += self._exporting_mb
-            room_mb, _ = admission.disk_room_now_mb(data_dir, promised_mb, capacity)
-            if room_mb < want_mb:
-                # Live disks count at full size, whose written part the free space leaves
-                # out: looked at only where it matters (a look at each live disk).
-                pooled = self._pools.ids() if self._pools is not None else set()
-                written_mb = disks_written_mb(data_dir, {i.id for i in infos} | pooled)
-                room_mb, _ = admission.disk_room_now_mb(
-                    data_dir, promised_mb - written_mb, capacity
-                )
+            room_mb = admission.disk_room_now_mb(
+                self.settings.data_dir,
+                promised_mb + self._exporting_mb,
+                capacity,
+                want_mb=want_mb,
+                written_mb=self._written(infos),
+            )
             granted_mb = max(0.0, min(want_mb, room_mb))
             self._exporting_mb += granted_mb
         try:
@@ -356,13 +363,13 @@ class CreateVerbs(VolumeVerbs, Lookup):
         finally:
             self._exporting_mb -= granted_mb
 
-    def _volume_totals(self) -> tuple[float, float]:
+    def _volume_totals(self, view: LedgerView | None) -> tuple[float, float]:
         """Every named volume on the data directory's file system: this data directory's and
-        the other live managers' (read now from their data directories), full and unwritten
-        MB."""
+        those of the other live managers in ``view`` (read now from their data
+        directories), full and unwritten MB."""
         full, unwritten = self._volumes.totals_mb()
-        if self._ledger is not None:
-            other_full, other_unwritten = self._ledger.volumes_elsewhere(volume_totals_mb)
+        if view is not None:
+            other_full, other_unwritten = view.volumes_elsewhere(volume_totals_mb)
             full, unwritten = full + other_full, unwritten + other_unwritten
         return full, unwritten
 
@@ -377,20 +384,23 @@ class CreateVerbs(VolumeVerbs, Lookup):
         process's, from the store, read on the loop), whose disks' written part is given back
         before a refusal."""
         ledger = self._ledger  # once: a close() meanwhile sets it to None
-        if self._capacity is None:
+        capacity = self._capacity
+        if capacity is None:
             raise BackendUnavailable("the manager is not started: start() it first")
         with ledger.turn() if ledger is not None else contextlib.nullcontext():
-            volumes_full, volumes_unwritten = self._volume_totals()
-            if ledger is not None:
-                disks_mb = ledger.disk_reserved_mb()
+            view = ledger.read() if ledger is not None else None
+            volumes_full, volumes_unwritten = self._volume_totals(view)
+            if view is not None:
+                disks_mb = view.disk_reserved_mb()
             else:  # no ledger: this process's own, as its admission counts them
                 lives = list(self._live.values())
                 held = [live.info.limits for live in lives]
                 held += [info.limits for info in self._teardowns.infos()]
                 disks_mb = sum(limits.disk_mb for limits in held)
-            admission.check_volume_room(disks_mb, volumes_full, size_mb, self._capacity)
+            admission.check_volume_room(disks_mb, volumes_full, size_mb, capacity)
             ids = live_ids if live_ids is not None else set(self._live)
-            self._check_disk_now(disks_mb, volumes_unwritten, size_mb, lambda: ids)
+            written = functools.partial(disks_written_mb, self.settings.data_dir, ids)
+            self._check_disk_now(disks_mb, volumes_unwritten, size_mb, capacity, written)
             yield
 
     def _publish(self, also: ResolvedLimits | None = None) -> None:

@@ -119,32 +119,58 @@ class HostLedger:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
 
-    def elsewhere(self) -> list[Reserved]:
-        """What the other live managers reserve (call within :meth:`turn`): all of it for
-        another data directory's, only what its store does not show for one of this data
-        directory's (its pools: two managers on one data directory each filled a pool
-        against the same room, red team 2026-12-07); a dead manager's line is removed."""
-        found = []
+    def read(self) -> LedgerView:
+        """Every live manager's line, this one's too, read once (call within :meth:`turn`)
+        for all a decision asks of them; a dead manager's line is removed."""
+        lines = []
         for entry in os.scandir(self._root):
             if entry.name.startswith(".") or not entry.name.endswith(".json"):
                 continue
-            if entry.name == self._path.name:
-                continue
             line = _live_line(Path(entry.path))
-            if line is None:
+            if line is not None:
+                lines.append((entry.name, line))
+        return LedgerView(lines, self._device, self._prefix, self._path.name)
+
+    def elsewhere(self) -> list[Reserved]:
+        """:meth:`LedgerView.elsewhere` of the lines now."""
+        return self.read().elsewhere()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._path.unlink()
+        os.close(self._fd)
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """The live managers' lines as one turn read them (:meth:`HostLedger.read`)."""
+
+    lines: list[tuple[str, dict[str, Any]]]  # each line's file name, and what it says
+    device: int  # the reader's data directory's file system
+    prefix: str  # the reader's data directory's lines start with it
+    own: str  # the reader's own line's file name
+
+    def elsewhere(self) -> list[Reserved]:
+        """What the other live managers reserve: all of it for another data directory's,
+        only what its store does not show for one of this data directory's (its pools: two
+        managers on one data directory each filled a pool against the same room, red team
+        2026-12-07)."""
+        found = []
+        for name, line in self.lines:
+            if name == self.own:
                 continue
             part = line
-            if entry.name.startswith(self._prefix):
+            if name.startswith(self.prefix):
                 unstored = line.get("unstored")
                 part = unstored if isinstance(unstored, dict) else {}
-            same_disk = line.get("device") == self._device
+            same_disk = line.get("device") == self.device
             try:
                 values = [_amount(part.get(k, 0)) for k in ("memory_mb", "cpu_cores", "pids")]
                 disk_mb = _amount(part.get("disk_mb", 0)) if same_disk else 0.0
             except (TypeError, ValueError):
                 # Not a line any sandlot wrote (it writes finite amounts): its directory is
                 # its own user's alone, so it is ours, broken): counted as nothing, and said.
-                log.warning("host ledger: a line is not amounts, skipped", path=entry.path)
+                log.warning("host ledger: a line is not amounts, skipped", path=name)
                 continue
             memory_mb, cpu_cores, pids = values
             found.append(Reserved(memory_mb, cpu_cores, int(pids), disk_mb))
@@ -152,37 +178,30 @@ class HostLedger:
 
     def disk_reserved_mb(self) -> float:
         """The disk every live manager's sandboxes reserve on this data directory's file
-        system, this manager's own and its data directory's other managers' included
-        (call within :meth:`turn`): what a new named volume shares the disk with."""
+        system, the reader's own and its data directory's other managers' included: what a
+        new named volume shares the disk with."""
         total = 0.0
-        for entry in os.scandir(self._root):
-            if entry.name.startswith(".") or not entry.name.endswith(".json"):
-                continue
-            line = _live_line(Path(entry.path))
-            if line is None or line.get("device") != self._device:
+        for name, line in self.lines:
+            if line.get("device") != self.device:
                 continue
             try:
                 total += _amount(line.get("disk_mb", 0))
             except (TypeError, ValueError):
-                log.warning("host ledger: a line is not amounts, skipped", path=entry.path)
+                log.warning("host ledger: a line is not amounts, skipped", path=name)
         return total
 
     def volumes_elsewhere(
         self, totals: Callable[[Path], tuple[float, float]]
     ) -> tuple[float, float]:
-        """The named volumes of the other data directories on this file system (call within
-        :meth:`turn`): ``totals(data_dir)``, read now from each live manager's data
-        directory, each once. A volume of another data directory and a disk of this one fill
-        the same disk (red team, 2026-12-07: counted by neither, they corrupted a volume);
-        totals each manager kept of its own went stale when another manager of its data
-        directory made a volume and ended (the next round)."""
+        """The named volumes of the other data directories on this file system:
+        ``totals(data_dir)``, read now from each live manager's data directory, each once. A
+        volume of another data directory and a disk of this one fill the same disk (red
+        team, 2026-12-07: counted by neither, they corrupted a volume); totals each manager
+        kept of its own went stale when another manager of its data directory made a volume
+        and ended (the next round)."""
         found: set[str] = set()
-        for entry in os.scandir(self._root):
-            name = entry.name
-            if name.startswith((".", self._prefix)) or not name.endswith(".json"):
-                continue
-            line = _live_line(Path(entry.path))
-            if line is None or line.get("device") != self._device:
+        for name, line in self.lines:
+            if name.startswith(self.prefix) or line.get("device") != self.device:
                 continue
             data_dir = line.get("data_dir")
             if isinstance(data_dir, str) and data_dir.startswith("/"):
@@ -192,11 +211,6 @@ class HostLedger:
             size, left = totals(Path(data_dir))
             full, unwritten = full + size, unwritten + left
         return full, unwritten
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._path.unlink()
-        os.close(self._fd)
 
 
 def _amount(value: object) -> float:

@@ -33,7 +33,7 @@ from typing import Any
 
 from sandlot._fs import remove_tree
 from sandlot.backends.base import INSTANCE_LOCK, lock_held
-from sandlot.backends.disk import mounted_below
+from sandlot.backends.disk import DISK_IMAGE, mounted_below
 from sandlot.config import Settings
 from sandlot.core.store import Elsewhere, Store
 from sandlot.errors import ConfigError, SandboxHeldElsewhere, SandboxNotRunning
@@ -345,10 +345,9 @@ def _age_s(path: Path) -> float:
         return 0.0
 
 
-# Where each backend keeps a sandbox's directory, under its instance's (the disk image is
-# ``disk.img`` there: backends/disk.py).
+# Where each backend keeps a sandbox's directory, under its instance's (its disk image is
+# DISK_IMAGE there).
 SANDBOX_DIRS = ("sandboxes", "docker-sandboxes")
-DISK_IMAGE = "disk.img"
 
 
 def disks_written_mb(data_dir: Path, ids: set[str]) -> float:

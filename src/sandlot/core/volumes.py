@@ -158,23 +158,13 @@ class VolumeStore:
             raise VolumeNotFound(f"no volume {name!r}")
         return info
 
-    def images(self) -> Iterator[os.stat_result]:
-        """Every volume image in the data directory, every tenant's, those being made or
-        deleted too (each may still fill to its size)."""
-        return _images(self.root)
-
-    def committed_mb(self) -> float:
-        """What the volumes may take of the disk, written or not: each one's full size. The
-        sandboxes' disks share that disk, so admission counts these beside them."""
-        return self.totals_mb()[0]
-
     def totals_mb(self) -> tuple[float, float]:
         """The volumes' full size and their unwritten part, in MB (one look at each)."""
         return volume_totals_mb(self.root.parent)
 
     def written_mb(self) -> float:
         """What the volumes' images take of the disk now."""
-        return sum(st.st_blocks * 512 for st in self.images()) / (1 << 20)
+        return sum(st.st_blocks * 512 for st in _images(self.root)) / (1 << 20)
 
     # ------------------------------------------------------------------ create, delete
 
@@ -262,11 +252,7 @@ class VolumeStore:
         fs = os.statvfs(self.root)
         free_bytes = fs.f_bavail * fs.f_frsize
         reserve_bytes = int(DISK_RESERVE_FRACTION * fs.f_blocks * fs.f_frsize)
-        unwritten_bytes = 0
-        for image in self.root.glob(f"*/*/{IMAGE}"):
-            with contextlib.suppress(OSError):
-                st = image.stat()
-                unwritten_bytes += max(0, st.st_size - st.st_blocks * 512)
+        unwritten_bytes = int(self.totals_mb()[1] * (1 << 20))
         left_bytes = free_bytes - reserve_bytes - unwritten_bytes
         if size_mb * 1024 * 1024 > left_bytes:
             raise CapacityExhausted(
@@ -377,6 +363,8 @@ def volume_totals_mb(data_dir: Path) -> tuple[float, float]:
 
 
 def _images(root: Path) -> Iterator[os.stat_result]:
+    """Every volume image under ``root``, every tenant's, those being made or deleted too
+    (each may still fill to its size)."""
     try:
         tenants = list(os.scandir(root))
     except FileNotFoundError:
