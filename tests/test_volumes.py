@@ -173,6 +173,8 @@ def test_another_tenants_volume_does_not_exist_for_it(manager: SandboxManager, o
     portal = get_portal()
     with pytest.raises(VolumeNotFound):
         _create(manager, other, mine="mine")
+    with pytest.raises(VolumeNotFound):  # a reader's shared lease finds it no more
+        _create_ro(manager, other, "mine")
     with pytest.raises(VolumeNotFound):
         portal.call(manager.delete_volume("mine", owner=other))
     assert portal.call(manager.list_volumes(owner=other)) == []
